@@ -1,0 +1,368 @@
+"""The dispatcher's logic: who gets which batch, and when. No sockets here.
+
+`Dispatcher.handle(sender, msg)` and `Dispatcher.tick(now)` return the messages to send, as
+`(identity, message)` pairs, so tests can step the whole policy in one process;
+`dflash_ipc.dispatch.proc` wraps it with a ZMQ ROUTER socket.
+
+Pull policy (the default): nothing is sent that was not asked for. A target's `Ready(n)`
+adds n credits; it gets a `Batch` when it has a credit AND a free slot, so a slow target
+(long batches, slow GPU) simply asks less often and fast ones take the rest: no batch waits
+behind a busy worker while another idles. A drafter's `WantHidden(n)` likewise; produced
+batches go to the drafter that has waited longest, oldest batch first.
+
+Round-robin policy (`dispatch.policy: round_robin`) reproduces the reference system for
+benchmarks: batch i belongs to target i mod N from the start and produced batch j to
+drafter j mod M, whatever their speed. Workers still only receive when they have credit,
+so the comparison measures the assignment policy, not flow control.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+
+from dflash_ipc import protocol as p
+from dflash_ipc.dispatch.buckets import PlannedBatch
+from dflash_ipc.dispatch.ledger import BatchState, Ledger
+from dflash_ipc.errors import ProtocolError
+
+log = logging.getLogger(__name__)
+
+RATE_WINDOW_S = 10.0  # rates in status are averaged over this trailing window
+
+# Rates (tokens/s, valid tokens, padding excluded):
+#   tgt_rate  produced by targets into slots
+#   dft_rate  copied out of slots by drafters (Consumed)
+#   tok_rate  trained: went through a drafter optimizer step (end-to-end throughput)
+
+
+@dataclass
+class TargetSeat:
+    """What the dispatcher knows of one target worker."""
+    rank: int
+    identity: bytes
+    node: int
+    pool: dict
+    num_slots: int
+    credits: int = 0
+    free_slots: collections.deque = field(default_factory=collections.deque)
+    last_seen: float = 0.0
+    batches_done: int = 0
+    tokens_done: int = 0
+    compute_s: float = 0.0
+    metrics: dict = field(default_factory=dict)
+    done: bool = False  # got EndOfData
+
+
+@dataclass
+class DrafterSeat:
+    """What the dispatcher knows of one drafter worker."""
+    rank: int
+    identity: bytes
+    node: int
+    credits: int = 0
+    waiting_since: float = 0.0
+    last_seen: float = 0.0
+    batches_done: int = 0
+    tokens_done: int = 0
+    metrics: dict = field(default_factory=dict)
+    done: bool = False
+
+
+class _Rate:
+    """Tokens per second over a trailing window, from cumulative counts."""
+
+    def __init__(self) -> None:
+        self.points: collections.deque = collections.deque()
+
+    def add(self, now: float, total: float) -> None:
+        self.points.append((now, total))
+        while len(self.points) > 2 and now - self.points[1][0] > RATE_WINDOW_S:
+            self.points.popleft()
+
+    def value(self) -> float:
+        if len(self.points) < 2:
+            return 0.0
+        (t0, v0), (t1, v1) = self.points[0], self.points[-1]
+        return (v1 - v0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+Outgoing = list[tuple[bytes, "p.Message"]]
+
+
+class Dispatcher:
+    """Plans are fixed at construction; the ledger records every batch's state."""
+
+    def __init__(self, epochs: list[list[PlannedBatch]], *, policy: str, num_targets: int,
+                 num_drafters: int, heartbeat_timeout_s: float = 30.0,
+                 ledger: Ledger | None = None, clock=time.monotonic) -> None:
+        if policy not in ("pull", "round_robin"):
+            raise ValueError(f"policy '{policy}' not allowed; allowed: pull, round_robin")
+        self.policy = policy
+        self.num_targets, self.num_drafters = num_targets, num_drafters
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.clock = clock
+        self.ledger = ledger or Ledger()
+        if ledger is None:
+            for batches in epochs:
+                self.ledger.add_epoch(batches)
+        self.num_batches = sum(len(b) for b in epochs)
+        self.targets: dict[int, TargetSeat] = {}
+        self.drafters: dict[int, DrafterSeat] = {}
+        self.observers: set[bytes] = set()
+        self.produced: collections.deque[int] = collections.deque()  # batch ids, oldest first
+        self.in_flight: dict[int, int] = {}  # batch id -> drafter rank, assigned, not yet consumed
+        self.target_waiters: collections.deque[int] = collections.deque()  # ranks, by ask time
+        self.started = clock()
+        self.tokens_produced = 0
+        self.tokens_consumed = 0
+        self.tokens_committed = 0
+        self.rates = {name: _Rate() for name in ("tgt_rate", "dft_rate", "tok_rate")}
+        self.end_sent = False
+        self.refusals = 0
+        # Round-robin: fixed ownership decided up front, by plan order.
+        order = [b.batch_id for batches in epochs for b in batches]
+        self.rr_target_of = {bid: i % num_targets for i, bid in enumerate(order)}
+        self.rr_drafter_of: dict[int, int] = {}
+        self.rr_produced_count = 0
+
+    # --- entry points -----------------------------------------------------------------
+
+    def handle(self, sender: bytes, msg: p.Message) -> Outgoing:
+        """Applies one message from `sender`; returns what to send. Raises ProtocolError for
+        messages that are not allowed from this sender now (the caller logs and refuses)."""
+        now = self.clock()
+        if isinstance(msg, p.Register):
+            return self._register(sender, msg, now)
+        if isinstance(msg, p.StatusRequest):
+            return [(sender, p.StatusReply(status=self.status()))]
+        seat = self._seat_of(sender)
+        if seat is None:
+            raise ProtocolError(f"{msg.KIND.name} from an unregistered sender")
+        seat.last_seen = now
+        if isinstance(msg, p.Heartbeat):
+            seat.metrics = dict(msg.metrics)
+            return [(sender, p.Heartbeat(metrics={}))]
+        if isinstance(seat, TargetSeat):
+            return self._from_target(seat, msg, now)
+        return self._from_drafter(seat, msg, now)
+
+    def tick(self) -> Outgoing:
+        """Periodic work: declare silent workers dead, finish the job when all is done."""
+        now = self.clock()
+        out: Outgoing = []
+        for seat in list(self.targets.values()):
+            if not seat.done and now - seat.last_seen > self.heartbeat_timeout_s:
+                log.warning("target/%d silent for %.1fs: declared dead", seat.rank, now - seat.last_seen)
+                out += self.drop_target(seat.rank)
+        trained = sum(s.metrics.get("trained_tokens", 0.0) for s in self.drafters.values())
+        for name, total in (("tgt_rate", self.tokens_produced), ("dft_rate", self.tokens_consumed),
+                            ("tok_rate", trained)):
+            self.rates[name].add(now, total)
+        return out + self._maybe_end()
+
+    @property
+    def finished(self) -> bool:
+        return self.ledger.all_committed()
+
+    def drop_target(self, rank: int) -> Outgoing:
+        """A target died or hung: its leased and produced batches go back to pending."""
+        seat = self.targets.pop(rank, None)
+        if seat is None:
+            return []
+        requeued = set(self.ledger.requeue_target(rank))
+        self.produced = collections.deque(b for b in self.produced if b not in requeued)
+        for batch_id in requeued:
+            self.in_flight.pop(batch_id, None)  # a drafter's late Consumed for it is refused
+        if rank in self.target_waiters:
+            self.target_waiters.remove(rank)
+        log.warning("target/%d dropped; %d batches back to pending", rank, len(requeued))
+        return self._serve_targets()
+
+    # --- registration -----------------------------------------------------------------
+
+    def _register(self, sender: bytes, msg: p.Register, now: float) -> Outgoing:
+        if msg.role == "observer":
+            self.observers.add(sender)
+            return [(sender, p.Registered(role=msg.role, rank=msg.rank, num_batches=self.num_batches))]
+        limit = {"target": self.num_targets, "drafter": self.num_drafters}.get(msg.role)
+        if limit is None:
+            raise ProtocolError(f"Register: role '{msg.role}' not allowed; allowed: target, drafter, observer")
+        if not 0 <= msg.rank < limit:
+            raise ProtocolError(f"Register: {msg.role} rank {msg.rank} outside [0, {limit})")
+        seats = self.targets if msg.role == "target" else self.drafters
+        old = seats.get(msg.rank)
+        if old is not None and old.identity != sender:
+            raise ProtocolError(f"Register: {msg.role}/{msg.rank} is already registered")
+        if msg.role == "target":
+            if msg.pool is None or msg.num_slots < 1:
+                raise ProtocolError("Register: a target must send its slot pool and num_slots >= 1")
+            seat = TargetSeat(rank=msg.rank, identity=sender, node=msg.node, pool=msg.pool,
+                              num_slots=msg.num_slots, free_slots=collections.deque(range(msg.num_slots)),
+                              last_seen=now)
+            self.targets[msg.rank] = seat
+        else:
+            self.drafters[msg.rank] = DrafterSeat(rank=msg.rank, identity=sender, node=msg.node,
+                                                  last_seen=now)
+        log.info("%s/%d registered (pid %d, %s)", msg.role, msg.rank, msg.pid, msg.device)
+        return [(sender, p.Registered(role=msg.role, rank=msg.rank, num_batches=self.num_batches))]
+
+    def _seat_of(self, sender: bytes) -> TargetSeat | DrafterSeat | None:
+        for seats in (self.targets, self.drafters):
+            for seat in seats.values():
+                if seat.identity == sender:
+                    return seat
+        return None
+
+    # --- targets ----------------------------------------------------------------------
+
+    def _from_target(self, seat: TargetSeat, msg: p.Message, now: float) -> Outgoing:
+        if isinstance(msg, p.Ready):
+            if msg.credits < 1:
+                raise ProtocolError(f"Ready: credits must be >= 1, got {msg.credits}")
+            seat.credits += msg.credits
+            if seat.rank not in self.target_waiters:
+                self.target_waiters.append(seat.rank)
+            return self._serve_targets()
+        if isinstance(msg, p.Produced):
+            self.ledger.produced(msg.batch_id, seat.rank, msg.slot)
+            seat.batches_done += 1
+            seat.tokens_done += msg.num_tokens
+            seat.compute_s += msg.compute_s
+            self.tokens_produced += msg.num_tokens
+            self.produced.append(msg.batch_id)
+            return self._serve_drafters()
+        raise ProtocolError(f"{msg.KIND.name} is not a message a target may send")
+
+    def _next_batch_for(self, rank: int) -> PlannedBatch | None:
+        if self.policy == "pull":
+            return self.ledger.next_pending()
+        for batch in self.ledger.pending_batches():
+            if self.rr_target_of[batch.batch_id] == rank:
+                return batch
+        return None
+
+    def _serve_targets(self) -> Outgoing:
+        out: Outgoing = []
+        for rank in list(self.target_waiters):
+            seat = self.targets[rank]
+            while seat.credits > 0 and seat.free_slots:
+                batch = self._next_batch_for(rank)
+                if batch is None:
+                    break
+                slot = seat.free_slots.popleft()
+                self.ledger.lease(batch.batch_id, rank)
+                seat.credits -= 1
+                out.append((seat.identity, p.Batch(batch_id=batch.batch_id, epoch=batch.epoch, slot=slot,
+                                                   sample_ids=list(batch.sample_ids),
+                                                   padded_len=batch.padded_len)))
+            if seat.credits == 0:
+                self.target_waiters.remove(rank)
+        return out
+
+    # --- drafters ---------------------------------------------------------------------
+
+    def _from_drafter(self, seat: DrafterSeat, msg: p.Message, now: float) -> Outgoing:
+        if isinstance(msg, p.WantHidden):
+            if msg.credits < 1:
+                raise ProtocolError(f"WantHidden: credits must be >= 1, got {msg.credits}")
+            if seat.credits == 0:
+                seat.waiting_since = now
+            seat.credits += msg.credits
+            return self._serve_drafters()
+        if isinstance(msg, p.Consumed):
+            if self.in_flight.get(msg.batch_id) != seat.rank:
+                raise ProtocolError(f"Consumed: batch {msg.batch_id} was not assigned to drafter/{seat.rank}")
+            entry = self.ledger.entry(msg.batch_id)
+            target_rank, slot = entry.target, entry.slot
+            self.ledger.consumed(msg.batch_id, seat.rank)
+            del self.in_flight[msg.batch_id]
+            seat.batches_done += 1
+            seat.tokens_done += entry.batch.num_tokens
+            self.tokens_consumed += entry.batch.num_tokens
+            target = self.targets.get(target_rank)
+            if target is not None:  # the slot goes back to its (still living) target
+                target.free_slots.append(slot)
+            return self._serve_targets()
+        if isinstance(msg, p.Committed):
+            self.ledger.committed(msg.batch_ids, seat.rank, msg.step)
+            self.tokens_committed += sum(self.ledger.entry(b).batch.num_tokens for b in msg.batch_ids)
+            return self._maybe_end()
+        raise ProtocolError(f"{msg.KIND.name} is not a message a drafter may send")
+
+    def _drafter_for(self, batch_id: int) -> DrafterSeat | None:
+        """The drafter that gets `batch_id` now, or None if it must wait."""
+        node = self.targets[self.ledger.entry(batch_id).target].node
+        if self.policy == "round_robin":
+            if batch_id not in self.rr_drafter_of:
+                self.rr_drafter_of[batch_id] = self.rr_produced_count % self.num_drafters
+                self.rr_produced_count += 1
+            seat = self.drafters.get(self.rr_drafter_of[batch_id])
+            return seat if seat is not None and seat.credits > 0 else None
+        # Hidden states never leave their node: only drafters of the producing node qualify.
+        ready = [s for s in self.drafters.values() if s.credits > 0 and s.node == node]
+        return min(ready, key=lambda s: s.waiting_since) if ready else None
+
+    def _serve_drafters(self) -> Outgoing:
+        out: Outgoing = []
+        kept: collections.deque[int] = collections.deque()
+        while self.produced:
+            batch_id = self.produced.popleft()
+            seat = self._drafter_for(batch_id)
+            if seat is None:
+                kept.append(batch_id)
+                continue
+            entry = self.ledger.entry(batch_id)
+            seat.credits -= 1
+            seat.waiting_since = self.clock()
+            self.in_flight[batch_id] = seat.rank
+            target = self.targets[entry.target]
+            out.append((seat.identity, p.Assign(batch_id=batch_id, epoch=entry.batch.epoch,
+                                                 target=entry.target, pool=target.pool,
+                                                 slot=entry.slot, sample_ids=list(entry.batch.sample_ids),
+                                                 num_tokens=entry.batch.num_tokens)))
+        self.produced = kept
+        return out
+
+    # --- end of job -------------------------------------------------------------------
+
+    def _maybe_end(self) -> Outgoing:
+        """When every batch is consumed, tell everyone no more work will come."""
+        counts = self.ledger.counts()
+        outstanding = sum(counts.get(s, 0) for s in (BatchState.PENDING, BatchState.LEASED,
+                                                     BatchState.PRODUCED))
+        if outstanding or self.end_sent:
+            return []
+        self.end_sent = True
+        log.info("every batch consumed: sending EndOfData")
+        seats = list(self.targets.values()) + list(self.drafters.values())
+        for seat in seats:
+            seat.done = True
+        return [(seat.identity, p.EndOfData()) for seat in seats]
+
+    def status(self) -> dict:
+        """Everything the supervisor's status line and `dflash-ipc status` show."""
+        counts = self.ledger.counts()
+        return {
+            "elapsed_s": self.clock() - self.started,
+            "policy": self.policy,
+            "num_batches": self.num_batches,
+            "batches": {state.name.lower(): counts.get(state, 0) for state in BatchState},
+            "tokens": {"produced": self.tokens_produced, "consumed": self.tokens_consumed,
+                       "trained": sum(s.metrics.get("trained_tokens", 0.0) for s in self.drafters.values()),
+                       "committed": self.tokens_committed},
+            "rates": {name: rate.value() for name, rate in self.rates.items()},
+            "produced_waiting": len(self.produced),
+            "targets": {str(r): {"credits": s.credits, "free_slots": len(s.free_slots),
+                                 "batches": s.batches_done, "tokens": s.tokens_done,
+                                 "compute_s": s.compute_s, "metrics": s.metrics,
+                                 "heartbeat_age_s": self.clock() - s.last_seen}
+                        for r, s in sorted(self.targets.items())},
+            "drafters": {str(r): {"credits": s.credits, "batches": s.batches_done, "tokens": s.tokens_done,
+                                  "metrics": s.metrics, "heartbeat_age_s": self.clock() - s.last_seen}
+                         for r, s in sorted(self.drafters.items())},
+            "refusals": self.refusals,
+            "finished": self.finished,
+        }

@@ -1,0 +1,152 @@
+"""The dispatcher process: a ZMQ ROUTER socket around `Dispatcher`.
+
+Busy loop, one pass:
+  1) poll the socket (up to one heartbeat interval),
+  2) decode and hand each message to the logic; refuse what it rejects, keep serving,
+  3) tick: liveness of workers, rates, periodic ledger save,
+  4) drain: once every batch is committed, save the ledger, tell everyone to shut down, exit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import zmq
+
+from dflash_ipc import protocol as p
+from dflash_ipc.config import JobConfig
+from dflash_ipc.data.dataset import TokenDataset
+from dflash_ipc.dispatch.buckets import BucketSpec, plan_epoch, plan_stats
+from dflash_ipc.dispatch.dispatcher import Dispatcher
+from dflash_ipc.dispatch.ledger import Ledger
+from dflash_ipc.errors import ProtocolError
+
+log = logging.getLogger(__name__)
+
+LEDGER_SAVE_INTERVAL_S = 2.0
+
+
+def ledger_path(cfg: JobConfig) -> str:
+    return os.path.join(cfg.run.run_dir, "ledger.npz")
+
+
+def final_status_path(cfg: JobConfig) -> str:
+    return os.path.join(cfg.run.run_dir, "final_status.json")
+
+
+def plan_job(cfg: JobConfig, lengths) -> list:
+    """The batches of every epoch, ids unique across epochs."""
+    spec = BucketSpec(boundaries=tuple(cfg.data.bucket_boundaries), token_budget=cfg.data.token_budget,
+                      pad_multiple=cfg.data.pad_multiple, max_batch_size=cfg.data.max_batch_size)
+    epochs, first = [], 0
+    for epoch in range(cfg.data.num_epochs):
+        batches = plan_epoch(lengths, spec, seed=cfg.run.seed, epoch=epoch, first_batch_id=first)
+        first += len(batches)
+        epochs.append(batches)
+    return epochs
+
+
+class DispatcherProc:
+    def __init__(self, cfg: JobConfig, dispatcher: Dispatcher, *, address: str) -> None:
+        self.cfg = cfg
+        self.dispatcher = dispatcher
+        self.context = zmq.Context.instance()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if address.startswith("ipc://"):
+            os.makedirs(os.path.dirname(address[len("ipc://"):]), mode=0o700, exist_ok=True)
+        self.socket.bind(address)
+        self.address = address
+        self._last_tick = 0.0
+        self._last_save = 0.0
+
+    def _send_all(self, outgoing) -> None:
+        for identity, msg in outgoing:
+            self.socket.send_multipart([identity, *p.encode(msg)])
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        identity, body = frames[0], frames[1:]
+        try:
+            msg = p.decode(body)
+            self._send_all(self.dispatcher.handle(identity, msg))
+        except ProtocolError as exc:
+            self.dispatcher.refusals += 1
+            kind = body[0][0] if body and len(body[0]) == 1 else 0
+            log.warning("refused a message from %r: %s", identity[:40], exc)
+            self._send_all([(identity, p.Rejected(kind=kind, reason=str(exc)))])
+
+    def save_ledger(self) -> None:
+        self.dispatcher.ledger.save(ledger_path(self.cfg))
+        self._last_save = time.monotonic()
+
+    def write_final_status(self) -> None:
+        """The status at the end of the job, for the supervisor's last line and for reports."""
+        status = self.dispatcher.status()
+        elapsed = max(1e-9, status["elapsed_s"])
+        status["average_rates"] = {"tgt_rate": status["tokens"]["produced"] / elapsed,
+                                   "dft_rate": status["tokens"]["consumed"] / elapsed,
+                                   "tok_rate": status["tokens"]["trained"] / elapsed}
+        path = final_status_path(self.cfg)
+        with open(path + ".tmp", "w") as f:
+            json.dump(status, f, indent=1, sort_keys=True)
+        os.replace(path + ".tmp", path)
+
+    def run(self) -> None:
+        interval = self.cfg.dispatch.heartbeat_interval_s
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        while True:
+            # 1) poll
+            events = dict(poller.poll(int(interval * 1000 / 4)))
+            # 2) handle everything that is waiting
+            while events and self.socket.poll(0):
+                self._on_frames(self.socket.recv_multipart())
+            # 3) tick
+            now = time.monotonic()
+            if now - self._last_tick >= interval / 2:
+                self._last_tick = now
+                self._send_all(self.dispatcher.tick())
+            if now - self._last_save >= LEDGER_SAVE_INTERVAL_S:
+                self.save_ledger()
+            # 4) drain
+            if self.dispatcher.finished:
+                self.save_ledger()
+                self.write_final_status()
+                seats = list(self.dispatcher.targets.values()) + list(self.dispatcher.drafters.values())
+                self._send_all([(s.identity, p.Shutdown(reason="job finished")) for s in seats])
+                log.info("all %d batches committed; dispatcher exits", self.dispatcher.num_batches)
+                return
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        if self.address.startswith("ipc://"):
+            try:
+                os.unlink(self.address[len("ipc://"):])
+            except FileNotFoundError:
+                pass
+
+
+def run_dispatcher(cfg: JobConfig) -> None:
+    """Entry point of `dflash-ipc dispatcher`: plan, restore the ledger if any, serve."""
+    dataset = TokenDataset(cfg.data.path)
+    epochs = plan_job(cfg, dataset.lengths)
+    for epoch, batches in enumerate(epochs):
+        log.info("epoch %d plan: %s", epoch, plan_stats(batches))
+    ledger = None
+    if os.path.exists(ledger_path(cfg)):
+        ledger = Ledger.load(ledger_path(cfg))
+        requeued = ledger.requeue_uncommitted()
+        log.info("restored the ledger from %s; %d uncommitted batches back to pending",
+                 ledger_path(cfg), len(requeued))
+    dispatcher = Dispatcher(epochs, policy=cfg.dispatch.policy, num_targets=cfg.target.num_workers,
+                            num_drafters=cfg.drafter.num_workers,
+                            heartbeat_timeout_s=cfg.dispatch.heartbeat_timeout_s, ledger=ledger)
+    proc = DispatcherProc(cfg, dispatcher, address=cfg.dispatcher_address)
+    try:
+        proc.run()
+    finally:
+        proc.close()

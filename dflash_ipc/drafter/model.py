@@ -1,0 +1,460 @@
+"""The DFlash drafter: a few Qwen3-style decoder layers conditioned on target features.
+
+Forward pass, for one packed step (all tensors unbatched, sequences packed):
+
+    ctx = hidden_norm(fc(concat of captured target layers))          # [T_ctx, H]
+    h   = target_embed([token_at_anchor, MASK x (bs-1)] per block)    # [Q, H]
+    per layer:
+        x = input_layernorm(h)
+        q = rope(q_norm(q_proj(x)))                     at block positions anchor+0..bs-1
+        k = rope(k_norm(k_proj([ctx; x])))              ctx at its own positions, no input norm
+        v = v_proj([ctx; x])
+        h = h + o_proj(attention(q, k, v, mask))        mask: see attention.py
+        h = h + mlp(post_attention_layernorm(h))        SwiGLU
+    out = norm(h)                                                     # [Q, H] -> target lm_head
+
+Parameter names are the inference export names (``fc.weight``, ``layers.{i}.self_attn.
+q_proj.weight``, ...), so ``state_dict()`` is the checkpoint as SGLang and vLLM load it.
+The target's embedding and LM head are not part of this module (see target_head.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from dflash_ipc.drafter.attention import attention
+from dflash_ipc.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURE = "DFlashDraftModel"
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Target layers whose outputs feed the drafter: ``round(1 + i*(L-4)/(n-1))``.
+
+    ``[1, 9, 17, 25, 33]`` for L=36, n=5. A single draft layer takes the middle layer
+    (SGLang's rule). Ids are 0-based; the feature is the output AFTER that layer.
+    """
+    if num_target_layers < 1 or num_draft_layers < 1:
+        raise ConfigError(
+            f"num_target_layers={num_target_layers} and num_draft_layers={num_draft_layers} must be >= 1"
+        )
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    if num_target_layers < 4:
+        raise ConfigError(f"num_target_layers={num_target_layers}: the default layer choice needs >= 4")
+    span = num_target_layers - 4
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
+    if isinstance(cfg, dict):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def _rope_from_target(cfg: Any) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from a transformers 4.x (rope_theta/rope_scaling) or
+    5.x (rope_parameters) config."""
+    params = _cfg_get(cfg, "rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]  # per-layer-type RoPE (5.x): drafter layers are full attention
+    if isinstance(params, dict) and "rope_theta" in params:
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        if scaling.get("rope_type", "default") == "default":
+            scaling = None
+        return float(params["rope_theta"]), scaling
+    theta = _cfg_get(cfg, "rope_theta")
+    return float(1e6 if theta is None else theta), _cfg_get(cfg, "rope_scaling")
+
+
+@dataclass(kw_only=True, slots=True)
+class DFlashConfig:
+    """Shape of a DFlash drafter; the width fields are copied from the target."""
+
+    hidden_size: int
+    """Model width H (the target's)."""
+    intermediate_size: int
+    """SwiGLU inner width (the target's)."""
+    num_hidden_layers: int = 5
+    """Number of drafter decoder layers."""
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    rope_scaling: dict | None = None
+    """HF rope_scaling dict (with ``rope_type``) or None for plain RoPE."""
+    max_position_embeddings: int = 40960
+    vocab_size: int
+    block_size: int = 16
+    """Tokens per draft block: the anchor token plus block_size-1 masks."""
+    mask_token_id: int
+    target_layer_ids: list[int]
+    """0-based target layers whose outputs are concatenated into the context features."""
+    num_target_layers: int
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers",
+                     "max_position_embeddings"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"DFlashConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"DFlashConfig.num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.block_size < 2:
+            raise ConfigError(f"DFlashConfig.block_size={self.block_size} must be >= 2")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(f"DFlashConfig.mask_token_id={self.mask_token_id} not in [0, {self.vocab_size})")
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.rope_scaling is not None:  # legacy "type" -> "rope_type", so round trips are exact
+            scaling = dict(self.rope_scaling)
+            scaling.setdefault("rope_type", scaling.pop("type", "default"))
+            scaling.pop("type", None)
+            self.rope_scaling = None if scaling["rope_type"] == "default" and len(scaling) == 1 else scaling
+        if not self.target_layer_ids or not all(0 <= i < self.num_target_layers for i in self.target_layer_ids):
+            raise ConfigError(
+                f"DFlashConfig.target_layer_ids={self.target_layer_ids} must be non-empty ids in "
+                f"[0, {self.num_target_layers})"
+            )
+
+    @property
+    def num_context_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_target_config(
+        cls,
+        target_config: Any,
+        *,
+        num_draft_layers: int = 5,
+        block_size: int = 16,
+        mask_token_id: int,
+        target_layer_ids: list[int] | None = None,
+    ) -> "DFlashConfig":
+        """A drafter as wide as ``target_config`` (a transformers PretrainedConfig or dict)."""
+        get_text = getattr(target_config, "get_text_config", None)
+        cfg = get_text() if callable(get_text) else target_config
+        hidden = int(_cfg_get(cfg, "hidden_size"))
+        heads = int(_cfg_get(cfg, "num_attention_heads"))
+        num_target_layers = int(_cfg_get(cfg, "num_hidden_layers"))
+        theta, scaling = _rope_from_target(cfg)
+        head_dim = _cfg_get(cfg, "head_dim")
+        kv_heads = _cfg_get(cfg, "num_key_value_heads")
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(num_target_layers, num_draft_layers)
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=int(_cfg_get(cfg, "intermediate_size")),
+            num_hidden_layers=num_draft_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(kv_heads if kv_heads is not None else heads),
+            head_dim=int(head_dim if head_dim is not None else hidden // heads),
+            rms_norm_eps=float(_cfg_get(cfg, "rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=dict(scaling) if scaling else None,
+            max_position_embeddings=int(_cfg_get(cfg, "max_position_embeddings", 40960)),
+            vocab_size=int(_cfg_get(cfg, "vocab_size")),
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            target_layer_ids=list(target_layer_ids),
+            num_target_layers=num_target_layers,
+        )
+
+    def rope_parameters(self) -> dict:
+        """transformers 5.x ``rope_parameters``: rope_type, rope_theta and any scaling keys."""
+        scaling = dict(self.rope_scaling or {})
+        rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+        return {"rope_type": rope_type, "rope_theta": self.rope_theta, **scaling}
+
+    def to_hf_dict(self, *, dtype: str = "bfloat16") -> dict:
+        """config.json of the inference checkpoint (z-lab DFlash / SGLang / vLLM format)."""
+        n = self.num_hidden_layers
+        return {
+            "architectures": [ARCHITECTURE],
+            "model_type": "qwen3",
+            "block_size": self.block_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "num_target_layers": self.num_target_layers,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": n,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "rope_parameters": self.rope_parameters(),
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": False,
+            "layer_types": ["full_attention"] * n,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": n,
+            "initializer_range": self.initializer_range,
+            "use_cache": True,
+            "torch_dtype": dtype,
+            "dtype": dtype,
+        }
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, *, source: str = "config.json") -> "DFlashConfig":
+        """Inverse of :meth:`to_hf_dict`; also reads z-lab checkpoints (``source`` names the file)."""
+        dflash = d.get("dflash_config") or {}
+
+        def need(key: str, *, nested: bool = False) -> Any:
+            value = dflash.get(key, d.get(key)) if nested else d.get(key)
+            if value is None:
+                where = f"dflash_config.{key} or {key}" if nested else key
+                raise ConfigError(f"{source}: missing '{where}'")
+            return value
+
+        theta, scaling = _rope_from_target(d)
+        return cls(
+            hidden_size=int(need("hidden_size")),
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=int(need("num_attention_heads")),
+            num_key_value_heads=int(d.get("num_key_value_heads") or need("num_attention_heads")),
+            head_dim=int(d.get("head_dim") or int(need("hidden_size")) // int(need("num_attention_heads"))),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=dict(scaling) if scaling else None,
+            max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
+            vocab_size=int(need("vocab_size")),
+            block_size=int(need("block_size", nested=True)),
+            mask_token_id=int(need("mask_token_id", nested=True)),
+            target_layer_ids=list(need("target_layer_ids", nested=True)),
+            num_target_layers=int(need("num_target_layers", nested=True)),
+            initializer_range=float(d.get("initializer_range", 0.02)),
+        )
+
+
+
+
+def rope_inv_freq(config: DFlashConfig) -> tuple[Tensor, float]:
+    """(inv_freq float32 [head_dim/2], attention_scaling) for the config's RoPE.
+
+    Plain RoPE is computed here exactly as transformers does; scaled variants (linear,
+    yarn, llama3, ...) come from transformers' ROPE_INIT_FUNCTIONS, fed a Qwen3Config
+    built with the legacy keys that both transformers 4.5x and 5.x accept. Dynamic
+    scaling is taken at its initial frequencies (training never exceeds max positions).
+    """
+    scaling = dict(config.rope_scaling or {})
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "default":
+        dim = config.head_dim
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+        return 1.0 / (config.rope_theta**exponent), 1.0
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ConfigError(f"rope_scaling.rope_type={rope_type!r} not in {sorted(ROPE_INIT_FUNCTIONS)}")
+    hf = Qwen3Config(
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_theta=config.rope_theta,
+        rope_scaling=scaling,
+    )
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+    return inv_freq.float(), float(attention_scaling)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for absolute positions (HF "rotate_half" layout).
+
+    Deliberately not an nn.Module with a buffer: ``model.to(bfloat16)`` would round the
+    frequencies and spoil positions in the tens of thousands. Kept in float32 per device.
+    """
+
+    def __init__(self, config: DFlashConfig) -> None:
+        with torch.device("cpu"):  # real numbers even when the model is built on "meta"
+            self._inv_freq, self.attention_scaling = rope_inv_freq(config)
+        self._per_device: dict[torch.device, Tensor] = {}
+
+    def __call__(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions ``[N]`` -> (cos, sin) float32 ``[N, head_dim]``."""
+        inv = self._per_device.get(positions.device)
+        if inv is None:
+            inv = self._per_device[positions.device] = self._inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * inv[None, :]  # [N, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [N, D]
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` ``[N, heads, D]`` by per-token ``cos``/``sin`` ``[N, D]``."""
+    cos = cos[:, None, :].to(x.dtype)
+    sin = sin[:, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalise in float32, scale by ``weight`` in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DFlashAttention(nn.Module):
+    """Block queries over KV = [context; block] with Qwen3 q/k norms, RoPE and GQA."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def forward(self, x: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, mask: Any) -> Tensor:
+        """x ``[Q, H]`` (normed block), ctx ``[T, H]``; cos/sin ``[T+Q, D]`` (ctx rows first)."""
+        nq, nt = x.shape[0], ctx.shape[0]
+        q = self.q_norm(self.q_proj(x).view(nq, self.num_heads, self.head_dim))  # [Q, Hq, D]
+        q = apply_rope(q, cos[nt:], sin[nt:])
+        # Project context and block separately: concatenating the narrow K/V outputs
+        # moves less memory than concatenating the H-wide inputs.
+        k = torch.cat([self.k_proj(ctx), self.k_proj(x)]).view(nt + nq, self.num_kv_heads, self.head_dim)
+        k = apply_rope(self.k_norm(k), cos, sin)  # [T+Q, Hkv, D]
+        v = torch.cat([self.v_proj(ctx), self.v_proj(x)]).view(nt + nq, self.num_kv_heads, self.head_dim)
+        # Under autocast the norms return float32 while v is bf16; attend in v's dtype.
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        out = attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask)  # [Hq, Q, D]
+        return self.o_proj(out.transpose(0, 1).reshape(nq, self.num_heads * self.head_dim))
+
+
+class DFlashMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm block: attention with injected context KV, then SwiGLU, both residual."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(config)
+        self.mlp = DFlashMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, mask: Any) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx, cos, sin, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraftModel(nn.Module):
+    """The trainable drafter. ``state_dict()`` names are the inference export names."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(config.num_context_features * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        """Recompute each layer in backward (trades ~1/3 more compute for activation memory)."""
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Linear weights ~ N(0, initializer_range), norm weights = 1 (HF Qwen3 init)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and module.weight.device.type != "meta":
+                module.weight.normal_(0.0, self.config.initializer_range, generator=generator)
+            elif isinstance(module, RMSNorm) and module.weight.device.type != "meta":
+                module.weight.fill_(1.0)
+
+    def forward(
+        self,
+        features: Tensor,
+        context_positions: Tensor,
+        block_embeds: Tensor,
+        block_positions: Tensor,
+        mask: Any,
+    ) -> Tensor:
+        """Drafter hidden states of the block tokens.
+
+        features ``[T_ctx, n_layers*H]`` packed target features; context_positions
+        ``[T_ctx]`` long; block_embeds ``[Q, H]`` target embeddings of the block tokens;
+        block_positions ``[Q]`` long; mask from ``attention.build_mask``. Returns ``[Q, H]``
+        after the final norm, ready for the target's LM head.
+        """
+        ctx = self.hidden_norm(self.fc(self._input(features)))  # [T_ctx, H]
+        cos, sin = self.rotary(torch.cat([context_positions, block_positions]))  # [T_ctx+Q, D]
+        h = self._input(block_embeds)  # [Q, H]
+        for layer in self.layers:
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                h = checkpoint(layer, h, ctx, cos, sin, mask, use_reentrant=False)
+            else:
+                h = layer(h, ctx, cos, sin, mask)
+        return self.norm(h)
+
+    def _input(self, x: Tensor) -> Tensor:
+        """Inputs in the parameter dtype, except under autocast, which casts per op (and
+        an upfront float32 copy of bf16 features would cost memory for nothing)."""
+        if torch.is_autocast_enabled(x.device.type):
+            return x
+        return x.to(self.fc.weight.dtype)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_step(self, num_ctx: int, num_queries: int, num_visible_keys: float) -> float:
+        """Approximate training FLOPs (forward + backward = 3x forward) of the drafter body.
+
+        ``num_visible_keys`` is the mean number of keys a query attends to; the LM head
+        and cross-entropy are not included.
+        """
+        c = self.config
+        h, qd, kvd = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        per_query = 2 * (h * qd + 2 * h * kvd + qd * h + 3 * h * c.intermediate_size)
+        per_query += 4 * qd * num_visible_keys  # QK^T and PV
+        per_ctx = 2 * 2 * h * kvd  # context K and V projections
+        fwd = c.num_hidden_layers * (num_queries * per_query + num_ctx * per_ctx)
+        fwd += 2 * num_ctx * c.num_context_features * h * h  # fc
+        return 3.0 * fwd

@@ -1,0 +1,221 @@
+"""The DFlash training objective: anchors, blocks, labels, loss weights, chunked CE.
+
+Per sequence, up to ``max_anchors`` anchors are drawn without repeats among positions
+``p`` with ``loss_mask[p] and loss_mask[p+1]``. Each anchor opens a block
+
+    ids        [input_ids[a], MASK, MASK, ..., MASK]        (block_size tokens)
+    positions  a+0, a+1, ..., a+bs-1
+    labels     -,   input_ids[a+1], ..., input_ids[a+bs-1]
+    weights    0,   exp(0/g), exp(-1/g), ..., exp(-(bs-2)/g)  (g = gamma, 7 for bs 16)
+
+and a label beyond the sequence end or on a ``loss_mask == 0`` token gets weight 0.
+The loss of one rank is ``sum_i w_i * CE_i``; the trainer divides by the weight sum
+all-reduced over ranks, so any number of ranks computes the same loss as one.
+
+Anchors depend only on (seed, epoch, sample id): the same sample gets the same anchors
+on any rank and in any batch, and new anchors every epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dflash_ipc.drafter.attention import BlockLayout
+from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainingBatch:
+    """Everything about one step's blocks except the target features."""
+
+    block_ids: Tensor  # [Q] long: anchor token then mask_token_id
+    block_positions: Tensor  # [Q] long: anchor+0..bs-1, positions within the sequence
+    labels: Tensor  # [Q] long: target token (any valid id where weight == 0)
+    weights: Tensor  # [Q] float32: loss weight, 0 where no loss
+    layout: BlockLayout  # query/key membership for attention.build_mask
+    num_anchors: int
+
+    @property
+    def context_positions(self) -> Tensor:
+        """``[T_ctx]`` long: position of every packed context token within its sequence."""
+        return self.layout.ctx_pos.long()
+
+    def to(self, device: torch.device | str) -> "TrainingBatch":
+        return TrainingBatch(
+            block_ids=self.block_ids.to(device),
+            block_positions=self.block_positions.to(device),
+            labels=self.labels.to(device),
+            weights=self.weights.to(device),
+            layout=self.layout.to(device),
+            num_anchors=self.num_anchors,
+        )
+
+
+def anchor_generator(seed: int, epoch: int, sample_id: int) -> torch.Generator:
+    """A CPU generator seeded from (seed, epoch, sample_id) only, through a stable hash."""
+    digest = hashlib.blake2b(f"dflash-anchors:{seed}:{epoch}:{sample_id}".encode(), digest_size=8).digest()
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+    return gen
+
+
+def sample_anchors(loss_mask: np.ndarray | Tensor, max_anchors: int, generator: torch.Generator) -> Tensor:
+    """Sorted anchor positions (long, CPU): eligible ones only, no repeats, at most ``max_anchors``."""
+    if max_anchors < 0:
+        raise DataError(f"max_anchors={max_anchors} must be >= 0")
+    mask = torch.as_tensor(np.asarray(loss_mask) if not isinstance(loss_mask, Tensor) else loss_mask)
+    mask = mask.to(device="cpu", dtype=torch.bool).reshape(-1)
+    eligible = torch.nonzero(mask[:-1] & mask[1:]).squeeze(1)  # p with p+1 < len
+    n = int(eligible.numel())
+    if n <= max_anchors:
+        return eligible
+    pick = torch.randperm(n, generator=generator)[:max_anchors]
+    return eligible[pick].sort().values
+
+
+def block_loss_weights(block_size: int, gamma: float) -> Tensor:
+    """``[block_size]`` float32: 0 at k=0, ``exp(-(k-1)/gamma)`` for k >= 1."""
+    if block_size < 2 or gamma <= 0:
+        raise DataError(f"block_size={block_size} must be >= 2 and gamma={gamma} > 0")
+    k = torch.arange(block_size, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def _check_anchors(anchors_per_seq: list[Tensor], lengths: Tensor) -> None:
+    if len(anchors_per_seq) != lengths.numel():
+        raise DataError(f"anchors_per_seq has {len(anchors_per_seq)} entries for {lengths.numel()} sequences")
+    for s, a in enumerate(anchors_per_seq):
+        if a.numel() and (int(a.min()) < 0 or int(a.max()) >= int(lengths[s])):
+            raise DataError(f"sequence {s}: anchors must lie in [0, {int(lengths[s])}), got {a.tolist()[:8]}...")
+
+
+def build_training_batch(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor,
+    anchors_per_seq: list[Tensor],
+    *,
+    block_size: int,
+    mask_token_id: int,
+    gamma: float,
+) -> TrainingBatch:
+    """Blocks, labels, weights and attention layout of one packed batch.
+
+    ``input_ids``/``loss_mask`` are packed ``[T]``; ``cu_seqlens`` ``[S+1]``;
+    ``anchors_per_seq[s]`` holds anchor positions local to sequence ``s``. The result
+    lives on ``input_ids.device``.
+    """
+    dev = input_ids.device
+    cu = cu_seqlens.to(device=dev, dtype=torch.long)
+    lengths = cu[1:] - cu[:-1]  # [S]
+    _check_anchors(anchors_per_seq, lengths.cpu())
+    counts = torch.tensor([a.numel() for a in anchors_per_seq], dtype=torch.long, device=dev)
+    num_seqs = lengths.numel()
+    anchors = torch.cat([a.reshape(-1).long() for a in anchors_per_seq]).to(dev) if num_seqs else cu[:0]
+    seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=dev), counts)  # [A]
+    num_anchors = int(anchors.numel())
+
+    k = torch.arange(block_size, device=dev)
+    pos = anchors[:, None] + k[None, :]  # [A, bs] positions within the sequence
+    start = cu[seq_of][:, None]  # [A, 1] packed offset of the sequence
+    in_seq = pos < lengths[seq_of][:, None]  # [A, bs]
+    flat = torch.where(in_seq, start + pos, start)  # [A, bs] packed index, clamped in-sequence
+    has_label = in_seq & loss_mask.to(dev).bool()[flat]
+    weights = block_loss_weights(block_size, gamma).to(dev)[None, :] * has_label  # [A, bs]
+    labels = torch.where(in_seq, input_ids[flat], torch.zeros_like(flat))
+    block_ids = torch.full_like(pos, mask_token_id)
+    block_ids[:, 0] = input_ids[start[:, 0] + anchors]
+
+    ctx_seq = torch.repeat_interleave(torch.arange(num_seqs, device=dev), lengths)  # [T]
+    layout = BlockLayout(
+        query_seq=seq_of.repeat_interleave(block_size).int(),
+        query_anchor=anchors.repeat_interleave(block_size).int(),
+        query_block=torch.arange(num_anchors, device=dev).repeat_interleave(block_size).int(),
+        ctx_seq=ctx_seq.int(),
+        ctx_pos=(torch.arange(int(cu[-1]), device=dev) - cu[ctx_seq]).int(),
+        cu_seqlens=cu.int(),
+        block_size=block_size,
+    )
+    return TrainingBatch(
+        block_ids=block_ids.reshape(-1),
+        block_positions=pos.reshape(-1),
+        labels=labels.reshape(-1).long(),
+        weights=weights.reshape(-1).float(),
+        layout=layout,
+        num_anchors=num_anchors,
+    )
+
+
+class _ChunkedWeightedCE(torch.autograd.Function):
+    """sum_i w_i * CE(hidden_i @ W^T, label_i), with the gradient computed in forward.
+
+    Per chunk of rows: logits, log-sum-exp, loss, and ``dL/dh = w * (softmax - onehot) @ W``,
+    then the chunk's logits are freed. Peak memory is one ``[chunk, V]`` float32 block
+    in forward and nothing vocabulary-sized in backward, and the LM-head matmul runs
+    twice instead of three times (checkpointing would recompute the logits). Only rows
+    with a nonzero weight are computed. ``W`` is frozen: it gets no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, weights, chunk_size):  # noqa: D102
+        rows = torch.nonzero(weights).squeeze(1)  # [R] rows that carry loss
+        acc = torch.promote_types(weight.dtype, torch.float32)  # softmax never below fp32
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        grad = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        for s in range(0, rows.numel(), chunk_size):
+            idx = rows[s : s + chunk_size]
+            h = hidden.index_select(0, idx).to(weight.dtype)  # [C, H]
+            y = labels.index_select(0, idx)[:, None]  # [C, 1]
+            w = weights.index_select(0, idx).to(acc)  # [C]
+            logits = F.linear(h, weight).to(acc)  # [C, V]
+            lse = torch.logsumexp(logits, dim=-1)  # [C]
+            total += ((lse - logits.gather(1, y)[:, 0]) * w).sum()
+            if grad is not None:
+                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                probs.scatter_add_(1, y, -torch.ones_like(y, dtype=probs.dtype))
+                probs.mul_(w[:, None])
+                grad.index_copy_(0, idx, (probs.to(weight.dtype) @ weight).to(hidden.dtype))
+            del logits
+        ctx.save_for_backward(grad if grad is not None else hidden.new_empty(0))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: D102
+        (grad,) = ctx.saved_tensors
+        return grad * grad_out.to(grad.dtype), None, None, None, None
+
+
+def weighted_ce_sum(
+    hidden: Tensor,
+    head: FrozenTargetHead,
+    labels: Tensor,
+    weights: Tensor,
+    chunk_size: int = 8192,
+) -> Tensor:
+    """``sum_i weights[i] * CE(head.logits(hidden[i]), labels[i])`` as a scalar.
+
+    Softmax and the sum run in float32 (float64 for a float64 head), the result's dtype.
+
+    hidden ``[Q, H]``, labels ``[Q]`` long, weights ``[Q]``. Chunked over Q so the
+    ``[Q, vocab]`` logits never exist at once, in forward or backward.
+    """
+    if chunk_size < 1:
+        raise DataError(f"chunk_size={chunk_size} must be >= 1")
+    if not (hidden.shape[0] == labels.shape[0] == weights.shape[0]):
+        raise DataError(
+            f"hidden {tuple(hidden.shape)}, labels {tuple(labels.shape)} and weights "
+            f"{tuple(weights.shape)} disagree on the number of rows"
+        )
+    return _ChunkedWeightedCE.apply(hidden, head.lm_head_weight, labels.long(), weights, chunk_size)

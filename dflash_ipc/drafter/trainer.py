@@ -1,0 +1,242 @@
+"""One drafter rank's training state and step: model, optimizer, schedule, checkpoints.
+
+Steps are collective: every rank of the drafter group calls `step()` the same number of
+times (a rank without data contributes zero gradients). The loss is normalised by the
+weight sum of ALL ranks (all-reduced before the backward) and gradients are summed, so N
+ranks take exactly the step one rank would take on the union of their blocks.
+
+A step takes a fixed budget of anchors (`anchors_per_step`), whatever the shape of the
+target batches the sequences arrived in, so step cost does not depend on bucketing.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dflash_ipc.config import DrafterConfig
+from dflash_ipc.drafter.attention import build_mask
+from dflash_ipc.drafter.export import save_inference_checkpoint
+from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
+from dflash_ipc.drafter.objective import (anchor_generator, build_training_batch, sample_anchors,
+                                          weighted_ce_sum)
+from dflash_ipc.drafter.target_head import FrozenTargetHead
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TRAINING_STATE = "training_state.pt"
+GRAD_BUCKET_BYTES = 256 * 1024 * 1024  # gradient all-reduce in buckets: bounded extra memory
+
+
+@dataclass
+class Sequence:
+    """One sample waiting in a drafter's queue, its features already in local memory."""
+    batch_id: int
+    epoch: int
+    sample_id: int
+    features: torch.Tensor   # [L, F] on the drafter's device
+    input_ids: torch.Tensor  # [L] long
+    loss_mask: torch.Tensor  # [L] bool
+    num_anchors: int         # anchors it can give: min(max_anchors_per_seq, eligible positions)
+
+
+def eligible_anchor_count(loss_mask: np.ndarray, max_anchors: int) -> int:
+    """Positions p with loss at p and p+1, capped: what one sequence contributes to a step."""
+    mask = np.asarray(loss_mask, dtype=bool)
+    return int(min(max_anchors, np.count_nonzero(mask[:-1] & mask[1:])))
+
+
+def estimate_total_steps(dataset, cfg: DrafterConfig, *, num_epochs: int, world_size: int) -> int:
+    """Optimizer steps of the job, for the cosine schedule (anchors / global step budget)."""
+    total = sum(eligible_anchor_count(dataset.sample(i)[1], cfg.max_anchors_per_seq)
+                for i in range(len(dataset)))
+    return max(1, math.ceil(total * num_epochs / (cfg.anchors_per_step * world_size)))
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float, min_lr_ratio: float):
+    """Linear warmup, then cosine from 1 to min_lr_ratio, flat after the last planned step."""
+    warmup = max(1, round(total_steps * warmup_ratio)) if warmup_ratio > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+class DrafterTrainer:
+    def __init__(self, cfg: DrafterConfig, model_config: DFlashConfig, head: FrozenTargetHead, *,
+                 device: str, total_steps: int, seed: int, group=None) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.seed = seed
+        self.group = group
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        torch.manual_seed(seed)  # identical initial weights on every rank
+        self.model = DFlashDraftModel(model_config).to(self.device)
+        self.head = head
+        self.compute_dtype = DTYPES[cfg.dtype]
+        self.backend = cfg.attention if cfg.attention != "auto" else (
+            "flex" if self.device.type == "cuda" else "dense")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                                           fused=self.device.type == "cuda")
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(total_steps, cfg.warmup_ratio, cfg.min_lr_ratio))
+        self.total_steps = total_steps
+        self.step_count = 0
+
+    # --- choosing a step's sequences ------------------------------------------------------
+
+    def take(self, fifo: collections.deque) -> list[tuple[Sequence, int]]:
+        """Pops sequences until the anchor budget is full; returns (sequence, anchors) pairs.
+        The last sequence gets only what remains of the budget."""
+        budget = self.cfg.anchors_per_step
+        chosen = []
+        while fifo and budget > 0:
+            seq = fifo.popleft()
+            anchors = min(seq.num_anchors, budget)
+            chosen.append((seq, anchors))
+            budget -= anchors
+        return chosen
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def step(self, chosen: list[tuple[Sequence, int]]) -> dict:
+        """One collective optimizer step over this rank's chosen sequences (may be empty)."""
+        started = time.perf_counter()
+        batch, features, mask, mask_s = self._build(chosen)
+        local = torch.tensor([batch.weights.sum().item() if batch else 0.0, 0.0], dtype=torch.float64,
+                             device=self.device)
+        weight_sum = self._all_reduce(local.clone())[0].item()
+        loss_sum = torch.zeros((), device=self.device)
+        if batch is not None and weight_sum > 0:
+            with torch.autocast(self.device.type, dtype=self.compute_dtype,
+                                enabled=self.compute_dtype != torch.float32):
+                hidden = self._forward(batch, features, mask)
+                loss_sum = weighted_ce_sum(hidden, self.head, batch.labels, batch.weights)
+            (loss_sum / weight_sum).backward()
+        grad_norm = self._reduce_and_clip()
+        if weight_sum > 0:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        totals = self._all_reduce(torch.tensor([loss_sum.detach().float().item(),
+                                                batch.num_anchors if batch else 0,
+                                                sum(s.features.shape[0] for s, _ in chosen)],
+                                               dtype=torch.float64, device=self.device))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return {"step": self.step_count, "loss": totals[0].item() / weight_sum if weight_sum else float("nan"),
+                "anchors": int(totals[1].item()), "tokens": int(totals[2].item()),
+                "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                "step_s": time.perf_counter() - started, "mask_s": mask_s}
+
+    def _build(self, chosen):
+        if not any(n for _, n in chosen):
+            return None, None, None, 0.0
+        anchors, lengths = [], []
+        for seq, count in chosen:
+            gen = anchor_generator(self.seed, seq.epoch, seq.sample_id)
+            anchors.append(sample_anchors(seq.loss_mask, count, gen))
+            lengths.append(seq.features.shape[0])
+        cu = torch.zeros(len(chosen) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+        input_ids = torch.cat([s.input_ids for s, _ in chosen])
+        loss_mask = torch.cat([s.loss_mask for s, _ in chosen])
+        batch = build_training_batch(input_ids, loss_mask, cu, anchors, block_size=self.cfg.block_size,
+                                     mask_token_id=self.model.config.mask_token_id, gamma=self.cfg.gamma)
+        batch = batch.to(self.device)
+        mask_started = time.perf_counter()
+        mask = build_mask(batch.layout, self.backend)
+        mask_s = time.perf_counter() - mask_started
+        features = torch.cat([s.features for s, _ in chosen])  # [T, F]
+        return batch, features, mask, mask_s
+
+    def _forward(self, batch, features: torch.Tensor, mask) -> torch.Tensor:
+        ctx_positions = batch.layout.ctx_pos.to(self.device, torch.long)
+        block_embeds = self.head.embed(batch.block_ids)
+        return self.model(features, ctx_positions, block_embeds, batch.block_positions, mask)
+
+    def _reduce_and_clip(self) -> float:
+        """Sums gradients over ranks (bucketed, in place), then clips the global norm."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # a rank without blocks this step still joins the all-reduce
+                p.grad = torch.zeros_like(p)
+        if self.world_size > 1:
+            bucket, size = [], 0
+            for p in params:
+                bucket.append(p.grad)
+                size += p.grad.numel() * p.grad.element_size()
+                if size >= GRAD_BUCKET_BYTES:
+                    self._all_reduce_bucket(bucket)
+                    bucket, size = [], 0
+            if bucket:
+                self._all_reduce_bucket(bucket)
+        return float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+
+    def _all_reduce_bucket(self, grads: list[torch.Tensor]) -> None:
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.group)
+        for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "step": self.step_count,
+                "torch_rng": torch.get_rng_state(), "total_steps": self.total_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step_count = state["step"]
+        torch.set_rng_state(state["torch_rng"])
+
+    def save_checkpoint(self, root: str, extra: dict) -> str:
+        """Rank 0 only: `<root>/step_<N>/` with the inference export and the training state,
+        written to a temp dir and renamed, then `latest` pointed at it."""
+        final = os.path.join(root, f"step_{self.step_count:08d}")
+        tmp = f"{final}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_inference_checkpoint(self.model, tmp)
+        torch.save({**self.state_dict(), "extra": extra}, os.path.join(tmp, TRAINING_STATE))
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest_tmp = os.path.join(root, f"latest.tmp-{os.getpid()}")
+        with open(latest_tmp, "w") as f:
+            json.dump({"step": self.step_count, "path": os.path.basename(final)}, f)
+        os.replace(latest_tmp, os.path.join(root, "latest.json"))
+        return final
+
+
+def latest_checkpoint(root: str) -> str | None:
+    try:
+        with open(os.path.join(root, "latest.json")) as f:
+            return os.path.join(root, json.load(f)["path"])
+    except FileNotFoundError:
+        return None
+

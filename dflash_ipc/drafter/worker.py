@@ -1,0 +1,217 @@
+"""The drafter worker: pulls hidden states, trains in lockstep with the other drafters.
+
+Busy loop, one pass:
+  1) take waiting messages: for each `Assign`, copy the slot into local memory (the slot's
+     reader is opened once per target and cached), split it into sequences, report
+     `Consumed` at once so the target can reuse the slot; ask for more while the local
+     queue is short (`WantHidden`),
+  2) agree with the group (one small all-reduce) whether every rank has a full step's
+     anchors, or everyone is drained after `EndOfData`,
+  3) step (all ranks together) when all are full; every `checkpoint_every_steps`, and at
+     the end, checkpoint (rank 0 writes) and report `Committed` for the batches whose every
+     sequence is in the checkpoint,
+  4) once drained: final checkpoint, wait for the dispatcher's `Shutdown`.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from dflash_ipc import protocol as p
+from dflash_ipc.config import JobConfig
+from dflash_ipc.data.dataset import TokenDataset
+from dflash_ipc.drafter.model import DFlashConfig
+from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.drafter.trainer import (DTYPES, DrafterTrainer, Sequence, eligible_anchor_count,
+                                        estimate_total_steps)
+from dflash_ipc.errors import WorkerDeadError
+from dflash_ipc.link import DispatcherLink
+from dflash_ipc.runinfo import checkpoints_dir
+from dflash_ipc.target.capture import load_target_config
+from dflash_ipc.transport.slots import ReaderCache
+
+log = logging.getLogger(__name__)
+
+
+class DrafterWorker:
+    """Local queue of sequences and the bookkeeping of which batches are fully trained."""
+
+    def __init__(self, cfg: JobConfig, trainer: DrafterTrainer, dataset: TokenDataset,
+                 readers: ReaderCache) -> None:
+        self.cfg = cfg
+        self.trainer = trainer
+        self.dataset = dataset
+        self.readers = readers
+        self.fifo: collections.deque[Sequence] = collections.deque()
+        self.fifo_anchors = 0
+        self.remaining: dict[int, int] = {}   # batch id -> sequences not yet in a step
+        self.trained: list[int] = []          # batch ids fully trained, not yet committed
+        self.wait_s = 0.0
+        self.trained_tokens = 0   # this rank's tokens that went through a step (status: tok_rate)
+
+    def accept(self, msg: p.Assign) -> None:
+        """Copies an assigned slot into local memory and queues its sequences."""
+        features = self.readers.get(msg.pool).read(msg.slot, msg.num_tokens)  # [T, F] local copy
+        offset = 0
+        for sample_id in msg.sample_ids:
+            ids, mask = self.dataset.sample(sample_id)
+            length = len(ids)
+            seq = Sequence(batch_id=msg.batch_id, epoch=msg.epoch, sample_id=sample_id,
+                           features=features[offset:offset + length],
+                           input_ids=torch.from_numpy(ids.astype("int64")),
+                           loss_mask=torch.from_numpy(mask.astype(bool)),
+                           num_anchors=eligible_anchor_count(mask, self.cfg.drafter.max_anchors_per_seq))
+            offset += length
+            self.fifo.append(seq)
+            self.fifo_anchors += seq.num_anchors
+        self.remaining[msg.batch_id] = len(msg.sample_ids)
+
+    def train_step(self) -> dict:
+        chosen = self.trainer.take(self.fifo)
+        self.fifo_anchors -= sum(seq.num_anchors for seq, _ in chosen)
+        stats = self.trainer.step(chosen)
+        self.trained_tokens += sum(seq.features.shape[0] for seq, _ in chosen)
+        for seq, _ in chosen:
+            self.remaining[seq.batch_id] -= 1
+            if self.remaining[seq.batch_id] == 0:
+                del self.remaining[seq.batch_id]
+                self.trained.append(seq.batch_id)
+        return stats
+
+    @property
+    def full(self) -> bool:
+        return self.fifo_anchors >= self.cfg.drafter.anchors_per_step
+
+
+def _init_group(cfg: JobConfig, rank: int, device: str) -> None:
+    world = cfg.drafter.num_workers
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if "MASTER_ADDR" not in os.environ:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ.setdefault("MASTER_PORT", "29500")
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            device_id=torch.device(device) if backend == "nccl" else None)
+
+
+def run_drafter(cfg: JobConfig, rank: int) -> None:
+    """Entry point of `dflash-ipc drafter --rank N`."""
+    device = cfg.drafter.device_of(rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    torch.set_num_threads(max(1, torch.get_num_threads() // max(1, cfg.drafter.num_workers)))
+    _init_group(cfg, rank, device)
+    try:
+        dataset = TokenDataset(cfg.data.path)
+        target_config = load_target_config(cfg.target.path)
+        model_config = DFlashConfig.from_target_config(
+            target_config, num_draft_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
+            mask_token_id=cfg.drafter.mask_token_id, target_layer_ids=cfg.drafter.target_layer_ids)
+        head = FrozenTargetHead.from_pretrained(cfg.target.path, dtype=DTYPES[cfg.drafter.dtype], device=device)
+        total = estimate_total_steps(dataset, cfg.drafter, num_epochs=cfg.data.num_epochs,
+                                     world_size=cfg.drafter.num_workers)
+        trainer = DrafterTrainer(cfg.drafter, model_config, head, device=device, total_steps=total,
+                                 seed=cfg.run.seed)
+        log.info("drafter: %.1fM trainable parameters, ~%d steps planned, attention %s",
+                 sum(p.numel() for p in trainer.model.parameters()) / 1e6, total, trainer.backend)
+        worker = DrafterWorker(cfg, trainer, dataset, ReaderCache(device))
+        link = DispatcherLink(cfg.dispatcher_address, identity=f"drafter/{rank}",
+                              heartbeat_interval_s=cfg.dispatch.heartbeat_interval_s,
+                              timeout_s=cfg.dispatch.heartbeat_timeout_s)
+        try:
+            _serve(cfg, rank, worker, link)
+        finally:
+            link.close()
+            worker.readers.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLink) -> None:
+    reply = link.request(p.Register(role="drafter", rank=rank, pid=os.getpid(), device=str(worker.trainer.device)),
+                         timeout_s=cfg.supervise.startup_timeout_s)
+    if not isinstance(reply, p.Registered):
+        raise WorkerDeadError(f"drafter/{rank}: registration refused: {reply}")
+    world = cfg.drafter.num_workers
+    metrics_file = open(os.path.join(cfg.run.run_dir, "drafter_metrics.jsonl"), "a") if rank == 0 else None
+    outstanding, end_of_data, shutdown = 0, False, False
+    last_ckpt_step = worker.trainer.step_count
+    try:
+        while True:
+            # 1) take messages; ask for more while the queue is short
+            waited = time.perf_counter()
+            msg = link.recv(0.0 if worker.full or end_of_data else 0.02)
+            while msg is not None:
+                if isinstance(msg, p.Assign):
+                    outstanding -= 1
+                    worker.accept(msg)
+                    link.send(p.Consumed(batch_id=msg.batch_id))
+                elif isinstance(msg, p.EndOfData):
+                    end_of_data = True
+                elif isinstance(msg, p.Shutdown):
+                    shutdown = True
+                    break
+                msg = link.recv(0.0)
+            if shutdown and not end_of_data:
+                log.info("shutdown before the end of data")
+                return
+            if not end_of_data and len(worker.fifo) < cfg.drafter.fifo_sequences:
+                want = cfg.drafter.prefetch - outstanding
+                if want > 0:
+                    link.send(p.WantHidden(credits=want))
+                    outstanding += want
+            # 2) agree: is everyone full, or is everyone drained?
+            drained = end_of_data and not worker.fifo
+            flags = torch.tensor([float(worker.full or (end_of_data and bool(worker.fifo))), float(drained)])
+            if world > 1:
+                dist.all_reduce(flags)
+            if flags[1].item() == world:
+                break
+            if flags[0].item() + flags[1].item() < world:
+                worker.wait_s += time.perf_counter() - waited
+                continue
+            # 3) step together; checkpoint and commit on schedule
+            stats = worker.train_step()
+            stats.update(wait_s=worker.wait_s, fifo=len(worker.fifo), rank=rank, time=time.time(),
+                         trained_tokens=worker.trained_tokens)
+            link.metrics.update({k: float(v) for k, v in stats.items() if isinstance(v, (int, float))})
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(stats) + "\n")
+                metrics_file.flush()
+            if stats["step"] % cfg.drafter.checkpoint_every_steps == 0:
+                _checkpoint_and_commit(cfg, rank, worker, link)
+                last_ckpt_step = worker.trainer.step_count
+        # 4) drained: final checkpoint, then wait for the dispatcher to close the job
+        if worker.trainer.step_count != last_ckpt_step or worker.trained:
+            _checkpoint_and_commit(cfg, rank, worker, link)
+        deadline = time.monotonic() + cfg.dispatch.heartbeat_timeout_s
+        while not shutdown and time.monotonic() < deadline:
+            msg = link.recv(0.5)
+            shutdown = isinstance(msg, p.Shutdown)
+    finally:
+        if metrics_file is not None:
+            metrics_file.close()
+
+
+def _checkpoint_and_commit(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLink) -> None:
+    """Rank 0 writes the checkpoint; then every rank commits the batches it fully trained."""
+    world = cfg.drafter.num_workers
+    gathered: list = [None] * world
+    if world > 1:
+        dist.all_gather_object(gathered, worker.trained)
+    else:
+        gathered = [worker.trained]
+    if rank == 0:
+        path = worker.trainer.save_checkpoint(checkpoints_dir(cfg), extra={
+            "batch_ids": sorted(b for ids in gathered for b in ids)})
+        log.info("checkpoint %s", path)
+    if world > 1:
+        dist.barrier()
+    link.send(p.Committed(step=worker.trainer.step_count, batch_ids=list(worker.trained)))
+    worker.trained = []

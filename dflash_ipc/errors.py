@@ -1,0 +1,57 @@
+"""Typed errors. Each docstring says what went wrong and how a caller recovers.
+
+Every failure that crosses a module boundary is one of these, so the supervisor and the
+workers can act on the kind of failure (retry, restart a worker, stop the job) instead of
+parsing messages.
+"""
+
+
+class DFlashError(Exception):
+    """Base of every error raised on purpose by dflash_ipc."""
+
+
+class ConfigError(DFlashError, ValueError):
+    """The configuration is invalid. The message names the key and the allowed values.
+
+    Recovery: fix the YAML file or the `-o key=value` override and start again; nothing
+    has been started or written yet.
+    """
+
+
+class DataError(DFlashError, ValueError):
+    """Input data is malformed or does not match the job (file, line and field named).
+
+    Recovery: fix or re-prepare the data; prepared output already on disk is untouched.
+    """
+
+
+class ProtocolError(DFlashError):
+    """A wire message could not be decoded or is not valid for its kind.
+
+    Recovery: the receiver logs and drops the message and keeps serving; the sender is
+    buggy or hostile. Never fatal for the dispatcher.
+    """
+
+
+class TransportError(DFlashError):
+    """A hidden-state slot could not be created, opened, written or read.
+
+    Recovery: fatal for the worker that sees it; the supervisor restarts the worker and
+    the dispatcher returns the affected batches to pending.
+    """
+
+
+class ProducerGoneError(TransportError):
+    """The target that owns a slot pool died while a consumer was using it.
+
+    Recovery: the consumer drops the batch (it is not consumed); the dispatcher requeues
+    it when it learns that the target died.
+    """
+
+
+class WorkerDeadError(DFlashError):
+    """A worker process died or stopped answering heartbeats.
+
+    Recovery: the supervisor applies its restart policy; after too many restarts in the
+    window the job stops with this error.
+    """

@@ -1,0 +1,89 @@
+"""A worker's connection to the dispatcher: one ZMQ DEALER socket, typed messages, heartbeats.
+
+Liveness is a counter in the style of circus/locust: every message from the dispatcher
+resets it; if nothing was heard for `timeout_s`, `check()` raises `WorkerDeadError` and the
+worker exits (the supervisor then decides what to do). Workers send a `Heartbeat` every
+`heartbeat_interval_s` carrying their metrics; the dispatcher answers each one, so a quiet
+but healthy link still proves both sides alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import zmq
+
+from dflash_ipc import protocol as p
+from dflash_ipc.errors import ProtocolError, WorkerDeadError
+
+log = logging.getLogger(__name__)
+
+
+class DispatcherLink:
+    def __init__(self, address: str, *, identity: str, heartbeat_interval_s: float = 1.0,
+                 timeout_s: float = 30.0, context: zmq.Context | None = None) -> None:
+        self.address = address
+        self.identity = f"{identity}/{os.getpid()}".encode()
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.timeout_s = timeout_s
+        self._context = context or zmq.Context.instance()
+        self.socket = self._context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, self.identity)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(address)
+        self.last_heard = time.monotonic()
+        self._last_beat = 0.0
+        self.metrics: dict[str, float] = {}
+
+    def send(self, msg: p.Message) -> None:
+        self.socket.send_multipart(p.encode(msg))
+
+    def recv(self, timeout_s: float) -> p.Message | None:
+        """The next message that is not a heartbeat reply, or None after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.beat()
+            remaining = max(0.0, deadline - time.monotonic())
+            if not self.socket.poll(int(min(remaining, self.heartbeat_interval_s) * 1000)):
+                if time.monotonic() >= deadline:
+                    self.check()
+                    return None
+                continue
+            frames = self.socket.recv_multipart()
+            self.last_heard = time.monotonic()
+            try:
+                msg = p.decode(frames)
+            except ProtocolError as exc:
+                log.error("dropped undecodable message from the dispatcher: %s", exc)
+                continue
+            if isinstance(msg, p.Heartbeat):
+                continue
+            if isinstance(msg, p.Rejected):
+                log.error("dispatcher rejected our %s: %s", p.Kind(msg.kind).name if msg.kind in
+                          p.Kind._value2member_map_ else msg.kind, msg.reason)
+                continue
+            return msg
+
+    def request(self, msg: p.Message, timeout_s: float) -> p.Message:
+        """Sends `msg` and waits for the next real reply; WorkerDeadError on silence."""
+        self.send(msg)
+        reply = self.recv(timeout_s)
+        if reply is None:
+            raise WorkerDeadError(f"no reply from the dispatcher at {self.address} within {timeout_s:.0f}s")
+        return reply
+
+    def beat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_beat >= self.heartbeat_interval_s:
+            self._last_beat = now
+            self.send(p.Heartbeat(metrics=dict(self.metrics)))
+
+    def check(self) -> None:
+        silent = time.monotonic() - self.last_heard
+        if silent > self.timeout_s:
+            raise WorkerDeadError(f"dispatcher at {self.address} silent for {silent:.1f}s")
+
+    def close(self) -> None:
+        self.socket.close(linger=0)

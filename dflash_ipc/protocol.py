@@ -1,0 +1,242 @@
+"""Every wire message of dflash-ipc and its codec. Nothing else imports msgpack.
+
+A message is two ZMQ frames: one byte of `Kind`, then a msgpack map of the message's
+fields. Decoding checks the kind, the exact field set and every field's type, and raises
+`ProtocolError` on anything else, so a receiver can drop garbage and keep serving. Nothing
+is ever unpickled. Hidden states never travel here: a target writes them into a slot of
+its slot pool (`dflash_ipc.transport`) and only `(pool descriptor, slot, shape)` travels.
+Token ids do not travel either: every process maps the same prepared dataset and batches
+name their samples by index.
+
+Conversation (all requests come from the worker; the dispatcher never sends work unasked):
+
+    worker  -> Register(role, rank, ...)        dispatcher -> Registered | Refused
+    target  -> Ready(credits)                   dispatcher -> Batch(batch_id, slot, samples)
+    target  -> Produced(batch_id, slot, ...)
+    drafter -> WantHidden(credits)              dispatcher -> Assign(batch_id, pool, slot, ...)
+    drafter -> Consumed(batch_id)               (the slot returns to its target's free list)
+    drafter -> Committed(step, batch_ids)
+    worker  -> Heartbeat(metrics)               dispatcher -> Heartbeat
+    any     -> StatusRequest                    dispatcher -> StatusReply(status)
+    dispatcher -> EndOfData                     (no work will come; drain and finish)
+    dispatcher -> Shutdown(reason)              (stop now)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+from dflash_ipc.errors import ProtocolError
+
+MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any real message; larger frames are refused
+
+
+class Kind(enum.IntEnum):
+    REGISTER = 1
+    REGISTERED = 2
+    REFUSED = 3
+    READY = 4
+    BATCH = 5
+    PRODUCED = 6
+    WANT_HIDDEN = 7
+    ASSIGN = 8
+    CONSUMED = 9
+    COMMITTED = 10
+    HEARTBEAT = 11
+    STATUS_REQUEST = 12
+    STATUS_REPLY = 13
+    END_OF_DATA = 14
+    SHUTDOWN = 15
+    REJECTED = 16
+
+
+@dataclass(kw_only=True, slots=True)
+class Register:
+    KIND: ClassVar[Kind] = Kind.REGISTER
+    role: str  # "target" | "drafter" | "observer"
+    rank: int
+    pid: int
+    node: int = 0
+    device: str = "cpu"
+    pool: dict | None = None  # target: its slot-pool descriptor (transport-owned dict)
+    num_slots: int = 0        # target: slots in the pool
+    resume_step: int = -1     # drafter: step of the checkpoint it resumed from (-1: fresh)
+
+
+@dataclass(kw_only=True, slots=True)
+class Registered:
+    KIND: ClassVar[Kind] = Kind.REGISTERED
+    role: str
+    rank: int
+    num_batches: int  # batches planned for the whole job (all epochs)
+
+
+@dataclass(kw_only=True, slots=True)
+class Refused:
+    KIND: ClassVar[Kind] = Kind.REFUSED
+    reason: str
+
+
+@dataclass(kw_only=True, slots=True)
+class Ready:
+    KIND: ClassVar[Kind] = Kind.READY
+    credits: int  # how many more batches this target can take now
+
+
+@dataclass(kw_only=True, slots=True)
+class Batch:
+    KIND: ClassVar[Kind] = Kind.BATCH
+    batch_id: int
+    epoch: int
+    slot: int
+    sample_ids: list[int]
+    padded_len: int
+
+
+@dataclass(kw_only=True, slots=True)
+class Produced:
+    KIND: ClassVar[Kind] = Kind.PRODUCED
+    batch_id: int
+    slot: int
+    num_tokens: int
+    compute_s: float
+
+
+@dataclass(kw_only=True, slots=True)
+class WantHidden:
+    KIND: ClassVar[Kind] = Kind.WANT_HIDDEN
+    credits: int
+
+
+@dataclass(kw_only=True, slots=True)
+class Assign:
+    KIND: ClassVar[Kind] = Kind.ASSIGN
+    batch_id: int
+    epoch: int
+    target: int
+    pool: dict  # the producing target's slot-pool descriptor
+    slot: int
+    sample_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(kw_only=True, slots=True)
+class Consumed:
+    KIND: ClassVar[Kind] = Kind.CONSUMED
+    batch_id: int
+
+
+@dataclass(kw_only=True, slots=True)
+class Committed:
+    KIND: ClassVar[Kind] = Kind.COMMITTED
+    step: int
+    batch_ids: list[int]
+
+
+@dataclass(kw_only=True, slots=True)
+class Heartbeat:
+    KIND: ClassVar[Kind] = Kind.HEARTBEAT
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True, slots=True)
+class StatusRequest:
+    KIND: ClassVar[Kind] = Kind.STATUS_REQUEST
+
+
+@dataclass(kw_only=True, slots=True)
+class StatusReply:
+    KIND: ClassVar[Kind] = Kind.STATUS_REPLY
+    status: dict
+
+
+@dataclass(kw_only=True, slots=True)
+class EndOfData:
+    KIND: ClassVar[Kind] = Kind.END_OF_DATA
+
+
+@dataclass(kw_only=True, slots=True)
+class Shutdown:
+    KIND: ClassVar[Kind] = Kind.SHUTDOWN
+    reason: str
+
+
+@dataclass(kw_only=True, slots=True)
+class Rejected:
+    KIND: ClassVar[Kind] = Kind.REJECTED
+    kind: int     # the kind of the message that was refused
+    reason: str
+
+
+Message = (Register | Registered | Refused | Ready | Batch | Produced | WantHidden | Assign
+           | Consumed | Committed | Heartbeat | StatusRequest | StatusReply | EndOfData
+           | Shutdown | Rejected)
+
+_CLASSES: dict[Kind, type] = {cls.KIND: cls for cls in typing.get_args(Message)}
+_HINTS: dict[type, dict[str, Any]] = {cls: typing.get_type_hints(cls) for cls in _CLASSES.values()}
+
+
+def encode(msg: Message) -> list[bytes]:
+    """Frames for `msg`: [kind byte, msgpack body]."""
+    body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    return [bytes((msg.KIND,)), msgpack.packb(body, use_bin_type=True)]
+
+
+def decode(frames: list[bytes]) -> Message:
+    """Inverse of `encode`; raises ProtocolError naming what is wrong."""
+    if len(frames) != 2:
+        raise ProtocolError(f"expected 2 frames (kind, body), got {len(frames)}")
+    kind_frame, body_frame = frames
+    if len(kind_frame) != 1:
+        raise ProtocolError(f"kind frame must be 1 byte, got {len(kind_frame)}")
+    try:
+        kind = Kind(kind_frame[0])
+    except ValueError:
+        raise ProtocolError(f"unknown message kind {kind_frame[0]}") from None
+    if len(body_frame) > MAX_BODY_BYTES:
+        raise ProtocolError(f"{kind.name} body of {len(body_frame)} bytes exceeds {MAX_BODY_BYTES}")
+    try:
+        body = msgpack.unpackb(body_frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"{kind.name}: undecodable body ({type(exc).__name__}: {exc})") from None
+    cls = _CLASSES[kind]
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{kind.name}: body must be a map, got {type(body).__name__}")
+    hints = _HINTS[cls]
+    names = {f.name for f in dataclasses.fields(cls)}
+    required = {f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    unknown, missing = set(body) - names, required - set(body)
+    if unknown or missing:
+        raise ProtocolError(f"{kind.name}: unknown fields {sorted(unknown)}, missing {sorted(missing)}")
+    for name, value in body.items():
+        if not _matches(value, hints[name]):
+            raise ProtocolError(f"{kind.name}.{name}: {type(value).__name__} {value!r:.80} "
+                                f"does not match {hints[name]}")
+    return cls(**body)
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        (inner,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_matches(v, inner) for v in value)
+    if origin is dict:
+        key_hint, value_hint = typing.get_args(hint)
+        return isinstance(value, dict) and all(
+            _matches(k, key_hint) and _matches(v, value_hint) for k, v in value.items())
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)

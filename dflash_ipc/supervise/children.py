@@ -1,0 +1,98 @@
+"""Starting and stopping worker processes so that none outlives its supervisor.
+
+Every child runs `python -m dflash_ipc.cli <stage> --config <run_dir>/config.yaml`, in its
+own process group, with the Linux parent-death signal set to SIGTERM: if the supervisor is
+killed (even with SIGKILL) the kernel sends SIGTERM to each child, which then unwinds
+normally (closing its slot pool and sockets). `ParentWatch` is the portable second line of
+defence: a thread that exits the child when its parent pid changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    os.setpgrp()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    """One supervised process."""
+    role: str          # "dispatcher", "target/3", "drafter/0"
+    argv: list[str]
+    env: dict
+    log_path: str
+    popen: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restarts: list[float] = field(default_factory=list)
+
+    def start(self) -> None:
+        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+        log_file = open(self.log_path, "ab")
+        self.popen = subprocess.Popen(self.argv, env=self.env, stdout=log_file, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        log_file.close()
+        self.started_at = time.monotonic()
+        log.info("started %s (pid %d)", self.role, self.popen.pid)
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    def poll(self) -> int | None:
+        return self.popen.poll() if self.popen else None
+
+    def signal(self, sig: int) -> None:
+        if self.popen and self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, sig)  # the child's own group: it and anything it started
+            except ProcessLookupError:
+                pass
+
+
+def stop_children(children: list[Child], grace_s: float) -> None:
+    """SIGTERM every living child, wait up to `grace_s`, then SIGKILL what is left."""
+    for child in children:
+        child.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        if child.popen is None:
+            continue
+        try:
+            child.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s (pid %d) ignored SIGTERM for %.0fs: SIGKILL", child.role, child.pid, grace_s)
+            child.signal(signal.SIGKILL)
+            child.popen.wait()
+
+
+class ParentWatch(threading.Thread):
+    """Exits this process (via SIGTERM to itself) when the parent that started it is gone."""
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        super().__init__(daemon=True, name="parent-watch")
+        self.parent = os.getppid()
+        self.interval_s = interval_s
+
+    def run(self) -> None:
+        while True:
+            time.sleep(self.interval_s)
+            if os.getppid() != self.parent:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return

@@ -1,0 +1,124 @@
+"""The target worker: pulls batches, runs the frozen target, fills hidden-state slots.
+
+`TargetWorker` is the logic (one batch in, features in a slot out) and can be stepped in a
+test; `run_target` wraps it with the dispatcher link. Busy loop:
+  1) take every waiting message (batches queue up: the worker asks for `prefetch` at once,
+     so the next batch is already here while the current one computes),
+  2) compute the oldest queued batch into its slot, publish the slot, report `Produced`,
+     and ask for one more (`Ready(1)`),
+  3) on `Shutdown` (or a silent dispatcher) close the pool and exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+
+from dflash_ipc import protocol as p
+from dflash_ipc.config import JobConfig
+from dflash_ipc.data.dataset import TokenDataset
+from dflash_ipc.errors import WorkerDeadError
+from dflash_ipc.link import DispatcherLink
+from dflash_ipc.runinfo import pool_name
+from dflash_ipc.target.capture import FeatureCapture
+from dflash_ipc.transport.slots import SlotLayout, SlotPool, create_pool
+
+log = logging.getLogger(__name__)
+
+
+class TargetWorker:
+    def __init__(self, capture: FeatureCapture, dataset: TokenDataset, pool: SlotPool) -> None:
+        self.capture = capture
+        self.dataset = dataset
+        self.pool = pool
+        self.device = capture.device
+
+    def batch_tokens(self, sample_ids: list[int], padded_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded input ids [B, padded_len] and lengths [B], read from the memmap."""
+        ids = np.zeros((len(sample_ids), padded_len), dtype=np.int64)
+        lengths = np.zeros(len(sample_ids), dtype=np.int64)
+        for row, sample_id in enumerate(sample_ids):
+            tokens, _ = self.dataset.sample(sample_id)
+            ids[row, :len(tokens)] = tokens
+            lengths[row] = len(tokens)
+        pin = self.device.type == "cuda"
+        ids_t, lengths_t = torch.from_numpy(ids), torch.from_numpy(lengths)
+        if pin:
+            ids_t, lengths_t = ids_t.pin_memory(), lengths_t.pin_memory()
+        return (ids_t.to(self.device, non_blocking=True), lengths_t.to(self.device, non_blocking=True))
+
+    def produce(self, batch: p.Batch) -> p.Produced:
+        start = time.perf_counter()
+        input_ids, lengths = self.batch_tokens(batch.sample_ids, batch.padded_len)
+        num_tokens = int(sum(self.dataset.lengths[i] for i in batch.sample_ids))
+        view = self.pool.write_view(batch.slot, num_tokens)  # [T, F]
+        self.capture.forward_into(input_ids, lengths, view)
+        self.pool.publish(batch.slot)
+        return p.Produced(batch_id=batch.batch_id, slot=batch.slot, num_tokens=num_tokens,
+                          compute_s=time.perf_counter() - start)
+
+
+def run_target(cfg: JobConfig, rank: int) -> None:
+    """Entry point of `dflash-ipc target --rank N`."""
+    device = cfg.target.device_of(rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    capture = FeatureCapture(cfg.target.path, layer_ids=cfg.drafter.target_layer_ids,
+                             dtype=cfg.target.dtype, attn_implementation=cfg.target.attn_implementation,
+                             device=device)
+    dataset = TokenDataset(cfg.data.path)
+    layout = SlotLayout(num_slots=cfg.target.num_slots,
+                        max_tokens=SlotLayout.required_max_tokens(cfg.data.token_budget),
+                        feature_dim=capture.feature_dim, dtype=cfg.target.dtype)
+    pool = create_pool(layout, device, name=pool_name(cfg, rank))
+    link = DispatcherLink(cfg.dispatcher_address, identity=f"target/{rank}",
+                          heartbeat_interval_s=cfg.dispatch.heartbeat_interval_s,
+                          timeout_s=cfg.dispatch.heartbeat_timeout_s)
+    worker = TargetWorker(capture, dataset, pool)
+    try:
+        _serve(cfg, rank, worker, link)
+    finally:
+        link.close()
+        pool.close()
+
+
+def _serve(cfg: JobConfig, rank: int, worker: TargetWorker, link: DispatcherLink) -> None:
+    reply = link.request(p.Register(role="target", rank=rank, pid=os.getpid(), device=str(worker.device),
+                                    pool=worker.pool.descriptor(), num_slots=cfg.target.num_slots),
+                         timeout_s=cfg.supervise.startup_timeout_s)
+    if not isinstance(reply, p.Registered):
+        raise WorkerDeadError(f"target/{rank}: registration refused: {reply}")
+    link.send(p.Ready(credits=cfg.target.prefetch))
+    queue: list[p.Batch] = []
+    busy_s = wait_s = 0.0
+    batches = tokens = 0
+    while True:
+        # 1) take what is waiting; block (bounded) only when there is nothing to compute
+        waited = time.perf_counter()
+        msg = link.recv(0.0 if queue else 1.0)
+        while msg is not None:
+            if isinstance(msg, p.Batch):
+                queue.append(msg)
+            elif isinstance(msg, p.Shutdown):
+                log.info("shutdown: %s", msg.reason)
+                return
+            elif not isinstance(msg, p.EndOfData):
+                log.warning("ignored unexpected %s", msg.KIND.name)
+            msg = link.recv(0.0)
+        if not queue:
+            wait_s += time.perf_counter() - waited
+            link.metrics.update(busy_s=busy_s, wait_s=wait_s, batches=batches, tokens=tokens)
+            continue
+        # 2) compute the oldest batch, then ask for the next one
+        started = time.perf_counter()
+        produced = worker.produce(queue.pop(0))
+        link.send(produced)
+        link.send(p.Ready(credits=1))
+        busy_s += time.perf_counter() - started
+        batches += 1
+        tokens += produced.num_tokens
+        link.metrics.update(busy_s=busy_s, wait_s=wait_s, batches=batches, tokens=tokens)

@@ -1,0 +1,144 @@
+"""Objective: anchors, hand-checked blocks/labels/weights, chunked weighted CE."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_ipc.drafter.objective import (
+    anchor_generator,
+    block_loss_weights,
+    build_training_batch,
+    sample_anchors,
+    weighted_ce_sum,
+)
+from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.errors import DataError
+
+torch.set_num_threads(1)
+
+E1, E2 = 0.36787944117144233, 0.1353352832366127  # exp(-1), exp(-2)
+
+
+def test_block_loss_weights_by_hand():
+    assert block_loss_weights(4, 1.0).tolist() == pytest.approx([0.0, 1.0, E1, E2])
+    w = block_loss_weights(16, 7.0)
+    assert w[0] == 0 and w[1] == 1
+    assert w[2].item() == pytest.approx(0.8668778997501817)  # exp(-1/7)
+    assert w[15].item() == pytest.approx(E2)  # exp(-14/7)
+    with pytest.raises(DataError):
+        block_loss_weights(1, 7.0)
+
+
+def test_build_training_batch_by_hand():
+    # seq0: ids 10..14, loss on positions 1..3; seq1: ids 20..22, loss everywhere. bs 4, gamma 1.
+    ids = torch.tensor([10, 11, 12, 13, 14, 20, 21, 22])
+    lm = torch.tensor([0, 1, 1, 1, 0, 1, 1, 1], dtype=torch.bool)
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32)
+    b = build_training_batch(ids, lm, cu, [torch.tensor([1, 2]), torch.tensor([0, 1])],
+                             block_size=4, mask_token_id=99, gamma=1.0)
+    M = 99
+    assert b.num_anchors == 4
+    assert b.block_ids.tolist() == [11, M, M, M, 12, M, M, M, 20, M, M, M, 21, M, M, M]
+    assert b.block_positions.tolist() == [1, 2, 3, 4, 2, 3, 4, 5, 0, 1, 2, 3, 1, 2, 3, 4]
+    want_w = [0, 1, E1, 0,   # a=1: 12 ok, 13 ok, 14 has loss_mask 0
+              0, 1, 0, 0,    # a=2: 13 ok, 14 masked, position 5 beyond the end
+              0, 1, E1, 0,   # a=0 in seq1: 21, 22, then beyond the end
+              0, 1, 0, 0]    # a=1 in seq1: 22, then beyond
+    assert b.weights.tolist() == pytest.approx(want_w)
+    assert b.weights.dtype == torch.float32
+    labels = b.labels.tolist()
+    want_labels = {1: 12, 2: 13, 5: 13, 9: 21, 10: 22, 13: 22}
+    assert {i: labels[i] for i in want_labels} == want_labels
+    lay = b.layout
+    assert lay.query_seq.tolist() == [0] * 8 + [1] * 8
+    assert lay.query_anchor.tolist() == [1] * 4 + [2] * 4 + [0] * 4 + [1] * 4
+    assert lay.query_block.tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    assert lay.ctx_seq.tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    assert lay.ctx_pos.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert b.context_positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    lay.check()
+
+
+def test_build_training_batch_rejects_bad_anchors():
+    ids, lm, cu = torch.arange(6), torch.ones(6, dtype=torch.bool), torch.tensor([0, 3, 6])
+    with pytest.raises(DataError, match="sequence 1"):
+        build_training_batch(ids, lm, cu, [torch.tensor([0]), torch.tensor([3])],
+                             block_size=4, mask_token_id=0, gamma=7.0)
+    with pytest.raises(DataError, match="entries"):
+        build_training_batch(ids, lm, cu, [torch.tensor([0])], block_size=4, mask_token_id=0, gamma=7.0)
+
+
+def test_build_training_batch_without_anchors():
+    ids, lm, cu = torch.arange(6), torch.ones(6, dtype=torch.bool), torch.tensor([0, 3, 6])
+    b = build_training_batch(ids, lm, cu, [torch.tensor([], dtype=torch.long)] * 2,
+                             block_size=4, mask_token_id=0, gamma=7.0)
+    assert b.num_anchors == 0 and b.block_ids.numel() == 0 and b.layout.num_ctx == 6
+
+
+def test_sample_anchors_eligible_unique_bounded_sorted():
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.rand(500, generator=gen) > 0.3
+    eligible = {p for p in range(499) if mask[p] and mask[p + 1]}
+    a = sample_anchors(mask, 40, anchor_generator(1, 0, 7))
+    assert a.dtype == torch.long and len(a) == 40
+    assert set(a.tolist()) <= eligible
+    assert len(set(a.tolist())) == 40 and a.tolist() == sorted(a.tolist())
+    everything = sample_anchors(mask.numpy(), 10_000, anchor_generator(1, 0, 7))
+    assert set(everything.tolist()) == eligible
+    assert sample_anchors(np.array([1, 1, 0, 1], dtype=bool), 5, anchor_generator(0, 0, 0)).tolist() == [0]
+    assert sample_anchors(np.array([1]), 5, anchor_generator(0, 0, 0)).numel() == 0
+
+
+def test_anchor_draws_are_reproducible_and_fresh_each_epoch():
+    mask = torch.ones(2048, dtype=torch.bool)
+    draw = lambda seed, epoch, sample: sample_anchors(mask, 512, anchor_generator(seed, epoch, sample)).tolist()
+    assert draw(3, 0, 42) == draw(3, 0, 42)  # same key: same anchors, whatever rank or batch asks
+    assert draw(3, 0, 42) != draw(3, 1, 42)  # next epoch: new anchors
+    assert draw(3, 0, 42) != draw(3, 0, 43)
+    assert draw(3, 0, 42) != draw(4, 0, 42)
+
+
+def reference_ce_sum(hidden, head, labels, weights):
+    ce = F.cross_entropy(head.logits(hidden).double(), labels, reduction="none")
+    return (ce * weights).sum()
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 8192])
+def test_weighted_ce_sum_matches_full_logits(chunk):
+    gen = torch.Generator().manual_seed(0)
+    head = FrozenTargetHead(torch.randn(50, 16, generator=gen, dtype=torch.float64))
+    hidden = torch.randn(23, 16, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, 50, (23,), generator=gen)
+    weights = torch.rand(23, generator=gen, dtype=torch.float64)
+    weights[[0, 4, 5, 22]] = 0
+    h1 = hidden.clone().requires_grad_(True)
+    h2 = hidden.clone().requires_grad_(True)
+    got = weighted_ce_sum(h1, head, labels, weights, chunk_size=chunk)
+    want = reference_ce_sum(h2, head, labels, weights)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    (got / 3.0).backward()  # a scaled upstream gradient must scale the result
+    (want / 3.0).backward()
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-6, atol=1e-9)
+    assert h1.grad[[0, 4, 5, 22]].abs().max() == 0
+
+
+def test_weighted_ce_sum_all_zero_weights_and_no_grad():
+    head = FrozenTargetHead(torch.randn(10, 4))
+    hidden = torch.randn(6, 4, requires_grad=True)
+    loss = weighted_ce_sum(hidden, head, torch.zeros(6, dtype=torch.long), torch.zeros(6))
+    assert loss.item() == 0.0
+    loss.backward()
+    assert hidden.grad.abs().max() == 0
+    with torch.no_grad():
+        assert weighted_ce_sum(hidden, head, torch.ones(6, dtype=torch.long), torch.ones(6)).item() > 0
+    with pytest.raises(DataError, match="rows"):
+        weighted_ce_sum(hidden, head, torch.ones(5, dtype=torch.long), torch.ones(6))
+
+
+def test_training_batch_to_device_keeps_everything():
+    ids, lm, cu = torch.arange(8), torch.ones(8, dtype=torch.bool), torch.tensor([0, 8])
+    b = build_training_batch(ids, lm, cu, [torch.tensor([1, 4])], block_size=4, mask_token_id=0, gamma=7.0)
+    c = b.to("cpu")
+    assert torch.equal(c.weights, b.weights) and torch.equal(c.layout.ctx_pos, b.layout.ctx_pos)
+    assert c.num_anchors == 2 and c.layout.block_size == 4
