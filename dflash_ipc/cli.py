@@ -173,10 +173,12 @@ def bench_transport(pairs, iters) -> None:
 @bench.command("drafter")
 @click.option("--device", default="cuda:0", show_default=True)
 @click.option("--steps", default=10, show_default=True)
-def bench_drafter(device, steps) -> None:
+@click.option("--shape", type=click.Choice(["qwen3-8b", "tiny"]), default="qwen3-8b", show_default=True,
+              help="tiny: hidden 64, 2 layers, vocab 512, same step sizes (a quick GPU smoke test).")
+def bench_drafter(device, steps, shape) -> None:
     """Step time and MFU of a Qwen3-8B-shaped drafter at 32,768 query tokens per step."""
     from dflash_ipc.bench.drafter import run_drafter_bench
-    run_drafter_bench(device=device, steps=steps)
+    run_drafter_bench(device=device, steps=steps, shape=shape)
 
 
 def run() -> None:

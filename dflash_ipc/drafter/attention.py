@@ -47,6 +47,12 @@ except ImportError:  # pragma: no cover - torch < 2.5 is outside the supported r
 
 BACKENDS = ("dense", "flex")
 FLEX_TILE = 128  # FlexAttention's default (and most tuned) tile edge, queries and keys
+# The number of queries and context keys changes from step to step (sequence lengths,
+# a short last step). A static compile recompiles on the first change (6.8 s measured
+# on an H200) and dynamo then makes the sizes dynamic anyway; compiling dynamic from the
+# start gives one graph for every shape. The cost: the kernel can no longer assume
+# lengths divisible by 128 (IS_DIVISIBLE=False adds bounds checks to its loads).
+FLEX_COMPILE_OPTIONS = {"dynamic": True}
 _compiled_flex = None
 
 
@@ -218,10 +224,11 @@ def build_mask(layout: BlockLayout, backend: str) -> Tensor | "BlockMask":
 
 
 def _flex_fn():
-    """flex_attention compiled once per process on CUDA; eager elsewhere (CPU: forward only)."""
+    """flex_attention compiled once per process on CUDA, shape-dynamic so a new number of
+    queries or keys does not recompile; eager elsewhere (CPU: forward only)."""
     global _compiled_flex
     if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention)
+        _compiled_flex = torch.compile(flex_attention, **FLEX_COMPILE_OPTIONS)
     return _compiled_flex
 
 

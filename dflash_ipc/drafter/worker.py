@@ -33,6 +33,7 @@ from dflash_ipc.drafter.trainer import (DTYPES, DrafterTrainer, Sequence, eligib
                                         estimate_total_steps)
 from dflash_ipc.errors import WorkerDeadError
 from dflash_ipc.link import DispatcherLink
+from dflash_ipc.profiling import IterationProfiler
 from dflash_ipc.runinfo import checkpoints_dir
 from dflash_ipc.target.capture import load_target_config
 from dflash_ipc.transport.slots import ReaderCache
@@ -90,14 +91,23 @@ class DrafterWorker:
         return self.fifo_anchors >= self.cfg.drafter.anchors_per_step
 
 
-def _init_group(cfg: JobConfig, rank: int, device: str) -> None:
+def _init_group(cfg: JobConfig, rank: int, device: str):
+    """The drafter group: NCCL for gradients on GPU (gloo on CPU), plus a gloo group for the
+    small per-iteration control all-reduce, which must not touch the GPU stream."""
     world = cfg.drafter.num_workers
-    backend = "nccl" if device.startswith("cuda") else "gloo"
+    devices = [cfg.drafter.device_of(r) for r in range(world)]
+    # NCCL needs one GPU per rank; drafters sharing a GPU (e.g. 3 on one of 2 GPUs) fall back
+    # to gloo, which reduces gradients through host memory (gradients only, never features).
+    backend = "nccl" if device.startswith("cuda") and len(set(devices)) == world else "gloo"
+    if device.startswith("cuda") and backend == "gloo" and world > 1:
+        log.warning("drafters share GPUs %s: gradients are all-reduced with gloo (slower than NCCL)",
+                    sorted(set(devices)))
     if "MASTER_ADDR" not in os.environ:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ.setdefault("MASTER_PORT", "29500")
     dist.init_process_group(backend, rank=rank, world_size=world,
                             device_id=torch.device(device) if backend == "nccl" else None)
+    return dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
 
 
 def run_drafter(cfg: JobConfig, rank: int) -> None:
@@ -106,7 +116,7 @@ def run_drafter(cfg: JobConfig, rank: int) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, cfg.drafter.num_workers)))
-    _init_group(cfg, rank, device)
+    control = _init_group(cfg, rank, device)
     try:
         dataset = TokenDataset(cfg.data.path)
         target_config = load_target_config(cfg.target.path)
@@ -125,7 +135,7 @@ def run_drafter(cfg: JobConfig, rank: int) -> None:
                               heartbeat_interval_s=cfg.dispatch.heartbeat_interval_s,
                               timeout_s=cfg.dispatch.heartbeat_timeout_s)
         try:
-            _serve(cfg, rank, worker, link)
+            _serve(cfg, rank, worker, link, control)
         finally:
             link.close()
             worker.readers.close()
@@ -133,7 +143,7 @@ def run_drafter(cfg: JobConfig, rank: int) -> None:
         dist.destroy_process_group()
 
 
-def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLink) -> None:
+def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLink, control) -> None:
     reply = link.request(p.Register(role="drafter", rank=rank, pid=os.getpid(), device=str(worker.trainer.device)),
                          timeout_s=cfg.supervise.startup_timeout_s)
     if not isinstance(reply, p.Registered):
@@ -141,6 +151,7 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
     world = cfg.drafter.num_workers
     metrics_file = open(os.path.join(cfg.run.run_dir, "drafter_metrics.jsonl"), "a") if rank == 0 else None
     outstanding, end_of_data, shutdown = 0, False, False
+    profiler = IterationProfiler(f"drafter/{rank}", worker.trainer.device)
     last_ckpt_step = worker.trainer.step_count
     try:
         while True:
@@ -170,7 +181,7 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
             drained = end_of_data and not worker.fifo
             flags = torch.tensor([float(worker.full or (end_of_data and bool(worker.fifo))), float(drained)])
             if world > 1:
-                dist.all_reduce(flags)
+                dist.all_reduce(flags, group=control)
             if flags[1].item() == world:
                 break
             if flags[0].item() + flags[1].item() < world:
@@ -178,6 +189,7 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
                 continue
             # 3) step together; checkpoint and commit on schedule
             stats = worker.train_step()
+            profiler.step()
             stats.update(wait_s=worker.wait_s, fifo=len(worker.fifo), rank=rank, time=time.time(),
                          trained_tokens=worker.trained_tokens)
             link.metrics.update({k: float(v) for k, v in stats.items() if isinstance(v, (int, float))})
@@ -185,11 +197,12 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
                 metrics_file.write(json.dumps(stats) + "\n")
                 metrics_file.flush()
             if stats["step"] % cfg.drafter.checkpoint_every_steps == 0:
-                _checkpoint_and_commit(cfg, rank, worker, link)
+                _checkpoint_and_commit(cfg, rank, worker, link, control)
                 last_ckpt_step = worker.trainer.step_count
         # 4) drained: final checkpoint, then wait for the dispatcher to close the job
+        profiler.finish()
         if worker.trainer.step_count != last_ckpt_step or worker.trained:
-            _checkpoint_and_commit(cfg, rank, worker, link)
+            _checkpoint_and_commit(cfg, rank, worker, link, control)
         deadline = time.monotonic() + cfg.dispatch.heartbeat_timeout_s
         while not shutdown and time.monotonic() < deadline:
             msg = link.recv(0.5)
@@ -199,19 +212,31 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
             metrics_file.close()
 
 
-def _checkpoint_and_commit(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLink) -> None:
+def _checkpoint_and_commit(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLink,
+                           control) -> None:
     """Rank 0 writes the checkpoint; then every rank commits the batches it fully trained."""
     world = cfg.drafter.num_workers
-    gathered: list = [None] * world
-    if world > 1:
-        dist.all_gather_object(gathered, worker.trained)
-    else:
-        gathered = [worker.trained]
+    gathered = _gather_ids(worker.trained, world, control)
     if rank == 0:
         path = worker.trainer.save_checkpoint(checkpoints_dir(cfg), extra={
-            "batch_ids": sorted(b for ids in gathered for b in ids)})
+            "batch_ids": gathered})
         log.info("checkpoint %s", path)
     if world > 1:
-        dist.barrier()
+        dist.barrier(group=control)
     link.send(p.Committed(step=worker.trainer.step_count, batch_ids=list(worker.trained)))
     worker.trained = []
+
+
+def _gather_ids(ids: list[int], world: int, group) -> list[int]:
+    """All ranks' batch ids, sorted: tensors over the gloo group (no pickled objects)."""
+    if world == 1:
+        return sorted(ids)
+    count = torch.tensor([len(ids)], dtype=torch.long)
+    counts = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    width = max(1, max(int(c) for c in counts))
+    mine = torch.full((width,), -1, dtype=torch.long)
+    mine[:len(ids)] = torch.tensor(ids, dtype=torch.long)
+    everyone = [torch.empty(width, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=group)
+    return sorted(int(b) for t in everyone for b in t.tolist() if b >= 0)

@@ -23,6 +23,7 @@ from dflash_ipc.config import JobConfig
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.errors import WorkerDeadError
 from dflash_ipc.link import DispatcherLink
+from dflash_ipc.profiling import IterationProfiler
 from dflash_ipc.runinfo import pool_name
 from dflash_ipc.target.capture import FeatureCapture
 from dflash_ipc.transport.slots import SlotLayout, SlotPool, create_pool
@@ -93,6 +94,7 @@ def _serve(cfg: JobConfig, rank: int, worker: TargetWorker, link: DispatcherLink
     if not isinstance(reply, p.Registered):
         raise WorkerDeadError(f"target/{rank}: registration refused: {reply}")
     link.send(p.Ready(credits=cfg.target.prefetch))
+    profiler = IterationProfiler(f"target/{rank}", worker.device)
     queue: list[p.Batch] = []
     busy_s = wait_s = 0.0
     batches = tokens = 0
@@ -105,6 +107,7 @@ def _serve(cfg: JobConfig, rank: int, worker: TargetWorker, link: DispatcherLink
                 queue.append(msg)
             elif isinstance(msg, p.Shutdown):
                 log.info("shutdown: %s", msg.reason)
+                profiler.finish()
                 return
             elif not isinstance(msg, p.EndOfData):
                 log.warning("ignored unexpected %s", msg.KIND.name)
@@ -119,6 +122,7 @@ def _serve(cfg: JobConfig, rank: int, worker: TargetWorker, link: DispatcherLink
         link.send(produced)
         link.send(p.Ready(credits=1))
         busy_s += time.perf_counter() - started
+        profiler.step()
         batches += 1
         tokens += produced.num_tokens
         link.metrics.update(busy_s=busy_s, wait_s=wait_s, batches=batches, tokens=tokens)

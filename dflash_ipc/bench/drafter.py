@@ -1,0 +1,393 @@
+"""``dflash-ipc bench drafter``: step time, memory and MFU of one drafter training step.
+
+The step is the real one: :class:`DrafterTrainer` ``take`` + ``step`` on random target
+features (random weights, random token ids, loss mask all ones), a fresh set of sequences
+every step, so anchors and the attention mask change every step as in training. The
+mask is built inside the step; its time is also reported on its own.
+
+Shapes (``shape=``): ``"qwen3-8b"`` is the issue's drafter (hidden 4096, 5 layers over
+target layers [1, 9, 17, 25, 33] of a 36-layer Qwen3-8B, vocab 151,936); with the
+defaults 4 sequences of 2,048 tokens, 512 anchors each, block 16 = 32,768 query tokens.
+``"tiny"`` (hidden 64, 2 layers, vocab 512) runs the same code path on a CPU.
+
+FLOP count (model FLOPs, matmuls only, 2*m*n*k each; norms, RoPE, softmax, SiLU, CE and
+the optimizer are not counted). T = context tokens, Q = query (block) tokens, R = query
+rows that carry loss (weight != 0: block position 0 never does, nor positions past the
+sequence end; the CE skips the others), P = visible (query, key) pairs, H = hidden,
+F = n_features*H, d_q = heads*head_dim, d_kv = kv_heads*head_dim, I = intermediate,
+V = vocab, L = drafter layers. Forward:
+
+    fc          2*T*F*H
+    context_kv  L * 2*T*H*(2*d_kv)                 K, V projections of the context
+    block_proj  L * 2*Q*H*(2*d_q + 2*d_kv)          Q, K, V, O of the block tokens
+    attention   L * 4*P*d_q                         Q K^T and P V over visible pairs
+    mlp         L * 2*Q*3*H*I                       gate, up, down
+    lm_head     2*R*H*V                             frozen target LM head
+
+Training = forward x factor: 3 (forward, input gradient, weight gradient) for every term
+except ``fc``, 2 (its input, the target features, takes no gradient), and ``lm_head``,
+2 (frozen: no weight gradient; the CE computes the input gradient in its forward).
+Attention backward is counted as 2 forwards (dQ, dK, dV, dP), not the kernel's
+recomputation of Q K^T. The context K/V projections do get an input gradient: it flows
+into ``fc``. MFU uses P = visible pairs, exactly ``block_size * sum(anchor + block_size)``
+over blocks (a query sees the ``anchor`` context keys before its anchor and its block's
+``block_size`` keys). Also reported: the dense-equivalent count (P = Q*(T+Q), what a dense
+masked attention computes) and the pairs inside the 128x128 tiles FlexAttention runs.
+``DFlashDraftModel.flops_per_step`` counts ``fc`` x3 and leaves the LM head out; this
+module is the reference. (DESIGN.md's 286 TFLOP counted fc x3 and the LM head over all Q.)
+
+The matmul rate is measured in the same run: ``matmul_size``^3 bf16 matmuls (8192 for
+qwen3-8b), 3 warmups, mean of 10. MFU = model FLOPs / step time / that rate.
+
+Run manual::
+
+    dflash-ipc bench drafter --device cuda:0 --steps 10
+    python -c "from dflash_ipc.bench.drafter import run_drafter_bench; run_drafter_bench('cpu', 2, 'tiny', 16, 2, 128)"
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dflash_ipc.config import DrafterConfig
+from dflash_ipc.drafter.attention import FLEX_TILE, build_mask, flex_tile_flags
+from dflash_ipc.drafter.model import DFlashConfig
+from dflash_ipc.drafter.objective import TrainingBatch
+from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.drafter.trainer import DrafterTrainer, Sequence, eligible_anchor_count
+from dflash_ipc.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+GIB = 1024**3
+MATMUL_WARMUP = 3
+MATMUL_ITERS = 10
+# Training FLOPs per forward FLOP of each term (see the module docstring).
+TRAIN_FACTOR = {"fc": 2, "context_kv": 3, "block_proj": 3, "attention": 3, "mlp": 3, "lm_head": 2}
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    """A target model shape (Qwen3Config fields) and the drafter built on it."""
+
+    target: dict
+    num_draft_layers: int
+    matmul_size: int
+    """Edge of the square bf16 matmul that measures the peak rate."""
+
+
+SHAPES = {
+    "qwen3-8b": BenchShape(
+        target=dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                    head_dim=128, intermediate_size=12288, vocab_size=151936, rope_theta=1e6,
+                    max_position_embeddings=40960),
+        num_draft_layers=5, matmul_size=8192),
+    "tiny": BenchShape(
+        target=dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, intermediate_size=128, vocab_size=512, rope_theta=1e6,
+                    max_position_embeddings=4096),
+        num_draft_layers=2, matmul_size=256),
+}
+
+
+def drafter_model_config(shape: str) -> DFlashConfig:
+    """The drafter of a named shape, built from a transformers Qwen3Config like a real target's."""
+    from transformers import Qwen3Config
+
+    if shape not in SHAPES:
+        raise ConfigError(f"bench drafter: shape {shape!r} is not one of {sorted(SHAPES)}")
+    spec = SHAPES[shape]
+    target = Qwen3Config(**spec.target)
+    return DFlashConfig.from_target_config(target, num_draft_layers=spec.num_draft_layers,
+                                           mask_token_id=spec.target["vocab_size"] - 1)
+
+
+# --- FLOPs ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """What one step computed over: token counts and attention pairs."""
+
+    num_ctx: int  # T
+    num_queries: int  # Q
+    num_loss_rows: int  # R
+    visible_pairs: int  # (query, key) pairs the mask allows
+    dense_pairs: int  # Q * (T + Q)
+    tile_pairs: int  # pairs inside the 128x128 tiles FlexAttention visits
+
+
+def step_counts(batch: TrainingBatch, tile: int = FLEX_TILE) -> StepCounts:
+    """Counts of a built training batch (any device; a few small reductions)."""
+    layout = batch.layout
+    q, t, bs = layout.num_queries, layout.num_ctx, layout.block_size
+    anchors = layout.query_anchor[::bs].long()  # [blocks]
+    visible = bs * int((anchors + bs).sum())
+    partial, full = flex_tile_flags(layout, tile)  # [QT, KT]
+    rows = (q - torch.arange(partial.shape[0], device=partial.device) * tile).clamp(max=tile)  # [QT]
+    cols = (t + q - torch.arange(partial.shape[1], device=partial.device) * tile).clamp(max=tile)  # [KT]
+    tiles = int((rows[:, None] * cols[None, :] * (partial | full)).sum())
+    return StepCounts(num_ctx=t, num_queries=q, num_loss_rows=int(torch.count_nonzero(batch.weights)),
+                      visible_pairs=visible, dense_pairs=q * (t + q), tile_pairs=tiles)
+
+
+def forward_flops(config: DFlashConfig, *, num_ctx: int, num_queries: int, num_loss_rows: int,
+                  attention_pairs: int) -> dict[str, int]:
+    """Forward matmul FLOPs per term (module docstring); ``attention_pairs`` = P."""
+    h, i, nl = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    d_q = config.num_attention_heads * config.head_dim
+    d_kv = config.num_key_value_heads * config.head_dim
+    f = config.num_context_features * h
+    return {
+        "fc": 2 * num_ctx * f * h,
+        "context_kv": nl * 2 * num_ctx * h * (2 * d_kv),
+        "block_proj": nl * 2 * num_queries * h * (2 * d_q + 2 * d_kv),
+        "attention": nl * 4 * attention_pairs * d_q,
+        "mlp": nl * 2 * num_queries * 3 * h * i,
+        "lm_head": 2 * num_loss_rows * h * config.vocab_size,
+    }
+
+
+def training_flops(config: DFlashConfig, counts: StepCounts, *, pairs: str = "visible") -> dict[str, int]:
+    """Forward + backward FLOPs per term and their ``total``; ``pairs``: visible, dense or tile."""
+    if pairs not in ("visible", "dense", "tile"):
+        raise ConfigError(f"training_flops: pairs={pairs!r} not one of visible, dense, tile")
+    fwd = forward_flops(config, num_ctx=counts.num_ctx, num_queries=counts.num_queries,
+                        num_loss_rows=counts.num_loss_rows,
+                        attention_pairs=getattr(counts, f"{pairs}_pairs"))
+    out = {name: TRAIN_FACTOR[name] * value for name, value in fwd.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
+# --- measurements ---------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_rate(device: torch.device, size: int, *, warmup: int = MATMUL_WARMUP,
+                iters: int = MATMUL_ITERS) -> float:
+    """Mean bf16 ``size^3`` matmul rate in TFLOP/s over ``iters`` back-to-back matmuls."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=gen)
+    out = torch.empty(size, size, device=device, dtype=torch.bfloat16)
+    for _ in range(warmup):
+        torch.matmul(a, b, out=out)
+    _sync(device)
+    started = time.perf_counter()
+    for _ in range(iters):
+        torch.matmul(a, b, out=out)
+    _sync(device)
+    seconds = (time.perf_counter() - started) / iters
+    return 2 * size**3 / seconds / 1e12
+
+
+def random_head(config: DFlashConfig, device: torch.device, gen: torch.Generator) -> FrozenTargetHead:
+    """Untied random bf16 embedding and LM head of the target's vocabulary ``[V, H]``."""
+    shape = (config.vocab_size, config.hidden_size)
+    embed = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen).mul_(0.02)
+    head = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen).mul_(0.02)
+    return FrozenTargetHead(embed, head)
+
+
+def random_sequences(config: DFlashConfig, *, step: int, num_seqs: int, seq_len: int, max_anchors: int,
+                     device: torch.device, gen: torch.Generator, cpu_gen: torch.Generator) -> list[Sequence]:
+    """Fresh sequences as a drafter worker holds them: features on the device, ids on the host."""
+    width = config.num_context_features * config.hidden_size
+    out = []
+    for i in range(num_seqs):
+        loss_mask = torch.ones(seq_len, dtype=torch.bool)
+        out.append(Sequence(
+            batch_id=step, epoch=0, sample_id=step * num_seqs + i,  # new ids: new anchors each step
+            features=torch.randn(seq_len, width, device=device, dtype=torch.bfloat16, generator=gen),  # [L, F]
+            input_ids=torch.randint(0, config.vocab_size, (seq_len,), generator=cpu_gen),  # [L]
+            loss_mask=loss_mask,
+            num_anchors=eligible_anchor_count(loss_mask.numpy(), max_anchors)))
+    return out
+
+
+class _RecordingTrainer(DrafterTrainer):
+    """The real trainer, keeping the batch of its last step so the bench can count it."""
+
+    last_batch: TrainingBatch | None = None
+
+    def _build(self, chosen):
+        built = super()._build(chosen)
+        self.last_batch = built[0]
+        return built
+
+
+def _mask_seconds(layout, backend: str, device: torch.device) -> float:
+    """Mask construction to completion on the device (the trainer's in-step clock is host-side)."""
+    _sync(device)
+    started = time.perf_counter()
+    mask = build_mask(layout, backend)
+    _sync(device)
+    del mask
+    return time.perf_counter() - started
+
+
+# --- the benchmark --------------------------------------------------------------------------
+
+
+def _resolve_device(device: str) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"bench drafter: device {device!r} asked but CUDA is not available; use --device cpu")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(dev)  # compiled kernels launch on the current device
+    elif dev.type != "cpu":
+        raise ConfigError(f"bench drafter: device {device!r} is not 'cpu' or 'cuda:N'")
+    return dev
+
+
+def _check_sizes(steps: int, warmup: int, anchors_per_seq: int, num_seqs: int, seq_len: int) -> None:
+    for name, value, low in (("steps", steps, 1), ("warmup", warmup, 0), ("anchors_per_seq", anchors_per_seq, 1),
+                             ("num_seqs", num_seqs, 1), ("seq_len", seq_len, 2)):
+        if value < low:
+            raise ConfigError(f"bench drafter: {name}={value} must be >= {low}")
+    if anchors_per_seq > seq_len - 1:  # anchors need a loss position after them
+        raise ConfigError(f"bench drafter: anchors_per_seq={anchors_per_seq} must be <= seq_len-1={seq_len - 1}")
+
+
+def _one_step(trainer: _RecordingTrainer, seqs: list[Sequence], device: torch.device) -> dict:
+    """One timed training step, then (untimed) its counts and a synchronized mask re-build."""
+    chosen = trainer.take(collections.deque(seqs))
+    _sync(device)  # the features were generated asynchronously: not this step's time
+    started = time.perf_counter()
+    result = trainer.step(chosen)
+    _sync(device)
+    wall_s = time.perf_counter() - started
+    batch, trainer.last_batch = trainer.last_batch, None
+    return {"step_s": wall_s, "mask_in_step_s": result["mask_s"], "loss": result["loss"],
+            "anchors": result["anchors"], "counts": step_counts(batch),
+            "mask_s": _mask_seconds(batch.layout, trainer.backend, device)}
+
+
+def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwen3-8b", anchors_per_seq: int = 512,
+                      num_seqs: int = 4, seq_len: int = 2048, warmup: int = 3) -> dict:
+    """Time ``steps`` real drafter training steps after ``warmup`` untimed ones; print and return figures.
+
+    Every step trains on ``num_seqs`` fresh random sequences of ``seq_len`` tokens with
+    ``anchors_per_seq`` anchors each (``num_seqs * anchors_per_seq * block_size`` queries).
+    """
+    _check_sizes(steps, warmup, anchors_per_seq, num_seqs, seq_len)
+    dev = _resolve_device(device)
+    config = drafter_model_config(shape)
+    rate = matmul_rate(dev, SHAPES[shape].matmul_size)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    cpu_gen = torch.Generator().manual_seed(2)
+    cfg = DrafterConfig(num_workers=1, devices=[str(dev)], dtype="bfloat16", num_layers=config.num_hidden_layers,
+                        block_size=config.block_size, max_anchors_per_seq=anchors_per_seq,
+                        anchors_per_step=num_seqs * anchors_per_seq, attention="auto")
+    trainer = _RecordingTrainer(cfg, config, random_head(config, dev, gen), device=str(dev),
+                                total_steps=warmup + steps, seed=0)
+    logger.info("bench drafter: %s on %s, %s attention, %d warmup + %d steps", shape, dev, trainer.backend,
+                warmup, steps)
+    warm, timed = [], []
+    for i in range(warmup + steps):
+        seqs = random_sequences(config, step=i, num_seqs=num_seqs, seq_len=seq_len, max_anchors=anchors_per_seq,
+                                device=dev, gen=gen, cpu_gen=cpu_gen)
+        if i == warmup and dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        record = _one_step(trainer, seqs, dev)
+        del seqs
+        (warm if i < warmup else timed).append(record)
+        logger.info("step %d%s: %.1f ms, loss %.3f", i, " (warmup)" if i < warmup else "",
+                    record["step_s"] * 1e3, record["loss"])
+    peak = torch.cuda.max_memory_allocated(dev) / GIB if dev.type == "cuda" else None
+    figures = _figures(trainer, config, shape, dev, rate, warm, timed, peak,
+                       num_seqs=num_seqs, seq_len=seq_len, anchors_per_seq=anchors_per_seq)
+    print(format_report(figures), flush=True)
+    return figures
+
+
+def _mean_flops(config: DFlashConfig, timed: list[dict], pairs: str) -> dict[str, float]:
+    per_step = [training_flops(config, r["counts"], pairs=pairs) for r in timed]
+    return {name: statistics.fmean(f[name] for f in per_step) for name in per_step[0]}
+
+
+def _figures(trainer, config, shape, dev, rate, warm, timed, peak, *, num_seqs, seq_len, anchors_per_seq) -> dict:
+    step_s = [r["step_s"] for r in timed]
+    mean_s = statistics.fmean(step_s)
+    counts = timed[-1]["counts"]
+    flops = _mean_flops(config, timed, "visible")
+    dense = _mean_flops(config, timed, "dense")["total"]
+    tile = _mean_flops(config, timed, "tile")["total"]
+    achieved = flops["total"] / mean_s / 1e12
+    return {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "shape": shape, "attention": trainer.backend, "torch": torch.__version__,
+        "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+        "num_layers": config.num_hidden_layers, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
+        "target_layer_ids": list(config.target_layer_ids), "block_size": config.block_size,
+        "num_seqs": num_seqs, "seq_len": seq_len, "anchors_per_seq": anchors_per_seq,
+        "anchors_per_step": timed[-1]["anchors"], "num_queries": counts.num_queries, "num_ctx": counts.num_ctx,
+        "num_loss_rows_mean": statistics.fmean(r["counts"].num_loss_rows for r in timed),
+        "steps": len(timed), "warmup_step_s": [r["step_s"] for r in warm],
+        "step_s_mean": mean_s, "step_s_min": min(step_s), "step_s_max": max(step_s),
+        "mask_s_mean": statistics.fmean(r["mask_s"] for r in timed),
+        "mask_in_step_s_mean": statistics.fmean(r["mask_in_step_s"] for r in timed),
+        "sequences_per_s": num_seqs / mean_s, "query_tokens_per_s": counts.num_queries / mean_s,
+        "context_tokens_per_s": counts.num_ctx / mean_s,
+        "peak_memory_gib": peak, "loss_last": timed[-1]["loss"],
+        "matmul_tflops": rate, "matmul_size": SHAPES[shape].matmul_size,
+        "flops_per_step": flops["total"], "flops_breakdown": {k: v for k, v in flops.items() if k != "total"},
+        "flops_dense_per_step": dense, "flops_tile_per_step": tile,
+        "tflops": achieved, "mfu": achieved / rate, "mfu_dense": dense / mean_s / 1e12 / rate,
+    }
+
+
+def _flop_str(value: float) -> str:
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if value >= scale:
+            return f"{value / scale:,.2f} {unit}"
+    return f"{value:,.0f} FLOP"
+
+
+def _count_str(n: int) -> str:
+    return f"{n / 1e9:.3f} B" if n >= 1e9 else f"{n / 1e6:.3f} M"
+
+
+def format_report(f: dict) -> str:
+    """The human-readable report of :func:`run_drafter_bench`'s figures."""
+    ms = 1e3
+    memory = f"{f['peak_memory_gib']:.1f} GiB (torch.cuda.max_memory_allocated)" if f["peak_memory_gib"] is not None \
+        else "n/a on CPU"
+    parts = ", ".join(f"{name} {_flop_str(v)}" for name, v in f["flops_breakdown"].items())
+    warm = ", ".join(f"{s:.2f} s" for s in f["warmup_step_s"]) or "none"
+    return "\n".join([
+        f"drafter step benchmark: {f['shape']} on {f['device']}, torch {f['torch']}, {f['attention']} attention",
+        f"  drafter       {f['num_layers']} layers, hidden {f['hidden_size']}, vocab {f['vocab_size']}, "
+        f"{_count_str(f['trainable_params'])} trainable params, target layers {f['target_layer_ids']}",
+        f"  step          {f['num_seqs']} seqs x {f['seq_len']} tokens, {f['anchors_per_seq']} anchors/seq, "
+        f"block {f['block_size']}: {f['num_queries']:,} query tokens, {f['num_ctx']:,} context tokens",
+        f"  step time     mean {f['step_s_mean'] * ms:.1f} ms, min {f['step_s_min'] * ms:.1f} ms, "
+        f"max {f['step_s_max'] * ms:.1f} ms over {f['steps']} steps (warmup steps: {warm})",
+        f"  mask build    {f['mask_s_mean'] * ms:.2f} ms (synchronized re-build of each step's mask); "
+        f"trainer's in-step clock {f['mask_in_step_s_mean'] * ms:.2f} ms",
+        f"  throughput    {f['sequences_per_s']:,.2f} seq/s, {f['query_tokens_per_s']:,.0f} query tok/s, "
+        f"{f['context_tokens_per_s']:,.0f} context tok/s",
+        f"  peak memory   {memory}",
+        f"  model FLOPs   {_flop_str(f['flops_per_step'])}/step over visible attention pairs "
+        f"(dense-equivalent {_flop_str(f['flops_dense_per_step'])}, "
+        f"in flex tiles {_flop_str(f['flops_tile_per_step'])})",
+        f"                {parts}",
+        f"  rate          {_flop_str(f['tflops'] * 1e12)}/s vs bf16 matmul {_flop_str(f['matmul_tflops'] * 1e12)}/s "
+        f"({f['matmul_size']}^3, same run)",
+        f"  MFU           {f['mfu'] * 100:.1f}% (visible-pairs FLOPs; dense-equivalent would read "
+        f"{f['mfu_dense'] * 100:.1f}%)",
+        f"  loss          {f['loss_last']:.3f} (last step; random data)",
+    ])

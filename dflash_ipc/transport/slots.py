@@ -1,0 +1,495 @@
+"""Slot pools: the one interface through which hidden states move from targets to drafters.
+
+A *slot pool* is owned by one producer (a target worker). It is allocated once, as one
+contiguous buffer cut into ``num_slots`` fixed-size slots, and described once by a
+``descriptor()``: a plain dict (str/int/float/bytes/list only) that the protocol module
+serialises and the dispatcher forwards to consumers. Per batch only ``(slot, num_tokens)``
+travels. A consumer (a drafter worker) opens each pool once (``ReaderCache``) and copies
+slots into its own memory with ``SlotReader.read``; once ``read`` returns, the copy is
+complete and the slot may be handed back to its producer (the release message goes
+through the dispatcher; it is not part of this module).
+
+Two backends behind the same interface, chosen by the producer's device:
+
+- ``shm`` (``transport/shm.py``): one POSIX shared-memory segment per pool, for CPU
+  machines and tests. Writes are ordered by the Produced message itself.
+- ``cuda_ipc`` (``transport/cuda_ipc.py``): one CUDA allocation per pool exported through
+  a CUDA IPC handle, one interprocess event per slot; GPU to GPU, never through the host.
+
+Producer death is detected by pid plus process start time (to defeat pid reuse): a reader
+raises ``ProducerGoneError`` instead of hanging or reading freed memory.
+
+Typical use::
+
+    # target
+    pool = create_pool(SlotLayout(8, budget, 5 * hidden, "bfloat16"), "cuda:0", name=f"{run}-t0")
+    send(pool.descriptor())
+    view = pool.write_view(slot, n)        # [n, D], fill it on the current stream
+    pool.publish(slot)                     # then report Produced(slot, n)
+    # drafter
+    readers = ReaderCache("cuda:5")
+    hidden = readers.get(descriptor).read(slot, n)   # [n, D] on cuda:5; then report Consumed
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import weakref
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+
+from dflash_ipc.errors import ConfigError, ProducerGoneError, TransportError
+
+logger = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+# Slots start on this boundary so every copy starts aligned (DMA engines and vectorised
+# copy kernels run at full speed only on aligned addresses).
+SLOT_ALIGN_BYTES = 512
+DESCRIPTOR_VERSION = 1
+BACKENDS = ("shm", "cuda_ipc")
+# Start times read from /proc are rounded to clock ticks (10 ms); anything closer is the
+# same process, anything further apart is a reused pid.
+_START_TIME_TOLERANCE_S = 0.05
+DEFAULT_READ_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class SlotLayout:
+    """Shape of every slot of a pool: ``num_slots`` slots of ``[max_tokens, feature_dim]``."""
+
+    num_slots: int
+    """Number of slots; a target can have this many batches produced but not yet consumed."""
+    max_tokens: int
+    """Packed tokens a slot holds; at least the token budget of a batch."""
+    feature_dim: int
+    """Width of one token's features: hidden size x number of captured layers."""
+    dtype: str
+    """Element type, one of ``DTYPES``."""
+
+    def __post_init__(self) -> None:
+        for field in ("num_slots", "max_tokens", "feature_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"SlotLayout.{field} must be an int >= 1, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(
+                f"SlotLayout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch_dtype.itemsize
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of data one full slot holds."""
+        return self.max_tokens * self.feature_dim * self.itemsize
+
+    @property
+    def slot_stride_bytes(self) -> int:
+        """Distance between the starts of two slots (``slot_bytes`` rounded up)."""
+        return -(-self.slot_bytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_slots * self.slot_stride_bytes
+
+    @staticmethod
+    def required_max_tokens(token_budget: int) -> int:
+        """Largest packed batch (valid tokens only) a token budget can produce."""
+        if not isinstance(token_budget, int) or token_budget < 1:
+            raise ConfigError(f"token_budget must be an int >= 1, got {token_budget!r}")
+        # batch_size x padded_len <= budget, and packing keeps only valid tokens.
+        return token_budget
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_slots": self.num_slots,
+            "max_tokens": self.max_tokens,
+            "feature_dim": self.feature_dim,
+            "dtype": self.dtype,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SlotLayout:
+        try:
+            return cls(
+                num_slots=data["num_slots"],
+                max_tokens=data["max_tokens"],
+                feature_dim=data["feature_dim"],
+                dtype=data["dtype"],
+            )
+        except (KeyError, TypeError) as exc:
+            raise TransportError(f"slot pool descriptor: bad 'layout' {data!r}: {exc}") from exc
+
+    def byte_range(self, slot: int, num_tokens: int) -> tuple[int, int]:
+        """``(start, end)`` byte offsets of the first ``num_tokens`` rows of ``slot``."""
+        if not isinstance(slot, int) or not 0 <= slot < self.num_slots:
+            raise TransportError(
+                f"slot {slot!r} out of range: pool has slots 0..{self.num_slots - 1}"
+            )
+        if not isinstance(num_tokens, int) or not 0 <= num_tokens <= self.max_tokens:
+            raise TransportError(
+                f"num_tokens {num_tokens!r} out of range: a slot holds 0..{self.max_tokens} tokens"
+            )
+        start = slot * self.slot_stride_bytes
+        return start, start + num_tokens * self.feature_dim * self.itemsize
+
+
+def slot_view(flat: torch.Tensor, layout: SlotLayout, slot: int, num_tokens: int) -> torch.Tensor:
+    """``[num_tokens, feature_dim]`` view of ``slot`` inside a flat uint8 pool buffer."""
+    start, end = layout.byte_range(slot, num_tokens)
+    return flat[start:end].view(layout.torch_dtype).view(num_tokens, layout.feature_dim)
+
+
+def check_out(out: torch.Tensor, layout: SlotLayout, num_tokens: int, device: torch.device) -> None:
+    """Reject an ``out`` buffer that a slot copy cannot fill exactly."""
+    want = (num_tokens, layout.feature_dim)
+    if tuple(out.shape) != want or out.dtype != layout.torch_dtype or out.device != device:
+        raise TransportError(
+            f"read(out=...): need a tensor of shape {list(want)}, dtype {layout.dtype} on "
+            f"{device}; got shape {list(out.shape)}, dtype {out.dtype} on {out.device}"
+        )
+    if not out.is_contiguous():
+        raise TransportError("read(out=...): out must be contiguous")
+
+
+class SlotPool(ABC):
+    """Producer side of a slot pool, owned by one target.
+
+    Use ``write_view`` to fill a slot, ``publish`` once the writes are issued, then report
+    the slot as produced. Do not write a slot again until its consumer released it.
+    """
+
+    layout: SlotLayout
+
+    @abstractmethod
+    def descriptor(self) -> dict[str, Any]:
+        """Msgpack-safe description of the pool; sent once, forwarded to consumers."""
+
+    @abstractmethod
+    def write_view(self, slot: int, num_tokens: int) -> torch.Tensor:
+        """``[num_tokens, feature_dim]`` view of ``slot`` to fill."""
+
+    @abstractmethod
+    def publish(self, slot: int) -> None:
+        """Mark the writes to ``slot`` issued so far as the batch a consumer will read."""
+
+    @abstractmethod
+    def poison(self, slot: int, value: float) -> None:
+        """Fill all of ``slot`` with ``value`` (debug aid: a released slot must never be read)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Free the pool; idempotent. Readers of a closed pool get ``ProducerGoneError``."""
+
+    def __enter__(self) -> SlotPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SlotReader(ABC):
+    """Consumer side of one producer's pool; open once per (consumer, pool) and reuse."""
+
+    layout: SlotLayout
+    pool_id: str
+
+    @abstractmethod
+    def read(self, slot: int, num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy ``[num_tokens, feature_dim]`` of ``slot`` to the consumer's device.
+
+        Ordered after the producer's ``publish``. When it returns the copy is complete, so
+        the caller may release the slot at once. Raises ``ProducerGoneError`` when the
+        producer died, ``TransportError`` on any other failure; never blocks longer than
+        the reader's timeout.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Unmap the pool; idempotent."""
+
+    @abstractmethod
+    def producer_alive(self) -> bool:
+        """Whether the process that owns the pool still runs."""
+
+
+# --- producer identity and liveness -------------------------------------------------------
+
+
+def producer_identity() -> dict[str, Any]:
+    """Who owns a pool: pid, process start time (defeats pid reuse) and host."""
+    proc = psutil.Process(os.getpid())
+    return {"pid": proc.pid, "create_time": proc.create_time(), "host": socket.gethostname()}
+
+
+class ProducerWatch:
+    """Answers "is the producer of this pool still alive?" in about a microsecond.
+
+    The descriptor's start time is checked once against the live process (a reused pid
+    has another start time). After that a pidfd (Linux >= 5.3) refers to exactly that
+    process and polls readable once it has exited, zombie or reaped. Where pidfds are
+    unavailable, psutil re-reads /proc on every check (~40 us).
+    """
+
+    def __init__(self, identity: dict[str, Any], pool_id: str) -> None:
+        self.pool_id = pool_id
+        try:
+            self.pid = int(identity["pid"])
+            self.create_time = float(identity["create_time"])
+            host = str(identity["host"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TransportError(
+                f"slot pool {pool_id}: descriptor 'producer' must hold pid, create_time and "
+                f"host, got {identity!r}"
+            ) from exc
+        if host != socket.gethostname():
+            raise TransportError(
+                f"slot pool {pool_id} lives on host {host!r}, this is {socket.gethostname()!r}: "
+                "hidden states never leave their node; assign batches to a drafter of that node"
+            )
+        self._proc: psutil.Process | None = None
+        self._poller: select.poll | None = None
+        self._finalizer: weakref.finalize | None = None
+        pidfd = self._open_pidfd()
+        if self._same_process():
+            self._proc = psutil.Process(self.pid)
+            if pidfd is not None:
+                # Opened before the start-time check: if that check passed, the pidfd
+                # cannot belong to a later process that reused the pid.
+                self._poller = select.poll()
+                self._poller.register(pidfd, select.POLLIN)
+                self._finalizer = weakref.finalize(self, os.close, pidfd)
+                pidfd = None
+        if pidfd is not None:
+            os.close(pidfd)
+
+    def _open_pidfd(self) -> int | None:
+        try:
+            return os.pidfd_open(self.pid)  # type: ignore[attr-defined]
+        except (AttributeError, OSError):
+            return None  # not Linux, old kernel, sandbox, or already gone
+
+    def _same_process(self) -> bool:
+        try:
+            found = psutil.Process(self.pid).create_time()
+        except psutil.Error:
+            return False
+        return abs(found - self.create_time) <= _START_TIME_TOLERANCE_S
+
+    def alive(self) -> bool:
+        if self._proc is None:
+            return False
+        if self._poller is not None:
+            return not self._poller.poll(0)
+        try:
+            # is_running() compares start times too, so a reused pid reads as dead.
+            return self._proc.is_running() and self._proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def check(self, when: str) -> None:
+        """Raise ``ProducerGoneError`` if the producer is gone."""
+        if not self.alive():
+            raise ProducerGoneError(
+                f"slot pool {self.pool_id}: producer pid {self.pid} (started at "
+                f"{self.create_time:.2f}) is gone {when}; drop this batch, the dispatcher "
+                "requeues it"
+            )
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+# --- factories ------------------------------------------------------------------------------
+
+
+def _as_device(device: torch.device | str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise TransportError(f"bad device {device!r}: expected 'cpu' or 'cuda:N'") from exc
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type not in ("cpu", "cuda"):
+        raise TransportError(f"device {device!r}: slot pools live on 'cpu' or 'cuda:N' only")
+    return dev
+
+
+def create_pool(layout: SlotLayout, device: torch.device | str, *, name: str) -> SlotPool:
+    """Allocate a pool on ``device``: ``cpu`` gives shared memory, ``cuda:N`` CUDA IPC.
+
+    ``name`` starts with the run's prefix (the supervisor cleans up leftovers by prefix);
+    the producer's pid is appended, so a restarted worker never collides with the
+    leftovers of the one it replaces.
+    """
+    dev = _as_device(device)
+    if dev.type == "cpu":
+        from dflash_ipc.transport.shm import ShmSlotPool
+
+        return ShmSlotPool(layout, name=name)
+    from dflash_ipc.transport.cuda_ipc import CudaIpcSlotPool
+
+    return CudaIpcSlotPool(layout, dev, name=name)
+
+
+def validate_descriptor(descriptor: Any) -> str:
+    """Check the common descriptor fields; return the backend name."""
+    if not isinstance(descriptor, dict):
+        raise TransportError(
+            f"slot pool descriptor must be a dict, got {type(descriptor).__name__}"
+        )
+    required = ("backend", "version", "pool_id", "layout", "producer")
+    missing = [k for k in required if k not in descriptor]
+    if missing:
+        raise TransportError(f"slot pool descriptor lacks {missing}; has {sorted(descriptor)}")
+    if descriptor["version"] != DESCRIPTOR_VERSION:
+        raise TransportError(
+            f"slot pool {descriptor['pool_id']}: descriptor version {descriptor['version']!r}, "
+            f"this build reads version {DESCRIPTOR_VERSION}: run one dflash-ipc version per job"
+        )
+    if descriptor["backend"] not in BACKENDS:
+        raise TransportError(
+            f"slot pool {descriptor['pool_id']}: backend {descriptor['backend']!r}, "
+            f"allowed {list(BACKENDS)}"
+        )
+    return descriptor["backend"]
+
+
+def open_reader(
+    descriptor: dict[str, Any],
+    device: torch.device | str,
+    *,
+    timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+) -> SlotReader:
+    """Open a producer's pool for reading into ``device``; backend from ``descriptor``."""
+    backend = validate_descriptor(descriptor)
+    dev = _as_device(device)
+    if backend == "shm":
+        from dflash_ipc.transport.shm import ShmSlotReader
+
+        return ShmSlotReader(descriptor, dev, timeout_s=timeout_s)
+    from dflash_ipc.transport.cuda_ipc import CudaIpcSlotReader
+
+    return CudaIpcSlotReader(descriptor, dev, timeout_s=timeout_s)
+
+
+class ReaderCache:
+    """Opens each producer pool once (opening a CUDA handle costs ~40 ms) and keeps it."""
+
+    def __init__(
+        self, device: torch.device | str, *, timeout_s: float = DEFAULT_READ_TIMEOUT_S
+    ) -> None:
+        self.device = _as_device(device)
+        self.timeout_s = timeout_s
+        self._readers: dict[str, SlotReader] = {}
+
+    def get(self, descriptor: dict[str, Any]) -> SlotReader:
+        validate_descriptor(descriptor)
+        pool_id = descriptor["pool_id"]
+        reader = self._readers.get(pool_id)
+        if reader is None:
+            reader = open_reader(descriptor, self.device, timeout_s=self.timeout_s)
+            self._readers[pool_id] = reader
+            logger.info("opened slot pool %s on %s", pool_id, self.device)
+        return reader
+
+    def drop(self, pool_id: str) -> None:
+        """Close and forget one pool (its producer died or was replaced)."""
+        reader = self._readers.pop(pool_id, None)
+        if reader is not None:
+            reader.close()
+
+    def prune_dead(self) -> list[str]:
+        """Close the readers whose producers are gone; return their pool ids."""
+        dead = [pid for pid, r in self._readers.items() if not r.producer_alive()]
+        for pool_id in dead:
+            self.drop(pool_id)
+        return dead
+
+    def __len__(self) -> int:
+        return len(self._readers)
+
+    def close(self) -> None:
+        for pool_id in list(self._readers):
+            self.drop(pool_id)
+
+
+# --- start-up checks ------------------------------------------------------------------------
+
+
+def check_slot_capacity(layout: SlotLayout, *, token_budget: int, feature_dim: int) -> None:
+    """ConfigError unless every batch the budget allows fits a slot of ``layout``.
+
+    ``feature_dim`` is what the target writes per token: hidden size x captured layers.
+    """
+    if feature_dim != layout.feature_dim:
+        raise ConfigError(
+            f"slot feature_dim {layout.feature_dim} != target feature width {feature_dim} "
+            "(hidden_size x number of captured layers)"
+        )
+    need = SlotLayout.required_max_tokens(token_budget)
+    if layout.max_tokens < need:
+        raise ConfigError(
+            f"slot holds {layout.max_tokens} tokens ({layout.slot_bytes} bytes) but token_budget "
+            f"{token_budget} can produce a batch of {need} tokens x {feature_dim} features = "
+            f"{need * feature_dim * layout.itemsize} bytes; raise max_tokens to >= {need} "
+            "or lower the token budget"
+        )
+
+
+def check_peer_access(target_devices: list[str], drafter_devices: list[str]) -> None:
+    """TransportError naming the first (target GPU, drafter GPU) pair without peer access.
+
+    A drafter maps each target's pool into its own device and copies over NVLink/PCIe, so
+    every drafter GPU must reach every target GPU. CPU targets (shm) need nothing.
+    """
+    targets = [_as_device(d) for d in target_devices]
+    drafters = [_as_device(d) for d in drafter_devices]
+    for t in targets:
+        for d in drafters:
+            if t.type == "cpu":
+                continue
+            if d.type != "cuda":
+                raise TransportError(
+                    f"target {t} uses CUDA IPC slots but drafter device {d} is not a GPU: "
+                    "put targets and drafters both on cuda:N or both on cpu"
+                )
+            from dflash_ipc.transport.cuda_ipc import check_pair
+
+            check_pair(t, d)
+
+
+# --- leftover shared-memory segments (supervisor clean-up) --------------------------------
+
+
+def list_leftover_segments(prefix: str) -> list[str]:
+    """Names of shared-memory segments in /dev/shm whose name starts with ``prefix``."""
+    from dflash_ipc.transport.shm import list_segments
+
+    return list_segments(prefix)
+
+
+def unlink_segments(prefix: str) -> int:
+    """Unlink every segment starting with ``prefix``; return how many were removed."""
+    from dflash_ipc.transport.shm import unlink_segments_with_prefix
+
+    return unlink_segments_with_prefix(prefix)

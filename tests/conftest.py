@@ -1,0 +1,17 @@
+"""Shared fixtures: the tiny target and synthetic dataset, built once per test session."""
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory):
+    """A DFLASH_IPC_CACHE holding the tiny target (built through save_pretrained)."""
+    cache = tmp_path_factory.mktemp("dflash-cache")
+    from dflash_ipc.data.tiny import build_tiny_target
+    build_tiny_target(os.path.join(cache, "tiny-target"))
+    return cache

@@ -1,0 +1,178 @@
+"""The drafter step benchmark on the tiny shape (CPU), and its FLOP count against hand
+counts and against torch's FlopCounterMode on a real training step."""
+
+import collections
+import math
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from dflash_ipc.bench import drafter as bd
+from dflash_ipc.config import DrafterConfig
+from dflash_ipc.drafter import attention as att
+from dflash_ipc.drafter.objective import build_training_batch
+from dflash_ipc.errors import ConfigError
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny-shape trainer and the chosen sequences of one step (not yet taken)."""
+    config = bd.drafter_model_config("tiny")
+    dev = torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    cfg = DrafterConfig(num_workers=1, devices=["cpu"], max_anchors_per_seq=16, anchors_per_step=32)
+    trainer = bd._RecordingTrainer(cfg, config, bd.random_head(config, dev, gen), device="cpu",
+                                   total_steps=4, seed=0)
+    seqs = bd.random_sequences(config, step=0, num_seqs=2, seq_len=128, max_anchors=16, device=dev, gen=gen,
+                               cpu_gen=torch.Generator().manual_seed(1))
+    return config, trainer, seqs
+
+
+def test_bench_runs_on_tiny_shape_with_sane_figures(capsys):
+    f = bd.run_drafter_bench("cpu", steps=2, shape="tiny", anchors_per_seq=16, num_seqs=2, seq_len=128, warmup=1)
+    report = capsys.readouterr().out
+    assert "MFU" in report and "mask build" in report and "step time" in report
+    assert f["attention"] == "dense" and f["steps"] == 2 and len(f["warmup_step_s"]) == 1
+    assert f["num_queries"] == 2 * 16 * 16 and f["num_ctx"] == 2 * 128 and f["anchors_per_step"] == 32
+    assert 0 < f["step_s_min"] <= f["step_s_mean"] <= f["step_s_max"]
+    assert 0 < f["mask_s_mean"] < f["step_s_mean"]
+    assert f["sequences_per_s"] == pytest.approx(2 / f["step_s_mean"])
+    assert f["query_tokens_per_s"] == pytest.approx(512 / f["step_s_mean"])
+    assert f["peak_memory_gib"] is None  # CPU: no allocator statistics
+    assert f["matmul_tflops"] > 0 and 0 < f["mfu"] < 1
+    assert f["tflops"] == pytest.approx(f["flops_per_step"] / f["step_s_mean"] / 1e12)
+    assert f["flops_per_step"] < f["flops_tile_per_step"] <= f["flops_dense_per_step"]
+    assert sum(f["flops_breakdown"].values()) == pytest.approx(f["flops_per_step"])
+    # random features, near-uniform logits at init: the loss is about ln(vocab)
+    assert abs(f["loss_last"] - math.log(512)) < 0.5
+
+
+def test_forward_flops_match_a_hand_count():
+    # tiny: H=64, 2 features -> F=128, 4 heads x 16 -> 64, 2 kv heads x 16 -> 32, I=128, V=512, 2 layers
+    config = bd.drafter_model_config("tiny")
+    t, q, r, p = 10, 32, 25, 300
+    fc = 2 * t * 128 * 64
+    ctx_k = ctx_v = 2 * t * 64 * 32
+    q_proj, k_proj, v_proj, o_proj = 2 * q * 64 * 64, 2 * q * 64 * 32, 2 * q * 64 * 32, 2 * q * 64 * 64
+    scores = values = 4 * (2 * p * 16)  # 4 heads, head_dim 16
+    gate = up = 2 * q * 64 * 128
+    down = 2 * q * 128 * 64
+    lm = 2 * r * 64 * 512
+    want = {"fc": fc, "context_kv": 2 * (ctx_k + ctx_v), "block_proj": 2 * (q_proj + k_proj + v_proj + o_proj),
+            "attention": 2 * (scores + values), "mlp": 2 * (gate + up + down), "lm_head": lm}
+    got = bd.forward_flops(config, num_ctx=t, num_queries=q, num_loss_rows=r, attention_pairs=p)
+    assert got == want
+    counts = bd.StepCounts(num_ctx=t, num_queries=q, num_loss_rows=r, visible_pairs=p, dense_pairs=q * (t + q),
+                           tile_pairs=0)
+    train = bd.training_flops(config, counts)
+    assert train["total"] == 2 * fc + 3 * (want["context_kv"] + want["block_proj"] + want["attention"]
+                                           + want["mlp"]) + 2 * lm
+    with pytest.raises(ConfigError, match="visible, dense, tile"):
+        bd.training_flops(config, counts, pairs="sparse")
+
+
+def _check_counts_against_dense_mask(batch) -> None:
+    counts = bd.step_counts(batch)
+    mask = att.dense_mask(batch.layout)  # [Q, T+Q]
+    assert counts.num_queries == mask.shape[0] and counts.num_ctx + counts.num_queries == mask.shape[1]
+    assert counts.visible_pairs == int(mask.sum())
+    assert counts.dense_pairs == mask.numel()
+    assert counts.num_loss_rows == int((batch.weights != 0).sum())
+    # pairs inside every 128x128 tile that holds a visible pair (ragged edges clipped)
+    tile = att.FLEX_TILE
+    qt, kt = -(-mask.shape[0] // tile), -(-mask.shape[1] // tile)
+    padded = torch.zeros(qt * tile, kt * tile, dtype=torch.bool)
+    padded[: mask.shape[0], : mask.shape[1]] = mask
+    inside = torch.zeros_like(padded, dtype=torch.int64)
+    inside[: mask.shape[0], : mask.shape[1]] = 1
+    used = padded.view(qt, tile, kt, tile).any(3).any(1)  # [QT, KT]
+    area = inside.view(qt, tile, kt, tile).sum((1, 3))
+    assert counts.tile_pairs == int(area[used].sum())
+
+
+def test_step_counts_match_the_dense_mask(tiny):
+    config, trainer, seqs = tiny
+    trainer.step(trainer.take(collections.deque(seqs)))
+    batch = trainer.last_batch
+    assert batch.layout.num_queries == 512 and batch.layout.num_ctx == 256
+    assert 0 < int((batch.weights != 0).sum()) <= 32 * 15  # block position 0 never carries loss
+    _check_counts_against_dense_mask(batch)
+
+
+def test_step_counts_on_ragged_sizes():
+    # Q and T+Q not multiples of the 128 tile; loss mask with holes
+    lengths, gen = (300, 77, 190), torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    loss_mask = torch.rand(int(cu[-1]), generator=gen) > 0.2
+    anchors = [torch.randperm(n - 2, generator=gen)[:k].sort().values for n, k in zip(lengths, (9, 4, 7))]
+    batch = build_training_batch(torch.zeros(int(cu[-1]), dtype=torch.long), loss_mask, cu, anchors,
+                                 block_size=16, mask_token_id=0, gamma=7.0)
+    assert batch.layout.num_queries % 128 and (batch.layout.num_ctx + batch.layout.num_queries) % 128
+    _check_counts_against_dense_mask(batch)
+
+
+def test_training_flops_equal_flop_counter_on_a_real_step(tiny):
+    # The math SDPA kernel runs attention as bmm's, which FlopCounterMode counts (the CPU
+    # flash kernel is not counted), so a real step must count exactly the dense-equivalent.
+    config, trainer, seqs = tiny
+    chosen = trainer.take(collections.deque(seqs))
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        trainer.step(chosen)
+    counts = bd.step_counts(trainer.last_batch)
+    dense = bd.training_flops(config, counts, pairs="dense")
+    assert counter.get_total_flops() == dense["total"]
+    visible = bd.training_flops(config, counts)
+    assert visible["total"] == dense["total"] - dense["attention"] + visible["attention"]
+
+
+def test_flex_compile_is_shape_dynamic():
+    # No recompilation across layouts of different query and key counts (a static compile
+    # recompiles on the first change). aot_eager: the Triton kernel needs a GPU. The first
+    # call may hand the backend two graphs (dynamo restarts once to specialize the float
+    # scale); what matters is that later shapes add none.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(att.flex_attention, backend=counter, **att.FLEX_COMPILE_OPTIONS)
+    compiled_after_first = None
+    for lengths in [(700, 130, 450), (300, 200), (512, 256, 128, 128)]:
+        gen = torch.Generator().manual_seed(0)
+        anchors = [torch.randperm(n - 1, generator=gen)[:20].sort().values for n in lengths]
+        cu = torch.tensor([0, *lengths]).cumsum(0)
+        total = int(cu[-1])
+        layout = build_training_batch(torch.zeros(total, dtype=torch.long), torch.ones(total, dtype=torch.bool), cu,
+                                      anchors, block_size=16, mask_token_id=0, gamma=7.0).layout
+        q = torch.randn(1, 4, layout.num_queries, 16, generator=gen)
+        k = torch.randn(1, 2, layout.num_ctx + layout.num_queries, 16, generator=gen)
+        v = torch.randn(1, 2, layout.num_ctx + layout.num_queries, 16, generator=gen)
+        out = fn(q, k, v, block_mask=att.flex_block_mask(layout), scale=0.25, enable_gqa=True)
+        want = att.attention(q[0], k[0], v[0], att.dense_mask(layout))
+        torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-5)
+        compiled_after_first = compiled_after_first or counter.frame_count
+    assert counter.frame_count == compiled_after_first >= 1
+    torch._dynamo.reset()
+
+
+def test_bad_arguments_raise_config_errors():
+    with pytest.raises(ConfigError, match="qwen3-8b"):
+        bd.drafter_model_config("llama")
+    with pytest.raises(ConfigError, match="seq_len-1"):
+        bd.run_drafter_bench("cpu", shape="tiny", anchors_per_seq=200, num_seqs=1, seq_len=128)
+    with pytest.raises(ConfigError, match="steps"):
+        bd.run_drafter_bench("cpu", steps=0, shape="tiny")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            bd.run_drafter_bench("cuda:0", shape="tiny", anchors_per_seq=16, num_seqs=2, seq_len=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bench_runs_on_gpu_with_flex_and_memory_figures():
+    f = bd.run_drafter_bench("cuda:0", steps=2, shape="tiny", anchors_per_seq=16, num_seqs=2, seq_len=128,
+                             warmup=1)
+    assert f["attention"] == "flex" and f["peak_memory_gib"] > 0 and 0 < f["mfu"] < 1

@@ -1,0 +1,78 @@
+"""Config: YAML + dotted overrides; unknown keys, wrong types, impossible values named."""
+
+import os
+
+import pytest
+
+from dflash_ipc.config import JobConfig, dump_config, load_config
+from dflash_ipc.errors import ConfigError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_defaults_are_the_asked_topology():
+    cfg = JobConfig()
+    assert cfg.target.num_workers == 5 and cfg.drafter.num_workers == 3
+    assert cfg.dispatch.policy == "pull"
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(REPO, "configs"))))
+def test_shipped_configs_load(name):
+    load_config(os.path.join(REPO, "configs", name))
+
+
+def test_overrides_parse_types():
+    cfg = load_config(None, ["drafter.lr=3e-4", "data.bucket_boundaries=[32, 64]", "data.token_budget=64",
+                             "target.devices=[cuda:0]", "drafter.devices=[cuda:1]", "drafter.target_layer_ids=[1,2]",
+                             "run.seed=7"])
+    assert cfg.drafter.lr == pytest.approx(3e-4)
+    assert cfg.data.bucket_boundaries == [32, 64]
+    assert cfg.drafter.target_layer_ids == [1, 2] and cfg.run.seed == 7
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("drafter.lrr=1", "unknown key drafter.lrr"),
+    ("nosection.x=1", "unknown key nosection"),
+    ("drafter.lr=abc", "drafter.lr: expected float"),
+    ("target.num_workers=two", "target.num_workers: expected int"),
+    ("target.num_workers=0", "target.num_workers: must be >= 1"),
+    ("data.token_budget=100", "data.token_budget"),
+    ("data.bucket_boundaries=[64, 32]", "strictly increasing"),
+    ("target.devices=[cpu, cpu]", "one per worker (5)"),
+    ("target.devices=[gpu0]", "'gpu0' is not a device"),
+    ("dispatch.policy=push", "allowed: pull, round_robin"),
+    ("target.dtype=int8", "target.dtype"),
+    ("drafter.attention=sparse", "allowed: auto, flex, dense"),
+    ("target.prefetch=9", "target.prefetch"),
+    ("dispatch.address=http://x", "dispatch.address"),
+    ("drafter.dtype=float64", "drafter.dtype"),
+    ("noequals", "must look like section.key=value"),
+])
+def test_bad_values_are_named(override, needle):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert needle in str(info.value)
+
+
+def test_mixing_cpu_and_cuda_is_refused():
+    with pytest.raises(ConfigError, match="mixing cpu and cuda"):
+        load_config(None, ["target.devices=[cuda:0]"])
+
+
+def test_yaml_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("drafter:\n  lr: [\n")
+    with pytest.raises(ConfigError, match="bad.yaml"):
+        load_config(str(bad))
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("drafter:\n  layers: 3\n")
+    with pytest.raises(ConfigError, match="unknown.yaml.*unknown key drafter.layers"):
+        load_config(str(unknown))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "missing.yaml"))
+
+
+def test_dump_and_reload_is_identity(tmp_path):
+    cfg = load_config(None, ["drafter.lr=1e-3", "target.num_workers=2"])
+    dump_config(cfg, str(tmp_path / "c.yaml"))
+    assert load_config(str(tmp_path / "c.yaml")) == cfg

@@ -1,0 +1,76 @@
+"""Wire codec: every message round-trips; garbage is refused with a ProtocolError."""
+
+import dataclasses
+import typing
+
+import msgpack
+import pytest
+
+from dflash_ipc import protocol as p
+from dflash_ipc.errors import ProtocolError
+
+EXAMPLES = [
+    p.Register(role="target", rank=3, pid=123, node=0, device="cuda:3", pool={"backend": "shm", "h": b"\x00\x01"},
+               num_slots=4),
+    p.Registered(role="drafter", rank=1, num_batches=99),
+    p.Refused(reason="no"),
+    p.Ready(credits=2),
+    p.Batch(batch_id=7, epoch=1, slot=2, sample_ids=[5, 9, 11], padded_len=128),
+    p.Produced(batch_id=7, slot=2, num_tokens=300, compute_s=0.25),
+    p.WantHidden(credits=1),
+    p.Assign(batch_id=7, epoch=1, target=3, pool={"backend": "shm"}, slot=2, sample_ids=[5], num_tokens=3),
+    p.Consumed(batch_id=7),
+    p.Committed(step=10, batch_ids=[1, 2, 3]),
+    p.Heartbeat(metrics={"loss": 1.5, "step": 3}),
+    p.StatusRequest(),
+    p.StatusReply(status={"a": [1, 2], "b": {"c": 1.0}}),
+    p.EndOfData(),
+    p.Shutdown(reason="done"),
+    p.Rejected(kind=5, reason="bad"),
+]
+
+
+def test_every_kind_has_an_example():
+    assert {type(m) for m in EXAMPLES} == set(typing.get_args(p.Message))
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    frames = p.encode(msg)
+    assert len(frames[0]) == 1 and frames[0][0] == msg.KIND
+    assert p.decode(frames) == msg
+
+
+def _body(msg):
+    return {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+
+
+@pytest.mark.parametrize("frames, needle", [
+    ([b"\x05"], "expected 2 frames"),
+    ([b"\x05\x05", b""], "1 byte"),
+    ([b"\xff", msgpack.packb({})], "unknown message kind"),
+    ([bytes((p.Kind.READY,)), b"\xc1garbage"], "undecodable"),
+    ([bytes((p.Kind.READY,)), msgpack.packb([1, 2])], "must be a map"),
+    ([bytes((p.Kind.READY,)), msgpack.packb({})], "missing ['credits']"),
+    ([bytes((p.Kind.READY,)), msgpack.packb({"credits": 1, "x": 2})], "unknown fields ['x']"),
+    ([bytes((p.Kind.READY,)), msgpack.packb({"credits": "1"})], "READY.credits"),
+    ([bytes((p.Kind.READY,)), msgpack.packb({"credits": True})], "READY.credits"),
+    ([bytes((p.Kind.BATCH,)), msgpack.packb({**_body(EXAMPLES[4]), "sample_ids": [1, "a"]})], "sample_ids"),
+    ([bytes((p.Kind.HEARTBEAT,)), msgpack.packb({"metrics": {"a": "x"}})], "metrics"),
+])
+def test_garbage_is_refused(frames, needle):
+    with pytest.raises(ProtocolError) as info:
+        p.decode(frames)
+    assert needle in str(info.value)
+
+
+def test_oversized_body_is_refused():
+    with pytest.raises(ProtocolError, match="exceeds"):
+        p.decode([bytes((p.Kind.READY,)), b"\x00" * (p.MAX_BODY_BYTES + 1)])
+
+
+def test_nothing_is_pickled():
+    # msgpack ext types (the only way to smuggle objects) are refused as undecodable or mistyped.
+    ext = msgpack.packb({"credits": msgpack.ExtType(1, b"\x80\x04")})
+    with pytest.raises(ProtocolError):
+        p.decode([bytes((p.Kind.READY,)), ext])
