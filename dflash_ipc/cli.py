@@ -64,16 +64,28 @@ def main() -> None:
 @override_option
 def up(config, overrides) -> None:
     """Run the whole job: dispatcher, targets and drafters, supervised."""
+    from dflash_ipc.config import BUILTIN_SYNTHETIC_DATA, BUILTIN_TINY_TARGET
     from dflash_ipc.logs import setup_logging
     from dflash_ipc.runinfo import resolve_job
     from dflash_ipc.supervise.supervisor import Supervisor
     cfg = _load(config, overrides)
     setup_logging("supervisor", level=cfg.run.log_level)
+    embedded_default = cfg.target.path == BUILTIN_TINY_TARGET and cfg.data.path == BUILTIN_SYNTHETIC_DATA
     cfg = resolve_job(cfg)
     log.info("run directory %s: %d targets on %s, %d drafters on %s", cfg.run.run_dir,
              cfg.target.num_workers, ",".join(cfg.target.devices), cfg.drafter.num_workers,
              ",".join(cfg.drafter.devices))
-    sys.exit(Supervisor(cfg, print_status=lambda line: click.echo(line)).run())
+    code = Supervisor(cfg, print_status=lambda line: click.echo(line)).run()
+    if code == 0 and embedded_default:
+        # The embedded default ends by showing that the drafter learned: tau of the trained
+        # drafter next to an untrained one of the same shape, on held-out prompts.
+        from dflash_ipc.eval.acceptance import format_comparison
+        from dflash_ipc.eval.speculative import untrained_vs_trained
+        from dflash_ipc.runinfo import checkpoints_dir
+        untrained, trained = untrained_vs_trained(cfg.target.path, checkpoints_dir(cfg), cfg.data.path,
+                                                  seed=cfg.run.seed)
+        click.echo(format_comparison(untrained, trained))
+    sys.exit(code)
 
 
 @main.command()
@@ -155,9 +167,85 @@ def status(run_dir, as_json) -> None:
     click.echo(query_status(run_dir, as_json=as_json))
 
 
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--stale-after", "stale_after_s", type=float, default=None,
+              help="Heartbeat age (s) that degrades a worker (default: dispatch.heartbeat_timeout_s / 2).")
+@click.option("--stall-after", "stall_after_s", type=float, default=None,
+              help="Seconds without progress that degrade (default: 2 x dispatch.heartbeat_timeout_s).")
+@click.option("--timeout", "timeout_s", type=float, default=2.0, show_default=True,
+              help="Seconds to wait for the dispatcher's status.")
+def health(run_dir, as_json, stale_after_s, stall_after_s, timeout_s) -> None:
+    """Per-process health (psutil, heartbeats, progress). Exit 0 healthy, 1 degraded, 2 down."""
+    import json
+    from dflash_ipc.supervise.health import format_health, health_report
+    report = health_report(run_dir, stale_after_s=stale_after_s, stall_after_s=stall_after_s, timeout_s=timeout_s)
+    click.echo(json.dumps(report.to_json(), indent=1) if as_json else format_health(report))
+    sys.exit(report.exit_code)
+
+
+@main.command("eval")
+@click.option("--target", "target_dir", required=True, type=click.Path(exists=True, file_okay=False),
+              help="HF target model directory.")
+@click.option("--drafter", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Export, checkpoint step dir, or checkpoints root (latest).")
+@click.option("--data", "data_dir", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Prepared dataset; its last --num-prompts samples are the prompts.")
+@click.option("--num-prompts", default=16, show_default=True)
+@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
+              show_default=True, help="auto: float32 on CPU, bfloat16 on GPU.")
+@click.option("--check-lossless", is_flag=True, help="Also decode plainly; exit 1 if any output differs.")
+@click.option("--vs-untrained", is_flag=True, help="Also evaluate an untrained drafter of the same shape.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report(s) as JSON.")
+def eval_cmd(target_dir, drafter, data_dir, num_prompts, max_new_tokens, device, dtype, check_lossless,
+             vs_untrained, as_json) -> None:
+    """Greedy speculative decoding on held-out prompts: tau, acceptance per position, forwards/token."""
+    import json
+    from dflash_ipc.eval.acceptance import format_comparison
+    from dflash_ipc.eval.speculative import evaluate, untrained_vs_trained
+    from dflash_ipc.logs import setup_logging
+    setup_logging("eval")
+    kw = dict(num_prompts=num_prompts, max_new_tokens=max_new_tokens, device=device, dtype=dtype,
+              check_lossless=check_lossless)
+    reports = (list(untrained_vs_trained(target_dir, drafter, data_dir, **kw)) if vs_untrained
+               else [evaluate(target_dir, drafter, data_dir, **kw)])
+    click.echo(json.dumps([r.to_dict() for r in reports], indent=1) if as_json
+               else format_comparison(*reports) if vs_untrained else reports[0].format())
+    if any(r.lossless_mismatches for r in reports):
+        sys.exit(1)
+
+
 @main.group()
 def bench() -> None:
     """Benchmarks that print figures."""
+
+
+@bench.command("dispatch")
+@click.option("--samples", "num_samples", default=20000, show_default=True, help="Sequences in the epoch plan.")
+@click.option("--targets", "num_targets", default=5, show_default=True)
+@click.option("--drafters", "num_drafters", default=3, show_default=True)
+@click.option("--policy", "policies", multiple=True, type=click.Choice(["pull", "round_robin"]),
+              help="Repeatable; default: both, in the same invocation.")
+@click.option("--target-speeds", default=None, metavar="S0,S1,...",
+              help="Relative speed of each target, e.g. 1,1,1,1,0.5 (default: all 1).")
+@click.option("--time-scale", default=0.018, show_default=True, help="Bench seconds per modelled GPU second.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--out", "out_path", default=None, type=click.Path(dir_okay=False),
+              help="Also write every figure and the targets' busy intervals as JSON.")
+def bench_dispatch(num_samples, num_targets, num_drafters, policies, target_speeds, time_scale, seed,
+                   out_path) -> None:
+    """Pull against round-robin: the real dispatcher and sockets, cost-model fake workers."""
+    import json
+    from dflash_ipc.bench.dispatch import POLICIES, parse_speeds, run_dispatch_bench
+    result = run_dispatch_bench(num_targets=num_targets, num_drafters=num_drafters, num_samples=num_samples,
+                                policies=policies or POLICIES, seed=seed, time_scale=time_scale,
+                                target_speeds=parse_speeds(target_speeds) if target_speeds else None)
+    if out_path:
+        with open(out_path, "w", encoding="utf-8") as f:
+            json.dump(result, f)
 
 
 @bench.command("transport")

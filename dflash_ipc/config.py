@@ -63,6 +63,8 @@ class DataConfig:
     """builtin:synthetic only: shortest prompt+response in tokens."""
     synthetic_max_len: int = 384
     """builtin:synthetic only: longest prompt+response in tokens."""
+    synthetic_words: int = 48
+    """builtin:synthetic only: size of the word vocabulary of prompts and continuations."""
     num_epochs: int = 1
     """Passes over the dataset."""
     bucket_boundaries: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
@@ -89,6 +91,7 @@ class DataConfig:
         _require(2 <= self.synthetic_min_len <= self.synthetic_max_len, "data.synthetic_min_len",
                  "need 2 <= synthetic_min_len <= synthetic_max_len")
         _require(self.synthetic_samples >= 1, "data.synthetic_samples", "must be >= 1")
+        _require(self.synthetic_words >= 2, "data.synthetic_words", "must be >= 2")
 
     @property
     def max_length(self) -> int:

@@ -34,7 +34,9 @@ class DispatcherLink:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(address)
         self.last_heard = time.monotonic()
-        self._last_beat = 0.0
+        # The first heartbeat waits one interval: a short-lived observer (status, health) must
+        # not send one, the dispatcher would refuse it from an unregistered sender.
+        self._last_beat = time.monotonic()
         self.metrics: dict[str, float] = {}
 
     def send(self, msg: p.Message) -> None:

@@ -80,10 +80,12 @@ def resolve_job(cfg: JobConfig) -> JobConfig:
     if cfg.data.path == BUILTIN_SYNTHETIC_DATA:
         from dflash_ipc.data.synthetic import build_synthetic_dataset
         d = cfg.data
-        name = f"synthetic-{d.synthetic_samples}-{d.synthetic_min_len}-{d.synthetic_max_len}-{cfg.run.seed}"
+        name = (f"synthetic-{d.synthetic_samples}-{d.synthetic_min_len}-{d.synthetic_max_len}-"
+                f"w{d.synthetic_words}-{cfg.run.seed}")
         cfg.data.path = build_synthetic_dataset(cfg.target.path, os.path.join(cache_dir(), name),
                                                 num_samples=d.synthetic_samples, min_len=d.synthetic_min_len,
-                                                max_len=d.synthetic_max_len, seed=cfg.run.seed)
+                                                max_len=d.synthetic_max_len, seed=cfg.run.seed,
+                                                num_words=d.synthetic_words)
     cfg.data.path = os.path.abspath(cfg.data.path)
     dataset = TokenDataset(cfg.data.path)
     dataset.check_tokenizer(cfg.target.path)

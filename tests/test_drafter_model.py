@@ -8,12 +8,17 @@ from transformers import LlamaConfig, Qwen3Config
 from transformers.models.qwen3 import modeling_qwen3 as hf
 
 from dflash_ipc.drafter.attention import BlockLayout, build_mask, dense_mask
+from dflash_ipc.drafter import model as model_mod
 from dflash_ipc.drafter.model import (
+    CudaCompiled,
     DFlashConfig,
     DFlashDraftModel,
     RotaryEmbedding,
     apply_rope,
     default_target_layer_ids,
+    rms_norm,
+    rms_norm_rope,
+    swiglu,
 )
 from dflash_ipc.drafter.objective import build_training_batch, weighted_ce_sum
 from dflash_ipc.drafter.target_head import FrozenTargetHead
@@ -292,3 +297,142 @@ def test_model_flex_and_dense_agree_on_gpu(autocast):
         g_dense, g_flex = grads[0][name], grads[1][name]
         rel = (g_flex - g_dense).norm() / g_dense.norm()
         assert rel < (3e-2 if autocast else 1e-4), (name, rel.item())
+
+
+def test_rms_norm_returns_input_dtype_with_float32_statistics():
+    """bf16 input, float32 weight (the trainer's mode): the value the Linear consumers saw
+    before (float32 ``weight * normalize(x)`` rounded to bf16), now rounded once, in bf16."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(9, 64, generator=gen) * 5).to(torch.bfloat16)
+    w = torch.rand(64, generator=gen) + 0.5
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    out = rms_norm(x, w, 1e-6)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, (w * normed).to(torch.bfloat16))
+    assert rms_norm(x.float(), w, 1e-6).dtype == torch.float32
+    assert rms_norm(x.double(), w, 1e-6).dtype == torch.float64
+
+
+def test_rms_norm_rope_applies_rope_in_float32_then_rounds():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 4, 16, generator=gen).to(torch.bfloat16)  # [N, heads, D]
+    w = torch.rand(16, generator=gen) + 0.5
+    ang = torch.rand(5, 16, generator=gen) * 100
+    out = rms_norm_rope(x, w, 1e-6, ang.cos(), ang.sin())
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    want = apply_rope(w * normed, ang.cos(), ang.sin())  # float32 RoPE, as before the change
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want.to(torch.bfloat16))
+
+
+def _rand_args(fn, n, gen):
+    bf = dict(dtype=torch.bfloat16)
+    if fn is rms_norm:
+        return [torch.randn(n, 64, generator=gen).to(**bf).requires_grad_(), torch.rand(64, generator=gen)
+                .add(0.5).requires_grad_(), 1e-6]
+    if fn is rms_norm_rope:
+        return [torch.randn(n, 4, 16, generator=gen).to(**bf).requires_grad_(), torch.rand(16, generator=gen)
+                .add(0.5).requires_grad_(), 1e-6, torch.randn(n, 16, generator=gen), torch.randn(n, 16, generator=gen)]
+    return [torch.randn(n, 32, generator=gen).to(**bf).requires_grad_(),
+            torch.randn(n, 32, generator=gen).to(**bf).requires_grad_()]
+
+
+@pytest.mark.parametrize("fn,dynamic", [(rms_norm, (0,)), (rms_norm_rope, (0, 3, 4)), (swiglu, (0, 1))])
+def test_compiled_elementwise_one_graph_for_all_row_counts(fn, dynamic):
+    """The compiled path traces whole (fullgraph) once for any number of rows, and its
+    values and gradients are the eager ones (aot_eager: tracing without codegen)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = CudaCompiled(fn, dynamic_args=dynamic, backend=counter)
+    gen = torch.Generator().manual_seed(0)
+    for n in (7, 13, 30):
+        args = _rand_args(fn, n, gen)
+        eager_args = [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                      for a in args]
+        got, want = compiled.compiled(*args), fn(*eager_args)
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+        proj = torch.randn(got.shape, generator=gen)
+        (got.float() * proj).sum().backward()
+        (want.float() * proj).sum().backward()
+        for a, e in zip(args, eager_args):
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                torch.testing.assert_close(a.grad, e.grad, rtol=2e-2, atol=2e-2)
+    assert counter.frame_count == 1
+    compiled(*_rand_args(fn, 3, gen))  # a plain call on CPU tensors runs eagerly: no new graph
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
+def _always_compiled(backend) -> dict:
+    """The model's element-wise wrappers, compiled on any device (to monkeypatch in)."""
+    class Always(CudaCompiled):
+        __call__ = CudaCompiled.compiled
+    return {name: Always(fn, dynamic_args=dyn, backend=backend) for name, fn, dyn in (
+        ("fused_rms_norm", rms_norm, (0,)), ("fused_rms_norm_rope", rms_norm_rope, (0, 3, 4)),
+        ("fused_swiglu", swiglu, (0, 1)))}
+
+
+def test_model_compiled_path_equals_eager_under_autocast(monkeypatch):
+    """Values and grads of the compiled path; 5 graphs in all for every layer and both
+    batch shapes (norm of the grad-free block embeddings and of the rest, q and k
+    norm+RoPE, SwiGLU): no per-layer or per-shape recompiles."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    model = DFlashDraftModel(cfg)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    wrappers = _always_compiled(counter)
+    for lengths, anchors in (([10, 7], [[1, 5], [0, 3]]), ([13], [[0, 4, 9]])):
+        batch, features, embed = packed_inputs(cfg, lengths, anchors)
+        proj = torch.randn(batch.block_ids.numel(), cfg.hidden_size)
+        outs, grads = [], []
+        for compiled in (False, True):
+            if compiled:
+                for name, wrapper in wrappers.items():
+                    monkeypatch.setattr(model_mod, name, wrapper)
+            model.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = run(model, batch, features.to(torch.bfloat16), embed.to(torch.bfloat16))
+            assert out.dtype == torch.bfloat16
+            (out.float() * proj).sum().backward()
+            outs.append(out.float())
+            grads.append([p.grad.clone() for p in model.parameters()])
+            monkeypatch.undo()
+        torch.testing.assert_close(outs[1], outs[0], rtol=2e-2, atol=2e-2)
+        for a, b in zip(*grads):
+            assert ((a - b).norm() / b.norm()) < 2e-2
+    assert counter.frame_count == 5
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_model_inductor_and_eager_agree_on_gpu(monkeypatch):
+    """The real compiled kernels (inductor/Triton) against DFLASH_COMPILE=0 eager."""
+    torch.manual_seed(0)
+    cfg = tiny_config(block_size=16)
+    model = DFlashDraftModel(cfg).cuda()
+    outs, grads = [], []
+    for flag in ("0", "1"):
+        monkeypatch.setenv(model_mod.COMPILE_ENV, flag)
+        for lengths, anchors in (([300, 77], [[0, 5, 40, 130], [3, 60]]), ([190], [[9, 100, 150]])):
+            batch, features, embed = packed_inputs(cfg, lengths, anchors)
+            batch, features, embed = batch.to("cuda"), features.cuda(), embed.cuda()
+            proj = torch.randn(batch.block_ids.numel(), cfg.hidden_size, device="cuda",
+                               generator=torch.Generator("cuda").manual_seed(1))
+            model.zero_grad()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = run(model, batch, features, embed)
+            (out.float() * proj).sum().backward()
+            outs.append(out.detach().float())
+            grads.append([p.grad.clone() for p in model.parameters()])
+    for i in range(2):  # two shapes: the second runs the dynamic-rows graph
+        torch.testing.assert_close(outs[2 + i], outs[i], rtol=3e-2, atol=3e-2)
+        for a, b in zip(grads[2 + i], grads[i]):
+            assert ((a - b).norm() / b.norm()) < 3e-2

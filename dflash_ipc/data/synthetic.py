@@ -58,7 +58,8 @@ def _word_ids(tokenizer) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64)
 
 
-def _plan(num_samples: int, min_len: int, max_len: int, overhead: int, seed: int) -> list[dict]:
+def _plan(num_samples: int, min_len: int, max_len: int, overhead: int, seed: int,
+          num_words: int) -> list[dict]:
     """Per sample: total length, prompt words and response length; grouped into batches."""
     rng = np.random.default_rng(seed)
     totals = np.exp(rng.uniform(math.log(min_len), math.log(max_len + 1), num_samples))
@@ -70,7 +71,7 @@ def _plan(num_samples: int, min_len: int, max_len: int, overhead: int, seed: int
         content = totals[members] - overhead  # [b] prompt + response tokens
         frac = rng.uniform(*_PROMPT_FRACTION)
         prompt_len = max(1, int(frac * int(content.min())))
-        words = rng.integers(0, len(TINY_VOCAB_WORDS), (len(members), prompt_len))  # [b, P]
+        words = rng.integers(0, num_words, (len(members), prompt_len))  # [b, P]
         batches.append({"members": members, "prompt_len": prompt_len,
                         "response_lens": content - prompt_len, "prompt_words": words})
     return batches
@@ -98,13 +99,14 @@ def _greedy(model, prompt_ids, num_new: int, allowed, device: str):
     return torch.stack(out_tokens, dim=1).cpu().numpy()  # [B, num_new]
 
 
-def _generate_rows(target_dir: str, tokenizer, batches: list[dict], num_samples: int, device: str):
+def _generate_rows(target_dir: str, tokenizer, batches: list[dict], num_samples: int, device: str,
+                   num_words: int):
     """Run the target greedily; return the JSONL rows and the expected token ids, in sample order."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(target_dir).to(device).eval()
-    word_ids = _word_ids(tokenizer)
+    word_ids = _word_ids(tokenizer)[:num_words]
     allowed = np.zeros(model.config.vocab_size, dtype=bool)
     allowed[word_ids] = True
     rows: list = [None] * num_samples
@@ -170,8 +172,13 @@ def build_synthetic_dataset(
     seed: int = 0,
     device: str = "cpu",
     overwrite: bool = False,
+    num_words: int | None = None,
 ) -> str:
     """Build (once) the synthetic dataset for the tiny target at out_dir; return out_dir.
+
+    num_words: prompts and continuations use only the first num_words words (default: all).
+    A small language (the embedded default uses 48 words) is one a CPU-sized drafter can
+    learn in minutes; the continuations stay the target's own context-dependent choices.
 
     The source JSONL is written next to it ("<out_dir>.jsonl"). Idempotent: a complete
     dataset built with the same parameters and tokenizer is reused; a different one
@@ -185,8 +192,13 @@ def build_synthetic_dataset(
     if num_samples < 1 or min_len < overhead + 2 or max_len < min_len:
         raise ConfigError(f"synthetic dataset: num_samples={num_samples}, min_len={min_len}, max_len={max_len}; "
                           f"need num_samples >= 1 and {overhead + 2} <= min_len <= max_len")
+    num_words = len(TINY_VOCAB_WORDS) if num_words is None else num_words
+    if not 2 <= num_words <= len(TINY_VOCAB_WORDS):
+        raise ConfigError(f"synthetic dataset: num_words={num_words}; allowed 2..{len(TINY_VOCAB_WORDS)}")
     params = {"format": _SYNTHETIC_FORMAT, "num_samples": num_samples, "min_len": min_len,
               "max_len": max_len, "seed": seed}
+    if num_words != len(TINY_VOCAB_WORDS):
+        params["num_words"] = num_words  # absent for the full vocabulary: older caches stay valid
     if dataset_is_complete(out_dir) and not overwrite:
         ds = TokenDataset(out_dir)
         if ds.meta.get("extra", {}).get("synthetic") != params:
@@ -194,8 +206,8 @@ def build_synthetic_dataset(
                             "Pass overwrite=True or choose another directory.")
         ds.check_tokenizer(tokenizer)
         return out_dir
-    batches = _plan(num_samples, min_len, max_len, overhead, seed)
-    rows, expected = _generate_rows(target_dir, tokenizer, batches, num_samples, device)
+    batches = _plan(num_samples, min_len, max_len, overhead, seed, num_words)
+    rows, expected = _generate_rows(target_dir, tokenizer, batches, num_samples, device, num_words)
     jsonl = out_dir + ".jsonl"
     _write_jsonl(rows, jsonl)
     try:

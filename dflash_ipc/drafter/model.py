@@ -21,8 +21,9 @@ The target's embedding and LM head are not part of this module (see target_head.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -311,8 +312,79 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+# --- element-wise parts, fused by torch.compile on CUDA ---------------------------------------
+#
+# Eagerly, an RMSNorm is ~10 kernels with float32 temporaries, RoPE ~6 more, SwiGLU 2, and
+# autograd saves every temporary: at 32,768 queries x 4,096 that is several GB of memory
+# traffic per norm. Compiled, each is one kernel forward and one or two backward. The
+# math (float32 statistics, the rounding points) is the eager code's; only the row count
+# is dynamic, so a new number of queries or context tokens does not recompile.
+
+COMPILE_ENV = "DFLASH_COMPILE"
+"""Set to ``0`` to run the element-wise parts eagerly on CUDA too (A/B and debugging)."""
+
+
+def compile_enabled() -> bool:
+    return os.environ.get(COMPILE_ENV, "1") != "0"
+
+
+class CudaCompiled:
+    """``fn`` through ``torch.compile`` (dim 0 of the ``dynamic_args`` tensors dynamic)
+    when its first argument is a CUDA tensor and compiling is enabled; eager otherwise
+    (CPU: tests stay fast and the eager code is the reference)."""
+
+    def __init__(self, fn: Callable, *, dynamic_args: tuple[int, ...], backend: str = "inductor") -> None:
+        self.fn = fn
+        self.dynamic_args = dynamic_args
+        self.backend = backend
+        self._compiled: Callable | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if args[0].is_cuda and compile_enabled():
+            return self.compiled(*args)
+        return self.fn(*args)
+
+    def compiled(self, *args: Any) -> Any:
+        """The compiled path, on any device (tests call it on CPU)."""
+        if self._compiled is None:
+            # Not fullgraph: past dynamo's recompile limit that would be an error, this a
+            # fall back to eager. The tests check each function traces as one graph.
+            self._compiled = torch.compile(self.fn, backend=self.backend)
+        for i in self.dynamic_args:  # "maybe": a size 0/1 may still specialise, never an error
+            torch._dynamo.maybe_mark_dynamic(args[i], 0)
+        return self._compiled(*args)
+
+
+def _normalize(x: Tensor, eps: float) -> Tensor:
+    """x / rms(x) over the last dim, computed in float32, rounded back to x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Qwen3 RMSNorm in x's dtype: ``weight * normalize(x)`` (in the promoted dtype, as HF)
+    rounded to x's dtype. Under autocast every consumer is a Linear that would round it to
+    bf16 anyway; rounding once here saves a cast per consumer (q/k/v, gate/up)."""
+    return (weight * _normalize(x, eps)).to(x.dtype)
+
+
+def rms_norm_rope(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
+    """q/k norm then RoPE, ``x`` ``[N, heads, D]``: RoPE runs in the promoted (float32 for
+    float32 norm weights) dtype, the result is rounded to x's dtype for the attention."""
+    return apply_rope(weight * _normalize(x, eps), cos, sin).to(x.dtype)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
+
+
+fused_rms_norm = CudaCompiled(rms_norm, dynamic_args=(0,))
+fused_rms_norm_rope = CudaCompiled(rms_norm_rope, dynamic_args=(0, 3, 4))
+fused_swiglu = CudaCompiled(swiglu, dynamic_args=(0, 1))
+
+
 class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm: normalise in float32, scale by ``weight`` in the input dtype."""
+    """Qwen3 RMSNorm: normalise in float32, scale by ``weight``; returns the input dtype."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -320,9 +392,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return fused_rms_norm(x, self.weight, self.eps)
 
 
 class DFlashAttention(nn.Module):
@@ -342,15 +412,14 @@ class DFlashAttention(nn.Module):
     def forward(self, x: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, mask: Any) -> Tensor:
         """x ``[Q, H]`` (normed block), ctx ``[T, H]``; cos/sin ``[T+Q, D]`` (ctx rows first)."""
         nq, nt = x.shape[0], ctx.shape[0]
-        q = self.q_norm(self.q_proj(x).view(nq, self.num_heads, self.head_dim))  # [Q, Hq, D]
-        q = apply_rope(q, cos[nt:], sin[nt:])
+        q = self.q_proj(x).view(nq, self.num_heads, self.head_dim)  # [Q, Hq, D]
+        q = fused_rms_norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos[nt:], sin[nt:])
         # Project context and block separately: concatenating the narrow K/V outputs
         # moves less memory than concatenating the H-wide inputs.
         k = torch.cat([self.k_proj(ctx), self.k_proj(x)]).view(nt + nq, self.num_kv_heads, self.head_dim)
-        k = apply_rope(self.k_norm(k), cos, sin)  # [T+Q, Hkv, D]
+        k = fused_rms_norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin)  # [T+Q, Hkv, D]
         v = torch.cat([self.v_proj(ctx), self.v_proj(x)]).view(nt + nq, self.num_kv_heads, self.head_dim)
-        # Under autocast the norms return float32 while v is bf16; attend in v's dtype.
-        q, k = q.to(v.dtype), k.to(v.dtype)
+        q, k = q.to(v.dtype), k.to(v.dtype)  # a no-op unless the caller mixes dtypes
         out = attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask)  # [Hq, Q, D]
         return self.o_proj(out.transpose(0, 1).reshape(nq, self.num_heads * self.head_dim))
 
@@ -366,7 +435,7 @@ class DFlashMLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(fused_swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DFlashDecoderLayer(nn.Module):

@@ -124,30 +124,38 @@ class DrafterTrainer:
         """One collective optimizer step over this rank's chosen sequences (may be empty)."""
         started = time.perf_counter()
         batch, features, mask, mask_s = self._build(chosen)
-        local = torch.tensor([batch.weights.sum().item() if batch else 0.0, 0.0], dtype=torch.float64,
-                             device=self.device)
-        weight_sum = self._all_reduce(local.clone())[0].item()
+        # The weight sum stays on the device until the backward is queued: reading it here
+        # would stall the host until the mask and features are built, with no forward queued.
+        local = batch.weights.sum().double() if batch is not None else torch.zeros((), dtype=torch.float64,
+                                                                                  device=self.device)
+        weight_sum = self._all_reduce(local.reshape(1))[0]  # [] float64, all ranks
         loss_sum = torch.zeros((), device=self.device)
-        if batch is not None and weight_sum > 0:
+        # Every anchor has a weighted label (block position 1: sample_anchors only picks p
+        # with loss at p+1), so a batch means a positive weight sum here and everywhere.
+        if batch is not None:
             with torch.autocast(self.device.type, dtype=self.compute_dtype,
                                 enabled=self.compute_dtype != torch.float32):
                 hidden = self._forward(batch, features, mask)
                 loss_sum = weighted_ce_sum(hidden, self.head, batch.labels, batch.weights)
-            (loss_sum / weight_sum).backward()
-        grad_norm = self._reduce_and_clip()
-        if weight_sum > 0:
+            # The clamp only guards hand-made batches with all weights 0: loss and gradient 0.
+            (loss_sum / weight_sum.float().clamp_min(torch.finfo(torch.float32).tiny)).backward()
+        grad_norm = self._reduce_and_clip()  # synchronizes (the norm is read on the host)
+        weight_total = float(weight_sum)
+        if weight_total > 0:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
-        totals = self._all_reduce(torch.tensor([loss_sum.detach().float().item(),
-                                                batch.num_anchors if batch else 0,
-                                                sum(s.features.shape[0] for s, _ in chosen)],
-                                               dtype=torch.float64, device=self.device))
+        num_anchors = batch.num_anchors if batch is not None else 0
+        num_tokens = sum(s.features.shape[0] for s, _ in chosen)
+        totals = torch.stack([loss_sum.detach().double(),
+                              torch.tensor(float(num_anchors), dtype=torch.float64, device=self.device),
+                              torch.tensor(float(num_tokens), dtype=torch.float64, device=self.device)])
+        totals = self._all_reduce(totals).tolist()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return {"step": self.step_count, "loss": totals[0].item() / weight_sum if weight_sum else float("nan"),
-                "anchors": int(totals[1].item()), "tokens": int(totals[2].item()),
+        return {"step": self.step_count, "loss": totals[0] / weight_total if weight_total else float("nan"),
+                "anchors": int(totals[1]), "tokens": int(totals[2]),
                 "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                 "step_s": time.perf_counter() - started, "mask_s": mask_s}
 

@@ -1,0 +1,295 @@
+"""Acceptance arithmetic of greedy speculative decoding, and the report of an evaluation.
+
+One *cycle* = one drafter pass + one target verification pass. With the newest committed
+token (the anchor) at position ``s``, the drafter proposes ``d`` tokens for positions
+``s+1 .. s+d``; the target, run on ``[anchor, drafted...]``, gives its greedy token for
+each of the positions ``s+1 .. s+d+1`` (``target_next``, ``d+1`` entries). Then
+
+    m         = longest prefix with drafted[j] == target_next[j]      (accepted drafts)
+    committed = drafted[:m] + [target_next[m]]                        (+ the "bonus" token)
+
+cut at the generation budget and after the first stop token. Definitions reported
+(as in the DFlash paper and z-lab's ``dflash_generate``):
+
+* ``tau`` (mean acceptance length) = committed tokens / cycles, pooled over all cycles of
+  all prompts: the tokens one target forward produces. Plain decoding has tau = 1; a
+  perfect drafter with block size ``bs`` has tau = bs. The prefill forward (which yields
+  the first token) is not a cycle and is not in tau.
+* acceptance at block position ``k`` (1 .. bs-1) = fraction of the cycles that drafted
+  position ``k`` in which it was accepted (``m >= k``). Cycles near the end of the budget
+  draft fewer positions, so they only count for the positions they drafted.
+* target forwards per generated token = (cycles + prefills) / (all generated tokens);
+  without the prefills it is exactly ``1 / tau``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from dflash_ipc.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+
+def accepted_prefix_length(drafted: Tensor, target_next: Tensor) -> int:
+    """Length of the longest prefix of ``drafted`` ``[d]`` equal to ``target_next[:d]``.
+
+    ``target_next`` holds at least ``d`` entries (usually ``d+1``: the last is the bonus).
+    """
+    d = int(drafted.numel())
+    if target_next.numel() < d:
+        raise DataError(f"target_next has {target_next.numel()} tokens, fewer than the {d} drafted")
+    if d == 0:
+        return 0
+    same = (drafted.reshape(-1).cpu() == target_next.reshape(-1)[:d].cpu()).long()  # [d]
+    return int(same.cumprod(0).sum())
+
+
+@dataclass(kw_only=True, slots=True)
+class Cycle:
+    """What one draft + verify cycle did."""
+
+    num_drafted: int
+    """Drafted tokens verified (bs-1, fewer near the end of the budget)."""
+    num_accepted: int
+    """Longest matching prefix of the drafted tokens (before any cut)."""
+    num_committed: int
+    """Tokens appended to the output: accepted + bonus, cut at the budget and stop token."""
+    stopped: bool = False
+    """A stop token was committed in this cycle."""
+
+
+def verify_block(
+    drafted: Tensor,
+    target_next: Tensor,
+    *,
+    remaining: int,
+    stop_token_ids: Iterable[int] = (),
+) -> tuple[list[int], Cycle]:
+    """Greedy verification of one drafted block: the tokens to append and the cycle record.
+
+    drafted ``[d]`` proposals for positions s+1..s+d; target_next ``[d+1]`` the target's
+    greedy tokens for s+1..s+d+1; ``remaining`` >= 1 tokens left in the budget.
+    """
+    d = int(drafted.numel())
+    if target_next.numel() != d + 1:
+        raise DataError(f"target_next must hold drafted+1 = {d + 1} tokens, got {target_next.numel()}")
+    if remaining < 1:
+        raise DataError(f"remaining={remaining}: verify_block needs at least one token of budget")
+    m = accepted_prefix_length(drafted, target_next)
+    tokens = [int(t) for t in drafted.reshape(-1)[:m].tolist()] + [int(target_next.reshape(-1)[m])]
+    tokens = tokens[:remaining]
+    stops = set(stop_token_ids)
+    stopped = False
+    for i, tok in enumerate(tokens):
+        if tok in stops:
+            tokens, stopped = tokens[: i + 1], True
+            break
+    return tokens, Cycle(num_drafted=d, num_accepted=m, num_committed=len(tokens), stopped=stopped)
+
+
+@dataclass(kw_only=True, slots=True)
+class AcceptanceStats:
+    """Counters of many cycles and prefills; every figure of the report derives from them."""
+
+    block_size: int
+    num_cycles: int = 0
+    num_committed: int = 0
+    """Tokens committed by cycles (prefill tokens excluded)."""
+    num_prefills: int = 0
+    num_prefill_tokens: int = 0
+    drafted_at: list[int] = field(default_factory=list)
+    """[bs-1]: cycles that drafted block position k = index + 1."""
+    accepted_at: list[int] = field(default_factory=list)
+    """[bs-1]: cycles that accepted block position k = index + 1."""
+    committed_hist: list[int] = field(default_factory=list)
+    """[bs+1]: cycles by number of committed tokens (0..bs)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2:
+            raise DataError(f"AcceptanceStats.block_size={self.block_size} must be >= 2")
+        n = self.block_size - 1
+        self.drafted_at = list(self.drafted_at) or [0] * n
+        self.accepted_at = list(self.accepted_at) or [0] * n
+        self.committed_hist = list(self.committed_hist) or [0] * (self.block_size + 1)
+
+    def add_prefill(self, num_tokens: int = 1) -> None:
+        """One target forward over the prompt that produced ``num_tokens`` (0 or 1) tokens."""
+        self.num_prefills += 1
+        self.num_prefill_tokens += num_tokens
+
+    def add_cycle(self, cycle: Cycle) -> None:
+        bs = self.block_size
+        if not 0 <= cycle.num_accepted <= cycle.num_drafted <= bs - 1:
+            raise DataError(f"cycle {cycle}: need 0 <= accepted <= drafted <= block_size-1 = {bs - 1}")
+        if not 0 <= cycle.num_committed <= cycle.num_accepted + 1:
+            raise DataError(f"cycle {cycle}: committed must be in [0, accepted+1]")
+        self.num_cycles += 1
+        self.num_committed += cycle.num_committed
+        for k in range(cycle.num_drafted):
+            self.drafted_at[k] += 1
+            self.accepted_at[k] += k < cycle.num_accepted
+        self.committed_hist[cycle.num_committed] += 1
+
+    def merge(self, other: "AcceptanceStats") -> None:
+        """Add another accumulator's counts (same block size) into this one."""
+        if other.block_size != self.block_size:
+            raise DataError(f"cannot merge block_size {other.block_size} into {self.block_size}")
+        self.num_cycles += other.num_cycles
+        self.num_committed += other.num_committed
+        self.num_prefills += other.num_prefills
+        self.num_prefill_tokens += other.num_prefill_tokens
+        for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at),
+                             (self.committed_hist, other.committed_hist)):
+            for i, v in enumerate(theirs):
+                mine[i] += v
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length: committed tokens per verification forward (nan: no cycle)."""
+        return self.num_committed / self.num_cycles if self.num_cycles else math.nan
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """[bs-1]: P(position k accepted | position k drafted), k = 1..bs-1 (nan: never drafted)."""
+        return [a / d if d else math.nan for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def num_generated(self) -> int:
+        return self.num_committed + self.num_prefill_tokens
+
+    @property
+    def num_target_forwards(self) -> int:
+        return self.num_cycles + self.num_prefills
+
+    @property
+    def target_forwards_per_token(self) -> float:
+        """All target forwards (prefills included) per generated token; plain decoding: 1."""
+        return self.num_target_forwards / self.num_generated if self.num_generated else math.nan
+
+    @property
+    def decode_forwards_per_token(self) -> float:
+        """Verification forwards per token they committed: exactly 1 / tau."""
+        return self.num_cycles / self.num_committed if self.num_committed else math.nan
+
+
+@dataclass(kw_only=True, slots=True)
+class SampleResult:
+    """One prompt's speculative generation."""
+
+    sample_id: int
+    prompt_len: int
+    output_ids: list[int]
+    """Generated tokens only (the prompt excluded), stop token included if one came."""
+    stats: AcceptanceStats
+    stopped: bool
+    """Ended on a stop token (else on the max_new_tokens budget)."""
+    lossless: bool | None = None
+    """Equal to plain greedy decoding of the target; None when not checked."""
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalReport:
+    """Speculative decoding of held-out prompts with one drafter."""
+
+    label: str
+    """What was evaluated, e.g. 'trained (runs/default/checkpoints/step_00000060)'."""
+    stats: AcceptanceStats
+    samples: list[SampleResult]
+    max_new_tokens: int
+    wall_s: float
+
+    @property
+    def tau(self) -> float:
+        return self.stats.tau
+
+    @property
+    def num_lossless_checked(self) -> int:
+        return sum(s.lossless is not None for s in self.samples)
+
+    @property
+    def lossless_mismatches(self) -> list[int]:
+        """Sample ids whose output differs from plain greedy decoding (checked ones only)."""
+        return [s.sample_id for s in self.samples if s.lossless is False]
+
+    def to_dict(self) -> dict:
+        """JSON-ready summary (per-sample outputs left out); nan (nothing measured) becomes None."""
+        s = self.stats
+        return _nan_to_none({
+            "label": self.label,
+            "block_size": s.block_size,
+            "num_prompts": len(self.samples),
+            "sample_ids": [r.sample_id for r in self.samples],
+            "max_new_tokens": self.max_new_tokens,
+            "tau": s.tau,
+            "acceptance_per_position": s.acceptance_per_position,
+            "target_forwards_per_token": s.target_forwards_per_token,
+            "decode_forwards_per_token": s.decode_forwards_per_token,
+            "num_generated_tokens": s.num_generated,
+            "num_target_forwards": s.num_target_forwards,
+            "num_cycles": s.num_cycles,
+            "committed_hist": list(s.committed_hist),
+            "num_lossless_checked": self.num_lossless_checked,
+            "lossless_mismatches": self.lossless_mismatches,
+            "wall_s": self.wall_s,
+        })
+
+    def format(self) -> str:
+        """A few human-readable lines."""
+        s = self.stats
+        lines = [
+            f"{self.label}: tau {s.tau:.2f} over {s.num_cycles} cycles, {len(self.samples)} prompts, "
+            f"{s.num_generated} tokens ({s.target_forwards_per_token:.3f} target forwards/token, "
+            f"{s.decode_forwards_per_token:.3f} without prefill), {self.wall_s:.1f}s",
+            "  acceptance by block position: " + format_positions(s.acceptance_per_position),
+        ]
+        if self.num_lossless_checked:
+            bad = self.lossless_mismatches
+            verdict = "identical" if not bad else f"DIFFERENT on samples {bad}"
+            lines.append(f"  vs plain greedy on {self.num_lossless_checked} prompts: {verdict}")
+        return "\n".join(lines)
+
+
+def _nan_to_none(value):
+    """Strict JSON has no NaN."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _nan_to_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nan_to_none(v) for v in value]
+    return value
+
+
+def format_positions(rates: Sequence[float]) -> str:
+    """``k=1 0.83 | 2 0.61 | ...``; positions never drafted print as '-'."""
+    cells = ["-" if math.isnan(r) else f"{r:.2f}" for r in rates]
+    return " | ".join(f"{'k=' if k == 1 else ''}{k} {c}" for k, c in enumerate(cells, start=1))
+
+
+def format_comparison(untrained: EvalReport, trained: EvalReport) -> str:
+    """The embedded default's last lines: tau of the trained drafter next to an untrained one."""
+    gain = trained.tau / untrained.tau if untrained.tau and not math.isnan(untrained.tau) else math.nan
+    return "\n".join([
+        f"acceptance length tau on {len(trained.samples)} held-out prompts "
+        f"(block {trained.stats.block_size}, up to {trained.max_new_tokens} new tokens): "
+        f"untrained {untrained.tau:.2f} -> trained {trained.tau:.2f} ({gain:.2f}x)",
+        "  " + untrained.format().replace("\n", "\n  "),
+        "  " + trained.format().replace("\n", "\n  "),
+    ])
+
+
+def stats_of(cycles: Iterable[Cycle], *, block_size: int, prefill_tokens: Sequence[int] = ()) -> AcceptanceStats:
+    """An accumulator filled from cycle records (and prefills yielding the given token counts)."""
+    stats = AcceptanceStats(block_size=block_size)
+    for n in prefill_tokens:
+        stats.add_prefill(n)
+    for cycle in cycles:
+        stats.add_cycle(cycle)
+    return stats
+

@@ -1,0 +1,290 @@
+"""`dflash-ipc health` against real processes and a fake dispatcher (a ZMQ ROUTER in a thread)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import yaml
+import zmq
+
+from dflash_ipc import protocol as p
+from dflash_ipc.supervise.health import (STATE_FILE, format_health, gpu_memory_by_pid,
+                                         health_report)
+
+HB_TIMEOUT_S = 4.0  # the run's dispatch.heartbeat_timeout_s: default stale threshold 2 s
+QUICK = {"timeout_s": 0.5, "cpu_window_s": 0.1}
+ROLES = ("dispatcher", "target/0", "drafter/0")
+
+
+class FakeDispatcher:
+    """Answers StatusRequest with `self.status` (mutable by the test) and Heartbeat with Heartbeat."""
+
+    def __init__(self, status: dict) -> None:
+        self.status = status
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind("tcp://127.0.0.1:*")
+        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopped.is_set():
+            if not self.socket.poll(50):
+                continue
+            sender, *frames = self.socket.recv_multipart()
+            msg = p.decode(frames)
+            if isinstance(msg, p.StatusRequest):
+                reply = p.StatusReply(status=json.loads(json.dumps(self.status)))
+            else:
+                reply = p.Heartbeat(metrics={})
+            self.socket.send_multipart([sender, *p.encode(reply)])
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.thread.join(5)
+        self.socket.close()
+        self.context.term()
+
+
+def canned_status(*, target_batches=3, drafter_step=2, hb_age_s=0.3, pending=5, finished=False,
+                  targets=("0",), drafters=("0",)) -> dict:
+    return {
+        "elapsed_s": 12.0, "policy": "pull", "num_batches": 10,
+        "batches": {"pending": pending, "leased": 1, "produced": 1, "consumed": 1, "committed": 2},
+        "tokens": {"produced": 900, "consumed": 600, "trained": 500, "committed": 400},
+        "rates": {"tgt_rate": 80.0, "dft_rate": 60.0, "tok_rate": 50.0}, "produced_waiting": 1,
+        "targets": {r: {"credits": 1, "free_slots": 2, "batches": target_batches, "tokens": 900,
+                        "compute_s": 1.0, "metrics": {"busy_s": 1.0, "wait_s": 0.5},
+                        "heartbeat_age_s": hb_age_s} for r in targets},
+        "drafters": {r: {"credits": 2, "batches": 2, "tokens": 600,
+                         "metrics": {"step": float(drafter_step), "loss": 5.0, "trained_tokens": 500.0},
+                         "heartbeat_age_s": hb_age_s} for r in drafters},
+        "refusals": 0, "finished": finished,
+    }
+
+
+@pytest.fixture
+def children():
+    """Three sleeping python processes standing in for the dispatcher and two workers."""
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in ROLES]
+    yield dict(zip(ROLES, procs))
+    for proc in procs:
+        try:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
+def make_run(run_dir, children, *, address="tcp://127.0.0.1:1", supervisor=None,
+             startup_timeout_s=30.0, age_s=0.0) -> str:
+    """Writes config.yaml and processes.json (backdated by `age_s`) as the supervisor would."""
+    run_dir = str(run_dir)
+    cfg = {"run": {"run_dir": run_dir},
+           "dispatch": {"address": address, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": HB_TIMEOUT_S},
+           "supervise": {"startup_timeout_s": startup_timeout_s}}
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(cfg, f)
+    record = {"supervisor": supervisor or os.getpid(), "run_dir": run_dir,
+              "processes": [{"role": role, "pid": proc.pid, "log": f"{run_dir}/{role}.log"}
+                            for role, proc in children.items()]}
+    path = os.path.join(run_dir, "processes.json")
+    with open(path, "w") as f:
+        json.dump(record, f)
+    if age_s:
+        # Backdating past the children's start makes them look younger than the file.
+        os.utime(path, (time.time() - age_s,) * 2)
+    return run_dir
+
+
+@pytest.fixture
+def dispatcher():
+    fake = FakeDispatcher(canned_status())
+    yield fake
+    fake.close()
+
+
+def rows(report) -> dict:
+    return {row.role: row for row in report.processes}
+
+
+def wait_state(pid: int, state: str, timeout_s: float = 5.0) -> None:
+    import psutil
+    deadline = time.monotonic() + timeout_s
+    while psutil.Process(pid).status() != state:
+        assert time.monotonic() < deadline, f"pid {pid} never became {state}"
+        time.sleep(0.01)
+
+
+def test_no_processes_json_is_down(tmp_path):
+    report = health_report(str(tmp_path), **QUICK)
+    assert report.level == "down" and report.exit_code == 2
+    assert "processes.json does not exist" in report.reasons[0]
+    assert "DOWN (exit 2)" in format_health(report)
+
+
+def test_malformed_processes_json_names_the_field(tmp_path, children):
+    run_dir = make_run(tmp_path, children)
+    with open(os.path.join(run_dir, "processes.json"), "w") as f:
+        json.dump({"supervisor": os.getpid(), "processes": [{"role": "target/0", "pid": "x"}]}, f)
+    report = health_report(run_dir, **QUICK)
+    assert report.exit_code == 2
+    assert "processes[0]" in report.reasons[0] and "'pid'" in report.reasons[0]
+
+
+def test_silent_dispatcher_is_down(tmp_path, children):
+    run_dir = make_run(tmp_path, children)  # nothing listens at the configured address
+    started = time.monotonic()
+    report = health_report(run_dir, **QUICK)
+    assert time.monotonic() - started < 3.0
+    assert report.exit_code == 2
+    assert any("dispatcher" in r and "does not answer" in r for r in report.reasons)
+    by_role = rows(report)
+    assert by_role["dispatcher"].state == "sleeping"
+    assert by_role["supervisor"].pid == os.getpid() and by_role["supervisor"].rss_bytes > 0
+
+
+def test_dead_dispatcher_is_down_without_asking(tmp_path, children, dispatcher):
+    run_dir = make_run(tmp_path, children, address=dispatcher.address)
+    children["dispatcher"].kill()
+    wait_state(children["dispatcher"].pid, "zombie")
+    report = health_report(run_dir, **QUICK)
+    assert report.exit_code == 2
+    assert rows(report)["dispatcher"].state == "zombie"
+    assert report.job is None  # a dead dispatcher's address is not asked
+
+
+def test_dead_supervisor_is_down(tmp_path, children, dispatcher):
+    ghost = subprocess.Popen([sys.executable, "-c", "pass"])
+    ghost.wait(timeout=10)
+    run_dir = make_run(tmp_path, children, address=dispatcher.address, supervisor=ghost.pid)
+    report = health_report(run_dir, **QUICK)
+    assert report.exit_code == 2
+    assert any(r.startswith("supervisor") for r in report.reasons)
+
+
+def test_healthy_run(tmp_path, children, dispatcher):
+    run_dir = make_run(tmp_path, children, address=dispatcher.address)
+    report = health_report(run_dir, **QUICK)
+    assert report.reasons == [] and report.level == "healthy" and report.exit_code == 0
+    by_role = rows(report)
+    assert list(by_role) == ["supervisor", *ROLES]
+    for role in ROLES:
+        row = by_role[role]
+        assert row.pid == children[role].pid and row.state == "sleeping"
+        assert row.rss_bytes > 1 << 20 and row.num_threads >= 1 and row.cpu_percent is not None
+    assert by_role["target/0"].heartbeat_age_s == pytest.approx(0.3)
+    assert by_role["target/0"].batches == 3 and by_role["drafter/0"].batches == 2
+    assert by_role["dispatcher"].batches == 2  # committed
+    assert report.thresholds["stale_after_s"] == HB_TIMEOUT_S / 2
+    assert report.thresholds["stall_after_s"] == 2 * HB_TIMEOUT_S
+    text = format_health(report)
+    assert "HEALTHY (exit 0)" in text and "2/10 batches committed" in text
+    assert all(role in text for role in ROLES)
+    decoded = json.loads(json.dumps(report.to_json()))
+    assert decoded["exit_code"] == 0 and decoded["level"] == "healthy"
+    assert [r["role"] for r in decoded["processes"]] == ["supervisor", *ROLES]
+    assert decoded["job"]["num_batches"] == 10
+
+
+def test_stopped_worker_is_degraded(tmp_path, children, dispatcher):
+    run_dir = make_run(tmp_path, children, address=dispatcher.address)
+    pid = children["target/0"].pid
+    os.kill(pid, signal.SIGSTOP)
+    wait_state(pid, "stopped")
+    report = health_report(run_dir, **QUICK)
+    assert report.level == "degraded" and report.exit_code == 1
+    assert rows(report)["target/0"].state == "stopped"
+    assert report.reasons == [f"target/0 (pid {pid}): process stopped"]
+    os.kill(pid, signal.SIGCONT)
+    wait_state(pid, "sleeping")
+    assert health_report(run_dir, **QUICK).exit_code == 0
+
+
+def test_killed_worker_is_degraded_as_zombie_then_gone(tmp_path, children, dispatcher):
+    run_dir = make_run(tmp_path, children, address=dispatcher.address)
+    proc = children["drafter/0"]
+    proc.kill()
+    wait_state(proc.pid, "zombie")
+    report = health_report(run_dir, **QUICK)
+    assert report.exit_code == 1 and rows(report)["drafter/0"].state == "zombie"
+    proc.wait(timeout=10)
+    report = health_report(run_dir, **QUICK)
+    assert report.exit_code == 1 and rows(report)["drafter/0"].state == "gone"
+    assert "drafter/0" in format_health(report)
+
+
+def test_reused_pid_is_not_ours(tmp_path, children, dispatcher):
+    run_dir = make_run(tmp_path, children, address=dispatcher.address, age_s=100)
+    report = health_report(run_dir, **QUICK)
+    assert rows(report)["target/0"].state == "gone (pid reused)"
+    assert rows(report)["target/0"].rss_bytes is None
+    assert report.exit_code == 2  # the dispatcher's pid is "reused" too
+
+
+def test_stale_heartbeat_uses_the_run_config(tmp_path, children, dispatcher):
+    run_dir = make_run(tmp_path, children, address=dispatcher.address)
+    dispatcher.status = canned_status(hb_age_s=3.0)  # > 4.0 / 2
+    report = health_report(run_dir, **QUICK)
+    assert report.exit_code == 1
+    assert sorted(r.split(" ")[0] for r in report.reasons) == ["drafter/0", "target/0"]
+    assert "heartbeat 3.0s old" in report.reasons[0]
+    assert health_report(run_dir, stale_after_s=10.0, **QUICK).exit_code == 0
+
+
+def test_unregistered_worker_is_degraded_after_startup(tmp_path, children, dispatcher):
+    dispatcher.status = canned_status(targets=())
+    run_dir = make_run(tmp_path, children, address=dispatcher.address, startup_timeout_s=30.0)
+    assert health_report(run_dir, **QUICK).exit_code == 0  # still within the startup timeout
+    run_dir = make_run(tmp_path, children, address=dispatcher.address, startup_timeout_s=0.05)
+    time.sleep(0.1)
+    report = health_report(run_dir, **QUICK)
+    assert report.exit_code == 1
+    assert report.reasons == [f"target/0 (pid {children['target/0'].pid}): not registered with the dispatcher"]
+
+
+def test_progress_is_tracked_across_checks(tmp_path, children, dispatcher):
+    run_dir = make_run(tmp_path, children, address=dispatcher.address)
+    first = health_report(run_dir, stall_after_s=0.3, **QUICK)
+    assert first.exit_code == 0 and rows(first)["target/0"].progress_age_s is None
+    assert os.path.exists(os.path.join(run_dir, STATE_FILE))
+    time.sleep(0.35)
+    stalled = health_report(run_dir, stall_after_s=0.3, **QUICK)
+    assert stalled.exit_code == 1
+    assert {r.split(" ")[0] for r in stalled.reasons} == {"dispatcher", "target/0", "drafter/0"}
+    assert rows(stalled)["target/0"].progress_age_s > 0.3
+    # Only the target moves: it is healthy again, the drafter and the job are not.
+    dispatcher.status = canned_status(target_batches=4)
+    moved = health_report(run_dir, stall_after_s=0.3, **QUICK)
+    assert rows(moved)["target/0"].progress_age_s == 0.0
+    assert {r.split(" ")[0] for r in moved.reasons} == {"dispatcher", "drafter/0"}
+    # Nothing pending: targets may idle. Finished: nobody has to move.
+    dispatcher.status = canned_status(target_batches=4, pending=0)
+    assert "target/0" not in {r.split(" ")[0] for r in health_report(run_dir, stall_after_s=0.3, **QUICK).reasons}
+    dispatcher.status = canned_status(target_batches=4, pending=0, finished=True)
+    assert health_report(run_dir, stall_after_s=0.3, **QUICK).exit_code == 0
+
+
+def test_gpu_memory_by_pid_sums_devices_and_skips_unknown():
+    procs = {0: [SimpleNamespace(pid=10, usedGpuMemory=100), SimpleNamespace(pid=11, usedGpuMemory=None)],
+             1: [SimpleNamespace(pid=10, usedGpuMemory=50), SimpleNamespace(pid=12, usedGpuMemory=7)]}
+    calls = []
+    nvml = SimpleNamespace(nvmlInit=lambda: calls.append("init"), nvmlShutdown=lambda: calls.append("shutdown"),
+                           nvmlDeviceGetCount=lambda: 2, nvmlDeviceGetHandleByIndex=lambda i: i,
+                           nvmlDeviceGetComputeRunningProcesses=lambda h: procs[h])
+    assert gpu_memory_by_pid(nvml) == {10: 150, 12: 7}
+    assert calls == ["init", "shutdown"]
+
+    def no_driver():
+        raise RuntimeError("NVML Shared Library Not Found")
+    assert gpu_memory_by_pid(SimpleNamespace(nvmlInit=no_driver)) is None
