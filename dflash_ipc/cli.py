@@ -83,7 +83,7 @@ def up(config, overrides) -> None:
         from dflash_ipc.eval.speculative import untrained_vs_trained
         from dflash_ipc.runinfo import checkpoints_dir
         untrained, trained = untrained_vs_trained(cfg.target.path, checkpoints_dir(cfg), cfg.data.path,
-                                                  seed=cfg.run.seed)
+                                                  num_prompts=8, max_new_tokens=48, seed=cfg.run.seed)
         click.echo(format_comparison(untrained, trained))
     sys.exit(code)
 

@@ -75,6 +75,7 @@ class Registered:
     role: str
     rank: int
     num_batches: int  # batches planned for the whole job (all epochs)
+    resume_step: int = -1  # drafters: resume from the checkpoint of this step (-1: start fresh)
 
 
 @dataclass(kw_only=True, slots=True)

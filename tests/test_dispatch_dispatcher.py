@@ -108,8 +108,8 @@ def test_refuses_what_a_sender_may_not_do():
     with pytest.raises(ProtocolError, match="unregistered"):
         d.handle(b"x", p.Ready(credits=1))
     d.handle(b"t0", p.Register(role="target", rank=0, pid=1, pool=POOL, num_slots=1))
-    with pytest.raises(ProtocolError, match="already registered"):
-        d.handle(b"other", p.Register(role="target", rank=0, pid=2, pool=POOL, num_slots=1))
+    with pytest.raises(ProtocolError, match="already registered by this sender"):
+        d.handle(b"t0", p.Register(role="target", rank=0, pid=1, pool=POOL, num_slots=1))
     with pytest.raises(ProtocolError, match="outside"):
         d.handle(b"t9", p.Register(role="target", rank=9, pid=1, pool=POOL, num_slots=1))
     with pytest.raises(ProtocolError, match="role"):
@@ -134,3 +134,117 @@ def test_dead_target_work_returns_to_pending():
     d.handle(b"t1", p.Register(role="target", rank=1, pid=1, pool=POOL, num_slots=2))
     (_, again), = d.handle(b"t1", p.Ready(credits=1))
     assert again.batch_id == batch.batch_id  # requeued work is served first
+
+
+# --- target faults: restart, hang, late messages ----------------------------------------------
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _faulty_setup(clock=None):
+    """Target 0 (pid 10) holds leased batches, a produced one and one assigned to drafter 0."""
+    d = Dispatcher(_plan(), policy="pull", num_targets=2, num_drafters=1, heartbeat_timeout_s=5.0,
+                   clock=clock or Clock())
+    d.handle(b"t0/10", p.Register(role="target", rank=0, pid=10, pool={"pool_id": "old"}, num_slots=4))
+    d.handle(b"d0/30", p.Register(role="drafter", rank=0, pid=30))
+    leased = [m for _, m in d.handle(b"t0/10", p.Ready(credits=4))]
+    assert len(leased) == 4
+    produced = lambda b: p.Produced(batch_id=b.batch_id, slot=b.slot, num_tokens=1, compute_s=0.0)
+    d.handle(b"t0/10", produced(leased[0]))
+    d.handle(b"t0/10", produced(leased[1]))
+    (_, assign), = d.handle(b"d0/30", p.WantHidden(credits=1))  # leased[0] goes to drafter 0
+    assert assign.batch_id == leased[0].batch_id and assign.pool == {"pool_id": "old"}
+    return d, leased
+
+
+def test_second_register_of_a_target_rank_is_a_restart():
+    d, leased = _faulty_setup()
+    out = d.handle(b"t0/11", p.Register(role="target", rank=0, pid=11, pool={"pool_id": "new"}, num_slots=4))
+    assert out[-1] == (b"t0/11", p.Registered(role="target", rank=0, num_batches=d.num_batches))
+    # Leased, produced, and produced-and-assigned-but-not-consumed: all back to pending.
+    for batch in leased:
+        assert d.ledger.entry(batch.batch_id).state is BatchState.PENDING, batch.batch_id
+    assert d.in_flight == {} and not d.produced
+    status = d.status()
+    assert status["targets"]["0"]["pid"] == 11
+    assert status["dropped_targets"] == {"10": "replaced by pid 11"}
+    # The new process gets the requeued work first, oldest first, in its own pool.
+    again = [m for _, m in d.handle(b"t0/11", p.Ready(credits=4))]
+    assert [m.batch_id for m in again] == sorted(b.batch_id for b in leased)
+
+
+def test_late_messages_of_a_replaced_target_and_its_drafter_are_refused():
+    d, leased = _faulty_setup()
+    d.handle(b"t0/11", p.Register(role="target", rank=0, pid=11, pool={"pool_id": "new"}, num_slots=4))
+    with pytest.raises(ProtocolError, match="unregistered"):  # the old process, resumed
+        d.handle(b"t0/10", p.Produced(batch_id=leased[2].batch_id, slot=leased[2].slot, num_tokens=1,
+                                      compute_s=0.0))
+    with pytest.raises(ProtocolError, match="unregistered"):
+        d.handle(b"t0/10", p.Heartbeat(metrics={}))
+    with pytest.raises(ProtocolError, match="was not assigned"):  # the drafter's copy came too late
+        d.handle(b"d0/30", p.Consumed(batch_id=leased[0].batch_id))
+    assert d.ledger.entry(leased[2].batch_id).state is BatchState.PENDING
+
+
+def test_same_identity_may_not_register_twice_and_drafters_are_not_replaced():
+    d = Dispatcher(_plan(), policy="pull", num_targets=1, num_drafters=1)
+    d.handle(b"t0/1", p.Register(role="target", rank=0, pid=1, pool=POOL, num_slots=1))
+    with pytest.raises(ProtocolError, match="already registered by this sender"):
+        d.handle(b"t0/1", p.Register(role="target", rank=0, pid=1, pool=POOL, num_slots=1))
+    d.handle(b"d0/2", p.Register(role="drafter", rank=0, pid=2))
+    with pytest.raises(ProtocolError, match="drafter/0 is already registered"):
+        d.handle(b"d0/3", p.Register(role="drafter", rank=0, pid=3))
+    assert d.drafters[0].identity == b"d0/2" and d.status()["dropped_targets"] == {}
+
+
+def test_silent_target_is_dropped_and_its_late_produced_refused():
+    clock = Clock()
+    d, leased = _faulty_setup(clock)
+    clock.now = 4.0
+    d.handle(b"d0/30", p.Heartbeat(metrics={}))
+    assert d.tick() == [] and 0 in d.targets  # 4 s of silence: still within the timeout
+    clock.now = 5.5
+    d.tick()
+    assert 0 not in d.targets
+    assert d.status()["dropped_targets"] == {"10": "silent for 5.5s"}
+    assert all(d.ledger.entry(b.batch_id).state is BatchState.PENDING for b in leased)
+    with pytest.raises(ProtocolError, match="unregistered"):  # SIGCONT: it wakes up and reports
+        d.handle(b"t0/10", p.Produced(batch_id=leased[2].batch_id, slot=leased[2].slot, num_tokens=1,
+                                      compute_s=0.0))
+    # The restarted process registers into the free seat; its pid is no longer "dropped".
+    d.handle(b"t0/10", p.Register(role="target", rank=0, pid=10, pool=POOL, num_slots=1))
+    assert d.status()["dropped_targets"] == {}
+
+
+def test_commit_of_a_batch_taken_back_by_a_drop_counts_the_rest():
+    """Drafter 0 copied batch A, but its Consumed arrived after A's target was dropped. Its
+    Committed lists A with a properly consumed B: B commits, A is served again, and the
+    committed history still has every sample once."""
+    d, leased = _faulty_setup()
+    batch_a = leased[0]
+    d.handle(b"t1/20", p.Register(role="target", rank=1, pid=20, pool=POOL, num_slots=4))
+    (_, batch_b), = d.handle(b"t1/20", p.Ready(credits=1))
+    d.drop_target(0, reason="test")
+    with pytest.raises(ProtocolError):
+        d.handle(b"d0/30", p.Consumed(batch_id=batch_a.batch_id))
+    d.handle(b"t1/20", p.Produced(batch_id=batch_b.batch_id, slot=batch_b.slot, num_tokens=1, compute_s=0.0))
+    (_, assign), = d.handle(b"d0/30", p.WantHidden(credits=1))
+    assert assign.batch_id == batch_b.batch_id
+    d.handle(b"d0/30", p.Consumed(batch_id=batch_b.batch_id))
+    d.handle(b"d0/30", p.Committed(step=1, batch_ids=[batch_a.batch_id, batch_b.batch_id]))
+    assert d.ledger.history() == [batch_b.batch_id]
+    assert d.ledger.entry(batch_a.batch_id).state is BatchState.PENDING
+    # A goes round again through target 1 and now commits normally.
+    (_, again), = d.handle(b"t1/20", p.Ready(credits=1))
+    assert again.batch_id == batch_a.batch_id and d.ledger.entry(batch_a.batch_id).target == 1
+    d.handle(b"t1/20", p.Produced(batch_id=batch_a.batch_id, slot=again.slot, num_tokens=1, compute_s=0.0))
+    d.handle(b"d0/30", p.WantHidden(credits=1))
+    d.handle(b"d0/30", p.Consumed(batch_id=batch_a.batch_id))
+    d.handle(b"d0/30", p.Committed(step=2, batch_ids=[batch_a.batch_id]))
+    assert d.ledger.history() == [batch_b.batch_id, batch_a.batch_id] and d.revoked == {}

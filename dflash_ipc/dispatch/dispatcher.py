@@ -10,6 +10,16 @@ adds n credits; it gets a `Batch` when it has a credit AND a free slot, so a slo
 behind a busy worker while another idles. A drafter's `WantHidden(n)` likewise; produced
 batches go to the drafter that has waited longest, oldest batch first.
 
+Target faults: a target silent for `heartbeat_timeout_s` is dropped (`tick`), and a
+`Register` for a target rank held under another identity (a restarted process: identities
+carry the pid) drops the old seat first; the same identity registering twice is refused. A
+drop returns the target's leased and produced batches to pending, including produced ones
+already assigned to a drafter that has not reported `Consumed` (its late `Consumed` is
+refused; see `_without_revoked` for its `Committed`). The dropped pid is listed in the
+status (`dropped_targets`) so the supervisor kills the process if it still runs; anything
+it sends later is refused as coming from an unregistered sender. Drafters are never
+replaced: a second drafter registration of a rank is refused.
+
 Round-robin policy (`dispatch.policy: round_robin`) reproduces the reference system for
 benchmarks: batch i belongs to target i mod N from the start and produced batch j to
 drafter j mod M, whatever their speed. Workers still only receive when they have credit,
@@ -31,6 +41,7 @@ from dflash_ipc.errors import ProtocolError
 log = logging.getLogger(__name__)
 
 RATE_WINDOW_S = 10.0  # rates in status are averaged over this trailing window
+DROPPED_KEPT = 64     # status lists this many of the latest dropped targets (pid -> reason)
 
 # Rates (tokens/s, valid tokens, padding excluded):
 #   tgt_rate  produced by targets into slots
@@ -46,6 +57,7 @@ class TargetSeat:
     node: int
     pool: dict
     num_slots: int
+    pid: int = 0
     credits: int = 0
     free_slots: collections.deque = field(default_factory=collections.deque)
     last_seen: float = 0.0
@@ -122,6 +134,12 @@ class Dispatcher:
         self.rates = {name: _Rate() for name in ("tgt_rate", "dft_rate", "tok_rate")}
         self.end_sent = False
         self.refusals = 0
+        # Targets dropped while their process may still run (hung, or replaced): pid -> why.
+        # The supervisor reads it from the status and kills those processes.
+        self.dropped_targets: collections.OrderedDict[int, str] = collections.OrderedDict()
+        # Batches taken back from a drafter by a drop (assigned, not yet consumed): id -> rank.
+        # If that drafter had copied the batch anyway, its Committed lists it: _without_revoked.
+        self.revoked: dict[int, int] = {}
         # Round-robin: fixed ownership decided up front, by plan order.
         order = [b.batch_id for batches in epochs for b in batches]
         self.rr_target_of = {bid: i % num_targets for i, bid in enumerate(order)}
@@ -155,8 +173,9 @@ class Dispatcher:
         out: Outgoing = []
         for seat in list(self.targets.values()):
             if not seat.done and now - seat.last_seen > self.heartbeat_timeout_s:
-                log.warning("target/%d silent for %.1fs: declared dead", seat.rank, now - seat.last_seen)
-                out += self.drop_target(seat.rank)
+                silent = now - seat.last_seen
+                log.warning("target/%d silent for %.1fs: declared dead", seat.rank, silent)
+                out += self.drop_target(seat.rank, reason=f"silent for {silent:.1f}s")
         trained = sum(s.metrics.get("trained_tokens", 0.0) for s in self.drafters.values())
         for name, total in (("tgt_rate", self.tokens_produced), ("dft_rate", self.tokens_consumed),
                             ("tok_rate", trained)):
@@ -167,18 +186,26 @@ class Dispatcher:
     def finished(self) -> bool:
         return self.ledger.all_committed()
 
-    def drop_target(self, rank: int) -> Outgoing:
-        """A target died or hung: its leased and produced batches go back to pending."""
+    def drop_target(self, rank: int, reason: str = "dropped") -> Outgoing:
+        """A target died, hung or was replaced: its leased and produced batches (produced
+        ones too if already assigned to a drafter that has not reported Consumed) go back to
+        pending. Its identity is forgotten, so a late Produced from it is refused."""
         seat = self.targets.pop(rank, None)
         if seat is None:
             return []
         requeued = set(self.ledger.requeue_target(rank))
         self.produced = collections.deque(b for b in self.produced if b not in requeued)
         for batch_id in requeued:
-            self.in_flight.pop(batch_id, None)  # a drafter's late Consumed for it is refused
+            drafter = self.in_flight.pop(batch_id, None)  # a late Consumed for it is refused
+            if drafter is not None:
+                self.revoked[batch_id] = drafter
         if rank in self.target_waiters:
             self.target_waiters.remove(rank)
-        log.warning("target/%d dropped; %d batches back to pending", rank, len(requeued))
+        self.dropped_targets[seat.pid] = reason
+        while len(self.dropped_targets) > DROPPED_KEPT:
+            self.dropped_targets.popitem(last=False)
+        log.warning("target/%d (pid %d) dropped (%s); %d batches back to pending",
+                    rank, seat.pid, reason, len(requeued))
         return self._serve_targets()
 
     # --- registration -----------------------------------------------------------------
@@ -194,20 +221,27 @@ class Dispatcher:
             raise ProtocolError(f"Register: {msg.role} rank {msg.rank} outside [0, {limit})")
         seats = self.targets if msg.role == "target" else self.drafters
         old = seats.get(msg.rank)
-        if old is not None and old.identity != sender:
-            raise ProtocolError(f"Register: {msg.role}/{msg.rank} is already registered")
+        if old is not None and (old.identity == sender or msg.role != "target"):
+            raise ProtocolError(f"Register: {msg.role}/{msg.rank} is already registered"
+                                + (" by this sender" if old.identity == sender else ""))
+        out: Outgoing = []
         if msg.role == "target":
             if msg.pool is None or msg.num_slots < 1:
                 raise ProtocolError("Register: a target must send its slot pool and num_slots >= 1")
+            self.dropped_targets.pop(msg.pid, None)  # a reused pid is a new process
+            if old is not None:
+                # A new process for a seat that is still held: the supervisor restarted the
+                # target before the old one's silence was noticed. The old one is gone.
+                out = self.drop_target(msg.rank, reason=f"replaced by pid {msg.pid}")
             seat = TargetSeat(rank=msg.rank, identity=sender, node=msg.node, pool=msg.pool,
                               num_slots=msg.num_slots, free_slots=collections.deque(range(msg.num_slots)),
-                              last_seen=now)
+                              last_seen=now, pid=msg.pid)
             self.targets[msg.rank] = seat
         else:
             self.drafters[msg.rank] = DrafterSeat(rank=msg.rank, identity=sender, node=msg.node,
                                                   last_seen=now)
         log.info("%s/%d registered (pid %d, %s)", msg.role, msg.rank, msg.pid, msg.device)
-        return [(sender, p.Registered(role=msg.role, rank=msg.rank, num_batches=self.num_batches))]
+        return out + [(sender, p.Registered(role=msg.role, rank=msg.rank, num_batches=self.num_batches))]
 
     def _seat_of(self, sender: bytes) -> TargetSeat | DrafterSeat | None:
         for seats in (self.targets, self.drafters):
@@ -287,10 +321,29 @@ class Dispatcher:
                 target.free_slots.append(slot)
             return self._serve_targets()
         if isinstance(msg, p.Committed):
-            self.ledger.committed(msg.batch_ids, seat.rank, msg.step)
-            self.tokens_committed += sum(self.ledger.entry(b).batch.num_tokens for b in msg.batch_ids)
+            batch_ids = self._without_revoked(seat.rank, msg.batch_ids)
+            self.ledger.committed(batch_ids, seat.rank, msg.step)
+            for batch_id in batch_ids:
+                self.revoked.pop(batch_id, None)
+            self.tokens_committed += sum(self.ledger.entry(b).batch.num_tokens for b in batch_ids)
             return self._maybe_end()
         raise ProtocolError(f"{msg.KIND.name} is not a message a drafter may send")
+
+    def _without_revoked(self, rank: int, batch_ids: list[int]) -> list[int]:
+        """`batch_ids` less those a target drop took back from drafter `rank` after it had
+        copied them (its Consumed came too late and was refused). The drafter trained them
+        anyway; they are produced and consumed again, and only that second time counts.
+        Committing them now would be refused and, all-or-none, refuse the whole commit."""
+        kept = []
+        for batch_id in batch_ids:
+            if self.revoked.get(batch_id) == rank and batch_id in self.ledger:
+                entry = self.ledger.entry(batch_id)
+                if not (entry.state is BatchState.CONSUMED and entry.drafter == rank):
+                    log.warning("drafter/%d committed batch %d, which a target drop took back "
+                                "before its Consumed: not counted, it is served again", rank, batch_id)
+                    continue
+            kept.append(batch_id)
+        return kept
 
     def _drafter_for(self, batch_id: int) -> DrafterSeat | None:
         """The drafter that gets `batch_id` now, or None if it must wait."""
@@ -355,7 +408,7 @@ class Dispatcher:
                        "committed": self.tokens_committed},
             "rates": {name: rate.value() for name, rate in self.rates.items()},
             "produced_waiting": len(self.produced),
-            "targets": {str(r): {"credits": s.credits, "free_slots": len(s.free_slots),
+            "targets": {str(r): {"pid": s.pid, "credits": s.credits, "free_slots": len(s.free_slots),
                                  "batches": s.batches_done, "tokens": s.tokens_done,
                                  "compute_s": s.compute_s, "metrics": s.metrics,
                                  "heartbeat_age_s": self.clock() - s.last_seen}
@@ -364,5 +417,6 @@ class Dispatcher:
                                   "metrics": s.metrics, "heartbeat_age_s": self.clock() - s.last_seen}
                          for r, s in sorted(self.drafters.items())},
             "refusals": self.refusals,
+            "dropped_targets": {str(pid): why for pid, why in self.dropped_targets.items()},
             "finished": self.finished,
         }

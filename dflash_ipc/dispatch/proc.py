@@ -21,7 +21,7 @@ from dflash_ipc.config import JobConfig
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.dispatch.buckets import BucketSpec, plan_epoch, plan_stats
 from dflash_ipc.dispatch.dispatcher import Dispatcher
-from dflash_ipc.dispatch.ledger import Ledger
+from dflash_ipc.dispatch.ledger import BatchState, Ledger
 from dflash_ipc.errors import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ class DispatcherProc:
 
     def _on_frames(self, frames: list[bytes]) -> None:
         identity, body = frames[0], frames[1:]
+        msg = None
         try:
             msg = p.decode(body)
             self._send_all(self.dispatcher.handle(identity, msg))
@@ -77,7 +78,11 @@ class DispatcherProc:
             self.dispatcher.refusals += 1
             kind = body[0][0] if body and len(body[0]) == 1 else 0
             log.warning("refused a message from %r: %s", identity[:40], exc)
-            self._send_all([(identity, p.Rejected(kind=kind, reason=str(exc)))])
+            # A refused registration gets its own answer, so the worker fails at once with
+            # the reason instead of waiting out its start-up timeout.
+            reply = (p.Refused(reason=str(exc)) if isinstance(msg, p.Register)
+                     else p.Rejected(kind=kind, reason=str(exc)))
+            self._send_all([(identity, reply)])
 
     def save_ledger(self) -> None:
         self.dispatcher.ledger.save(ledger_path(self.cfg))
@@ -138,10 +143,11 @@ def run_dispatcher(cfg: JobConfig) -> None:
         log.info("epoch %d plan: %s", epoch, plan_stats(batches))
     ledger = None
     if os.path.exists(ledger_path(cfg)):
+        # load() applies the restart rule: every batch not committed goes back to pending.
         ledger = Ledger.load(ledger_path(cfg))
-        requeued = ledger.requeue_uncommitted()
-        log.info("restored the ledger from %s; %d uncommitted batches back to pending",
-                 ledger_path(cfg), len(requeued))
+        counts = ledger.counts()
+        log.info("restored the ledger from %s: %d of %d batches committed, the rest pending",
+                 ledger_path(cfg), counts[BatchState.COMMITTED], len(ledger))
     dispatcher = Dispatcher(epochs, policy=cfg.dispatch.policy, num_targets=cfg.target.num_workers,
                             num_drafters=cfg.drafter.num_workers,
                             heartbeat_timeout_s=cfg.dispatch.heartbeat_timeout_s, ledger=ledger)
@@ -149,4 +155,6 @@ def run_dispatcher(cfg: JobConfig) -> None:
     try:
         proc.run()
     finally:
+        # On SIGTERM too: the next dispatcher in this run directory resumes from it.
+        proc.save_ledger()
         proc.close()

@@ -31,6 +31,7 @@ from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.drafter.objective import (anchor_generator, build_training_batch, sample_anchors,
                                           weighted_ce_sum)
 from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -221,12 +222,22 @@ class DrafterTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step_count = state["step"]
-        torch.set_rng_state(state["torch_rng"])
+        torch.set_rng_state(state["torch_rng"].cpu())
+
+    def resume(self, root: str, step: int) -> dict:
+        """Loads the training state of checkpoint `step`; returns its `extra` (batch ids...)."""
+        path = os.path.join(checkpoint_path(root, step), TRAINING_STATE)
+        if not os.path.exists(path):
+            raise DataError(f"cannot resume from step {step}: {path} does not exist")
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        self.load_state_dict(state)
+        log.info("resumed from %s (step %d)", path, self.step_count)
+        return state.get("extra", {})
 
     def save_checkpoint(self, root: str, extra: dict) -> str:
         """Rank 0 only: `<root>/step_<N>/` with the inference export and the training state,
         written to a temp dir and renamed, then `latest` pointed at it."""
-        final = os.path.join(root, f"step_{self.step_count:08d}")
+        final = checkpoint_path(root, self.step_count)
         tmp = f"{final}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         save_inference_checkpoint(self.model, tmp)
@@ -239,6 +250,10 @@ class DrafterTrainer:
             json.dump({"step": self.step_count, "path": os.path.basename(final)}, f)
         os.replace(latest_tmp, os.path.join(root, "latest.json"))
         return final
+
+
+def checkpoint_path(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:08d}")
 
 
 def latest_checkpoint(root: str) -> str | None:

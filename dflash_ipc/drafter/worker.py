@@ -3,8 +3,9 @@
 Busy loop, one pass:
   1) take waiting messages: for each `Assign`, copy the slot into local memory (the slot's
      reader is opened once per target and cached), split it into sequences, report
-     `Consumed` at once so the target can reuse the slot; ask for more while the local
-     queue is short (`WantHidden`),
+     `Consumed` at once so the target can reuse the slot (if the target died first, the
+     batch is skipped, unreported: the dispatcher requeues it); ask for more while the
+     local queue is short (`WantHidden`),
   2) agree with the group (one small all-reduce) whether every rank has a full step's
      anchors, or everyone is drained after `EndOfData`,
   3) step (all ranks together) when all are full; every `checkpoint_every_steps`, and at
@@ -31,7 +32,7 @@ from dflash_ipc.drafter.model import DFlashConfig
 from dflash_ipc.drafter.target_head import FrozenTargetHead
 from dflash_ipc.drafter.trainer import (DTYPES, DrafterTrainer, Sequence, eligible_anchor_count,
                                         estimate_total_steps)
-from dflash_ipc.errors import WorkerDeadError
+from dflash_ipc.errors import ProducerGoneError, WorkerDeadError
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.profiling import IterationProfiler
 from dflash_ipc.runinfo import checkpoints_dir
@@ -160,9 +161,9 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
             msg = link.recv(0.0 if worker.full or end_of_data else 0.02)
             while msg is not None:
                 if isinstance(msg, p.Assign):
-                    outstanding -= 1
-                    worker.accept(msg)
-                    link.send(p.Consumed(batch_id=msg.batch_id))
+                    outstanding -= 1  # the credit is spent whether or not the copy succeeds
+                    if _accept(worker, msg, rank):
+                        link.send(p.Consumed(batch_id=msg.batch_id))
                 elif isinstance(msg, p.EndOfData):
                     end_of_data = True
                 elif isinstance(msg, p.Shutdown):
@@ -210,6 +211,23 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
     finally:
         if metrics_file is not None:
             metrics_file.close()
+
+
+def _accept(worker: DrafterWorker, msg: p.Assign, rank: int) -> bool:
+    """Copies an assigned batch in; False when its target died before the copy.
+
+    Such a batch is not consumed: no `Consumed` is sent, nothing is queued, and the
+    dispatcher returns it to pending when it drops the dead target. The dispatcher spent
+    one of our credits on it, as the caller counts it, so the next `WantHidden` asks again.
+    """
+    try:
+        worker.accept(msg)
+    except ProducerGoneError as exc:
+        log.warning("drafter/%d: batch %d lost with its producer target/%d, left to the "
+                    "dispatcher to requeue: %s", rank, msg.batch_id, msg.target, exc)
+        worker.readers.drop(str(msg.pool.get("pool_id", "")))
+        return False
+    return True
 
 
 def _checkpoint_and_commit(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLink,

@@ -9,8 +9,8 @@ def _mean_metric(workers: dict, name: str) -> float | None:
 
 
 def format_status(status: dict, *, final: bool = False) -> str:
-    """e.g. `[  42s] 61% 18/30 batches | tgt_rate 5,210 dft_rate 5,050 tok_rate 4,980 tok/s |
-    step 12 loss 4.812 | pending 8 leased 5 produced 2 waiting 0 | free slots 14/20`."""
+    """e.g. `[   42s]  61% 18/30 batches | tgt_rate 5,210 dft_rate 5,050 tok_rate 4,980 tok/s |
+    step 12 loss 4.812 | pending 8 leased 5 produced 2 consumed 3 | free slots 14`."""
     b = status["batches"]
     # The last line of a job shows whole-run averages; live lines a trailing window.
     rates = status["average_rates"] if final and "average_rates" in status else status["rates"]

@@ -5,9 +5,27 @@
 
 It writes the resolved config to the run directory, starts the dispatcher, then the targets
 and drafters, prints a status line every `dispatch.status_interval_s`, and stops everything
-on Ctrl-C/SIGTERM, on the end of the job, or when a worker dies (restarts are issue #5's
-policy: `supervise.max_restarts`). On the way out it removes this run's shared-memory
-segments and socket file, whatever state the children left them in.
+on Ctrl-C/SIGTERM or on the end of the job. On the way out it removes this run's
+shared-memory segments and socket file, whatever state the children left them in; on the
+way in it removes those a previous supervisor of this run directory left (one killed with
+SIGKILL cannot clean up after itself).
+
+Faults:
+- A target that dies (non-zero exit or a signal) is started again for the same rank, as a
+  new process with a new pid and so a new slot pool, within its `RestartPolicy`
+  (`supervise.max_restarts` per `supervise.restart_window_s`, exponential backoff). The
+  dispatcher returns the dead target's batches to pending when the new one registers (or
+  when its heartbeats stop), so nothing is lost. Past the budget the job fails (exit 1)
+  with a message naming the target, its restart count and the window.
+- A target that hangs (SIGSTOP, stuck in a CUDA call) is found from the dispatcher's
+  status, polled every status interval: its heartbeat is older than
+  `dispatch.heartbeat_timeout_s`, or the dispatcher already dropped it as silent, or it
+  never registered within `supervise.startup_timeout_s`. It is SIGKILLed and then
+  restarted like a dead one.
+- A drafter or the dispatcher that dies fails the job (exit 1, the log tail shown). Drafter
+  restarts need the whole drafter group to resume from its last checkpoint, dispatcher
+  restarts need the workers to re-register; neither exists yet.
+- A worker that exits with code 0 got `Shutdown`: the end of the job, not a fault.
 """
 
 from __future__ import annotations
@@ -24,14 +42,16 @@ from dflash_ipc import protocol as p
 from dflash_ipc.config import JobConfig, dump_config
 from dflash_ipc.dispatch.proc import final_status_path
 from dflash_ipc.link import DispatcherLink
-from dflash_ipc.runinfo import logs_dir, processes_path, resolved_config_path, shm_prefix
+from dflash_ipc.runinfo import logs_dir, pool_name, processes_path, resolved_config_path, shm_prefix
 from dflash_ipc.supervise.children import Child, stop_children
+from dflash_ipc.supervise.restart import RestartPolicy
 from dflash_ipc.supervise.status_line import format_status
 from dflash_ipc.transport.slots import unlink_segments
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.25
+STATUS_RETRY_S = 30.0  # ask again if a status request went unanswered this long
 
 
 def _free_port() -> int:
@@ -48,6 +68,9 @@ class Supervisor:
         self.config_path = resolved_config_path(cfg.run.run_dir)
         self._stop_reason: str | None = None
         self.last_status: dict | None = None
+        self.policies: dict[str, RestartPolicy] = {}   # role -> its restart budget (targets)
+        self._restart_due: dict[str, float] = {}        # role -> monotonic time of its restart
+        self._status_asked_at: float | None = None      # the StatusRequest still unanswered
 
     # --- start ----------------------------------------------------------------------------
 
@@ -60,6 +83,10 @@ class Supervisor:
 
     def start(self) -> None:
         os.makedirs(self.cfg.run.run_dir, mode=0o700, exist_ok=True)
+        removed = unlink_segments(shm_prefix(self.cfg))
+        if removed:
+            log.warning("removed %d shared-memory segments left by an earlier run in %s",
+                        removed, self.cfg.run.run_dir)
         dump_config(self.cfg, self.config_path)
         env = dict(os.environ, PYTHONUNBUFFERED="1", DFLASH_IPC_SUPERVISED="1")
         env.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -72,13 +99,18 @@ class Supervisor:
         self.children.append(self._child("dispatcher", "dispatcher", None, env))
         self.children += [self._child("target", f"target/{r}", r, env) for r in range(self.cfg.target.num_workers)]
         self.children += [self._child("drafter", f"drafter/{r}", r, env) for r in range(self.cfg.drafter.num_workers)]
+        sup = self.cfg.supervise
+        self.policies = {c.role: RestartPolicy(max_restarts=sup.max_restarts, window_s=sup.restart_window_s,
+                                               role=c.role)
+                         for c in self.children if c.role.startswith("target/")}
         for child in self.children:
             child.start()
         self._write_processes()
 
     def _write_processes(self) -> None:
         record = {"supervisor": os.getpid(), "run_dir": self.cfg.run.run_dir,
-                  "processes": [{"role": c.role, "pid": c.pid, "log": c.log_path} for c in self.children]}
+                  "processes": [{"role": c.role, "pid": c.pid, "log": c.log_path, "restarts": len(c.restarts)}
+                                for c in self.children]}
         tmp = processes_path(self.cfg) + ".tmp"
         with open(tmp, "w") as f:
             json.dump(record, f, indent=1)
@@ -109,28 +141,98 @@ class Supervisor:
         next_status = time.monotonic() + self.cfg.dispatch.status_interval_s
         dispatcher = self.children[0]
         while True:
+            # 1) a signal: stop
             if self._stop_reason:
                 log.warning("stopping on %s", self._stop_reason)
                 return 130 if self._stop_reason == "SIGINT" else 143
+            # 2) the dispatcher exits 0 once every batch is committed (workers exit 0 on its
+            #    Shutdown, just before); any other exit of it fails the job
             code = dispatcher.poll()
             if code == 0:
                 self._report_status(link, final=True)
                 self._wait_workers()
                 log.info("job finished")
                 return 0
-            # A clean exit (0) is a worker that got Shutdown; the dispatcher follows it.
-            dead = [c for c in self.children if c.poll() not in (None, 0)]
-            if dead:
-                c = dead[0]
-                log.error("%s (pid %d) exited with code %s; see %s", c.role, c.pid, c.poll(), c.log_path)
-                self._tail_log(c)
+            # 3) deaths: targets are restarted within their policy, anything else fails
+            if not self._handle_deaths():
                 return 1
+            # 4) restarts whose backoff is over
+            self._start_due_restarts()
+            # 5) status line; targets that hang are killed here and restarted by step 3
             if time.monotonic() >= next_status:
-                next_status += self.cfg.dispatch.status_interval_s
-                self._report_status(link)
+                next_status = time.monotonic() + self.cfg.dispatch.status_interval_s
+                status = self._report_status(link)
+                if status is not None:
+                    self._kill_hung_targets(status)
             time.sleep(POLL_S)
 
-    def _report_status(self, link: DispatcherLink, final: bool = False) -> None:
+    def _child_of(self, role: str) -> Child:
+        return next(c for c in self.children if c.role == role)
+
+    def _handle_deaths(self) -> bool:
+        """Schedules the restart of each newly dead target; False when the job must fail."""
+        for child in self.children:
+            code = child.poll()
+            if code in (None, 0) or child.role in self._restart_due:
+                continue
+            log.error("%s (pid %d) exited with code %s; see %s", child.role, child.pid, code, child.log_path)
+            self._tail_log(child)
+            policy = self.policies.get(child.role)
+            if policy is None:
+                log.error("%s died: only targets are restarted (drafter and dispatcher restarts are "
+                          "not supported yet); the job fails", child.role)
+                return False
+            decision = policy.on_death()
+            if not decision.allowed:
+                log.error("%s; the job fails", decision.reason)
+                return False
+            # No process of this rank runs now: whatever /dev/shm holds under its pool name is
+            # a dead pool (a SIGKILLed target cannot unlink its own). Readers keep their maps.
+            unlink_segments(pool_name(self.cfg, int(child.role.split("/")[1])) + "-")
+            self._restart_due[child.role] = time.monotonic() + decision.delay_s
+            log.warning("%s will restart in %.1fs (restart %d of %d allowed per %.0fs)", child.role,
+                        decision.delay_s, decision.restarts_in_window, policy.max_restarts, policy.window_s)
+        return True
+
+    def _start_due_restarts(self) -> None:
+        now = time.monotonic()
+        for role, due in list(self._restart_due.items()):
+            if now < due:
+                continue
+            del self._restart_due[role]
+            child = self._child_of(role)
+            old_pid = child.pid
+            child.restarts.append(now)
+            child.start()
+            log.warning("restarted %s: pid %d replaces pid %d", role, child.pid, old_pid)
+            self._write_processes()
+
+    def _kill_hung_targets(self, status: dict) -> None:
+        """SIGKILLs every living target that `status` shows hung; step 3 restarts it."""
+        for child in self.children:
+            if child.role not in self.policies or child.poll() is not None:
+                continue
+            why = self._hang_reason(child, status)
+            if why:
+                log.error("%s (pid %d) hangs: %s; SIGKILL", child.role, child.pid, why)
+                child.signal(signal.SIGKILL)
+
+    def _hang_reason(self, child: Child, status: dict) -> str | None:
+        seat = status.get("targets", {}).get(child.role.split("/")[1])
+        seated = seat is not None and seat.get("pid", child.pid) == child.pid
+        timeout = self.cfg.dispatch.heartbeat_timeout_s
+        if seated and seat["heartbeat_age_s"] > timeout:
+            return f"no heartbeat for {seat['heartbeat_age_s']:.1f}s (dispatch.heartbeat_timeout_s={timeout:g})"
+        dropped = status.get("dropped_targets", {}).get(str(child.pid))
+        if not seated and dropped is not None:
+            return f"the dispatcher dropped it ({dropped})"
+        startup = self.cfg.supervise.startup_timeout_s
+        if not seated and time.monotonic() - child.started_at > startup:
+            return f"not registered {startup:g}s after its start (supervise.startup_timeout_s)"
+        return None
+
+    def _report_status(self, link: DispatcherLink, final: bool = False) -> dict | None:
+        """Prints the status line; returns the dispatcher's live status (None: no answer)."""
         if final:
             try:
                 with open(final_status_path(self.cfg)) as f:
@@ -138,26 +240,45 @@ class Supervisor:
                 self.print_status(format_status(self.last_status, final=True))
             except (OSError, ValueError) as exc:
                 log.warning("no final status: %s", exc)
-            return
+            return None
+        # One request at a time: requests sent while the dispatcher is still starting queue up
+        # in ZMQ and would otherwise be answered in a burst, leaving every later reply read
+        # one stale status behind (and hang detection blind for that long).
+        now = time.monotonic()
+        reply = None
         try:
-            link.send(p.StatusRequest())
-            reply = link.recv(1.0)
+            if self._status_asked_at is None or now - self._status_asked_at > STATUS_RETRY_S:
+                link.send(p.StatusRequest())
+                self._status_asked_at = now
+            msg = link.recv(1.0)
+            while msg is not None:
+                if isinstance(msg, p.StatusReply):
+                    reply, self._status_asked_at = msg, None
+                msg = link.recv(0.0)
         except Exception as exc:  # the dispatcher may be starting or gone; status is best effort
             log.debug("status request failed: %s", exc)
-            return
-        if isinstance(reply, p.StatusReply):
-            self.last_status = reply.status
-            self.print_status(format_status(reply.status))
+        if reply is None:
+            return None
+        self.last_status = reply.status
+        self.print_status(format_status(reply.status))
+        return reply.status
 
     def _wait_workers(self) -> None:
-        """After the dispatcher's Shutdown the workers exit by themselves; give them time."""
+        """After the dispatcher's Shutdown the workers exit by themselves; give them time.
+        A restarted target that had not registered yet got no Shutdown: stop it now."""
+        seated = {t.get("pid") for t in (self.last_status or {}).get("targets", {}).values()}
+        unseated = [c for c in self.children if c.role in self.policies and c.restarts
+                    and c.poll() is None and c.pid not in seated]
+        for child in unseated:
+            log.info("%s (pid %d) restarted too late to take part; stopping it", child.role, child.pid)
+        stop_children(unseated, self.cfg.supervise.grace_s)
         deadline = time.monotonic() + max(30.0, self.cfg.supervise.grace_s)
         for child in self.children:
             try:
                 child.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
             except Exception:
                 pass
-        bad = [c for c in self.children if c.poll() not in (0, None)]
+        bad = [c for c in self.children if c.poll() not in (0, None) and c not in unseated]
         for c in bad:
             log.warning("%s exited with code %s at the end; see %s", c.role, c.poll(), c.log_path)
 

@@ -1,0 +1,225 @@
+"""Fault injection on a real job (`dflash-ipc up`, 3 targets + 2 drafters on CPU, real sockets,
+real shared memory): a target SIGKILLed or SIGSTOPped mid-epoch is replaced and the
+committed ledger still holds every sample exactly once; a SIGKILLed supervisor leaves no
+process and no shared-memory segment behind.
+
+Each test kills everything it started, by pid, in a `finally`, within bounded time.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from dflash_ipc.config import load_config
+from dflash_ipc.data.dataset import TokenDataset
+from dflash_ipc.dispatch.ledger import Ledger
+from dflash_ipc.runinfo import shm_prefix
+from dflash_ipc.supervise.status_query import fetch_status
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN_TIMEOUT_S = 180     # one run; measured 50-120 s on 2 busy cores
+PROGRESS_TIMEOUT_S = 90  # start-up (9 processes import torch) until the first batches
+
+# The e2e test's small job (tests/test_pipeline_e2e.py): 18 batches an epoch, 4 epochs, on
+# 3 targets + 2 drafters (start-up, 6 processes importing torch, is most of a run's time on
+# 2 cores). The work itself takes ~10-20 s: a fault lands while batches are pending.
+FAULT_OVERRIDES = [
+    "data.synthetic_samples=120", "data.synthetic_min_len=24", "data.synthetic_max_len=200",
+    "data.bucket_boundaries=[64,128,200]", "data.token_budget=800", "data.num_epochs=4",
+    "drafter.num_layers=1", "drafter.target_layer_ids=[1,2]", "drafter.anchors_per_step=128",
+    "drafter.max_anchors_per_seq=32", "drafter.lr=5e-3", "drafter.checkpoint_every_steps=10",
+    "drafter.fifo_sequences=32", "dispatch.status_interval_s=2", "supervise.max_restarts=3",
+    "target.num_workers=3", "drafter.num_workers=2",
+]
+
+
+class Job:
+    """One `dflash-ipc up` in its own session, output to a file."""
+
+    def __init__(self, tmp_path, cache_dir, extra=()):
+        self.run_dir = tmp_path / "run"
+        self.out_path = tmp_path / "up.log"
+        env = dict(os.environ, DFLASH_IPC_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
+        # The tiny target by path, not by the built-in name: the job then skips the embedded
+        # default's closing evaluation (~10 s) that has nothing to do with faults.
+        argv = [sys.executable, "-m", "dflash_ipc.cli", "up", "-o", f"run.run_dir={self.run_dir}",
+                "-o", f"target.path={os.path.join(cache_dir, 'tiny-target')}"]
+        for o in [*FAULT_OVERRIDES, *extra]:
+            argv += ["-o", o]
+        self.out = open(self.out_path, "wb")
+        self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=self.out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.started = time.monotonic()
+        self.seen_pids: set[int] = set()
+
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def processes(self) -> dict[str, int]:
+        """role -> pid, from processes.json (every pid ever listed is remembered for clean-up)."""
+        try:
+            record = json.loads((self.run_dir / "processes.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        pids = {e["role"]: e["pid"] for e in record["processes"]}
+        self.seen_pids.update(pids.values())
+        return pids
+
+    def wait_progress(self, rank: int, min_batches: int = 1) -> dict:
+        """Polls the dispatcher until target `rank` produced `min_batches` while at least half
+        the job's batches are still pending; returns that status."""
+        deadline = time.monotonic() + PROGRESS_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.output()[-4000:]
+            if (self.run_dir / "config.yaml").exists():
+                try:
+                    status = fetch_status(str(self.run_dir), timeout_s=2.0)
+                except Exception:  # not serving yet
+                    status = None
+                target = (status or {}).get("targets", {}).get(str(rank))
+                if target and target["batches"] >= min_batches:
+                    pending = status["batches"]["pending"]
+                    assert pending >= status["num_batches"] // 2, f"too late for a fault: {status['batches']}"
+                    self.processes()
+                    return status
+            time.sleep(0.3)
+        pytest.fail(f"target/{rank} produced nothing within {PROGRESS_TIMEOUT_S}s:\n{self.output()[-4000:]}")
+
+    def wait(self, timeout_s: float = RUN_TIMEOUT_S, during=None) -> int:
+        """Waits for the supervisor to exit, calling `during()` every 0.2 s meanwhile."""
+        deadline = self.started + timeout_s
+        while self.proc.poll() is None:
+            if time.monotonic() > deadline:
+                pytest.fail(f"dflash-ipc up did not finish in {timeout_s}s:\n{self.output()[-5000:]}")
+            if during is not None:
+                during()
+            time.sleep(0.2)
+        return self.proc.returncode
+
+    def kill_all(self) -> None:
+        """SIGKILL the supervisor's session and every worker pid it ever listed, then reap."""
+        self.processes()
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in self.seen_pids:
+            if _alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.out.close()
+
+    def audit(self):
+        cfg = load_config(str(self.run_dir / "config.yaml"))
+        ledger = Ledger.load(str(self.run_dir / "ledger.npz"))
+        n = len(TokenDataset(cfg.data.path))
+        return cfg, ledger, ledger.audit({epoch: range(n) for epoch in range(cfg.data.num_epochs)})
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _segments(cfg) -> list[str]:
+    return [f for f in os.listdir("/dev/shm") if f.startswith(shm_prefix(cfg))]
+
+
+@pytest.mark.slow
+def test_sigkilled_target_is_restarted_and_nothing_is_lost(tmp_path, tiny_cache):
+    job = Job(tmp_path, tiny_cache)
+    try:
+        job.wait_progress(rank=1)
+        victim = job.processes()["target/1"]
+        os.kill(victim, signal.SIGKILL)
+        code = job.wait()
+        out = job.output()
+        assert code == 0, out[-5000:]
+        assert "target/1 (pid %d) exited with code -9" % victim in out, out[-5000:]
+        assert "restarted target/1" in out
+
+        cfg, ledger, report = job.audit()
+        assert ledger.all_committed() and report.ok, report
+        # The dead target's work went round again: some batch was leased twice.
+        assert max(ledger.entry(b).attempts for b in ledger.history()) >= 2
+        final = json.loads((job.run_dir / "final_status.json").read_text())
+        assert str(victim) in final["dropped_targets"], final["dropped_targets"]
+        record = json.loads((job.run_dir / "processes.json").read_text())
+        entry, = [e for e in record["processes"] if e["role"] == "target/1"]
+        assert entry["pid"] != victim and entry["restarts"] == 1
+        assert not _alive(victim) and not _segments(cfg)
+    finally:
+        job.kill_all()
+
+
+@pytest.mark.slow
+def test_sigstopped_target_is_killed_restarted_and_nothing_is_lost(tmp_path, tiny_cache):
+    timeout_s, status_s = 6.0, 2.0
+    job = Job(tmp_path, tiny_cache, extra=[f"dispatch.heartbeat_timeout_s={timeout_s:g}",
+                                           "dispatch.heartbeat_interval_s=0.5"])
+    victim = None
+    try:
+        job.wait_progress(rank=2)
+        victim = job.processes()["target/2"]
+        os.kill(victim, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        died_after = []
+
+        def watch_victim():
+            if not died_after and not _alive(victim):
+                died_after.append(time.monotonic() - stopped_at)
+
+        code = job.wait(during=watch_victim)
+        out = job.output()
+        assert code == 0, out[-5000:]
+        assert "target/2 (pid %d) hangs:" % victim in out, out[-5000:]
+        # Found once the dispatcher gives up on it, at the next status poll: timeout + interval.
+        assert died_after and died_after[0] < timeout_s + status_s + 4.0, died_after
+
+        cfg, ledger, report = job.audit()
+        assert ledger.all_committed() and report.ok, report
+        final = json.loads((job.run_dir / "final_status.json").read_text())
+        assert str(victim) in final["dropped_targets"], final["dropped_targets"]
+        record = json.loads((job.run_dir / "processes.json").read_text())
+        entry, = [e for e in record["processes"] if e["role"] == "target/2"]
+        assert entry["pid"] != victim and entry["restarts"] == 1
+        assert not _segments(cfg)
+    finally:
+        if victim is not None and _alive(victim):
+            os.kill(victim, signal.SIGKILL)
+        job.kill_all()
+
+
+@pytest.mark.slow
+def test_sigkilled_supervisor_leaves_no_process_and_no_segment(tmp_path, tiny_cache):
+    job = Job(tmp_path, tiny_cache)
+    try:
+        job.wait_progress(rank=0)
+        pids = job.processes()
+        assert len(pids) == 6
+        cfg = load_config(str(job.run_dir / "config.yaml"))
+        assert _segments(cfg)  # the targets' pools exist while the job runs
+        os.kill(job.proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        while time.monotonic() - killed_at < 10 and (any(_alive(p) for p in pids.values()) or _segments(cfg)):
+            time.sleep(0.2)
+        alive = {role: pid for role, pid in pids.items() if _alive(pid)}
+        assert not alive, f"still running 10 s after the supervisor's SIGKILL: {alive}"
+        assert not _segments(cfg), _segments(cfg)
+    finally:
+        job.kill_all()
