@@ -48,6 +48,14 @@ def _stage_setup(role: str, cfg) -> None:
         ParentWatch().start()
 
 
+def _finished_before(cfg) -> bool:
+    """True when the run directory's ledger says the job already committed every batch."""
+    from dflash_ipc.dispatch.ledger import Ledger
+    from dflash_ipc.dispatch.proc import ledger_path
+    path = ledger_path(cfg)
+    return os.path.exists(path) and Ledger.load(path).all_committed()
+
+
 config_option = click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
                              help="YAML job config (default: configs/default.yaml).")
 override_option = click.option("-o", "--override", "overrides", multiple=True, metavar="KEY=VALUE",
@@ -75,6 +83,10 @@ def up(config, overrides) -> None:
     log.info("run directory %s: %d targets on %s, %d drafters on %s", cfg.run.run_dir,
              cfg.target.num_workers, ",".join(cfg.target.devices), cfg.drafter.num_workers,
              ",".join(cfg.drafter.devices))
+    if _finished_before(cfg):
+        click.echo(f"{cfg.run.run_dir} holds a finished job (every batch committed; checkpoints in "
+                   f"{cfg.run.run_dir}/checkpoints). Start a new one with -o run.run_dir=DIR.")
+        sys.exit(0)
     code = Supervisor(cfg, print_status=lambda line: click.echo(line)).run()
     if code == 0 and embedded_default:
         # The embedded default ends by showing that the drafter learned: tau of the trained

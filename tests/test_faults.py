@@ -42,9 +42,9 @@ FAULT_OVERRIDES = [
 class Job:
     """One `dflash-ipc up` in its own session, output to a file."""
 
-    def __init__(self, tmp_path, cache_dir, extra=()):
+    def __init__(self, tmp_path, cache_dir, extra=(), log_name="up.log"):
         self.run_dir = tmp_path / "run"
-        self.out_path = tmp_path / "up.log"
+        self.out_path = tmp_path / log_name
         env = dict(os.environ, DFLASH_IPC_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
         # The tiny target by path, not by the built-in name: the job then skips the embedded
         # default's closing evaluation (~10 s) that has nothing to do with faults.
@@ -223,3 +223,46 @@ def test_sigkilled_supervisor_leaves_no_process_and_no_segment(tmp_path, tiny_ca
         assert not _segments(cfg), _segments(cfg)
     finally:
         job.kill_all()
+
+
+@pytest.mark.slow
+def test_interrupted_job_resumes_from_its_last_commit(tmp_path, tiny_cache):
+    """Ctrl-C a job after its first checkpoint, run it again in the same run directory: the
+    drafters resume from the checkpoint of the ledger's last commit, only uncommitted batches
+    are served again, and the committed history holds every sample exactly once."""
+    extra = ["drafter.checkpoint_every_steps=4"]
+    first = Job(tmp_path, tiny_cache, extra=extra, log_name="first.log")
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert first.proc.poll() is None, first.output()[-4000:]
+            try:
+                status = fetch_status(str(first.run_dir), timeout_s=2.0)
+            except Exception:  # not serving yet
+                status = None
+            if status and status["batches"]["committed"] > 0:
+                break
+            time.sleep(0.3)
+        first.processes()
+        os.kill(first.proc.pid, signal.SIGINT)
+        assert first.wait() == 130, first.output()[-4000:]
+    finally:
+        first.kill_all()
+    ledger = Ledger.load(str(first.run_dir / "ledger.npz"))
+    resume_step = ledger.last_committed_step()
+    steps_before = len((first.run_dir / "drafter_metrics.jsonl").read_text().splitlines())
+    assert resume_step is not None and not ledger.all_committed()
+
+    second = Job(tmp_path, tiny_cache, extra=extra, log_name="second.log")
+    try:
+        code = second.wait()
+        assert code == 0, second.output()[-5000:]
+        cfg, ledger, report = second.audit()
+        assert ledger.all_committed() and report.ok, report
+        steps = [json.loads(line)["step"] for line in
+                 (second.run_dir / "drafter_metrics.jsonl").read_text().splitlines()]
+        # The second run's first step continues from the checkpoint, not from scratch.
+        assert steps[steps_before] == resume_step + 1, (resume_step, steps_before, steps)
+        assert steps[steps_before:] == list(range(resume_step + 1, steps[-1] + 1))
+    finally:
+        second.kill_all()

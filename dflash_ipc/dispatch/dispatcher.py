@@ -241,7 +241,11 @@ class Dispatcher:
             self.drafters[msg.rank] = DrafterSeat(rank=msg.rank, identity=sender, node=msg.node,
                                                   last_seen=now)
         log.info("%s/%d registered (pid %d, %s)", msg.role, msg.rank, msg.pid, msg.device)
-        return out + [(sender, p.Registered(role=msg.role, rank=msg.rank, num_batches=self.num_batches))]
+        # Drafters resume from the checkpoint of the last commit the ledger holds (a restored
+        # ledger: a rerun in the same run directory); batches committed then are not served.
+        last = self.ledger.last_committed_step() if msg.role == "drafter" else None
+        return out + [(sender, p.Registered(role=msg.role, rank=msg.rank, num_batches=self.num_batches,
+                                            resume_step=-1 if last is None else last))]
 
     def _seat_of(self, sender: bytes) -> TargetSeat | DrafterSeat | None:
         for seats in (self.targets, self.drafters):

@@ -63,6 +63,7 @@ class DispatcherProc:
         self.address = address
         self._last_tick = 0.0
         self._last_save = 0.0
+        self.stop_requested = False  # set from another thread (tests, benches) to end run()
 
     def _send_all(self, outgoing) -> None:
         for identity, msg in outgoing:
@@ -104,7 +105,7 @@ class DispatcherProc:
         interval = self.cfg.dispatch.heartbeat_interval_s
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
-        while True:
+        while not self.stop_requested:
             # 1) poll
             events = dict(poller.poll(int(interval * 1000 / 4)))
             # 2) handle everything that is waiting
