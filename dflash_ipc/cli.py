@@ -230,6 +230,18 @@ def eval_cmd(target_dir, drafter, data_dir, num_prompts, max_new_tokens, device,
         sys.exit(1)
 
 
+@main.command("report")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
+              help="PNG to write (default RUN_DIR/report.png).")
+def report(run_dir, out_path) -> None:
+    """Per-worker busy/waiting summary and a timeline PNG (starvation at a glance)."""
+    from dflash_ipc.report import build_report, format_summary
+    summary = build_report(run_dir, out_path)
+    click.echo(format_summary(summary))
+    click.echo(f"loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}; wrote {summary['png']}")
+
+
 @main.group()
 def bench() -> None:
     """Benchmarks that print figures."""

@@ -34,6 +34,7 @@ from dflash_ipc.drafter.trainer import (DTYPES, DrafterTrainer, Sequence, eligib
                                         estimate_total_steps)
 from dflash_ipc.errors import ProducerGoneError, WorkerDeadError
 from dflash_ipc.link import DispatcherLink
+from dflash_ipc.metrics import TimelineWriter
 from dflash_ipc.profiling import IterationProfiler
 from dflash_ipc.runinfo import checkpoints_dir
 from dflash_ipc.target.capture import load_target_config
@@ -61,6 +62,7 @@ class DrafterWorker:
     def accept(self, msg: p.Assign) -> None:
         """Copies an assigned slot into local memory and queues its sequences."""
         features = self.readers.get(msg.pool).read(msg.slot, msg.num_tokens)  # [T, F] local copy
+        self._forget(msg.batch_id)
         offset = 0
         for sample_id in msg.sample_ids:
             ids, mask = self.dataset.sample(sample_id)
@@ -74,6 +76,17 @@ class DrafterWorker:
             self.fifo.append(seq)
             self.fifo_anchors += seq.num_anchors
         self.remaining[msg.batch_id] = len(msg.sample_ids)
+
+    def _forget(self, batch_id: int) -> None:
+        """A batch assigned again (the dispatcher revoked our earlier copy when its target was
+        dropped) replaces what is left of the old copy, so it is counted and committed once."""
+        if batch_id in self.remaining:
+            stale = [seq for seq in self.fifo if seq.batch_id == batch_id]
+            self.fifo = collections.deque(seq for seq in self.fifo if seq.batch_id != batch_id)
+            self.fifo_anchors -= sum(seq.num_anchors for seq in stale)
+            del self.remaining[batch_id]
+        if batch_id in self.trained:
+            self.trained.remove(batch_id)
 
     def train_step(self) -> dict:
         chosen = self.trainer.take(self.fifo)
@@ -149,10 +162,14 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
                          timeout_s=cfg.supervise.startup_timeout_s)
     if not isinstance(reply, p.Registered):
         raise WorkerDeadError(f"drafter/{rank}: registration refused: {reply}")
+    if reply.resume_step >= 0 and reply.resume_step != worker.trainer.step_count:
+        # Every drafter gets the same step: the group resumes together, in lockstep.
+        worker.trainer.resume(checkpoints_dir(cfg), reply.resume_step)
     world = cfg.drafter.num_workers
     metrics_file = open(os.path.join(cfg.run.run_dir, "drafter_metrics.jsonl"), "a") if rank == 0 else None
     outstanding, end_of_data, shutdown = 0, False, False
     profiler = IterationProfiler(f"drafter/{rank}", worker.trainer.device)
+    timeline = TimelineWriter(cfg.run.run_dir, f"drafter/{rank}")
     last_ckpt_step = worker.trainer.step_count
     try:
         while True:
@@ -187,9 +204,15 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
                 break
             if flags[0].item() + flags[1].item() < world:
                 worker.wait_s += time.perf_counter() - waited
+                timeline.record("wait_hidden", waited, time.perf_counter())
                 continue
             # 3) step together; checkpoint and commit on schedule
+            # this rank's own counts (stats hold the group's totals)
+            before = (time.perf_counter(), len(worker.fifo), worker.fifo_anchors, worker.trained_tokens)
             stats = worker.train_step()
+            timeline.record("step", before[0], time.perf_counter(), loss=float(stats["loss"]),
+                            sequences=before[1] - len(worker.fifo), anchors=before[2] - worker.fifo_anchors,
+                            tokens=worker.trained_tokens - before[3])
             profiler.step()
             stats.update(wait_s=worker.wait_s, fifo=len(worker.fifo), rank=rank, time=time.time(),
                          trained_tokens=worker.trained_tokens)
@@ -209,6 +232,7 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
             msg = link.recv(0.5)
             shutdown = isinstance(msg, p.Shutdown)
     finally:
+        timeline.close()
         if metrics_file is not None:
             metrics_file.close()
 

@@ -23,6 +23,7 @@ from dflash_ipc.config import JobConfig
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.errors import WorkerDeadError
 from dflash_ipc.link import DispatcherLink
+from dflash_ipc.metrics import TimelineWriter
 from dflash_ipc.profiling import IterationProfiler
 from dflash_ipc.runinfo import pool_name
 from dflash_ipc.target.capture import FeatureCapture
@@ -80,14 +81,17 @@ def run_target(cfg: JobConfig, rank: int) -> None:
                           heartbeat_interval_s=cfg.dispatch.heartbeat_interval_s,
                           timeout_s=cfg.dispatch.heartbeat_timeout_s)
     worker = TargetWorker(capture, dataset, pool)
+    timeline = TimelineWriter(cfg.run.run_dir, f"target/{rank}")
     try:
-        _serve(cfg, rank, worker, link)
+        _serve(cfg, rank, worker, link, timeline)
     finally:
+        timeline.close()
         link.close()
         pool.close()
 
 
-def _serve(cfg: JobConfig, rank: int, worker: TargetWorker, link: DispatcherLink) -> None:
+def _serve(cfg: JobConfig, rank: int, worker: TargetWorker, link: DispatcherLink,
+           timeline: TimelineWriter) -> None:
     reply = link.request(p.Register(role="target", rank=rank, pid=os.getpid(), device=str(worker.device),
                                     pool=worker.pool.descriptor(), num_slots=cfg.target.num_slots),
                          timeout_s=cfg.supervise.startup_timeout_s)
@@ -114,14 +118,18 @@ def _serve(cfg: JobConfig, rank: int, worker: TargetWorker, link: DispatcherLink
             msg = link.recv(0.0)
         if not queue:
             wait_s += time.perf_counter() - waited
+            timeline.record("wait_work", waited, time.perf_counter())
             link.metrics.update(busy_s=busy_s, wait_s=wait_s, batches=batches, tokens=tokens)
             continue
         # 2) compute the oldest batch, then ask for the next one
         started = time.perf_counter()
+        timeline.record("wait_work", waited, started)  # a batch that arrived while blocked
         produced = worker.produce(queue.pop(0))
         link.send(produced)
         link.send(p.Ready(credits=1))
         busy_s += time.perf_counter() - started
+        timeline.record("busy", started, time.perf_counter(), tokens=produced.num_tokens,
+                        batch=produced.batch_id)
         profiler.step()
         batches += 1
         tokens += produced.num_tokens
