@@ -109,3 +109,17 @@ def _tokenizer_mask_id(target_path: str) -> int:
         raise ConfigError(f"drafter.mask_token_id is not set and the tokenizer in {target_path} has no "
                           f"mask token; set drafter.mask_token_id to a token id the drafter may use as mask")
     return int(tokenizer.mask_token_id)
+
+
+def require_device(device: str, key: str) -> None:
+    """ConfigError when `device` names a GPU this machine does not have (checked in the worker
+    that uses it, so the supervisor itself never initialises CUDA)."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.split(":")[1])
+    if index >= count:
+        raise ConfigError(f"{key}: {device} does not exist on this machine ({count} CUDA devices: "
+                          f"allowed cuda:0..cuda:{count - 1})" if count else
+                          f"{key}: {device} asked for, but this machine has no CUDA device")

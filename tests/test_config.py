@@ -76,3 +76,13 @@ def test_dump_and_reload_is_identity(tmp_path):
     cfg = load_config(None, ["drafter.lr=1e-3", "target.num_workers=2"])
     dump_config(cfg, str(tmp_path / "c.yaml"))
     assert load_config(str(tmp_path / "c.yaml")) == cfg
+
+
+def test_a_gpu_this_machine_lacks_is_named():
+    import torch
+
+    from dflash_ipc.runinfo import require_device
+    require_device("cpu", "target.devices")  # nothing to check
+    missing = f"cuda:{torch.cuda.device_count() + 3}"
+    with pytest.raises(ConfigError, match=f"target.devices: {missing}"):
+        require_device(missing, "target.devices")

@@ -36,9 +36,9 @@ from dflash_ipc.errors import ProducerGoneError, WorkerDeadError
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.metrics import TimelineWriter
 from dflash_ipc.profiling import IterationProfiler
-from dflash_ipc.runinfo import checkpoints_dir
+from dflash_ipc.runinfo import checkpoints_dir, require_device
 from dflash_ipc.target.capture import load_target_config
-from dflash_ipc.transport.slots import ReaderCache
+from dflash_ipc.transport.slots import ReaderCache, check_peer_access
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +127,11 @@ def _init_group(cfg: JobConfig, rank: int, device: str):
 def run_drafter(cfg: JobConfig, rank: int) -> None:
     """Entry point of `dflash-ipc drafter --rank N`."""
     device = cfg.drafter.device_of(rank)
+    require_device(device, "drafter.devices")
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
+        # Fail at start, naming the pair, rather than at the first slot this drafter opens.
+        check_peer_access([cfg.target.device_of(r) for r in range(cfg.target.num_workers)], [device])
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, cfg.drafter.num_workers)))
     control = _init_group(cfg, rank, device)
     try:

@@ -25,7 +25,7 @@ from dflash_ipc.errors import WorkerDeadError
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.metrics import TimelineWriter
 from dflash_ipc.profiling import IterationProfiler
-from dflash_ipc.runinfo import pool_name
+from dflash_ipc.runinfo import pool_name, require_device
 from dflash_ipc.target.capture import FeatureCapture
 from dflash_ipc.transport.slots import SlotLayout, SlotPool, create_pool
 
@@ -67,6 +67,7 @@ class TargetWorker:
 def run_target(cfg: JobConfig, rank: int) -> None:
     """Entry point of `dflash-ipc target --rank N`."""
     device = cfg.target.device_of(rank)
+    require_device(device, "target.devices")
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     capture = FeatureCapture(cfg.target.path, layer_ids=cfg.drafter.target_layer_ids,
