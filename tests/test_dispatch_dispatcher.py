@@ -248,3 +248,36 @@ def test_commit_of_a_batch_taken_back_by_a_drop_counts_the_rest():
     d.handle(b"d0/30", p.Consumed(batch_id=batch_a.batch_id))
     d.handle(b"d0/30", p.Committed(step=2, batch_ids=[batch_a.batch_id]))
     assert d.ledger.history() == [batch_b.batch_id, batch_a.batch_id] and d.revoked == {}
+
+
+def test_stale_commit_of_a_batch_another_drafter_committed_is_dropped_not_fatal():
+    """A target drop revokes batch B from d0 (its Consumed came late); B is produced again and
+    d1 commits it first. d0's later commit of its stale copy must not refuse d0's other work."""
+    d = Dispatcher(_plan(), policy="pull", num_targets=2, num_drafters=2, heartbeat_timeout_s=5.0, clock=Clock())
+    d.handle(b"t0", p.Register(role="target", rank=0, pid=10, pool={"pool_id": "a"}, num_slots=4))
+    d.handle(b"d0", p.Register(role="drafter", rank=0, pid=30))
+    d.handle(b"d1", p.Register(role="drafter", rank=1, pid=31))
+    (_, b), (_, other) = d.handle(b"t0", p.Ready(credits=2))
+    for batch in (b, other):
+        d.handle(b"t0", p.Produced(batch_id=batch.batch_id, slot=batch.slot, num_tokens=1, compute_s=0))
+    d.handle(b"d0", p.WantHidden(credits=1))  # d0 gets b
+    d.drop_target(0)  # d0 copied b; its Consumed arrives too late
+    with pytest.raises(ProtocolError):
+        d.handle(b"d0", p.Consumed(batch_id=b.batch_id))
+    d.handle(b"t1", p.Register(role="target", rank=1, pid=11, pool={"pool_id": "b"}, num_slots=4))
+    served = [m for _, m in d.handle(b"t1", p.Ready(credits=2))]
+    assert {m.batch_id for m in served} == {b.batch_id, other.batch_id}
+    for m in served:
+        d.handle(b"t1", p.Produced(batch_id=m.batch_id, slot=m.slot, num_tokens=1, compute_s=0))
+    (_, first), = d.handle(b"d1", p.WantHidden(credits=1))
+    (_, second), = d.handle(b"d0", p.WantHidden(credits=1))
+    assert {first.batch_id, second.batch_id} == {b.batch_id, other.batch_id}
+    d.handle(b"d1", p.Consumed(batch_id=first.batch_id))
+    d.handle(b"d0", p.Consumed(batch_id=second.batch_id))
+    d.handle(b"d1", p.Committed(step=1, batch_ids=[first.batch_id]))
+    # d0 commits its own valid batch together with its stale copy of b (if b went to d1).
+    stale = [b.batch_id] if first.batch_id == b.batch_id else []
+    d.handle(b"d0", p.Committed(step=1, batch_ids=[second.batch_id, *stale]))
+    assert d.ledger.entry(first.batch_id).state is BatchState.COMMITTED
+    assert d.ledger.entry(second.batch_id).state is BatchState.COMMITTED
+    assert sorted(d.ledger.history()) == sorted({b.batch_id, other.batch_id})

@@ -139,7 +139,7 @@ class Dispatcher:
         self.dropped_targets: collections.OrderedDict[int, str] = collections.OrderedDict()
         # Batches taken back from a drafter by a drop (assigned, not yet consumed): id -> rank.
         # If that drafter had copied the batch anyway, its Committed lists it: _without_revoked.
-        self.revoked: dict[int, int] = {}
+        self.revoked: dict[int, set[int]] = {}  # batch id -> drafters whose copy was revoked
         # Round-robin: fixed ownership decided up front, by plan order.
         order = [b.batch_id for batches in epochs for b in batches]
         self.rr_target_of = {bid: i % num_targets for i, bid in enumerate(order)}
@@ -198,7 +198,7 @@ class Dispatcher:
         for batch_id in requeued:
             drafter = self.in_flight.pop(batch_id, None)  # a late Consumed for it is refused
             if drafter is not None:
-                self.revoked[batch_id] = drafter
+                self.revoked.setdefault(batch_id, set()).add(drafter)
         if rank in self.target_waiters:
             self.target_waiters.remove(rank)
         self.dropped_targets[seat.pid] = reason
@@ -327,11 +327,16 @@ class Dispatcher:
         if isinstance(msg, p.Committed):
             batch_ids = self._without_revoked(seat.rank, msg.batch_ids)
             self.ledger.committed(batch_ids, seat.rank, msg.step)
-            for batch_id in batch_ids:
-                self.revoked.pop(batch_id, None)
             self.tokens_committed += sum(self.ledger.entry(b).batch.num_tokens for b in batch_ids)
             return self._maybe_end()
         raise ProtocolError(f"{msg.KIND.name} is not a message a drafter may send")
+
+    def _unrevoke(self, batch_id: int, rank: int) -> None:
+        ranks = self.revoked.get(batch_id)
+        if ranks is not None:
+            ranks.discard(rank)
+            if not ranks:
+                del self.revoked[batch_id]
 
     def _without_revoked(self, rank: int, batch_ids: list[int]) -> list[int]:
         """`batch_ids` less those a target drop took back from drafter `rank` after it had
@@ -340,12 +345,15 @@ class Dispatcher:
         Committing them now would be refused and, all-or-none, refuse the whole commit."""
         kept = []
         for batch_id in batch_ids:
-            if self.revoked.get(batch_id) == rank and batch_id in self.ledger:
+            if rank in self.revoked.get(batch_id, ()) and batch_id in self.ledger:
                 entry = self.ledger.entry(batch_id)
                 if not (entry.state is BatchState.CONSUMED and entry.drafter == rank):
+                    # Its stale copy: whoever consumed the batch again commits it (or did).
                     log.warning("drafter/%d committed batch %d, which a target drop took back "
                                 "before its Consumed: not counted, it is served again", rank, batch_id)
+                    self._unrevoke(batch_id, rank)
                     continue
+                self._unrevoke(batch_id, rank)  # this commit is of its second, valid copy
             kept.append(batch_id)
         return kept
 

@@ -22,7 +22,7 @@ from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.dispatch.buckets import BucketSpec, plan_epoch, plan_stats
 from dflash_ipc.dispatch.dispatcher import Dispatcher
 from dflash_ipc.dispatch.ledger import BatchState, Ledger
-from dflash_ipc.errors import ProtocolError
+from dflash_ipc.errors import DataError, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,19 @@ def plan_job(cfg: JobConfig, lengths) -> list:
         first += len(batches)
         epochs.append(batches)
     return epochs
+
+
+def _check_same_plan(ledger: Ledger, epochs: list, path: str) -> None:
+    """A ledger restored from a run directory must be of this job's plan: the same data,
+    budget, buckets, seed and epochs give the same batches. Anything else is refused."""
+    planned = [b for batches in epochs for b in batches]
+    if len(planned) != len(ledger):
+        raise DataError(f"{path}: holds {len(ledger)} batches, this job plans {len(planned)}; the data, "
+                        f"data.* or run.seed changed since that run: use a new run.run_dir")
+    for batch in planned:
+        if batch.batch_id not in ledger or ledger.entry(batch.batch_id).batch != batch:
+            raise DataError(f"{path}: batch {batch.batch_id} differs from this job's plan (data, data.* "
+                            f"or run.seed changed since that run): use a new run.run_dir")
 
 
 class DispatcherProc:
@@ -146,6 +159,7 @@ def run_dispatcher(cfg: JobConfig) -> None:
     if os.path.exists(ledger_path(cfg)):
         # load() applies the restart rule: every batch not committed goes back to pending.
         ledger = Ledger.load(ledger_path(cfg))
+        _check_same_plan(ledger, epochs, ledger_path(cfg))
         counts = ledger.counts()
         log.info("restored the ledger from %s: %d of %d batches committed, the rest pending",
                  ledger_path(cfg), counts[BatchState.COMMITTED], len(ledger))

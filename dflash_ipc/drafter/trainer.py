@@ -242,9 +242,13 @@ class DrafterTrainer:
         shutil.rmtree(tmp, ignore_errors=True)
         save_inference_checkpoint(self.model, tmp)
         torch.save({**self.state_dict(), "extra": extra}, os.path.join(tmp, TRAINING_STATE))
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        if os.path.exists(final):  # a resumed run reaching this step again: swap, then delete
+            old = f"{final}.old-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
         latest_tmp = os.path.join(root, f"latest.tmp-{os.getpid()}")
         with open(latest_tmp, "w") as f:
             json.dump({"step": self.step_count, "path": os.path.basename(final)}, f)

@@ -193,7 +193,9 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
             if shutdown and not end_of_data:
                 log.info("shutdown before the end of data")
                 return
-            if not end_of_data and len(worker.fifo) < cfg.drafter.fifo_sequences:
+            # Below the queue cap, or short of a step's anchors whatever the cap (else a queue
+            # full of short sequences would wait for ever in lockstep).
+            if not end_of_data and (len(worker.fifo) < cfg.drafter.fifo_sequences or not worker.full):
                 want = cfg.drafter.prefetch - outstanding
                 if want > 0:
                     link.send(p.WantHidden(credits=want))
@@ -234,6 +236,10 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
         while not shutdown and time.monotonic() < deadline:
             msg = link.recv(0.5)
             shutdown = isinstance(msg, p.Shutdown)
+        if not shutdown:
+            # Exit non-zero: the supervisor treats a clean exit as a worker that got Shutdown.
+            raise WorkerDeadError(f"drafter/{rank}: trained everything but the dispatcher did not "
+                                  f"close the job within {cfg.dispatch.heartbeat_timeout_s:.0f}s")
     finally:
         timeline.close()
         if metrics_file is not None:
