@@ -146,7 +146,7 @@ def test_silent_dispatcher_is_down(tmp_path, children):
     run_dir = make_run(tmp_path, children)  # nothing listens at the configured address
     started = time.monotonic()
     report = health_report(run_dir, **QUICK)
-    assert time.monotonic() - started < 3.0
+    assert time.monotonic() - started < 10.0  # bounded (2 s timeout), generous for a loaded machine
     assert report.exit_code == 2
     assert any("dispatcher" in r and "does not answer" in r for r in report.reasons)
     by_role = rows(report)
