@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import click
 import numpy as np

@@ -75,10 +75,13 @@ class FeatureCapture:
         valid = torch.arange(padded, device=self.device)[None, :] < lengths[:, None]  # [B, L]
         self._captured.clear()
         self.model(input_ids=input_ids, attention_mask=valid.long(), use_cache=False)
-        num_tokens = int(lengths.sum())
+        # Row indices of the valid tokens in [B*L], row-major over (sequence, position): the
+        # packed order. Computed once (one device sync) and reused for every captured layer.
+        rows = valid.reshape(-1).nonzero().squeeze(1)  # [T]
+        num_tokens = rows.numel()
         hidden = self.hidden_size
         for j, layer_id in enumerate(self.layer_ids):
-            # [B, L, H] -> [T, H], row-major over (sequence, position): packed order.
-            out[:num_tokens, j * hidden:(j + 1) * hidden] = self._captured[layer_id][valid]
+            flat = self._captured[layer_id].reshape(batch * padded, hidden)  # [B*L, H]
+            out[:num_tokens, j * hidden:(j + 1) * hidden] = flat.index_select(0, rows)
         self._captured.clear()
         return num_tokens
