@@ -415,6 +415,7 @@ class Dispatcher:
             "policy": self.policy,
             "num_batches": self.num_batches,
             "batches": {state.name.lower(): counts.get(state, 0) for state in BatchState},
+            "epochs": self.ledger.epoch_progress(),
             "tokens": {"produced": self.tokens_produced, "consumed": self.tokens_consumed,
                        "trained": sum(s.metrics.get("trained_tokens", 0.0) for s in self.drafters.values()),
                        "committed": self.tokens_committed},

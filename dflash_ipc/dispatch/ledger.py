@@ -251,6 +251,11 @@ class Ledger:
         total = self._epoch_total.get(epoch)
         return total is not None and self._epoch_committed[epoch] == total
 
+    def epoch_progress(self) -> list[dict]:
+        """Per epoch, in order: {"epoch", "batches", "committed"} (progress bars, ETA)."""
+        return [{"epoch": e, "batches": total, "committed": self._epoch_committed[e]}
+                for e, total in sorted(self._epoch_total.items())]
+
     def all_committed(self) -> bool:
         """True when every batch in the ledger is committed (vacuously for an empty one)."""
         return self._counts[BatchState.COMMITTED] == len(self._entries)

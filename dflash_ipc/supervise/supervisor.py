@@ -121,6 +121,10 @@ class Supervisor:
     def _on_signal(self, signum, frame) -> None:
         self._stop_reason = signal.Signals(signum).name
 
+    def request_stop(self, reason: str) -> None:
+        """Stops the job as a signal would (callable from another thread: benches, tests)."""
+        self._stop_reason = reason
+
     def run(self) -> int:
         """Starts the job and watches it to the end; returns the process exit code."""
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -144,7 +148,7 @@ class Supervisor:
             # 1) a signal: stop
             if self._stop_reason:
                 log.warning("stopping on %s", self._stop_reason)
-                return 130 if self._stop_reason == "SIGINT" else 143
+                return {"SIGINT": 130, "SIGTERM": 143}.get(self._stop_reason, 0)
             # 2) the dispatcher exits 0 once every batch is committed (workers exit 0 on its
             #    Shutdown, just before); any other exit of it fails the job
             code = dispatcher.poll()
