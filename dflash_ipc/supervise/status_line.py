@@ -29,3 +29,76 @@ def format_status(status: dict, *, final: bool = False) -> str:
     ]
     line = " | ".join(parts)
     return ("done, averages: " + line) if final else line
+
+
+def format_duration(seconds: float) -> str:
+    """e.g. `45s`, `3m12s`, `1h02m`, `2d03h` (rounded down to the shown unit)."""
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def _job_tokens(status: dict) -> float | None:
+    """Tokens of the whole job: `tokens.total` when the status carries it, else the planned
+    batches times the mean tokens per batch seen so far (committed, else consumed batches)."""
+    tokens, batches = status.get("tokens") or {}, status.get("batches") or {}
+    if tokens.get("total"):
+        return float(tokens["total"])
+    num_batches = status.get("num_batches") or 0
+    committed = batches.get("committed", 0)
+    if committed and tokens.get("committed"):
+        return num_batches * tokens["committed"] / committed
+    consumed = committed + batches.get("consumed", 0)
+    if consumed and tokens.get("consumed"):
+        return num_batches * tokens["consumed"] / consumed
+    return None
+
+
+def estimate_eta_s(status: dict) -> float | None:
+    """Seconds left: the job's remaining tokens over the trailing trained-token rate
+    (`rates.tok_rate`); None when the rate is 0 or unknown or no batch size is known yet."""
+    rate = (status.get("rates") or {}).get("tok_rate")
+    total = _job_tokens(status)
+    if not rate or rate <= 0 or rate != rate or total is None:
+        return None
+    tokens = status.get("tokens") or {}
+    # trained tokens run ahead of committed ones; a restarted drafter restarts its count
+    done = max(tokens.get("trained", 0.0), tokens.get("committed", 0.0))
+    return max(0.0, total - done) / rate
+
+
+def format_progress(status: dict, width: int = 30) -> str:
+    """The epoch progress bar, e.g.
+    `epoch 2/3 [############..................]  41% 120/290 batches  job 47%  ETA 3m12s`.
+    The current epoch is the first not fully committed; `job` (several epochs only) is the
+    fraction of all batches committed; the ETA is `--` while the trained-token rate is 0 or
+    unknown, and `done` once every batch is committed."""
+    batches = status.get("batches") or {}
+    num_batches = status.get("num_batches") or 0
+    job_done = batches.get("committed", 0)
+    epochs = status.get("epochs") or []
+    finished = bool(status.get("finished")) or (num_batches > 0 and job_done >= num_batches)
+    if epochs:
+        index = next((i for i, e in enumerate(epochs) if e.get("committed", 0) < e.get("batches", 0)),
+                     len(epochs) - 1)
+        done, total = epochs[index].get("committed", 0), epochs[index].get("batches", 0)
+        label = f"epoch {index + 1}/{len(epochs)} "
+    else:
+        done, total, label = job_done, num_batches, ""
+    fraction = min(1.0, done / total) if total > 0 else (1.0 if finished else 0.0)
+    filled = int(width * fraction)
+    parts = [f"{label}[{'#' * filled}{'.' * (width - filled)}] {int(100 * fraction):3d}% "
+             f"{done}/{total} batches"]
+    if len(epochs) > 1 and num_batches > 0:
+        parts.append(f"job {int(100 * min(1.0, job_done / num_batches))}%")
+    if finished:
+        parts.append("ETA done")
+    else:
+        eta = estimate_eta_s(status)
+        parts.append(f"ETA {format_duration(eta)}" if eta is not None else "ETA --")
+    return "  ".join(parts)

@@ -1,0 +1,99 @@
+"""The supervisor's status line and the epoch progress bar with ETA, on constructed statuses."""
+
+import pytest
+
+from dflash_ipc.supervise.status_line import estimate_eta_s, format_duration, format_progress, format_status
+
+
+def _status(epochs, *, tok_rate=0.0, trained=0, committed_tokens=0, consumed_tokens=0, consumed=0,
+            total_tokens=None, finished=False):
+    committed = sum(c for _, c in epochs)
+    status = {
+        "elapsed_s": 42.0, "num_batches": sum(b for b, _ in epochs),
+        "batches": {"pending": 0, "leased": 0, "produced": 0, "consumed": consumed, "committed": committed},
+        "epochs": [{"epoch": e, "batches": b, "committed": c} for e, (b, c) in enumerate(epochs)],
+        "tokens": {"produced": consumed_tokens, "consumed": consumed_tokens, "trained": trained,
+                   "committed": committed_tokens},
+        "rates": {"tgt_rate": 0.0, "dft_rate": 0.0, "tok_rate": tok_rate},
+        "produced_waiting": 0, "targets": {}, "drafters": {}, "finished": finished,
+    }
+    if total_tokens is not None:
+        status["tokens"]["total"] = total_tokens
+    return status
+
+
+def test_start_of_job_has_an_empty_bar_and_no_eta():
+    line = format_progress(_status([(10, 0), (10, 0)]), width=10)
+    assert line == "epoch 1/2 [..........]   0% 0/10 batches  job 0%  ETA --"
+
+
+def test_mid_second_of_three_epochs():
+    # 100 tokens a batch (from committed batches) -> 29 000 planned; 14 100 committed (a restarted
+    # drafter's trained count, 14 000, lags behind) -> 14 900 left at 60/s: 248 s
+    status = _status([(100, 100), (100, 41), (90, 0)], tok_rate=60.0, trained=14_000,
+                     committed_tokens=14_100, consumed_tokens=14_500, consumed=4)
+    assert estimate_eta_s(status) == pytest.approx((29_000 - 14_100) / 60.0)
+    line = format_progress(status, width=20)
+    assert line == "epoch 2/3 [########............]  41% 41/100 batches  job 48%  ETA 4m08s"
+
+
+def test_eta_counts_trained_tokens_ahead_of_commits():
+    status = _status([(10, 2)], tok_rate=50.0, trained=600, committed_tokens=200, consumed_tokens=700,
+                     consumed=5)
+    # 100 tokens a batch -> 1000 planned, 600 trained -> 400 left at 50/s
+    assert estimate_eta_s(status) == pytest.approx(8.0)
+    assert format_progress(status, width=10) == "epoch 1/1 [##........]  20% 2/10 batches  ETA 8s"
+
+
+def test_eta_before_any_commit_uses_consumed_batches_then_total_when_present():
+    status = _status([(10, 0)], tok_rate=10.0, trained=0, consumed_tokens=300, consumed=3)
+    assert estimate_eta_s(status) == pytest.approx(100.0)  # 10 batches x 100 tokens, nothing trained
+    status["tokens"]["total"] = 5_000
+    assert estimate_eta_s(status) == pytest.approx(500.0)
+
+
+@pytest.mark.parametrize("rate", [0.0, None, float("nan")])
+def test_zero_or_unknown_rate_prints_no_eta(rate):
+    status = _status([(10, 5), (10, 0)], tok_rate=rate, trained=500, committed_tokens=500)
+    if rate is None:
+        del status["rates"]["tok_rate"]
+    assert estimate_eta_s(status) is None
+    assert format_progress(status).endswith("ETA --")
+
+
+def test_done():
+    status = _status([(10, 10), (10, 10), (5, 5)], tok_rate=0.0, trained=2500, committed_tokens=2500,
+                     finished=True)
+    assert format_progress(status, width=8) == "epoch 3/3 [########] 100% 5/5 batches  job 100%  ETA done"
+
+
+def test_without_epochs_falls_back_to_the_whole_job():
+    status = _status([(8, 2)], tok_rate=100.0, committed_tokens=200, trained=200)
+    del status["epochs"]
+    assert format_progress(status, width=8) == "[##......]  25% 2/8 batches  ETA 6s"
+
+
+def test_bar_width_is_constant():
+    for done in range(0, 8):
+        line = format_progress(_status([(7, min(done, 7))]), width=13)
+        bar = line[line.index("[") + 1:line.index("]")]
+        assert len(bar) == 13 and set(bar) <= {"#", "."}
+
+
+@pytest.mark.parametrize("seconds,text", [(0, "0s"), (59.9, "59s"), (192, "3m12s"), (3600 + 125, "1h02m"),
+                                          (2 * 86400 + 3 * 3600 + 59, "2d03h"), (-5, "0s")])
+def test_format_duration(seconds, text):
+    assert format_duration(seconds) == text
+
+
+def test_format_status_unchanged():
+    status = _status([(20, 12), (10, 6)], tok_rate=4980.0)
+    status["rates"].update(tgt_rate=5210.0, dft_rate=5050.0)
+    status["batches"].update(pending=8, leased=5, produced=2, consumed=3)
+    status["targets"] = {"0": {"free_slots": 6}, "1": {"free_slots": 8}}
+    status["drafters"] = {"0": {"metrics": {"step": 12, "loss": 4.812}}, "1": {"metrics": {}}}
+    assert format_status(status) == (
+        "[   42s]  60% 18/30 batches | tgt_rate 5,210 dft_rate 5,050 tok_rate 4,980 tok/s | "
+        "step 12 loss 4.812 | pending 8 leased 5 produced 2 consumed 3 | free slots 14")
+    status["average_rates"] = {"tgt_rate": 1.0, "dft_rate": 2.0, "tok_rate": 3.0}
+    assert format_status(status, final=True).startswith("done, averages: [   42s]  60% 18/30 batches | tgt_rate 1 ")
