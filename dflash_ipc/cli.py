@@ -5,7 +5,8 @@
     dflash-ipc prepare --model DIR --input FILE.jsonl --out DIR
     dflash-ipc export CHECKPOINT OUT_DIR
     dflash-ipc status|health RUN_DIR
-    dflash-ipc bench transport|drafter
+    dflash-ipc bench transport|drafter|dispatch|pipeline
+    dflash-ipc plan --gpus N (--target-capacity T --drafter-capacity D | --from-bench FILE)
 """
 
 from __future__ import annotations
@@ -291,6 +292,59 @@ def bench_drafter(device, steps, shape) -> None:
     """Step time and MFU of a Qwen3-8B-shaped drafter at 32,768 query tokens per step."""
     from dflash_ipc.bench.drafter import run_drafter_bench
     run_drafter_bench(device=device, steps=steps, shape=shape)
+
+
+@bench.command("pipeline")
+@config_option
+@override_option
+@click.option("--seconds", default=60.0, show_default=True, help="Measured seconds of each phase.")
+@click.option("--warmup-s", default=30.0, show_default=True,
+              help="Seconds of warmup after the first batch / drafter step of each phase (end to end: after "
+                   "the first drafter step), before the measured seconds.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write every figure as JSON (input of dflash-ipc plan --from-bench).")
+@click.option("--run-dir", default=None, type=click.Path(file_okay=False),
+              help="Fresh run directory of the end-to-end job (default: <run.run_dir>-bench-<time>).")
+def bench_pipeline(config, overrides, seconds, warmup_s, json_path, run_dir) -> None:
+    """Target capacity, drafter capacity and end-to-end tok_rate of one job, and their ratio."""
+    import json
+    from dflash_ipc.bench.pipeline import format_table, run_pipeline_bench
+    from dflash_ipc.logs import setup_logging
+    from dflash_ipc.runinfo import resolve_job
+    cfg = _load(config, overrides)
+    setup_logging("bench", level=cfg.run.log_level)
+    figures = run_pipeline_bench(resolve_job(cfg), seconds=seconds, warmup_s=warmup_s, run_dir=run_dir,
+                                 print_status=lambda line: click.echo(line))
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(figures, f, indent=1)
+    click.echo(format_table(figures))
+
+
+@main.command("plan")
+@click.option("--gpus", "num_gpus", type=int, required=True, help="GPUs to split between targets and drafters.")
+@click.option("--target-capacity", type=float, default=None, metavar="TOK_S",
+              help="Tokens/s of one target worker on one GPU.")
+@click.option("--drafter-capacity", type=float, default=None, metavar="TOK_S",
+              help="Trained tokens/s of one drafter on one GPU.")
+@click.option("--from-bench", "bench_path", type=click.Path(dir_okay=False), default=None,
+              help="Take both capacities from a dflash-ipc bench pipeline --json file.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan(num_gpus, target_capacity, drafter_capacity, bench_path, as_json) -> None:
+    """The target/drafter GPU split that maximises predicted tok_rate, and its config."""
+    import json
+    from dflash_ipc.errors import ConfigError
+    from dflash_ipc.plan import capacities_from_bench, format_plan, make_plan
+    given = (target_capacity is not None, drafter_capacity is not None)
+    if bench_path is not None:
+        if any(given):
+            raise ConfigError("plan: give either --from-bench or --target-capacity/--drafter-capacity, not both")
+        target_capacity, drafter_capacity = capacities_from_bench(bench_path)
+    elif not all(given):
+        raise ConfigError("plan: give --target-capacity and --drafter-capacity (tokens/s per GPU), "
+                          "or --from-bench FILE")
+    result = make_plan(num_gpus, target_capacity, drafter_capacity)
+    click.echo(json.dumps(result, indent=1) if as_json else format_plan(result))
 
 
 def run() -> None:
