@@ -228,15 +228,24 @@ class SuperviseConfig:
     """Each worker must register with the dispatcher within this time."""
     grace_s: float = 10.0
     """SIGTERM -> wait this long -> SIGKILL."""
-    max_restarts: int = 0
-    """Restarts allowed per window before the job fails (0: any death fails the job)."""
+    max_restarts: int = 3
+    """Restarts allowed per window, per target rank, for the drafter group and for the
+    dispatcher, before the job fails (0: any death fails the job)."""
     restart_window_s: float = 600.0
     """Window of the restart count."""
+    drafter_timeout_s: float = 300.0
+    """A drafter silent this long is hung and its group restarts: every step (the first,
+    compiled one included) and every checkpoint must finish within it."""
+    stop_timeout_s: float = 120.0
+    """On SIGINT/SIGTERM the drafters get this long to checkpoint and commit before
+    everything is stopped."""
 
     def __post_init__(self) -> None:
         _require(self.startup_timeout_s > 0, "supervise.startup_timeout_s", "must be > 0")
         _require(self.grace_s >= 0, "supervise.grace_s", "must be >= 0")
         _require(self.max_restarts >= 0, "supervise.max_restarts", "must be >= 0")
+        _require(self.drafter_timeout_s > 0, "supervise.drafter_timeout_s", "must be > 0")
+        _require(self.stop_timeout_s >= 0, "supervise.stop_timeout_s", "must be >= 0")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -33,6 +33,14 @@ class ProtocolError(DFlashError):
     """
 
 
+class UnregisteredSender(ProtocolError):
+    """A message came from a sender the dispatcher has no seat for.
+
+    Recovery: the dispatcher answers `Unregistered`; a worker whose dispatcher restarted
+    registers again, one the dispatcher dropped (hung, replaced) exits.
+    """
+
+
 class TransportError(DFlashError):
     """A hidden-state slot could not be created, opened, written or read.
 
@@ -54,4 +62,13 @@ class WorkerDeadError(DFlashError):
 
     Recovery: the supervisor applies its restart policy; after too many restarts in the
     window the job stops with this error.
+    """
+
+
+class DispatcherRestarted(WorkerDeadError):
+    """The dispatcher this worker registered with was replaced by a new process.
+
+    Recovery: a target registers again with its pool (every slot is free: the new
+    dispatcher restored its ledger with every uncommitted batch pending); a drafter exits
+    and is restarted with its group.
     """

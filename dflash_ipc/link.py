@@ -5,6 +5,12 @@ resets it; if nothing was heard for `timeout_s`, `check()` raises `WorkerDeadErr
 worker exits (the supervisor then decides what to do). Workers send a `Heartbeat` every
 `heartbeat_interval_s` carrying their metrics; the dispatcher answers each one, so a quiet
 but healthy link still proves both sides alive.
+
+Registration: the `Registered` reply names the dispatcher's `instance`. A later
+`Unregistered` from another instance means the dispatcher restarted (`DispatcherRestarted`:
+register again); from the same instance, that it dropped this worker (`WorkerDeadError`).
+Replies are in request order, so `Unregistered` answers to messages sent before a
+`Register` all arrive before its `Registered` and are skipped there.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import time
 import zmq
 
 from dflash_ipc import protocol as p
-from dflash_ipc.errors import ProtocolError, WorkerDeadError
+from dflash_ipc.errors import DispatcherRestarted, ProtocolError, WorkerDeadError
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +44,8 @@ class DispatcherLink:
         # not send one, the dispatcher would refuse it from an unregistered sender.
         self._last_beat = time.monotonic()
         self.metrics: dict[str, float] = {}
+        self.instance: str | None = None  # the dispatcher we are registered with
+        self._registering = False
 
     def send(self, msg: p.Message) -> None:
         self.socket.send_multipart(p.encode(msg))
@@ -62,6 +70,16 @@ class DispatcherLink:
                 continue
             if isinstance(msg, p.Heartbeat):
                 continue
+            if isinstance(msg, (p.Registered, p.Refused)):
+                self.instance = msg.instance if isinstance(msg, p.Registered) else self.instance
+                self._registering = False
+            if isinstance(msg, p.Unregistered):
+                if self._registering or self.instance is None:
+                    continue  # an answer to something sent before our Register
+                if msg.instance != self.instance:
+                    raise DispatcherRestarted(f"the dispatcher at {self.address} restarted "
+                                              f"(instance {self.instance} -> {msg.instance})")
+                raise WorkerDeadError(f"the dispatcher dropped this worker: {msg.reason}")
             if isinstance(msg, p.Rejected):
                 log.error("dispatcher rejected our %s: %s", p.Kind(msg.kind).name if msg.kind in
                           p.Kind._value2member_map_ else msg.kind, msg.reason)
@@ -70,6 +88,7 @@ class DispatcherLink:
 
     def request(self, msg: p.Message, timeout_s: float) -> p.Message:
         """Sends `msg` and waits for the next real reply; WorkerDeadError on silence."""
+        self._registering = isinstance(msg, p.Register)
         self.send(msg)
         reply = self.recv(timeout_s)
         if reply is None:

@@ -176,3 +176,17 @@ def rate_series(intervals: list[dict], key: str, start: float, end: float, bin_s
         kernel = np.ones(window_bins)
         counts = np.convolve(counts, kernel, "same") / np.convolve(np.ones(num_bins), kernel, "same")
     return counts / bin_s
+
+
+def process_memory(device) -> dict[str, float]:
+    """This process's host RSS and, on a GPU, what PyTorch holds there (MiB), for the
+    heartbeat metrics: the status, `health`, TensorBoard and reports all read them there."""
+    import psutil
+    import torch
+    out = {"rss_mib": psutil.Process().memory_info().rss / 2**20}
+    device = torch.device(device)
+    if device.type == "cuda":
+        out["gpu_mem_allocated_mib"] = torch.cuda.memory_allocated(device) / 2**20
+        out["gpu_mem_reserved_mib"] = torch.cuda.memory_reserved(device) / 2**20
+        out["gpu_mem_peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return out

@@ -14,12 +14,14 @@ Conversation (all requests come from the worker; the dispatcher never sends work
     target  -> Ready(credits)                   dispatcher -> Batch(batch_id, slot, samples)
     target  -> Produced(batch_id, slot, ...)
     drafter -> WantHidden(credits)              dispatcher -> Assign(batch_id, pool, slot, ...)
-    drafter -> Consumed(batch_id)               (the slot returns to its target's free list)
-    drafter -> Committed(step, batch_ids)
+    drafter -> Consumed(batch_id, attempt)      (the slot returns to its target's free list)
+    drafter 0 -> Committed(step, batch_ids, ranks)  (for the whole group, after its checkpoint)
     worker  -> Heartbeat(metrics)               dispatcher -> Heartbeat
     any     -> StatusRequest                    dispatcher -> StatusReply(status)
     dispatcher -> EndOfData                     (no work will come; drain and finish)
     dispatcher -> Shutdown(reason)              (stop now)
+    dispatcher -> Unregistered(instance, reason) (to a sender it does not know: a worker whose
+                                                 dispatcher restarted registers again)
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Kind(enum.IntEnum):
     END_OF_DATA = 14
     SHUTDOWN = 15
     REJECTED = 16
+    UNREGISTERED = 17
 
 
 @dataclass(kw_only=True, slots=True)
@@ -76,6 +79,7 @@ class Registered:
     rank: int
     num_batches: int  # batches planned for the whole job (all epochs)
     resume_step: int = -1  # drafters: resume from the checkpoint of this step (-1: start fresh)
+    instance: str = ""     # this dispatcher process (a new one after a dispatcher restart)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -125,12 +129,15 @@ class Assign:
     slot: int
     sample_ids: list[int]
     num_tokens: int
+    attempt: int = 0  # this assignment of the batch; its Consumed names it (a batch revoked
+                      # and assigned again to the same drafter is told apart from its old copy)
 
 
 @dataclass(kw_only=True, slots=True)
 class Consumed:
     KIND: ClassVar[Kind] = Kind.CONSUMED
     batch_id: int
+    attempt: int = 0  # the Assign's attempt
 
 
 @dataclass(kw_only=True, slots=True)
@@ -138,6 +145,8 @@ class Committed:
     KIND: ClassVar[Kind] = Kind.COMMITTED
     step: int
     batch_ids: list[int]
+    ranks: list[int] = field(default_factory=list)  # rank 0 commits for the group: who trained
+                                                    # batch_ids[i]; empty: the sender did
 
 
 @dataclass(kw_only=True, slots=True)
@@ -175,9 +184,17 @@ class Rejected:
     reason: str
 
 
+@dataclass(kw_only=True, slots=True)
+class Unregistered:
+    KIND: ClassVar[Kind] = Kind.UNREGISTERED
+    instance: str  # the answering dispatcher; differs from the worker's Registered.instance
+                   # when the dispatcher restarted (register again), else the worker was dropped
+    reason: str
+
+
 Message = (Register | Registered | Refused | Ready | Batch | Produced | WantHidden | Assign
            | Consumed | Committed | Heartbeat | StatusRequest | StatusReply | EndOfData
-           | Shutdown | Rejected)
+           | Shutdown | Rejected | Unregistered)
 
 _CLASSES: dict[Kind, type] = {cls.KIND: cls for cls in typing.get_args(Message)}
 _HINTS: dict[type, dict[str, Any]] = {cls: typing.get_type_hints(cls) for cls in _CLASSES.values()}

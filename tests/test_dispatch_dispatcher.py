@@ -14,7 +14,7 @@ from dflash_ipc import protocol as p
 from dflash_ipc.dispatch.buckets import BucketSpec, plan_epoch
 from dflash_ipc.dispatch.dispatcher import Dispatcher
 from dflash_ipc.dispatch.ledger import BatchState
-from dflash_ipc.errors import ProtocolError
+from dflash_ipc.errors import ProtocolError, UnregisteredSender
 
 SPEEDS = [1.0, 1.0, 1.0, 1.0, 5.0]  # seconds per 1000 tokens; target 4 is slow
 POOL = {"backend": "test"}
@@ -50,7 +50,7 @@ class Sim:
             self.busy[rank] += cost
             heapq.heappush(self.events, (start + cost, rank, msg))
         elif isinstance(msg, p.Assign):  # drafters copy out at once
-            self.send(identity, p.Consumed(batch_id=msg.batch_id))
+            self.send(identity, p.Consumed(batch_id=msg.batch_id, attempt=msg.attempt))
             self.send(identity, p.WantHidden(credits=1))
 
     def check_nobody_idles(self):
@@ -121,7 +121,7 @@ def test_refuses_what_a_sender_may_not_do():
     with pytest.raises(ProtocolError):  # a batch it does not own
         d.handle(b"t0", p.Produced(batch_id=batch.batch_id + 1, slot=0, num_tokens=1, compute_s=0))
     d.handle(b"d0", p.Register(role="drafter", rank=0, pid=1))
-    with pytest.raises(ProtocolError, match="was not assigned"):
+    with pytest.raises(ProtocolError, match="is not assigned"):
         d.handle(b"d0", p.Consumed(batch_id=batch.batch_id))
 
 
@@ -166,7 +166,8 @@ def _faulty_setup(clock=None):
 def test_second_register_of_a_target_rank_is_a_restart():
     d, leased = _faulty_setup()
     out = d.handle(b"t0/11", p.Register(role="target", rank=0, pid=11, pool={"pool_id": "new"}, num_slots=4))
-    assert out[-1] == (b"t0/11", p.Registered(role="target", rank=0, num_batches=d.num_batches))
+    assert out[-1] == (b"t0/11", p.Registered(role="target", rank=0, num_batches=d.num_batches,
+                                               instance=d.instance))
     # Leased, produced, and produced-and-assigned-but-not-consumed: all back to pending.
     for batch in leased:
         assert d.ledger.entry(batch.batch_id).state is BatchState.PENDING, batch.batch_id
@@ -187,19 +188,19 @@ def test_late_messages_of_a_replaced_target_and_its_drafter_are_refused():
                                       compute_s=0.0))
     with pytest.raises(ProtocolError, match="unregistered"):
         d.handle(b"t0/10", p.Heartbeat(metrics={}))
-    with pytest.raises(ProtocolError, match="was not assigned"):  # the drafter's copy came too late
-        d.handle(b"d0/30", p.Consumed(batch_id=leased[0].batch_id))
+    with pytest.raises(ProtocolError, match="is not assigned"):  # the drafter's copy came too late
+        d.handle(b"d0/30", p.Consumed(batch_id=leased[0].batch_id, attempt=1))
     assert d.ledger.entry(leased[2].batch_id).state is BatchState.PENDING
 
 
-def test_same_identity_may_not_register_twice_and_drafters_are_not_replaced():
+def test_same_identity_may_not_register_twice():
     d = Dispatcher(_plan(), policy="pull", num_targets=1, num_drafters=1)
     d.handle(b"t0/1", p.Register(role="target", rank=0, pid=1, pool=POOL, num_slots=1))
     with pytest.raises(ProtocolError, match="already registered by this sender"):
         d.handle(b"t0/1", p.Register(role="target", rank=0, pid=1, pool=POOL, num_slots=1))
     d.handle(b"d0/2", p.Register(role="drafter", rank=0, pid=2))
-    with pytest.raises(ProtocolError, match="drafter/0 is already registered"):
-        d.handle(b"d0/3", p.Register(role="drafter", rank=0, pid=3))
+    with pytest.raises(ProtocolError, match="drafter/0 is already registered by this sender"):
+        d.handle(b"d0/2", p.Register(role="drafter", rank=0, pid=2))
     assert d.drafters[0].identity == b"d0/2" and d.status()["dropped_targets"] == {}
 
 
@@ -236,7 +237,7 @@ def test_commit_of_a_batch_taken_back_by_a_drop_counts_the_rest():
     d.handle(b"t1/20", p.Produced(batch_id=batch_b.batch_id, slot=batch_b.slot, num_tokens=1, compute_s=0.0))
     (_, assign), = d.handle(b"d0/30", p.WantHidden(credits=1))
     assert assign.batch_id == batch_b.batch_id
-    d.handle(b"d0/30", p.Consumed(batch_id=batch_b.batch_id))
+    d.handle(b"d0/30", p.Consumed(batch_id=batch_b.batch_id, attempt=assign.attempt))
     d.handle(b"d0/30", p.Committed(step=1, batch_ids=[batch_a.batch_id, batch_b.batch_id]))
     assert d.ledger.history() == [batch_b.batch_id]
     assert d.ledger.entry(batch_a.batch_id).state is BatchState.PENDING
@@ -244,8 +245,8 @@ def test_commit_of_a_batch_taken_back_by_a_drop_counts_the_rest():
     (_, again), = d.handle(b"t1/20", p.Ready(credits=1))
     assert again.batch_id == batch_a.batch_id and d.ledger.entry(batch_a.batch_id).target == 1
     d.handle(b"t1/20", p.Produced(batch_id=batch_a.batch_id, slot=again.slot, num_tokens=1, compute_s=0.0))
-    d.handle(b"d0/30", p.WantHidden(credits=1))
-    d.handle(b"d0/30", p.Consumed(batch_id=batch_a.batch_id))
+    (_, assign_a), = d.handle(b"d0/30", p.WantHidden(credits=1))
+    d.handle(b"d0/30", p.Consumed(batch_id=batch_a.batch_id, attempt=assign_a.attempt))
     d.handle(b"d0/30", p.Committed(step=2, batch_ids=[batch_a.batch_id]))
     assert d.ledger.history() == [batch_b.batch_id, batch_a.batch_id] and d.revoked == {}
 
@@ -272,8 +273,8 @@ def test_stale_commit_of_a_batch_another_drafter_committed_is_dropped_not_fatal(
     (_, first), = d.handle(b"d1", p.WantHidden(credits=1))
     (_, second), = d.handle(b"d0", p.WantHidden(credits=1))
     assert {first.batch_id, second.batch_id} == {b.batch_id, other.batch_id}
-    d.handle(b"d1", p.Consumed(batch_id=first.batch_id))
-    d.handle(b"d0", p.Consumed(batch_id=second.batch_id))
+    d.handle(b"d1", p.Consumed(batch_id=first.batch_id, attempt=first.attempt))
+    d.handle(b"d0", p.Consumed(batch_id=second.batch_id, attempt=second.attempt))
     d.handle(b"d1", p.Committed(step=1, batch_ids=[first.batch_id]))
     # d0 commits its own valid batch together with its stale copy of b (if b went to d1).
     stale = [b.batch_id] if first.batch_id == b.batch_id else []
@@ -281,3 +282,71 @@ def test_stale_commit_of_a_batch_another_drafter_committed_is_dropped_not_fatal(
     assert d.ledger.entry(first.batch_id).state is BatchState.COMMITTED
     assert d.ledger.entry(second.batch_id).state is BatchState.COMMITTED
     assert sorted(d.ledger.history()) == sorted({b.batch_id, other.batch_id})
+
+
+# --- drafter faults: the group restarts, attempts tell copies apart ---------------------------
+
+
+def test_a_drafter_registering_again_restarts_the_group_from_the_last_commit():
+    d = Dispatcher(_plan(), policy="pull", num_targets=1, num_drafters=2, clock=Clock())
+    d.handle(b"t0", p.Register(role="target", rank=0, pid=10, pool=POOL, num_slots=4))
+    d.handle(b"d0/1", p.Register(role="drafter", rank=0, pid=1))
+    d.handle(b"d1/2", p.Register(role="drafter", rank=1, pid=2))
+    batches = [m for _, m in d.handle(b"t0", p.Ready(credits=4))]
+    for b in batches:
+        d.handle(b"t0", p.Produced(batch_id=b.batch_id, slot=b.slot, num_tokens=1, compute_s=0))
+    (_, a0), = d.handle(b"d0/1", p.WantHidden(credits=1))
+    (_, a1), (_, a2) = d.handle(b"d1/2", p.WantHidden(credits=2))
+    d.handle(b"d0/1", p.Consumed(batch_id=a0.batch_id, attempt=a0.attempt))
+    d.handle(b"d1/2", p.Consumed(batch_id=a1.batch_id, attempt=a1.attempt))
+    # Rank 0 commits a0 and a1 for the group at step 3; then d1 consumes a2, and dies.
+    d.handle(b"d0/1", p.Committed(step=3, batch_ids=[a0.batch_id, a1.batch_id], ranks=[0, 1]))
+    d.handle(b"d1/2", p.Consumed(batch_id=a2.batch_id, attempt=a2.attempt))
+    assert d.ledger.entry(a2.batch_id).state is BatchState.CONSUMED
+    # The new group registers: a2 (consumed, not committed) is pending again, the batch still
+    # produced in its slot (never assigned) waits for the new group, everyone resumes at 3.
+    out = d.handle(b"d1/20", p.Register(role="drafter", rank=1, pid=20))
+    assert out[-1][1].resume_step == 3 and d.drafter_generation == 1
+    assert d.ledger.entry(a2.batch_id).state is BatchState.PENDING
+    assert list(d.drafters) == [1]
+    with pytest.raises(UnregisteredSender):  # the old rank 0 is not part of the new group
+        d.handle(b"d0/1", p.WantHidden(credits=1))
+    out = d.handle(b"d0/30", p.Register(role="drafter", rank=0, pid=30))
+    assert out[-1][1].resume_step == 3 and d.drafter_generation == 1  # one restart, not two
+    (_, again), = d.handle(b"d0/30", p.WantHidden(credits=1))
+    assert again.batch_id == batches[3].batch_id and again.attempt > a2.attempt
+    assert sorted(d.ledger.history()) == sorted([a0.batch_id, a1.batch_id])
+
+
+def test_assigned_batches_of_a_dead_group_go_to_the_new_one_and_old_consumes_are_refused():
+    d = Dispatcher(_plan(), policy="pull", num_targets=1, num_drafters=1, clock=Clock())
+    d.handle(b"t0", p.Register(role="target", rank=0, pid=10, pool=POOL, num_slots=2))
+    d.handle(b"d0/1", p.Register(role="drafter", rank=0, pid=1))
+    (_, b), = d.handle(b"t0", p.Ready(credits=1))
+    d.handle(b"t0", p.Produced(batch_id=b.batch_id, slot=b.slot, num_tokens=1, compute_s=0))
+    (_, first), = d.handle(b"d0/1", p.WantHidden(credits=1))  # assigned, never consumed: it died
+    d.handle(b"d0/2", p.Register(role="drafter", rank=0, pid=2))
+    (_, second), = d.handle(b"d0/2", p.WantHidden(credits=1))
+    assert second.batch_id == b.batch_id and second.slot == first.slot and second.attempt != first.attempt
+    # A Consumed naming the old attempt (a late copy) does not free the slot of the new one.
+    with pytest.raises(ProtocolError, match="is not assigned"):
+        d.handle(b"d0/2", p.Consumed(batch_id=b.batch_id, attempt=first.attempt))
+    assert d.ledger.entry(b.batch_id).state is BatchState.PRODUCED
+    d.handle(b"d0/2", p.Consumed(batch_id=b.batch_id, attempt=second.attempt))
+    assert d.ledger.entry(b.batch_id).state is BatchState.CONSUMED
+
+
+def test_group_commit_is_checked_as_a_whole():
+    d = Dispatcher(_plan(), policy="pull", num_targets=1, num_drafters=2, clock=Clock())
+    d.handle(b"t0", p.Register(role="target", rank=0, pid=10, pool=POOL, num_slots=2))
+    d.handle(b"d0", p.Register(role="drafter", rank=0, pid=1))
+    (_, b), = d.handle(b"t0", p.Ready(credits=1))
+    d.handle(b"t0", p.Produced(batch_id=b.batch_id, slot=b.slot, num_tokens=1, compute_s=0))
+    (_, a), = d.handle(b"d0", p.WantHidden(credits=1))
+    d.handle(b"d0", p.Consumed(batch_id=a.batch_id, attempt=a.attempt))
+    with pytest.raises(ProtocolError, match="ranks for"):
+        d.handle(b"d0", p.Committed(step=1, batch_ids=[a.batch_id], ranks=[0, 1]))
+    with pytest.raises(ProtocolError, match="not registered"):  # rank 1 never registered
+        d.handle(b"d0", p.Committed(step=1, batch_ids=[a.batch_id], ranks=[1]))
+    d.handle(b"d0", p.Committed(step=1, batch_ids=[a.batch_id], ranks=[0]))
+    assert d.ledger.history() == [a.batch_id]

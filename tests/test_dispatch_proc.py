@@ -36,8 +36,10 @@ def test_garbage_and_out_of_order_messages_are_refused_and_serving_goes_on(tmp_p
             reply = _request(sock, frames)
             assert isinstance(reply, p.Rejected)
         # Out of order: work messages before registering, a batch never leased.
-        assert isinstance(_request(sock, p.encode(p.Ready(credits=1))), p.Rejected)
-        assert isinstance(_request(sock, p.encode(p.Consumed(batch_id=3))), p.Rejected)
+        # A sender without a seat is told so, with this dispatcher's instance.
+        for early in (p.Ready(credits=1), p.Consumed(batch_id=3)):
+            reply = _request(sock, p.encode(early))
+            assert isinstance(reply, p.Unregistered) and reply.instance == dispatcher.instance
         # Registration refused with a reason, not left unanswered.
         refused = _request(sock, p.encode(p.Register(role="target", rank=7, pid=1, pool={"b": 1}, num_slots=1)))
         assert isinstance(refused, p.Refused) and "outside" in refused.reason

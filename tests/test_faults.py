@@ -1,7 +1,9 @@
 """Fault injection on a real job (`dflash-ipc up`, 3 targets + 2 drafters on CPU, real sockets,
-real shared memory): a target SIGKILLed or SIGSTOPped mid-epoch is replaced and the
-committed ledger still holds every sample exactly once; a SIGKILLed supervisor leaves no
-process and no shared-memory segment behind.
+real shared memory): a target SIGKILLed or SIGSTOPped mid-epoch is replaced, a drafter
+SIGKILLed or SIGSTOPped restarts the drafter group from its last commit, a SIGKILLed
+dispatcher is restarted from its ledger while the targets live on, and in each case the
+committed ledger holds every sample exactly once; a SIGKILLed supervisor leaves no process
+and no shared-memory segment behind; Ctrl-C checkpoints, and a rerun resumes from there.
 
 Each test kills everything it started, by pid, in a `finally`, within bounded time.
 """
@@ -90,6 +92,27 @@ class Job:
                     return status
             time.sleep(0.3)
         pytest.fail(f"target/{rank} produced nothing within {PROGRESS_TIMEOUT_S}s:\n{self.output()[-4000:]}")
+
+    def wait_status(self, predicate, what: str) -> dict:
+        """Polls the dispatcher until `predicate(status)`; returns that status."""
+        deadline = time.monotonic() + PROGRESS_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.output()[-4000:]
+            status = None
+            if (self.run_dir / "config.yaml").exists():
+                try:
+                    status = fetch_status(str(self.run_dir), timeout_s=2.0)
+                except Exception:  # not serving yet
+                    pass
+            if status and predicate(status):
+                self.processes()
+                return status
+            time.sleep(0.3)
+        pytest.fail(f"no {what} within {PROGRESS_TIMEOUT_S}s:\n{self.output()[-4000:]}")
+
+    def drafter_steps(self) -> list[int]:
+        return [json.loads(line)["step"] for line in
+                (self.run_dir / "drafter_metrics.jsonl").read_text().splitlines()]
 
     def wait(self, timeout_s: float = RUN_TIMEOUT_S, during=None) -> int:
         """Waits for the supervisor to exit, calling `during()` every 0.2 s meanwhile."""
@@ -205,6 +228,91 @@ def test_sigstopped_target_is_killed_restarted_and_nothing_is_lost(tmp_path, tin
         job.kill_all()
 
 
+def _committed_and_open(status) -> bool:
+    """A commit exists and a good part of the job is still to do: time for a drafter fault."""
+    b = status["batches"]
+    return b["committed"] > 0 and b["pending"] >= status["num_batches"] // 3
+
+
+@pytest.mark.slow
+def test_sigkilled_drafter_restarts_the_group_from_its_last_commit(tmp_path, tiny_cache):
+    job = Job(tmp_path, tiny_cache, extra=["drafter.checkpoint_every_steps=4"])
+    try:
+        job.wait_status(_committed_and_open, "commit")
+        pids = job.processes()
+        os.kill(pids["drafter/1"], signal.SIGKILL)
+        code = job.wait()
+        out = job.output()
+        assert code == 0, out[-5000:]
+        assert "drafter/1 (pid %d) exited with code -9" % pids["drafter/1"] in out, out[-5000:]
+        assert "the drafter group will restart" in out and "restarted drafter/0" in out
+
+        cfg, ledger, report = job.audit()
+        assert ledger.all_committed() and report.ok, report
+        final = json.loads((job.run_dir / "final_status.json").read_text())
+        assert final["drafter_generation"] == 1, final["drafter_generation"]
+        # The new group resumed from the checkpoint of the last commit: its steps continue
+        # from there (falling back once if the old group had stepped past that commit).
+        assert "resumed from" in (job.run_dir / "logs" / "drafter-0.log").read_text()
+        steps = job.drafter_steps()
+        drops = [(a, b) for a, b in zip(steps, steps[1:]) if b != a + 1]
+        assert len(drops) <= 1 and all(b <= a for a, b in drops), steps
+        record = json.loads((job.run_dir / "processes.json").read_text())
+        restarts = {e["role"]: e["restarts"] for e in record["processes"]}
+        assert restarts == {"dispatcher": 0, "target/0": 0, "target/1": 0, "target/2": 0,
+                            "drafter/0": 1, "drafter/1": 1}, restarts
+        assert not _segments(cfg)
+    finally:
+        job.kill_all()
+
+
+@pytest.mark.slow
+def test_sigstopped_drafter_is_found_hung_and_its_group_restarts(tmp_path, tiny_cache):
+    job = Job(tmp_path, tiny_cache, extra=["supervise.drafter_timeout_s=5", "drafter.checkpoint_every_steps=4"])
+    victim = None
+    try:
+        job.wait_status(_committed_and_open, "commit")
+        victim = job.processes()["drafter/0"]
+        os.kill(victim, signal.SIGSTOP)
+        code = job.wait()
+        out = job.output()
+        assert code == 0, out[-5000:]
+        assert "drafter/0 (pid %d) hangs: no heartbeat" % victim in out, out[-5000:]
+        cfg, ledger, report = job.audit()
+        assert ledger.all_committed() and report.ok, report
+        assert not _alive(victim) and not _segments(cfg)
+    finally:
+        if victim is not None and _alive(victim):
+            os.kill(victim, signal.SIGKILL)
+        job.kill_all()
+
+
+@pytest.mark.slow
+def test_sigkilled_dispatcher_restarts_from_its_ledger_and_targets_register_again(tmp_path, tiny_cache):
+    job = Job(tmp_path, tiny_cache, extra=["drafter.checkpoint_every_steps=4"])
+    try:
+        job.wait_status(_committed_and_open, "commit")
+        pids = job.processes()
+        os.kill(pids["dispatcher"], signal.SIGKILL)
+        code = job.wait()
+        out = job.output()
+        assert code == 0, out[-5000:]
+        assert "dispatcher (pid %d) exited with code -9" % pids["dispatcher"] in out, out[-5000:]
+        assert "restarted dispatcher" in out
+        cfg, ledger, report = job.audit()
+        assert ledger.all_committed() and report.ok, report
+        # The targets outlived it: same processes, registered again with the new dispatcher.
+        after = job.processes()
+        for rank in range(3):
+            assert after[f"target/{rank}"] == pids[f"target/{rank}"], (pids, after)
+            log = (job.run_dir / "logs" / f"target-{rank}.log").read_text()
+            assert "registering again" in log, log[-3000:]
+        assert after["dispatcher"] != pids["dispatcher"] and after["drafter/0"] != pids["drafter/0"]
+        assert not _segments(cfg)
+    finally:
+        job.kill_all()
+
+
 @pytest.mark.slow
 def test_sigkilled_supervisor_leaves_no_process_and_no_segment(tmp_path, tiny_cache):
     job = Job(tmp_path, tiny_cache)
@@ -227,9 +335,10 @@ def test_sigkilled_supervisor_leaves_no_process_and_no_segment(tmp_path, tiny_ca
 
 @pytest.mark.slow
 def test_interrupted_job_resumes_from_its_last_commit(tmp_path, tiny_cache):
-    """Ctrl-C a job after its first checkpoint, run it again in the same run directory: the
-    drafters resume from the checkpoint of the ledger's last commit, only uncommitted batches
-    are served again, and the committed history holds every sample exactly once."""
+    """Ctrl-C a job after its first checkpoint: the drafters checkpoint what they trained
+    and commit it before the job stops. Run it again in the same run directory: the drafters
+    resume from that checkpoint, only uncommitted batches are served again, and the
+    committed history holds every sample exactly once."""
     extra = ["drafter.checkpoint_every_steps=4"]
     first = Job(tmp_path, tiny_cache, extra=extra, log_name="first.log")
     try:
@@ -250,8 +359,11 @@ def test_interrupted_job_resumes_from_its_last_commit(tmp_path, tiny_cache):
         first.kill_all()
     ledger = Ledger.load(str(first.run_dir / "ledger.npz"))
     resume_step = ledger.last_committed_step()
-    steps_before = len((first.run_dir / "drafter_metrics.jsonl").read_text().splitlines())
+    steps_before = len(first.drafter_steps())
     assert resume_step is not None and not ledger.all_committed()
+    # Ctrl-C made a checkpoint of the last step, off the every-4-steps schedule if need be.
+    assert resume_step == first.drafter_steps()[-1], (resume_step, first.drafter_steps())
+    assert "drafters checkpointed and exited" in first.output()
 
     second = Job(tmp_path, tiny_cache, extra=extra, log_name="second.log")
     try:

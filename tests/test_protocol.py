@@ -27,6 +27,10 @@ EXAMPLES = [
     p.EndOfData(),
     p.Shutdown(reason="done"),
     p.Rejected(kind=5, reason="bad"),
+    p.Unregistered(instance="ab12", reason="unknown sender"),
+    p.Assign(batch_id=7, epoch=1, target=3, pool={}, slot=2, sample_ids=[5], num_tokens=3, attempt=4),
+    p.Consumed(batch_id=7, attempt=4),
+    p.Committed(step=10, batch_ids=[1, 2, 3], ranks=[0, 2, 1]),
 ]
 
 

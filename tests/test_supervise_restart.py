@@ -4,6 +4,7 @@ the supervisor applying it to stand-in processes: restart, give up, kill a hung 
 import json
 import os
 import signal
+import time
 import sys
 
 import pytest
@@ -79,17 +80,17 @@ def test_bad_arguments_are_named(kwargs, match):
 
 
 def _supervisor(tmp_path, max_restarts):
-    cfg = load_config(None, [f"run.run_dir={tmp_path}", "target.num_workers=2", "drafter.num_workers=1",
+    cfg = load_config(None, [f"run.run_dir={tmp_path}", "target.num_workers=2", "drafter.num_workers=2",
                              f"supervise.max_restarts={max_restarts}", "dispatch.heartbeat_timeout_s=5"])
     sup = Supervisor(cfg, print_status=lambda line: None)
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
-    roles = ["dispatcher", "target/0", "target/1", "drafter/0"]
+    roles = ["dispatcher", "target/0", "target/1", "drafter/0", "drafter/1"]
     sup.children = [Child(role=r, argv=sleeper, env=dict(os.environ), log_path=str(tmp_path / "logs" / f"{r.replace('/', '-')}.log"))
                     for r in roles]
     for child in sup.children:
         child.start()
     sup.policies = {r: RestartPolicy(max_restarts=max_restarts, window_s=60, backoff_s=0.0, role=r)
-                    for r in roles if r.startswith("target/")}
+                    for r in ["target/0", "target/1", "drafters", "dispatcher"]}
     sup._write_processes()
     return sup
 
@@ -119,14 +120,63 @@ def test_supervisor_restarts_a_dead_target_until_its_budget_is_spent(tmp_path):
         stop_children(sup.children, 5.0)
 
 
-def test_supervisor_fails_on_a_drafter_death_and_ignores_clean_exits(tmp_path):
-    sup = _supervisor(tmp_path, max_restarts=3)
+def test_a_drafter_death_restarts_the_whole_group_on_a_fresh_port(tmp_path):
+    sup = _supervisor(tmp_path, max_restarts=1)
     try:
         sup.children[2].signal(signal.SIGTERM)  # SIGTERM: exit code -15, a death
         sup.children[2].popen.wait(timeout=10)
         assert sup._handle_deaths() and "target/1" in sup._restart_due
-        _kill_and_wait(sup.children[3])
-        assert not sup._handle_deaths()
+        d0, d1 = sup.children[3], sup.children[4]
+        old = (d0.pid, d1.pid)
+        _kill_and_wait(d0)
+        assert sup._handle_deaths() and "drafters" in sup._restart_due
+        assert d1.poll() == -signal.SIGKILL  # the survivor of a broken group is killed at once
+        sup._start_due_restarts()
+        assert d0.poll() is None and d1.poll() is None and (d0.pid, d1.pid) != old
+        assert d0.env["MASTER_PORT"] == d1.env["MASTER_PORT"] != os.environ.get("MASTER_PORT")
+        assert sup.children[0].restarts == []  # the dispatcher was left alone
+        _kill_and_wait(d1)
+        assert not sup._handle_deaths()  # max_restarts=1: the second group death fails the job
+    finally:
+        stop_children(sup.children, 5.0)
+
+
+def test_a_dispatcher_death_restarts_it_with_the_drafters_and_keeps_the_targets(tmp_path):
+    sup = _supervisor(tmp_path, max_restarts=1)
+    try:
+        dispatcher, t0, d0 = sup.children[0], sup.children[1], sup.children[3]
+        target_pid, old = t0.pid, (dispatcher.pid, d0.pid)
+        _kill_and_wait(dispatcher)
+        assert sup._handle_deaths() and sup._restart_due.keys() == {"dispatcher"}
+        assert d0.poll() == -signal.SIGKILL
+        assert sup._handle_deaths()  # the killed drafters are not deaths of their own
+        sup._start_due_restarts()
+        assert dispatcher.poll() is None and d0.poll() is None and (dispatcher.pid, d0.pid) != old
+        assert t0.pid == target_pid and t0.poll() is None
+    finally:
+        stop_children(sup.children, 5.0)
+
+
+def test_a_hung_drafter_restarts_the_group_and_a_silent_dispatcher_is_killed(tmp_path):
+    sup = _supervisor(tmp_path, max_restarts=3)
+    sup.cfg.supervise.drafter_timeout_s = 5.0
+    try:
+        d0, d1 = sup.children[3], sup.children[4]
+        status = {"drafters": {"0": {"pid": d0.pid, "heartbeat_age_s": 6.0},
+                               "1": {"pid": d1.pid, "heartbeat_age_s": 0.1}}}
+        fresh = {"drafters": {"0": {"pid": d0.pid, "heartbeat_age_s": 1.0},
+                              "1": {"pid": d1.pid, "heartbeat_age_s": 0.1}}}
+        assert sup._restart_hung_drafters(fresh) and not sup._restart_due
+        assert sup._restart_hung_drafters(status) and "drafters" in sup._restart_due
+        assert d0.poll() == -signal.SIGKILL and d1.poll() == -signal.SIGKILL
+        # The dispatcher answered once, then went silent past dispatch.heartbeat_timeout_s (5 s).
+        sup.children[0].started_at -= 30.0
+        sup._last_reply_at = time.monotonic() - 1.0
+        sup._kill_hung_dispatcher()
+        assert sup.children[0].poll() is None
+        sup._last_reply_at = time.monotonic() - 6.0
+        sup._kill_hung_dispatcher()
+        assert sup.children[0].popen.wait(timeout=10) == -signal.SIGKILL
     finally:
         stop_children(sup.children, 5.0)
 

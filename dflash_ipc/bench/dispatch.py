@@ -331,7 +331,7 @@ def _fake_drafter(shared: _Shared, rank: int) -> None:
             if isinstance(msg, p.Shutdown):
                 return
             if isinstance(msg, p.Assign):
-                link.send(p.Consumed(batch_id=msg.batch_id))
+                link.send(p.Consumed(batch_id=msg.batch_id, attempt=msg.attempt))
                 link.send(p.Committed(step=step, batch_ids=[msg.batch_id]))
                 link.send(p.WantHidden(credits=1))
                 step += 1

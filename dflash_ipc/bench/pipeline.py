@@ -357,12 +357,12 @@ def end_to_end(cfg: JobConfig, *, seconds: float, warmup_s: float, run_dir: str,
                              seconds, warmup_s)
                 elif time.time() > give_up:
                     state["no_step"] = True
-                    sup.request_stop("bench: no drafter step")
+                    sup.request_stop("bench: no drafter step", checkpoint=False)
                     return
                 continue
             if time.time() >= state["window"][1]:
                 state["stopped"] = True
-                sup.request_stop("bench window")
+                sup.request_stop("bench window", checkpoint=False)
                 return
 
     watcher = threading.Thread(target=watch, name="bench-window", daemon=True)

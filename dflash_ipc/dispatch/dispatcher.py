@@ -17,8 +17,21 @@ drop returns the target's leased and produced batches to pending, including prod
 already assigned to a drafter that has not reported `Consumed` (its late `Consumed` is
 refused; see `_without_revoked` for its `Committed`). The dropped pid is listed in the
 status (`dropped_targets`) so the supervisor kills the process if it still runs; anything
-it sends later is refused as coming from an unregistered sender. Drafters are never
-replaced: a second drafter registration of a rank is refused.
+it sends later is answered `Unregistered` (same `instance`: the worker exits).
+
+Drafter faults: the drafters train as one group, so the supervisor restarts all of them
+together. A `Register` for a drafter rank held under another identity (a new process) is
+that restart: every drafter seat is dropped, batches consumed but not committed return to
+pending (the new group resumes from the last committed step's checkpoint, which does not
+hold them), and batches assigned but not yet consumed are assigned again to the new group
+(their slots still hold them). Every `Assign` carries an `attempt`, echoed by `Consumed`,
+so a late `Consumed` of an old copy never frees the slot of a newer one. Rank 0 commits
+for the whole group (`Committed.ranks` says who trained what) right after its checkpoint:
+a commit is all of a checkpoint's batches or none.
+
+Dispatcher restarts: a new dispatcher process (new `instance`) restores the ledger (every
+batch not committed is pending) and answers `Unregistered` to the surviving targets, which
+register again with their pools; the supervisor restarts the drafter group.
 
 Round-robin policy (`dispatch.policy: round_robin`) reproduces the reference system for
 benchmarks: batch i belongs to target i mod N from the start and produced batch j to
@@ -30,13 +43,14 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
 from dflash_ipc import protocol as p
 from dflash_ipc.dispatch.buckets import PlannedBatch
 from dflash_ipc.dispatch.ledger import BatchState, Ledger
-from dflash_ipc.errors import ProtocolError
+from dflash_ipc.errors import ProtocolError, UnregisteredSender
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +88,7 @@ class DrafterSeat:
     rank: int
     identity: bytes
     node: int
+    pid: int = 0
     credits: int = 0
     waiting_since: float = 0.0
     last_seen: float = 0.0
@@ -121,11 +136,15 @@ class Dispatcher:
             for batches in epochs:
                 self.ledger.add_epoch(batches)
         self.num_batches = sum(len(b) for b in epochs)
+        self.tokens_planned = sum(b.num_tokens for batches in epochs for b in batches)
         self.targets: dict[int, TargetSeat] = {}
         self.drafters: dict[int, DrafterSeat] = {}
         self.observers: set[bytes] = set()
         self.produced: collections.deque[int] = collections.deque()  # batch ids, oldest first
-        self.in_flight: dict[int, int] = {}  # batch id -> drafter rank, assigned, not yet consumed
+        self.in_flight: dict[int, tuple[int, int]] = {}  # batch id -> (drafter, attempt): assigned, not consumed
+        self.next_attempt = 1
+        self.instance = os.urandom(6).hex()  # tells this process from a restarted one
+        self.drafter_generation = 0          # drafter group restarts seen
         self.target_waiters: collections.deque[int] = collections.deque()  # ranks, by ask time
         self.started = clock()
         self.tokens_produced = 0
@@ -158,7 +177,7 @@ class Dispatcher:
             return [(sender, p.StatusReply(status=self.status()))]
         seat = self._seat_of(sender)
         if seat is None:
-            raise ProtocolError(f"{msg.KIND.name} from an unregistered sender")
+            raise UnregisteredSender(f"{msg.KIND.name} from an unregistered sender")
         seat.last_seen = now
         if isinstance(msg, p.Heartbeat):
             seat.metrics = dict(msg.metrics)
@@ -196,9 +215,9 @@ class Dispatcher:
         requeued = set(self.ledger.requeue_target(rank))
         self.produced = collections.deque(b for b in self.produced if b not in requeued)
         for batch_id in requeued:
-            drafter = self.in_flight.pop(batch_id, None)  # a late Consumed for it is refused
-            if drafter is not None:
-                self.revoked.setdefault(batch_id, set()).add(drafter)
+            assigned = self.in_flight.pop(batch_id, None)  # a late Consumed for it is refused
+            if assigned is not None:
+                self.revoked.setdefault(batch_id, set()).add(assigned[0])
         if rank in self.target_waiters:
             self.target_waiters.remove(rank)
         self.dropped_targets[seat.pid] = reason
@@ -221,10 +240,12 @@ class Dispatcher:
             raise ProtocolError(f"Register: {msg.role} rank {msg.rank} outside [0, {limit})")
         seats = self.targets if msg.role == "target" else self.drafters
         old = seats.get(msg.rank)
-        if old is not None and (old.identity == sender or msg.role != "target"):
-            raise ProtocolError(f"Register: {msg.role}/{msg.rank} is already registered"
-                                + (" by this sender" if old.identity == sender else ""))
+        if old is not None and old.identity == sender:
+            raise ProtocolError(f"Register: {msg.role}/{msg.rank} is already registered by this sender")
         out: Outgoing = []
+        if msg.role == "drafter" and old is not None:
+            # A new process for a held drafter seat: the supervisor restarted the group.
+            self.restart_drafter_group(reason=f"drafter/{msg.rank} registered again as pid {msg.pid}")
         if msg.role == "target":
             if msg.pool is None or msg.num_slots < 1:
                 raise ProtocolError("Register: a target must send its slot pool and num_slots >= 1")
@@ -239,13 +260,38 @@ class Dispatcher:
             self.targets[msg.rank] = seat
         else:
             self.drafters[msg.rank] = DrafterSeat(rank=msg.rank, identity=sender, node=msg.node,
-                                                  last_seen=now)
+                                                  last_seen=now, pid=msg.pid)
         log.info("%s/%d registered (pid %d, %s)", msg.role, msg.rank, msg.pid, msg.device)
         # Drafters resume from the checkpoint of the last commit the ledger holds (a restored
         # ledger: a rerun in the same run directory); batches committed then are not served.
         last = self.ledger.last_committed_step() if msg.role == "drafter" else None
         return out + [(sender, p.Registered(role=msg.role, rank=msg.rank, num_batches=self.num_batches,
-                                            resume_step=-1 if last is None else last))]
+                                            resume_step=-1 if last is None else last,
+                                            instance=self.instance))]
+
+    def restart_drafter_group(self, reason: str) -> None:
+        """Every drafter seat goes; the new group resumes from the last committed checkpoint.
+        Consumed-not-committed batches go back to pending; assigned-not-consumed ones are
+        assigned again (their slots still hold them). Messages from the old processes are
+        answered `Unregistered` from now on."""
+        self.drafter_generation += 1
+        requeued = self.ledger.requeue_all_uncommitted_consumed()
+        reassign = [b for b in self.in_flight if self.ledger.entry(b).state is BatchState.PRODUCED]
+        self.produced = collections.deque(reassign + [b for b in self.produced if b not in self.in_flight])
+        self.in_flight.clear()
+        self.revoked.clear()
+        self.drafters.clear()
+        self.rr_drafter_of.clear()
+        self._reopen()
+        log.warning("drafter group restart %d (%s): %d consumed batches back to pending, %d assigned "
+                    "batches to assign again", self.drafter_generation, reason, len(requeued), len(reassign))
+
+    def _reopen(self) -> None:
+        """Batches went back to pending after EndOfData: the job is open again."""
+        if self.end_sent and not self._all_consumed():
+            self.end_sent = False
+            for seat in list(self.targets.values()) + list(self.drafters.values()):
+                seat.done = False
 
     def _seat_of(self, sender: bytes) -> TargetSeat | DrafterSeat | None:
         for seats in (self.targets, self.drafters):
@@ -311,8 +357,9 @@ class Dispatcher:
             seat.credits += msg.credits
             return self._serve_drafters()
         if isinstance(msg, p.Consumed):
-            if self.in_flight.get(msg.batch_id) != seat.rank:
-                raise ProtocolError(f"Consumed: batch {msg.batch_id} was not assigned to drafter/{seat.rank}")
+            if self.in_flight.get(msg.batch_id) != (seat.rank, msg.attempt):
+                raise ProtocolError(f"Consumed: batch {msg.batch_id} attempt {msg.attempt} is not "
+                                    f"assigned to drafter/{seat.rank}")
             entry = self.ledger.entry(msg.batch_id)
             target_rank, slot = entry.target, entry.slot
             self.ledger.consumed(msg.batch_id, seat.rank)
@@ -325,8 +372,16 @@ class Dispatcher:
                 target.free_slots.append(slot)
             return self._serve_targets()
         if isinstance(msg, p.Committed):
-            batch_ids = self._without_revoked(seat.rank, msg.batch_ids)
-            self.ledger.committed(batch_ids, seat.rank, msg.step)
+            if msg.ranks and len(msg.ranks) != len(msg.batch_ids):
+                raise ProtocolError(f"Committed: {len(msg.ranks)} ranks for {len(msg.batch_ids)} batch ids")
+            ranks = msg.ranks or [seat.rank] * len(msg.batch_ids)
+            if any(r not in self.drafters for r in ranks):
+                raise ProtocolError(f"Committed: ranks {sorted(set(ranks))} include one not registered")
+            batch_ids = []
+            for batch_id, rank in zip(msg.batch_ids, ranks):
+                batch_ids += self._without_revoked(rank, [batch_id])
+            self.ledger.committed(batch_ids, seat.rank, msg.step,
+                                  group=sorted(set(ranks)) if msg.ranks else None)
             self.tokens_committed += sum(self.ledger.entry(b).batch.num_tokens for b in batch_ids)
             return self._maybe_end()
         raise ProtocolError(f"{msg.KIND.name} is not a message a drafter may send")
@@ -382,23 +437,26 @@ class Dispatcher:
             entry = self.ledger.entry(batch_id)
             seat.credits -= 1
             seat.waiting_since = self.clock()
-            self.in_flight[batch_id] = seat.rank
+            self.in_flight[batch_id] = (seat.rank, self.next_attempt)
             target = self.targets[entry.target]
             out.append((seat.identity, p.Assign(batch_id=batch_id, epoch=entry.batch.epoch,
                                                  target=entry.target, pool=target.pool,
                                                  slot=entry.slot, sample_ids=list(entry.batch.sample_ids),
-                                                 num_tokens=entry.batch.num_tokens)))
+                                                 num_tokens=entry.batch.num_tokens,
+                                                 attempt=self.next_attempt)))
+            self.next_attempt += 1
         self.produced = kept
         return out
 
     # --- end of job -------------------------------------------------------------------
 
+    def _all_consumed(self) -> bool:
+        counts = self.ledger.counts()
+        return not any(counts.get(s, 0) for s in (BatchState.PENDING, BatchState.LEASED, BatchState.PRODUCED))
+
     def _maybe_end(self) -> Outgoing:
         """When every batch is consumed, tell everyone no more work will come."""
-        counts = self.ledger.counts()
-        outstanding = sum(counts.get(s, 0) for s in (BatchState.PENDING, BatchState.LEASED,
-                                                     BatchState.PRODUCED))
-        if outstanding or self.end_sent:
+        if self.end_sent or not self._all_consumed():
             return []
         self.end_sent = True
         log.info("every batch consumed: sending EndOfData")
@@ -416,7 +474,7 @@ class Dispatcher:
             "num_batches": self.num_batches,
             "batches": {state.name.lower(): counts.get(state, 0) for state in BatchState},
             "epochs": self.ledger.epoch_progress(),
-            "tokens": {"produced": self.tokens_produced, "consumed": self.tokens_consumed,
+            "tokens": {"total": self.tokens_planned, "produced": self.tokens_produced, "consumed": self.tokens_consumed,
                        "trained": sum(s.metrics.get("trained_tokens", 0.0) for s in self.drafters.values()),
                        "committed": self.tokens_committed},
             "rates": {name: rate.value() for name, rate in self.rates.items()},
@@ -426,10 +484,12 @@ class Dispatcher:
                                  "compute_s": s.compute_s, "metrics": s.metrics,
                                  "heartbeat_age_s": self.clock() - s.last_seen}
                         for r, s in sorted(self.targets.items())},
-            "drafters": {str(r): {"credits": s.credits, "batches": s.batches_done, "tokens": s.tokens_done,
+            "drafters": {str(r): {"pid": s.pid, "credits": s.credits, "batches": s.batches_done, "tokens": s.tokens_done,
                                   "metrics": s.metrics, "heartbeat_age_s": self.clock() - s.last_seen}
                          for r, s in sorted(self.drafters.items())},
             "refusals": self.refusals,
+            "instance": self.instance,
+            "drafter_generation": self.drafter_generation,
             "dropped_targets": {str(pid): why for pid, why in self.dropped_targets.items()},
             "finished": self.finished,
         }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import time
 
 import zmq
@@ -22,7 +23,7 @@ from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.dispatch.buckets import BucketSpec, plan_epoch, plan_stats
 from dflash_ipc.dispatch.dispatcher import Dispatcher
 from dflash_ipc.dispatch.ledger import BatchState, Ledger
-from dflash_ipc.errors import DataError, ProtocolError
+from dflash_ipc.errors import DataError, ProtocolError, UnregisteredSender
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,14 @@ class DispatcherProc:
         try:
             msg = p.decode(body)
             self._send_all(self.dispatcher.handle(identity, msg))
+            if isinstance(msg, p.Committed):
+                self.save_ledger()  # a commit is durable before anything else happens
+        except UnregisteredSender as exc:
+            # A worker that outlived a dispatcher restart registers again on this answer;
+            # one this dispatcher dropped (hung, replaced) sees its instance and exits.
+            self.dispatcher.refusals += 1
+            log.info("%s: %s", identity[:40], exc)
+            self._send_all([(identity, p.Unregistered(instance=self.dispatcher.instance, reason=str(exc)))])
         except ProtocolError as exc:
             self.dispatcher.refusals += 1
             kind = body[0][0] if body and len(body[0]) == 1 else 0
@@ -118,9 +127,14 @@ class DispatcherProc:
         interval = self.cfg.dispatch.heartbeat_interval_s
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
-        while not self.stop_requested:
+        while True:
             # 1) poll
             events = dict(poller.poll(int(interval * 1000 / 4)))
+            if self.stop_requested:
+                # SIGTERM: answer what already arrived (a drafter's last Committed), then go.
+                while self.socket.poll(0):
+                    self._on_frames(self.socket.recv_multipart())
+                return
             # 2) handle everything that is waiting
             while events and self.socket.poll(0):
                 self._on_frames(self.socket.recv_multipart())
@@ -167,6 +181,8 @@ def run_dispatcher(cfg: JobConfig) -> None:
                             num_drafters=cfg.drafter.num_workers,
                             heartbeat_timeout_s=cfg.dispatch.heartbeat_timeout_s, ledger=ledger)
     proc = DispatcherProc(cfg, dispatcher, address=cfg.dispatcher_address)
+    # SIGTERM ends the loop between two messages, never inside one (the ledger stays whole).
+    signal.signal(signal.SIGTERM, lambda signum, frame: setattr(proc, "stop_requested", True))
     try:
         proc.run()
     finally:

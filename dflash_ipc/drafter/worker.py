@@ -7,11 +7,15 @@ Busy loop, one pass:
      batch is skipped, unreported: the dispatcher requeues it); ask for more while the
      local queue is short (`WantHidden`),
   2) agree with the group (one small all-reduce) whether every rank has a full step's
-     anchors, or everyone is drained after `EndOfData`,
+     anchors, or everyone is drained after `EndOfData`, or some rank must stop (SIGTERM,
+     SIGINT, or a `Shutdown` before the end of the data),
   3) step (all ranks together) when all are full; every `checkpoint_every_steps`, and at
-     the end, checkpoint (rank 0 writes) and report `Committed` for the batches whose every
-     sequence is in the checkpoint,
-  4) once drained: final checkpoint, wait for the dispatcher's `Shutdown`.
+     the end, checkpoint: rank 0 gathers which batches each rank fully trained, writes the
+     checkpoint, then reports them in one `Committed` for the group (a commit is all of a
+     checkpoint's batches or none: if rank 0 dies between the two, the group restarts from
+     the previous commit and trains those batches again, counted once),
+  4) once drained: final checkpoint, wait for the dispatcher's `Shutdown`; on a stop: a
+     checkpoint of what was trained so far, its commit confirmed by the dispatcher, exit 0.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import collections
 import json
 import logging
 import os
+import signal
 import time
 
 import torch
@@ -34,13 +39,37 @@ from dflash_ipc.drafter.trainer import (DTYPES, DrafterTrainer, Sequence, eligib
                                         estimate_total_steps)
 from dflash_ipc.errors import ProducerGoneError, WorkerDeadError
 from dflash_ipc.link import DispatcherLink
-from dflash_ipc.metrics import TimelineWriter
+from dflash_ipc.metrics import TimelineWriter, process_memory
 from dflash_ipc.profiling import IterationProfiler
 from dflash_ipc.runinfo import checkpoints_dir, require_device
 from dflash_ipc.target.capture import load_target_config
 from dflash_ipc.transport.slots import ReaderCache, check_peer_access
 
 log = logging.getLogger(__name__)
+
+COMMIT_CONFIRM_S = 5.0  # on a stop, how long rank 0 waits for the dispatcher to take its commit
+
+
+class StopFlag:
+    """SIGTERM/SIGINT while serving: finish the step, checkpoint with the group, exit 0.
+    Outside the serving loop the signals keep unwinding at once (SystemExit)."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopFlag":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum, frame) -> None:
+        self.reason = signal.Signals(signum).name
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
 
 
 class DrafterWorker:
@@ -174,7 +203,9 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
     profiler = IterationProfiler(f"drafter/{rank}", worker.trainer.device)
     timeline = TimelineWriter(cfg.run.run_dir, f"drafter/{rank}")
     last_ckpt_step = worker.trainer.step_count
+    stop = StopFlag()
     try:
+        stop.__enter__()
         while True:
             # 1) take messages; ask for more while the queue is short
             waited = time.perf_counter()
@@ -183,16 +214,15 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
                 if isinstance(msg, p.Assign):
                     outstanding -= 1  # the credit is spent whether or not the copy succeeds
                     if _accept(worker, msg, rank):
-                        link.send(p.Consumed(batch_id=msg.batch_id))
+                        link.send(p.Consumed(batch_id=msg.batch_id, attempt=msg.attempt))
                 elif isinstance(msg, p.EndOfData):
                     end_of_data = True
                 elif isinstance(msg, p.Shutdown):
                     shutdown = True
                     break
                 msg = link.recv(0.0)
-            if shutdown and not end_of_data:
-                log.info("shutdown before the end of data")
-                return
+            if shutdown and not end_of_data and stop.reason is None:
+                stop.reason = "Shutdown before the end of data"
             # Below the queue cap, or short of a step's anchors whatever the cap (else a queue
             # full of short sequences would wait for ever in lockstep).
             if not end_of_data and (len(worker.fifo) < cfg.drafter.fifo_sequences or not worker.full):
@@ -200,11 +230,21 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
                 if want > 0:
                     link.send(p.WantHidden(credits=want))
                     outstanding += want
-            # 2) agree: is everyone full, or is everyone drained?
+            # 2) agree: is everyone full, or is everyone drained, or must the group stop?
             drained = end_of_data and not worker.fifo
-            flags = torch.tensor([float(worker.full or (end_of_data and bool(worker.fifo))), float(drained)])
+            flags = torch.tensor([float(worker.full or (end_of_data and bool(worker.fifo))), float(drained),
+                                  float(stop.reason is not None)])
             if world > 1:
                 dist.all_reduce(flags, group=control)
+            if flags[2].item() > 0:
+                # Every rank leaves here together: nobody is left waiting in a collective.
+                log.info("stopping (%s): checkpoint at step %d", stop.reason or "a peer stops",
+                         worker.trainer.step_count)
+                if worker.trainer.step_count != last_ckpt_step or worker.trained:
+                    _checkpoint_and_commit(cfg, rank, worker, link, control)
+                    if rank == 0:
+                        _confirm_commit(link)
+                return
             if flags[1].item() == world:
                 break
             if flags[0].item() + flags[1].item() < world:
@@ -222,6 +262,7 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
             stats.update(wait_s=worker.wait_s, fifo=len(worker.fifo), rank=rank, time=time.time(),
                          trained_tokens=worker.trained_tokens)
             link.metrics.update({k: float(v) for k, v in stats.items() if isinstance(v, (int, float))})
+            link.metrics.update(process_memory(worker.trainer.device))
             if metrics_file is not None:
                 metrics_file.write(json.dumps(stats) + "\n")
                 metrics_file.flush()
@@ -233,6 +274,7 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
         if worker.trainer.step_count != last_ckpt_step or worker.trained:
             _checkpoint_and_commit(cfg, rank, worker, link, control)
         deadline = time.monotonic() + cfg.dispatch.heartbeat_timeout_s
+        stop.__exit__()  # the group is done with collectives: signals unwind again
         while not shutdown and time.monotonic() < deadline:
             msg = link.recv(0.5)
             shutdown = isinstance(msg, p.Shutdown)
@@ -241,6 +283,7 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
             raise WorkerDeadError(f"drafter/{rank}: trained everything but the dispatcher did not "
                                   f"close the job within {cfg.dispatch.heartbeat_timeout_s:.0f}s")
     finally:
+        stop.__exit__()
         timeline.close()
         if metrics_file is not None:
             metrics_file.close()
@@ -265,23 +308,39 @@ def _accept(worker: DrafterWorker, msg: p.Assign, rank: int) -> bool:
 
 def _checkpoint_and_commit(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLink,
                            control) -> None:
-    """Rank 0 writes the checkpoint; then every rank commits the batches it fully trained."""
+    """Rank 0 writes the checkpoint, then commits every rank's fully trained batches at once."""
     world = cfg.drafter.num_workers
-    gathered = _gather_ids(worker.trained, world, control)
-    if rank == 0:
-        path = worker.trainer.save_checkpoint(checkpoints_dir(cfg), extra={
-            "batch_ids": gathered})
-        log.info("checkpoint %s", path)
-    if world > 1:
-        dist.barrier(group=control)
-    link.send(p.Committed(step=worker.trainer.step_count, batch_ids=list(worker.trained)))
+    per_rank = _gather_ids(worker.trained, world, control)
     worker.trained = []
+    if rank != 0:
+        return
+    batch_ids = [b for ids in per_rank for b in ids]
+    ranks = [r for r, ids in enumerate(per_rank) for _ in ids]
+    path = worker.trainer.save_checkpoint(checkpoints_dir(cfg), extra={"batch_ids": sorted(batch_ids)})
+    log.info("checkpoint %s", path)
+    link.send(p.Committed(step=worker.trainer.step_count, batch_ids=batch_ids, ranks=ranks))
 
 
-def _gather_ids(ids: list[int], world: int, group) -> list[int]:
-    """All ranks' batch ids, sorted: tensors over the gloo group (no pickled objects)."""
+def _confirm_commit(link: DispatcherLink) -> None:
+    """Waits until the dispatcher has handled everything sent before (replies come in
+    order): a process that exits right after sending would otherwise drop its commit."""
+    link.send(p.StatusRequest())
+    deadline = time.monotonic() + COMMIT_CONFIRM_S
+    try:
+        while time.monotonic() < deadline:
+            if isinstance(link.recv(max(0.0, deadline - time.monotonic())), p.StatusReply):
+                return
+    except WorkerDeadError as exc:
+        log.warning("the dispatcher did not confirm the last commit (%s)", exc)
+        return
+    log.warning("the dispatcher did not confirm the last commit within %.0fs: a rerun trains "
+                "those batches again from the previous commit", COMMIT_CONFIRM_S)
+
+
+def _gather_ids(ids: list[int], world: int, group) -> list[list[int]]:
+    """Each rank's batch ids, by rank: tensors over the gloo group (no pickled objects)."""
     if world == 1:
-        return sorted(ids)
+        return [list(ids)]
     count = torch.tensor([len(ids)], dtype=torch.long)
     counts = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
     dist.all_gather(counts, count, group=group)
@@ -290,4 +349,4 @@ def _gather_ids(ids: list[int], world: int, group) -> list[int]:
     mine[:len(ids)] = torch.tensor(ids, dtype=torch.long)
     everyone = [torch.empty(width, dtype=torch.long) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
-    return sorted(int(b) for t in everyone for b in t.tolist() if b >= 0)
+    return [[int(b) for b in t.tolist() if b >= 0] for t in everyone]

@@ -22,10 +22,24 @@ Faults:
   `dispatch.heartbeat_timeout_s`, or the dispatcher already dropped it as silent, or it
   never registered within `supervise.startup_timeout_s`. It is SIGKILLed and then
   restarted like a dead one.
-- A drafter or the dispatcher that dies fails the job (exit 1, the log tail shown). Drafter
-  restarts need the whole drafter group to resume from its last checkpoint, dispatcher
-  restarts need the workers to re-register; neither exists yet.
+- A drafter that dies, or hangs (its heartbeat older than `supervise.drafter_timeout_s`, or
+  not registered within `supervise.startup_timeout_s`), restarts the drafter group: every
+  drafter is SIGKILLed (the survivors' collective group is broken) and all start again, on
+  a fresh rendezvous port, within the group's `RestartPolicy`. The dispatcher sees a drafter
+  rank register again from a new process, returns every consumed-not-committed batch to
+  pending, and the new group resumes from the checkpoint of the last commit.
+- A dispatcher that dies, or hangs (no status reply for `dispatch.heartbeat_timeout_s`), is
+  started again within its `RestartPolicy`, after the drafters are SIGKILLed (they would
+  otherwise go on reading slots and training past what the ledger holds). The new
+  dispatcher restores the ledger (every uncommitted batch pending), the targets register
+  again with it on their own (`Unregistered` from a new instance), the drafter group
+  restarts from its last commit.
 - A worker that exits with code 0 got `Shutdown`: the end of the job, not a fault.
+
+Stop: SIGINT/SIGTERM (once) sends SIGTERM to the drafters, which finish their step,
+checkpoint and commit together and exit (within `supervise.stop_timeout_s`); then the
+dispatcher saves its ledger and everything is stopped. A rerun in the same run directory
+resumes from that checkpoint. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -45,7 +59,8 @@ from dflash_ipc.link import DispatcherLink
 from dflash_ipc.runinfo import logs_dir, pool_name, processes_path, resolved_config_path, shm_prefix
 from dflash_ipc.supervise.children import Child, stop_children
 from dflash_ipc.supervise.restart import RestartPolicy
-from dflash_ipc.supervise.status_line import format_status
+from dflash_ipc.metric_sinks import TensorBoardSink
+from dflash_ipc.supervise.status_line import format_progress, format_status
 from dflash_ipc.transport.slots import unlink_segments
 
 log = logging.getLogger(__name__)
@@ -68,9 +83,13 @@ class Supervisor:
         self.config_path = resolved_config_path(cfg.run.run_dir)
         self._stop_reason: str | None = None
         self.last_status: dict | None = None
-        self.policies: dict[str, RestartPolicy] = {}   # role -> its restart budget (targets)
-        self._restart_due: dict[str, float] = {}        # role -> monotonic time of its restart
+        # Restart budgets: one per target rank, one for the drafter group, one for the dispatcher.
+        self.policies: dict[str, RestartPolicy] = {}
+        self._restart_due: dict[str, float] = {}        # "target/N" | "drafters" | "dispatcher" -> when
         self._status_asked_at: float | None = None      # the StatusRequest still unanswered
+        self._last_reply_at: float | None = None        # the dispatcher's last status reply
+        self._signals = 0
+        self.tensorboard: TensorBoardSink | None = None
 
     # --- start ----------------------------------------------------------------------------
 
@@ -100,9 +119,10 @@ class Supervisor:
         self.children += [self._child("target", f"target/{r}", r, env) for r in range(self.cfg.target.num_workers)]
         self.children += [self._child("drafter", f"drafter/{r}", r, env) for r in range(self.cfg.drafter.num_workers)]
         sup = self.cfg.supervise
-        self.policies = {c.role: RestartPolicy(max_restarts=sup.max_restarts, window_s=sup.restart_window_s,
-                                               role=c.role)
-                         for c in self.children if c.role.startswith("target/")}
+        roles = [c.role for c in self.children if c.role.startswith("target/")] + ["drafters", "dispatcher"]
+        self.policies = {role: RestartPolicy(max_restarts=sup.max_restarts, window_s=sup.restart_window_s,
+                                             role="the drafter group" if role == "drafters" else role)
+                         for role in roles}
         for child in self.children:
             child.start()
         self._write_processes()
@@ -119,10 +139,14 @@ class Supervisor:
     # --- watch ----------------------------------------------------------------------------
 
     def _on_signal(self, signum, frame) -> None:
+        self._signals += 1
         self._stop_reason = signal.Signals(signum).name
 
-    def request_stop(self, reason: str) -> None:
-        """Stops the job as a signal would (callable from another thread: benches, tests)."""
+    def request_stop(self, reason: str, *, checkpoint: bool = True) -> None:
+        """Stops the job as a signal would (callable from another thread: benches, tests);
+        `checkpoint=False` skips the drafters' closing checkpoint (a bench's window end)."""
+        if not checkpoint:
+            self._signals += 1  # as after a second Ctrl-C: stop at once
         self._stop_reason = reason
 
     def run(self) -> int:
@@ -131,12 +155,17 @@ class Supervisor:
         link = None
         try:
             self.start()
+            self.tensorboard = TensorBoardSink.open(self.cfg.run.run_dir)
             link = DispatcherLink(self.cfg.dispatcher_address, identity="observer/supervisor",
                                   heartbeat_interval_s=3600, timeout_s=3600)
             return self._watch(link)
         finally:
             if link is not None:
                 link.close()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
+            if self._stop_reason and self._signals <= 1:
+                self._checkpoint_drafters()
             self.stop()
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -150,42 +179,55 @@ class Supervisor:
                 log.warning("stopping on %s", self._stop_reason)
                 return {"SIGINT": 130, "SIGTERM": 143}.get(self._stop_reason, 0)
             # 2) the dispatcher exits 0 once every batch is committed (workers exit 0 on its
-            #    Shutdown, just before); any other exit of it fails the job
+            #    Shutdown, just before); any other exit of it is a death (step 3)
             code = dispatcher.poll()
-            if code == 0:
+            if code == 0 and "dispatcher" not in self._restart_due:
                 self._report_status(link, final=True)
                 self._wait_workers()
                 log.info("job finished")
                 return 0
-            # 3) deaths: targets are restarted within their policy, anything else fails
+            # 3) deaths: restarted within their policy, else the job fails
             if not self._handle_deaths():
                 return 1
             # 4) restarts whose backoff is over
             self._start_due_restarts()
-            # 5) status line; targets that hang are killed here and restarted by step 3
+            # 5) status line; workers that hang are killed here and restarted by step 3
             if time.monotonic() >= next_status:
                 next_status = time.monotonic() + self.cfg.dispatch.status_interval_s
                 status = self._report_status(link)
                 if status is not None:
                     self._kill_hung_targets(status)
+                    if not self._restart_hung_drafters(status):
+                        return 1
+                self._kill_hung_dispatcher()
             time.sleep(POLL_S)
 
     def _child_of(self, role: str) -> Child:
         return next(c for c in self.children if c.role == role)
 
+    def _drafters(self) -> list[Child]:
+        return [c for c in self.children if c.role.startswith("drafter/")]
+
     def _handle_deaths(self) -> bool:
-        """Schedules the restart of each newly dead target; False when the job must fail."""
+        """Schedules the restart of each newly dead process; False when the job must fail."""
         for child in self.children:
             code = child.poll()
             if code in (None, 0) or child.role in self._restart_due:
                 continue
+            if child.role.startswith("drafter/") and ("drafters" in self._restart_due
+                                                      or "dispatcher" in self._restart_due):
+                continue  # killed by us: its group restarts already
             log.error("%s (pid %d) exited with code %s; see %s", child.role, child.pid, code, child.log_path)
             self._tail_log(child)
-            policy = self.policies.get(child.role)
-            if policy is None:
-                log.error("%s died: only targets are restarted (drafter and dispatcher restarts are "
-                          "not supported yet); the job fails", child.role)
-                return False
+            if child.role == "dispatcher":
+                if not self._schedule_group("dispatcher", f"the dispatcher exited with code {code}"):
+                    return False
+                continue
+            if child.role.startswith("drafter/"):
+                if not self._schedule_group("drafters", f"{child.role} exited with code {code}"):
+                    return False
+                continue
+            policy = self.policies[child.role]
             decision = policy.on_death()
             if not decision.allowed:
                 log.error("%s; the job fails", decision.reason)
@@ -198,23 +240,98 @@ class Supervisor:
                         decision.delay_s, decision.restarts_in_window, policy.max_restarts, policy.window_s)
         return True
 
+    def _schedule_group(self, key: str, why: str) -> bool:
+        """The drafter group ("drafters") or the dispatcher and the drafter group
+        ("dispatcher") start again after the policy's backoff; False: the job fails."""
+        decision = self.policies[key].on_death()
+        if not decision.allowed:
+            log.error("%s (%s); the job fails", decision.reason, why)
+            return False
+        # The drafters go first and at once: a broken group must not train on, and after a
+        # dispatcher death nothing may read slots the new dispatcher will hand out again.
+        drafters = self._drafters()
+        for child in drafters:
+            child.signal(signal.SIGKILL)
+        for child in drafters:
+            if child.popen is not None:
+                child.popen.wait()
+        self._restart_due[key] = time.monotonic() + decision.delay_s
+        log.warning("%s: %s will restart in %.1fs (restart %d of %d allowed per %.0fs)", why,
+                    "the dispatcher and the drafter group" if key == "dispatcher" else "the drafter group",
+                    decision.delay_s, decision.restarts_in_window, self.policies[key].max_restarts,
+                    self.policies[key].window_s)
+        return True
+
     def _start_due_restarts(self) -> None:
         now = time.monotonic()
-        for role, due in list(self._restart_due.items()):
+        for key, due in list(self._restart_due.items()):
             if now < due:
                 continue
-            del self._restart_due[role]
-            child = self._child_of(role)
+            del self._restart_due[key]
+            if key in ("dispatcher", "drafters"):
+                self._restart_group(key, now)
+                continue
+            child = self._child_of(key)
             old_pid = child.pid
             child.restarts.append(now)
             child.start()
-            log.warning("restarted %s: pid %d replaces pid %d", role, child.pid, old_pid)
+            log.warning("restarted %s: pid %d replaces pid %d", key, child.pid, old_pid)
             self._write_processes()
+
+    def _restart_group(self, key: str, now: float) -> None:
+        restarted = self._drafters()
+        if key == "dispatcher":
+            restarted = [self.children[0]] + restarted
+            self._status_asked_at = self._last_reply_at = None  # the old one's request died with it
+        if key == "drafters" and "dispatcher" in self._restart_due:
+            return  # the dispatcher's restart brings the drafters too
+        port = str(_free_port())  # a fresh rendezvous: the old group's store may linger
+        for child in restarted:
+            old_pid = child.pid
+            if child.role.startswith("drafter/"):
+                child.env = dict(child.env, MASTER_PORT=port)
+            child.restarts.append(now)
+            child.start()
+            log.warning("restarted %s: pid %d replaces pid %d", child.role, child.pid, old_pid)
+        self._write_processes()
+
+    def _restart_hung_drafters(self, status: dict) -> bool:
+        """Restarts the drafter group if `status` shows one of its processes hung."""
+        if "drafters" in self._restart_due or "dispatcher" in self._restart_due:
+            return True
+        for child in self._drafters():
+            seat = status.get("drafters", {}).get(child.role.split("/")[1])
+            seated = seat is not None and seat.get("pid") == child.pid
+            timeout, startup = self.cfg.supervise.drafter_timeout_s, self.cfg.supervise.startup_timeout_s
+            why = None
+            if seated and seat["heartbeat_age_s"] > timeout:
+                why = f"no heartbeat for {seat['heartbeat_age_s']:.1f}s (supervise.drafter_timeout_s={timeout:g})"
+            elif not seated and time.monotonic() - child.started_at > startup:
+                why = f"not registered {startup:g}s after its start (supervise.startup_timeout_s)"
+            if why:
+                log.error("%s (pid %d) hangs: %s", child.role, child.pid, why)
+                return self._schedule_group("drafters", f"{child.role} hangs")
+        return True
+
+    def _kill_hung_dispatcher(self) -> None:
+        """A dispatcher that stops answering status requests is SIGKILLed; step 3 restarts it."""
+        dispatcher = self.children[0]
+        if dispatcher.poll() is not None or "dispatcher" in self._restart_due:
+            return
+        if self._last_reply_at is None or self._last_reply_at < dispatcher.started_at:
+            since, limit, what = dispatcher.started_at, self.cfg.supervise.startup_timeout_s, "supervise.startup_timeout_s"
+        else:
+            since, limit, what = self._last_reply_at, self.cfg.dispatch.heartbeat_timeout_s, "dispatch.heartbeat_timeout_s"
+        silent = time.monotonic() - since
+        if silent > limit:
+            log.error("the dispatcher (pid %d) hangs: no status reply for %.1fs (%s=%g); SIGKILL",
+                      dispatcher.pid, silent, what, limit)
+            dispatcher.signal(signal.SIGKILL)
 
     def _kill_hung_targets(self, status: dict) -> None:
         """SIGKILLs every living target that `status` shows hung; step 3 restarts it."""
         for child in self.children:
-            if child.role not in self.policies or child.poll() is not None:
+            if not child.role.startswith("target/") or child.poll() is not None:
                 continue
             why = self._hang_reason(child, status)
             if why:
@@ -258,6 +375,7 @@ class Supervisor:
             while msg is not None:
                 if isinstance(msg, p.StatusReply):
                     reply, self._status_asked_at = msg, None
+                    self._last_reply_at = time.monotonic()
                 msg = link.recv(0.0)
         except Exception as exc:  # the dispatcher may be starting or gone; status is best effort
             log.debug("status request failed: %s", exc)
@@ -265,13 +383,16 @@ class Supervisor:
             return None
         self.last_status = reply.status
         self.print_status(format_status(reply.status))
+        self.print_status(format_progress(reply.status))
+        if self.tensorboard is not None:
+            self.tensorboard.write(reply.status)
         return reply.status
 
     def _wait_workers(self) -> None:
         """After the dispatcher's Shutdown the workers exit by themselves; give them time.
         A restarted target that had not registered yet got no Shutdown: stop it now."""
         seated = {t.get("pid") for t in (self.last_status or {}).get("targets", {}).values()}
-        unseated = [c for c in self.children if c.role in self.policies and c.restarts
+        unseated = [c for c in self.children if c.role.startswith("target/") and c.restarts
                     and c.poll() is None and c.pid not in seated]
         for child in unseated:
             log.info("%s (pid %d) restarted too late to take part; stopping it", child.role, child.pid)
@@ -297,6 +418,24 @@ class Supervisor:
             pass
 
     # --- stop -----------------------------------------------------------------------------
+
+    def _checkpoint_drafters(self) -> None:
+        """SIGTERM to the drafters: they finish the step, checkpoint and commit together, and
+        exit. Waits up to `supervise.stop_timeout_s` (a second signal: no longer)."""
+        drafters = [c for c in self._drafters() if c.poll() is None]
+        if not drafters or self.children[0].poll() is not None:
+            return
+        log.warning("asking %d drafters to checkpoint before the stop (up to %.0fs; a second "
+                    "Ctrl-C stops at once)", len(drafters), self.cfg.supervise.stop_timeout_s)
+        for child in drafters:
+            child.signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.supervise.stop_timeout_s
+        while time.monotonic() < deadline and self._signals <= 1:
+            if all(c.poll() is not None for c in drafters):
+                log.info("drafters checkpointed and exited")
+                return
+            time.sleep(POLL_S)
+        log.warning("drafters did not finish their checkpoint; stopping them")
 
     def stop(self) -> None:
         """Stops every child and removes what they might have left: idempotent."""

@@ -7,6 +7,9 @@ test; `run_target` wraps it with the dispatcher link. Busy loop:
   2) compute the oldest queued batch into its slot, publish the slot, report `Produced`,
      and ask for one more (`Ready(1)`),
   3) on `Shutdown` (or a silent dispatcher) close the pool and exit.
+If the dispatcher restarts (a new process restored from the ledger), the worker registers
+again with the same pool and starts over: the batches it held are pending again there, and
+the supervisor stopped every drafter that could still read its slots before that restart.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ import torch
 from dflash_ipc import protocol as p
 from dflash_ipc.config import JobConfig
 from dflash_ipc.data.dataset import TokenDataset
-from dflash_ipc.errors import WorkerDeadError
+from dflash_ipc.errors import DispatcherRestarted, WorkerDeadError
 from dflash_ipc.link import DispatcherLink
-from dflash_ipc.metrics import TimelineWriter
+from dflash_ipc.metrics import TimelineWriter, process_memory
 from dflash_ipc.profiling import IterationProfiler
 from dflash_ipc.runinfo import pool_name, require_device
 from dflash_ipc.target.capture import FeatureCapture
@@ -84,7 +87,12 @@ def run_target(cfg: JobConfig, rank: int) -> None:
     worker = TargetWorker(capture, dataset, pool)
     timeline = TimelineWriter(cfg.run.run_dir, f"target/{rank}")
     try:
-        _serve(cfg, rank, worker, link, timeline)
+        while True:
+            try:
+                _serve(cfg, rank, worker, link, timeline)
+                break
+            except DispatcherRestarted as exc:
+                log.warning("%s: registering again", exc)
     finally:
         timeline.close()
         link.close()
@@ -134,4 +142,5 @@ def _serve(cfg: JobConfig, rank: int, worker: TargetWorker, link: DispatcherLink
         profiler.step()
         batches += 1
         tokens += produced.num_tokens
-        link.metrics.update(busy_s=busy_s, wait_s=wait_s, batches=batches, tokens=tokens)
+        link.metrics.update(busy_s=busy_s, wait_s=wait_s, batches=batches, tokens=tokens,
+                            **process_memory(worker.device))
