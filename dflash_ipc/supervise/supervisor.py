@@ -89,6 +89,7 @@ class Supervisor:
         self._status_asked_at: float | None = None      # the StatusRequest still unanswered
         self._last_reply_at: float | None = None        # the dispatcher's last status reply
         self._signals = 0
+        self._checkpoint_on_stop = True
         self.tensorboard: TensorBoardSink | None = None
 
     # --- start ----------------------------------------------------------------------------
@@ -145,8 +146,7 @@ class Supervisor:
     def request_stop(self, reason: str, *, checkpoint: bool = True) -> None:
         """Stops the job as a signal would (callable from another thread: benches, tests);
         `checkpoint=False` skips the drafters' closing checkpoint (a bench's window end)."""
-        if not checkpoint:
-            self._signals += 1  # as after a second Ctrl-C: stop at once
+        self._checkpoint_on_stop = checkpoint
         self._stop_reason = reason
 
     def run(self) -> int:
@@ -164,7 +164,7 @@ class Supervisor:
                 link.close()
             if self.tensorboard is not None:
                 self.tensorboard.close()
-            if self._stop_reason and self._signals <= 1:
+            if self._stop_reason and self._signals <= 1 and self._checkpoint_on_stop:
                 self._checkpoint_drafters()
             self.stop()
             for s, handler in previous.items():
