@@ -71,15 +71,29 @@ def main() -> None:
 @main.command()
 @config_option
 @override_option
-def up(config, overrides) -> None:
-    """Run the whole job: dispatcher, targets and drafters, supervised."""
+@click.option("--nnodes", type=int, default=None,
+              help="Nodes of the job (run.num_nodes); each runs its own targets and drafters.")
+@click.option("--node-rank", type=int, default=None, help="This node, 0..nnodes-1 (run.node_rank); 0 runs the dispatcher.")
+@click.option("--dispatcher", "dispatcher_address", default=None, metavar="tcp://HOST:PORT",
+              help="The job's dispatcher (dispatch.address): node 0 listens there, every node connects.")
+def up(config, overrides, nnodes, node_rank, dispatcher_address) -> None:
+    """Run the whole job: dispatcher, targets and drafters, supervised.
+
+    Several nodes: on each, `dflash-up --nnodes N --node-rank K --dispatcher tcp://NODE0:PORT`
+    with the same config; MASTER_ADDR/MASTER_PORT as torchrun's, else the dispatcher's host
+    and PORT+1 (the drafters of all nodes form one group)."""
     from dflash_ipc.config import BUILTIN_SYNTHETIC_DATA, BUILTIN_TINY_TARGET
     from dflash_ipc.logs import setup_logging
     from dflash_ipc.runinfo import resolve_job
     from dflash_ipc.supervise.supervisor import Supervisor
-    cfg = _load(config, overrides)
-    setup_logging("supervisor", level=cfg.run.log_level)
-    embedded_default = cfg.target.path == BUILTIN_TINY_TARGET and cfg.data.path == BUILTIN_SYNTHETIC_DATA
+    flags = [f"run.num_nodes={nnodes}"] if nnodes is not None else []
+    flags += [f"run.node_rank={node_rank}"] if node_rank is not None else []
+    flags += [f"dispatch.address={dispatcher_address}"] if dispatcher_address is not None else []
+    cfg = _load(config, overrides + tuple(flags))
+    setup_logging("supervisor" if cfg.run.num_nodes == 1 else f"supervisor/{cfg.run.node_rank}",
+                  level=cfg.run.log_level)
+    embedded_default = (cfg.target.path == BUILTIN_TINY_TARGET and cfg.data.path == BUILTIN_SYNTHETIC_DATA
+                        and cfg.run.num_nodes == 1)
     cfg = resolve_job(cfg)
     log.info("run directory %s: %d targets on %s, %d drafters on %s", cfg.run.run_dir,
              cfg.target.num_workers, ",".join(cfg.target.devices), cfg.drafter.num_workers,

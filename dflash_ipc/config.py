@@ -47,10 +47,18 @@ class RunConfig:
     """Seeds batch order, anchors and drafter init; the same seed gives the same run."""
     log_level: str = "INFO"
     """Python logging level for every process."""
+    num_nodes: int = 1
+    """Nodes of the job. Each runs `target.num_workers` targets and `drafter.num_workers`
+    drafters on its own GPUs (`*.devices` are per node); one dispatcher on node 0 serves all."""
+    node_rank: int = 0
+    """This node, 0..num_nodes-1 (`dflash-up --node-rank`); node 0 runs the dispatcher."""
 
     def __post_init__(self) -> None:
         _require(self.log_level in ("DEBUG", "INFO", "WARNING", "ERROR"), "run.log_level",
                  f"'{self.log_level}' not allowed; allowed: DEBUG, INFO, WARNING, ERROR")
+        _require(self.num_nodes >= 1, "run.num_nodes", "must be >= 1")
+        _require(0 <= self.node_rank < self.num_nodes, "run.node_rank",
+                 f"{self.node_rank} outside 0..{self.num_nodes - 1} (run.num_nodes={self.num_nodes})")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -127,7 +135,8 @@ class TargetConfig:
                  f"must be in [1, num_slots={self.num_slots}], got {self.prefetch}")
 
     def device_of(self, rank: int) -> str:
-        return self.devices[rank if len(self.devices) > 1 else 0]
+        """The device of global rank `rank`: devices are per node, ranks count across nodes."""
+        return self.devices[rank % self.num_workers if len(self.devices) > 1 else 0]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -194,7 +203,8 @@ class DrafterConfig:
                      "drafter.target_layer_ids", "need non-negative layer indices")
 
     def device_of(self, rank: int) -> str:
-        return self.devices[rank if len(self.devices) > 1 else 0]
+        """The device of global rank `rank`: devices are per node, ranks count across nodes."""
+        return self.devices[rank % self.num_workers if len(self.devices) > 1 else 0]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -267,6 +277,27 @@ class JobConfig:
                  "target.devices/drafter.devices",
                  "mixing cpu and cuda workers is not supported (hidden states move by CUDA IPC "
                  "between GPUs, by shared memory between CPU processes)")
+        if self.run.num_nodes > 1:
+            _require(self.dispatch.address.startswith("tcp://"), "dispatch.address",
+                     f"run.num_nodes={self.run.num_nodes}: the dispatcher must listen on tcp://HOST:PORT "
+                     f"reachable from every node (dflash-up --dispatcher), got '{self.dispatch.address}'")
+
+    # Ranks are global: node k runs targets k*T..k*T+T-1 and drafters k*D..k*D+D-1.
+    @property
+    def total_targets(self) -> int:
+        return self.run.num_nodes * self.target.num_workers
+
+    @property
+    def total_drafters(self) -> int:
+        return self.run.num_nodes * self.drafter.num_workers
+
+    def local_ranks(self, role: str) -> range:
+        """The global ranks of `role` ("target" | "drafter") that this node runs."""
+        per_node = self.target.num_workers if role == "target" else self.drafter.num_workers
+        return range(self.run.node_rank * per_node, (self.run.node_rank + 1) * per_node)
+
+    def node_of(self, role: str, rank: int) -> int:
+        return rank // (self.target.num_workers if role == "target" else self.drafter.num_workers)
 
     @property
     def dispatcher_address(self) -> str:

@@ -80,6 +80,7 @@ class Registered:
     num_batches: int  # batches planned for the whole job (all epochs)
     resume_step: int = -1  # drafters: resume from the checkpoint of this step (-1: start fresh)
     instance: str = ""     # this dispatcher process (a new one after a dispatcher restart)
+    generation: int = 0    # drafters: the group's generation; its rendezvous is MASTER_PORT + this
 
 
 @dataclass(kw_only=True, slots=True)

@@ -30,15 +30,18 @@ def run_tag(cfg: JobConfig) -> str:
 
 
 def shm_prefix(cfg: JobConfig) -> str:
-    return f"dflash-{run_tag(cfg)}"
+    # Per node: nodes sharing a run directory (and, in tests, a machine) own their segments.
+    node = f"-n{cfg.run.node_rank}" if cfg.run.num_nodes > 1 else ""
+    return f"dflash-{run_tag(cfg)}{node}"
 
 
 def pool_name(cfg: JobConfig, target_rank: int) -> str:
     return f"{shm_prefix(cfg)}-t{target_rank}"
 
 
-def resolved_config_path(run_dir: str) -> str:
-    return os.path.join(run_dir, "config.yaml")
+def resolved_config_path(run_dir: str, node_rank: int = 0) -> str:
+    """The config this node's processes run with (node 0's is the job's: status, health)."""
+    return os.path.join(run_dir, "config.yaml" if node_rank == 0 else f"config-node{node_rank}.yaml")
 
 
 def checkpoints_dir(cfg: JobConfig) -> str:
@@ -51,7 +54,8 @@ def logs_dir(cfg: JobConfig) -> str:
 
 def processes_path(cfg: JobConfig) -> str:
     """The supervisor's record of every process it runs (read by `dflash-ipc health`)."""
-    return os.path.join(cfg.run.run_dir, "processes.json")
+    node = cfg.run.node_rank
+    return os.path.join(cfg.run.run_dir, "processes.json" if node == 0 else f"processes-node{node}.json")
 
 
 def resolve_job(cfg: JobConfig) -> JobConfig:

@@ -97,3 +97,10 @@ def test_format_status_unchanged():
         "step 12 loss 4.812 | pending 8 leased 5 produced 2 consumed 3 | free slots 14")
     status["average_rates"] = {"tgt_rate": 1.0, "dft_rate": 2.0, "tok_rate": 3.0}
     assert format_status(status, final=True).startswith("done, averages: [   42s]  60% 18/30 batches | tgt_rate 1 ")
+
+
+def test_trained_share_moves_between_commits():
+    # One checkpoint at the end: 0 batches committed, but 600 of 1000 tokens through a step.
+    status = _status([(10, 0)], tok_rate=50.0, trained=600, consumed_tokens=700, consumed=7, total_tokens=1000)
+    assert format_progress(status, width=10) == (
+        "epoch 1/1 [..........]   0% 0/10 batches  trained 60% of tokens  ETA 8s")

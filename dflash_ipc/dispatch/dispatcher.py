@@ -124,7 +124,7 @@ class Dispatcher:
 
     def __init__(self, epochs: list[list[PlannedBatch]], *, policy: str, num_targets: int,
                  num_drafters: int, heartbeat_timeout_s: float = 30.0,
-                 ledger: Ledger | None = None, clock=time.monotonic) -> None:
+                 ledger: Ledger | None = None, clock=time.monotonic, drafter_generation: int = 0) -> None:
         if policy not in ("pull", "round_robin"):
             raise ValueError(f"policy '{policy}' not allowed; allowed: pull, round_robin")
         self.policy = policy
@@ -144,7 +144,10 @@ class Dispatcher:
         self.in_flight: dict[int, tuple[int, int]] = {}  # batch id -> (drafter, attempt): assigned, not consumed
         self.next_attempt = 1
         self.instance = os.urandom(6).hex()  # tells this process from a restarted one
-        self.drafter_generation = 0          # drafter group restarts seen
+        # The drafter group's generation: +1 on each group restart. Drafters meet for their
+        # collectives at MASTER_PORT + generation, so a new group (on every node) never
+        # joins the store of the dead one.
+        self.drafter_generation = drafter_generation
         self.target_waiters: collections.deque[int] = collections.deque()  # ranks, by ask time
         self.started = clock()
         self.tokens_produced = 0
@@ -267,7 +270,8 @@ class Dispatcher:
         last = self.ledger.last_committed_step() if msg.role == "drafter" else None
         return out + [(sender, p.Registered(role=msg.role, rank=msg.rank, num_batches=self.num_batches,
                                             resume_step=-1 if last is None else last,
-                                            instance=self.instance))]
+                                            instance=self.instance,
+                                            generation=self.drafter_generation))]
 
     def restart_drafter_group(self, reason: str) -> None:
         """Every drafter seat goes; the new group resumes from the last committed checkpoint.

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 
 import zmq
@@ -32,6 +33,27 @@ LEDGER_SAVE_INTERVAL_S = 2.0
 
 def ledger_path(cfg: JobConfig) -> str:
     return os.path.join(cfg.run.run_dir, "ledger.npz")
+
+
+def generation_path(cfg: JobConfig) -> str:
+    return os.path.join(cfg.run.run_dir, "drafter_generation")
+
+
+def next_generation(cfg: JobConfig) -> int:
+    """The drafter generation a (re)started dispatcher begins with: one past the last one
+    used in this run directory, as its drafters are new processes forming a new group."""
+    try:
+        with open(generation_path(cfg)) as f:
+            return int(f.read().strip() or -1) + 1
+    except FileNotFoundError:
+        return 0
+
+
+def save_generation(cfg: JobConfig, generation: int) -> None:
+    tmp = generation_path(cfg) + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{generation}\n")
+    os.replace(tmp, generation_path(cfg))
 
 
 def final_status_path(cfg: JobConfig) -> str:
@@ -63,6 +85,17 @@ def _check_same_plan(ledger: Ledger, epochs: list, path: str) -> None:
                             f"or run.seed changed since that run): use a new run.run_dir")
 
 
+def _bindable(address: str) -> str:
+    """tcp://HOST:PORT with HOST resolved to its IP (ZMQ binds interfaces, not host names):
+    `dflash-up --dispatcher tcp://node0:29600` binds node 0's interface for that name."""
+    if not address.startswith("tcp://"):
+        return address
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    if host in ("*", "") or host.replace(".", "").isdigit() or host.startswith("["):
+        return address
+    return f"tcp://{socket.gethostbyname(host)}:{port}"
+
+
 class DispatcherProc:
     def __init__(self, cfg: JobConfig, dispatcher: Dispatcher, *, address: str) -> None:
         self.cfg = cfg
@@ -73,11 +106,12 @@ class DispatcherProc:
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
         if address.startswith("ipc://"):
             os.makedirs(os.path.dirname(address[len("ipc://"):]), mode=0o700, exist_ok=True)
-        self.socket.bind(address)
+        self.socket.bind(_bindable(address))
         self.address = address
         self._last_tick = 0.0
         self._last_save = 0.0
         self.stop_requested = False  # set from another thread (tests, benches) to end run()
+        self._saved_generation = dispatcher.drafter_generation
 
     def _send_all(self, outgoing) -> None:
         for identity, msg in outgoing:
@@ -91,6 +125,9 @@ class DispatcherProc:
             self._send_all(self.dispatcher.handle(identity, msg))
             if isinstance(msg, p.Committed):
                 self.save_ledger()  # a commit is durable before anything else happens
+            if self.dispatcher.drafter_generation != self._saved_generation:
+                self._saved_generation = self.dispatcher.drafter_generation
+                save_generation(self.cfg, self._saved_generation)
         except UnregisteredSender as exc:
             # A worker that outlived a dispatcher restart registers again on this answer;
             # one this dispatcher dropped (hung, replaced) sees its instance and exits.
@@ -177,8 +214,10 @@ def run_dispatcher(cfg: JobConfig) -> None:
         counts = ledger.counts()
         log.info("restored the ledger from %s: %d of %d batches committed, the rest pending",
                  ledger_path(cfg), counts[BatchState.COMMITTED], len(ledger))
-    dispatcher = Dispatcher(epochs, policy=cfg.dispatch.policy, num_targets=cfg.target.num_workers,
-                            num_drafters=cfg.drafter.num_workers,
+    generation = next_generation(cfg)
+    save_generation(cfg, generation)
+    dispatcher = Dispatcher(epochs, policy=cfg.dispatch.policy, num_targets=cfg.total_targets,
+                            num_drafters=cfg.total_drafters, drafter_generation=generation,
                             heartbeat_timeout_s=cfg.dispatch.heartbeat_timeout_s, ledger=ledger)
     proc = DispatcherProc(cfg, dispatcher, address=cfg.dispatcher_address)
     # SIGTERM ends the loop between two messages, never inside one (the ledger stays whole).

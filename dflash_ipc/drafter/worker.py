@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -134,21 +135,33 @@ class DrafterWorker:
         return self.fifo_anchors >= self.cfg.drafter.anchors_per_step
 
 
-def _init_group(cfg: JobConfig, rank: int, device: str):
-    """The drafter group: NCCL for gradients on GPU (gloo on CPU), plus a gloo group for the
-    small per-iteration control all-reduce, which must not touch the GPU stream."""
-    world = cfg.drafter.num_workers
-    devices = [cfg.drafter.device_of(r) for r in range(world)]
+def rendezvous_address(generation: int) -> str:
+    """Where the drafter group of `generation` meets: MASTER_ADDR:MASTER_PORT + generation
+    (the torchrun variables; the supervisor sets them, a multi-node launch passes them). Each
+    group restart moves one port up, so a new group never finds the old one's store."""
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "29500")) + generation
+    return f"tcp://[{addr}]:{port}" if ":" in addr else f"tcp://{addr}:{port}"
+
+
+def _init_group(cfg: JobConfig, rank: int, device: str, generation: int):
+    """The drafter group of every node: NCCL for gradients on GPU (gloo on CPU), plus a gloo
+    group for the small per-iteration control all-reduce, which must not touch the GPU stream."""
+    world = cfg.total_drafters
+    local = cfg.drafter.num_workers
+    devices = [cfg.drafter.device_of(r) for r in range(local)]
     # NCCL needs one GPU per rank; drafters sharing a GPU (e.g. 3 on one of 2 GPUs) fall back
     # to gloo, which reduces gradients through host memory (gradients only, never features).
-    backend = "nccl" if device.startswith("cuda") and len(set(devices)) == world else "gloo"
+    backend = "nccl" if device.startswith("cuda") and len(set(devices)) == local else "gloo"
     if device.startswith("cuda") and backend == "gloo" and world > 1:
         log.warning("drafters share GPUs %s: gradients are all-reduced with gloo (slower than NCCL)",
                     sorted(set(devices)))
-    if "MASTER_ADDR" not in os.environ:
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ.setdefault("MASTER_PORT", "29500")
-    dist.init_process_group(backend, rank=rank, world_size=world,
+    # A rank that never comes (its node died) must not block the others for torch's default
+    # 30 minutes: past this the group fails and the supervisors restart it.
+    timeout = timedelta(seconds=max(cfg.supervise.startup_timeout_s, cfg.supervise.drafter_timeout_s))
+    address = rendezvous_address(generation)
+    log.info("drafter group generation %d: rank %d of %d (%s) at %s", generation, rank, world, backend, address)
+    dist.init_process_group(backend, init_method=address, rank=rank, world_size=world, timeout=timeout,
                             device_id=torch.device(device) if backend == "nccl" else None)
     return dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
 
@@ -160,44 +173,55 @@ def run_drafter(cfg: JobConfig, rank: int) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
         # Fail at start, naming the pair, rather than at the first slot this drafter opens.
-        check_peer_access([cfg.target.device_of(r) for r in range(cfg.target.num_workers)], [device])
+        check_peer_access([cfg.target.device_of(r) for r in cfg.local_ranks("target")], [device])
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, cfg.drafter.num_workers)))
-    control = _init_group(cfg, rank, device)
+    link = DispatcherLink(cfg.dispatcher_address, identity=f"drafter/{rank}",
+                          heartbeat_interval_s=cfg.dispatch.heartbeat_interval_s,
+                          timeout_s=cfg.dispatch.heartbeat_timeout_s)
     try:
-        dataset = TokenDataset(cfg.data.path)
-        target_config = load_target_config(cfg.target.path)
-        model_config = DFlashConfig.from_target_config(
-            target_config, num_draft_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
-            mask_token_id=cfg.drafter.mask_token_id, target_layer_ids=cfg.drafter.target_layer_ids)
-        head = FrozenTargetHead.from_pretrained(cfg.target.path, dtype=DTYPES[cfg.drafter.dtype], device=device)
-        total = estimate_total_steps(dataset, cfg.drafter, num_epochs=cfg.data.num_epochs,
-                                     world_size=cfg.drafter.num_workers)
-        trainer = DrafterTrainer(cfg.drafter, model_config, head, device=device, total_steps=total,
-                                 seed=cfg.run.seed)
-        log.info("drafter: %.1fM trainable parameters, ~%d steps planned, attention %s",
-                 sum(p.numel() for p in trainer.model.parameters()) / 1e6, total, trainer.backend)
-        worker = DrafterWorker(cfg, trainer, dataset, ReaderCache(device))
-        link = DispatcherLink(cfg.dispatcher_address, identity=f"drafter/{rank}",
-                              heartbeat_interval_s=cfg.dispatch.heartbeat_interval_s,
-                              timeout_s=cfg.dispatch.heartbeat_timeout_s)
+        # Register first: the dispatcher says which generation of the group this is (where
+        # to meet) and from which committed step it resumes.
+        registered = link.request(p.Register(role="drafter", rank=rank, pid=os.getpid(), device=device,
+                                             node=cfg.node_of("drafter", rank)),
+                                  timeout_s=cfg.supervise.startup_timeout_s)
+        if not isinstance(registered, p.Registered):
+            raise WorkerDeadError(f"drafter/{rank}: registration refused: {registered}")
+        control = _init_group(cfg, rank, device, registered.generation)
         try:
-            _serve(cfg, rank, worker, link, control)
+            _build_and_serve(cfg, rank, device, link, control, registered)
         finally:
-            link.close()
-            worker.readers.close()
+            dist.destroy_process_group()
     finally:
-        dist.destroy_process_group()
+        link.close()
 
 
-def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLink, control) -> None:
-    reply = link.request(p.Register(role="drafter", rank=rank, pid=os.getpid(), device=str(worker.trainer.device)),
-                         timeout_s=cfg.supervise.startup_timeout_s)
-    if not isinstance(reply, p.Registered):
-        raise WorkerDeadError(f"drafter/{rank}: registration refused: {reply}")
-    if reply.resume_step >= 0 and reply.resume_step != worker.trainer.step_count:
+def _build_and_serve(cfg: JobConfig, rank: int, device: str, link: DispatcherLink, control,
+                     registered: p.Registered) -> None:
+    dataset = TokenDataset(cfg.data.path)
+    target_config = load_target_config(cfg.target.path)
+    model_config = DFlashConfig.from_target_config(
+        target_config, num_draft_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
+        mask_token_id=cfg.drafter.mask_token_id, target_layer_ids=cfg.drafter.target_layer_ids)
+    head = FrozenTargetHead.from_pretrained(cfg.target.path, dtype=DTYPES[cfg.drafter.dtype], device=device)
+    total = estimate_total_steps(dataset, cfg.drafter, num_epochs=cfg.data.num_epochs,
+                                 world_size=cfg.total_drafters)
+    trainer = DrafterTrainer(cfg.drafter, model_config, head, device=device, total_steps=total,
+                             seed=cfg.run.seed)
+    log.info("drafter: %.1fM trainable parameters, ~%d steps planned, attention %s",
+             sum(p.numel() for p in trainer.model.parameters()) / 1e6, total, trainer.backend)
+    worker = DrafterWorker(cfg, trainer, dataset, ReaderCache(device))
+    try:
+        _serve(cfg, rank, worker, link, control, registered)
+    finally:
+        worker.readers.close()
+
+
+def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLink, control,
+           registered: p.Registered) -> None:
+    if registered.resume_step >= 0 and registered.resume_step != worker.trainer.step_count:
         # Every drafter gets the same step: the group resumes together, in lockstep.
-        worker.trainer.resume(checkpoints_dir(cfg), reply.resume_step)
-    world = cfg.drafter.num_workers
+        worker.trainer.resume(checkpoints_dir(cfg), registered.resume_step)
+    world = cfg.total_drafters
     metrics_file = open(os.path.join(cfg.run.run_dir, "drafter_metrics.jsonl"), "a") if rank == 0 else None
     outstanding, end_of_data, shutdown = 0, False, False
     profiler = IterationProfiler(f"drafter/{rank}", worker.trainer.device)
@@ -309,7 +333,7 @@ def _accept(worker: DrafterWorker, msg: p.Assign, rank: int) -> bool:
 def _checkpoint_and_commit(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLink,
                            control) -> None:
     """Rank 0 writes the checkpoint, then commits every rank's fully trained batches at once."""
-    world = cfg.drafter.num_workers
+    world = cfg.total_drafters
     per_rank = _gather_ids(worker.trained, world, control)
     worker.trained = []
     if rank != 0:

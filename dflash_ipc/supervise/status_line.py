@@ -76,8 +76,9 @@ def format_progress(status: dict, width: int = 30) -> str:
     """The epoch progress bar, e.g.
     `epoch 2/3 [############..................]  41% 120/290 batches  job 47%  ETA 3m12s`.
     The current epoch is the first not fully committed; `job` (several epochs only) is the
-    fraction of all batches committed; the ETA is `--` while the trained-token rate is 0 or
-    unknown, and `done` once every batch is committed."""
+    fraction of all batches committed; `trained` the job's tokens through an optimizer step so
+    far (commits come only with checkpoints); the ETA is `--` while the trained-token rate is 0
+    or unknown, and `done` once every batch is committed."""
     batches = status.get("batches") or {}
     num_batches = status.get("num_batches") or 0
     job_done = batches.get("committed", 0)
@@ -96,6 +97,10 @@ def format_progress(status: dict, width: int = 30) -> str:
              f"{done}/{total} batches"]
     if len(epochs) > 1 and num_batches > 0:
         parts.append(f"job {int(100 * min(1.0, job_done / num_batches))}%")
+    tokens = status.get("tokens") or {}
+    if not finished and tokens.get("total") and tokens.get("trained"):
+        # Batches count as committed only at a checkpoint; this moves with every step.
+        parts.append(f"trained {int(100 * min(1.0, tokens['trained'] / tokens['total']))}% of tokens")
     if finished:
         parts.append("ETA done")
     else:

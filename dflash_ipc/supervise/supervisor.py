@@ -75,12 +75,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def rendezvous_env(cfg: JobConfig, environ) -> dict:
+    """MASTER_ADDR/MASTER_PORT for the drafter group (generation g meets at MASTER_PORT + g).
+    One node: loopback and a free port unless set. Several nodes: every node must agree, so
+    torchrun's variables as given, else the dispatcher's host and its port + 1."""
+    addr, port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
+    if cfg.run.num_nodes == 1:
+        return {"MASTER_ADDR": addr or "127.0.0.1", "MASTER_PORT": port or str(_free_port())}
+    host, _, dispatcher_port = cfg.dispatch.address[len("tcp://"):].rpartition(":")
+    return {"MASTER_ADDR": addr or host.strip("[]"), "MASTER_PORT": port or str(int(dispatcher_port) + 1)}
+
+
 class Supervisor:
     def __init__(self, cfg: JobConfig, *, print_status=print) -> None:
         self.cfg = cfg
         self.print_status = print_status
         self.children: list[Child] = []
-        self.config_path = resolved_config_path(cfg.run.run_dir)
+        self.config_path = resolved_config_path(cfg.run.run_dir, cfg.run.node_rank)
         self._stop_reason: str | None = None
         self.last_status: dict | None = None
         # Restart budgets: one per target rank, one for the drafter group, one for the dispatcher.
@@ -109,16 +120,16 @@ class Supervisor:
                         removed, self.cfg.run.run_dir)
         dump_config(self.cfg, self.config_path)
         env = dict(os.environ, PYTHONUNBUFFERED="1", DFLASH_IPC_SUPERVISED="1")
-        env.setdefault("MASTER_ADDR", "127.0.0.1")
-        env["MASTER_PORT"] = env.get("MASTER_PORT") or str(_free_port())
+        env.update(rendezvous_env(self.cfg, os.environ))
         cpu_workers = sum(d == "cpu" for d in ([self.cfg.target.device_of(r) for r in range(self.cfg.target.num_workers)]
                                                + [self.cfg.drafter.device_of(r) for r in range(self.cfg.drafter.num_workers)]))
         if cpu_workers:
             # Many CPU workers on few cores: one intra-op thread each avoids oversubscription.
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cpu_workers)))
-        self.children.append(self._child("dispatcher", "dispatcher", None, env))
-        self.children += [self._child("target", f"target/{r}", r, env) for r in range(self.cfg.target.num_workers)]
-        self.children += [self._child("drafter", f"drafter/{r}", r, env) for r in range(self.cfg.drafter.num_workers)]
+        if self.cfg.run.node_rank == 0:  # one dispatcher per job, on node 0
+            self.children.append(self._child("dispatcher", "dispatcher", None, env))
+        self.children += [self._child("target", f"target/{r}", r, env) for r in self.cfg.local_ranks("target")]
+        self.children += [self._child("drafter", f"drafter/{r}", r, env) for r in self.cfg.local_ranks("drafter")]
         sup = self.cfg.supervise
         roles = [c.role for c in self.children if c.role.startswith("target/")] + ["drafters", "dispatcher"]
         self.policies = {role: RestartPolicy(max_restarts=sup.max_restarts, window_s=sup.restart_window_s,
@@ -129,7 +140,7 @@ class Supervisor:
         self._write_processes()
 
     def _write_processes(self) -> None:
-        record = {"supervisor": os.getpid(), "run_dir": self.cfg.run.run_dir,
+        record = {"supervisor": os.getpid(), "run_dir": self.cfg.run.run_dir, "node_rank": self.cfg.run.node_rank,
                   "processes": [{"role": c.role, "pid": c.pid, "log": c.log_path, "restarts": len(c.restarts)}
                                 for c in self.children]}
         tmp = processes_path(self.cfg) + ".tmp"
@@ -155,7 +166,8 @@ class Supervisor:
         link = None
         try:
             self.start()
-            self.tensorboard = TensorBoardSink.open(self.cfg.run.run_dir)
+            if self.cfg.run.node_rank == 0:  # one writer per job
+                self.tensorboard = TensorBoardSink.open(self.cfg.run.run_dir)
             link = DispatcherLink(self.cfg.dispatcher_address, identity="observer/supervisor",
                                   heartbeat_interval_s=3600, timeout_s=3600)
             return self._watch(link)
@@ -172,7 +184,7 @@ class Supervisor:
 
     def _watch(self, link: DispatcherLink) -> int:
         next_status = time.monotonic() + self.cfg.dispatch.status_interval_s
-        dispatcher = self.children[0]
+        dispatcher = self._dispatcher()
         while True:
             # 1) a signal: stop
             if self._stop_reason:
@@ -180,11 +192,15 @@ class Supervisor:
                 return {"SIGINT": 130, "SIGTERM": 143}.get(self._stop_reason, 0)
             # 2) the dispatcher exits 0 once every batch is committed (workers exit 0 on its
             #    Shutdown, just before); any other exit of it is a death (step 3)
-            code = dispatcher.poll()
-            if code == 0 and "dispatcher" not in self._restart_due:
+            #    On another node: every local worker exits 0 on that Shutdown.
+            if dispatcher is not None:
+                done = dispatcher.poll() == 0 and "dispatcher" not in self._restart_due
+            else:
+                done = all(c.poll() == 0 for c in self.children)
+            if done:
                 self._report_status(link, final=True)
                 self._wait_workers()
-                log.info("job finished")
+                log.info("job finished" if dispatcher is not None else "node %d finished", self.cfg.run.node_rank)
                 return 0
             # 3) deaths: restarted within their policy, else the job fails
             if not self._handle_deaths():
@@ -201,6 +217,10 @@ class Supervisor:
                         return 1
                 self._kill_hung_dispatcher()
             time.sleep(POLL_S)
+
+    def _dispatcher(self) -> Child | None:
+        """The dispatcher's process: on node 0 only."""
+        return self.children[0] if self.children and self.children[0].role == "dispatcher" else None
 
     def _child_of(self, role: str) -> Child:
         return next(c for c in self.children if c.role == role)
@@ -281,15 +301,13 @@ class Supervisor:
     def _restart_group(self, key: str, now: float) -> None:
         restarted = self._drafters()
         if key == "dispatcher":
-            restarted = [self.children[0]] + restarted
+            restarted = [self._dispatcher()] + restarted
             self._status_asked_at = self._last_reply_at = None  # the old one's request died with it
         if key == "drafters" and "dispatcher" in self._restart_due:
             return  # the dispatcher's restart brings the drafters too
-        port = str(_free_port())  # a fresh rendezvous: the old group's store may linger
+        # The new group meets one port up (MASTER_PORT + the dispatcher's drafter generation).
         for child in restarted:
             old_pid = child.pid
-            if child.role.startswith("drafter/"):
-                child.env = dict(child.env, MASTER_PORT=port)
             child.restarts.append(now)
             child.start()
             log.warning("restarted %s: pid %d replaces pid %d", child.role, child.pid, old_pid)
@@ -315,8 +333,8 @@ class Supervisor:
 
     def _kill_hung_dispatcher(self) -> None:
         """A dispatcher that stops answering status requests is SIGKILLed; step 3 restarts it."""
-        dispatcher = self.children[0]
-        if dispatcher.poll() is not None or "dispatcher" in self._restart_due:
+        dispatcher = self._dispatcher()
+        if dispatcher is None or dispatcher.poll() is not None or "dispatcher" in self._restart_due:
             return
         if self._last_reply_at is None or self._last_reply_at < dispatcher.started_at:
             since, limit, what = dispatcher.started_at, self.cfg.supervise.startup_timeout_s, "supervise.startup_timeout_s"
@@ -423,7 +441,8 @@ class Supervisor:
         """SIGTERM to the drafters: they finish the step, checkpoint and commit together, and
         exit. Waits up to `supervise.stop_timeout_s` (a second signal: no longer)."""
         drafters = [c for c in self._drafters() if c.poll() is None]
-        if not drafters or self.children[0].poll() is not None:
+        dispatcher = self._dispatcher()
+        if not drafters or (dispatcher is not None and dispatcher.poll() is not None):
             return
         log.warning("asking %d drafters to checkpoint before the stop (up to %.0fs; a second "
                     "Ctrl-C stops at once)", len(drafters), self.cfg.supervise.stop_timeout_s)

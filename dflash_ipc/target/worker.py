@@ -102,6 +102,7 @@ def run_target(cfg: JobConfig, rank: int) -> None:
 def _serve(cfg: JobConfig, rank: int, worker: TargetWorker, link: DispatcherLink,
            timeline: TimelineWriter) -> None:
     reply = link.request(p.Register(role="target", rank=rank, pid=os.getpid(), device=str(worker.device),
+                                    node=cfg.node_of("target", rank),
                                     pool=worker.pool.descriptor(), num_slots=cfg.target.num_slots),
                          timeout_s=cfg.supervise.startup_timeout_s)
     if not isinstance(reply, p.Registered):

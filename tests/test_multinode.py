@@ -1,0 +1,173 @@
+"""Two "nodes" on one machine: two supervisors (`dflash-ipc up --nnodes 2 --node-rank K`), one
+dispatcher (node 0's) on loopback tcp, the drafters of both nodes in one torch.distributed
+group. A target of node 1 is SIGKILLed mid-run: its supervisor restarts it, the job finishes,
+the committed ledger holds every sample exactly once, and every batch was trained on the node
+that produced its hidden states.
+
+Everything started is killed by pid in a `finally`, within bounded time.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from dflash_ipc.config import load_config
+from dflash_ipc.data.dataset import TokenDataset
+from dflash_ipc.dispatch.ledger import BatchState, Ledger
+from dflash_ipc.supervise.status_query import fetch_status
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN_TIMEOUT_S = 240
+START_TIMEOUT_S = 120
+
+JOB = [
+    "data.synthetic_samples=120", "data.synthetic_min_len=24", "data.synthetic_max_len=200",
+    "data.bucket_boundaries=[64,128,200]", "data.token_budget=800", "data.num_epochs=3",
+    "drafter.num_layers=1", "drafter.target_layer_ids=[1,2]", "drafter.anchors_per_step=128",
+    "drafter.max_anchors_per_seq=32", "drafter.lr=5e-3", "drafter.checkpoint_every_steps=10",
+    "drafter.fifo_sequences=32", "dispatch.status_interval_s=2", "supervise.max_restarts=3",
+    "target.num_workers=2", "drafter.num_workers=1",  # per node: 4 targets, 2 drafters in all
+]
+
+
+def _two_free_ports() -> int:
+    """A port P with P + 1 free too (P: the dispatcher, P + 1: the drafters' rendezvous)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+class Node:
+    def __init__(self, tmp_path, cache_dir, run_dir, rank: int, address: str) -> None:
+        self.rank = rank
+        self.out_path = tmp_path / f"node{rank}.log"
+        env = dict(os.environ, DFLASH_IPC_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
+        env.pop("MASTER_ADDR", None)
+        env.pop("MASTER_PORT", None)
+        argv = [sys.executable, "-m", "dflash_ipc.cli", "up", "--nnodes", "2", "--node-rank", str(rank),
+                "--dispatcher", address, "-o", f"run.run_dir={run_dir}",
+                "-o", f"target.path={os.path.join(cache_dir, 'tiny-target')}"]
+        for o in JOB:
+            argv += ["-o", o]
+        self.out = open(self.out_path, "wb")
+        self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=self.out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.run_dir = run_dir
+        self.seen: set[int] = set()
+
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def processes(self) -> dict[str, int]:
+        name = "processes.json" if self.rank == 0 else f"processes-node{self.rank}.json"
+        try:
+            record = json.loads((self.run_dir / name).read_text())
+        except (OSError, ValueError):
+            return {}
+        pids = {e["role"]: e["pid"] for e in record["processes"]}
+        self.seen.update(pids.values())
+        return pids
+
+    def kill_all(self) -> None:
+        self.processes()
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in self.seen:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    os.kill(pid, signal.SIGKILL)
+            except (psutil.Error, ProcessLookupError):
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.out.close()
+
+
+def _wait_for(predicate, timeout_s: float, what: str, nodes) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for node in nodes:
+            assert node.proc.poll() is None, f"node {node.rank} exited early:\n{node.output()[-4000:]}"
+        if predicate():
+            return
+        time.sleep(0.3)
+    pytest.fail(f"no {what} within {timeout_s}s:\n" + "\n".join(n.output()[-3000:] for n in nodes))
+
+
+@pytest.mark.slow
+def test_two_nodes_one_dispatcher_exactly_once_and_a_killed_target(tmp_path, tiny_cache):
+    run_dir = tmp_path / "run"  # shared by both nodes, as on a cluster's shared filesystem
+    address = f"tcp://127.0.0.1:{_two_free_ports()}"
+    nodes = [Node(tmp_path, tiny_cache, run_dir, 0, address)]
+    try:
+        # Node 0 builds the shared assets first (its config exists once they are resolved).
+        _wait_for(lambda: (run_dir / "config.yaml").exists(), START_TIMEOUT_S, "node 0 config", nodes)
+        nodes.append(Node(tmp_path, tiny_cache, run_dir, 1, address))
+
+        def node1_target_produced():
+            try:
+                status = fetch_status(str(run_dir), timeout_s=2.0)
+            except Exception:  # not serving yet
+                return False
+            target = status.get("targets", {}).get("3")
+            return target is not None and target["batches"] >= 1 and status["batches"]["pending"] > 0
+
+        _wait_for(node1_target_produced, START_TIMEOUT_S, "batch from node 1's target/3", nodes)
+        victim = nodes[1].processes()["target/3"]
+        os.kill(victim, signal.SIGKILL)
+
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        for node in nodes:
+            try:
+                code = node.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"node {node.rank} did not finish:\n{node.output()[-4000:]}")
+            assert code == 0, f"node {node.rank} exited {code}:\n{node.output()[-5000:]}"
+        out1 = nodes[1].output()
+        assert f"target/3 (pid {victim}) exited with code -9" in out1 and "restarted target/3" in out1, out1[-4000:]
+
+        # Each node ran its own ranks; node 1's config and process record are its own files.
+        assert set(nodes[0].processes()) == {"dispatcher", "target/0", "target/1", "drafter/0"}
+        assert set(nodes[1].processes()) == {"target/2", "target/3", "drafter/1"}
+        assert (run_dir / "config-node1.yaml").exists()
+
+        # Exactly once over the job, and hidden states never left their node.
+        cfg = load_config(str(run_dir / "config.yaml"))
+        ledger = Ledger.load(str(run_dir / "ledger.npz"))
+        n = len(TokenDataset(cfg.data.path))
+        report = ledger.audit({epoch: range(n) for epoch in range(cfg.data.num_epochs)})
+        assert ledger.all_committed() and report.ok, report
+        trained_on = {0: 0, 1: 0}
+        for batch_id in ledger.history():
+            entry = ledger.entry(batch_id)
+            assert entry.state is BatchState.COMMITTED
+            assert cfg.node_of("target", entry.target) == cfg.node_of("drafter", entry.drafter), entry
+            trained_on[cfg.node_of("drafter", entry.drafter)] += 1
+        assert trained_on[0] > 0 and trained_on[1] > 0, trained_on  # no node's drafter starved
+        # One group across the nodes: both drafters stepped in lockstep at generation 0.
+        for rank in (0, 1):
+            log = (run_dir / "logs" / f"drafter-{rank}.log").read_text()
+            assert f"drafter group generation 0: rank {rank} of 2" in log, log[-2000:]
+    finally:
+        for node in nodes:
+            node.kill_all()
