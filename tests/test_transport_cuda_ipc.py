@@ -266,6 +266,10 @@ def test_killed_producer_never_hangs_the_consumer(producer_dev, consumer_dev):
 def test_pool_is_never_in_an_expandable_segment():
     from dflash_ipc.transport.cuda_ipc import _segment_is_expandable, _set_allocator_settings
 
+    # Cached blocks of earlier tests in this process would serve the probe from an old,
+    # non-expandable segment: release them so the probe gets a segment made under the setting.
+    torch.cuda.synchronize("cuda:0")
+    torch.cuda.empty_cache()
     _set_allocator_settings("expandable_segments:True")
     try:
         probe = torch.empty(64 << 20, dtype=torch.uint8, device="cuda:0")

@@ -200,7 +200,7 @@ class Supervisor:
             if done:
                 self._report_status(link, final=True)
                 self._wait_workers()
-                log.info("job finished" if dispatcher is not None else "node %d finished", self.cfg.run.node_rank)
+                log.info("job finished" if dispatcher is not None else f"node {self.cfg.run.node_rank} finished")
                 return 0
             # 3) deaths: restarted within their policy, else the job fails
             if not self._handle_deaths():
