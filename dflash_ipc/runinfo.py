@@ -18,6 +18,10 @@ from dflash_ipc.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
+BUILTIN_HELD_OUT_PROMPTS = 16
+"""builtin:synthetic: prompts drawn like the samples but kept out of the dataset, for the
+acceptance length that `up` prints at the end of the embedded default."""
+
 
 def cache_dir() -> str:
     """Where built-in assets are built once and reused (DFLASH_IPC_CACHE overrides)."""
@@ -66,8 +70,9 @@ def resolve_job(cfg: JobConfig) -> JobConfig:
 
     cfg = copy.deepcopy(cfg)
     if cfg.target.path == BUILTIN_TINY_TARGET:
-        from dflash_ipc.data.tiny import build_tiny_target
-        cfg.target.path = build_tiny_target(os.path.join(cache_dir(), "tiny-target"))
+        from dflash_ipc.data.tiny import build_tiny_target, tiny_target_key
+        # Keyed by what the build depends on: a cache made by other code is never reused.
+        cfg.target.path = build_tiny_target(os.path.join(cache_dir(), f"tiny-target-{tiny_target_key()}"))
     cfg.target.path = os.path.abspath(cfg.target.path)
     target_config = load_target_config(cfg.target.path)
     num_layers = target_config.num_hidden_layers
@@ -82,14 +87,14 @@ def resolve_job(cfg: JobConfig) -> JobConfig:
         raise ConfigError(f"drafter.mask_token_id: {cfg.drafter.mask_token_id} outside the target's "
                           f"vocabulary [0, {target_config.vocab_size})")
     if cfg.data.path == BUILTIN_SYNTHETIC_DATA:
-        from dflash_ipc.data.synthetic import build_synthetic_dataset
+        from dflash_ipc.data.synthetic import build_synthetic_dataset, synthetic_cache_key, synthetic_params
         d = cfg.data
-        name = (f"synthetic-{d.synthetic_samples}-{d.synthetic_min_len}-{d.synthetic_max_len}-"
-                f"w{d.synthetic_words}-{cfg.run.seed}")
-        cfg.data.path = build_synthetic_dataset(cfg.target.path, os.path.join(cache_dir(), name),
-                                                num_samples=d.synthetic_samples, min_len=d.synthetic_min_len,
-                                                max_len=d.synthetic_max_len, seed=cfg.run.seed,
-                                                num_words=d.synthetic_words)
+        kw = dict(num_samples=d.synthetic_samples, min_len=d.synthetic_min_len, max_len=d.synthetic_max_len,
+                  seed=cfg.run.seed, num_words=d.synthetic_words, num_held_out=BUILTIN_HELD_OUT_PROMPTS)
+        # Keyed by everything the data depends on (the target's bytes included), so a stale
+        # cache is never reused and a changed target or generator gets its own directory.
+        name = f"synthetic-{synthetic_cache_key(synthetic_params(cfg.target.path, **kw))}"
+        cfg.data.path = build_synthetic_dataset(cfg.target.path, os.path.join(cache_dir(), name), **kw)
     cfg.data.path = os.path.abspath(cfg.data.path)
     dataset = TokenDataset(cfg.data.path)
     dataset.check_tokenizer(cfg.target.path)

@@ -4,22 +4,34 @@ greedy continuations, written as OpenAI `messages` JSONL and passed through the 
 
 Why the target's own continuations: a drafter learns to predict what the target would
 generate; on text the target did not write there is little to learn, and for a randomly
-initialised tiny target, text from anywhere else is noise to it.
+initialised tiny target, text from anywhere else is noise to it. The continuations are
+plain greedy decoding over the target's whole vocabulary, exactly what speculative
+decoding reproduces at evaluation (restricting them to the prompt words, as format 1 did,
+taught the drafter a language the target never speaks at evaluation). A reply ends at the
+target's first stop token (the chat template's <|im_end|> then is the target's own choice)
+or before the first token that is not text (a special token or a padding row).
 
 Lengths: each sample's total token count (chat template included) is drawn log-uniformly
 in [min_len, max_len], so short and long buckets are both populated. Samples are sorted
 by length and generated in batches that share one prompt length; each sample keeps its
 own number of response tokens (a prefix of a greedy continuation is still greedy), so the
-lengths are spread, not quantised to batches. After prepare, every sample's length and
-tokens are checked against what was generated (the tokenizer must round-trip).
+lengths are spread, not quantised to batches; a target that stops early makes a sample
+shorter. A prompt the target answers with nothing is drawn again (prepare rejects empty
+replies). After prepare, every sample's length and tokens are checked against what was
+generated (the tokenizer must round-trip).
+
+Held out: `num_held_out` more samples come from the same plan; only their prompts are
+kept (meta.json "extra.held_out", read by eval/speculative.py), so evaluation uses prompts
+drawn like the training data that were never trained on.
 
 Usage:
     build_synthetic_dataset(build_tiny_target("runs/cache/tiny"), "runs/cache/tiny-data",
-                            num_samples=400, min_len=32, max_len=512)
+                            num_samples=400, min_len=32, max_len=512, num_held_out=16)
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import logging
@@ -35,8 +47,9 @@ from dflash_ipc.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
-_SYNTHETIC_FORMAT = 1
+_SYNTHETIC_FORMAT = 2  # 2: unrestricted greedy replies, held-out prompts, target fingerprint
 GEN_BATCH_SIZE = 64
+_MAX_PROMPT_DRAWS = 16
 _PROMPT_FRACTION = (0.2, 0.6)  # share of a sample's content tokens that is prompt
 
 
@@ -72,14 +85,15 @@ def _plan(num_samples: int, min_len: int, max_len: int, overhead: int, seed: int
         frac = rng.uniform(*_PROMPT_FRACTION)
         prompt_len = max(1, int(frac * int(content.min())))
         words = rng.integers(0, num_words, (len(members), prompt_len))  # [b, P]
-        batches.append({"members": members, "prompt_len": prompt_len,
+        batches.append({"members": members, "prompt_len": prompt_len, "seed": seed,
                         "response_lens": content - prompt_len, "prompt_words": words})
     return batches
 
 
-def _greedy(model, prompt_ids, num_new: int, allowed, device: str):
-    """Greedy continuation of equal-length prompts [B, P] -> [B, num_new], restricted to
-    allowed ids (content words: no special tokens, no padding rows of the vocabulary)."""
+def _greedy(model, prompt_ids, num_new: int, device: str, stop_ids=()):
+    """The target's greedy continuation of equal-length prompts [B, P] -> [B, num_new], over
+    its whole vocabulary (exactly what plain greedy decoding gives). Stops early once every
+    row has produced one of stop_ids (the tokens after a stop are then meaningless)."""
     import torch
     from transformers import DynamicCache
 
@@ -88,15 +102,20 @@ def _greedy(model, prompt_ids, num_new: int, allowed, device: str):
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     cache = DynamicCache()
     ids = torch.as_tensor(prompt_ids, device=device)  # [B, P]
-    banned = ~torch.as_tensor(allowed, device=device)  # [V]
+    stops = torch.as_tensor(sorted(stop_ids), dtype=torch.long, device=device)  # [S]
+    stopped = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)  # [B]
     out_tokens = []
     logits = model(input_ids=ids, use_cache=True, **{cache_kw: cache}).logits[:, -1]  # [B, V]
     for step in range(num_new):
-        nxt = logits.float().masked_fill(banned, float("-inf")).argmax(-1)  # [B]
+        nxt = logits.argmax(-1)  # [B]
         out_tokens.append(nxt)
-        if step + 1 < num_new:
-            logits = model(input_ids=nxt[:, None], use_cache=True, **{cache_kw: cache}).logits[:, -1]
-    return torch.stack(out_tokens, dim=1).cpu().numpy()  # [B, num_new]
+        stopped |= torch.isin(nxt, stops)
+        if step + 1 == num_new or bool(stopped.all()):
+            break
+        logits = model(input_ids=nxt[:, None], use_cache=True, **{cache_kw: cache}).logits[:, -1]
+    gen = torch.stack(out_tokens, dim=1).cpu().numpy()  # [B, n <= num_new]
+    pad = np.full((gen.shape[0], num_new - gen.shape[1]), -1, dtype=gen.dtype)
+    return np.concatenate([gen, pad], axis=1)  # [B, num_new]; -1 after an early stop
 
 
 def _generate_rows(target_dir: str, tokenizer, batches: list[dict], num_samples: int, device: str,
@@ -105,10 +124,16 @@ def _generate_rows(target_dir: str, tokenizer, batches: list[dict], num_samples:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from dflash_ipc.eval.speculative import stop_token_ids
+
     model = AutoModelForCausalLM.from_pretrained(target_dir).to(device).eval()
-    word_ids = _word_ids(tokenizer)[:num_words]
-    allowed = np.zeros(model.config.vocab_size, dtype=bool)
-    allowed[word_ids] = True
+    # The ids a response may hold: what the tokenizer writes back as the same ids inside an
+    # assistant message (words, role words, newlines); not special tokens, not the padding
+    # rows of the embedding table.
+    text_ids = np.zeros(model.config.vocab_size, dtype=bool)
+    special = set(tokenizer.all_special_ids)
+    text_ids[[i for i in range(len(tokenizer)) if i not in special]] = True
+    stops = stop_token_ids(target_dir, model)
     rows: list = [None] * num_samples
     expected: list = [None] * num_samples
     # Measured on a loaded 2-core box: a decode step of the tiny target took 140 ms with
@@ -118,28 +143,55 @@ def _generate_rows(target_dir: str, tokenizer, batches: list[dict], num_samples:
     if str(device).startswith("cpu"):
         torch.set_num_threads(1)
     try:
-        _generate_batches(model, tokenizer, batches, allowed, device, rows, expected)
+        _generate_batches(model, tokenizer, batches, text_ids, stops, device, rows, expected, num_words)
     finally:
         torch.set_num_threads(prev_threads)
     return rows, expected
 
 
-def _generate_batches(model, tokenizer, batches, allowed, device, rows, expected) -> None:
+def _response(gen_row, budget: int, text_ids) -> np.ndarray:
+    """The response: the greedy tokens up to the budget, ending before the first token that is
+    not text (a stop token ends the reply there: the template's <|im_end|> follows)."""
+    row = gen_row[:budget]
+    bad = np.flatnonzero((row < 0) | ~text_ids[np.clip(row, 0, None)])
+    return row[: bad[0]] if bad.size else row
+
+
+def _generate_batches(model, tokenizer, batches, text_ids, stops, device, rows, expected, num_words) -> None:
+    """Fill rows/expected. A sample whose reply would be empty (the target stops, or writes
+    no text, right after the prompt) gets a fresh prompt of the same length, drawn from an
+    RNG seeded by the batch, until it has one (prepare rejects empty replies)."""
     import torch
 
     with torch.inference_mode():
-        for batch in batches:
-            prompts = [" ".join(TINY_VOCAB_WORDS[w] for w in words) for words in batch["prompt_words"]]
-            rendered = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                      add_generation_prompt=True) for p in prompts]
-            prompt_ids = np.asarray([tokenizer(r, add_special_tokens=False)["input_ids"] for r in rendered])  # [B, P]
-            gen = _greedy(model, prompt_ids, int(batch["response_lens"].max()), allowed, device)  # [B, R]
-            for j, i in enumerate(batch["members"]):
-                response = gen[j, : int(batch["response_lens"][j])]
-                reply = tokenizer.decode(response.tolist())
-                rows[i] = {"messages": [{"role": "user", "content": prompts[j]},
-                                        {"role": "assistant", "content": reply}]}
-                expected[i] = (prompt_ids[j], response)
+        for b, batch in enumerate(batches):
+            words = batch["prompt_words"].copy()  # [B, P]
+            todo = np.arange(len(words))
+            rng = np.random.default_rng([batch["seed"], b])
+            for _ in range(_MAX_PROMPT_DRAWS):
+                prompts = [" ".join(TINY_VOCAB_WORDS[w] for w in ws) for ws in words[todo]]
+                rendered = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                          add_generation_prompt=True) for p in prompts]
+                prompt_ids = np.asarray([tokenizer(r, add_special_tokens=False)["input_ids"] for r in rendered])  # [b, P]
+                budget = batch["response_lens"][todo]  # [b]
+                gen = _greedy(model, prompt_ids, int(budget.max()), device, stops)  # [b, R]
+                empty = []
+                for j, k in enumerate(todo):
+                    response = _response(gen[j], int(budget[j]), text_ids)
+                    if response.size == 0:
+                        empty.append(k)
+                        continue
+                    i = batch["members"][k]
+                    rows[i] = {"messages": [{"role": "user", "content": prompts[j]},
+                                            {"role": "assistant", "content": tokenizer.decode(response.tolist())}]}
+                    expected[i] = (prompt_ids[j], response)
+                todo = np.asarray(empty, dtype=np.int64)
+                if not todo.size:
+                    break
+                words[todo] = rng.integers(0, num_words, (todo.size, words.shape[1]))
+            else:
+                raise DataError(f"synthetic dataset: the target replied with nothing to {todo.size} prompts "
+                                f"after {_MAX_PROMPT_DRAWS} draws each")
 
 
 def _write_jsonl(rows: list[dict], path: str) -> None:
@@ -162,6 +214,49 @@ def _check_round_trip(out_dir: str, expected: list) -> None:
             raise DataError(f"{out_dir}: sample {i} does not round-trip through the chat template")
 
 
+def target_fingerprint(target_dir: str) -> str:
+    """sha256 over the names and bytes of the files in target_dir (weights, config,
+    tokenizer): the generated replies are a function of all of them."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(target_dir)):
+        path = os.path.join(target_dir, name)
+        if not os.path.isfile(path):
+            continue
+        h.update(name.encode() + b"\0")
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def synthetic_params(target_dir: str, *, num_samples: int, min_len: int, max_len: int, seed: int = 0,
+                     num_words: int | None = None, num_held_out: int = 0) -> dict:
+    """Everything the dataset depends on: code version, generation parameters and the
+    target's fingerprint. Stored in meta.json ("extra.synthetic"); a dataset is reused
+    only when they are equal. DataError unless target_dir holds the tiny tokenizer (checked
+    before its files are hashed)."""
+    from transformers import AutoTokenizer
+
+    _word_ids(AutoTokenizer.from_pretrained(target_dir))
+    return {"format": _SYNTHETIC_FORMAT, "num_samples": num_samples, "min_len": min_len, "max_len": max_len,
+            "seed": seed, "num_words": len(TINY_VOCAB_WORDS) if num_words is None else num_words,
+            "num_held_out": num_held_out, "target": target_fingerprint(target_dir)}
+
+
+def synthetic_cache_key(params: dict) -> str:
+    """Short hash of synthetic_params(): a cache directory name that changes with any of them."""
+    return hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def held_out_prompts_of(meta: dict) -> list[tuple[int, np.ndarray]]:
+    """(sample id, prompt ids [P]) of the held-out prompts a synthetic dataset's meta.json
+    declares (sample ids of the generation plan that were never written to the dataset);
+    [] for other datasets."""
+    held = (meta.get("extra") or {}).get("held_out") or []
+    return [(int(h["sample_id"]), np.asarray(h["prompt_ids"], dtype=np.int64)) for h in held]
+
+
 def build_synthetic_dataset(
     target_dir: str,
     out_dir: str,
@@ -173,16 +268,18 @@ def build_synthetic_dataset(
     device: str = "cpu",
     overwrite: bool = False,
     num_words: int | None = None,
+    num_held_out: int = 0,
 ) -> str:
     """Build (once) the synthetic dataset for the tiny target at out_dir; return out_dir.
 
-    num_words: prompts and continuations use only the first num_words words (default: all).
-    A small language (the embedded default uses 48 words) is one a CPU-sized drafter can
-    learn in minutes; the continuations stay the target's own context-dependent choices.
+    num_words: prompts use only the first num_words words (default: all); the replies are
+    whatever the target writes. num_held_out: that many more samples are drawn by the same
+    plan (sample ids num_samples.. num_samples+num_held_out-1); only their prompts are kept,
+    in meta.json ("extra.held_out"), for evaluation on prompts never trained on.
 
     The source JSONL is written next to it ("<out_dir>.jsonl"). Idempotent: a complete
-    dataset built with the same parameters and tokenizer is reused; a different one
-    raises DataError unless overwrite.
+    dataset built with the same parameters (synthetic_params(): including the target's
+    fingerprint) is reused; a different one raises DataError unless overwrite.
     """
     from transformers import AutoTokenizer
 
@@ -195,28 +292,32 @@ def build_synthetic_dataset(
     num_words = len(TINY_VOCAB_WORDS) if num_words is None else num_words
     if not 2 <= num_words <= len(TINY_VOCAB_WORDS):
         raise ConfigError(f"synthetic dataset: num_words={num_words}; allowed 2..{len(TINY_VOCAB_WORDS)}")
-    params = {"format": _SYNTHETIC_FORMAT, "num_samples": num_samples, "min_len": min_len,
-              "max_len": max_len, "seed": seed}
-    if num_words != len(TINY_VOCAB_WORDS):
-        params["num_words"] = num_words  # absent for the full vocabulary: older caches stay valid
+    if num_held_out < 0:
+        raise ConfigError(f"synthetic dataset: num_held_out={num_held_out}; must be >= 0")
+    params = synthetic_params(target_dir, num_samples=num_samples, min_len=min_len, max_len=max_len, seed=seed,
+                              num_words=num_words, num_held_out=num_held_out)
     if dataset_is_complete(out_dir) and not overwrite:
         ds = TokenDataset(out_dir)
         if ds.meta.get("extra", {}).get("synthetic") != params:
-            raise DataError(f"{out_dir}: holds a different dataset ({ds.meta.get('extra')}); wanted {params}. "
-                            "Pass overwrite=True or choose another directory.")
+            raise DataError(f"{out_dir}: holds a different dataset ({ds.meta.get('extra', {}).get('synthetic')}); "
+                            f"wanted {params}. Pass overwrite=True or choose another directory.")
         ds.check_tokenizer(tokenizer)
         return out_dir
-    batches = _plan(num_samples, min_len, max_len, overhead, seed, num_words)
-    rows, expected = _generate_rows(target_dir, tokenizer, batches, num_samples, device, num_words)
+    total = num_samples + num_held_out
+    batches = _plan(total, min_len, max_len, overhead, seed, num_words)
+    rows, expected = _generate_rows(target_dir, tokenizer, batches, total, device, num_words)
+    held_out = [{"sample_id": i, "prompt_ids": expected[i][0].tolist()} for i in range(num_samples, total)]
+    rows, expected = rows[:num_samples], expected[:num_samples]
     jsonl = out_dir + ".jsonl"
     _write_jsonl(rows, jsonl)
     try:
         prepare_dataset(target_dir, jsonl, out_dir, max_length=max_len, overwrite=overwrite, progress=False,
-                        extra_meta={"synthetic": params})
+                        extra_meta={"synthetic": params, "held_out": held_out})
     except DataError:
         # Another process may have published the same dataset first; reuse it if so.
         if not dataset_is_complete(out_dir) or TokenDataset(out_dir).meta.get("extra", {}).get("synthetic") != params:
             raise
     _check_round_trip(out_dir, expected)
-    log.info("built synthetic dataset %s: %d samples, %d..%d tokens", out_dir, num_samples, min_len, max_len)
+    log.info("built synthetic dataset %s: %d samples (+%d held out), %d..%d tokens", out_dir, num_samples,
+             num_held_out, min_len, max_len)
     return out_dir

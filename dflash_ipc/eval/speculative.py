@@ -24,10 +24,12 @@ Usage:
     untrained, trained = untrained_vs_trained(target_dir, checkpoints_dir, data_dir)
     print(format_comparison(untrained, trained))
 
-Held-out prompts: by default the last ``num_prompts`` usable samples of the dataset (a
+Held-out prompts: by default the prompts the dataset declares held out (the built-in
+synthetic data keeps prompts drawn like its samples but never written to the dataset, in
+meta.json "extra.held_out"); for other data the last ``num_prompts`` usable samples (a
 prompt is a sample's tokens before its first loss-mask token: the conversation up to and
-including the assistant header). The training data is not split here; exclude those
-samples from training to make them truly held out.
+including the assistant header). Such data is not split here; exclude those samples from
+training to make them truly held out.
 """
 
 from __future__ import annotations
@@ -264,12 +266,21 @@ def greedy_generate(target: TargetLM, prompt_ids: Tensor | np.ndarray, *, max_ne
 
 def held_out_prompts(dataset: TokenDataset, *, num_prompts: int,
                      sample_ids: Sequence[int] | None = None) -> list[tuple[int, np.ndarray]]:
-    """(sample id, prompt ids ``[P]``) pairs; by default the last ``num_prompts`` usable samples.
+    """(sample id, prompt ids ``[P]``) pairs: ``sample_ids`` of the dataset when given; else the
+    first ``num_prompts`` prompts the dataset declares held out (never trained on); else the
+    last ``num_prompts`` usable samples.
 
     A sample is usable when it has a loss-mask token after at least one prompt token.
     """
+    from dflash_ipc.data.synthetic import held_out_prompts_of
+
     if num_prompts < 1:
         raise ConfigError(f"num_prompts={num_prompts} must be >= 1")
+    declared = held_out_prompts_of(dataset.meta)
+    if sample_ids is None and declared:
+        if len(declared) < num_prompts:
+            logger.warning("%s: only %d held-out prompts, %d asked", dataset.path, len(declared), num_prompts)
+        return declared[:num_prompts]
 
     def prompt_of(i: int) -> np.ndarray | None:
         ids, mask = dataset.sample(i)
@@ -370,7 +381,8 @@ def evaluate(target_dir: str, drafter: str | DFlashDraftModel, data_dir: str, *,
     """Mean acceptance length of ``drafter`` with the target in ``target_dir`` on held-out prompts.
 
     ``held_out``: sample ids of ``data_dir`` to use (``num_prompts`` is then ignored); default
-    the last ``num_prompts`` usable samples. ``drafter``: see :func:`load_drafter`.
+    ``num_prompts`` prompts the data declares held out, else its last usable samples
+    (:func:`held_out_prompts`). ``drafter``: see :func:`load_drafter`.
     """
     target, model, source, prompts = _prepare(target_dir, drafter, data_dir, num_prompts=num_prompts,
                                               device=device, dtype=dtype, held_out=held_out)
