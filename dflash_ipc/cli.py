@@ -218,7 +218,7 @@ def health(run_dir, as_json, stale_after_s, stall_after_s, timeout_s) -> None:
 @click.option("--drafter", required=True, type=click.Path(exists=True, file_okay=False),
               help="Export, checkpoint step dir, or checkpoints root (latest).")
 @click.option("--data", "data_dir", required=True, type=click.Path(exists=True, file_okay=False),
-              help="Prepared dataset; its last --num-prompts samples are the prompts.")
+              help="Prepared dataset; its declared held-out prompts, else its last --num-prompts samples.")
 @click.option("--num-prompts", default=16, show_default=True)
 @click.option("--max-new-tokens", default=64, show_default=True)
 @click.option("--device", default="cpu", show_default=True)

@@ -72,7 +72,8 @@ class DataConfig:
     synthetic_max_len: int = 384
     """builtin:synthetic only: longest prompt+response in tokens."""
     synthetic_words: int = 48
-    """builtin:synthetic only: size of the word vocabulary of prompts and continuations."""
+    """builtin:synthetic only: size of the word vocabulary of the prompts (responses are the
+    target's own greedy decoding over its whole vocabulary)."""
     num_epochs: int = 1
     """Passes over the dataset."""
     bucket_boundaries: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
