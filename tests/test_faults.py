@@ -28,12 +28,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_TIMEOUT_S = 180     # one run; measured 50-120 s on 2 busy cores
 PROGRESS_TIMEOUT_S = 90  # start-up (9 processes import torch) until the first batches
 
-# The e2e test's small job (tests/test_pipeline_e2e.py): 18 batches an epoch, 4 epochs, on
+# The e2e test's small job (tests/test_pipeline_e2e.py): 18 batches an epoch, 3 epochs, on
 # 3 targets + 2 drafters (start-up, 6 processes importing torch, is most of a run's time on
 # 2 cores). The work itself takes ~10-20 s: a fault lands while batches are pending.
 FAULT_OVERRIDES = [
     "data.synthetic_samples=120", "data.synthetic_min_len=24", "data.synthetic_max_len=200",
-    "data.bucket_boundaries=[64,128,200]", "data.token_budget=800", "data.num_epochs=4",
+    "data.bucket_boundaries=[64,128,200]", "data.token_budget=800", "data.num_epochs=3",
     "drafter.num_layers=1", "drafter.target_layer_ids=[1,2]", "drafter.anchors_per_step=128",
     "drafter.max_anchors_per_seq=32", "drafter.lr=5e-3", "drafter.checkpoint_every_steps=10",
     "drafter.fifo_sequences=32", "dispatch.status_interval_s=2", "supervise.max_restarts=3",
