@@ -262,24 +262,37 @@ def test_killed_producer_never_hangs_the_consumer(producer_dev, consumer_dev):
         proc.join(10)
 
 
+def _expandable_main(conn, device: str) -> None:
+    """A target process whose user turned expandable segments on: allocations before the pool
+    (the model) live in expandable segments; the pool must not."""
+    from dflash_ipc.transport.cuda_ipc import _segment_is_expandable
+
+    torch.cuda.set_device(device)
+    weights = [torch.empty(n, dtype=torch.uint8, device=device) for n in (64 << 20, 3 << 20, 4096)]
+    model_expandable = [_segment_is_expandable(w) for w in weights]
+    del weights[1]  # free blocks of expandable segments, as a model load leaves them
+    pools = [create_pool(SlotLayout(2, 64, 512, "bfloat16"), device, name="dfl-exp-small"),
+             create_pool(SlotLayout(2, 1024, 4096, "bfloat16"), device, name="dfl-exp-large")]
+    _send(conn, {"model": model_expandable, "pools": [_segment_is_expandable(p._flat) for p in pools]})
+    for pool in pools:
+        pool.close()
+
+
 @requires_gpu
 def test_pool_is_never_in_an_expandable_segment():
-    from dflash_ipc.transport.cuda_ipc import _segment_is_expandable, _set_allocator_settings
-
-    # Cached blocks of earlier tests in this process would serve the probe from an old,
-    # non-expandable segment: release them so the probe gets a segment made under the setting.
-    torch.cuda.synchronize("cuda:0")
-    torch.cuda.empty_cache()
-    _set_allocator_settings("expandable_segments:True")
+    # In a fresh process, as a target is: the allocator's state of this test process (other
+    # tests' peer mappings and cached blocks) is not what a target starts with.
+    proc, conn = _spawn(_expandable_main, "cuda:0", env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
     try:
-        probe = torch.empty(64 << 20, dtype=torch.uint8, device="cuda:0")
-        assert _segment_is_expandable(probe) is True  # the setting took effect
-        del probe
-        pool = create_pool(SlotLayout(2, 64, 512, "bfloat16"), "cuda:0", name="dfl-exp")
-        assert _segment_is_expandable(pool._flat) is False
-        pool.close()
+        got = _recv(conn)
+        assert got["model"][0] is True, got  # the setting took effect (on large blocks at least)
+        assert got["pools"] == [False, False], got
+        proc.join(RECV_TIMEOUT_S)
+        assert proc.exitcode == 0
     finally:
-        _set_allocator_settings("expandable_segments:False")
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
 
 
 @requires_gpu

@@ -242,7 +242,12 @@ def _allocate_pool_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
         logger.info("expandable segments are on: allocating the slot pool outside them")
         _set_allocator_settings("expandable_segments:False")
         try:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)  # [nbytes]
+            # Free cached blocks first: a free block of an expandable segment would otherwise
+            # serve this request, whatever the setting says now. And ask for a large-pool
+            # block at least: small requests share the small pool's segments.
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            buf = torch.empty(max(nbytes, _PROBE_BYTES), dtype=torch.uint8, device=device)[:nbytes]  # [nbytes]
         finally:
             _set_allocator_settings("expandable_segments:True")
     if _segment_is_expandable(buf):
