@@ -350,3 +350,25 @@ def test_group_commit_is_checked_as_a_whole():
         d.handle(b"d0", p.Committed(step=1, batch_ids=[a.batch_id], ranks=[1]))
     d.handle(b"d0", p.Committed(step=1, batch_ids=[a.batch_id], ranks=[0]))
     assert d.ledger.history() == [a.batch_id]
+
+
+def test_a_group_restart_after_end_of_data_serves_the_idle_targets_again():
+    """Every batch consumed, EndOfData sent, targets idle with credits: a drafter dies before
+    the last commit. Its batches are pending again and go out at once, without any new Ready."""
+    epochs = [[b for b in _plan()[0]][:3]]
+    d = Dispatcher(epochs, policy="pull", num_targets=1, num_drafters=1, clock=Clock())
+    d.handle(b"t0", p.Register(role="target", rank=0, pid=10, pool=POOL, num_slots=4))
+    d.handle(b"d0/1", p.Register(role="drafter", rank=0, pid=1))
+    batches = [m for _, m in d.handle(b"t0", p.Ready(credits=4))]
+    assert len(batches) == 3
+    for b in batches:
+        d.handle(b"t0", p.Produced(batch_id=b.batch_id, slot=b.slot, num_tokens=1, compute_s=0))
+    for _, a in d.handle(b"d0/1", p.WantHidden(credits=3)):
+        d.handle(b"d0/1", p.Consumed(batch_id=a.batch_id, attempt=a.attempt))
+    d.tick()
+    assert d.end_sent and d.targets[0].credits == 1  # idle, one credit left
+    out = d.handle(b"d0/2", p.Register(role="drafter", rank=0, pid=2))
+    served = [m for _, m in out if isinstance(m, p.Batch)]
+    assert [m.batch_id for m in served] == [batches[0].batch_id] and not d.end_sent
+    d.handle(b"t0", p.Ready(credits=2))
+    assert all(d.ledger.entry(b.batch_id).state is BatchState.LEASED for b in batches)

@@ -202,7 +202,8 @@ class Dispatcher:
         for name, total in (("tgt_rate", self.tokens_produced), ("dft_rate", self.tokens_consumed),
                             ("tok_rate", trained)):
             self.rates[name].add(now, total)
-        return out + self._maybe_end()
+        # Targets waiting with credits get pending work even if no message would trigger it.
+        return out + self._serve_targets() + self._maybe_end()
 
     @property
     def finished(self) -> bool:
@@ -249,6 +250,8 @@ class Dispatcher:
         if msg.role == "drafter" and old is not None:
             # A new process for a held drafter seat: the supervisor restarted the group.
             self.restart_drafter_group(reason=f"drafter/{msg.rank} registered again as pid {msg.pid}")
+            # Batches went back to pending, maybe after every target went idle: serve them.
+            out += self._serve_targets()
         if msg.role == "target":
             if msg.pool is None or msg.num_slots < 1:
                 raise ProtocolError("Register: a target must send its slot pool and num_slots >= 1")

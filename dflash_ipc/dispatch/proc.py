@@ -93,7 +93,13 @@ def _bindable(address: str) -> str:
     host, _, port = address[len("tcp://"):].rpartition(":")
     if host in ("*", "") or host.replace(".", "").isdigit() or host.startswith("["):
         return address
-    return f"tcp://{socket.gethostbyname(host)}:{port}"
+    ip = socket.gethostbyname(host)
+    if ip.startswith("127.") and host != "localhost":
+        # Debian's /etc/hosts maps the own host name to 127.0.1.1: the other nodes could not
+        # connect there. Listen on every interface instead.
+        log.warning("%s resolves to %s here; listening on tcp://*:%s", host, ip, port)
+        return f"tcp://*:{port}"
+    return f"tcp://{ip}:{port}"
 
 
 class DispatcherProc:
@@ -228,3 +234,6 @@ def run_dispatcher(cfg: JobConfig) -> None:
         # On SIGTERM too: the next dispatcher in this run directory resumes from it.
         proc.save_ledger()
         proc.close()
+    if not dispatcher.finished:
+        # Exit 0 means "every batch committed" to the supervisor; a stop is not that.
+        raise SystemExit(128 + signal.SIGTERM)

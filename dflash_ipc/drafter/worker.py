@@ -163,7 +163,7 @@ def _init_group(cfg: JobConfig, rank: int, device: str, generation: int):
     log.info("drafter group generation %d: rank %d of %d (%s) at %s", generation, rank, world, backend, address)
     dist.init_process_group(backend, init_method=address, rank=rank, world_size=world, timeout=timeout,
                             device_id=torch.device(device) if backend == "nccl" else None)
-    return dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+    return dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
 
 
 def run_drafter(cfg: JobConfig, rank: int) -> None:
@@ -221,6 +221,9 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
     if registered.resume_step >= 0 and registered.resume_step != worker.trainer.step_count:
         # Every drafter gets the same step: the group resumes together, in lockstep.
         worker.trainer.resume(checkpoints_dir(cfg), registered.resume_step)
+    # Group set-up and model load happened since the registration reply: the dispatcher was
+    # not silent, we were not listening.
+    link.last_heard = time.monotonic()
     world = cfg.total_drafters
     metrics_file = open(os.path.join(cfg.run.run_dir, "drafter_metrics.jsonl"), "a") if rank == 0 else None
     outstanding, end_of_data, shutdown = 0, False, False
@@ -266,9 +269,10 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
                          worker.trainer.step_count)
                 if worker.trainer.step_count != last_ckpt_step or worker.trained:
                     _checkpoint_and_commit(cfg, rank, worker, link, control)
-                    if rank == 0:
-                        _confirm_commit(link)
-                return
+                if rank == 0:
+                    _confirm_commit(link)  # this commit, or the scheduled one just before
+                # Not 0: the supervisor reads exit 0 as "got Shutdown at the end of the job".
+                raise SystemExit(128 + signal.SIGTERM)
             if flags[1].item() == world:
                 break
             if flags[0].item() + flags[1].item() < world:

@@ -43,6 +43,8 @@ class Child:
     restarts: list[float] = field(default_factory=list)
 
     def start(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            raise RuntimeError(f"{self.role} (pid {self.popen.pid}) is still running: not started twice")
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         log_file = open(self.log_path, "ab")
         self.popen = subprocess.Popen(self.argv, env=self.env, stdout=log_file, stderr=subprocess.STDOUT,

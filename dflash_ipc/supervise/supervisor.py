@@ -99,6 +99,8 @@ class Supervisor:
         self._restart_due: dict[str, float] = {}        # "target/N" | "drafters" | "dispatcher" -> when
         self._status_asked_at: float | None = None      # the StatusRequest still unanswered
         self._last_reply_at: float | None = None        # the dispatcher's last status reply
+        self._instance: str | None = None                # the dispatcher process answering
+        self._instance_changed_at = 0.0                  # when a restarted one first answered
         self._signals = 0
         self._checkpoint_on_stop = True
         self.tensorboard: TensorBoardSink | None = None
@@ -195,8 +197,8 @@ class Supervisor:
             #    On another node: every local worker exits 0 on that Shutdown.
             if dispatcher is not None:
                 done = dispatcher.poll() == 0 and "dispatcher" not in self._restart_due
-            else:
-                done = all(c.poll() == 0 for c in self.children)
+            else:  # (a restarted worker that never registered gets no Shutdown: the file says it)
+                done = all(c.poll() == 0 for c in self.children) or self._finished_on_disk()
             if done:
                 self._report_status(link, final=True)
                 self._wait_workers()
@@ -217,6 +219,14 @@ class Supervisor:
                         return 1
                 self._kill_hung_dispatcher()
             time.sleep(POLL_S)
+
+    def _finished_on_disk(self) -> bool:
+        """The dispatcher's final status says every batch is committed (shared run dir)."""
+        try:
+            with open(final_status_path(self.cfg)) as f:
+                return bool(json.load(f).get("finished"))
+        except (OSError, ValueError):
+            return False
 
     def _dispatcher(self) -> Child | None:
         """The dispatcher's process: on node 0 only."""
@@ -267,6 +277,8 @@ class Supervisor:
         if not decision.allowed:
             log.error("%s (%s); the job fails", decision.reason, why)
             return False
+        if key == "dispatcher":
+            self._restart_due.pop("drafters", None)  # the dispatcher's restart brings them
         # The drafters go first and at once: a broken group must not train on, and after a
         # dispatcher death nothing may read slots the new dispatcher will hand out again.
         drafters = self._drafters()
@@ -366,7 +378,7 @@ class Supervisor:
         if not seated and dropped is not None:
             return f"the dispatcher dropped it ({dropped})"
         startup = self.cfg.supervise.startup_timeout_s
-        if not seated and time.monotonic() - child.started_at > startup:
+        if not seated and time.monotonic() - max(child.started_at, self._instance_changed_at) > startup:
             return f"not registered {startup:g}s after its start (supervise.startup_timeout_s)"
         return None
 
@@ -394,6 +406,12 @@ class Supervisor:
                 if isinstance(msg, p.StatusReply):
                     reply, self._status_asked_at = msg, None
                     self._last_reply_at = time.monotonic()
+                    instance = msg.status.get("instance")
+                    if self._instance is not None and instance != self._instance:
+                        # A new dispatcher (restarted, here or on node 0): targets that
+                        # outlived it register again; their registration deadline restarts.
+                        self._instance_changed_at = self._last_reply_at
+                    self._instance = instance
                 msg = link.recv(0.0)
         except Exception as exc:  # the dispatcher may be starting or gone; status is best effort
             log.debug("status request failed: %s", exc)
