@@ -231,6 +231,7 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
     timeline = TimelineWriter(cfg.run.run_dir, f"drafter/{rank}")
     last_ckpt_step = worker.trainer.step_count
     stop = StopFlag()
+    group_waiting = False  # the last agreement found some rank short of a step
     try:
         stop.__enter__()
         while True:
@@ -251,8 +252,12 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
             if shutdown and not end_of_data and stop.reason is None:
                 stop.reason = "Shutdown before the end of data"
             # Below the queue cap, or short of a step's anchors whatever the cap (else a queue
-            # full of short sequences would wait for ever in lockstep).
-            if not end_of_data and (len(worker.fifo) < cfg.drafter.fifo_sequences or not worker.full):
+            # full of short sequences would wait for ever in lockstep), or while the group
+            # waits on another rank: with several nodes the last batches of an epoch may all be
+            # produced on this node, and only taking them (the node's slots bound how many)
+            # lets the job reach EndOfData, where the short rank steps with what it has.
+            if not end_of_data and (len(worker.fifo) < cfg.drafter.fifo_sequences or not worker.full
+                                    or group_waiting):
                 want = cfg.drafter.prefetch - outstanding
                 if want > 0:
                     link.send(p.WantHidden(credits=want))
@@ -275,7 +280,8 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
                 raise SystemExit(128 + signal.SIGTERM)
             if flags[1].item() == world:
                 break
-            if flags[0].item() + flags[1].item() < world:
+            group_waiting = flags[0].item() + flags[1].item() < world
+            if group_waiting:
                 worker.wait_s += time.perf_counter() - waited
                 timeline.record("wait_hidden", waited, time.perf_counter())
                 continue
