@@ -178,12 +178,23 @@ def rate_series(intervals: list[dict], key: str, start: float, end: float, bin_s
     return counts / bin_s
 
 
+_PROCESS = None
+
+
+def _this_process():
+    """psutil's handle of this process, made once: called on every batch and every step."""
+    global _PROCESS
+    import psutil
+    if _PROCESS is None or _PROCESS.pid != os.getpid():
+        _PROCESS = psutil.Process()
+    return _PROCESS
+
+
 def process_memory(device) -> dict[str, float]:
     """This process's host RSS and, on a GPU, what PyTorch holds there (MiB), for the
     heartbeat metrics: the status, `health`, TensorBoard and reports all read them there."""
-    import psutil
     import torch
-    out = {"rss_mib": psutil.Process().memory_info().rss / 2**20}
+    out = {"rss_mib": _this_process().memory_info().rss / 2**20}
     device = torch.device(device)
     if device.type == "cuda":
         out["gpu_mem_allocated_mib"] = torch.cuda.memory_allocated(device) / 2**20

@@ -110,3 +110,12 @@ def test_load_skips_torn_line_and_orders_roles(tmp_path):
     assert list(timelines) == ["target/2", "target/10", "drafter/0"]
     assert len(timelines["target/2"]) == 1
     assert load_timelines(str(tmp_path / "missing")) == {}
+
+
+def test_process_memory_reports_this_process_rss_and_no_gpu_on_cpu():
+    import psutil
+
+    from dflash_ipc.metrics import process_memory
+    got = process_memory("cpu")
+    assert set(got) == {"rss_mib"}
+    assert abs(got["rss_mib"] - psutil.Process().memory_info().rss / 2**20) < 64
