@@ -29,7 +29,7 @@ START_TIMEOUT_S = 120
 
 JOB = [
     "data.synthetic_samples=120", "data.synthetic_min_len=24", "data.synthetic_max_len=200",
-    "data.bucket_boundaries=[64,128,200]", "data.token_budget=800", "data.num_epochs=2",
+    "data.bucket_boundaries=[64,128,200]", "data.token_budget=800", "data.num_epochs=3",
     "drafter.num_layers=1", "drafter.target_layer_ids=[1,2]", "drafter.anchors_per_step=128",
     "drafter.max_anchors_per_seq=32", "drafter.lr=5e-3", "drafter.checkpoint_every_steps=10",
     "drafter.fifo_sequences=32", "dispatch.status_interval_s=2", "supervise.max_restarts=3",
