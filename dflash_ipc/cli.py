@@ -291,10 +291,15 @@ def bench_dispatch(num_samples, num_targets, num_drafters, policies, target_spee
 @click.option("--pair", "pairs", multiple=True, metavar="SRC,DST",
               help="Device pair, e.g. cuda:0,cuda:1 (repeatable; default: what this machine has).")
 @click.option("--iters", default=50, show_default=True)
-def bench_transport(pairs, iters) -> None:
+@click.option("--size-mib", "sizes_mib", multiple=True, type=float,
+              help="Batch size in MiB (repeatable; default: 1 16 128 512 on GPUs, 1 16 64 on CPU).")
+@click.option("--settle-us", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="Diagnostic: wait this long after each notice before reading.")
+def bench_transport(pairs, iters, sizes_mib, settle_us) -> None:
     """Slot handoff latency and copy bandwidth against a plain device-to-device copy."""
     from dflash_ipc.bench.transport import run_transport_bench
-    run_transport_bench(pairs=[tuple(pair.split(",")) for pair in pairs] or None, iters=iters)
+    run_transport_bench(pairs=[tuple(pair.split(",")) for pair in pairs] or None, iters=iters,
+                        sizes_mib=list(sizes_mib) or None, settle_us=settle_us)
 
 
 @bench.command("drafter")

@@ -203,10 +203,14 @@ def test_random_batches_with_poisoned_reuse(producer_dev, consumer_dev, expandab
         buf = torch.empty(
             layout.max_tokens, layout.feature_dim, dtype=torch.bfloat16, device=consumer_dev
         )
+        assert reader.last_copy_s is None
         for i in range(num_batches):
             msg = _recv(conn)
             assert cache.get(desc) is reader  # opened once, reused
+            started = time.perf_counter()
             got = reader.read(msg["slot"], msg["n"], out=buf[: msg["n"]] if i % 2 else None)
+            # The copy is timed on the GPU, inside the read's wall time.
+            assert 0 < reader.last_copy_s <= time.perf_counter() - started
             assert got.device == torch.device(consumer_dev)
             assert not bool((got == POISON).any()), f"batch {i}: read a poisoned (released) slot"
             assert _digest(got) == msg["digest"], f"batch {i}: checksum mismatch"

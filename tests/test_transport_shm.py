@@ -163,7 +163,9 @@ def test_descriptor_survives_msgpack_and_reads_back():
         pool.write_view(1, 6).copy_(data)
         pool.publish(1)
         reader = open_reader(wire, "cpu")
+        assert reader.last_copy_s is None
         got = reader.read(1, 6)
+        assert reader.last_copy_s > 0
         assert torch.equal(got, data) and got.dtype == torch.float16
         out = torch.empty(6, 3, dtype=torch.float16)
         assert reader.read(1, 6, out=out).data_ptr() == out.data_ptr()
@@ -317,13 +319,21 @@ def test_transport_bench_runs_on_shm():
 
     lines: list[str] = []
     rows = run_transport_bench(
-        pairs=[("cpu", "cpu")], sizes_mib=[0.25, 1], iters=3, warmup=1, print_fn=lines.append
+        pairs=[("cpu", "cpu")], sizes_mib=[0.25, 1], iters=3, warmup=1, settle_us=2000,
+        print_fn=lines.append,
     )
-    assert len(lines) == 3 and "read GB/s" in lines[0]
+    assert len(lines) == 4 and "read us" in lines[0] and "copy ratio" in lines[0]
     assert [r["size_mib"] for r in rows] == [0.25, 1]
     for row in rows:
         assert row["bytes"] == int(row["size_mib"] * 2**20) and row["iters"] == 3
         assert row["read_gbps"] > 0 and row["baseline_gbps"] > 0
-        assert row["latency_p50_us"] >= row["read_p50_us"] > 0
+        assert row["copy_gbps"] > 0 and row["baseline_copy_gbps"] > 0
+        # The copy is part of the read; the settle wait is part of the handoff, not the read.
+        assert row["read_p50_us"] >= row["copy_p50_us"] > 0
+        assert row["latency_p50_us"] >= row["read_p50_us"] + 2000
+        assert row["settle_us"] == 2000
+        assert row["baseline_switched_p50_us"] > 0 and row["switched_ratio"] > 0
+    with pytest.raises(ConfigError, match="settle_us"):
+        run_transport_bench(pairs=[("cpu", "cpu")], settle_us=-1)
     with pytest.raises(ConfigError, match="cuda:N"):
         run_transport_bench(pairs=[("cuda:0", "cuda:64")], iters=1)

@@ -6,10 +6,22 @@ the bench process reads from it, exactly as a target and a drafter do. Per batch
 - *handoff latency*: from the producer's ``publish`` (GPU idle, so production time is not
   counted) to the consumer's ``read`` returning with the copy complete; it includes the
   notification (a pipe here, ZMQ through the dispatcher in a job) and the liveness checks;
-- *read bandwidth*: bytes / time inside ``read``;
+- *read*: wall-clock time inside ``read``;
+- *copy bandwidth*: bytes / duration of the copy itself, timed where it runs (CUDA events
+  on the reader's copy stream; ``SlotReader.last_copy_s``);
 - *baseline*: a plain in-process ``dst.copy_(src)`` between the same two devices, in the
-  same run, timed the same way (wall clock to completion). The goal is read bandwidth
-  >= 90% of it for batch-sized copies.
+  same run, timed both ways (wall clock to completion, and CUDA events around the copy),
+  and once more by wall clock from where a read starts: the producer has just recorded an
+  event and notified, and the time includes waiting for that event (*sw*). The goal is
+  copy bandwidth >= 90% of the baseline's for batch-sized copies.
+
+Two processes' work on one GPU is time-sliced unless MPS joins them: the producer's event
+runs only once the GPU has switched to the producer's context, and the copy after it waits
+for the switch back. That costs a read about 250-300 us on an H200 whatever is copied, and
+the *sw* baseline pays it too; the wall-clock ``ratio`` includes it.
+
+``settle_us`` (a diagnostic) makes the reader wait that long after the producer's notice
+before reading, to see whether the switch depends on how recently the producer ran.
 
 On a machine without CUDA the default pair is ``("cpu", "cpu")`` (shared-memory backend).
 
@@ -40,7 +52,9 @@ from dflash_ipc.transport.slots import SlotLayout, create_pool, open_reader, unl
 logger = logging.getLogger(__name__)
 
 _PRODUCED = struct.Struct("<iiq")  # slot, num_tokens, publish time (perf_counter_ns)
-_RELEASE = struct.Struct("<i")  # slot; -1 tells the producer to close and exit
+_RELEASE = struct.Struct("<i")  # slot; or one of the two commands below
+_CLOSE = -1  # the producer closes its pool and exits
+_MARK = -2  # the producer records its marker event as a publish would, and answers on `marked`
 _RECV_TIMEOUT_S = 120.0
 DEFAULT_CPU_SIZES_MIB = (1, 16, 64)
 DEFAULT_GPU_SIZES_MIB = (1, 16, 128, 512)
@@ -69,12 +83,37 @@ def _recv(conn: Any, what: str) -> bytes:
     return conn.recv_bytes()
 
 
+def _spin_until(done: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + _RECV_TIMEOUT_S
+    while not done():
+        if time.monotonic() > deadline:
+            raise TransportError(
+                f"transport bench: the producer's marker event not done in {_RECV_TIMEOUT_S:.0f} s"
+            )
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _producer_main(conn: Any, device: str, layout_d: dict, plan: list[int], name: str) -> None:
+def _next_command(
+    conn: Any, marked: Any, dev: torch.device, marker: Any, what: str
+) -> int:
+    """The consumer's next slot release (or ``_CLOSE``); answers ``_MARK`` on the way."""
+    while True:
+        (command,) = _RELEASE.unpack(_recv(conn, what))
+        if command != _MARK:
+            return command
+        _sync(dev)  # as before a publish
+        if marker is not None:
+            marker.record()  # what a publish puts on the GPU, and no wait for it: the same
+        marked.send_bytes(b"m")
+
+
+def _producer_main(
+    conn: Any, marked: Any, device: str, layout_d: dict, plan: list[int], name: str
+) -> None:
     """Publish one batch per entry of ``plan`` (token counts) as fast as slots come back."""
     torch.set_num_threads(1)
     dev = torch.device(device)
@@ -86,49 +125,78 @@ def _producer_main(conn: Any, device: str, layout_d: dict, plan: list[int], name
         for slot in range(layout.num_slots):
             pool.poison(slot, 1.0)  # touch every page once, outside the timed loop
         _sync(dev)
-        conn.send_bytes(_encode(pool.descriptor()))
+        # An interprocess event outside the pool, for the after-switch baseline.
+        marker = torch.cuda.Event(interprocess=True) if dev.type == "cuda" else None
+        handle = bytes(marker.ipc_handle()) if marker is not None else None
+        conn.send_bytes(_encode({"descriptor": pool.descriptor(), "marker": handle}))
         free = list(range(layout.num_slots))
         for num_tokens in plan:
             while conn.poll(0) or not free:
-                free.append(_RELEASE.unpack(_recv(conn, "release"))[0])
+                free.append(_next_command(conn, marked, dev, marker, "release"))
             slot = free.pop(0)
             _sync(dev)  # the GPU is idle: latency counts the handoff, not production
             start = time.perf_counter_ns()
             pool.publish(slot)
             conn.send_bytes(_PRODUCED.pack(slot, num_tokens, start))
-        while _RELEASE.unpack(_recv(conn, "final release"))[0] != -1:
+        while _next_command(conn, marked, dev, marker, "final release") != _CLOSE:
             pass
     finally:
         pool.close()
 
 
 def _baseline_s(
-    src_dev: torch.device, dst_dev: torch.device, nbytes: int, iters: int, warmup: int
-) -> list[float]:
-    """Seconds per plain ``dst.copy_(src)`` between the two devices, in this process."""
+    src_dev: torch.device, dst_dev: torch.device, nbytes: int, iters: int, warmup: int,
+    mark_producer: Callable[[], Callable[[], None]],
+) -> tuple[list[float], list[float], list[float]]:
+    """Seconds per plain ``dst.copy_(src)`` between the two devices, in this process:
+    wall clock to completion, the copy alone (CUDA events; the wall time on CPU), and the
+    wall clock of the same copy started where a read starts (the producer has just recorded
+    an event and notified; the time includes waiting for that event, as a read's does)."""
     src = torch.ones(nbytes, dtype=torch.uint8, device=src_dev)  # [nbytes]
     dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev)  # [nbytes]
-    times = []
-    for i in range(warmup + iters):
+    on_gpu = dst_dev.type == "cuda"
+    if on_gpu:
+        # torch runs a cross-device copy on the source's stream, fenced by events against
+        # the destination's current stream: events on the latter bracket the whole copy.
+        started, done = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        stream = torch.cuda.current_stream(dst_dev)
+
+    def timed_copy(wait: Callable[[], None] | None = None) -> float:
         _sync(src_dev)
         _sync(dst_dev)
         start = time.perf_counter()
+        if wait is not None:
+            wait()
+        if on_gpu:
+            started.record(stream)
         dst.copy_(src)
+        if on_gpu:
+            done.record(stream)
         _sync(dst_dev)
         _sync(src_dev)
+        return time.perf_counter() - start
+
+    walls, copies, switched = [], [], []
+    for i in range(warmup + iters):
+        after_switch = timed_copy(mark_producer())
+        wall = timed_copy()  # nothing of the producer's ran in between
         if i >= warmup:
-            times.append(time.perf_counter() - start)
+            switched.append(after_switch)
+            walls.append(wall)
+            copies.append(started.elapsed_time(done) / 1e3 if on_gpu else wall)
     del src, dst
-    return times
+    return walls, copies, switched
 
 
 def _consume(
-    reader: Any, conn: Any, out: torch.Tensor, count: int
-) -> tuple[list[float], list[float]]:
-    """Read ``count`` batches; return handoff latencies and read times in seconds."""
-    latencies, reads = [], []
+    reader: Any, conn: Any, out: torch.Tensor, count: int, settle_s: float
+) -> tuple[list[float], list[float], list[float]]:
+    """Read ``count`` batches; return handoff latencies, read times and copy times (s)."""
+    latencies, reads, copies = [], [], []
     for _ in range(count):
         slot, num_tokens, published = _PRODUCED.unpack(_recv(conn, "produced batch"))
+        if settle_s > 0:
+            time.sleep(settle_s)
         start = time.perf_counter_ns()
         reader.read(slot, num_tokens, out=out[:num_tokens])
         end = time.perf_counter_ns()
@@ -136,30 +204,41 @@ def _consume(
         # perf_counter_ns is CLOCK_MONOTONIC on Linux: comparable across processes.
         latencies.append((end - published) / 1e9)
         reads.append((end - start) / 1e9)
-    return latencies, reads
+        copies.append(reader.last_copy_s)
+    return latencies, reads, copies
 
 
 def _row(
-    src: str, dst: str, mib: float, nbytes: int, open_ms: float,
-    latencies: list[float], reads: list[float], base: list[float],
+    src: str, dst: str, mib: float, nbytes: int, open_ms: float, settle_us: float,
+    latencies: list[float], reads: list[float], copies: list[float],
+    base: list[float], base_copies: list[float], base_switched: list[float],
 ) -> dict[str, Any]:
     p99 = sorted(latencies)[min(len(latencies) - 1, int(0.99 * len(latencies)))]
     read_s, base_s = statistics.median(reads), statistics.median(base)
+    copy_s, base_copy_s = statistics.median(copies), statistics.median(base_copies)
+    switched_s = statistics.median(base_switched)
     return {
         "src": src, "dst": dst, "size_mib": mib, "bytes": nbytes, "iters": len(reads),
-        "open_ms": open_ms,
+        "open_ms": open_ms, "settle_us": settle_us,
         "latency_p50_us": statistics.median(latencies) * 1e6,
         "latency_p99_us": p99 * 1e6,
         "read_p50_us": read_s * 1e6,
         "read_gbps": nbytes / read_s / 1e9,
+        "baseline_p50_us": base_s * 1e6,
         "baseline_gbps": nbytes / base_s / 1e9,
         "ratio": base_s / read_s,
+        "baseline_switched_p50_us": switched_s * 1e6,
+        "switched_ratio": switched_s / read_s,
+        "copy_p50_us": copy_s * 1e6,
+        "copy_gbps": nbytes / copy_s / 1e9,
+        "baseline_copy_gbps": nbytes / base_copy_s / 1e9,
+        "copy_ratio": base_copy_s / copy_s,
     }
 
 
 def _bench_pair(
     src: str, dst: str, sizes_mib: Sequence[float], iters: int, warmup: int,
-    feature_dim: int, dtype: str,
+    feature_dim: int, dtype: str, settle_us: float,
 ) -> list[dict[str, Any]]:
     src_dev, dst_dev = torch.device(src), torch.device(dst)
     token_bytes = feature_dim * SlotLayout(1, 1, feature_dim, dtype).itemsize
@@ -169,30 +248,44 @@ def _bench_pair(
     prefix = f"dfbench{os.getpid()}"
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    args = (theirs, src, layout.to_dict(), plan, prefix)
+    marked, marked_theirs = ctx.Pipe(duplex=False)
+    args = (theirs, marked_theirs, src, layout.to_dict(), plan, prefix)
     proc = ctx.Process(target=_producer_main, args=args, daemon=True)
     proc.start()
     rows = []
     threads = torch.get_num_threads()
+
+    marker_done: Callable[[], bool] = lambda: True
+
+    def mark_producer() -> Callable[[], None]:
+        """Have the producer record its marker; return the wait for it (a read's wait)."""
+        ours.send_bytes(_RELEASE.pack(_MARK))
+        _recv(marked, "producer's marker")
+        return lambda: _spin_until(marker_done)
+
     if src_dev.type == "cpu":
         # One thread, like the producer: on a busy host, waking a thread pool for each
         # copy costs milliseconds and would measure the scheduler, not the transport.
         torch.set_num_threads(1)
     try:
-        descriptor = _decode(_recv(ours, "pool descriptor"))
+        hello = _decode(_recv(ours, "pool descriptor"))
+        descriptor = hello["descriptor"]
+        if hello["marker"] is not None:
+            marker = torch.cuda.Event.from_ipc_handle(dst_dev.index, hello["marker"])
+            marker_done = marker.query
         opened = time.perf_counter()
         reader = open_reader(descriptor, dst_dev)
         open_ms = (time.perf_counter() - opened) * 1e3
         out = torch.empty(layout.max_tokens, feature_dim, dtype=layout.torch_dtype, device=dst_dev)
         for mib, n in zip(sizes_mib, tokens):
-            latencies, reads = _consume(reader, ours, out, warmup + iters)
-            latencies, reads = latencies[warmup:], reads[warmup:]
+            latencies, reads, copies = _consume(reader, ours, out, warmup + iters, settle_us / 1e6)
+            measured = latencies[warmup:], reads[warmup:], copies[warmup:]
             nbytes = n * token_bytes
-            base = _baseline_s(src_dev, dst_dev, nbytes, iters, warmup)
-            rows.append(_row(src, dst, mib, nbytes, open_ms, latencies, reads, base))
+            base = _baseline_s(src_dev, dst_dev, nbytes, iters, warmup, mark_producer)
+            rows.append(_row(src, dst, mib, nbytes, open_ms, settle_us, *measured, *base))
         # Unmap first: the producer then exits with no reader left on its memory.
         reader.close()
-        ours.send_bytes(_RELEASE.pack(-1))
+        ours.send_bytes(_RELEASE.pack(_CLOSE))
         proc.join(_RECV_TIMEOUT_S)
     finally:
         torch.set_num_threads(threads)
@@ -234,18 +327,23 @@ def run_transport_bench(
     warmup: int = 3,
     feature_dim: int = 4096,
     dtype: str = "bfloat16",
+    settle_us: float = 0.0,
     print_fn: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
     """Measure slot handoff between two processes per device pair; print and return rows.
 
-    Each row: src, dst, size_mib, bytes, iters, open_ms (opening the pool once),
+    Each row: src, dst, size_mib, bytes, iters, open_ms (opening the pool once), settle_us,
     latency_p50_us / latency_p99_us (publish -> read complete), read_p50_us (inside
-    ``read``), read_gbps, baseline_gbps
-    (in-process copy between the same devices) and ratio = read / baseline.
+    ``read``), read_gbps, baseline_gbps / baseline_p50_us (in-process copy between the same
+    devices, wall clock) and ratio = read / baseline; baseline_switched_p50_us (the same
+    copy started where a read starts) and switched_ratio = read / that;
+    copy_p50_us, copy_gbps, baseline_copy_gbps and copy_ratio: the copy alone, timed
+    where it runs.
     """
-    if iters < 1 or warmup < 0:
+    if iters < 1 or warmup < 0 or settle_us < 0:
         raise ConfigError(
-            f"bench transport: iters must be >= 1 and warmup >= 0, got {iters}, {warmup}"
+            f"bench transport: iters must be >= 1, warmup >= 0 and settle_us >= 0, got "
+            f"{iters}, {warmup}, {settle_us}"
         )
     pairs = list(pairs) if pairs is not None else _default_pairs()
     _check_pairs(pairs)
@@ -254,16 +352,24 @@ def run_transport_bench(
         sizes_mib = DEFAULT_GPU_SIZES_MIB if on_gpu else DEFAULT_CPU_SIZES_MIB
     rows = []
     print_fn(
-        f"{'src':>7} {'dst':>7} {'MiB':>7} {'open ms':>8} {'handoff p50/p99 us':>19} "
-        f"{'read us':>8} {'read GB/s':>10} {'copy GB/s':>10} {'ratio':>6}"
+        f"{'src':>7} {'dst':>7} {'MiB':>6} {'open ms':>7} {'handoff p50/p99 us':>19} "
+        f"{'read us':>8} {'base us':>8} {'sw us':>8} {'ratio':>5} {'sw rat':>6} "
+        f"{'copy GB/s':>9} {'base GB/s':>9} {'copy ratio':>10}"
     )
     for src, dst in pairs:
-        for row in _bench_pair(src, dst, sizes_mib, iters, warmup, feature_dim, dtype):
+        for row in _bench_pair(src, dst, sizes_mib, iters, warmup, feature_dim, dtype, settle_us):
             rows.append(row)
             print_fn(
-                f"{row['src']:>7} {row['dst']:>7} {row['size_mib']:>7g} {row['open_ms']:>8.1f} "
+                f"{row['src']:>7} {row['dst']:>7} {row['size_mib']:>6g} {row['open_ms']:>7.1f} "
                 f"{row['latency_p50_us']:>9.1f} {row['latency_p99_us']:>9.1f} "
-                f"{row['read_p50_us']:>8.1f} {row['read_gbps']:>10.1f} "
-                f"{row['baseline_gbps']:>10.1f} {row['ratio']:>6.2f}"
+                f"{row['read_p50_us']:>8.1f} {row['baseline_p50_us']:>8.1f} "
+                f"{row['baseline_switched_p50_us']:>8.1f} {row['ratio']:>5.2f} "
+                f"{row['switched_ratio']:>6.2f} {row['copy_gbps']:>9.1f} "
+                f"{row['baseline_copy_gbps']:>9.1f} {row['copy_ratio']:>10.2f}"
             )
+    print_fn(
+        "read: wall time inside read(); base: a plain copy in this process; sw: the same copy "
+        "started where a read starts (after the producer's event); ratio = base/read, "
+        "sw rat = sw/read; copy: timed where it runs (the goal: copy ratio >= 0.9)"
+    )
     return rows

@@ -87,11 +87,20 @@ class DrafterWorker:
         self.remaining: dict[int, int] = {}   # batch id -> sequences not yet in a step
         self.trained: list[int] = []          # batch ids fully trained, not yet committed
         self.wait_s = 0.0
+        # Transport cost, cumulative: wall time inside reads, the copies' own time (GPU-timed
+        # on cuda_ipc), and bytes read; read_s - copy_s is handoff overhead, not bandwidth.
+        self.read_s = self.copy_s = 0.0
+        self.read_bytes = 0
         self.trained_tokens = 0   # this rank's tokens that went through a step (status: tok_rate)
 
     def accept(self, msg: p.Assign) -> None:
         """Copies an assigned slot into local memory and queues its sequences."""
-        features = self.readers.get(msg.pool).read(msg.slot, msg.num_tokens)  # [T, F] local copy
+        reader = self.readers.get(msg.pool)
+        started = time.perf_counter()
+        features = reader.read(msg.slot, msg.num_tokens)  # [T, F] local copy
+        self.read_s += time.perf_counter() - started
+        self.copy_s += reader.last_copy_s or 0.0
+        self.read_bytes += features.numel() * features.element_size()
         self._forget(msg.batch_id)
         offset = 0
         for sample_id in msg.sample_ids:
@@ -294,7 +303,8 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
                             tokens=worker.trained_tokens - before[3])
             profiler.step()
             stats.update(wait_s=worker.wait_s, fifo=len(worker.fifo), rank=rank, time=time.time(),
-                         trained_tokens=worker.trained_tokens)
+                         trained_tokens=worker.trained_tokens, read_s=worker.read_s,
+                         copy_s=worker.copy_s, read_bytes=worker.read_bytes)
             link.metrics.update({k: float(v) for k, v in stats.items() if isinstance(v, (int, float))})
             link.metrics.update(process_memory(worker.trainer.device))
             if metrics_file is not None:

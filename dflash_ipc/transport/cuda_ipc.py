@@ -393,7 +393,11 @@ class CudaIpcSlotReader(SlotReader):
             flat = torch.empty(0, dtype=torch.uint8, device=device).set_(raw)  # [size_bytes]
             self._flat: torch.Tensor | None = flat
             self._stream = torch.cuda.Stream(device=device)
-            self._done = torch.cuda.Event()
+            # Timing events: a record costs about what a plain one does, and the copy's own
+            # duration is what tells bandwidth apart from handoff latency.
+            self._started = torch.cuda.Event(enable_timing=True)
+            self._done = torch.cuda.Event(enable_timing=True)
+            self._timed = False
         logger.info(
             "opened cuda_ipc slot pool %s (producer GPU %s) on %s in %.1f ms",
             self.pool_id, uuid, device, (time.perf_counter() - start) * 1e3,
@@ -468,6 +472,7 @@ class CudaIpcSlotReader(SlotReader):
             else:
                 check_out(out, self.layout, num_tokens, self.device)
                 self._stream.wait_stream(caller)  # the caller's stream may still use `out`
+            self._started.record(self._stream)
             out.copy_(src, non_blocking=True)
             self._done.record(self._stream)
         try:
@@ -480,11 +485,18 @@ class CudaIpcSlotReader(SlotReader):
             raise TransportError(
                 f"slot pool {self.pool_id}: copy of slot {slot} failed: {exc}"
             ) from exc
+        self._timed = True
         if allocated:
             out.record_stream(caller)  # the caller uses it next; free only after that use
         # A producer that died during the copy may have taken its memory with it.
         self._watch.check(f"while slot {slot} was copied")
         return out  # [num_tokens, D] on self.device
+
+    @property
+    def last_copy_s(self) -> float | None:
+        if not self._timed:
+            return None
+        return self._started.elapsed_time(self._done) / 1e3  # both complete: read synced
 
     def close(self) -> None:
         if self._flat is None:

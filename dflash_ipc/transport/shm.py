@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 import weakref
 from typing import Any
 
@@ -200,6 +201,11 @@ class ShmSlotReader(SlotReader):
                 "although its producer runs: the pool was closed"
             )
         self._flat: torch.Tensor | None = _map(segment, nbytes)
+        self._last_copy_s: float | None = None
+
+    @property
+    def last_copy_s(self) -> float | None:
+        return self._last_copy_s
 
     def producer_alive(self) -> bool:
         return self._watch.alive()
@@ -213,10 +219,12 @@ class ShmSlotReader(SlotReader):
             out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
         else:
             check_out(out, self.layout, num_tokens, self.device)
+        start = time.perf_counter()
         out.copy_(src)
         if out.device.type == "cuda":
             # The caller releases the slot as soon as we return: the copy must be done.
             torch.cuda.current_stream(out.device).synchronize()
+        self._last_copy_s = time.perf_counter() - start
         return out
 
     def close(self) -> None:

@@ -222,6 +222,16 @@ class SlotReader(ABC):
         the reader's timeout.
         """
 
+    @property
+    @abstractmethod
+    def last_copy_s(self) -> float | None:
+        """Seconds the last ``read``'s copy itself took (None before the first read).
+
+        Timed where the copy runs: with CUDA events on the copy stream for GPU pools, so
+        it leaves out the wait for the producer's event and the host's wake-up, and
+        separates bandwidth (bytes / this) from handoff latency.
+        """
+
     @abstractmethod
     def close(self) -> None:
         """Unmap the pool; idempotent."""
