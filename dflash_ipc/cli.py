@@ -295,11 +295,15 @@ def bench_dispatch(num_samples, num_targets, num_drafters, policies, target_spee
               help="Batch size in MiB (repeatable; default: 1 16 128 512 on GPUs, 1 16 64 on CPU).")
 @click.option("--settle-us", default=0.0, show_default=True, type=click.FloatRange(min=0),
               help="Diagnostic: wait this long after each notice before reading.")
-def bench_transport(pairs, iters, sizes_mib, settle_us) -> None:
+@click.option("--publish-sync", type=click.Choice(["ipc_event", "host_wait"]), default="ipc_event",
+              show_default=True, help="How the producer orders reads after its writes "
+              "(target.publish_sync).")
+def bench_transport(pairs, iters, sizes_mib, settle_us, publish_sync) -> None:
     """Slot handoff latency and copy bandwidth against a plain device-to-device copy."""
     from dflash_ipc.bench.transport import run_transport_bench
     run_transport_bench(pairs=[tuple(pair.split(",")) for pair in pairs] or None, iters=iters,
-                        sizes_mib=list(sizes_mib) or None, settle_us=settle_us)
+                        sizes_mib=list(sizes_mib) or None, settle_us=settle_us,
+                        publish_sync=publish_sync)
 
 
 @bench.command("drafter")

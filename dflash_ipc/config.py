@@ -123,6 +123,12 @@ class TargetConfig:
     """Hidden-state slots per target; a target stalls when all are waiting for drafters."""
     prefetch: int = 2
     """Batches a target asks for ahead of the one it computes (its pull credit)."""
+    publish_sync: str = "auto"
+    """How a drafter's read is ordered after the target's writes, on GPUs: ipc_event (an
+    interprocess event per slot, recorded at publish), host_wait (the target waits for its
+    writes before it announces the batch; no interprocess event), or auto: host_wait for a
+    target whose GPU also runs drafters (an interprocess event's record costs the other
+    processes on its GPU ~150-300 us; docs/benchmarks.md), ipc_event otherwise."""
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, "target.dtype", f"'{self.dtype}' not allowed; allowed: {DTYPES}")
@@ -134,6 +140,9 @@ class TargetConfig:
         _require(self.num_slots >= 1, "target.num_slots", "must be >= 1")
         _require(1 <= self.prefetch <= self.num_slots, "target.prefetch",
                  f"must be in [1, num_slots={self.num_slots}], got {self.prefetch}")
+        allowed_sync = ("auto", "ipc_event", "host_wait")  # + transport's PUBLISH_SYNC_MODES
+        _require(self.publish_sync in allowed_sync, "target.publish_sync",
+                 f"'{self.publish_sync}' not allowed; allowed: {allowed_sync}")
 
     def device_of(self, rank: int) -> str:
         """The device of global rank `rank`: devices are per node, ranks count across nodes."""
@@ -296,6 +305,14 @@ class JobConfig:
         """The global ranks of `role` ("target" | "drafter") that this node runs."""
         per_node = self.target.num_workers if role == "target" else self.drafter.num_workers
         return range(self.run.node_rank * per_node, (self.run.node_rank + 1) * per_node)
+
+    def publish_sync_of(self, rank: int) -> str:
+        """Target `rank`'s slot publish mode, with `auto` resolved (see TargetConfig)."""
+        if self.target.publish_sync != "auto":
+            return self.target.publish_sync
+        device = self.target.device_of(rank)
+        shares_gpu = device.startswith("cuda") and device in self.drafter.devices
+        return "host_wait" if shares_gpu else "ipc_event"
 
     def node_of(self, role: str, rank: int) -> int:
         return rank // (self.target.num_workers if role == "target" else self.drafter.num_workers)

@@ -44,6 +44,8 @@ def test_overrides_parse_types():
     ("target.dtype=int8", "target.dtype"),
     ("drafter.attention=sparse", "allowed: auto, flex, dense"),
     ("target.prefetch=9", "target.prefetch"),
+    ("target.publish_sync=event",
+     "target.publish_sync: 'event' not allowed; allowed: ('auto', 'ipc_event', 'host_wait')"),
     ("dispatch.address=http://x", "dispatch.address"),
     ("drafter.dtype=float64", "drafter.dtype"),
     ("noequals", "must look like section.key=value"),
@@ -52,6 +54,18 @@ def test_bad_values_are_named(override, needle):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
     assert needle in str(info.value)
+
+
+def test_publish_sync_auto_follows_gpu_sharing():
+    split = load_config(None, ["target.devices=[cuda:0]", "drafter.devices=[cuda:1]"])
+    assert split.target.publish_sync == "auto" and split.publish_sync_of(0) == "ipc_event"
+    shared = load_config(None, ["target.num_workers=2", "target.devices=[cuda:0, cuda:1]",
+                                "drafter.devices=[cuda:1]"])
+    assert [shared.publish_sync_of(r) for r in (0, 1)] == ["ipc_event", "host_wait"]
+    forced = load_config(None, ["target.devices=[cuda:0]", "drafter.devices=[cuda:0]",
+                                "target.publish_sync=ipc_event"])
+    assert forced.publish_sync_of(0) == "ipc_event"
+    assert load_config(None, []).publish_sync_of(0) == "ipc_event"  # cpu: shared memory
 
 
 def test_mixing_cpu_and_cuda_is_refused():

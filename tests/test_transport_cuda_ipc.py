@@ -15,7 +15,7 @@ import msgpack
 import pytest
 import torch
 
-from dflash_ipc.errors import ProducerGoneError, TransportError
+from dflash_ipc.errors import ConfigError, ProducerGoneError, TransportError
 from dflash_ipc.transport.cuda_ipc import check_torch_version, parse_share_tuple, wait_until
 from dflash_ipc.transport.slots import (
     ProducerWatch,
@@ -85,6 +85,9 @@ def test_wait_until_is_bounded():
 def test_cuda_pool_without_cuda_is_a_clear_error():
     with pytest.raises(TransportError, match="CUDA is not available"):
         create_pool(SlotLayout(1, 1, 1, "float32"), "cuda:0", name="dfl-nocuda")
+    # The publish mode is checked first, on any device.
+    with pytest.raises(ConfigError, match=r"publish_sync 'event' not allowed; allowed: \('ipc_event', 'host_wait'\)"):
+        create_pool(SlotLayout(1, 1, 1, "float32"), "cpu", name="dfl-badsync", publish_sync="event")
 
 
 # --- helpers for the producer processes -----------------------------------------------------
@@ -128,11 +131,12 @@ def _spawn(target, *args, env: dict | None = None):
     return proc, ours
 
 
-def _producer_main(conn, device: str, layout_d: dict, num_batches: int, seed: int) -> None:
+def _producer_main(conn, device: str, layout_d: dict, num_batches: int, seed: int,
+                   publish_sync: str) -> None:
     """Publish batches while the GPU is still busy; poison every slot as soon as it is back."""
     torch.cuda.set_device(device)
     layout = SlotLayout(**layout_d)
-    pool = create_pool(layout, device, name="dfl-gpu")
+    pool = create_pool(layout, device, name="dfl-gpu", publish_sync=publish_sync)
     for slot in range(layout.num_slots):
         pool.poison(slot, POISON)
     _send(conn, {"descriptor": pool.descriptor()})
@@ -182,22 +186,26 @@ def _slow_producer_main(conn, device: str, layout_d: dict) -> None:
 
 
 def _pairs():
-    cases = [("cuda:0", "cuda:0", False), ("cuda:0", "cuda:0", True)]
+    cases = [("cuda:0", "cuda:0", False, "ipc_event"), ("cuda:0", "cuda:0", True, "ipc_event"),
+             ("cuda:0", "cuda:0", False, "host_wait")]
     if NUM_GPUS > 1:
-        cases.append(("cuda:1", "cuda:0", False))
+        cases += [("cuda:1", "cuda:0", False, "ipc_event"), ("cuda:1", "cuda:0", False, "host_wait")]
     return cases
 
 
 @requires_gpu
-@pytest.mark.parametrize("producer_dev,consumer_dev,expandable", _pairs())
-def test_random_batches_with_poisoned_reuse(producer_dev, consumer_dev, expandable):
+@pytest.mark.parametrize("producer_dev,consumer_dev,expandable,publish_sync", _pairs())
+def test_random_batches_with_poisoned_reuse(producer_dev, consumer_dev, expandable, publish_sync):
     layout = SlotLayout(num_slots=2, max_tokens=384, feature_dim=1000, dtype="bfloat16")
     num_batches = 240
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if expandable else {}
-    proc, conn = _spawn(_producer_main, producer_dev, layout.to_dict(), num_batches, 5, env=env)
+    proc, conn = _spawn(_producer_main, producer_dev, layout.to_dict(), num_batches, 5,
+                        publish_sync, env=env)
     try:
         desc = _recv(conn)["descriptor"]
         assert msgpack.unpackb(msgpack.packb(desc)) == desc
+        assert desc["publish_sync"] == publish_sync
+        assert len(desc["slot_events"]) == (layout.num_slots if publish_sync == "ipc_event" else 0)
         cache = ReaderCache(consumer_dev)
         reader = cache.get(desc)
         buf = torch.empty(
@@ -310,4 +318,17 @@ def test_peer_access_and_device_errors():
     assert desc["backend"] == "cuda_ipc" and len(desc["slot_events"]) == 1
     with pytest.raises(TransportError, match="needs a cuda:N device"):
         open_reader(desc, "cpu")
+    # A descriptor whose events do not match its publish mode is refused before any open.
+    with pytest.raises(TransportError, match=r"publish_sync 'bogus', expected one of"):
+        open_reader({**desc, "publish_sync": "bogus"}, "cuda:0")
+    with pytest.raises(TransportError, match="publish_sync host_wait needs 0 event handles"):
+        open_reader({**desc, "publish_sync": "host_wait"}, "cuda:0")
+    pool.close()
+    # host_wait: the writes are done when publish returns, and no event is exported.
+    pool = create_pool(SlotLayout(2, 4, 8, "float32"), "cuda:0", name="dfl-own", publish_sync="host_wait")
+    torch.cuda._sleep(100_000_000)  # ~50 ms of GPU work queued before the write
+    pool.write_view(1, 4).fill_(3.0)
+    pool.publish(1)
+    assert torch.cuda.current_stream().query()  # nothing left in flight
+    assert pool.descriptor()["slot_events"] == [] and pool.descriptor()["publish_sync"] == "host_wait"
     pool.close()

@@ -322,7 +322,8 @@ def test_transport_bench_runs_on_shm():
         pairs=[("cpu", "cpu")], sizes_mib=[0.25, 1], iters=3, warmup=1, settle_us=2000,
         print_fn=lines.append,
     )
-    assert len(lines) == 4 and "read us" in lines[0] and "copy ratio" in lines[0]
+    assert len(lines) == 5 and lines[0] == "publish_sync ipc_event"
+    assert "read us" in lines[1] and "copy ratio" in lines[1]
     assert [r["size_mib"] for r in rows] == [0.25, 1]
     for row in rows:
         assert row["bytes"] == int(row["size_mib"] * 2**20) and row["iters"] == 3
@@ -333,6 +334,9 @@ def test_transport_bench_runs_on_shm():
         assert row["latency_p50_us"] >= row["read_p50_us"] + 2000
         assert row["settle_us"] == 2000
         assert row["baseline_switched_p50_us"] > 0 and row["switched_ratio"] > 0
+        assert row["publish_sync"] == "ipc_event"
+    with pytest.raises(ConfigError, match="publish_sync 'x' not allowed"):
+        run_transport_bench(pairs=[("cpu", "cpu")], publish_sync="x")
     with pytest.raises(ConfigError, match="settle_us"):
         run_transport_bench(pairs=[("cpu", "cpu")], settle_us=-1)
     with pytest.raises(ConfigError, match="cuda:N"):

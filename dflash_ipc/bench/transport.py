@@ -15,13 +15,14 @@ the bench process reads from it, exactly as a target and a drafter do. Per batch
   event and notified, and the time includes waiting for that event (*sw*). The goal is
   copy bandwidth >= 90% of the baseline's for batch-sized copies.
 
-Two processes' work on one GPU is time-sliced unless MPS joins them: the producer's event
-runs only once the GPU has switched to the producer's context, and the copy after it waits
-for the switch back. That costs a read about 250-300 us on an H200 whatever is copied, and
-the *sw* baseline pays it too; the wall-clock ``ratio`` includes it.
+On one GPU shared by two processes, a fixed cost per read comes from the producer's side
+of the handoff, not from the copy: with ``publish_sync="ipc_event"`` the recording of an
+interprocess event makes the next work of the other process on that GPU wait (about
+250-300 us per read on an H200, whatever is copied: the *sw* baseline pays it too);
+``"host_wait"`` records no such event. The wall-clock ``ratio`` includes that cost.
 
 ``settle_us`` (a diagnostic) makes the reader wait that long after the producer's notice
-before reading, to see whether the switch depends on how recently the producer ran.
+before reading: the cost does not fade with time.
 
 On a machine without CUDA the default pair is ``("cpu", "cpu")`` (shared-memory backend).
 
@@ -47,7 +48,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dflash_ipc.errors import ConfigError, TransportError
-from dflash_ipc.transport.slots import SlotLayout, create_pool, open_reader, unlink_segments
+from dflash_ipc.transport.slots import (
+    PUBLISH_SYNC_MODES,
+    SlotLayout,
+    create_pool,
+    open_reader,
+    unlink_segments,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +105,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _next_command(
-    conn: Any, marked: Any, dev: torch.device, marker: Any, what: str
+    conn: Any, marked: Any, dev: torch.device, marker: Any, handle: bytes | None, what: str
 ) -> int:
     """The consumer's next slot release (or ``_CLOSE``); answers ``_MARK`` on the way."""
     while True:
@@ -107,12 +114,16 @@ def _next_command(
             return command
         _sync(dev)  # as before a publish
         if marker is not None:
-            marker.record()  # what a publish puts on the GPU, and no wait for it: the same
+            # What a publish puts on the GPU, and the same wait (none, or the host's).
+            marker.record()
+            if handle is None:  # host_wait
+                marker.synchronize()
         marked.send_bytes(b"m")
 
 
 def _producer_main(
-    conn: Any, marked: Any, device: str, layout_d: dict, plan: list[int], name: str
+    conn: Any, marked: Any, device: str, layout_d: dict, plan: list[int], name: str,
+    publish_sync: str,
 ) -> None:
     """Publish one batch per entry of ``plan`` (token counts) as fast as slots come back."""
     torch.set_num_threads(1)
@@ -120,25 +131,28 @@ def _producer_main(
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     layout = SlotLayout(**layout_d)
-    pool = create_pool(layout, dev, name=name)
+    pool = create_pool(layout, dev, name=name, publish_sync=publish_sync)
     try:
         for slot in range(layout.num_slots):
             pool.poison(slot, 1.0)  # touch every page once, outside the timed loop
         _sync(dev)
-        # An interprocess event outside the pool, for the after-switch baseline.
-        marker = torch.cuda.Event(interprocess=True) if dev.type == "cuda" else None
-        handle = bytes(marker.ipc_handle()) if marker is not None else None
+        # An event outside the pool, for the baseline started where a read starts.
+        marker, handle = None, None
+        if dev.type == "cuda":
+            marker = torch.cuda.Event(interprocess=publish_sync == "ipc_event")
+            if publish_sync == "ipc_event":
+                handle = bytes(marker.ipc_handle())
         conn.send_bytes(_encode({"descriptor": pool.descriptor(), "marker": handle}))
         free = list(range(layout.num_slots))
         for num_tokens in plan:
             while conn.poll(0) or not free:
-                free.append(_next_command(conn, marked, dev, marker, "release"))
+                free.append(_next_command(conn, marked, dev, marker, handle, "release"))
             slot = free.pop(0)
             _sync(dev)  # the GPU is idle: latency counts the handoff, not production
             start = time.perf_counter_ns()
             pool.publish(slot)
             conn.send_bytes(_PRODUCED.pack(slot, num_tokens, start))
-        while _next_command(conn, marked, dev, marker, "final release") != _CLOSE:
+        while _next_command(conn, marked, dev, marker, handle, "final release") != _CLOSE:
             pass
     finally:
         pool.close()
@@ -238,7 +252,7 @@ def _row(
 
 def _bench_pair(
     src: str, dst: str, sizes_mib: Sequence[float], iters: int, warmup: int,
-    feature_dim: int, dtype: str, settle_us: float,
+    feature_dim: int, dtype: str, settle_us: float, publish_sync: str,
 ) -> list[dict[str, Any]]:
     src_dev, dst_dev = torch.device(src), torch.device(dst)
     token_bytes = feature_dim * SlotLayout(1, 1, feature_dim, dtype).itemsize
@@ -249,7 +263,7 @@ def _bench_pair(
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
     marked, marked_theirs = ctx.Pipe(duplex=False)
-    args = (theirs, marked_theirs, src, layout.to_dict(), plan, prefix)
+    args = (theirs, marked_theirs, src, layout.to_dict(), plan, prefix, publish_sync)
     proc = ctx.Process(target=_producer_main, args=args, daemon=True)
     proc.start()
     rows = []
@@ -282,7 +296,8 @@ def _bench_pair(
             measured = latencies[warmup:], reads[warmup:], copies[warmup:]
             nbytes = n * token_bytes
             base = _baseline_s(src_dev, dst_dev, nbytes, iters, warmup, mark_producer)
-            rows.append(_row(src, dst, mib, nbytes, open_ms, settle_us, *measured, *base))
+            row = _row(src, dst, mib, nbytes, open_ms, settle_us, *measured, *base)
+            rows.append({**row, "publish_sync": publish_sync})
         # Unmap first: the producer then exits with no reader left on its memory.
         reader.close()
         ours.send_bytes(_RELEASE.pack(_CLOSE))
@@ -328,11 +343,13 @@ def run_transport_bench(
     feature_dim: int = 4096,
     dtype: str = "bfloat16",
     settle_us: float = 0.0,
+    publish_sync: str = "ipc_event",
     print_fn: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
     """Measure slot handoff between two processes per device pair; print and return rows.
 
-    Each row: src, dst, size_mib, bytes, iters, open_ms (opening the pool once), settle_us,
+    Each row: src, dst, size_mib, bytes, iters, publish_sync (how the producer publishes:
+    ``transport.slots.PUBLISH_SYNC_MODES``), open_ms (opening the pool once), settle_us,
     latency_p50_us / latency_p99_us (publish -> read complete), read_p50_us (inside
     ``read``), read_gbps, baseline_gbps / baseline_p50_us (in-process copy between the same
     devices, wall clock) and ratio = read / baseline; baseline_switched_p50_us (the same
@@ -340,6 +357,11 @@ def run_transport_bench(
     copy_p50_us, copy_gbps, baseline_copy_gbps and copy_ratio: the copy alone, timed
     where it runs.
     """
+    if publish_sync not in PUBLISH_SYNC_MODES:
+        raise ConfigError(
+            f"bench transport: publish_sync {publish_sync!r} not allowed; allowed: "
+            f"{PUBLISH_SYNC_MODES}"
+        )
     if iters < 1 or warmup < 0 or settle_us < 0:
         raise ConfigError(
             f"bench transport: iters must be >= 1, warmup >= 0 and settle_us >= 0, got "
@@ -351,13 +373,16 @@ def run_transport_bench(
         on_gpu = any(torch.device(s).type == "cuda" for s, _ in pairs)
         sizes_mib = DEFAULT_GPU_SIZES_MIB if on_gpu else DEFAULT_CPU_SIZES_MIB
     rows = []
+    print_fn(f"publish_sync {publish_sync}")
     print_fn(
         f"{'src':>7} {'dst':>7} {'MiB':>6} {'open ms':>7} {'handoff p50/p99 us':>19} "
         f"{'read us':>8} {'base us':>8} {'sw us':>8} {'ratio':>5} {'sw rat':>6} "
         f"{'copy GB/s':>9} {'base GB/s':>9} {'copy ratio':>10}"
     )
     for src, dst in pairs:
-        for row in _bench_pair(src, dst, sizes_mib, iters, warmup, feature_dim, dtype, settle_us):
+        for row in _bench_pair(
+            src, dst, sizes_mib, iters, warmup, feature_dim, dtype, settle_us, publish_sync
+        ):
             rows.append(row)
             print_fn(
                 f"{row['src']:>7} {row['dst']:>7} {row['size_mib']:>6g} {row['open_ms']:>7.1f} "

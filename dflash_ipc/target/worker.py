@@ -80,7 +80,8 @@ def run_target(cfg: JobConfig, rank: int) -> None:
     layout = SlotLayout(num_slots=cfg.target.num_slots,
                         max_tokens=SlotLayout.required_max_tokens(cfg.data.token_budget),
                         feature_dim=capture.feature_dim, dtype=cfg.target.dtype)
-    pool = create_pool(layout, device, name=pool_name(cfg, rank))
+    pool = create_pool(layout, device, name=pool_name(cfg, rank),
+                       publish_sync=cfg.publish_sync_of(rank))
     link = DispatcherLink(cfg.dispatcher_address, identity=f"target/{rank}",
                           heartbeat_interval_s=cfg.dispatch.heartbeat_interval_s,
                           timeout_s=cfg.dispatch.heartbeat_timeout_s)

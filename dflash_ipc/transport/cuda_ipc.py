@@ -3,7 +3,16 @@
 Producer (target):
 - one plain ``cudaMalloc``-backed allocation per pool (never an expandable segment, see
   ``_allocate_pool_buffer``), exported once with ``UntypedStorage._share_cuda_()``;
-- one interprocess event per slot; ``publish(slot)`` records it on the current stream.
+- ``publish_sync="ipc_event"`` (default): one interprocess event per slot; ``publish(slot)``
+  records it on the current stream and returns at once;
+- ``publish_sync="host_wait"``: ``publish(slot)`` records a plain event and waits for it
+  on the host, so the writes are done before the batch is announced and the reader needs
+  no event. Why offer it: on a GPU that several processes share, recording an
+  interprocess event makes the next work of the *other* processes on that GPU wait
+  ~140-200 us (H200, measured with ``bench transport --publish-sync``), which the reader
+  pays on every read when it shares the producer's GPU. The price is the producer's host
+  waiting for its last writes, which a target hardly notices: its forward pass already
+  synchronises once per batch.
 The handle bytes travel in the msgpack descriptor; no pickle is involved anywhere.
 
 Consumer (drafter):
@@ -12,8 +21,8 @@ Consumer (drafter):
   with peer access enabled, so the copy is an ordinary device-to-device copy on the
   drafter's own stream and the drafter never creates a CUDA context on a target's GPU;
 - per ``read``: polls the slot's event on the host until the producer's writes are done
-  (re-checking the producer's liveness, with a timeout), then copies on a private stream
-  and waits for that copy. ``read`` returns only once the copy is complete, so the caller
+  (re-checking the producer's liveness, with a timeout; nothing to wait for under
+  ``host_wait``), then copies on a private stream and waits for that copy. ``read`` returns only once the copy is complete, so the caller
   may report Consumed at once.
 
 Why host polling and not ``stream.wait_event(ipc_event)``: a GPU-side wait on an event of
@@ -42,6 +51,7 @@ from dflash_ipc.errors import ConfigError, TransportError
 from dflash_ipc.transport.slots import (
     DEFAULT_READ_TIMEOUT_S,
     DESCRIPTOR_VERSION,
+    PUBLISH_SYNC_MODES,
     ProducerWatch,
     SlotLayout,
     SlotPool,
@@ -264,11 +274,19 @@ def _allocate_pool_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
 class CudaIpcSlotPool(SlotPool):
     """Producer side: one exported CUDA allocation, one interprocess event per slot."""
 
-    def __init__(self, layout: SlotLayout, device: torch.device, *, name: str) -> None:
+    def __init__(
+        self, layout: SlotLayout, device: torch.device, *, name: str,
+        publish_sync: str = "ipc_event",
+    ) -> None:
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise ConfigError(
                 f"slot pool name {name!r}: use 1..200 letters, digits, '.', '_' and '-'"
             )
+        if publish_sync not in PUBLISH_SYNC_MODES:
+            raise ConfigError(
+                f"slot pool publish_sync {publish_sync!r} not allowed; allowed: {PUBLISH_SYNC_MODES}"
+            )
+        self.publish_sync = publish_sync
         check_torch_version()
         _check_cuda_device(device, "slot pool")
         self.layout = layout
@@ -284,15 +302,21 @@ class CudaIpcSlotPool(SlotPool):
                     f"GiB on {device} ({layout.num_slots} slots x {layout.slot_bytes} bytes)"
                 ) from exc
             self._share = parse_share_tuple(self._flat.untyped_storage()._share_cuda_())
-            self._events = [torch.cuda.Event(interprocess=True) for _ in range(layout.num_slots)]
-            # ipc_handle() creates the event on the current device (the pool's).
-            self._event_handles = [bytes(e.ipc_handle()) for e in self._events]
+            if publish_sync == "ipc_event":
+                self._events = [
+                    torch.cuda.Event(interprocess=True) for _ in range(layout.num_slots)
+                ]
+                # ipc_handle() creates the event on the current device (the pool's).
+                self._event_handles = [bytes(e.ipc_handle()) for e in self._events]
+            else:
+                self._events = [torch.cuda.Event()]  # waited on here, never exported
+                self._event_handles = []
         self._identity = producer_identity()
         self._uuid = _device_uuid(device.index)
         logger.info(
-            "cuda_ipc slot pool %s on %s: %d slots x %d tokens x %d (%s), %.1f MiB",
+            "cuda_ipc slot pool %s on %s: %d slots x %d tokens x %d (%s), %.1f MiB, publish %s",
             self.pool_id, device, layout.num_slots, layout.max_tokens, layout.feature_dim,
-            layout.dtype, layout.pool_bytes / 2**20,
+            layout.dtype, layout.pool_bytes / 2**20, publish_sync,
         )
 
     def _buffer(self) -> torch.Tensor:
@@ -318,6 +342,7 @@ class CudaIpcSlotPool(SlotPool):
                 "ref_counter_handle": share["ref_counter_handle"],
                 "ref_counter_offset": share["ref_counter_offset"],
             },
+            "publish_sync": self.publish_sync,
             "slot_events": list(self._event_handles),
         }
 
@@ -325,13 +350,26 @@ class CudaIpcSlotPool(SlotPool):
         return slot_view(self._buffer(), self.layout, slot, num_tokens)  # [num_tokens, D]
 
     def publish(self, slot: int, stream: torch.cuda.Stream | None = None) -> None:
-        """Record the slot's event on ``stream`` (default: the current stream).
+        """Order readers of ``slot`` after the writes issued on ``stream`` (default: the
+        current stream; issue the writes there, or make it wait for the stream that wrote).
 
-        Issue the writes on that stream (or make it wait for the stream that wrote).
+        ``ipc_event``: records the slot's interprocess event and returns. ``host_wait``:
+        returns once those writes are done (the wait releases the GIL).
         """
         self.layout.byte_range(slot, 0)
         self._buffer()
-        self._events[slot].record(stream or torch.cuda.current_stream(self.device))
+        stream = stream or torch.cuda.current_stream(self.device)
+        if self.publish_sync == "ipc_event":
+            self._events[slot].record(stream)
+            return
+        written = self._events[0]
+        written.record(stream)
+        try:
+            written.synchronize()
+        except RuntimeError as exc:
+            raise TransportError(
+                f"slot pool {self.pool_id}: writes to slot {slot} failed on {self.device}: {exc}"
+            ) from exc
 
     def poison(self, slot: int, value: float) -> None:
         with torch.cuda.device(self.device):
@@ -368,7 +406,7 @@ class CudaIpcSlotReader(SlotReader):
         self._index = device.index
         self.timeout_s = timeout_s
         self._watch = ProducerWatch(descriptor["producer"], self.pool_id)
-        storage, handles, uuid = self._parse(descriptor)
+        storage, handles, uuid, self.publish_sync = self._parse(descriptor)
         self._check_peer(uuid)
         self._watch.check("when opening its pool")
         start = time.perf_counter()
@@ -403,11 +441,12 @@ class CudaIpcSlotReader(SlotReader):
             self.pool_id, uuid, device, (time.perf_counter() - start) * 1e3,
         )
 
-    def _parse(self, descriptor: dict[str, Any]) -> tuple[dict[str, Any], list[bytes], str]:
+    def _parse(self, descriptor: dict[str, Any]) -> tuple[dict[str, Any], list[bytes], str, str]:
         try:
             storage = descriptor["storage"]
             handles = list(descriptor["slot_events"])
             uuid = str(descriptor["device_uuid"])
+            publish_sync = descriptor["publish_sync"]
             fields = {
                 "handle": bytes, "size_bytes": int, "offset_bytes": int,
                 "ref_counter_handle": bytes, "ref_counter_offset": int,
@@ -422,17 +461,23 @@ class CudaIpcSlotReader(SlotReader):
                 f"cuda_ipc slot pool {self.pool_id}: descriptor storage fields {bad} missing or "
                 "of the wrong type (expected bytes handles and int sizes)"
             )
-        if len(handles) != self.layout.num_slots or not all(isinstance(h, bytes) for h in handles):
+        if publish_sync not in PUBLISH_SYNC_MODES:
             raise TransportError(
-                f"cuda_ipc slot pool {self.pool_id}: need {self.layout.num_slots} event handles "
-                f"(bytes), got {len(handles)}"
+                f"cuda_ipc slot pool {self.pool_id}: descriptor publish_sync {publish_sync!r}, "
+                f"expected one of {PUBLISH_SYNC_MODES}"
+            )
+        wanted = self.layout.num_slots if publish_sync == "ipc_event" else 0
+        if len(handles) != wanted or not all(isinstance(h, bytes) for h in handles):
+            raise TransportError(
+                f"cuda_ipc slot pool {self.pool_id}: publish_sync {publish_sync} needs {wanted} "
+                f"event handles (bytes), got {len(handles)}"
             )
         if storage["size_bytes"] < self.layout.pool_bytes:
             raise TransportError(
                 f"cuda_ipc slot pool {self.pool_id}: storage of {storage['size_bytes']} bytes is "
                 f"smaller than its layout ({self.layout.pool_bytes} bytes)"
             )
-        return storage, handles, uuid
+        return storage, handles, uuid, publish_sync
 
     def _check_peer(self, uuid: str) -> None:
         producer = _local_index_of(uuid)
@@ -462,7 +507,8 @@ class CudaIpcSlotReader(SlotReader):
             raise TransportError(f"reader of slot pool {self.pool_id} is closed")
         self._watch.check(f"before reading slot {slot}")
         src = slot_view(self._flat, self.layout, slot, num_tokens)  # [num_tokens, D], peer memory
-        self._wait_event(self._events[slot], f"the producer's writes to slot {slot}")
+        if self._events:  # ipc_event; under host_wait the writes were done before the notice
+            self._wait_event(self._events[slot], f"the producer's writes to slot {slot}")
         caller = torch.cuda.current_stream(self._index)
         allocated = out is None
         with torch.cuda.stream(self._stream):

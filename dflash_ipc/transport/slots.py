@@ -57,7 +57,12 @@ DTYPES: dict[str, torch.dtype] = {
 # Slots start on this boundary so every copy starts aligned (DMA engines and vectorised
 # copy kernels run at full speed only on aligned addresses).
 SLOT_ALIGN_BYTES = 512
-DESCRIPTOR_VERSION = 1
+DESCRIPTOR_VERSION = 2
+# How a GPU producer orders a consumer's read after its writes (see CudaIpcSlotPool):
+# "ipc_event": one interprocess event per slot, recorded at publish, polled by the reader;
+# "host_wait": publish waits on the producer's host until the writes are done, so the
+# Produced message itself is the ordering and no interprocess event exists.
+PUBLISH_SYNC_MODES = ("ipc_event", "host_wait")
 BACKENDS = ("shm", "cuda_ipc")
 # Start times read from /proc are rounded to clock ticks (10 ms); anything closer is the
 # same process, anything further apart is a reused pid.
@@ -344,13 +349,21 @@ def _as_device(device: torch.device | str) -> torch.device:
     return dev
 
 
-def create_pool(layout: SlotLayout, device: torch.device | str, *, name: str) -> SlotPool:
+def create_pool(
+    layout: SlotLayout, device: torch.device | str, *, name: str,
+    publish_sync: str = "ipc_event",
+) -> SlotPool:
     """Allocate a pool on ``device``: ``cpu`` gives shared memory, ``cuda:N`` CUDA IPC.
 
     ``name`` starts with the run's prefix (the supervisor cleans up leftovers by prefix);
     the producer's pid is appended, so a restarted worker never collides with the
-    leftovers of the one it replaces.
+    leftovers of the one it replaces. ``publish_sync`` (one of ``PUBLISH_SYNC_MODES``)
+    matters on GPUs only: host writes to shared memory are done when ``publish`` runs.
     """
+    if publish_sync not in PUBLISH_SYNC_MODES:
+        raise ConfigError(
+            f"slot pool publish_sync {publish_sync!r} not allowed; allowed: {PUBLISH_SYNC_MODES}"
+        )
     dev = _as_device(device)
     if dev.type == "cpu":
         from dflash_ipc.transport.shm import ShmSlotPool
@@ -358,7 +371,7 @@ def create_pool(layout: SlotLayout, device: torch.device | str, *, name: str) ->
         return ShmSlotPool(layout, name=name)
     from dflash_ipc.transport.cuda_ipc import CudaIpcSlotPool
 
-    return CudaIpcSlotPool(layout, dev, name=name)
+    return CudaIpcSlotPool(layout, dev, name=name, publish_sync=publish_sync)
 
 
 def validate_descriptor(descriptor: Any) -> str:
