@@ -43,6 +43,13 @@ def pool_name(cfg: JobConfig, target_rank: int) -> str:
     return f"{shm_prefix(cfg)}-t{target_rank}"
 
 
+def segments_prefix(cfg: JobConfig) -> str:
+    """What every shared-memory segment of this run's node starts with, and no other's:
+    the sweep prefix. `shm_prefix` alone is not one: node 1's `...-n1` also starts node 10's
+    names."""
+    return f"{shm_prefix(cfg)}-t"
+
+
 def resolved_config_path(run_dir: str, node_rank: int = 0) -> str:
     """The config this node's processes run with (node 0's is the job's: status, health)."""
     return os.path.join(run_dir, "config.yaml" if node_rank == 0 else f"config-node{node_rank}.yaml")

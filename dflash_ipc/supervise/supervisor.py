@@ -56,7 +56,7 @@ from dflash_ipc import protocol as p
 from dflash_ipc.config import JobConfig, dump_config
 from dflash_ipc.dispatch.proc import final_status_path
 from dflash_ipc.link import DispatcherLink
-from dflash_ipc.runinfo import logs_dir, pool_name, processes_path, resolved_config_path, shm_prefix
+from dflash_ipc.runinfo import logs_dir, pool_name, processes_path, resolved_config_path, segments_prefix
 from dflash_ipc.supervise.children import Child, stop_children
 from dflash_ipc.supervise.restart import RestartPolicy
 from dflash_ipc.metric_sinks import TensorBoardSink
@@ -116,7 +116,7 @@ class Supervisor:
 
     def start(self) -> None:
         os.makedirs(self.cfg.run.run_dir, mode=0o700, exist_ok=True)
-        removed = unlink_segments(shm_prefix(self.cfg))
+        removed = unlink_segments(segments_prefix(self.cfg))
         if removed:
             log.warning("removed %d shared-memory segments left by an earlier run in %s",
                         removed, self.cfg.run.run_dir)
@@ -477,7 +477,7 @@ class Supervisor:
     def stop(self) -> None:
         """Stops every child and removes what they might have left: idempotent."""
         stop_children(self.children, self.cfg.supervise.grace_s)
-        removed = unlink_segments(shm_prefix(self.cfg))
+        removed = unlink_segments(segments_prefix(self.cfg))
         if removed:
             log.warning("removed %d leftover shared-memory segments", removed)
         address = self.cfg.dispatcher_address
