@@ -148,6 +148,9 @@ class Committed:
     batch_ids: list[int]
     ranks: list[int] = field(default_factory=list)  # rank 0 commits for the group: who trained
                                                     # batch_ids[i]; empty: the sender did
+    attempts: list[int] = field(default_factory=list)  # the Assign attempt of the copy trained
+                                                       # (empty: not told); a copy that another
+                                                       # was consumed after is not counted
 
 
 @dataclass(kw_only=True, slots=True)

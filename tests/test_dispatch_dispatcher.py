@@ -284,6 +284,39 @@ def test_stale_commit_of_a_batch_another_drafter_committed_is_dropped_not_fatal(
     assert sorted(d.ledger.history()) == sorted({b.batch_id, other.batch_id})
 
 
+def test_group_commit_of_a_superseded_copy_waits_for_the_newer_one():
+    """d1 copied batch b, but a target drop took b back before its Consumed. b came round to
+    d1 again and d1's new Consumed reached the dispatcher before rank 0's group commit, which
+    still lists d1's old copy (gathered before). That copy must not count: d1 trains the
+    new one and commits it at the next checkpoint, which must then go through."""
+    d = Dispatcher(_plan(), policy="pull", num_targets=2, num_drafters=2, heartbeat_timeout_s=5.0, clock=Clock())
+    d.handle(b"t0", p.Register(role="target", rank=0, pid=10, pool={"pool_id": "a"}, num_slots=4))
+    d.handle(b"d0", p.Register(role="drafter", rank=0, pid=30))
+    d.handle(b"d1", p.Register(role="drafter", rank=1, pid=31))
+    (_, b), = d.handle(b"t0", p.Ready(credits=1))
+    d.handle(b"t0", p.Produced(batch_id=b.batch_id, slot=b.slot, num_tokens=1, compute_s=0))
+    (_, old), = d.handle(b"d1", p.WantHidden(credits=1))
+    d.drop_target(0)  # d1 copied b; its Consumed arrives too late
+    with pytest.raises(ProtocolError):
+        d.handle(b"d1", p.Consumed(batch_id=b.batch_id, attempt=old.attempt))
+    d.handle(b"t1", p.Register(role="target", rank=1, pid=11, pool={"pool_id": "b"}, num_slots=4))
+    (_, again), = d.handle(b"t1", p.Ready(credits=1))
+    assert again.batch_id == b.batch_id
+    d.handle(b"t1", p.Produced(batch_id=b.batch_id, slot=again.slot, num_tokens=1, compute_s=0))
+    (_, new), = d.handle(b"d1", p.WantHidden(credits=1))
+    assert new.batch_id == b.batch_id and new.attempt != old.attempt
+    d.handle(b"d1", p.Consumed(batch_id=b.batch_id, attempt=new.attempt))
+    # Rank 0's commit of the old copy: not counted, b stays consumed by d1.
+    d.handle(b"d0", p.Committed(step=1, batch_ids=[b.batch_id], ranks=[1], attempts=[old.attempt]))
+    assert d.ledger.entry(b.batch_id).state is BatchState.CONSUMED and d.ledger.history() == []
+    # The next checkpoint commits the new copy.
+    d.handle(b"d0", p.Committed(step=2, batch_ids=[b.batch_id], ranks=[1], attempts=[new.attempt]))
+    assert d.ledger.history() == [b.batch_id] and d.ledger.entry(b.batch_id).step == 2
+    assert d.consumed_attempt == {} and d.revoked == {}
+    with pytest.raises(ProtocolError, match="2 attempts for 1 batch ids"):
+        d.handle(b"d0", p.Committed(step=3, batch_ids=[b.batch_id], ranks=[1], attempts=[1, 2]))
+
+
 # --- drafter faults: the group restarts, attempts tell copies apart ---------------------------
 
 

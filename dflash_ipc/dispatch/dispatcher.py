@@ -25,9 +25,11 @@ that restart: every drafter seat is dropped, batches consumed but not committed 
 pending (the new group resumes from the last committed step's checkpoint, which does not
 hold them), and batches assigned but not yet consumed are assigned again to the new group
 (their slots still hold them). Every `Assign` carries an `attempt`, echoed by `Consumed`,
-so a late `Consumed` of an old copy never frees the slot of a newer one. Rank 0 commits
-for the whole group (`Committed.ranks` says who trained what) right after its checkpoint:
-a commit is all of a checkpoint's batches or none.
+so a late `Consumed` of an old copy never frees the slot of a newer one, and by
+`Committed`, so the commit of a copy that was trained after a newer copy of the same batch
+had been consumed counts for nothing (the newer copy commits later). Rank 0 commits for the
+whole group (`Committed.ranks` says who trained what) right after its checkpoint: a commit
+is all of a checkpoint's batches or none.
 
 Dispatcher restarts: a new dispatcher process (new `instance`) restores the ledger (every
 batch not committed is pending) and answers `Unregistered` to the surviving targets, which
@@ -142,6 +144,7 @@ class Dispatcher:
         self.observers: set[bytes] = set()
         self.produced: collections.deque[int] = collections.deque()  # batch ids, oldest first
         self.in_flight: dict[int, tuple[int, int]] = {}  # batch id -> (drafter, attempt): assigned, not consumed
+        self.consumed_attempt: dict[int, int] = {}  # batch id -> attempt consumed, until committed
         self.next_attempt = 1
         self.instance = os.urandom(6).hex()  # tells this process from a restarted one
         # The drafter group's generation: +1 on each group restart. Drafters meet for their
@@ -287,6 +290,7 @@ class Dispatcher:
         self.produced = collections.deque(reassign + [b for b in self.produced if b not in self.in_flight])
         self.in_flight.clear()
         self.revoked.clear()
+        self.consumed_attempt.clear()  # nothing consumed is left: it all went back to pending
         self.drafters.clear()
         self.rr_drafter_of.clear()
         self._reopen()
@@ -371,6 +375,7 @@ class Dispatcher:
             target_rank, slot = entry.target, entry.slot
             self.ledger.consumed(msg.batch_id, seat.rank)
             del self.in_flight[msg.batch_id]
+            self.consumed_attempt[msg.batch_id] = msg.attempt
             seat.batches_done += 1
             seat.tokens_done += entry.batch.num_tokens
             self.tokens_consumed += entry.batch.num_tokens
@@ -381,14 +386,21 @@ class Dispatcher:
         if isinstance(msg, p.Committed):
             if msg.ranks and len(msg.ranks) != len(msg.batch_ids):
                 raise ProtocolError(f"Committed: {len(msg.ranks)} ranks for {len(msg.batch_ids)} batch ids")
+            if msg.attempts and len(msg.attempts) != len(msg.batch_ids):
+                raise ProtocolError(f"Committed: {len(msg.attempts)} attempts for {len(msg.batch_ids)} batch ids")
             ranks = msg.ranks or [seat.rank] * len(msg.batch_ids)
+            attempts = msg.attempts or [None] * len(msg.batch_ids)
             if any(r not in self.drafters for r in ranks):
                 raise ProtocolError(f"Committed: ranks {sorted(set(ranks))} include one not registered")
             batch_ids = []
-            for batch_id, rank in zip(msg.batch_ids, ranks):
+            for batch_id, rank, attempt in zip(msg.batch_ids, ranks, attempts):
+                if self._superseded(batch_id, rank, attempt):
+                    continue
                 batch_ids += self._without_revoked(rank, [batch_id])
             self.ledger.committed(batch_ids, seat.rank, msg.step,
                                   group=sorted(set(ranks)) if msg.ranks else None)
+            for batch_id in batch_ids:
+                self.consumed_attempt.pop(batch_id, None)
             self.tokens_committed += sum(self.ledger.entry(b).batch.num_tokens for b in batch_ids)
             return self._maybe_end()
         raise ProtocolError(f"{msg.KIND.name} is not a message a drafter may send")
@@ -399,6 +411,23 @@ class Dispatcher:
             ranks.discard(rank)
             if not ranks:
                 del self.revoked[batch_id]
+
+    def _superseded(self, batch_id: int, rank: int, attempt: int | None) -> bool:
+        """Whether drafter `rank` commits an older copy of `batch_id` than the one it consumed
+        last: a target drop took the old copy back after the drafter had copied it, the batch
+        came round to the same drafter again, and that Consumed reached us before this commit
+        (rank 0 commits for the group, from another socket). The newer copy, still in the
+        drafter's queue, commits later; committing now would refuse that later commit."""
+        if attempt is None or batch_id not in self.ledger:
+            return False
+        entry = self.ledger.entry(batch_id)
+        consumed = self.consumed_attempt.get(batch_id)
+        if entry.state is BatchState.CONSUMED and entry.drafter == rank and consumed not in (None, attempt):
+            log.warning("drafter/%d committed attempt %d of batch %d, but attempt %d was consumed "
+                        "since: not counted, the newer copy commits", rank, attempt, batch_id, consumed)
+            self._unrevoke(batch_id, rank)
+            return True
+        return False
 
     def _without_revoked(self, rank: int, batch_ids: list[int]) -> list[int]:
         """`batch_ids` less those a target drop took back from drafter `rank` after it had

@@ -86,6 +86,7 @@ class DrafterWorker:
         self.fifo_anchors = 0
         self.remaining: dict[int, int] = {}   # batch id -> sequences not yet in a step
         self.trained: list[int] = []          # batch ids fully trained, not yet committed
+        self.attempt_of: dict[int, int] = {}  # batch id -> the Assign attempt of our copy
         self.wait_s = 0.0
         # Transport cost, cumulative: wall time inside reads, the copies' own time (GPU-timed
         # on cuda_ipc), and bytes read; read_s - copy_s is handoff overhead, not bandwidth.
@@ -102,6 +103,7 @@ class DrafterWorker:
         self.copy_s += reader.last_copy_s or 0.0
         self.read_bytes += features.numel() * features.element_size()
         self._forget(msg.batch_id)
+        self.attempt_of[msg.batch_id] = msg.attempt
         offset = 0
         for sample_id in msg.sample_ids:
             ids, mask = self.dataset.sample(sample_id)
@@ -354,15 +356,20 @@ def _checkpoint_and_commit(cfg: JobConfig, rank: int, worker: DrafterWorker, lin
                            control) -> None:
     """Rank 0 writes the checkpoint, then commits every rank's fully trained batches at once."""
     world = cfg.total_drafters
-    per_rank = _gather_ids(worker.trained, world, control)
+    mine = [(b, worker.attempt_of.pop(b, 0)) for b in worker.trained]
+    per_rank = _gather_trained(mine, world, control)
     worker.trained = []
     if rank != 0:
         return
-    batch_ids = [b for ids in per_rank for b in ids]
-    ranks = [r for r, ids in enumerate(per_rank) for _ in ids]
+    batch_ids = [b for pairs in per_rank for b, _ in pairs]
+    attempts = [a for pairs in per_rank for _, a in pairs]
+    ranks = [r for r, pairs in enumerate(per_rank) for _ in pairs]
     path = worker.trainer.save_checkpoint(checkpoints_dir(cfg), extra={"batch_ids": sorted(batch_ids)})
     log.info("checkpoint %s", path)
-    link.send(p.Committed(step=worker.trainer.step_count, batch_ids=batch_ids, ranks=ranks))
+    # The attempts tell the dispatcher which copy each rank trained: a rank may have been
+    # given the batch again since (see Dispatcher._superseded).
+    link.send(p.Committed(step=worker.trainer.step_count, batch_ids=batch_ids, ranks=ranks,
+                          attempts=attempts))
 
 
 def _confirm_commit(link: DispatcherLink) -> None:
@@ -381,16 +388,18 @@ def _confirm_commit(link: DispatcherLink) -> None:
                 "those batches again from the previous commit", COMMIT_CONFIRM_S)
 
 
-def _gather_ids(ids: list[int], world: int, group) -> list[list[int]]:
-    """Each rank's batch ids, by rank: tensors over the gloo group (no pickled objects)."""
+def _gather_trained(pairs: list[tuple[int, int]], world: int, group) -> list[list[tuple[int, int]]]:
+    """Each rank's (batch id, attempt) pairs, by rank: tensors over the gloo group (no
+    pickled objects)."""
     if world == 1:
-        return [list(ids)]
-    count = torch.tensor([len(ids)], dtype=torch.long)
+        return [list(pairs)]
+    count = torch.tensor([len(pairs)], dtype=torch.long)
     counts = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
     dist.all_gather(counts, count, group=group)
     width = max(1, max(int(c) for c in counts))
-    mine = torch.full((width,), -1, dtype=torch.long)
-    mine[:len(ids)] = torch.tensor(ids, dtype=torch.long)
-    everyone = [torch.empty(width, dtype=torch.long) for _ in range(world)]
+    mine = torch.full((width, 2), -1, dtype=torch.long)  # [width, (batch id, attempt)]
+    if pairs:
+        mine[:len(pairs)] = torch.tensor(pairs, dtype=torch.long)
+    everyone = [torch.empty(width, 2, dtype=torch.long) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
-    return [[int(b) for b in t.tolist() if b >= 0] for t in everyone]
+    return [[(int(b), int(a)) for b, a in t.tolist() if b >= 0] for t in everyone]
