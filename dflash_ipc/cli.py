@@ -203,11 +203,14 @@ def status(run_dir, as_json) -> None:
               help="Seconds without progress that degrade (default: 2 x dispatch.heartbeat_timeout_s).")
 @click.option("--timeout", "timeout_s", type=float, default=2.0, show_default=True,
               help="Seconds to wait for the dispatcher's status.")
-def health(run_dir, as_json, stale_after_s, stall_after_s, timeout_s) -> None:
+@click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Which node's processes to check (run it on that node); the dispatcher is asked from any.")
+def health(run_dir, as_json, stale_after_s, stall_after_s, timeout_s, node_rank) -> None:
     """Per-process health (psutil, heartbeats, progress). Exit 0 healthy, 1 degraded, 2 down."""
     import json
     from dflash_ipc.supervise.health import format_health, health_report
-    report = health_report(run_dir, stale_after_s=stale_after_s, stall_after_s=stall_after_s, timeout_s=timeout_s)
+    report = health_report(run_dir, node_rank=node_rank, stale_after_s=stale_after_s,
+                           stall_after_s=stall_after_s, timeout_s=timeout_s)
     click.echo(json.dumps(report.to_json(), indent=1) if as_json else format_health(report))
     sys.exit(report.exit_code)
 

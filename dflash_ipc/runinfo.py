@@ -65,8 +65,16 @@ def logs_dir(cfg: JobConfig) -> str:
 
 def processes_path(cfg: JobConfig) -> str:
     """The supervisor's record of every process it runs (read by `dflash-ipc health`)."""
-    node = cfg.run.node_rank
-    return os.path.join(cfg.run.run_dir, "processes.json" if node == 0 else f"processes-node{node}.json")
+    return node_file(cfg.run.run_dir, "processes.json", cfg.run.node_rank)
+
+
+def node_file(run_dir: str, name: str, node_rank: int) -> str:
+    """`run_dir/name` for node 0, `run_dir/<stem>-node<K><ext>` for node K: the per-node
+    files of a run directory the nodes share."""
+    if node_rank == 0:
+        return os.path.join(run_dir, name)
+    stem, ext = os.path.splitext(name)
+    return os.path.join(run_dir, f"{stem}-node{node_rank}{ext}")
 
 
 def resolve_job(cfg: JobConfig) -> JobConfig:

@@ -197,6 +197,30 @@ def test_healthy_run(tmp_path, children, dispatcher):
     assert decoded["job"]["num_batches"] == 10
 
 
+def test_a_node_other_than_0_asks_the_remote_dispatcher(tmp_path, children, dispatcher):
+    """Node 1 runs no dispatcher: its check reads processes-node1.json and config-node1.yaml,
+    and asks the dispatcher named in its config. Node 0's files are not touched."""
+    node1 = {"target/1": children["target/0"], "drafter/1": children["drafter/0"]}
+    make_run(tmp_path, node1, address=dispatcher.address)
+    for name in ("config.yaml", "processes.json"):
+        stem, ext = os.path.splitext(name)
+        os.rename(tmp_path / name, tmp_path / f"{stem}-node1{ext}")
+    dispatcher.status = canned_status(targets=("1",), drafters=("1",))
+    report = health_report(str(tmp_path), node_rank=1, **QUICK)
+    assert report.level == "healthy", report.reasons
+    assert list(rows(report)) == ["supervisor", "target/1", "drafter/1"]
+    assert rows(report)["target/1"].batches == 3 and report.job["num_batches"] == 10
+    assert "node 1: HEALTHY" in format_health(report) and report.to_json()["node_rank"] == 1
+    assert os.path.exists(tmp_path / "health_state-node1.json")
+    assert not os.path.exists(tmp_path / "health_state.json")
+    # Node 0's files are absent here: that check is down, naming its file.
+    assert "processes.json does not exist" in health_report(str(tmp_path), **QUICK).reasons[0]
+    # A silent dispatcher puts node 1 down too.
+    dispatcher.close()
+    report = health_report(str(tmp_path), node_rank=1, **QUICK)
+    assert report.level == "down" and "does not answer" in report.reasons[0], report.reasons
+
+
 def test_stopped_worker_is_degraded(tmp_path, children, dispatcher):
     run_dir = make_run(tmp_path, children, address=dispatcher.address)
     pid = children["target/0"].pid

@@ -4,7 +4,8 @@
     print(format_health(report))                # or json.dumps(report.to_json())
     sys.exit(report.exit_code)                  # 0 healthy, 1 degraded, 2 down: a liveness probe
 
-Sources: `<run_dir>/processes.json` (the supervisor's pids and roles), psutil for every
+Sources: `<run_dir>/processes.json` (the supervisor's pids and roles; node K of a
+multi-node job: `processes-nodeK.json`, with `node_rank=K`), psutil for every
 process (state, RSS, CPU%, threads), NVML for GPU memory when `pynvml` (nvidia-ml-py) is
 importable and a driver answers (otherwise the column is empty), and one `StatusRequest` to
 the dispatcher (heartbeat ages, batch counters). CPU% is measured over one shared window of
@@ -16,6 +17,7 @@ Rules, first match wins:
 running (gone, zombie, or its pid now belongs to a younger process); no `dispatcher` entry;
 the dispatcher process is gone, zombie or stopped; the dispatcher does not answer a status
 request within `timeout_s` (hung or not serving counts as down: nothing moves without it).
+On nodes other than 0 the dispatcher is not a local process: it is only asked.
 
 **degraded** (exit 1), any of, per target/drafter:
 - its process is gone, a zombie, stopped (SIGSTOP, psutil "stopped"/"tracing-stop") or dead;
@@ -31,7 +33,8 @@ and for the supervisor: stopped (the job still runs, but nobody would restart or
 **healthy** (exit 0) otherwise, including a finished job whose processes still run.
 
 Progress. The dispatcher's counters say how much was done, not when, so each check keeps
-the counters it saw in `<run_dir>/health_state.json` (role -> pid, counter, first time this
+the counters it saw in `<run_dir>/health_state.json` (`health_state-nodeK.json` for node K;
+role -> pid, counter, first time this
 counter value was seen). Progress age = now - the time the current value was first seen:
 None on the first check (unknown), 0 when the value changed since the previous check, and a
 lower bound otherwise (its resolution is the interval between checks, which suits a probe
@@ -57,6 +60,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from dflash_ipc.errors import DataError, DFlashError
+from dflash_ipc.runinfo import node_file
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +109,7 @@ class HealthReport:
     run_dir: str
     level: str
     """healthy, degraded or down."""
+    node_rank: int = 0
     reasons: list[str] = field(default_factory=list)
     processes: list[ProcessHealth] = field(default_factory=list)
     job: dict | None = None
@@ -117,7 +122,8 @@ class HealthReport:
         return EXIT_CODES[self.level]
 
     def to_json(self) -> dict:
-        return {"run_dir": self.run_dir, "level": self.level, "exit_code": self.exit_code,
+        return {"run_dir": self.run_dir, "node_rank": self.node_rank, "level": self.level,
+                "exit_code": self.exit_code,
                 "reasons": list(self.reasons), "checked_at": self.checked_at,
                 "thresholds": dict(self.thresholds), "job": self.job,
                 "processes": [p.to_json() for p in self.processes]}
@@ -126,33 +132,36 @@ class HealthReport:
 # --- entry point ------------------------------------------------------------------------------
 
 
-def health_report(run_dir: str, *, stale_after_s: float | None = None, stall_after_s: float | None = None,
-                  timeout_s: float = DEFAULT_TIMEOUT_S, cpu_window_s: float = DEFAULT_CPU_WINDOW_S) -> HealthReport:
-    """Checks the run in `run_dir`; never raises for a broken run (that is a `down` report)."""
+def health_report(run_dir: str, *, node_rank: int = 0, stale_after_s: float | None = None,
+                  stall_after_s: float | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                  cpu_window_s: float = DEFAULT_CPU_WINDOW_S) -> HealthReport:
+    """Checks node `node_rank` of the run in `run_dir` (its supervisor and workers, and the
+    job's dispatcher); never raises for a broken run (that is a `down` report)."""
     try:
-        record, written_at = read_processes(run_dir)
-        cfg = _load_run_config(run_dir)
+        record, written_at = read_processes(run_dir, node_rank)
+        cfg = _load_run_config(run_dir, node_rank)
     except DFlashError as exc:
-        return HealthReport(run_dir=run_dir, level=DOWN, reasons=[str(exc)])
+        return HealthReport(run_dir=run_dir, node_rank=node_rank, level=DOWN, reasons=[str(exc)])
     hb_timeout = cfg.dispatch.heartbeat_timeout_s
     thresholds = {"stale_after_s": stale_after_s if stale_after_s is not None else hb_timeout / 2,
                   "stall_after_s": stall_after_s if stall_after_s is not None else 2 * hb_timeout,
                   "startup_timeout_s": cfg.supervise.startup_timeout_s,
                   "run_age_s": max(0.0, time.time() - written_at)}
     roles = [("supervisor", record["supervisor"])] + [(e["role"], e["pid"]) for e in record["processes"]]
-    rows, status, status_error = _sample(roles, written_at, run_dir, timeout_s, cpu_window_s)
-    report = HealthReport(run_dir=run_dir, level=HEALTHY, processes=rows, thresholds=thresholds)
+    rows, status, status_error = _sample(roles, written_at, run_dir, node_rank, timeout_s, cpu_window_s)
+    report = HealthReport(run_dir=run_dir, node_rank=node_rank, level=HEALTHY, processes=rows,
+                          thresholds=thresholds)
     if status is not None:
         report.job = {k: status.get(k) for k in ("elapsed_s", "num_batches", "batches", "finished", "rates")}
         _apply_status(rows, status)
-    _apply_progress(run_dir, rows, status, thresholds["stall_after_s"])
-    _judge(report, status, status_error)
+    _apply_progress(node_file(run_dir, STATE_FILE, node_rank), rows, status, thresholds["stall_after_s"])
+    _judge(report, status, status_error, cfg.dispatcher_address)
     return report
 
 
-def read_processes(run_dir: str) -> tuple[dict, float]:
+def read_processes(run_dir: str, node_rank: int = 0) -> tuple[dict, float]:
     """The supervisor's processes.json and its mtime; DataError naming the file and field."""
-    path = os.path.join(run_dir, PROCESSES_FILE)
+    path = node_file(run_dir, PROCESSES_FILE, node_rank)
     try:
         with open(path, encoding="utf-8") as f:
             record = json.load(f)
@@ -172,17 +181,17 @@ def read_processes(run_dir: str) -> tuple[dict, float]:
     return record, written_at
 
 
-def _load_run_config(run_dir: str):
+def _load_run_config(run_dir: str, node_rank: int):
     from dflash_ipc.config import load_config
     from dflash_ipc.runinfo import resolved_config_path
-    return load_config(resolved_config_path(run_dir))
+    return load_config(resolved_config_path(run_dir, node_rank))
 
 
 # --- sampling ---------------------------------------------------------------------------------
 
 
-def _sample(roles: list[tuple[str, int]], written_at: float, run_dir: str, timeout_s: float,
-            cpu_window_s: float) -> tuple[list[ProcessHealth], dict | None, str | None]:
+def _sample(roles: list[tuple[str, int]], written_at: float, run_dir: str, node_rank: int,
+            timeout_s: float, cpu_window_s: float) -> tuple[list[ProcessHealth], dict | None, str | None]:
     """psutil rows for every process and the dispatcher's status, in one CPU% window."""
     rows = [ProcessHealth(role=role, pid=pid) for role, pid in roles]
     procs: list[psutil.Process | None] = []
@@ -196,8 +205,8 @@ def _sample(roles: list[tuple[str, int]], written_at: float, run_dir: str, timeo
     started = time.monotonic()
     status, status_error = None, None
     asked = next((proc for row, proc in zip(rows, procs) if row.role == "dispatcher"), None)
-    if asked is not None and _state(asked) not in BAD_STATES | {GONE}:
-        status, status_error = _fetch(run_dir, timeout_s)
+    if node_rank != 0 or (asked is not None and _state(asked) not in BAD_STATES | {GONE}):
+        status, status_error = _fetch(run_dir, node_rank, timeout_s)
     time.sleep(max(0.0, cpu_window_s - (time.monotonic() - started)))
     gpu = gpu_memory_by_pid()
     for row, proc in zip(rows, procs):
@@ -253,12 +262,12 @@ def _fill_row(row: ProcessHealth, proc: psutil.Process) -> None:
         pass
 
 
-def _fetch(run_dir: str, timeout_s: float) -> tuple[dict | None, str | None]:
+def _fetch(run_dir: str, node_rank: int, timeout_s: float) -> tuple[dict | None, str | None]:
     import zmq
 
     from dflash_ipc.supervise.status_query import fetch_status
     try:
-        return fetch_status(run_dir, timeout_s=timeout_s), None
+        return fetch_status(run_dir, timeout_s=timeout_s, node_rank=node_rank), None
     except (DFlashError, zmq.ZMQError) as exc:
         return None, str(exc)
 
@@ -337,11 +346,10 @@ def _progress_expected(row: ProcessHealth, status: dict) -> bool:
     return True
 
 
-def _apply_progress(run_dir: str, rows: list[ProcessHealth], status: dict | None, stall_after_s: float) -> None:
-    """Updates health_state.json with this check's counters and sets each row's progress age."""
+def _apply_progress(path: str, rows: list[ProcessHealth], status: dict | None, stall_after_s: float) -> None:
+    """Updates the state file at `path` with this check's counters and sets each row's progress age."""
     if status is None:
         return  # nothing to compare; keep the previous state for the next check
-    path = os.path.join(run_dir, STATE_FILE)
     previous = _read_state(path)
     now = time.time()
     state = {}
@@ -387,7 +395,7 @@ def _write_state(path: str, state: dict) -> None:
 # --- verdict ----------------------------------------------------------------------------------
 
 
-def _judge(report: HealthReport, status: dict | None, status_error: str | None) -> None:
+def _judge(report: HealthReport, status: dict | None, status_error: str | None, address: str) -> None:
     """Fills `report.level` and `report.reasons` from the rows (rules in the module docstring)."""
     rows = {row.role: row for row in report.processes}
     down: list[str] = []
@@ -395,7 +403,10 @@ def _judge(report: HealthReport, status: dict | None, status_error: str | None) 
     if not supervisor.alive and supervisor.state != psutil.STATUS_STOPPED:
         down.append(f"supervisor (pid {supervisor.pid}) is not running: {supervisor.state}")
     dispatcher = rows.get("dispatcher")
-    if dispatcher is None:
+    if report.node_rank != 0:
+        if status is None:  # it runs on node 0: asking is all this node can do
+            down.append(f"the dispatcher at {address} does not answer: {status_error}")
+    elif dispatcher is None:
         down.append(f"{PROCESSES_FILE} has no 'dispatcher' entry")
     elif not dispatcher.alive:
         down.append(f"dispatcher (pid {dispatcher.pid}) is not running: {dispatcher.state}")
@@ -439,7 +450,8 @@ def _num(value: float | int | None, fmt: str) -> str:
 
 def format_health(report: HealthReport) -> str:
     """A verdict line, one line per reason, then the per-process table."""
-    lines = [f"{report.run_dir}: {report.level.upper()} (exit {report.exit_code})"]
+    node = f" node {report.node_rank}" if report.node_rank else ""
+    lines = [f"{report.run_dir}{node}: {report.level.upper()} (exit {report.exit_code})"]
     lines += [f"  - {reason}" for reason in report.reasons]
     job = report.job
     if job:

@@ -13,9 +13,10 @@ from dflash_ipc.runinfo import resolved_config_path
 from dflash_ipc.supervise.status_line import format_status
 
 
-def fetch_status(run_dir: str, timeout_s: float = 3.0) -> dict:
-    """The dispatcher's status dict; WorkerDeadError when no dispatcher answers."""
-    cfg = load_config(resolved_config_path(run_dir))
+def fetch_status(run_dir: str, timeout_s: float = 3.0, *, node_rank: int = 0) -> dict:
+    """The dispatcher's status dict; WorkerDeadError when no dispatcher answers. Any node's
+    config names the job's one dispatcher."""
+    cfg = load_config(resolved_config_path(run_dir, node_rank))
     link = DispatcherLink(cfg.dispatcher_address, identity="observer/status",
                           heartbeat_interval_s=3600, timeout_s=timeout_s)
     try:
