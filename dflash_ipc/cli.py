@@ -18,6 +18,7 @@ import sys
 
 import click
 
+from dflash_ipc.config import PUBLISH_SYNC_MODES
 from dflash_ipc.errors import DFlashError
 
 log = logging.getLogger("dflash_ipc.cli")
@@ -294,11 +295,11 @@ def bench_dispatch(num_samples, num_targets, num_drafters, policies, target_spee
 @click.option("--pair", "pairs", multiple=True, metavar="SRC,DST",
               help="Device pair, e.g. cuda:0,cuda:1 (repeatable; default: what this machine has).")
 @click.option("--iters", default=50, show_default=True)
-@click.option("--size-mib", "sizes_mib", multiple=True, type=float,
+@click.option("--size-mib", "sizes_mib", multiple=True, type=click.FloatRange(min=0, min_open=True),
               help="Batch size in MiB (repeatable; default: 1 16 128 512 on GPUs, 1 16 64 on CPU).")
 @click.option("--settle-us", default=0.0, show_default=True, type=click.FloatRange(min=0),
               help="Diagnostic: wait this long after each notice before reading.")
-@click.option("--publish-sync", type=click.Choice(["ipc_event", "host_wait"]), default="ipc_event",
+@click.option("--publish-sync", type=click.Choice(PUBLISH_SYNC_MODES), default="ipc_event",
               show_default=True, help="How the producer orders reads after its writes "
               "(target.publish_sync).")
 def bench_transport(pairs, iters, sizes_mib, settle_us, publish_sync) -> None:

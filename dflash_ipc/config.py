@@ -30,6 +30,17 @@ def _require(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
+# How a GPU target orders a drafter's read after its writes: transport/cuda_ipc.py says why
+# there are two (the transport imports them from here: config stays free of torch).
+PUBLISH_SYNC_MODES = ("ipc_event", "host_wait")
+PUBLISH_SYNC_CHOICES = ("auto", *PUBLISH_SYNC_MODES)
+
+
+def gpu_index(device: str) -> int | None:
+    """N of a validated 'cuda:N' device (so 'cuda:01' and 'cuda:1' compare equal), else None."""
+    return int(device[5:]) if device.startswith("cuda:") else None
+
+
 def _check_devices(key: str, devices: list[str], num_workers: int) -> None:
     _require(len(devices) in (1, num_workers), key,
              f"give 1 device (shared by all workers) or one per worker ({num_workers}), "
@@ -127,8 +138,10 @@ class TargetConfig:
     """How a drafter's read is ordered after the target's writes, on GPUs: ipc_event (an
     interprocess event per slot, recorded at publish), host_wait (the target waits for its
     writes before it announces the batch; no interprocess event), or auto: host_wait for a
-    target whose GPU also runs drafters (an interprocess event's record costs the other
-    processes on its GPU ~150-300 us; docs/benchmarks.md), ipc_event otherwise."""
+    target whose GPU also runs drafters, ipc_event otherwise. Why: recording an interprocess
+    event makes the next work of the other processes on that GPU wait, ~200-250 us per read on an H200: ipc_event against host_wait reads, docs/benchmarks.md. auto looks at
+    drafters only: targets sharing a GPU with each other pay it per batch, not per read
+    (noise against a forward pass)."""
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, "target.dtype", f"'{self.dtype}' not allowed; allowed: {DTYPES}")
@@ -140,9 +153,8 @@ class TargetConfig:
         _require(self.num_slots >= 1, "target.num_slots", "must be >= 1")
         _require(1 <= self.prefetch <= self.num_slots, "target.prefetch",
                  f"must be in [1, num_slots={self.num_slots}], got {self.prefetch}")
-        allowed_sync = ("auto", "ipc_event", "host_wait")  # + transport's PUBLISH_SYNC_MODES
-        _require(self.publish_sync in allowed_sync, "target.publish_sync",
-                 f"'{self.publish_sync}' not allowed; allowed: {allowed_sync}")
+        _require(self.publish_sync in PUBLISH_SYNC_CHOICES, "target.publish_sync",
+                 f"'{self.publish_sync}' not allowed; allowed: {PUBLISH_SYNC_CHOICES}")
 
     def device_of(self, rank: int) -> str:
         """The device of global rank `rank`: devices are per node, ranks count across nodes."""
@@ -310,8 +322,8 @@ class JobConfig:
         """Target `rank`'s slot publish mode, with `auto` resolved (see TargetConfig)."""
         if self.target.publish_sync != "auto":
             return self.target.publish_sync
-        device = self.target.device_of(rank)
-        shares_gpu = device.startswith("cuda") and device in self.drafter.devices
+        gpu = gpu_index(self.target.device_of(rank))
+        shares_gpu = gpu is not None and gpu in {gpu_index(d) for d in self.drafter.devices}
         return "host_wait" if shares_gpu else "ipc_event"
 
     def node_of(self, role: str, rank: int) -> int:

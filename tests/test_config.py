@@ -66,6 +66,8 @@ def test_publish_sync_auto_follows_gpu_sharing():
                                 "target.publish_sync=ipc_event"])
     assert forced.publish_sync_of(0) == "ipc_event"
     assert load_config(None, []).publish_sync_of(0) == "ipc_event"  # cpu: shared memory
+    spelled = load_config(None, ["target.devices=[cuda:01]", "drafter.devices=[cuda:1]"])
+    assert spelled.publish_sync_of(0) == "host_wait"  # one GPU, however its index is written
 
 
 def test_mixing_cpu_and_cuda_is_refused():

@@ -86,6 +86,7 @@ def test_full_topology_end_to_end(tmp_path, tiny_cache):
     # Rank 0's transport totals grow with what it read; the copy is part of the read.
     last = steps[-1]
     assert last["read_bytes"] > 0 and 0 < last["copy_s"] <= last["read_s"], last
+    assert 0 < last["reads"] <= final["drafters"]["0"]["batches"]
     assert steps[0]["read_bytes"] <= last["read_bytes"]
 
     # The checkpoint loads back in the inference format.

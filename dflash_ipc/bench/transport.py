@@ -59,9 +59,11 @@ from dflash_ipc.transport.slots import (
 logger = logging.getLogger(__name__)
 
 _PRODUCED = struct.Struct("<iiq")  # slot, num_tokens, publish time (perf_counter_ns)
-_RELEASE = struct.Struct("<i")  # slot; or one of the two commands below
+_RELEASE = struct.Struct("<i")  # slot; or one of the commands below
 _CLOSE = -1  # the producer closes its pool and exits
 _MARK = -2  # the producer records its marker event as a publish would, and answers on `marked`
+_NEXT = -3  # the producer publishes the next size's batches (none before: the consumer's
+            # baseline of the previous size runs with nothing of the producer's in between)
 _RECV_TIMEOUT_S = 120.0
 DEFAULT_CPU_SIZES_MIB = (1, 16, 64)
 DEFAULT_GPU_SIZES_MIB = (1, 16, 128, 512)
@@ -104,28 +106,46 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _next_command(
-    conn: Any, marked: Any, dev: torch.device, marker: Any, handle: bytes | None, what: str
-) -> int:
-    """The consumer's next slot release (or ``_CLOSE``); answers ``_MARK`` on the way."""
-    while True:
-        (command,) = _RELEASE.unpack(_recv(conn, what))
-        if command != _MARK:
-            return command
-        _sync(dev)  # as before a publish
-        if marker is not None:
-            # What a publish puts on the GPU, and the same wait (none, or the host's).
-            marker.record()
-            if handle is None:  # host_wait
-                marker.synchronize()
-        marked.send_bytes(b"m")
+class _ProducerInbox:
+    """The producer's side of the command pipe: one command at a time, whatever its kind."""
+
+    def __init__(self, conn: Any, marked: Any, dev: torch.device, publish_sync: str) -> None:
+        self.conn, self.marked, self.dev = conn, marked, dev
+        self.free: list[int] = []
+        # An event outside the pool, for the baseline started where a read starts.
+        self.marker, self.handle = None, None
+        if dev.type == "cuda":
+            self.marker = torch.cuda.Event(interprocess=publish_sync == "ipc_event")
+            if publish_sync == "ipc_event":
+                self.handle = bytes(self.marker.ipc_handle())
+
+    def handle_one(self, what: str) -> int:
+        """Receive one command and act on it: a slot release joins ``free``, a ``_MARK`` is
+        answered; return the command."""
+        (command,) = _RELEASE.unpack(_recv(self.conn, what))
+        if command >= 0:
+            self.free.append(command)
+        elif command == _MARK:
+            _sync(self.dev)  # as before a publish
+            if self.marker is not None:
+                # What a publish puts on the GPU, and the same wait (none, or the host's).
+                self.marker.record()
+                if self.handle is None:  # host_wait
+                    self.marker.synchronize()
+            self.marked.send_bytes(b"m")
+        return command
+
+    def wait_for(self, wanted: int, what: str) -> None:
+        while self.handle_one(what) != wanted:
+            pass
 
 
 def _producer_main(
-    conn: Any, marked: Any, device: str, layout_d: dict, plan: list[int], name: str,
+    conn: Any, marked: Any, device: str, layout_d: dict, plan: list[tuple[int, int]], name: str,
     publish_sync: str,
 ) -> None:
-    """Publish one batch per entry of ``plan`` (token counts) as fast as slots come back."""
+    """For each (token count, batches) of ``plan``, once told ``_NEXT``: publish that many
+    batches as fast as slots come back."""
     torch.set_num_threads(1)
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -136,24 +156,21 @@ def _producer_main(
         for slot in range(layout.num_slots):
             pool.poison(slot, 1.0)  # touch every page once, outside the timed loop
         _sync(dev)
-        # An event outside the pool, for the baseline started where a read starts.
-        marker, handle = None, None
-        if dev.type == "cuda":
-            marker = torch.cuda.Event(interprocess=publish_sync == "ipc_event")
-            if publish_sync == "ipc_event":
-                handle = bytes(marker.ipc_handle())
-        conn.send_bytes(_encode({"descriptor": pool.descriptor(), "marker": handle}))
-        free = list(range(layout.num_slots))
-        for num_tokens in plan:
-            while conn.poll(0) or not free:
-                free.append(_next_command(conn, marked, dev, marker, handle, "release"))
-            slot = free.pop(0)
-            _sync(dev)  # the GPU is idle: latency counts the handoff, not production
-            start = time.perf_counter_ns()
-            pool.publish(slot)
-            conn.send_bytes(_PRODUCED.pack(slot, num_tokens, start))
-        while _next_command(conn, marked, dev, marker, handle, "final release") != _CLOSE:
-            pass
+        inbox = _ProducerInbox(conn, marked, dev, publish_sync)
+        inbox.free = list(range(layout.num_slots))
+        conn.send_bytes(_encode({"descriptor": pool.descriptor(), "marker": inbox.handle}))
+        for num_tokens, count in plan:
+            inbox.wait_for(_NEXT, "the next size")
+            for _ in range(count):
+                while conn.poll(0) or not inbox.free:
+                    if inbox.handle_one("release") in (_NEXT, _CLOSE):
+                        raise TransportError("transport bench: a size began before the last ended")
+                slot = inbox.free.pop(0)
+                _sync(dev)  # the GPU is idle: latency counts the handoff, not production
+                start = time.perf_counter_ns()
+                pool.publish(slot)
+                conn.send_bytes(_PRODUCED.pack(slot, num_tokens, start))
+        inbox.wait_for(_CLOSE, "final release")
     finally:
         pool.close()
 
@@ -258,7 +275,7 @@ def _bench_pair(
     token_bytes = feature_dim * SlotLayout(1, 1, feature_dim, dtype).itemsize
     tokens = [max(1, int(mib * 2**20) // token_bytes) for mib in sizes_mib]
     layout = SlotLayout(num_slots=2, max_tokens=max(tokens), feature_dim=feature_dim, dtype=dtype)
-    plan = [n for n in tokens for _ in range(warmup + iters)]
+    plan = [(n, warmup + iters) for n in tokens]
     prefix = f"dfbench{os.getpid()}"
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
@@ -292,6 +309,7 @@ def _bench_pair(
         open_ms = (time.perf_counter() - opened) * 1e3
         out = torch.empty(layout.max_tokens, feature_dim, dtype=layout.torch_dtype, device=dst_dev)
         for mib, n in zip(sizes_mib, tokens):
+            ours.send_bytes(_RELEASE.pack(_NEXT))
             latencies, reads, copies = _consume(reader, ours, out, warmup + iters, settle_us / 1e6)
             measured = latencies[warmup:], reads[warmup:], copies[warmup:]
             nbytes = n * token_bytes

@@ -91,7 +91,7 @@ class DrafterWorker:
         # Transport cost, cumulative: wall time inside reads, the copies' own time (GPU-timed
         # on cuda_ipc), and bytes read; read_s - copy_s is handoff overhead, not bandwidth.
         self.read_s = self.copy_s = 0.0
-        self.read_bytes = 0
+        self.read_bytes = self.reads = 0
         self.trained_tokens = 0   # this rank's tokens that went through a step (status: tok_rate)
 
     def accept(self, msg: p.Assign) -> None:
@@ -102,6 +102,7 @@ class DrafterWorker:
         self.read_s += time.perf_counter() - started
         self.copy_s += reader.last_copy_s or 0.0
         self.read_bytes += features.numel() * features.element_size()
+        self.reads += 1
         self._forget(msg.batch_id)
         self.attempt_of[msg.batch_id] = msg.attempt
         offset = 0
@@ -306,7 +307,7 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
             profiler.step()
             stats.update(wait_s=worker.wait_s, fifo=len(worker.fifo), rank=rank, time=time.time(),
                          trained_tokens=worker.trained_tokens, read_s=worker.read_s,
-                         copy_s=worker.copy_s, read_bytes=worker.read_bytes)
+                         copy_s=worker.copy_s, read_bytes=worker.read_bytes, reads=worker.reads)
             link.metrics.update({k: float(v) for k, v in stats.items() if isinstance(v, (int, float))})
             link.metrics.update(process_memory(worker.trainer.device))
             if metrics_file is not None:

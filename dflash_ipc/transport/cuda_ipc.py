@@ -8,9 +8,8 @@ Producer (target):
 - ``publish_sync="host_wait"``: ``publish(slot)`` records a plain event and waits for it
   on the host, so the writes are done before the batch is announced and the reader needs
   no event. Why offer it: on a GPU that several processes share, recording an
-  interprocess event makes the next work of the *other* processes on that GPU wait
-  ~140-200 us (H200, measured with ``bench transport --publish-sync``), which the reader
-  pays on every read when it shares the producer's GPU. The price is the producer's host
+  interprocess event makes the next work of the *other* processes on that GPU wait, which
+  the reader pays on every read when it shares the producer's GPU (~200-250 us per read on an H200: ipc_event against host_wait reads, docs/benchmarks.md). The price is the producer's host
   waiting for its last writes, which a target hardly notices: its forward pass already
   synchronises once per batch.
 The handle bytes travel in the msgpack descriptor; no pickle is involved anywhere.
@@ -505,6 +504,7 @@ class CudaIpcSlotReader(SlotReader):
     def read(self, slot: int, num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
         if self._flat is None:
             raise TransportError(f"reader of slot pool {self.pool_id} is closed")
+        self._timed = False  # a read that fails leaves no copy time behind
         self._watch.check(f"before reading slot {slot}")
         src = slot_view(self._flat, self.layout, slot, num_tokens)  # [num_tokens, D], peer memory
         if self._events:  # ipc_event; under host_wait the writes were done before the notice

@@ -213,6 +213,7 @@ class ShmSlotReader(SlotReader):
     def read(self, slot: int, num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
         if self._flat is None:
             raise TransportError(f"reader of slot pool {self.pool_id} is closed")
+        self._last_copy_s = None  # a read that fails leaves no copy time behind
         self._watch.check(f"before reading slot {slot}")
         src = slot_view(self._flat, self.layout, slot, num_tokens)  # [num_tokens, D]
         if out is None:

@@ -14,7 +14,8 @@ Two backends behind the same interface, chosen by the producer's device:
 - ``shm`` (``transport/shm.py``): one POSIX shared-memory segment per pool, for CPU
   machines and tests. Writes are ordered by the Produced message itself.
 - ``cuda_ipc`` (``transport/cuda_ipc.py``): one CUDA allocation per pool exported through
-  a CUDA IPC handle, one interprocess event per slot; GPU to GPU, never through the host.
+  a CUDA IPC handle, and one interprocess event per slot under ``publish_sync="ipc_event"``
+  (none under ``"host_wait"``); GPU to GPU, never through the host.
 
 Producer death is detected by pid plus process start time (to defeat pid reuse): a reader
 raises ``ProducerGoneError`` instead of hanging or reading freed memory.
@@ -45,6 +46,7 @@ from typing import Any
 import psutil
 import torch
 
+from dflash_ipc import config
 from dflash_ipc.errors import ConfigError, ProducerGoneError, TransportError
 
 logger = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ DESCRIPTOR_VERSION = 2
 # "ipc_event": one interprocess event per slot, recorded at publish, polled by the reader;
 # "host_wait": publish waits on the producer's host until the writes are done, so the
 # Produced message itself is the ordering and no interprocess event exists.
-PUBLISH_SYNC_MODES = ("ipc_event", "host_wait")
+PUBLISH_SYNC_MODES = config.PUBLISH_SYNC_MODES
 BACKENDS = ("shm", "cuda_ipc")
 # Start times read from /proc are rounded to clock ticks (10 ms); anything closer is the
 # same process, anything further apart is a reused pid.
