@@ -182,6 +182,17 @@ def _slow_producer_main(conn, device: str, layout_d: dict) -> None:
     time.sleep(300)
 
 
+def _idle_producer_main(conn, device: str, layout_d: dict, publish_sync: str) -> None:
+    """Slot 0 published, then nothing: a target that dies between batches."""
+    torch.cuda.set_device(device)
+    layout = SlotLayout(**layout_d)
+    pool = create_pool(layout, device, name="dfl-idle", publish_sync=publish_sync)
+    pool.write_view(0, 4).copy_(_pattern(0, 4, layout.feature_dim, device))
+    pool.publish(0)
+    _send(conn, {"descriptor": pool.descriptor()})
+    time.sleep(300)
+
+
 # --- GPU scenarios --------------------------------------------------------------------------
 
 
@@ -265,6 +276,35 @@ def test_killed_producer_never_hangs_the_consumer(producer_dev, consumer_dev):
             open_reader(desc, consumer_dev)
         reader.close()
         # The consumer's GPU still works and nothing waits on the dead process.
+        x = torch.ones(1024, device=consumer_dev)
+        assert float((x * 2).sum()) == 2048.0
+        torch.cuda.synchronize(consumer_dev)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
+
+
+@requires_gpu
+@pytest.mark.parametrize("producer_dev,consumer_dev", _kill_cases())
+def test_killed_host_wait_producer_is_a_clear_error(producer_dev, consumer_dev):
+    # host_wait: no event to wait on, so the liveness checks around the copy are all there is.
+    layout = SlotLayout(num_slots=2, max_tokens=8, feature_dim=256, dtype="bfloat16")
+    proc, conn = _spawn(_idle_producer_main, producer_dev, layout.to_dict(), "host_wait")
+    try:
+        desc = _recv(conn)["descriptor"]
+        assert desc["publish_sync"] == "host_wait" and desc["slot_events"] == []
+        reader = open_reader(desc, consumer_dev, timeout_s=60)
+        assert torch.equal(reader.read(0, 4).cpu(), _pattern(0, 4, 256, "cpu"))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        start = time.monotonic()
+        with pytest.raises(ProducerGoneError, match=f"pid {proc.pid}"):
+            reader.read(0, 4)
+        assert time.monotonic() - start < 10
+        with pytest.raises(ProducerGoneError):
+            open_reader(desc, consumer_dev)
+        reader.close()
         x = torch.ones(1024, device=consumer_dev)
         assert float((x * 2).sum()) == 2048.0
         torch.cuda.synchronize(consumer_dev)
