@@ -11,11 +11,8 @@ Each test kills everything it started, by pid, in a `finally`, within bounded ti
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
-import psutil
 import pytest
 
 from dflash_ipc.config import load_config
@@ -23,55 +20,25 @@ from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.dispatch.ledger import Ledger
 from dflash_ipc.runinfo import shm_prefix
 from dflash_ipc.supervise.status_query import fetch_status
+from supervised_job import SMALL_JOB, SupervisedJob
+from supervised_job import alive as _alive
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_TIMEOUT_S = 180     # one run; measured 50-120 s on 2 busy cores
 PROGRESS_TIMEOUT_S = 90  # start-up (9 processes import torch) until the first batches
 
-# The e2e test's small job (tests/test_pipeline_e2e.py): 18 batches an epoch, 3 epochs, on
-# 3 targets + 2 drafters (start-up, 6 processes importing torch, is most of a run's time on
-# 2 cores). The work itself takes ~10-20 s: a fault lands while batches are pending.
-FAULT_OVERRIDES = [
-    "data.synthetic_samples=120", "data.synthetic_min_len=24", "data.synthetic_max_len=200",
-    "data.bucket_boundaries=[64,128,200]", "data.token_budget=800", "data.num_epochs=3",
-    "drafter.num_layers=1", "drafter.target_layer_ids=[1,2]", "drafter.anchors_per_step=128",
-    "drafter.max_anchors_per_seq=32", "drafter.lr=5e-3", "drafter.checkpoint_every_steps=10",
-    "drafter.fifo_sequences=32", "dispatch.status_interval_s=2", "supervise.max_restarts=3",
-    "target.num_workers=3", "drafter.num_workers=2",
-]
+# The e2e test's small job on 3 targets + 2 drafters. The work itself takes ~10-20 s: a
+# fault lands while batches are pending.
+FAULT_OVERRIDES = [*SMALL_JOB, "supervise.max_restarts=3", "target.num_workers=3", "drafter.num_workers=2"]
 
 
-class Job:
-    """One `dflash-ipc up` in its own session, output to a file."""
+class Job(SupervisedJob):
+    """One `dflash-ipc up` of the fault job, output to a file."""
 
     def __init__(self, tmp_path, cache_dir, extra=(), log_name="up.log"):
-        self.run_dir = tmp_path / "run"
-        self.out_path = tmp_path / log_name
-        env = dict(os.environ, DFLASH_IPC_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
         # The tiny target by path, not by the built-in name: the job then skips the embedded
         # default's closing evaluation (~10 s) that has nothing to do with faults.
-        argv = [sys.executable, "-m", "dflash_ipc.cli", "up", "-o", f"run.run_dir={self.run_dir}",
-                "-o", f"target.path={os.path.join(cache_dir, 'tiny-target')}"]
-        for o in [*FAULT_OVERRIDES, *extra]:
-            argv += ["-o", o]
-        self.out = open(self.out_path, "wb")
-        self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=self.out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self.started = time.monotonic()
-        self.seen_pids: set[int] = set()
-
-    def output(self) -> str:
-        return self.out_path.read_text(errors="replace")
-
-    def processes(self) -> dict[str, int]:
-        """role -> pid, from processes.json (every pid ever listed is remembered for clean-up)."""
-        try:
-            record = json.loads((self.run_dir / "processes.json").read_text())
-        except (OSError, ValueError):
-            return {}
-        pids = {e["role"]: e["pid"] for e in record["processes"]}
-        self.seen_pids.update(pids.values())
-        return pids
+        tiny = f"target.path={os.path.join(cache_dir, 'tiny-target')}"
+        super().__init__(tmp_path / "run", tmp_path / log_name, cache_dir, [tiny, *FAULT_OVERRIDES, *extra])
 
     def wait_progress(self, rank: int, min_batches: int = 1) -> dict:
         """Polls the dispatcher until target `rank` produced `min_batches` while at least half
@@ -115,48 +82,13 @@ class Job:
                 (self.run_dir / "drafter_metrics.jsonl").read_text().splitlines()]
 
     def wait(self, timeout_s: float = RUN_TIMEOUT_S, during=None) -> int:
-        """Waits for the supervisor to exit, calling `during()` every 0.2 s meanwhile."""
-        deadline = self.started + timeout_s
-        while self.proc.poll() is None:
-            if time.monotonic() > deadline:
-                pytest.fail(f"dflash-ipc up did not finish in {timeout_s}s:\n{self.output()[-5000:]}")
-            if during is not None:
-                during()
-            time.sleep(0.2)
-        return self.proc.returncode
-
-    def kill_all(self) -> None:
-        """SIGKILL the supervisor's session and every worker pid it ever listed, then reap."""
-        self.processes()
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for pid in self.seen_pids:
-            if _alive(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        self.out.close()
+        return super().wait(timeout_s, during)
 
     def audit(self):
         cfg = load_config(str(self.run_dir / "config.yaml"))
         ledger = Ledger.load(str(self.run_dir / "ledger.npz"))
         n = len(TokenDataset(cfg.data.path))
         return cfg, ledger, ledger.audit({epoch: range(n) for epoch in range(cfg.data.num_epochs)})
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _segments(cfg) -> list[str]:

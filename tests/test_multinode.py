@@ -7,34 +7,25 @@ that produced its hidden states.
 Everything started is killed by pid in a `finally`, within bounded time.
 """
 
-import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
-import psutil
 import pytest
 
 from dflash_ipc.config import load_config
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.dispatch.ledger import BatchState, Ledger
 from dflash_ipc.supervise.status_query import fetch_status
+from supervised_job import SMALL_JOB, SupervisedJob
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_TIMEOUT_S = 240
 START_TIMEOUT_S = 120
 
-JOB = [
-    "data.synthetic_samples=120", "data.synthetic_min_len=24", "data.synthetic_max_len=200",
-    "data.bucket_boundaries=[64,128,200]", "data.token_budget=800", "data.num_epochs=3",
-    "drafter.num_layers=1", "drafter.target_layer_ids=[1,2]", "drafter.anchors_per_step=128",
-    "drafter.max_anchors_per_seq=32", "drafter.lr=5e-3", "drafter.checkpoint_every_steps=10",
-    "drafter.fifo_sequences=32", "dispatch.status_interval_s=2", "supervise.max_restarts=3",
-    "target.num_workers=2", "drafter.num_workers=1",  # per node: 4 targets, 2 drafters in all
-]
+JOB = [*SMALL_JOB, "supervise.max_restarts=3",
+       "target.num_workers=2", "drafter.num_workers=1"]  # per node: 4 targets, 2 drafters in all
 
 
 def _two_free_ports() -> int:
@@ -52,55 +43,16 @@ def _two_free_ports() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
-class Node:
+class Node(SupervisedJob):
+    """Node `rank`'s supervisor of the two-node job."""
+
     def __init__(self, tmp_path, cache_dir, run_dir, rank: int, address: str) -> None:
         self.rank = rank
-        self.out_path = tmp_path / f"node{rank}.log"
-        env = dict(os.environ, DFLASH_IPC_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
-        env.pop("MASTER_ADDR", None)
-        env.pop("MASTER_PORT", None)
-        argv = [sys.executable, "-m", "dflash_ipc.cli", "up", "--nnodes", "2", "--node-rank", str(rank),
-                "--dispatcher", address, "-o", f"run.run_dir={run_dir}",
-                "-o", f"target.path={os.path.join(cache_dir, 'tiny-target')}"]
-        for o in JOB:
-            argv += ["-o", o]
-        self.out = open(self.out_path, "wb")
-        self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=self.out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self.run_dir = run_dir
-        self.seen: set[int] = set()
-
-    def output(self) -> str:
-        return self.out_path.read_text(errors="replace")
-
-    def processes(self) -> dict[str, int]:
-        name = "processes.json" if self.rank == 0 else f"processes-node{self.rank}.json"
-        try:
-            record = json.loads((self.run_dir / name).read_text())
-        except (OSError, ValueError):
-            return {}
-        pids = {e["role"]: e["pid"] for e in record["processes"]}
-        self.seen.update(pids.values())
-        return pids
-
-    def kill_all(self) -> None:
-        self.processes()
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for pid in self.seen:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    os.kill(pid, signal.SIGKILL)
-            except (psutil.Error, ProcessLookupError):
-                pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        self.out.close()
+        tiny = f"target.path={os.path.join(cache_dir, 'tiny-target')}"
+        # Without MASTER_* the drafters meet at the dispatcher's host and port + 1.
+        super().__init__(run_dir, tmp_path / f"node{rank}.log", cache_dir, [tiny, *JOB],
+                         args=["--nnodes", "2", "--node-rank", str(rank), "--dispatcher", address],
+                         node_rank=rank, env_drop=("MASTER_ADDR", "MASTER_PORT"))
 
 
 def _wait_for(predicate, timeout_s: float, what: str, nodes) -> None:

@@ -7,51 +7,29 @@ loss fell, that the checkpoint loads back, and that nothing is left running or i
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 
 import psutil
-import pytest
 
 from dflash_ipc.config import load_config
 from dflash_ipc.dispatch.ledger import BatchState, Ledger
 from dflash_ipc.drafter.export import load_inference_checkpoint
 from dflash_ipc.runinfo import shm_prefix
+from supervised_job import SMALL_JOB, SupervisedJob
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 420
 
-E2E_OVERRIDES = [
-    "data.synthetic_samples=120", "data.synthetic_min_len=24", "data.synthetic_max_len=200",
-    "data.bucket_boundaries=[64,128,200]", "data.token_budget=800", "data.num_epochs=3",
-    "drafter.num_layers=1", "drafter.target_layer_ids=[1,2]", "drafter.anchors_per_step=128",
-    "drafter.max_anchors_per_seq=32", "drafter.lr=5e-3", "drafter.checkpoint_every_steps=10",
-    "drafter.fifo_sequences=32", "dispatch.status_interval_s=2",
-]
 
-
-def _run_up(run_dir, cache_dir, extra=()):
-    env = dict(os.environ, DFLASH_IPC_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
-    argv = [sys.executable, "-m", "dflash_ipc.cli", "up", "-o", f"run.run_dir={run_dir}"]
-    for o in [*E2E_OVERRIDES, *extra]:
-        argv += ["-o", o]
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"dflash-ipc up did not finish in {TIMEOUT_S}s:\n{out.decode()[-5000:]}")
-    return proc.returncode, out.decode()
-
-
-@pytest.mark.slow
 def test_full_topology_end_to_end(tmp_path, tiny_cache):
     run_dir = tmp_path / "run"
-    code, out = _run_up(run_dir, tiny_cache)
+    job = SupervisedJob(run_dir, tmp_path / "up.log", tiny_cache, SMALL_JOB)
+    try:
+        _check_finished_job(run_dir, job.wait(TIMEOUT_S), job.output())
+    finally:
+        job.kill_all()  # after the checks: they include that nothing is left running
+
+
+def _check_finished_job(run_dir, code: int, out: str) -> None:
     assert code == 0, out[-5000:]
     assert "done, averages:" in out and "tgt_rate" in out
 
