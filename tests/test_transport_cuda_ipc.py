@@ -252,6 +252,17 @@ def _kill_cases():
     return cases
 
 
+def _check_after_producer_death(reader, desc: dict, consumer_dev: str) -> None:
+    """The pool cannot be opened again, and the consumer's GPU still works: nothing of it
+    waits on the dead process."""
+    with pytest.raises(ProducerGoneError):
+        open_reader(desc, consumer_dev)
+    reader.close()
+    x = torch.ones(1024, device=consumer_dev)
+    assert float((x * 2).sum()) == 2048.0
+    torch.cuda.synchronize(consumer_dev)
+
+
 @requires_gpu
 @pytest.mark.parametrize("producer_dev,consumer_dev", _kill_cases())
 def test_killed_producer_never_hangs_the_consumer(producer_dev, consumer_dev):
@@ -272,13 +283,7 @@ def test_killed_producer_never_hangs_the_consumer(producer_dev, consumer_dev):
         with pytest.raises(ProducerGoneError):
             reader.read(0, 4)
         proc.join(10)
-        with pytest.raises(ProducerGoneError):
-            open_reader(desc, consumer_dev)
-        reader.close()
-        # The consumer's GPU still works and nothing waits on the dead process.
-        x = torch.ones(1024, device=consumer_dev)
-        assert float((x * 2).sum()) == 2048.0
-        torch.cuda.synchronize(consumer_dev)
+        _check_after_producer_death(reader, desc, consumer_dev)
     finally:
         if proc.is_alive():
             proc.kill()
@@ -302,12 +307,7 @@ def test_killed_host_wait_producer_is_a_clear_error(producer_dev, consumer_dev):
         with pytest.raises(ProducerGoneError, match=f"pid {proc.pid}"):
             reader.read(0, 4)
         assert time.monotonic() - start < 10
-        with pytest.raises(ProducerGoneError):
-            open_reader(desc, consumer_dev)
-        reader.close()
-        x = torch.ones(1024, device=consumer_dev)
-        assert float((x * 2).sum()) == 2048.0
-        torch.cuda.synchronize(consumer_dev)
+        _check_after_producer_death(reader, desc, consumer_dev)
     finally:
         if proc.is_alive():
             proc.kill()
