@@ -15,7 +15,7 @@ Conversation (all requests come from the worker; the dispatcher never sends work
     target  -> Produced(batch_id, slot, ...)
     drafter -> WantHidden(credits)              dispatcher -> Assign(batch_id, pool, slot, ...)
     drafter -> Consumed(batch_id, attempt)      (the slot returns to its target's free list)
-    drafter 0 -> Committed(step, batch_ids, ranks)  (for the whole group, after its checkpoint)
+    drafter 0 -> Committed(step, batch_ids, ranks, attempts)  (for the whole group, after its checkpoint)
     worker  -> Heartbeat(metrics)               dispatcher -> Heartbeat
     any     -> StatusRequest                    dispatcher -> StatusReply(status)
     dispatcher -> EndOfData                     (no work will come; drain and finish)

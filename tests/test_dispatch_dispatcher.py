@@ -317,6 +317,65 @@ def test_group_commit_of_a_superseded_copy_waits_for_the_newer_one():
         d.handle(b"d0", p.Committed(step=3, batch_ids=[b.batch_id], ranks=[1], attempts=[1, 2]))
 
 
+def _produced_by_new_target(d, rank):
+    """Target `rank` registers, is served one batch and produces it."""
+    tid = b"t%d" % rank
+    d.handle(tid, p.Register(role="target", rank=rank, pid=100 + rank, pool={"pool_id": f"p{rank}"}, num_slots=4))
+    (_, batch), = d.handle(tid, p.Ready(credits=1))
+    d.handle(tid, p.Produced(batch_id=batch.batch_id, slot=batch.slot, num_tokens=1, compute_s=0))
+    return batch
+
+
+@pytest.mark.parametrize("comes_back_to", ["d0", "nobody yet"])
+def test_copies_revoked_twice_from_one_drafter_never_commit(comes_back_to):
+    """Batch b is revoked from d1 twice (two target drops, each after d1 had copied it). Rank
+    0's commits of d1's two stale copies must count for nothing: not commit b early, and not
+    refuse the commit of the copy that counts (d0's, here), nor anything else."""
+    d = Dispatcher(_plan(), policy="pull", num_targets=3, num_drafters=2, heartbeat_timeout_s=5.0, clock=Clock())
+    d.handle(b"d0", p.Register(role="drafter", rank=0, pid=30))
+    d.handle(b"d1", p.Register(role="drafter", rank=1, pid=31))
+    copies = []
+    for target in (0, 1):
+        b = _produced_by_new_target(d, target)
+        (_, assign), = d.handle(b"d1", p.WantHidden(credits=1))
+        assert assign.batch_id == b.batch_id == (copies[0].batch_id if copies else b.batch_id)
+        copies.append(assign)
+        d.drop_target(target)
+        with pytest.raises(ProtocolError):  # d1's Consumed comes too late
+            d.handle(b"d1", p.Consumed(batch_id=b.batch_id, attempt=assign.attempt))
+    batch_id = copies[0].batch_id
+    d.handle(b"d0", p.Committed(step=1, batch_ids=[batch_id], ranks=[1], attempts=[copies[0].attempt]))
+    if comes_back_to == "d0":
+        _produced_by_new_target(d, 2)
+        (_, third), = d.handle(b"d0", p.WantHidden(credits=1))
+        d.handle(b"d0", p.Consumed(batch_id=batch_id, attempt=third.attempt))
+    d.handle(b"d0", p.Committed(step=2, batch_ids=[batch_id], ranks=[1], attempts=[copies[1].attempt]))
+    assert d.ledger.history() == []
+    if comes_back_to == "d0":
+        d.handle(b"d0", p.Committed(step=3, batch_ids=[batch_id], ranks=[0], attempts=[third.attempt]))
+        assert d.ledger.history() == [batch_id]
+    else:
+        assert d.ledger.entry(batch_id).state is BatchState.PENDING
+
+
+def test_a_group_commit_that_overtakes_the_drafters_consumed_counts():
+    """Rank 0's Committed and d1's Consumed travel on two sockets: the commit may come first.
+    The trained copy commits and its slot is freed; the late Consumed changes nothing."""
+    d = Dispatcher(_plan(), policy="pull", num_targets=1, num_drafters=2, clock=Clock())
+    d.handle(b"d0", p.Register(role="drafter", rank=0, pid=30))
+    d.handle(b"d1", p.Register(role="drafter", rank=1, pid=31))
+    b = _produced_by_new_target(d, 0)
+    (_, assign), = d.handle(b"d1", p.WantHidden(credits=1))
+    free_before = len(d.targets[0].free_slots)
+    d.handle(b"d0", p.Committed(step=1, batch_ids=[b.batch_id], ranks=[1], attempts=[assign.attempt]))
+    assert d.ledger.history() == [b.batch_id]
+    assert len(d.targets[0].free_slots) == free_before + 1 and d.drafters[1].batches_done == 1
+    refusals = d.refusals
+    assert d.handle(b"d1", p.Consumed(batch_id=b.batch_id, attempt=assign.attempt)) == []
+    assert d.refusals == refusals and d.consumed_by_commit == set()
+    assert d.drafters[1].batches_done == 1 and len(d.targets[0].free_slots) == free_before + 1
+
+
 # --- drafter faults: the group restarts, attempts tell copies apart ---------------------------
 
 

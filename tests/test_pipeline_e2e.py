@@ -10,6 +10,7 @@ import os
 import time
 
 import psutil
+import pytest
 
 from dflash_ipc.config import load_config
 from dflash_ipc.dispatch.ledger import BatchState, Ledger
@@ -20,6 +21,7 @@ from supervised_job import SMALL_JOB, SupervisedJob
 TIMEOUT_S = 420
 
 
+@pytest.mark.slow
 def test_full_topology_end_to_end(tmp_path, tiny_cache):
     run_dir = tmp_path / "run"
     job = SupervisedJob(run_dir, tmp_path / "up.log", tiny_cache, SMALL_JOB)

@@ -31,6 +31,7 @@ EXAMPLES = [
     p.Assign(batch_id=7, epoch=1, target=3, pool={}, slot=2, sample_ids=[5], num_tokens=3, attempt=4),
     p.Consumed(batch_id=7, attempt=4),
     p.Committed(step=10, batch_ids=[1, 2, 3], ranks=[0, 2, 1]),
+    p.Committed(step=10, batch_ids=[1, 2, 3], ranks=[0, 2, 1], attempts=[4, 9, 5]),
 ]
 
 

@@ -145,6 +145,9 @@ class Dispatcher:
         self.produced: collections.deque[int] = collections.deque()  # batch ids, oldest first
         self.in_flight: dict[int, tuple[int, int]] = {}  # batch id -> (drafter, attempt): assigned, not consumed
         self.consumed_attempt: dict[int, int] = {}  # batch id -> attempt consumed, until committed
+        # (batch id, attempt) consumed on the word of a group commit that overtook the
+        # drafter's own Consumed (two sockets, no order): that Consumed is then a no-op.
+        self.consumed_by_commit: set[tuple[int, int]] = set()
         self.next_attempt = 1
         self.instance = os.urandom(6).hex()  # tells this process from a restarted one
         # The drafter group's generation: +1 on each group restart. Drafters meet for their
@@ -291,6 +294,7 @@ class Dispatcher:
         self.in_flight.clear()
         self.revoked.clear()
         self.consumed_attempt.clear()  # nothing consumed is left: it all went back to pending
+        self.consumed_by_commit.clear()
         self.drafters.clear()
         self.rr_drafter_of.clear()
         self._reopen()
@@ -368,20 +372,13 @@ class Dispatcher:
             seat.credits += msg.credits
             return self._serve_drafters()
         if isinstance(msg, p.Consumed):
+            if (msg.batch_id, msg.attempt) in self.consumed_by_commit:
+                self.consumed_by_commit.discard((msg.batch_id, msg.attempt))
+                return []  # rank 0's commit of it came first and did this already
             if self.in_flight.get(msg.batch_id) != (seat.rank, msg.attempt):
                 raise ProtocolError(f"Consumed: batch {msg.batch_id} attempt {msg.attempt} is not "
                                     f"assigned to drafter/{seat.rank}")
-            entry = self.ledger.entry(msg.batch_id)
-            target_rank, slot = entry.target, entry.slot
-            self.ledger.consumed(msg.batch_id, seat.rank)
-            del self.in_flight[msg.batch_id]
-            self.consumed_attempt[msg.batch_id] = msg.attempt
-            seat.batches_done += 1
-            seat.tokens_done += entry.batch.num_tokens
-            self.tokens_consumed += entry.batch.num_tokens
-            target = self.targets.get(target_rank)
-            if target is not None:  # the slot goes back to its (still living) target
-                target.free_slots.append(slot)
+            self._consume(seat, msg.batch_id, msg.attempt)
             return self._serve_targets()
         if isinstance(msg, p.Committed):
             if msg.ranks and len(msg.ranks) != len(msg.batch_ids):
@@ -389,9 +386,17 @@ class Dispatcher:
             if msg.attempts and len(msg.attempts) != len(msg.batch_ids):
                 raise ProtocolError(f"Committed: {len(msg.attempts)} attempts for {len(msg.batch_ids)} batch ids")
             ranks = msg.ranks or [seat.rank] * len(msg.batch_ids)
-            attempts = msg.attempts or [None] * len(msg.batch_ids)
+            # Attempts count from 1; anything else says "not known" (the check by revocation).
+            attempts = [a if a >= 1 else None for a in msg.attempts] or [None] * len(msg.batch_ids)
             if any(r not in self.drafters for r in ranks):
                 raise ProtocolError(f"Committed: ranks {sorted(set(ranks))} include one not registered")
+            out: Outgoing = []
+            for batch_id, rank, attempt in zip(msg.batch_ids, ranks, attempts):
+                if attempt is not None and self.in_flight.get(batch_id) == (rank, attempt):
+                    # The rank trained this copy, so it copied it: its Consumed is on the way.
+                    self._consume(self.drafters[rank], batch_id, attempt)
+                    self.consumed_by_commit.add((batch_id, attempt))
+                    out = self._serve_targets()
             batch_ids = []
             for batch_id, rank, attempt in zip(msg.batch_ids, ranks, attempts):
                 if self._superseded(batch_id, rank, attempt):
@@ -402,7 +407,7 @@ class Dispatcher:
             for batch_id in batch_ids:
                 self.consumed_attempt.pop(batch_id, None)
             self.tokens_committed += sum(self.ledger.entry(b).batch.num_tokens for b in batch_ids)
-            return self._maybe_end()
+            return out + self._maybe_end()
         raise ProtocolError(f"{msg.KIND.name} is not a message a drafter may send")
 
     def _unrevoke(self, batch_id: int, rank: int) -> None:
@@ -412,22 +417,38 @@ class Dispatcher:
             if not ranks:
                 del self.revoked[batch_id]
 
+    def _consume(self, seat: DrafterSeat, batch_id: int, attempt: int) -> None:
+        """The bookkeeping of drafter `seat`'s Consumed of `batch_id`'s copy `attempt`."""
+        entry = self.ledger.entry(batch_id)
+        target_rank, slot = entry.target, entry.slot
+        self.ledger.consumed(batch_id, seat.rank)
+        del self.in_flight[batch_id]
+        self.consumed_attempt[batch_id] = attempt
+        seat.batches_done += 1
+        seat.tokens_done += entry.batch.num_tokens
+        self.tokens_consumed += entry.batch.num_tokens
+        target = self.targets.get(target_rank)
+        if target is not None:  # the slot goes back to its (still living) target
+            target.free_slots.append(slot)
+
     def _superseded(self, batch_id: int, rank: int, attempt: int | None) -> bool:
-        """Whether drafter `rank` commits an older copy of `batch_id` than the one it consumed
-        last: a target drop took the old copy back after the drafter had copied it, the batch
-        came round to the same drafter again, and that Consumed reached us before this commit
-        (rank 0 commits for the group, from another socket). The newer copy, still in the
-        drafter's queue, commits later; committing now would refuse that later commit."""
+        """Whether drafter `rank` commits a copy of `batch_id` that is not the one the ledger
+        holds as consumed: a target drop took that copy back after the drafter had copied it
+        (its Consumed was refused), and the batch went round again, to whichever drafter, once
+        or more. Only the copy consumed last counts, and it commits when its drafter has
+        trained it; committing an older one would refuse that commit (all or none) and stall
+        the job. The attempt number tells the copies apart."""
         if attempt is None or batch_id not in self.ledger:
             return False
         entry = self.ledger.entry(batch_id)
         consumed = self.consumed_attempt.get(batch_id)
-        if entry.state is BatchState.CONSUMED and entry.drafter == rank and consumed not in (None, attempt):
-            log.warning("drafter/%d committed attempt %d of batch %d, but attempt %d was consumed "
-                        "since: not counted, the newer copy commits", rank, attempt, batch_id, consumed)
-            self._unrevoke(batch_id, rank)
-            return True
-        return False
+        if entry.state is BatchState.CONSUMED and entry.drafter == rank and consumed == attempt:
+            return False
+        log.warning("drafter/%d committed attempt %d of batch %d, which is %s (drafter %s, attempt "
+                    "%s): an older copy, not counted", rank, attempt, batch_id, entry.state.name,
+                    entry.drafter, consumed)
+        self._unrevoke(batch_id, rank)
+        return True
 
     def _without_revoked(self, rank: int, batch_ids: list[int]) -> list[int]:
         """`batch_ids` less those a target drop took back from drafter `rank` after it had
