@@ -24,8 +24,11 @@ from supervised_job import SMALL_JOB, SupervisedJob
 RUN_TIMEOUT_S = 240
 START_TIMEOUT_S = 120
 
-JOB = [*SMALL_JOB, "supervise.max_restarts=3",
-       "target.num_workers=2", "drafter.num_workers=1"]  # per node: 4 targets, 2 drafters in all
+# Per node: 2 targets, 1 drafter (4 and 2 in all). A short drafter queue keeps batches pending
+# for most of the run: with the small job's queue of 32 sequences the drafters took every
+# batch within seconds of the start, and node 1's target could miss the window for its kill.
+JOB = [*SMALL_JOB, "supervise.max_restarts=3", "drafter.fifo_sequences=8",
+       "target.num_workers=2", "drafter.num_workers=1"]
 
 
 def _two_free_ports() -> int:
