@@ -52,7 +52,7 @@ def segments_prefix(cfg: JobConfig) -> str:
 
 def resolved_config_path(run_dir: str, node_rank: int = 0) -> str:
     """The config this node's processes run with (node 0's is the job's: status, health)."""
-    return os.path.join(run_dir, "config.yaml" if node_rank == 0 else f"config-node{node_rank}.yaml")
+    return node_file(run_dir, "config.yaml", node_rank)
 
 
 def checkpoints_dir(cfg: JobConfig) -> str:

@@ -376,6 +376,26 @@ def test_a_group_commit_that_overtakes_the_drafters_consumed_counts():
     assert d.drafters[1].batches_done == 1 and len(d.targets[0].free_slots) == free_before + 1
 
 
+def test_a_commit_that_frees_several_slots_serves_every_one():
+    """Two copies' Consumed overtaken by one group commit free two slots of a target that
+    waits with credits: both batches it is then served are sent (a lease never sent is a
+    batch nobody computes)."""
+    d = Dispatcher(_plan(), policy="pull", num_targets=1, num_drafters=2, clock=Clock())
+    d.handle(b"d0", p.Register(role="drafter", rank=0, pid=30))
+    d.handle(b"d1", p.Register(role="drafter", rank=1, pid=31))
+    d.handle(b"t0", p.Register(role="target", rank=0, pid=10, pool=POOL, num_slots=2))
+    first = [m for _, m in d.handle(b"t0", p.Ready(credits=4))]
+    assert len(first) == 2  # both slots taken; two credits left, waiting for a slot
+    for b in first:
+        d.handle(b"t0", p.Produced(batch_id=b.batch_id, slot=b.slot, num_tokens=1, compute_s=0))
+    assigns = [m for _, m in d.handle(b"d1", p.WantHidden(credits=2))]
+    out = d.handle(b"d0", p.Committed(step=1, batch_ids=[a.batch_id for a in assigns], ranks=[1, 1],
+                                      attempts=[a.attempt for a in assigns]))
+    served = [m for identity, m in out if identity == b"t0" and isinstance(m, p.Batch)]
+    assert len(served) == 2
+    assert {d.ledger.entry(m.batch_id).state for m in served} == {BatchState.LEASED}
+
+
 # --- drafter faults: the group restarts, attempts tell copies apart ---------------------------
 
 

@@ -390,13 +390,14 @@ class Dispatcher:
             attempts = [a if a >= 1 else None for a in msg.attempts] or [None] * len(msg.batch_ids)
             if any(r not in self.drafters for r in ranks):
                 raise ProtocolError(f"Committed: ranks {sorted(set(ranks))} include one not registered")
-            out: Outgoing = []
+            consumed_now = False
             for batch_id, rank, attempt in zip(msg.batch_ids, ranks, attempts):
                 if attempt is not None and self.in_flight.get(batch_id) == (rank, attempt):
                     # The rank trained this copy, so it copied it: its Consumed is on the way.
                     self._consume(self.drafters[rank], batch_id, attempt)
                     self.consumed_by_commit.add((batch_id, attempt))
-                    out = self._serve_targets()
+                    consumed_now = True
+            out = self._serve_targets() if consumed_now else []  # slots came free
             batch_ids = []
             for batch_id, rank, attempt in zip(msg.batch_ids, ranks, attempts):
                 if self._superseded(batch_id, rank, attempt):
