@@ -22,8 +22,8 @@ Consumer (drafter):
   drafter's own stream and the drafter never creates a CUDA context on a target's GPU;
 - per ``read``: polls the slot's event on the host until the producer's writes are done
   (re-checking the producer's liveness, with a timeout; nothing to wait for under
-  ``host_wait``), then copies on a private stream and waits for that copy. ``read`` returns only once the copy is complete, so the caller
-  may report Consumed at once.
+  ``host_wait``), then copies on a private stream and waits for that copy. ``read``
+  returns only once the copy is complete, so the caller may report Consumed at once.
 
 Why host polling and not ``stream.wait_event(ipc_event)``: a GPU-side wait on an event of
 a process that died can block the stream forever, and a blocking host wait would hang the
@@ -57,6 +57,7 @@ from dflash_ipc.transport.slots import (
     SlotPool,
     SlotReader,
     check_out,
+    check_publish_sync,
     producer_identity,
     slot_view,
 )
@@ -282,10 +283,7 @@ class CudaIpcSlotPool(SlotPool):
             raise ConfigError(
                 f"slot pool name {name!r}: use 1..200 letters, digits, '.', '_' and '-'"
             )
-        if publish_sync not in PUBLISH_SYNC_MODES:
-            raise ConfigError(
-                f"slot pool publish_sync {publish_sync!r} not allowed; allowed: {PUBLISH_SYNC_MODES}"
-            )
+        check_publish_sync(publish_sync)
         self.publish_sync = publish_sync
         check_torch_version()
         _check_cuda_device(device, "slot pool")
@@ -302,15 +300,13 @@ class CudaIpcSlotPool(SlotPool):
                     f"GiB on {device} ({layout.num_slots} slots x {layout.slot_bytes} bytes)"
                 ) from exc
             self._share = parse_share_tuple(self._flat.untyped_storage()._share_cuda_())
-            if publish_sync == "ipc_event":
-                self._events = [
-                    torch.cuda.Event(interprocess=True) for _ in range(layout.num_slots)
-                ]
-                # ipc_handle() creates the event on the current device (the pool's).
-                self._event_handles = [bytes(e.ipc_handle()) for e in self._events]
-            else:
-                self._events = [torch.cuda.Event()]  # waited on here, never exported
-                self._event_handles = []
+            # ipc_event: one exported event per slot; host_wait: none (publish waits on
+            # `_written`, a plain event of this process).
+            exported = layout.num_slots if publish_sync == "ipc_event" else 0
+            self._events = [torch.cuda.Event(interprocess=True) for _ in range(exported)]
+            # ipc_handle() creates the event on the current device (the pool's).
+            self._event_handles = [bytes(e.ipc_handle()) for e in self._events]
+            self._written = torch.cuda.Event()
         self._identity = producer_identity()
         self._uuid = _device_uuid(device.index)
         logger.info(
@@ -362,10 +358,9 @@ class CudaIpcSlotPool(SlotPool):
         if self.publish_sync == "ipc_event":
             self._events[slot].record(stream)
             return
-        written = self._events[0]
-        written.record(stream)
+        self._written.record(stream)
         try:
-            written.synchronize()
+            self._written.synchronize()
         except RuntimeError as exc:
             raise TransportError(
                 f"slot pool {self.pool_id}: writes to slot {slot} failed on {self.device}: {exc}"
@@ -508,7 +503,7 @@ class CudaIpcSlotReader(SlotReader):
         self._timed = False  # a read that fails leaves no copy time behind
         self._watch.check(f"before reading slot {slot}")
         src = slot_view(self._flat, self.layout, slot, num_tokens)  # [num_tokens, D], peer memory
-        if self._events:  # ipc_event; under host_wait the writes were done before the notice
+        if self.publish_sync == "ipc_event":  # under host_wait the writes were done before the notice
             self._wait_event(self._events[slot], f"the producer's writes to slot {slot}")
         caller = torch.cuda.current_stream(self._index)
         allocated = out is None

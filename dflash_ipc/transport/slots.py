@@ -351,6 +351,14 @@ def _as_device(device: torch.device | str) -> torch.device:
     return dev
 
 
+def check_publish_sync(publish_sync: str) -> None:
+    """ConfigError unless ``publish_sync`` is one of ``PUBLISH_SYNC_MODES``."""
+    if publish_sync not in PUBLISH_SYNC_MODES:
+        raise ConfigError(
+            f"slot pool publish_sync {publish_sync!r} not allowed; allowed: {PUBLISH_SYNC_MODES}"
+        )
+
+
 def create_pool(
     layout: SlotLayout, device: torch.device | str, *, name: str,
     publish_sync: str = "ipc_event",
@@ -362,10 +370,7 @@ def create_pool(
     leftovers of the one it replaces. ``publish_sync`` (one of ``PUBLISH_SYNC_MODES``)
     matters on GPUs only: host writes to shared memory are done when ``publish`` runs.
     """
-    if publish_sync not in PUBLISH_SYNC_MODES:
-        raise ConfigError(
-            f"slot pool publish_sync {publish_sync!r} not allowed; allowed: {PUBLISH_SYNC_MODES}"
-        )
+    check_publish_sync(publish_sync)
     dev = _as_device(device)
     if dev.type == "cpu":
         from dflash_ipc.transport.shm import ShmSlotPool
