@@ -284,25 +284,29 @@ def test_stale_commit_of_a_batch_another_drafter_committed_is_dropped_not_fatal(
     assert sorted(d.ledger.history()) == sorted({b.batch_id, other.batch_id})
 
 
+def _produced_by_new_target(d, rank):
+    """Target `rank` registers, is served one batch and produces it."""
+    tid = b"t%d" % rank
+    d.handle(tid, p.Register(role="target", rank=rank, pid=100 + rank, pool={"pool_id": f"p{rank}"}, num_slots=4))
+    (_, batch), = d.handle(tid, p.Ready(credits=1))
+    d.handle(tid, p.Produced(batch_id=batch.batch_id, slot=batch.slot, num_tokens=1, compute_s=0))
+    return batch
+
+
 def test_group_commit_of_a_superseded_copy_waits_for_the_newer_one():
     """d1 copied batch b, but a target drop took b back before its Consumed. b came round to
     d1 again and d1's new Consumed reached the dispatcher before rank 0's group commit, which
     still lists d1's old copy (gathered before). That copy must not count: d1 trains the
     new one and commits it at the next checkpoint, which must then go through."""
     d = Dispatcher(_plan(), policy="pull", num_targets=2, num_drafters=2, heartbeat_timeout_s=5.0, clock=Clock())
-    d.handle(b"t0", p.Register(role="target", rank=0, pid=10, pool={"pool_id": "a"}, num_slots=4))
     d.handle(b"d0", p.Register(role="drafter", rank=0, pid=30))
     d.handle(b"d1", p.Register(role="drafter", rank=1, pid=31))
-    (_, b), = d.handle(b"t0", p.Ready(credits=1))
-    d.handle(b"t0", p.Produced(batch_id=b.batch_id, slot=b.slot, num_tokens=1, compute_s=0))
+    b = _produced_by_new_target(d, 0)
     (_, old), = d.handle(b"d1", p.WantHidden(credits=1))
     d.drop_target(0)  # d1 copied b; its Consumed arrives too late
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match="is not assigned to drafter/1"):
         d.handle(b"d1", p.Consumed(batch_id=b.batch_id, attempt=old.attempt))
-    d.handle(b"t1", p.Register(role="target", rank=1, pid=11, pool={"pool_id": "b"}, num_slots=4))
-    (_, again), = d.handle(b"t1", p.Ready(credits=1))
-    assert again.batch_id == b.batch_id
-    d.handle(b"t1", p.Produced(batch_id=b.batch_id, slot=again.slot, num_tokens=1, compute_s=0))
+    assert _produced_by_new_target(d, 1).batch_id == b.batch_id
     (_, new), = d.handle(b"d1", p.WantHidden(credits=1))
     assert new.batch_id == b.batch_id and new.attempt != old.attempt
     d.handle(b"d1", p.Consumed(batch_id=b.batch_id, attempt=new.attempt))
@@ -315,15 +319,6 @@ def test_group_commit_of_a_superseded_copy_waits_for_the_newer_one():
     assert d.consumed_attempt == {} and d.revoked == {}
     with pytest.raises(ProtocolError, match="2 attempts for 1 batch ids"):
         d.handle(b"d0", p.Committed(step=3, batch_ids=[b.batch_id], ranks=[1], attempts=[1, 2]))
-
-
-def _produced_by_new_target(d, rank):
-    """Target `rank` registers, is served one batch and produces it."""
-    tid = b"t%d" % rank
-    d.handle(tid, p.Register(role="target", rank=rank, pid=100 + rank, pool={"pool_id": f"p{rank}"}, num_slots=4))
-    (_, batch), = d.handle(tid, p.Ready(credits=1))
-    d.handle(tid, p.Produced(batch_id=batch.batch_id, slot=batch.slot, num_tokens=1, compute_s=0))
-    return batch
 
 
 @pytest.mark.parametrize("comes_back_to", ["d0", "nobody yet"])
@@ -341,7 +336,7 @@ def test_copies_revoked_twice_from_one_drafter_never_commit(comes_back_to):
         assert assign.batch_id == b.batch_id == (copies[0].batch_id if copies else b.batch_id)
         copies.append(assign)
         d.drop_target(target)
-        with pytest.raises(ProtocolError):  # d1's Consumed comes too late
+        with pytest.raises(ProtocolError, match="is not assigned to drafter/1"):  # d1's comes too late
             d.handle(b"d1", p.Consumed(batch_id=b.batch_id, attempt=assign.attempt))
     batch_id = copies[0].batch_id
     d.handle(b"d0", p.Committed(step=1, batch_ids=[batch_id], ranks=[1], attempts=[copies[0].attempt]))

@@ -26,7 +26,8 @@ def test_full_topology_end_to_end(tmp_path, tiny_cache):
     run_dir = tmp_path / "run"
     job = SupervisedJob(run_dir, tmp_path / "up.log", tiny_cache, SMALL_JOB)
     try:
-        _check_finished_job(run_dir, job.wait(TIMEOUT_S), job.output())
+        # Every worker pid seen during the run is remembered for the clean-up.
+        _check_finished_job(run_dir, job.wait(TIMEOUT_S, during=job.processes), job.output())
     finally:
         job.kill_all()  # after the checks: they include that nothing is left running
 
@@ -62,12 +63,12 @@ def _check_finished_job(run_dir, code: int, out: str) -> None:
     # The last fifth of the steps against the first two (the untrained drafter): per-step
     # losses swing +-5 % with the batches' lengths, the fall over the job is 10 % or more.
     k = max(3, len(losses) // 5)
-    assert sum(losses[-k:]) / k < 0.95 * sum(losses[:2]) / 2, losses
+    assert sum(losses[-k:]) / k < 0.93 * sum(losses[:2]) / 2, losses
     # Rank 0's transport totals grow with what it read; the copy is part of the read.
     last = steps[-1]
     assert last["read_bytes"] > 0 and 0 < last["copy_s"] <= last["read_s"], last
     assert 0 < last["reads"] <= final["drafters"]["0"]["batches"]
-    assert steps[0]["read_bytes"] <= last["read_bytes"]
+    assert steps[0]["read_bytes"] < last["read_bytes"]
 
     # The checkpoint loads back in the inference format.
     latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())

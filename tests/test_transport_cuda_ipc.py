@@ -86,7 +86,7 @@ def test_cuda_pool_without_cuda_is_a_clear_error():
     with pytest.raises(TransportError, match="CUDA is not available"):
         create_pool(SlotLayout(1, 1, 1, "float32"), "cuda:0", name="dfl-nocuda")
     # The publish mode is checked first, on any device.
-    with pytest.raises(ConfigError, match=r"publish_sync 'event' not allowed; allowed: \('ipc_event', 'host_wait'\)"):
+    with pytest.raises(ConfigError, match="publish_sync 'event' not allowed"):
         create_pool(SlotLayout(1, 1, 1, "float32"), "cpu", name="dfl-badsync", publish_sync="event")
 
 

@@ -208,8 +208,7 @@ class Dispatcher:
         for name, total in (("tgt_rate", self.tokens_produced), ("dft_rate", self.tokens_consumed),
                             ("tok_rate", trained)):
             self.rates[name].add(now, total)
-        # Targets waiting with credits get pending work even if no message would trigger it.
-        return out + self._serve_targets() + self._maybe_end()
+        return out + self._maybe_end()
 
     @property
     def finished(self) -> bool:
