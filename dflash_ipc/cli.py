@@ -18,7 +18,7 @@ import sys
 
 import click
 
-from dflash_ipc.config import PUBLISH_SYNC_MODES
+from dflash_ipc.config import POLICIES, PUBLISH_SYNC_MODES
 from dflash_ipc.errors import DFlashError
 
 log = logging.getLogger("dflash_ipc.cli")
@@ -28,7 +28,7 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
 
 
 def _load(config: str | None, overrides: tuple[str, ...]):
-    from dflash_ipc.config import load_config
+    from dflash_ipc.config_load import load_config
     if config is None and os.path.exists(DEFAULT_CONFIG):
         config = DEFAULT_CONFIG
     return load_config(config, list(overrides))
@@ -53,8 +53,7 @@ def _stage_setup(role: str, cfg) -> None:
 def _finished_before(cfg) -> bool:
     """True when the run directory's ledger says the job already committed every batch."""
     from dflash_ipc.dispatch.ledger import Ledger
-    from dflash_ipc.dispatch.proc import ledger_path
-    path = ledger_path(cfg)
+    path = cfg.files.ledger
     return os.path.exists(path) and Ledger.load(path).all_committed()
 
 
@@ -85,7 +84,7 @@ def up(config, overrides, nnodes, node_rank, dispatcher_address) -> None:
     and PORT+1 (the drafters of all nodes form one group)."""
     from dflash_ipc.config import BUILTIN_SYNTHETIC_DATA, BUILTIN_TINY_TARGET
     from dflash_ipc.logs import setup_logging
-    from dflash_ipc.runinfo import resolve_job
+    from dflash_ipc.resolve import resolve_job
     from dflash_ipc.supervise.supervisor import Supervisor
     flags = [f"run.num_nodes={nnodes}"] if nnodes is not None else []
     flags += [f"run.node_rank={node_rank}"] if node_rank is not None else []
@@ -109,8 +108,7 @@ def up(config, overrides, nnodes, node_rank, dispatcher_address) -> None:
         # drafter next to an untrained one of the same shape, on held-out prompts.
         from dflash_ipc.eval.acceptance import format_comparison
         from dflash_ipc.eval.speculative import untrained_vs_trained
-        from dflash_ipc.runinfo import checkpoints_dir
-        untrained, trained = untrained_vs_trained(cfg.target.path, checkpoints_dir(cfg), cfg.data.path,
+        untrained, trained = untrained_vs_trained(cfg.target.path, cfg.files.checkpoints, cfg.data.path,
                                                   num_prompts=8, max_new_tokens=48, seed=cfg.run.seed)
         click.echo(format_comparison(untrained, trained))
     sys.exit(code)
@@ -122,7 +120,7 @@ def up(config, overrides, nnodes, node_rank, dispatcher_address) -> None:
 def dispatcher(config, overrides) -> None:
     """Run the dispatcher alone."""
     from dflash_ipc.dispatch.proc import run_dispatcher
-    from dflash_ipc.runinfo import resolve_job
+    from dflash_ipc.resolve import resolve_job
     cfg = _load(config, overrides)
     _stage_setup("dispatcher", cfg)
     run_dispatcher(resolve_job(cfg))
@@ -134,7 +132,7 @@ def dispatcher(config, overrides) -> None:
 @click.option("--rank", type=int, required=True, help="Target rank, 0..target.num_workers-1.")
 def target(config, overrides, rank) -> None:
     """Run one target worker alone."""
-    from dflash_ipc.runinfo import resolve_job
+    from dflash_ipc.resolve import resolve_job
     from dflash_ipc.target.worker import run_target
     cfg = _load(config, overrides)
     _stage_setup(f"target/{rank}", cfg)
@@ -148,7 +146,7 @@ def target(config, overrides, rank) -> None:
 def drafter(config, overrides, rank) -> None:
     """Run one drafter worker alone (all drafters must run to form the group)."""
     from dflash_ipc.drafter.worker import run_drafter
-    from dflash_ipc.runinfo import resolve_job
+    from dflash_ipc.resolve import resolve_job
     cfg = _load(config, overrides)
     _stage_setup(f"drafter/{rank}", cfg)
     run_drafter(resolve_job(cfg), rank)
@@ -270,7 +268,7 @@ def bench() -> None:
 @click.option("--samples", "num_samples", default=20000, show_default=True, help="Sequences in the epoch plan.")
 @click.option("--targets", "num_targets", default=5, show_default=True)
 @click.option("--drafters", "num_drafters", default=3, show_default=True)
-@click.option("--policy", "policies", multiple=True, type=click.Choice(["pull", "round_robin"]),
+@click.option("--policy", "policies", multiple=True, type=click.Choice(POLICIES),
               help="Repeatable; default: both, in the same invocation.")
 @click.option("--target-speeds", default=None, metavar="S0,S1,...",
               help="Relative speed of each target, e.g. 1,1,1,1,0.5 (default: all 1).")
@@ -282,7 +280,7 @@ def bench_dispatch(num_samples, num_targets, num_drafters, policies, target_spee
                    out_path) -> None:
     """Pull against round-robin: the real dispatcher and sockets, cost-model fake workers."""
     import json
-    from dflash_ipc.bench.dispatch import POLICIES, parse_speeds, run_dispatch_bench
+    from dflash_ipc.bench.dispatch import parse_speeds, run_dispatch_bench
     result = run_dispatch_bench(num_targets=num_targets, num_drafters=num_drafters, num_samples=num_samples,
                                 policies=policies or POLICIES, seed=seed, time_scale=time_scale,
                                 target_speeds=parse_speeds(target_speeds) if target_speeds else None)
@@ -337,7 +335,7 @@ def bench_pipeline(config, overrides, seconds, warmup_s, json_path, run_dir) -> 
     import json
     from dflash_ipc.bench.pipeline import format_table, run_pipeline_bench
     from dflash_ipc.logs import setup_logging
-    from dflash_ipc.runinfo import resolve_job
+    from dflash_ipc.resolve import resolve_job
     cfg = _load(config, overrides)
     setup_logging("bench", level=cfg.run.log_level)
     figures = run_pipeline_bench(resolve_job(cfg), seconds=seconds, warmup_s=warmup_s, run_dir=run_dir,

@@ -1,39 +1,48 @@
-"""Job configuration: nested dataclasses, filled from YAML and `-o key=value` overrides.
+"""Job configuration: one small dataclass per component, filled from YAML and overrides.
 
-Each section is owned by one component and checked in `__post_init__`; `JobConfig.check()`
-adds the checks that span sections. Unknown keys, wrong types and impossible values raise
-`ConfigError` naming the dotted key and what is allowed, before anything is started.
+Sections, as torchtitan splits them: `run`, `data`, `target` (the target workers), `drafter`
+(the drafter workers: devices, precision, flow control), `model` (the drafter's shape),
+`optimizer`, `schedule`, `objective`, `checkpoint`, `dispatch`, `supervise`. Each section
+checks its fields in `__post_init__`; `JobConfig.check()` adds the checks that span
+sections. Choices are `Literal` types; floats must be finite. YAML reading, overrides and
+the keys of older versions live in `config_load.py`.
 
-    cfg = load_config("configs/default.yaml", ["drafter.lr=3e-4", "target.num_workers=2"])
+    cfg = load_config("configs/default.yaml", ["optimizer.lr=3e-4", "target.num_workers=2"])
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import types
+import math
 import typing
 from dataclasses import dataclass, field
-from typing import Any
-
-import yaml
+from typing import Literal
 
 from dflash_ipc.errors import ConfigError
+from dflash_ipc.run_files import RunFiles
 
-DTYPES = ("bfloat16", "float16", "float32")
+DType = Literal["bfloat16", "float16", "float32"]
+DTYPE_NAMES: tuple[str, ...] = typing.get_args(DType)
+Policy = Literal["pull", "round_robin"]
+POLICIES: tuple[str, ...] = typing.get_args(Policy)
+Attention = Literal["auto", "flex", "dense"]
+AttnImplementation = Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+# How a GPU target orders a drafter's read after its writes: transport/cuda_ipc.py says why
+# there are two (the transport imports them from here: config stays free of torch).
+PublishMode = Literal["ipc_event", "host_wait"]
+PUBLISH_SYNC_MODES: tuple[str, ...] = typing.get_args(PublishMode)
+PublishSync = Literal["auto", "ipc_event", "host_wait"]
+
 BUILTIN_TINY_TARGET = "builtin:tiny"
 BUILTIN_SYNTHETIC_DATA = "builtin:synthetic"
+MAX_SEED = 2**32 - 1       # numpy and torch seeds
+MAX_TOKENS = 1 << 22       # token budgets, bucket bounds: far above any real batch (4M tokens)
 
 
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {message}")
-
-
-# How a GPU target orders a drafter's read after its writes: transport/cuda_ipc.py says why
-# there are two (the transport imports them from here: config stays free of torch).
-PUBLISH_SYNC_MODES = ("ipc_event", "host_wait")
-PUBLISH_SYNC_CHOICES = ("auto", *PUBLISH_SYNC_MODES)
 
 
 def gpu_index(device: str) -> int | None:
@@ -50,13 +59,41 @@ def _check_devices(key: str, devices: list[str], num_workers: int) -> None:
                  key, f"'{device}' is not a device; allowed: 'cpu' or 'cuda:N'")
 
 
+def check_field_types(section: object, name: str) -> None:
+    """Choices (`Literal`) and finite floats of a section, whoever built it (YAML or code)."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        value, hint = getattr(section, f.name), hints[f.name]
+        if typing.get_origin(hint) is Literal:
+            allowed = typing.get_args(hint)
+            _require(value in allowed, f"{name}.{f.name}",
+                     f"{value!r} not allowed; allowed: {', '.join(map(str, allowed))}")
+        elif hint is float:
+            _require(isinstance(value, (int, float)) and math.isfinite(value), f"{name}.{f.name}",
+                     f"must be a finite number, got {value!r}")
+
+
+class _Section:
+    """Base of every section: type checks, then the section's own `check()`."""
+    __slots__ = ()
+    NAME: typing.ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        check_field_types(self, self.NAME)
+        self.check()
+
+    def check(self) -> None:
+        """The section's own value checks (ConfigError naming the dotted key)."""
+
+
 @dataclass(kw_only=True, slots=True)
-class RunConfig:
+class RunConfig(_Section):
+    NAME = "run"
     run_dir: str = "runs/default"
     """Where sockets, logs, metrics, ledger and checkpoints of this job live."""
     seed: int = 0
     """Seeds batch order, anchors and drafter init; the same seed gives the same run."""
-    log_level: str = "INFO"
+    log_level: LogLevel = "INFO"
     """Python logging level for every process."""
     num_nodes: int = 1
     """Nodes of the job. Each runs `target.num_workers` targets and `drafter.num_workers`
@@ -64,16 +101,17 @@ class RunConfig:
     node_rank: int = 0
     """This node, 0..num_nodes-1 (`dflash-up --node-rank`); node 0 runs the dispatcher."""
 
-    def __post_init__(self) -> None:
-        _require(self.log_level in ("DEBUG", "INFO", "WARNING", "ERROR"), "run.log_level",
-                 f"'{self.log_level}' not allowed; allowed: DEBUG, INFO, WARNING, ERROR")
-        _require(self.num_nodes >= 1, "run.num_nodes", "must be >= 1")
+    def check(self) -> None:
+        _require(self.run_dir.strip() != "", "run.run_dir", "must name a directory, got ''")
+        _require(0 <= self.seed <= MAX_SEED, "run.seed", f"must be in [0, {MAX_SEED}], got {self.seed}")
+        _require(1 <= self.num_nodes <= 4096, "run.num_nodes", f"must be in [1, 4096], got {self.num_nodes}")
         _require(0 <= self.node_rank < self.num_nodes, "run.node_rank",
                  f"{self.node_rank} outside 0..{self.num_nodes - 1} (run.num_nodes={self.num_nodes})")
 
 
 @dataclass(kw_only=True, slots=True)
-class DataConfig:
+class DataConfig(_Section):
+    NAME = "data"
     path: str = BUILTIN_SYNTHETIC_DATA
     """Prepared dataset directory (`dflash-ipc prepare`), or builtin:synthetic."""
     synthetic_samples: int = 384
@@ -96,19 +134,19 @@ class DataConfig:
     max_batch_size: int = 64
     """Most sequences in one target batch."""
 
-    def __post_init__(self) -> None:
-        _require(self.num_epochs >= 1, "data.num_epochs", f"must be >= 1, got {self.num_epochs}")
+    def check(self) -> None:
+        _require(1 <= self.num_epochs <= 10_000, "data.num_epochs", f"must be in [1, 10000], got {self.num_epochs}")
         bounds = self.bucket_boundaries
-        _require(len(bounds) >= 1 and all(b > 0 for b in bounds), "data.bucket_boundaries",
-                 f"need at least one positive boundary, got {bounds}")
+        _require(len(bounds) >= 1 and all(0 < b <= MAX_TOKENS for b in bounds), "data.bucket_boundaries",
+                 f"need at least one boundary in [1, {MAX_TOKENS}], got {bounds}")
         _require(all(a < b for a, b in zip(bounds, bounds[1:])), "data.bucket_boundaries",
                  f"must be strictly increasing, got {bounds}")
-        _require(self.token_budget >= bounds[-1], "data.token_budget",
-                 f"{self.token_budget} cannot hold one sequence of the largest bucket "
-                 f"({bounds[-1]}); must be >= {bounds[-1]}")
-        _require(self.pad_multiple >= 1, "data.pad_multiple", "must be >= 1")
-        _require(self.max_batch_size >= 1, "data.max_batch_size", "must be >= 1")
-        _require(2 <= self.synthetic_min_len <= self.synthetic_max_len, "data.synthetic_min_len",
+        _require(bounds[-1] <= self.token_budget <= MAX_TOKENS, "data.token_budget",
+                 f"{self.token_budget} must hold one sequence of the largest bucket ({bounds[-1]}) "
+                 f"and be <= {MAX_TOKENS}")
+        _require(1 <= self.pad_multiple <= 4096, "data.pad_multiple", "must be in [1, 4096]")
+        _require(1 <= self.max_batch_size <= 65536, "data.max_batch_size", "must be in [1, 65536]")
+        _require(2 <= self.synthetic_min_len <= self.synthetic_max_len <= MAX_TOKENS, "data.synthetic_min_len",
                  "need 2 <= synthetic_min_len <= synthetic_max_len")
         _require(self.synthetic_samples >= 1, "data.synthetic_samples", "must be >= 1")
         _require(self.synthetic_words >= 2, "data.synthetic_words", "must be >= 2")
@@ -119,13 +157,14 @@ class DataConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class TargetConfig:
+class TargetConfig(_Section):
+    NAME = "target"
     path: str = BUILTIN_TINY_TARGET
     """HF model directory of the frozen target, or builtin:tiny (built on first use)."""
-    dtype: str = "bfloat16"
+    dtype: DType = "bfloat16"
     """Weights and activations of the target; the captured features keep this dtype."""
-    attn_implementation: str = "sdpa"
-    """Passed to from_pretrained: sdpa, eager, flash_attention_2."""
+    attn_implementation: AttnImplementation = "sdpa"
+    """Passed to from_pretrained."""
     num_workers: int = 5
     """Target worker processes."""
     devices: list[str] = field(default_factory=lambda: ["cpu"])
@@ -134,7 +173,7 @@ class TargetConfig:
     """Hidden-state slots per target; a target stalls when all are waiting for drafters."""
     prefetch: int = 2
     """Batches a target asks for ahead of the one it computes (its pull credit)."""
-    publish_sync: str = "auto"
+    publish_sync: PublishSync = "auto"
     """How a drafter's read is ordered after the target's writes, on GPUs: ipc_event (an
     interprocess event per slot, recorded at publish), host_wait (the target waits for its
     writes before it announces the batch; no interprocess event), or auto: host_wait for a
@@ -144,18 +183,12 @@ class TargetConfig:
     drafters only: targets sharing a GPU with each other pay it per batch, not per read
     (noise against a forward pass)."""
 
-    def __post_init__(self) -> None:
-        _require(self.dtype in DTYPES, "target.dtype", f"'{self.dtype}' not allowed; allowed: {DTYPES}")
-        allowed = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
-        _require(self.attn_implementation in allowed, "target.attn_implementation",
-                 f"'{self.attn_implementation}' not allowed; allowed: {allowed}")
-        _require(self.num_workers >= 1, "target.num_workers", "must be >= 1")
+    def check(self) -> None:
+        _require(1 <= self.num_workers <= 1024, "target.num_workers", "must be in [1, 1024]")
         _check_devices("target.devices", self.devices, self.num_workers)
-        _require(self.num_slots >= 1, "target.num_slots", "must be >= 1")
+        _require(1 <= self.num_slots <= 256, "target.num_slots", "must be in [1, 256]")
         _require(1 <= self.prefetch <= self.num_slots, "target.prefetch",
                  f"must be in [1, num_slots={self.num_slots}], got {self.prefetch}")
-        _require(self.publish_sync in PUBLISH_SYNC_CHOICES, "target.publish_sync",
-                 f"'{self.publish_sync}' not allowed; allowed: {PUBLISH_SYNC_CHOICES}")
 
     def device_of(self, rank: int) -> str:
         """The device of global rank `rank`: devices are per node, ranks count across nodes."""
@@ -163,13 +196,35 @@ class TargetConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class DrafterConfig:
+class DrafterConfig(_Section):
+    NAME = "drafter"
     num_workers: int = 3
     """Drafter processes; they form one torch.distributed group and step in lockstep."""
     devices: list[str] = field(default_factory=lambda: ["cpu"])
     """One device for all drafters or one per drafter."""
-    dtype: str = "bfloat16"
+    dtype: DType = "bfloat16"
     """Compute dtype of the drafter (master weights and optimizer state stay float32)."""
+    attention: Attention = "auto"
+    """auto (flex on GPU, dense on CPU), flex or dense."""
+    fifo_sequences: int = 256
+    """A drafter asks for hidden states while fewer sequences than this wait in its queue."""
+    prefetch: int = 2
+    """Assignments a drafter may have outstanding (its pull credit)."""
+
+    def check(self) -> None:
+        _require(1 <= self.num_workers <= 1024, "drafter.num_workers", "must be in [1, 1024]")
+        _check_devices("drafter.devices", self.devices, self.num_workers)
+        _require(1 <= self.fifo_sequences <= 1 << 20, "drafter.fifo_sequences", "must be in [1, 1048576]")
+        _require(1 <= self.prefetch <= 1024, "drafter.prefetch", "must be in [1, 1024]")
+
+    def device_of(self, rank: int) -> str:
+        """The device of global rank `rank`: devices are per node, ranks count across nodes."""
+        return self.devices[rank % self.num_workers if len(self.devices) > 1 else 0]
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig(_Section):
+    NAME = "model"
     num_layers: int = 5
     """Drafter decoder layers."""
     target_layer_ids: list[int] | None = None
@@ -178,61 +233,84 @@ class DrafterConfig:
     """Tokens drafted per block (anchor token + block_size-1 masks)."""
     mask_token_id: int | None = None
     """Id of the mask token; default: the target tokenizer's mask token."""
+
+    def check(self) -> None:
+        _require(1 <= self.num_layers <= 256, "model.num_layers", "must be in [1, 256]")
+        _require(2 <= self.block_size <= 1024, "model.block_size", "must be in [2, 1024]")
+        if self.target_layer_ids is not None:
+            _require(len(self.target_layer_ids) >= 1 and min(self.target_layer_ids) >= 0,
+                     "model.target_layer_ids", "need non-negative layer indices")
+            _require(len(set(self.target_layer_ids)) == len(self.target_layer_ids),
+                     "model.target_layer_ids", f"a layer is named twice: {self.target_layer_ids}")
+        if self.mask_token_id is not None:
+            _require(self.mask_token_id >= 0, "model.mask_token_id", "must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig(_Section):
+    NAME = "optimizer"
+    lr: float = 6e-4
+    """Peak AdamW learning rate."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+
+    def check(self) -> None:
+        _require(0 < self.lr <= 1.0, "optimizer.lr", f"must be in (0, 1], got {self.lr}")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optimizer.beta1/beta2", "must be in [0, 1)")
+        _require(0 <= self.weight_decay <= 1.0, "optimizer.weight_decay", "must be in [0, 1]")
+        _require(self.grad_clip > 0, "optimizer.grad_clip", "must be > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class ScheduleConfig(_Section):
+    NAME = "schedule"
+    warmup_ratio: float = 0.04
+    """Fraction of the planned steps of linear warmup."""
+    min_lr_ratio: float = 0.0
+    """The cosine schedule ends at optimizer.lr * min_lr_ratio."""
+
+    def check(self) -> None:
+        _require(0.0 <= self.warmup_ratio < 1.0, "schedule.warmup_ratio", "must be in [0, 1)")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, "schedule.min_lr_ratio", "must be in [0, 1]")
+
+
+@dataclass(kw_only=True, slots=True)
+class ObjectiveConfig(_Section):
+    NAME = "objective"
     max_anchors_per_seq: int = 512
     """Most anchors sampled in one sequence."""
     anchors_per_step: int = 2048
     """Anchors (blocks) per optimizer step on each drafter; fixes the step's cost."""
     gamma: float = 7.0
     """Loss weight of block position k is exp(-(k-1)/gamma)."""
-    lr: float = 6e-4
-    """Peak AdamW learning rate."""
-    min_lr_ratio: float = 0.0
-    """Cosine schedule ends at lr * min_lr_ratio."""
-    warmup_ratio: float = 0.04
-    """Fraction of steps of linear warmup."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip."""
-    attention: str = "auto"
-    """auto (flex on GPU, dense on CPU), flex or dense."""
-    checkpoint_every_steps: int = 200
-    """Steps between checkpoints (rank 0 writes); one is always written at the end."""
-    fifo_sequences: int = 256
-    """Drafter asks for hidden states while fewer sequences than this wait in its queue."""
-    prefetch: int = 2
-    """Assignments a drafter may have outstanding (its pull credit)."""
 
-    def __post_init__(self) -> None:
-        _require(self.num_workers >= 1, "drafter.num_workers", "must be >= 1")
-        _check_devices("drafter.devices", self.devices, self.num_workers)
-        _require(self.dtype in DTYPES, "drafter.dtype", f"'{self.dtype}' not allowed; allowed: {DTYPES}")
-        _require(self.num_layers >= 1, "drafter.num_layers", "must be >= 1")
-        _require(self.block_size >= 2, "drafter.block_size", "must be >= 2")
-        _require(self.max_anchors_per_seq >= 1, "drafter.max_anchors_per_seq", "must be >= 1")
-        _require(self.anchors_per_step >= 1, "drafter.anchors_per_step", "must be >= 1")
-        _require(self.gamma > 0, "drafter.gamma", "must be > 0")
-        _require(self.lr > 0, "drafter.lr", "must be > 0")
-        _require(0.0 <= self.min_lr_ratio <= 1.0, "drafter.min_lr_ratio", "must be in [0, 1]")
-        _require(0.0 <= self.warmup_ratio < 1.0, "drafter.warmup_ratio", "must be in [0, 1)")
-        _require(self.grad_clip > 0, "drafter.grad_clip", "must be > 0")
-        _require(self.attention in ("auto", "flex", "dense"), "drafter.attention",
-                 f"'{self.attention}' not allowed; allowed: auto, flex, dense")
-        _require(self.checkpoint_every_steps >= 1, "drafter.checkpoint_every_steps", "must be >= 1")
-        _require(self.fifo_sequences >= 1, "drafter.fifo_sequences", "must be >= 1")
-        _require(self.prefetch >= 1, "drafter.prefetch", "must be >= 1")
-        if self.target_layer_ids is not None:
-            _require(len(self.target_layer_ids) >= 1 and min(self.target_layer_ids) >= 0,
-                     "drafter.target_layer_ids", "need non-negative layer indices")
-
-    def device_of(self, rank: int) -> str:
-        """The device of global rank `rank`: devices are per node, ranks count across nodes."""
-        return self.devices[rank % self.num_workers if len(self.devices) > 1 else 0]
+    def check(self) -> None:
+        _require(1 <= self.max_anchors_per_seq <= MAX_TOKENS, "objective.max_anchors_per_seq",
+                 f"must be in [1, {MAX_TOKENS}]")
+        _require(1 <= self.anchors_per_step <= 1 << 20, "objective.anchors_per_step", "must be in [1, 1048576]")
+        _require(self.gamma > 0, "objective.gamma", "must be > 0")
 
 
 @dataclass(kw_only=True, slots=True)
-class DispatchConfig:
-    policy: str = "pull"
+class CheckpointConfig(_Section):
+    NAME = "checkpoint"
+    every_steps: int = 200
+    """Steps between checkpoints (drafter rank 0 writes); one is always written at the end."""
+
+    def check(self) -> None:
+        _require(self.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class DispatchConfig(_Section):
+    NAME = "dispatch"
+    policy: Policy = "pull"
     """pull (workers ask for work) or round_robin (the push baseline, for benchmarks)."""
     address: str = ""
     """ZMQ address of the dispatcher; empty: ipc:// socket in the run directory."""
@@ -243,20 +321,19 @@ class DispatchConfig:
     heartbeat_timeout_s: float = 30.0
     """A worker silent this long is declared dead (hung) and its work requeued."""
 
-    def __post_init__(self) -> None:
-        _require(self.policy in ("pull", "round_robin"), "dispatch.policy",
-                 f"'{self.policy}' not allowed; allowed: pull, round_robin")
+    def check(self) -> None:
         if self.address:
             _require(self.address.startswith(("ipc://", "tcp://")), "dispatch.address",
                      f"'{self.address}' must start with ipc:// or tcp://")
-        _require(self.status_interval_s > 0, "dispatch.status_interval_s", "must be > 0")
-        _require(self.heartbeat_interval_s > 0, "dispatch.heartbeat_interval_s", "must be > 0")
-        _require(self.heartbeat_timeout_s > 2 * self.heartbeat_interval_s,
-                 "dispatch.heartbeat_timeout_s", "must exceed 2 x heartbeat_interval_s")
+        _require(0 < self.status_interval_s <= 3600, "dispatch.status_interval_s", "must be in (0, 3600]")
+        _require(0 < self.heartbeat_interval_s <= 600, "dispatch.heartbeat_interval_s", "must be in (0, 600]")
+        _require(2 * self.heartbeat_interval_s < self.heartbeat_timeout_s <= 86400,
+                 "dispatch.heartbeat_timeout_s", "must exceed 2 x heartbeat_interval_s and be <= 86400")
 
 
 @dataclass(kw_only=True, slots=True)
-class SuperviseConfig:
+class SuperviseConfig(_Section):
+    NAME = "supervise"
     startup_timeout_s: float = 300.0
     """Each worker must register with the dispatcher within this time."""
     grace_s: float = 10.0
@@ -273,12 +350,14 @@ class SuperviseConfig:
     """On SIGINT/SIGTERM the drafters get this long to checkpoint and commit before
     everything is stopped."""
 
-    def __post_init__(self) -> None:
-        _require(self.startup_timeout_s > 0, "supervise.startup_timeout_s", "must be > 0")
-        _require(self.grace_s >= 0, "supervise.grace_s", "must be >= 0")
-        _require(self.max_restarts >= 0, "supervise.max_restarts", "must be >= 0")
-        _require(self.drafter_timeout_s > 0, "supervise.drafter_timeout_s", "must be > 0")
-        _require(self.stop_timeout_s >= 0, "supervise.stop_timeout_s", "must be >= 0")
+    def check(self) -> None:
+        day = 86400.0
+        _require(0 < self.startup_timeout_s <= day, "supervise.startup_timeout_s", "must be in (0, 86400]")
+        _require(0 <= self.grace_s <= 3600, "supervise.grace_s", "must be in [0, 3600]")
+        _require(0 <= self.max_restarts <= 1000, "supervise.max_restarts", "must be in [0, 1000]")
+        _require(0 < self.restart_window_s <= 30 * day, "supervise.restart_window_s", "must be in (0, 30 days]")
+        _require(0 < self.drafter_timeout_s <= day, "supervise.drafter_timeout_s", "must be in (0, 86400]")
+        _require(0 <= self.stop_timeout_s <= day, "supervise.stop_timeout_s", "must be in [0, 86400]")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -287,6 +366,11 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
 
@@ -304,6 +388,11 @@ class JobConfig:
             _require(self.dispatch.address.startswith("tcp://"), "dispatch.address",
                      f"run.num_nodes={self.run.num_nodes}: the dispatcher must listen on tcp://HOST:PORT "
                      f"reachable from every node (dflash-up --dispatcher), got '{self.dispatch.address}'")
+
+    @property
+    def files(self) -> RunFiles:
+        """The paths of this job's run directory, as this node sees them."""
+        return RunFiles(self.run.run_dir, self.run.node_rank, self.run.num_nodes)
 
     # Ranks are global: node k runs targets k*T..k*T+T-1 and drafters k*D..k*D+D-1.
     @property
@@ -332,108 +421,9 @@ class JobConfig:
 
     @property
     def dispatcher_address(self) -> str:
-        return self.dispatch.address or f"ipc://{os.path.abspath(self.run.run_dir)}/dispatcher.sock"
+        return self.dispatch.address or f"ipc://{self.files.socket}"
 
 
-# --- YAML and overrides -------------------------------------------------------------------
-
-
-def _convert(value: Any, hint: Any, key: str) -> Any:
-    """Checks `value` against a type hint, converting the few lossless cases (int -> float)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(value, inner, key)
-    if origin is list:
-        (inner,) = typing.get_args(hint)
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return [_convert(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is float and isinstance(value, str):
-        # YAML 1.1 reads "6e-4" (no dot) as a string; accept any spelling float() takes.
-        try:
-            return float(value)
-        except ValueError:
-            raise ConfigError(f"{key}: expected float, got str {value!r}") from None
-    if hint in (int, float, str, bool) and not (isinstance(value, hint) and
-                                                 not (hint is int and isinstance(value, bool))):
-        raise ConfigError(f"{key}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
-    if hint is dict and not isinstance(value, dict):
-        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-    return value
-
-
-def _build(cls: type, data: dict, prefix: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        where = f"{prefix}." if prefix else ""
-        raise ConfigError(f"unknown key {where}{unknown[0]}; allowed keys: {', '.join(sorted(names))}")
-    kwargs = {}
-    for name, value in data.items():
-        key = f"{prefix}.{name}" if prefix else name
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value, key)
-        else:
-            kwargs[name] = _convert(value, hint, key)
-    return cls(**kwargs)
-
-
-def _apply_override(tree: dict, override: str) -> None:
-    if "=" not in override:
-        raise ConfigError(f"override '{override}' must look like section.key=value")
-    dotted, raw = override.split("=", 1)
-    parts = dotted.strip().split(".")
-    node = tree
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override '{override}': {part} is not a section")
-    # YAML parsing gives ints, floats, bools, lists ("[64,128]") and null the natural way.
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
-
-
-def config_from_dict(data: dict) -> JobConfig:
-    return _build(JobConfig, data, "")
-
-
-def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
-    """Reads YAML (or the defaults when path is None), applies `key=value` overrides, validates."""
-    tree: dict = {}
-    if path is not None:
-        try:
-            with open(path, encoding="utf-8") as f:
-                tree = yaml.safe_load(f) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of sections")
-    for override in overrides:
-        _apply_override(tree, override)
-    try:
-        return config_from_dict(tree)
-    except ConfigError as exc:
-        raise ConfigError(f"{path or 'defaults'}: {exc}") from None
-
-
-def config_to_dict(cfg: Any) -> dict:
+def config_to_dict(cfg: object) -> dict:
     return dataclasses.asdict(cfg)
 
-
-def dump_config(cfg: JobConfig, path: str) -> None:
-    """Writes the resolved config, so every worker and a later audit see the same job."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)
-    os.replace(tmp, path)

@@ -39,7 +39,6 @@ import time
 
 log = logging.getLogger(__name__)
 
-TENSORBOARD_SUBDIR = "tensorboard"
 MEMORY_METRICS = ("rss_mib", "gpu_mem_allocated_mib", "gpu_mem_reserved_mib")
 TRAIN_MEANS = ("loss", "lr", "grad_norm", "anchors", "tokens")
 FLUSH_S = 10  # SummaryWriter's flush period (its default, 120 s, leaves TensorBoard far behind)
@@ -74,8 +73,8 @@ class TensorBoardSink:
         self._last: dict[str, tuple[object, dict]] = {}
 
     @classmethod
-    def open(cls, run_dir: str) -> TensorBoardSink | None:
-        """A sink writing to `<run_dir>/tensorboard/`, or None (one info line) when the
+    def open(cls, log_dir: str) -> TensorBoardSink | None:
+        """A sink writing to `log_dir` (the run's `tensorboard/`), or None (one info line) when the
         tensorboard package is not installed or cannot be imported."""
         try:
             writer_class = _summary_writer_class()
@@ -86,7 +85,6 @@ class TensorBoardSink:
         except Exception as exc:  # a broken install (e.g. a protobuf mismatch) must not stop training
             log.warning("TensorBoard logging off: importing tensorboard failed: %s", exc)
             return None
-        log_dir = os.path.join(run_dir, TENSORBOARD_SUBDIR)
         os.makedirs(log_dir, exist_ok=True)
         return cls(writer_class(log_dir=log_dir, flush_secs=FLUSH_S), log_dir)
 

@@ -30,6 +30,8 @@ import time
 
 import numpy as np
 
+from dflash_ipc.run_files import RunFiles
+
 log = logging.getLogger(__name__)
 
 STATES = ("busy", "wait_work", "wait_slot", "wait_hidden", "step")
@@ -40,20 +42,15 @@ MIN_INTERVAL_S = 1e-4             # shorter plain intervals (a non-blocking poll
 
 
 def metrics_dir(run_dir: str) -> str:
-    return os.path.join(run_dir, "metrics")
-
-
-def timeline_path(run_dir: str, role: str) -> str:
-    """`target/3` -> `<run_dir>/metrics/target-3.jsonl`."""
-    return os.path.join(metrics_dir(run_dir), role.replace("/", "-") + ".jsonl")
+    return RunFiles(run_dir).metrics
 
 
 class TimelineWriter:
-    """Appends one process's intervals to its JSONL file, buffered."""
+    """Appends one process's intervals to its JSONL file (`RunFiles.timeline(role)`), buffered."""
 
-    def __init__(self, run_dir: str, role: str, flush_interval_s: float = FLUSH_INTERVAL_S) -> None:
-        os.makedirs(metrics_dir(run_dir), exist_ok=True)
-        self.path = timeline_path(run_dir, role)
+    def __init__(self, path: str, role: str, flush_interval_s: float = FLUSH_INTERVAL_S) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.path = path
         self.role = role
         self.flush_interval_s = flush_interval_s
         self._file = open(self.path, "a")

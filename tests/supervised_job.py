@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from dflash_ipc.runinfo import node_file
+from dflash_ipc.run_files import RunFiles
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,8 +21,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_JOB = [
     "data.synthetic_samples=120", "data.synthetic_min_len=24", "data.synthetic_max_len=200",
     "data.bucket_boundaries=[64,128,200]", "data.token_budget=800", "data.num_epochs=3",
-    "drafter.num_layers=1", "drafter.target_layer_ids=[1,2]", "drafter.anchors_per_step=128",
-    "drafter.max_anchors_per_seq=32", "drafter.lr=5e-3", "drafter.checkpoint_every_steps=10",
+    "model.num_layers=1", "model.target_layer_ids=[1,2]", "objective.anchors_per_step=128",
+    "objective.max_anchors_per_seq=32", "optimizer.lr=5e-3", "checkpoint.every_steps=10",
     "drafter.fifo_sequences=32", "dispatch.status_interval_s=2",
 ]
 
@@ -54,7 +54,7 @@ class SupervisedJob:
     def processes(self) -> dict[str, int]:
         """role -> pid, from the processes file (every pid ever listed is remembered for clean-up)."""
         try:
-            with open(node_file(str(self.run_dir), "processes.json", self.node_rank)) as f:
+            with open(RunFiles(str(self.run_dir), self.node_rank).processes) as f:
                 record = json.load(f)
         except (OSError, ValueError):
             return {}

@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from dflash_ipc.config import JobConfig, dump_config, load_config
+from dflash_ipc.config import JobConfig
+from dflash_ipc.config_load import dump_config, load_config
 from dflash_ipc.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,20 +23,20 @@ def test_shipped_configs_load(name):
 
 
 def test_overrides_parse_types():
-    cfg = load_config(None, ["drafter.lr=3e-4", "data.bucket_boundaries=[32, 64]", "data.token_budget=64",
-                             "target.devices=[cuda:0]", "drafter.devices=[cuda:1]", "drafter.target_layer_ids=[1,2]",
+    cfg = load_config(None, ["optimizer.lr=3e-4", "data.bucket_boundaries=[32, 64]", "data.token_budget=64",
+                             "target.devices=[cuda:0]", "drafter.devices=[cuda:1]", "model.target_layer_ids=[1,2]",
                              "run.seed=7"])
-    assert cfg.drafter.lr == pytest.approx(3e-4)
+    assert cfg.optimizer.lr == pytest.approx(3e-4)
     assert cfg.data.bucket_boundaries == [32, 64]
-    assert cfg.drafter.target_layer_ids == [1, 2] and cfg.run.seed == 7
+    assert cfg.model.target_layer_ids == [1, 2] and cfg.run.seed == 7
 
 
 @pytest.mark.parametrize("override, needle", [
     ("drafter.lrr=1", "unknown key drafter.lrr"),
     ("nosection.x=1", "unknown key nosection"),
-    ("drafter.lr=abc", "drafter.lr: expected float"),
+    ("optimizer.lr=abc", "optimizer.lr: expected float"),
     ("target.num_workers=two", "target.num_workers: expected int"),
-    ("target.num_workers=0", "target.num_workers: must be >= 1"),
+    ("target.num_workers=0", "target.num_workers: must be in [1, 1024]"),
     ("data.token_budget=100", "data.token_budget"),
     ("data.bucket_boundaries=[64, 32]", "strictly increasing"),
     ("target.devices=[cpu, cpu]", "one per worker (5)"),
@@ -48,6 +49,14 @@ def test_overrides_parse_types():
     ("dispatch.address=http://x", "dispatch.address"),
     ("drafter.dtype=float64", "drafter.dtype"),
     ("noequals", "must look like section.key=value"),
+    ("run.run_dir=", "run.run_dir: must name a directory"),
+    ("run.seed=-7", "run.seed: must be in [0, 4294967295]"),
+    ("optimizer.lr=.inf", "optimizer.lr: must be a finite number"),
+    ("dispatch.heartbeat_timeout_s=.nan", "dispatch.heartbeat_timeout_s: must be a finite number"),
+    ("data.token_budget=1000000000000", "data.token_budget"),
+    ("data.bucket_boundaries=[64,", "override data.bucket_boundaries: not valid YAML: line 1, column"),
+    ("drafter.lr=1e-3", "override drafter.lr: moved to optimizer.lr"),
+    ("drafter.checkpoint_every_steps=5", "moved to checkpoint.every_steps"),
 ])
 def test_bad_values_are_named(override, needle):
     with pytest.raises(ConfigError) as info:
@@ -87,8 +96,40 @@ def test_yaml_errors_name_the_file(tmp_path):
         load_config(str(tmp_path / "missing.yaml"))
 
 
+def test_bad_yaml_files_are_one_line_errors(tmp_path):
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("data:\n  num_epochs: 2\nrun:\n  seed: 1\ndata:\n  num_epochs: 3\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml line 5: key 'data' given twice \(first at line 1\)"):
+        load_config(str(twice))
+    inner = tmp_path / "inner.yaml"
+    inner.write_text("optimizer:\n  lr: 1.0e-3\n  lr: 2.0e-3\n")
+    with pytest.raises(ConfigError, match="inner.yaml line 3: key 'lr' given twice"):
+        load_config(str(inner))
+    for text in ("", "# only a comment\n"):
+        empty = tmp_path / "empty.yaml"
+        empty.write_text(text)
+        with pytest.raises(ConfigError, match="empty.yaml is empty"):
+            load_config(str(empty))
+    old = tmp_path / "old.yaml"
+    old.write_text("drafter:\n  num_workers: 1\n  anchors_per_step: 64\n")
+    with pytest.raises(ConfigError, match="drafter.anchors_per_step moved to objective.anchors_per_step"):
+        load_config(str(old))
+    for error in (pytest.raises(ConfigError),):
+        with error as info:
+            load_config(str(tmp_path))
+        assert "is a directory" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_choices_are_checked_when_built_in_code():
+    from dflash_ipc.config import DrafterConfig, OptimizerConfig
+    with pytest.raises(ConfigError, match="drafter.attention: 'sparse' not allowed; allowed: auto, flex, dense"):
+        DrafterConfig(attention="sparse")
+    with pytest.raises(ConfigError, match="optimizer.lr: must be a finite number"):
+        OptimizerConfig(lr=float("nan"))
+
+
 def test_dump_and_reload_is_identity(tmp_path):
-    cfg = load_config(None, ["drafter.lr=1e-3", "target.num_workers=2"])
+    cfg = load_config(None, ["optimizer.lr=1e-3", "target.num_workers=2"])
     dump_config(cfg, str(tmp_path / "c.yaml"))
     assert load_config(str(tmp_path / "c.yaml")) == cfg
 
@@ -96,7 +137,7 @@ def test_dump_and_reload_is_identity(tmp_path):
 def test_a_gpu_this_machine_lacks_is_named():
     import torch
 
-    from dflash_ipc.runinfo import require_device
+    from dflash_ipc.resolve import require_device
     require_device("cpu", "target.devices")  # nothing to check
     missing = f"cuda:{torch.cuda.device_count() + 3}"
     with pytest.raises(ConfigError, match=f"target.devices: {missing}"):

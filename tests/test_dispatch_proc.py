@@ -6,7 +6,7 @@ import numpy as np
 import zmq
 
 from dflash_ipc import protocol as p
-from dflash_ipc.config import load_config
+from dflash_ipc.config_load import load_config
 from dflash_ipc.dispatch.buckets import BucketSpec, plan_epoch
 from dflash_ipc.dispatch.dispatcher import Dispatcher
 from dflash_ipc.dispatch.proc import DispatcherProc

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dflash_ipc.config import DrafterConfig
+from dflash_ipc.config import JobConfig
+from dflash_ipc.config_load import config_from_dict
 from dflash_ipc.drafter.model import DFlashConfig
 from dflash_ipc.drafter.target_head import FrozenTargetHead
 from dflash_ipc.drafter.trainer import TRAINING_STATE, DrafterTrainer, Sequence, latest_checkpoint
@@ -47,13 +48,14 @@ def sequences(n: int, seed: int = 0) -> list[Sequence]:
     return out
 
 
-def trainer_cfg() -> DrafterConfig:
-    return DrafterConfig(num_workers=1, dtype="float32", anchors_per_step=12, max_anchors_per_seq=6, lr=3e-3,
-                         warmup_ratio=0.2, attention="dense")
+def trainer_cfg() -> JobConfig:
+    return config_from_dict({"drafter": {"num_workers": 1, "dtype": "float32", "attention": "dense"},
+                             "objective": {"anchors_per_step": 12, "max_anchors_per_seq": 6},
+                             "optimizer": {"lr": 3e-3}, "schedule": {"warmup_ratio": 0.2}})
 
 
 def new_trainer() -> DrafterTrainer:
-    return DrafterTrainer(trainer_cfg(), model_config(), head(), device="cpu", total_steps=8, seed=0)
+    return DrafterTrainer(trainer_cfg(), model_config(), head(), device="cpu", total_steps=8)
 
 
 def test_stop_and_resume_continues_the_same_loss_trajectory(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from dflash_ipc.config import DrafterConfig
+from dflash_ipc.config_load import config_from_dict
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.data.synthetic import build_synthetic_dataset
 from dflash_ipc.drafter.attention import build_mask
@@ -191,9 +191,10 @@ def test_oracle_drafter_is_lossless_and_reaches_its_tau(target, prompts, num_cor
 def test_exported_checkpoint_round_trips_through_evaluate(target_dir, data_dir, tmp_path):
     """A trainer checkpoint (bf16 inference export + latest.json) evaluates exactly like the
     in-memory drafter with the same (bf16-rounded) weights, and losslessly."""
-    cfg = DrafterConfig(devices=["cpu"], dtype="float32", num_layers=2, target_layer_ids=LAYER_IDS, block_size=BS)
+    cfg = config_from_dict({"drafter": {"dtype": "float32"},
+                            "model": {"num_layers": 2, "target_layer_ids": LAYER_IDS, "block_size": BS}})
     head = FrozenTargetHead.from_pretrained(target_dir, dtype=torch.float32, device="cpu")
-    trainer = DrafterTrainer(cfg, drafter_config(target_dir), head, device="cpu", total_steps=1, seed=0)
+    trainer = DrafterTrainer(cfg, drafter_config(target_dir), head, device="cpu", total_steps=1)
     root = str(tmp_path / "checkpoints")
     step_dir = trainer.save_checkpoint(root, extra={})
     kwargs = dict(num_prompts=2, max_new_tokens=16, check_lossless=True)
@@ -214,11 +215,13 @@ def test_exported_checkpoint_round_trips_through_evaluate(target_dir, data_dir, 
 def train_drafter(target_dir, target: TargetLM, data_dir, sample_ids, *, steps: int, lr: float = 3e-3,
                   max_anchors: int = 64) -> DFlashDraftModel:
     """A 1-layer, block-8 drafter trained with the real DrafterTrainer on the given samples."""
-    cfg = DrafterConfig(devices=["cpu"], dtype="float32", num_layers=1, target_layer_ids=LAYER_IDS, block_size=8,
-                        max_anchors_per_seq=max_anchors, anchors_per_step=256, lr=lr, warmup_ratio=0.0)
+    cfg = config_from_dict({"drafter": {"dtype": "float32"},
+                            "model": {"num_layers": 1, "target_layer_ids": LAYER_IDS, "block_size": 8},
+                            "objective": {"max_anchors_per_seq": max_anchors, "anchors_per_step": 256},
+                            "optimizer": {"lr": lr}, "schedule": {"warmup_ratio": 0.0}})
     head = FrozenTargetHead.from_pretrained(target_dir, dtype=torch.float32, device="cpu")
     trainer = DrafterTrainer(cfg, drafter_config(target_dir, block_size=8, num_layers=1), head, device="cpu",
-                             total_steps=steps, seed=0)
+                             total_steps=steps)
     ds, seqs = TokenDataset(data_dir), []
     for i in sample_ids:
         ids, mask = ds.sample(i)
@@ -227,7 +230,7 @@ def train_drafter(target_dir, target: TargetLM, data_dir, sample_ids, *, steps: 
                          loss_mask=torch.as_tensor(mask), num_anchors=eligible_anchor_count(mask, max_anchors)))
     fifo, epoch = collections.deque(), 0  # every sample in turn, epoch after epoch
     for _ in range(steps):
-        while sum(s.num_anchors for s in fifo) < cfg.anchors_per_step:
+        while sum(s.num_anchors for s in fifo) < cfg.objective.anchors_per_step:
             fifo.extend(Sequence(epoch=epoch, **s) for s in seqs)
             epoch += 1
         trainer.step(trainer.take(fifo))

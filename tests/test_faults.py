@@ -15,10 +15,9 @@ import time
 
 import pytest
 
-from dflash_ipc.config import load_config
+from dflash_ipc.config_load import load_config
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.dispatch.ledger import Ledger
-from dflash_ipc.runinfo import shm_prefix
 from dflash_ipc.supervise.status_query import fetch_status
 from supervised_job import SMALL_JOB, SupervisedJob
 from supervised_job import alive as _alive
@@ -92,7 +91,7 @@ class Job(SupervisedJob):
 
 
 def _segments(cfg) -> list[str]:
-    return [f for f in os.listdir("/dev/shm") if f.startswith(shm_prefix(cfg))]
+    return [f for f in os.listdir("/dev/shm") if f.startswith(cfg.files.shm_prefix)]
 
 
 @pytest.mark.slow
@@ -168,7 +167,7 @@ def _committed_and_open(status) -> bool:
 
 @pytest.mark.slow
 def test_sigkilled_drafter_restarts_the_group_from_its_last_commit(tmp_path, tiny_cache):
-    job = Job(tmp_path, tiny_cache, extra=["drafter.checkpoint_every_steps=4"])
+    job = Job(tmp_path, tiny_cache, extra=["checkpoint.every_steps=4"])
     try:
         job.wait_status(_committed_and_open, "commit")
         pids = job.processes()
@@ -200,7 +199,7 @@ def test_sigkilled_drafter_restarts_the_group_from_its_last_commit(tmp_path, tin
 
 @pytest.mark.slow
 def test_sigstopped_drafter_is_found_hung_and_its_group_restarts(tmp_path, tiny_cache):
-    job = Job(tmp_path, tiny_cache, extra=["supervise.drafter_timeout_s=5", "drafter.checkpoint_every_steps=4"])
+    job = Job(tmp_path, tiny_cache, extra=["supervise.drafter_timeout_s=5", "checkpoint.every_steps=4"])
     victim = None
     try:
         job.wait_status(_committed_and_open, "commit")
@@ -221,7 +220,7 @@ def test_sigstopped_drafter_is_found_hung_and_its_group_restarts(tmp_path, tiny_
 
 @pytest.mark.slow
 def test_sigkilled_dispatcher_restarts_from_its_ledger_and_targets_register_again(tmp_path, tiny_cache):
-    job = Job(tmp_path, tiny_cache, extra=["drafter.checkpoint_every_steps=4"])
+    job = Job(tmp_path, tiny_cache, extra=["checkpoint.every_steps=4"])
     try:
         job.wait_status(_committed_and_open, "commit")
         pids = job.processes()
@@ -271,7 +270,7 @@ def test_interrupted_job_resumes_from_its_last_commit(tmp_path, tiny_cache):
     and commit it before the job stops. Run it again in the same run directory: the drafters
     resume from that checkpoint, only uncommitted batches are served again, and the
     committed history holds every sample exactly once."""
-    extra = ["drafter.checkpoint_every_steps=4"]
+    extra = ["checkpoint.every_steps=4"]
     first = Job(tmp_path, tiny_cache, extra=extra, log_name="first.log")
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from dflash_ipc.run_files import RunFiles
 from dflash_ipc.metric_sinks import TensorBoardSink
 
 
@@ -62,7 +63,7 @@ SCRIPT = [
 def events(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    sink = TensorBoardSink.open(str(tmp_path))
+    sink = TensorBoardSink.open(RunFiles(str(tmp_path)).tensorboard)
     assert sink is not None and sink.log_dir == os.path.join(str(tmp_path), "tensorboard")
     for status in SCRIPT:
         sink.write(status)
@@ -120,7 +121,7 @@ def test_job_scalars_and_wall_time(events):
 
 def test_missing_keys_are_skipped(tmp_path):
     pytest.importorskip("tensorboard")
-    sink = TensorBoardSink.open(str(tmp_path))
+    sink = TensorBoardSink.open(RunFiles(str(tmp_path)).tensorboard)
     sink.write({})
     sink.write({"elapsed_s": 1.0, "targets": {"0": {"pid": 1}}, "drafters": {"0": {}},
                 "batches": {"committed": 0}, "num_batches": 0, "epochs": []})
@@ -134,7 +135,7 @@ def test_open_without_tensorboard_returns_none(tmp_path, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` raises ImportError
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with caplog.at_level(logging.INFO, logger="dflash_ipc.metric_sinks"):
-        assert TensorBoardSink.open(str(tmp_path)) is None
+        assert TensorBoardSink.open(RunFiles(str(tmp_path)).tensorboard) is None
     assert [r.levelno for r in caplog.records] == [logging.INFO]
     assert "pip install tensorboard" in caplog.records[0].getMessage()
     assert not os.path.exists(tmp_path / "tensorboard")

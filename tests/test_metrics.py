@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from dflash_ipc.metrics import (TimelineWriter, load_timeline, load_timelines, rate_series, state_seconds,
-                                summarize, timeline_path)
+                                summarize)
+from dflash_ipc.run_files import RunFiles
 
 
 def _rows(*spec):
@@ -58,8 +59,8 @@ def test_rate_series_counts_at_interval_end_and_smooths():
 
 
 def test_writer_buffers_merges_and_closes(tmp_path):
-    writer = TimelineWriter(str(tmp_path), "target/3", flush_interval_s=3600)
-    path = timeline_path(str(tmp_path), "target/3")
+    path = RunFiles(str(tmp_path)).timeline("target/3")
+    writer = TimelineWriter(path, "target/3", flush_interval_s=3600)
     assert path == str(tmp_path / "metrics" / "target-3.jsonl") == writer.path
     base = time.perf_counter()
     writer.record("wait_work", base, base + 0.02)
@@ -79,7 +80,7 @@ def test_writer_buffers_merges_and_closes(tmp_path):
 
 
 def test_writer_flushes_on_interval_but_keeps_growing_tail(tmp_path):
-    writer = TimelineWriter(str(tmp_path), "drafter/0", flush_interval_s=0.0)
+    writer = TimelineWriter(RunFiles(str(tmp_path)).timeline("drafter/0"), "drafter/0", flush_interval_s=0.0)
     base = time.perf_counter()
     writer.record("step", base, base + 0.1, loss=1.5, anchors=4, sequences=1, tokens=9)
     writer.record("wait_hidden", base + 0.1, base + 0.2)
@@ -93,7 +94,7 @@ def test_writer_flushes_on_interval_but_keeps_growing_tail(tmp_path):
 
 
 def test_writer_rejects_unknown_state(tmp_path):
-    writer = TimelineWriter(str(tmp_path), "target/0")
+    writer = TimelineWriter(RunFiles(str(tmp_path)).timeline("target/0"), "target/0")
     with pytest.raises(ValueError, match="idle.*busy"):
         writer.record("idle", 0.0, 1.0)
     writer.close()

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from dflash_ipc.config import load_config
+from dflash_ipc.config_load import load_config
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.dispatch.ledger import BatchState, Ledger
 from dflash_ipc.supervise.status_query import fetch_status

@@ -12,10 +12,9 @@ import time
 import psutil
 import pytest
 
-from dflash_ipc.config import load_config
+from dflash_ipc.config_load import load_config
 from dflash_ipc.dispatch.ledger import BatchState, Ledger
 from dflash_ipc.drafter.export import load_inference_checkpoint
-from dflash_ipc.runinfo import shm_prefix
 from supervised_job import SMALL_JOB, SupervisedJob
 
 TIMEOUT_S = 420
@@ -83,5 +82,5 @@ def _check_finished_job(run_dir, code: int, out: str) -> None:
     alive = [p for p in processes if psutil.pid_exists(p["pid"]) and
              psutil.Process(p["pid"]).status() != psutil.STATUS_ZOMBIE]
     assert not alive, alive
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith(shm_prefix(cfg))]
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(cfg.files.shm_prefix)]
     assert not (run_dir / "dispatcher.sock").exists()

@@ -111,8 +111,8 @@ def test_report_from_a_real_cpu_run(tmp_path, tiny_cache):
     overrides = [
         "data.synthetic_samples=120", "data.synthetic_min_len=24", "data.synthetic_max_len=200",
         "data.bucket_boundaries=[64,128,200]", "data.token_budget=800", "data.num_epochs=1",
-        "drafter.num_layers=1", "drafter.target_layer_ids=[1,2]", "drafter.anchors_per_step=128",
-        "drafter.max_anchors_per_seq=32", "drafter.checkpoint_every_steps=10", "drafter.fifo_sequences=32",
+        "model.num_layers=1", "model.target_layer_ids=[1,2]", "objective.anchors_per_step=128",
+        "objective.max_anchors_per_seq=32", "checkpoint.every_steps=10", "drafter.fifo_sequences=32",
         "target.num_workers=2", "drafter.num_workers=1", f"target.path={tiny_cache}/tiny-target"]
     argv = [sys.executable, "-m", "dflash_ipc.cli", "up", "-o", f"run.run_dir={run_dir}"]
     for o in overrides:

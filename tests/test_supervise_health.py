@@ -13,8 +13,9 @@ import pytest
 import yaml
 import zmq
 
+from dflash_ipc.run_files import RunFiles
 from dflash_ipc import protocol as p
-from dflash_ipc.supervise.health import (STATE_FILE, format_health, gpu_memory_by_pid,
+from dflash_ipc.supervise.health import (format_health, gpu_memory_by_pid,
                                          health_report)
 
 HB_TIMEOUT_S = 4.0  # the run's dispatch.heartbeat_timeout_s: default stale threshold 2 s
@@ -281,7 +282,7 @@ def test_progress_is_tracked_across_checks(tmp_path, children, dispatcher):
     run_dir = make_run(tmp_path, children, address=dispatcher.address)
     first = health_report(run_dir, stall_after_s=0.3, **QUICK)
     assert first.exit_code == 0 and rows(first)["target/0"].progress_age_s is None
-    assert os.path.exists(os.path.join(run_dir, STATE_FILE))
+    assert os.path.exists(RunFiles(run_dir).health_state)
     time.sleep(0.35)
     stalled = health_report(run_dir, stall_after_s=0.3, **QUICK)
     assert stalled.exit_code == 1

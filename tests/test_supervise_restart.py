@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from dflash_ipc.config import load_config
+from dflash_ipc.config_load import load_config
 from dflash_ipc.supervise.children import Child, stop_children
 from dflash_ipc.supervise.restart import RestartPolicy
 from dflash_ipc.supervise.supervisor import Supervisor

@@ -242,19 +242,18 @@ def test_segment_sweep_by_prefix():
 def test_node_sweep_leaves_other_nodes_segments(tmp_path):
     # Nodes of one run may share a machine (tests) or /dev/shm: node 1's sweep at its start
     # or stop must not unlink node 10's live pools, whose names also start with "...-n1".
-    from dflash_ipc.config import load_config
-    from dflash_ipc.runinfo import pool_name, segments_prefix
+    from dflash_ipc.config_load import load_config
 
     def node(rank: int):
         return load_config(None, [f"run.run_dir={tmp_path}", "run.num_nodes=11", f"run.node_rank={rank}",
                                   "dispatch.address=tcp://127.0.0.1:5555"])
 
     layout = SlotLayout(1, 1, 1, "float32")
-    ten = create_pool(layout, "cpu", name=pool_name(node(10), 3))
-    one = create_pool(layout, "cpu", name=pool_name(node(1), 0))
+    ten = create_pool(layout, "cpu", name=node(10).files.pool_name(3))
+    one = create_pool(layout, "cpu", name=node(1).files.pool_name(0))
     try:
-        assert unlink_segments(segments_prefix(node(1))) == 1
-        assert list_leftover_segments(segments_prefix(node(10))) == [ten.descriptor()["segment"]]
+        assert unlink_segments(node(1).files.segments_prefix) == 1
+        assert list_leftover_segments(node(10).files.segments_prefix) == [ten.descriptor()["segment"]]
     finally:
         ten.close()
         one.close()

@@ -45,16 +45,17 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 
 from dflash_ipc import protocol as p
-from dflash_ipc.config import DrafterConfig, TargetConfig, load_config
+from dflash_ipc.config import POLICIES, DrafterConfig, TargetConfig
+from dflash_ipc.config_load import load_config
 from dflash_ipc.dispatch.buckets import BucketSpec, PlannedBatch, plan_epoch, plan_stats
 from dflash_ipc.dispatch.dispatcher import Dispatcher
 from dflash_ipc.dispatch.proc import DispatcherProc
 from dflash_ipc.errors import ConfigError, DataError, ProtocolError, WorkerDeadError
 from dflash_ipc.link import DispatcherLink
+from dflash_ipc.run_files import RunFiles
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("pull", "round_robin")
 DEFAULT_TIME_SCALE = 0.018  # bench seconds per modelled GPU second: ~20 s of sleep per policy
 DEFAULT_SPEC = BucketSpec(boundaries=(128, 256, 512, 1024, 2048, 4096, 8192), token_budget=16384)
 STARTUP_TIMEOUT_S = 30.0  # registration, and the start barrier
@@ -393,7 +394,7 @@ def run_policy(policy: str, batches: list[PlannedBatch], lengths: np.ndarray, *,
     """One job under ``policy``: returns ``summarize`` of the target intervals, plus the
     intervals (seconds from the start barrier) and the dispatcher's final status."""
     run_dir = tempfile.mkdtemp(prefix="dflash-bench-dispatch-")
-    address = f"ipc://{run_dir}/dispatcher.sock"
+    address = f"ipc://{RunFiles(run_dir).socket}"
     t0: list[float] = []
     shared = _Shared(address=address, stop=threading.Event(), intervals=[], errors=[], t0=t0,
                      barrier=threading.Barrier(num_targets + num_drafters,
@@ -423,7 +424,7 @@ def run_policy(policy: str, batches: list[PlannedBatch], lengths: np.ndarray, *,
             thread.join(max(0.1, deadline - time.monotonic()))
         if shared.errors:
             raise WorkerDeadError(f"bench {policy}: fake workers failed: {'; '.join(shared.errors)}")
-        with open(os.path.join(run_dir, "final_status.json"), encoding="utf-8") as f:
+        with open(RunFiles(run_dir).final_status, encoding="utf-8") as f:
             final = json.load(f)
     finally:
         shared.stop.set()

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_ipc.config import DrafterConfig
+from dflash_ipc.config_load import config_from_dict
 from dflash_ipc.drafter.attention import FLEX_TILE, build_mask, flex_tile_flags
 from dflash_ipc.drafter.model import DFlashConfig
 from dflash_ipc.drafter.objective import TrainingBatch
@@ -289,11 +289,12 @@ def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwe
     rate = matmul_rate(dev, SHAPES[shape].matmul_size)
     gen = torch.Generator(device=dev).manual_seed(1)
     cpu_gen = torch.Generator().manual_seed(2)
-    cfg = DrafterConfig(num_workers=1, devices=[str(dev)], dtype="bfloat16", num_layers=config.num_hidden_layers,
-                        block_size=config.block_size, max_anchors_per_seq=anchors_per_seq,
-                        anchors_per_step=num_seqs * anchors_per_seq, attention="auto")
+    cfg = config_from_dict({
+        "drafter": {"num_workers": 1, "devices": [str(dev)], "dtype": "bfloat16", "attention": "auto"},
+        "model": {"num_layers": config.num_hidden_layers, "block_size": config.block_size},
+        "objective": {"max_anchors_per_seq": anchors_per_seq, "anchors_per_step": num_seqs * anchors_per_seq}})
     trainer = _RecordingTrainer(cfg, config, random_head(config, dev, gen), device=str(dev),
-                                total_steps=warmup + steps, seed=0)
+                                total_steps=warmup + steps)
     logger.info("bench drafter: %s on %s, %s attention, %d warmup + %d steps", shape, dev, trainer.backend,
                 warmup, steps)
     warm, timed = [], []

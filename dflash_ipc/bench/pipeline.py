@@ -49,7 +49,9 @@ import torch
 
 from dflash_ipc.config import JobConfig
 from dflash_ipc.errors import ConfigError, DataError, DFlashError
+from dflash_ipc.dtypes import TORCH_DTYPES
 from dflash_ipc.metrics import load_timelines
+from dflash_ipc.run_files import RunFiles
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _prepare_device(device: str, key: str) -> torch.device:
-    from dflash_ipc.runinfo import require_device
+    from dflash_ipc.resolve import require_device
     require_device(device, key)
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -162,7 +164,7 @@ def target_capacity(cfg: JobConfig, *, seconds: float, warmup_s: float) -> dict:
 
     device = cfg.target.device_of(0)
     dev = _prepare_device(device, "target.devices")
-    capture = FeatureCapture(cfg.target.path, layer_ids=cfg.drafter.target_layer_ids, dtype=cfg.target.dtype,
+    capture = FeatureCapture(cfg.target.path, layer_ids=cfg.model.target_layer_ids, dtype=cfg.target.dtype,
                              attn_implementation=cfg.target.attn_implementation, device=device)
     dataset = TokenDataset(cfg.data.path)
     batches = _plan(cfg, dataset)
@@ -203,8 +205,7 @@ def drafter_capacity(cfg: JobConfig, *, seconds: float, warmup_s: float) -> dict
     from dflash_ipc.data.dataset import TokenDataset
     from dflash_ipc.drafter.model import DFlashConfig
     from dflash_ipc.drafter.target_head import FrozenTargetHead
-    from dflash_ipc.drafter.trainer import (DTYPES, DrafterTrainer, Sequence, eligible_anchor_count,
-                                            estimate_total_steps)
+    from dflash_ipc.drafter.trainer import DrafterTrainer, Sequence, eligible_anchor_count, estimate_total_steps
     from dflash_ipc.drafter.worker import DrafterWorker
     from dflash_ipc.target.capture import load_target_config
 
@@ -212,17 +213,17 @@ def drafter_capacity(cfg: JobConfig, *, seconds: float, warmup_s: float) -> dict
     dev = _prepare_device(device, "drafter.devices")
     dataset = TokenDataset(cfg.data.path)
     batches = _plan(cfg, dataset)
-    dcfg = cfg.drafter
-    anchors = [eligible_anchor_count(dataset.sample(i)[1], dcfg.max_anchors_per_seq) for i in range(len(dataset))]
+    anchors = [eligible_anchor_count(dataset.sample(i)[1], cfg.objective.max_anchors_per_seq)
+               for i in range(len(dataset))]
     if not any(anchors):
         raise DataError(f"{cfg.data.path}: no sample has an anchor (loss at two consecutive positions); "
                         "the drafter cannot train on it")
     model_config = DFlashConfig.from_target_config(
-        load_target_config(cfg.target.path), num_draft_layers=dcfg.num_layers, block_size=dcfg.block_size,
-        mask_token_id=dcfg.mask_token_id, target_layer_ids=dcfg.target_layer_ids)
-    head = FrozenTargetHead.from_pretrained(cfg.target.path, dtype=DTYPES[dcfg.dtype], device=device)
-    total = estimate_total_steps(dataset, dcfg, num_epochs=cfg.data.num_epochs, world_size=1)
-    trainer = DrafterTrainer(dcfg, model_config, head, device=device, total_steps=total, seed=cfg.run.seed)
+        load_target_config(cfg.target.path), num_draft_layers=cfg.model.num_layers, block_size=cfg.model.block_size,
+        mask_token_id=cfg.model.mask_token_id, target_layer_ids=cfg.model.target_layer_ids)
+    head = FrozenTargetHead.from_pretrained(cfg.target.path, dtype=TORCH_DTYPES[cfg.drafter.dtype], device=device)
+    total = estimate_total_steps(dataset, cfg.objective, num_epochs=cfg.data.num_epochs, world_size=1)
+    trainer = DrafterTrainer(cfg, model_config, head, device=device, total_steps=total)
     backend = trainer.backend
     width = model_config.num_context_features * model_config.hidden_size
     gen = torch.Generator(device=dev).manual_seed(cfg.run.seed)
@@ -230,7 +231,7 @@ def drafter_capacity(cfg: JobConfig, *, seconds: float, warmup_s: float) -> dict
     # sequence's features are a slice of one random [longest, F] tensor, in the slot's dtype.
     held = {"worker": DrafterWorker(cfg, trainer, dataset, readers=None),  # queued here, not read
             "features": torch.randn(int(dataset.lengths.max()), width, generator=gen, device=dev,
-                                    dtype=DTYPES[cfg.target.dtype])}
+                                    dtype=TORCH_DTYPES[cfg.target.dtype])}
     del trainer, head
     cycle = itertools.cycle(batches)
     batch_ids = itertools.count()  # unique per pass over the plan: the worker counts by batch id
@@ -374,7 +375,7 @@ def end_to_end(cfg: JobConfig, *, seconds: float, warmup_s: float, run_dir: str,
         done.set()
         watcher.join()
     ended = time.time()
-    logs = os.path.join(run_dir, "logs")
+    logs = RunFiles(run_dir).logs
     if state.get("no_step"):
         raise BenchError(f"end to end: no drafter step within {ended - started:.0f} s; see {logs}")
     if code != 0:
@@ -440,8 +441,8 @@ def run_pipeline_bench(cfg: JobConfig, *, seconds: float = 60.0, warmup_s: float
                         "data_path": cfg.data.path, "token_budget": cfg.data.token_budget,
                         "target_devices": cfg.target.devices, "target_workers": cfg.target.num_workers,
                         "drafter_devices": cfg.drafter.devices, "drafter_workers": cfg.drafter.num_workers,
-                        "drafter_layers": cfg.drafter.num_layers, "target_layer_ids": cfg.drafter.target_layer_ids,
-                        "anchors_per_step": cfg.drafter.anchors_per_step, "drafter_dtype": cfg.drafter.dtype},
+                        "drafter_layers": cfg.model.num_layers, "target_layer_ids": cfg.model.target_layer_ids,
+                        "anchors_per_step": cfg.objective.anchors_per_step, "drafter_dtype": cfg.drafter.dtype},
                    target=target, drafter=drafter, e2e=e2e)
     return figures
 

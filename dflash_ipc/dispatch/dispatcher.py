@@ -50,6 +50,7 @@ import time
 from dataclasses import dataclass, field
 
 from dflash_ipc import protocol as p
+from dflash_ipc.config import POLICIES
 from dflash_ipc.dispatch.buckets import PlannedBatch
 from dflash_ipc.dispatch.ledger import BatchState, Ledger
 from dflash_ipc.errors import ProtocolError, UnregisteredSender
@@ -127,8 +128,8 @@ class Dispatcher:
     def __init__(self, epochs: list[list[PlannedBatch]], *, policy: str, num_targets: int,
                  num_drafters: int, heartbeat_timeout_s: float = 30.0,
                  ledger: Ledger | None = None, clock=time.monotonic, drafter_generation: int = 0) -> None:
-        if policy not in ("pull", "round_robin"):
-            raise ValueError(f"policy '{policy}' not allowed; allowed: pull, round_robin")
+        if policy not in POLICIES:
+            raise ValueError(f"policy '{policy}' not allowed; allowed: {', '.join(POLICIES)}")
         self.policy = policy
         self.num_targets, self.num_drafters = num_targets, num_drafters
         self.heartbeat_timeout_s = heartbeat_timeout_s

@@ -31,33 +31,21 @@ log = logging.getLogger(__name__)
 LEDGER_SAVE_INTERVAL_S = 2.0
 
 
-def ledger_path(cfg: JobConfig) -> str:
-    return os.path.join(cfg.run.run_dir, "ledger.npz")
-
-
-def generation_path(cfg: JobConfig) -> str:
-    return os.path.join(cfg.run.run_dir, "drafter_generation")
-
-
 def next_generation(cfg: JobConfig) -> int:
     """The drafter generation a (re)started dispatcher begins with: one past the last one
     used in this run directory, as its drafters are new processes forming a new group."""
     try:
-        with open(generation_path(cfg)) as f:
+        with open(cfg.files.drafter_generation) as f:
             return int(f.read().strip() or -1) + 1
     except FileNotFoundError:
         return 0
 
 
 def save_generation(cfg: JobConfig, generation: int) -> None:
-    tmp = generation_path(cfg) + ".tmp"
+    tmp = cfg.files.drafter_generation + ".tmp"
     with open(tmp, "w") as f:
         f.write(f"{generation}\n")
-    os.replace(tmp, generation_path(cfg))
-
-
-def final_status_path(cfg: JobConfig) -> str:
-    return os.path.join(cfg.run.run_dir, "final_status.json")
+    os.replace(tmp, cfg.files.drafter_generation)
 
 
 def plan_job(cfg: JobConfig, lengths) -> list:
@@ -151,7 +139,7 @@ class DispatcherProc:
             self._send_all([(identity, reply)])
 
     def save_ledger(self) -> None:
-        self.dispatcher.ledger.save(ledger_path(self.cfg))
+        self.dispatcher.ledger.save(self.cfg.files.ledger)
         self._last_save = time.monotonic()
 
     def write_final_status(self) -> None:
@@ -161,7 +149,7 @@ class DispatcherProc:
         status["average_rates"] = {"tgt_rate": status["tokens"]["produced"] / elapsed,
                                    "dft_rate": status["tokens"]["consumed"] / elapsed,
                                    "tok_rate": status["tokens"]["trained"] / elapsed}
-        path = final_status_path(self.cfg)
+        path = self.cfg.files.final_status
         with open(path + ".tmp", "w") as f:
             json.dump(status, f, indent=1, sort_keys=True)
         os.replace(path + ".tmp", path)
@@ -213,13 +201,13 @@ def run_dispatcher(cfg: JobConfig) -> None:
     for epoch, batches in enumerate(epochs):
         log.info("epoch %d plan: %s", epoch, plan_stats(batches))
     ledger = None
-    if os.path.exists(ledger_path(cfg)):
+    if os.path.exists(cfg.files.ledger):
         # load() applies the restart rule: every batch not committed goes back to pending.
-        ledger = Ledger.load(ledger_path(cfg))
-        _check_same_plan(ledger, epochs, ledger_path(cfg))
+        ledger = Ledger.load(cfg.files.ledger)
+        _check_same_plan(ledger, epochs, cfg.files.ledger)
         counts = ledger.counts()
         log.info("restored the ledger from %s: %d of %d batches committed, the rest pending",
-                 ledger_path(cfg), counts[BatchState.COMMITTED], len(ledger))
+                 cfg.files.ledger, counts[BatchState.COMMITTED], len(ledger))
     generation = next_generation(cfg)
     save_generation(cfg, generation)
     dispatcher = Dispatcher(epochs, policy=cfg.dispatch.policy, num_targets=cfg.total_targets,

@@ -39,6 +39,7 @@ import shutil
 import torch
 
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
+from dflash_ipc.dtypes import DTYPE_OF_TORCH
 from dflash_ipc.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,6 @@ CONFIG_KEYS: tuple[str, ...] = (
 )
 DFLASH_CONFIG_KEYS: tuple[str, ...] = ("mask_token_id", "target_layer_ids")
 
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 def expected_tensor_shapes(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
@@ -89,9 +89,9 @@ def expected_tensor_shapes(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
 
 def inference_config(config: DFlashConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
     """The config.json dict; raises if its keys drift from CONFIG_KEYS."""
-    if dtype not in _DTYPE_NAMES:
-        raise DataError(f"export dtype {dtype} not in {list(_DTYPE_NAMES)}")
-    d = config.to_hf_dict(dtype=_DTYPE_NAMES[dtype])
+    if dtype not in DTYPE_OF_TORCH:
+        raise DataError(f"export dtype {dtype} not in {list(DTYPE_OF_TORCH)}")
+    d = config.to_hf_dict(dtype=DTYPE_OF_TORCH[dtype])
     if tuple(d) != CONFIG_KEYS or tuple(d["dflash_config"]) != DFLASH_CONFIG_KEYS:
         raise AssertionError(f"to_hf_dict keys {list(d)} drifted from export.CONFIG_KEYS")
     return d

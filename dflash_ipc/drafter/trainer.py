@@ -24,18 +24,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dflash_ipc.config import DrafterConfig
+from dflash_ipc.config import JobConfig, ObjectiveConfig
 from dflash_ipc.drafter.attention import build_mask
 from dflash_ipc.drafter.export import save_inference_checkpoint
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.drafter.objective import (anchor_generator, build_training_batch, sample_anchors,
                                           weighted_ce_sum)
 from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.dtypes import TORCH_DTYPES
 from dflash_ipc.errors import DataError
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TRAINING_STATE = "training_state.pt"
 GRAD_BUCKET_BYTES = 256 * 1024 * 1024  # gradient all-reduce in buckets: bounded extra memory
 
@@ -58,7 +58,7 @@ def eligible_anchor_count(loss_mask: np.ndarray, max_anchors: int) -> int:
     return int(min(max_anchors, np.count_nonzero(mask[:-1] & mask[1:])))
 
 
-def estimate_total_steps(dataset, cfg: DrafterConfig, *, num_epochs: int, world_size: int) -> int:
+def estimate_total_steps(dataset, cfg: ObjectiveConfig, *, num_epochs: int, world_size: int) -> int:
     """Optimizer steps of the job, for the cosine schedule (anchors / global step budget)."""
     total = sum(eligible_anchor_count(dataset.sample(i)[1], cfg.max_anchors_per_seq)
                 for i in range(len(dataset)))
@@ -78,25 +78,26 @@ def lr_lambda(total_steps: int, warmup_ratio: float, min_lr_ratio: float):
 
 
 class DrafterTrainer:
-    def __init__(self, cfg: DrafterConfig, model_config: DFlashConfig, head: FrozenTargetHead, *,
-                 device: str, total_steps: int, seed: int, group=None) -> None:
+    def __init__(self, cfg: JobConfig, model_config: DFlashConfig, head: FrozenTargetHead, *,
+                 device: str, total_steps: int, group=None) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
-        self.seed = seed
+        self.seed = seed = cfg.run.seed
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         torch.manual_seed(seed)  # identical initial weights on every rank
         self.model = DFlashDraftModel(model_config).to(self.device)
         self.head = head
-        self.compute_dtype = DTYPES[cfg.dtype]
-        self.backend = cfg.attention if cfg.attention != "auto" else (
+        self.compute_dtype = TORCH_DTYPES[cfg.drafter.dtype]
+        self.backend = cfg.drafter.attention if cfg.drafter.attention != "auto" else (
             "flex" if self.device.type == "cuda" else "dense")
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                                           fused=self.device.type == "cuda")
+        opt = cfg.optimizer
+        self.optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=(opt.beta1, opt.beta2),
+                                           weight_decay=opt.weight_decay, fused=self.device.type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(total_steps, cfg.warmup_ratio, cfg.min_lr_ratio))
+            self.optimizer, lr_lambda(total_steps, cfg.schedule.warmup_ratio, cfg.schedule.min_lr_ratio))
         self.total_steps = total_steps
         self.step_count = 0
 
@@ -105,7 +106,7 @@ class DrafterTrainer:
     def take(self, fifo: collections.deque) -> list[tuple[Sequence, int]]:
         """Pops sequences until the anchor budget is full; returns (sequence, anchors) pairs.
         The last sequence gets only what remains of the budget."""
-        budget = self.cfg.anchors_per_step
+        budget = self.cfg.objective.anchors_per_step
         chosen = []
         while fifo and budget > 0:
             seq = fifo.popleft()
@@ -172,8 +173,8 @@ class DrafterTrainer:
         cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
         input_ids = torch.cat([s.input_ids for s, _ in chosen])
         loss_mask = torch.cat([s.loss_mask for s, _ in chosen])
-        batch = build_training_batch(input_ids, loss_mask, cu, anchors, block_size=self.cfg.block_size,
-                                     mask_token_id=self.model.config.mask_token_id, gamma=self.cfg.gamma)
+        batch = build_training_batch(input_ids, loss_mask, cu, anchors, block_size=self.model.config.block_size,
+                                     mask_token_id=self.model.config.mask_token_id, gamma=self.cfg.objective.gamma)
         batch = batch.to(self.device)
         mask_started = time.perf_counter()
         mask = build_mask(batch.layout, self.backend)
@@ -202,7 +203,7 @@ class DrafterTrainer:
                     bucket, size = [], 0
             if bucket:
                 self._all_reduce_bucket(bucket)
-        return float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+        return float(torch.nn.utils.clip_grad_norm_(params, self.cfg.optimizer.grad_clip))
 
     def _all_reduce_bucket(self, grads: list[torch.Tensor]) -> None:
         flat = torch._utils._flatten_dense_tensors(grads)

@@ -36,13 +36,14 @@ from dflash_ipc.config import JobConfig
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.drafter.model import DFlashConfig
 from dflash_ipc.drafter.target_head import FrozenTargetHead
-from dflash_ipc.drafter.trainer import (DTYPES, DrafterTrainer, Sequence, eligible_anchor_count,
+from dflash_ipc.drafter.trainer import (DrafterTrainer, Sequence, eligible_anchor_count,
                                         estimate_total_steps)
 from dflash_ipc.errors import ProducerGoneError, WorkerDeadError
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.metrics import TimelineWriter, process_memory
 from dflash_ipc.profiling import IterationProfiler
-from dflash_ipc.runinfo import checkpoints_dir, require_device
+from dflash_ipc.dtypes import TORCH_DTYPES
+from dflash_ipc.resolve import require_device
 from dflash_ipc.target.capture import load_target_config
 from dflash_ipc.transport.slots import ReaderCache, check_peer_access
 
@@ -113,7 +114,7 @@ class DrafterWorker:
                            features=features[offset:offset + length],
                            input_ids=torch.from_numpy(ids.astype("int64")),
                            loss_mask=torch.from_numpy(mask.astype(bool)),
-                           num_anchors=eligible_anchor_count(mask, self.cfg.drafter.max_anchors_per_seq))
+                           num_anchors=eligible_anchor_count(mask, self.cfg.objective.max_anchors_per_seq))
             offset += length
             self.fifo.append(seq)
             self.fifo_anchors += seq.num_anchors
@@ -144,7 +145,7 @@ class DrafterWorker:
 
     @property
     def full(self) -> bool:
-        return self.fifo_anchors >= self.cfg.drafter.anchors_per_step
+        return self.fifo_anchors >= self.cfg.objective.anchors_per_step
 
 
 def rendezvous_address(generation: int) -> str:
@@ -212,13 +213,12 @@ def _build_and_serve(cfg: JobConfig, rank: int, device: str, link: DispatcherLin
     dataset = TokenDataset(cfg.data.path)
     target_config = load_target_config(cfg.target.path)
     model_config = DFlashConfig.from_target_config(
-        target_config, num_draft_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
-        mask_token_id=cfg.drafter.mask_token_id, target_layer_ids=cfg.drafter.target_layer_ids)
-    head = FrozenTargetHead.from_pretrained(cfg.target.path, dtype=DTYPES[cfg.drafter.dtype], device=device)
-    total = estimate_total_steps(dataset, cfg.drafter, num_epochs=cfg.data.num_epochs,
+        target_config, num_draft_layers=cfg.model.num_layers, block_size=cfg.model.block_size,
+        mask_token_id=cfg.model.mask_token_id, target_layer_ids=cfg.model.target_layer_ids)
+    head = FrozenTargetHead.from_pretrained(cfg.target.path, dtype=TORCH_DTYPES[cfg.drafter.dtype], device=device)
+    total = estimate_total_steps(dataset, cfg.objective, num_epochs=cfg.data.num_epochs,
                                  world_size=cfg.total_drafters)
-    trainer = DrafterTrainer(cfg.drafter, model_config, head, device=device, total_steps=total,
-                             seed=cfg.run.seed)
+    trainer = DrafterTrainer(cfg, model_config, head, device=device, total_steps=total)
     log.info("drafter: %.1fM trainable parameters, ~%d steps planned, attention %s",
              sum(p.numel() for p in trainer.model.parameters()) / 1e6, total, trainer.backend)
     worker = DrafterWorker(cfg, trainer, dataset, ReaderCache(device))
@@ -232,15 +232,15 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
            registered: p.Registered) -> None:
     if registered.resume_step >= 0 and registered.resume_step != worker.trainer.step_count:
         # Every drafter gets the same step: the group resumes together, in lockstep.
-        worker.trainer.resume(checkpoints_dir(cfg), registered.resume_step)
+        worker.trainer.resume(cfg.files.checkpoints, registered.resume_step)
     # Group set-up and model load happened since the registration reply: the dispatcher was
     # not silent, we were not listening.
     link.last_heard = time.monotonic()
     world = cfg.total_drafters
-    metrics_file = open(os.path.join(cfg.run.run_dir, "drafter_metrics.jsonl"), "a") if rank == 0 else None
+    metrics_file = open(cfg.files.drafter_metrics, "a") if rank == 0 else None
     outstanding, end_of_data, shutdown = 0, False, False
     profiler = IterationProfiler(f"drafter/{rank}", worker.trainer.device)
-    timeline = TimelineWriter(cfg.run.run_dir, f"drafter/{rank}")
+    timeline = TimelineWriter(cfg.files.timeline(f"drafter/{rank}"), f"drafter/{rank}")
     last_ckpt_step = worker.trainer.step_count
     stop = StopFlag()
     group_waiting = False  # the last agreement found some rank short of a step
@@ -313,7 +313,7 @@ def _serve(cfg: JobConfig, rank: int, worker: DrafterWorker, link: DispatcherLin
             if metrics_file is not None:
                 metrics_file.write(json.dumps(stats) + "\n")
                 metrics_file.flush()
-            if stats["step"] % cfg.drafter.checkpoint_every_steps == 0:
+            if stats["step"] % cfg.checkpoint.every_steps == 0:
                 _checkpoint_and_commit(cfg, rank, worker, link, control)
                 last_ckpt_step = worker.trainer.step_count
         # 4) drained: final checkpoint, then wait for the dispatcher to close the job
@@ -365,7 +365,7 @@ def _checkpoint_and_commit(cfg: JobConfig, rank: int, worker: DrafterWorker, lin
     batch_ids = [b for pairs in per_rank for b, _ in pairs]
     attempts = [a for pairs in per_rank for _, a in pairs]
     ranks = [r for r, pairs in enumerate(per_rank) for _ in pairs]
-    path = worker.trainer.save_checkpoint(checkpoints_dir(cfg), extra={"batch_ids": sorted(batch_ids)})
+    path = worker.trainer.save_checkpoint(cfg.files.checkpoints, extra={"batch_ids": sorted(batch_ids)})
     log.info("checkpoint %s", path)
     # The attempts tell the dispatcher which copy each rank trained: a rank may have been
     # given the batch again since (see Dispatcher._superseded).

@@ -51,12 +51,12 @@ from dflash_ipc.drafter.attention import BlockLayout, build_mask
 from dflash_ipc.drafter.export import CONFIG_FILE, load_inference_checkpoint
 from dflash_ipc.drafter.model import DFlashDraftModel
 from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.dtypes import TORCH_DTYPES as DTYPES
 from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.eval.acceptance import AcceptanceStats, EvalReport, SampleResult, verify_block
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_CHOICES = ("auto", *DTYPES)
 LATEST_FILE = "latest.json"  # written by DrafterTrainer.save_checkpoint in a checkpoints root
 EXTRA_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")  # ChatML end of turn / of text, when in the vocab

@@ -60,14 +60,12 @@ from dataclasses import dataclass, field
 import psutil
 
 from dflash_ipc.errors import DataError, DFlashError
-from dflash_ipc.runinfo import node_file
+from dflash_ipc.run_files import RunFiles
 
 log = logging.getLogger(__name__)
 
 HEALTHY, DEGRADED, DOWN = "healthy", "degraded", "down"
 EXIT_CODES = {HEALTHY: 0, DEGRADED: 1, DOWN: 2}
-STATE_FILE = "health_state.json"
-PROCESSES_FILE = "processes.json"
 BAD_STATES = {psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD, psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP}
 GONE = "gone"
 REUSED = "gone (pid reused)"
@@ -154,14 +152,14 @@ def health_report(run_dir: str, *, node_rank: int = 0, stale_after_s: float | No
     if status is not None:
         report.job = {k: status.get(k) for k in ("elapsed_s", "num_batches", "batches", "finished", "rates")}
         _apply_status(rows, status)
-    _apply_progress(node_file(run_dir, STATE_FILE, node_rank), rows, status, thresholds["stall_after_s"])
+    _apply_progress(RunFiles(run_dir, node_rank).health_state, rows, status, thresholds["stall_after_s"])
     _judge(report, status, status_error, cfg.dispatcher_address)
     return report
 
 
 def read_processes(run_dir: str, node_rank: int = 0) -> tuple[dict, float]:
     """The supervisor's processes.json and its mtime; DataError naming the file and field."""
-    path = node_file(run_dir, PROCESSES_FILE, node_rank)
+    path = RunFiles(run_dir, node_rank).processes
     try:
         with open(path, encoding="utf-8") as f:
             record = json.load(f)
@@ -182,9 +180,8 @@ def read_processes(run_dir: str, node_rank: int = 0) -> tuple[dict, float]:
 
 
 def _load_run_config(run_dir: str, node_rank: int):
-    from dflash_ipc.config import load_config
-    from dflash_ipc.runinfo import resolved_config_path
-    return load_config(resolved_config_path(run_dir, node_rank))
+    from dflash_ipc.config_load import load_config
+    return load_config(RunFiles(run_dir, node_rank).config)
 
 
 # --- sampling ---------------------------------------------------------------------------------
@@ -407,7 +404,7 @@ def _judge(report: HealthReport, status: dict | None, status_error: str | None, 
         if status is None:  # it runs on node 0: asking is all this node can do
             down.append(f"the dispatcher at {address} does not answer: {status_error}")
     elif dispatcher is None:
-        down.append(f"{PROCESSES_FILE} has no 'dispatcher' entry")
+        down.append(f"processes.json has no 'dispatcher' entry")
     elif not dispatcher.alive:
         down.append(f"dispatcher (pid {dispatcher.pid}) is not running: {dispatcher.state}")
     elif status is None:

@@ -6,17 +6,17 @@ import json
 import os
 
 from dflash_ipc import protocol as p
-from dflash_ipc.config import load_config
+from dflash_ipc.config_load import load_config
 from dflash_ipc.errors import WorkerDeadError
 from dflash_ipc.link import DispatcherLink
-from dflash_ipc.runinfo import resolved_config_path
+from dflash_ipc.run_files import RunFiles
 from dflash_ipc.supervise.status_line import format_status
 
 
 def fetch_status(run_dir: str, timeout_s: float = 3.0, *, node_rank: int = 0) -> dict:
     """The dispatcher's status dict; WorkerDeadError when no dispatcher answers. Any node's
     config names the job's one dispatcher."""
-    cfg = load_config(resolved_config_path(run_dir, node_rank))
+    cfg = load_config(RunFiles(run_dir, node_rank).config)
     link = DispatcherLink(cfg.dispatcher_address, identity="observer/status",
                           heartbeat_interval_s=3600, timeout_s=timeout_s)
     try:
@@ -29,7 +29,7 @@ def fetch_status(run_dir: str, timeout_s: float = 3.0, *, node_rank: int = 0) ->
 
 
 def query_status(run_dir: str, *, as_json: bool = False) -> str:
-    if not os.path.exists(resolved_config_path(run_dir)):
+    if not os.path.exists(RunFiles(run_dir).job_config):
         raise WorkerDeadError(f"{run_dir} is not a run directory (no config.yaml)")
     status = fetch_status(run_dir)
     if as_json:

@@ -53,10 +53,9 @@ import sys
 import time
 
 from dflash_ipc import protocol as p
-from dflash_ipc.config import JobConfig, dump_config
-from dflash_ipc.dispatch.proc import final_status_path
+from dflash_ipc.config import JobConfig
+from dflash_ipc.config_load import dump_config
 from dflash_ipc.link import DispatcherLink
-from dflash_ipc.runinfo import logs_dir, pool_name, processes_path, resolved_config_path, segments_prefix
 from dflash_ipc.supervise.children import Child, stop_children
 from dflash_ipc.supervise.restart import RestartPolicy
 from dflash_ipc.metric_sinks import TensorBoardSink
@@ -91,7 +90,8 @@ class Supervisor:
         self.cfg = cfg
         self.print_status = print_status
         self.children: list[Child] = []
-        self.config_path = resolved_config_path(cfg.run.run_dir, cfg.run.node_rank)
+        self.files = cfg.files
+        self.config_path = self.files.config
         self._stop_reason: str | None = None
         self.last_status: dict | None = None
         # Restart budgets: one per target rank, one for the drafter group, one for the dispatcher.
@@ -111,12 +111,11 @@ class Supervisor:
         argv = [sys.executable, "-m", "dflash_ipc.cli", stage, "--config", self.config_path]
         if rank is not None:
             argv += ["--rank", str(rank)]
-        log_name = role.replace("/", "-") + ".log"
-        return Child(role=role, argv=argv, env=env, log_path=os.path.join(logs_dir(self.cfg), log_name))
+        return Child(role=role, argv=argv, env=env, log_path=self.files.log(role))
 
     def start(self) -> None:
         os.makedirs(self.cfg.run.run_dir, mode=0o700, exist_ok=True)
-        removed = unlink_segments(segments_prefix(self.cfg))
+        removed = unlink_segments(self.files.segments_prefix)
         if removed:
             log.warning("removed %d shared-memory segments left by an earlier run in %s",
                         removed, self.cfg.run.run_dir)
@@ -145,10 +144,10 @@ class Supervisor:
         record = {"supervisor": os.getpid(), "run_dir": self.cfg.run.run_dir, "node_rank": self.cfg.run.node_rank,
                   "processes": [{"role": c.role, "pid": c.pid, "log": c.log_path, "restarts": len(c.restarts)}
                                 for c in self.children]}
-        tmp = processes_path(self.cfg) + ".tmp"
+        tmp = self.files.processes + ".tmp"
         with open(tmp, "w") as f:
             json.dump(record, f, indent=1)
-        os.replace(tmp, processes_path(self.cfg))
+        os.replace(tmp, self.files.processes)
 
     # --- watch ----------------------------------------------------------------------------
 
@@ -169,7 +168,7 @@ class Supervisor:
         try:
             self.start()
             if self.cfg.run.node_rank == 0:  # one writer per job
-                self.tensorboard = TensorBoardSink.open(self.cfg.run.run_dir)
+                self.tensorboard = TensorBoardSink.open(self.files.tensorboard)
             link = DispatcherLink(self.cfg.dispatcher_address, identity="observer/supervisor",
                                   heartbeat_interval_s=3600, timeout_s=3600)
             return self._watch(link)
@@ -223,7 +222,7 @@ class Supervisor:
     def _finished_on_disk(self) -> bool:
         """The dispatcher's final status says every batch is committed (shared run dir)."""
         try:
-            with open(final_status_path(self.cfg)) as f:
+            with open(self.files.final_status) as f:
                 return bool(json.load(f).get("finished"))
         except (OSError, ValueError):
             return False
@@ -264,7 +263,7 @@ class Supervisor:
                 return False
             # No process of this rank runs now: whatever /dev/shm holds under its pool name is
             # a dead pool (a SIGKILLed target cannot unlink its own). Readers keep their maps.
-            unlink_segments(pool_name(self.cfg, int(child.role.split("/")[1])) + "-")
+            unlink_segments(self.files.pool_name(int(child.role.split("/")[1])) + "-")
             self._restart_due[child.role] = time.monotonic() + decision.delay_s
             log.warning("%s will restart in %.1fs (restart %d of %d allowed per %.0fs)", child.role,
                         decision.delay_s, decision.restarts_in_window, policy.max_restarts, policy.window_s)
@@ -386,7 +385,7 @@ class Supervisor:
         """Prints the status line; returns the dispatcher's live status (None: no answer)."""
         if final:
             try:
-                with open(final_status_path(self.cfg)) as f:
+                with open(self.files.final_status) as f:
                     self.last_status = json.load(f)
                 self.print_status(format_status(self.last_status, final=True))
             except (OSError, ValueError) as exc:
@@ -477,7 +476,7 @@ class Supervisor:
     def stop(self) -> None:
         """Stops every child and removes what they might have left: idempotent."""
         stop_children(self.children, self.cfg.supervise.grace_s)
-        removed = unlink_segments(segments_prefix(self.cfg))
+        removed = unlink_segments(self.files.segments_prefix)
         if removed:
             log.warning("removed %d leftover shared-memory segments", removed)
         address = self.cfg.dispatcher_address

@@ -14,11 +14,11 @@ import os
 import torch
 from transformers import AutoConfig, AutoModel
 
+from dflash_ipc.dtypes import TORCH_DTYPES
 from dflash_ipc.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def load_target_config(path: str):
@@ -44,12 +44,12 @@ class FeatureCapture:
         if getattr(config, "layer_types", None) is not None:
             config.layer_types = list(config.layer_types)[:keep]
         self.device = torch.device(device)
-        self.model = AutoModel.from_pretrained(path, config=config, dtype=DTYPES[dtype],
+        self.model = AutoModel.from_pretrained(path, config=config, dtype=TORCH_DTYPES[dtype],
                                                attn_implementation=attn_implementation)
         self.model.to(self.device).eval().requires_grad_(False)
         self.hidden_size = config.hidden_size
         self.feature_dim = self.hidden_size * len(layer_ids)
-        self.dtype = DTYPES[dtype]
+        self.dtype = TORCH_DTYPES[dtype]
         self._captured: dict[int, torch.Tensor] = {}
         layers = self.model.layers
         for layer_id in self.layer_ids:

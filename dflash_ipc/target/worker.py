@@ -28,7 +28,7 @@ from dflash_ipc.errors import DispatcherRestarted, WorkerDeadError
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.metrics import TimelineWriter, process_memory
 from dflash_ipc.profiling import IterationProfiler
-from dflash_ipc.runinfo import pool_name, require_device
+from dflash_ipc.resolve import require_device
 from dflash_ipc.target.capture import FeatureCapture
 from dflash_ipc.transport.slots import SlotLayout, SlotPool, create_pool
 
@@ -73,20 +73,20 @@ def run_target(cfg: JobConfig, rank: int) -> None:
     require_device(device, "target.devices")
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    capture = FeatureCapture(cfg.target.path, layer_ids=cfg.drafter.target_layer_ids,
+    capture = FeatureCapture(cfg.target.path, layer_ids=cfg.model.target_layer_ids,
                              dtype=cfg.target.dtype, attn_implementation=cfg.target.attn_implementation,
                              device=device)
     dataset = TokenDataset(cfg.data.path)
     layout = SlotLayout(num_slots=cfg.target.num_slots,
                         max_tokens=SlotLayout.required_max_tokens(cfg.data.token_budget),
                         feature_dim=capture.feature_dim, dtype=cfg.target.dtype)
-    pool = create_pool(layout, device, name=pool_name(cfg, rank),
+    pool = create_pool(layout, device, name=cfg.files.pool_name(rank),
                        publish_sync=cfg.publish_sync_of(rank))
     link = DispatcherLink(cfg.dispatcher_address, identity=f"target/{rank}",
                           heartbeat_interval_s=cfg.dispatch.heartbeat_interval_s,
                           timeout_s=cfg.dispatch.heartbeat_timeout_s)
     worker = TargetWorker(capture, dataset, pool)
-    timeline = TimelineWriter(cfg.run.run_dir, f"target/{rank}")
+    timeline = TimelineWriter(cfg.files.timeline(f"target/{rank}"), f"target/{rank}")
     try:
         while True:
             try:

@@ -47,15 +47,11 @@ import psutil
 import torch
 
 from dflash_ipc import config
+from dflash_ipc.dtypes import TORCH_DTYPES as DTYPES
 from dflash_ipc.errors import ConfigError, ProducerGoneError, TransportError
 
 logger = logging.getLogger(__name__)
 
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
 # Slots start on this boundary so every copy starts aligned (DMA engines and vectorised
 # copy kernels run at full speed only on aligned addresses).
 SLOT_ALIGN_BYTES = 512

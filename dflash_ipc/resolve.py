@@ -1,15 +1,14 @@
-"""The run directory's layout and the resolution of a config into the job every process runs.
+"""The resolution of a config into the job every process runs.
 
 `resolve_job` runs once, in the supervisor (or a standalone stage): it builds the embedded
 default's assets on first use, fills what derives from the target (captured layer ids, mask
-token id) and checks that data and target agree. The result is written to
-`<run_dir>/config.yaml`; every worker reads that file, so all processes run one job.
+token id) and checks that data and target agree. The result is written to the run
+directory's `config.yaml`; every worker reads that file, so all processes run one job.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 import os
 
@@ -28,55 +27,6 @@ def cache_dir() -> str:
     return os.environ.get("DFLASH_IPC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dflash-ipc")
 
 
-def run_tag(cfg: JobConfig) -> str:
-    """Short stable id of the run directory; prefixes this run's shared-memory segments."""
-    return hashlib.sha1(os.path.abspath(cfg.run.run_dir).encode()).hexdigest()[:10]
-
-
-def shm_prefix(cfg: JobConfig) -> str:
-    # Per node: nodes sharing a run directory (and, in tests, a machine) own their segments.
-    node = f"-n{cfg.run.node_rank}" if cfg.run.num_nodes > 1 else ""
-    return f"dflash-{run_tag(cfg)}{node}"
-
-
-def pool_name(cfg: JobConfig, target_rank: int) -> str:
-    return f"{shm_prefix(cfg)}-t{target_rank}"
-
-
-def segments_prefix(cfg: JobConfig) -> str:
-    """What every shared-memory segment of this run's node starts with, and no other's:
-    the sweep prefix. `shm_prefix` alone is not one: node 1's `...-n1` also starts node 10's
-    names."""
-    return f"{shm_prefix(cfg)}-t"
-
-
-def resolved_config_path(run_dir: str, node_rank: int = 0) -> str:
-    """The config this node's processes run with (node 0's is the job's: status, health)."""
-    return node_file(run_dir, "config.yaml", node_rank)
-
-
-def checkpoints_dir(cfg: JobConfig) -> str:
-    return os.path.join(cfg.run.run_dir, "checkpoints")
-
-
-def logs_dir(cfg: JobConfig) -> str:
-    return os.path.join(cfg.run.run_dir, "logs")
-
-
-def processes_path(cfg: JobConfig) -> str:
-    """The supervisor's record of every process it runs (read by `dflash-ipc health`)."""
-    return node_file(cfg.run.run_dir, "processes.json", cfg.run.node_rank)
-
-
-def node_file(run_dir: str, name: str, node_rank: int) -> str:
-    """`run_dir/name` for node 0, `run_dir/<stem>-node<K><ext>` for node K: the per-node
-    files of a run directory the nodes share."""
-    if node_rank == 0:
-        return os.path.join(run_dir, name)
-    stem, ext = os.path.splitext(name)
-    return os.path.join(run_dir, f"{stem}-node{node_rank}{ext}")
-
-
 def resolve_job(cfg: JobConfig) -> JobConfig:
     """A copy of `cfg` with built-in assets built and derived fields filled and checked."""
     from dflash_ipc.data.dataset import TokenDataset
@@ -91,15 +41,15 @@ def resolve_job(cfg: JobConfig) -> JobConfig:
     cfg.target.path = os.path.abspath(cfg.target.path)
     target_config = load_target_config(cfg.target.path)
     num_layers = target_config.num_hidden_layers
-    if cfg.drafter.target_layer_ids is None:
-        cfg.drafter.target_layer_ids = default_target_layer_ids(num_layers, cfg.drafter.num_layers)
-    bad = [i for i in cfg.drafter.target_layer_ids if i >= num_layers]
+    if cfg.model.target_layer_ids is None:
+        cfg.model.target_layer_ids = default_target_layer_ids(num_layers, cfg.model.num_layers)
+    bad = [i for i in cfg.model.target_layer_ids if i >= num_layers]
     if bad:
-        raise ConfigError(f"drafter.target_layer_ids: {bad} not in the target's layers 0..{num_layers - 1}")
-    if cfg.drafter.mask_token_id is None:
-        cfg.drafter.mask_token_id = _tokenizer_mask_id(cfg.target.path)
-    if not 0 <= cfg.drafter.mask_token_id < target_config.vocab_size:
-        raise ConfigError(f"drafter.mask_token_id: {cfg.drafter.mask_token_id} outside the target's "
+        raise ConfigError(f"model.target_layer_ids: {bad} not in the target's layers 0..{num_layers - 1}")
+    if cfg.model.mask_token_id is None:
+        cfg.model.mask_token_id = _tokenizer_mask_id(cfg.target.path)
+    if not 0 <= cfg.model.mask_token_id < target_config.vocab_size:
+        raise ConfigError(f"model.mask_token_id: {cfg.model.mask_token_id} outside the target's "
                           f"vocabulary [0, {target_config.vocab_size})")
     if cfg.data.path == BUILTIN_SYNTHETIC_DATA:
         from dflash_ipc.data.synthetic import build_synthetic_dataset, synthetic_cache_key, synthetic_params
@@ -127,11 +77,11 @@ def _tokenizer_mask_id(target_path: str) -> int:
     try:
         tokenizer = AutoTokenizer.from_pretrained(target_path)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"drafter.mask_token_id is not set and no tokenizer loads from {target_path} "
-                          f"({exc}); set drafter.mask_token_id") from None
+        raise ConfigError(f"model.mask_token_id is not set and no tokenizer loads from {target_path} "
+                          f"({exc}); set model.mask_token_id") from None
     if tokenizer.mask_token_id is None:
-        raise ConfigError(f"drafter.mask_token_id is not set and the tokenizer in {target_path} has no "
-                          f"mask token; set drafter.mask_token_id to a token id the drafter may use as mask")
+        raise ConfigError(f"model.mask_token_id is not set and the tokenizer in {target_path} has no "
+                          f"mask token; set model.mask_token_id to a token id the drafter may use as mask")
     return int(tokenizer.mask_token_id)
 
 
