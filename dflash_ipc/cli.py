@@ -19,7 +19,7 @@ import sys
 import click
 
 from dflash_ipc.config import POLICIES, PUBLISH_SYNC_MODES
-from dflash_ipc.errors import DFlashError
+from dflash_ipc.errors import EXIT_CONFIG_ERROR, EXIT_ERROR, ConfigError, DFlashError
 
 log = logging.getLogger("dflash_ipc.cli")
 
@@ -51,10 +51,17 @@ def _stage_setup(role: str, cfg) -> None:
 
 
 def _finished_before(cfg) -> bool:
-    """True when the run directory's ledger says the job already committed every batch."""
-    from dflash_ipc.dispatch.ledger import Ledger
+    """True when the run directory's ledger says this job already committed every batch;
+    DataError when that ledger is of another plan (other data, budget, seed or epochs)."""
+    from dflash_ipc.data.dataset import TokenDataset
+    from dflash_ipc.dispatch.ledger_file import load_ledger
+    from dflash_ipc.dispatch.proc import check_same_plan, plan_job
     path = cfg.files.ledger
-    return os.path.exists(path) and Ledger.load(path).all_committed()
+    if not os.path.exists(path):
+        return False
+    ledger = load_ledger(path)
+    check_same_plan(ledger, plan_job(cfg, TokenDataset(cfg.data.path).lengths), path)
+    return ledger.all_committed()
 
 
 config_option = click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
@@ -358,7 +365,6 @@ def bench_pipeline(config, overrides, seconds, warmup_s, json_path, run_dir) -> 
 def plan(num_gpus, target_capacity, drafter_capacity, bench_path, as_json) -> None:
     """The target/drafter GPU split that maximises predicted tok_rate, and its config."""
     import json
-    from dflash_ipc.errors import ConfigError
     from dflash_ipc.plan import capacities_from_bench, format_plan, make_plan
     given = (target_capacity is not None, drafter_capacity is not None)
     if bench_path is not None:
@@ -381,9 +387,12 @@ def run() -> None:
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
+    except ConfigError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_CONFIG_ERROR)  # the supervisor never restarts a child that exits so
     except DFlashError as exc:
         click.echo(f"error: {exc}", err=True)
-        sys.exit(2)
+        sys.exit(EXIT_ERROR)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ POLICIES: tuple[str, ...] = typing.get_args(Policy)
 Attention = Literal["auto", "flex", "dense"]
 AttnImplementation = Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+Auth = Literal["auto", "curve", "none"]
 # How a GPU target orders a drafter's read after its writes: transport/cuda_ipc.py says why
 # there are two (the transport imports them from here: config stays free of torch).
 PublishMode = Literal["ipc_event", "host_wait"]
@@ -320,6 +321,10 @@ class DispatchConfig(_Section):
     """Seconds between heartbeats, both ways."""
     heartbeat_timeout_s: float = 30.0
     """A worker silent this long is declared dead (hung) and its work requeued."""
+    auth: Auth = "auto"
+    """Who may connect on tcp://: curve (ZMQ CURVE with the job's keys in <run_dir>/keys),
+    none, or auto: curve unless the address is loopback. ipc:// relies on the run
+    directory's permissions (0700)."""
 
     def check(self) -> None:
         if self.address:
@@ -343,9 +348,15 @@ class SuperviseConfig(_Section):
     dispatcher, before the job fails (0: any death fails the job)."""
     restart_window_s: float = 600.0
     """Window of the restart count."""
-    drafter_timeout_s: float = 300.0
-    """A drafter silent this long is hung and its group restarts: every step (the first,
-    compiled one included) and every checkpoint must finish within it."""
+    drafter_stall_s: float = 30.0
+    """A drafter whose liveness beacon (rewritten every 0.5 s by a thread) is older than this
+    is stopped or frozen (SIGSTOP, a lock held with the GIL): its group restarts."""
+    drafter_step_timeout_s: float = 600.0
+    """A drafter longer than this in one optimizer step (after the first) hangs."""
+    drafter_compile_timeout_s: float = 1800.0
+    """The first step, which compiles kernels, may take this long."""
+    drafter_checkpoint_timeout_s: float = 1800.0
+    """A checkpoint (write, commit) may take this long."""
     stop_timeout_s: float = 120.0
     """On SIGINT/SIGTERM the drafters get this long to checkpoint and commit before
     everything is stopped."""
@@ -356,7 +367,14 @@ class SuperviseConfig(_Section):
         _require(0 <= self.grace_s <= 3600, "supervise.grace_s", "must be in [0, 3600]")
         _require(0 <= self.max_restarts <= 1000, "supervise.max_restarts", "must be in [0, 1000]")
         _require(0 < self.restart_window_s <= 30 * day, "supervise.restart_window_s", "must be in (0, 30 days]")
-        _require(0 < self.drafter_timeout_s <= day, "supervise.drafter_timeout_s", "must be in (0, 86400]")
+        for name in ("drafter_stall_s", "drafter_step_timeout_s", "drafter_compile_timeout_s",
+                     "drafter_checkpoint_timeout_s"):
+            _require(1 <= getattr(self, name) <= day, f"supervise.{name}", "must be in [1, 86400]")
+
+    def drafter_phase_limits(self) -> dict[str, float]:
+        """Longest time a drafter may stay in each beacon phase (others: no limit)."""
+        return {"compile": self.drafter_compile_timeout_s, "step": self.drafter_step_timeout_s,
+                "checkpoint": self.drafter_checkpoint_timeout_s}
         _require(0 <= self.stop_timeout_s <= day, "supervise.stop_timeout_s", "must be in [0, 86400]")
 
 

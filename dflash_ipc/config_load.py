@@ -33,6 +33,8 @@ MOVED_KEYS = {
     "drafter.anchors_per_step": "objective.anchors_per_step",
     "drafter.gamma": "objective.gamma",
     "drafter.checkpoint_every_steps": "checkpoint.every_steps",
+    "supervise.drafter_timeout_s": "supervise.drafter_stall_s (a stopped drafter) and "
+                                   "supervise.drafter_step_timeout_s (a step that hangs)",
 }
 
 

@@ -6,6 +6,10 @@ parsing messages.
 """
 
 
+EXIT_CONFIG_ERROR = 78  # sysexits' EX_CONFIG: a process stopped on a ConfigError (never restarted)
+EXIT_ERROR = 2          # any other DFlashError
+
+
 class DFlashError(Exception):
     """Base of every error raised on purpose by dflash_ipc."""
 
@@ -71,4 +75,12 @@ class DispatcherRestarted(WorkerDeadError):
     Recovery: a target registers again with its pool (every slot is free: the new
     dispatcher restored its ledger with every uncommitted batch pending); a drafter exits
     and is restarted with its group.
+    """
+
+
+class DamagedCheckpointError(DataError):
+    """A checkpoint's files are missing, truncated or differ from its manifest's checksums.
+
+    Recovery: resume falls back to the newest intact committed checkpoint (the ledger
+    returns the batches committed after it to pending); an export names another step.
     """

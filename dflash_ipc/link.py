@@ -23,13 +23,15 @@ import zmq
 
 from dflash_ipc import protocol as p
 from dflash_ipc.errors import DispatcherRestarted, ProtocolError, WorkerDeadError
+from dflash_ipc.wire_security import client_security
 
 log = logging.getLogger(__name__)
 
 
 class DispatcherLink:
     def __init__(self, address: str, *, identity: str, heartbeat_interval_s: float = 1.0,
-                 timeout_s: float = 30.0, context: zmq.Context | None = None) -> None:
+                 timeout_s: float = 30.0, context: zmq.Context | None = None, secure=None) -> None:
+        """`secure(socket)` sets the socket's credentials before it connects (CURVE)."""
         self.address = address
         self.identity = f"{identity}/{os.getpid()}".encode()
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -38,6 +40,8 @@ class DispatcherLink:
         self.socket = self._context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, self.identity)
         self.socket.setsockopt(zmq.LINGER, 0)
+        if secure is not None:
+            secure(self.socket)
         self.socket.connect(address)
         self.last_heard = time.monotonic()
         # The first heartbeat waits one interval: a short-lived observer (status, health) must
@@ -46,6 +50,16 @@ class DispatcherLink:
         self.metrics: dict[str, float] = {}
         self.instance: str | None = None  # the dispatcher we are registered with
         self._registering = False
+
+    @classmethod
+    def for_job(cls, cfg, identity: str, *, heartbeat_interval_s: float | None = None,
+                timeout_s: float | None = None) -> "DispatcherLink":
+        """A link to the job's dispatcher, with the job's credentials on tcp://."""
+        address = cfg.dispatcher_address
+        return cls(address, identity=identity,
+                   heartbeat_interval_s=heartbeat_interval_s or cfg.dispatch.heartbeat_interval_s,
+                   timeout_s=timeout_s or cfg.dispatch.heartbeat_timeout_s,
+                   secure=lambda socket: client_security(cfg, socket, address))
 
     def send(self, msg: p.Message) -> None:
         self.socket.send_multipart(p.encode(msg))

@@ -15,7 +15,10 @@ Conversation (all requests come from the worker; the dispatcher never sends work
     target  -> Produced(batch_id, slot, ...)
     drafter -> WantHidden(credits)              dispatcher -> Assign(batch_id, pool, slot, ...)
     drafter -> Consumed(batch_id, attempt)      (the slot returns to its target's free list)
-    drafter 0 -> Committed(step, batch_ids, ranks, attempts)  (for the whole group, after its checkpoint)
+    drafter -> Lost(batch_id, attempt, reason)  (the copy failed: its target died first)
+    drafter 0 -> Resumed(step)                  dispatcher -> Resumed(step)  (the group's checkpoint)
+    drafter 0 -> Committed(step, batch_ids, ranks, attempts, samples)
+                                                dispatcher -> CommitDone(step)  (durable)
     worker  -> Heartbeat(metrics)               dispatcher -> Heartbeat
     any     -> StatusRequest                    dispatcher -> StatusReply(status)
     dispatcher -> EndOfData                     (no work will come; drain and finish)
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -36,7 +40,14 @@ import msgpack
 
 from dflash_ipc.errors import ProtocolError
 
-MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any real message; larger frames are refused
+# Bounds of what a message may hold: far above any real message, low enough that no sender
+# can grow a receiver's memory (the socket also refuses larger frames: zmq.MAXMSGSIZE).
+MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_LIST = 1 << 20          # list entries (sample ids of a batch, batch ids of a commit)
+MAX_STR = 16 * 1024         # characters of a string
+MAX_MAP = 256               # entries of a map (metrics, pool descriptors)
+MAX_METRICS = 64            # entries of a heartbeat's metrics
+MAX_INT = 1 << 62           # ints: -1 ("none") .. MAX_INT
 
 
 class Kind(enum.IntEnum):
@@ -57,6 +68,9 @@ class Kind(enum.IntEnum):
     SHUTDOWN = 15
     REJECTED = 16
     UNREGISTERED = 17
+    LOST = 18
+    RESUMED = 19
+    COMMIT_DONE = 20
 
 
 @dataclass(kw_only=True, slots=True)
@@ -70,6 +84,8 @@ class Register:
     pool: dict | None = None  # target: its slot-pool descriptor (transport-owned dict)
     num_slots: int = 0        # target: slots in the pool
     resume_step: int = -1     # drafter: step of the checkpoint it resumed from (-1: fresh)
+    replaces_pids: list[int] = field(default_factory=list)  # the pids this process replaces (its
+                              # supervisor says): a seat held by a live process goes only to a successor
 
 
 @dataclass(kw_only=True, slots=True)
@@ -81,6 +97,8 @@ class Registered:
     resume_step: int = -1  # drafters: resume from the checkpoint of this step (-1: start fresh)
     instance: str = ""     # this dispatcher process (a new one after a dispatcher restart)
     generation: int = 0    # drafters: the group's generation; its rendezvous is MASTER_PORT + this
+    committed_steps: list[int] = field(default_factory=list)  # drafters: checkpoint steps with a
+                                                              # commit (a fallback must be one)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -142,15 +160,34 @@ class Consumed:
 
 
 @dataclass(kw_only=True, slots=True)
+class Lost:
+    KIND: ClassVar[Kind] = Kind.LOST
+    batch_id: int
+    attempt: int
+    reason: str = ""
+
+
+@dataclass(kw_only=True, slots=True)
 class Committed:
     KIND: ClassVar[Kind] = Kind.COMMITTED
     step: int
-    batch_ids: list[int]
-    ranks: list[int] = field(default_factory=list)  # rank 0 commits for the group: who trained
-                                                    # batch_ids[i]; empty: the sender did
-    attempts: list[int] = field(default_factory=list)  # the Assign attempt of the copy trained
-                                                       # (empty: not told); a copy that another
-                                                       # was consumed after is not counted
+    batch_ids: list[int]      # rank 0 commits for the group: one entry per trained copy,
+    ranks: list[int]          # the rank that trained it,
+    attempts: list[int]       # the Assign attempt of that copy,
+    samples: list[list[int]]  # and its samples that went through a step since the last commit
+
+
+@dataclass(kw_only=True, slots=True)
+class CommitDone:
+    KIND: ClassVar[Kind] = Kind.COMMIT_DONE
+    step: int  # the commit of this checkpoint is in the persisted ledger
+
+
+@dataclass(kw_only=True, slots=True)
+class Resumed:
+    KIND: ClassVar[Kind] = Kind.RESUMED
+    step: int  # drafter 0: the group resumed from this checkpoint (-1: fresh); the dispatcher
+               # answers with the same message once its ledger holds nothing after it
 
 
 @dataclass(kw_only=True, slots=True)
@@ -197,8 +234,8 @@ class Unregistered:
 
 
 Message = (Register | Registered | Refused | Ready | Batch | Produced | WantHidden | Assign
-           | Consumed | Committed | Heartbeat | StatusRequest | StatusReply | EndOfData
-           | Shutdown | Rejected | Unregistered)
+           | Consumed | Lost | Committed | CommitDone | Resumed | Heartbeat | StatusRequest | StatusReply
+           | EndOfData | Shutdown | Rejected | Unregistered)
 
 _CLASSES: dict[Kind, type] = {cls.KIND: cls for cls in typing.get_args(Message)}
 _HINTS: dict[type, dict[str, Any]] = {cls: typing.get_type_hints(cls) for cls in _CLASSES.values()}
@@ -241,7 +278,34 @@ def decode(frames: list[bytes]) -> Message:
         if not _matches(value, hints[name]):
             raise ProtocolError(f"{kind.name}.{name}: {type(value).__name__} {value!r:.80} "
                                 f"does not match {hints[name]}")
+        # The bounds guard the dispatcher against its peers; a status comes from the
+        # dispatcher and grows with the job (one entry per worker).
+        if cls is not StatusReply and (why := _out_of_bounds(value)) is not None:
+            raise ProtocolError(f"{kind.name}.{name}: {why}")
+    if cls is Heartbeat and len(body.get("metrics", {})) > MAX_METRICS:
+        raise ProtocolError(f"HEARTBEAT.metrics: {len(body['metrics'])} entries, at most {MAX_METRICS}")
     return cls(**body)
+
+
+def _out_of_bounds(value: Any) -> str | None:
+    """Why a decoded value is outside the wire's bounds (None: inside)."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        return None if -1 <= value <= MAX_INT else f"integer {value:.6g} outside [-1, 2**62]"
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{value} is not a finite number"
+    if isinstance(value, (str, bytes)):
+        return None if len(value) <= MAX_STR else f"{len(value)} characters, at most {MAX_STR}"
+    if isinstance(value, list):
+        if len(value) > MAX_LIST:
+            return f"{len(value)} entries, at most {MAX_LIST}"
+        return next((why for v in value if (why := _out_of_bounds(v)) is not None), None)
+    if isinstance(value, dict):
+        if len(value) > MAX_MAP:
+            return f"{len(value)} entries, at most {MAX_MAP}"
+        return next((why for kv in value.items() for v in kv if (why := _out_of_bounds(v)) is not None), None)
+    return None
 
 
 def _matches(value: Any, hint: Any) -> bool:

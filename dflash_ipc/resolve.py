@@ -69,7 +69,21 @@ def resolve_job(cfg: JobConfig) -> JobConfig:
                         f"bucket boundary data.bucket_boundaries[-1]={cfg.data.max_length}; raise it or "
                         f"prepare the data with --max-length {cfg.data.max_length}")
     cfg.run.run_dir = os.path.abspath(cfg.run.run_dir)
+    check_run_dir(cfg.run.run_dir)
     return cfg
+
+
+def check_run_dir(run_dir: str) -> None:
+    """The run directory is a directory (or can become one) that this user may write."""
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ConfigError(f"run.run_dir: {run_dir} exists and is not a directory")
+    parent = run_dir
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"run.run_dir: {run_dir} cannot be made: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"run.run_dir: {parent} is not writable by this user")
 
 
 def _tokenizer_mask_id(target_path: str) -> int:
@@ -83,6 +97,14 @@ def _tokenizer_mask_id(target_path: str) -> int:
         raise ConfigError(f"model.mask_token_id is not set and the tokenizer in {target_path} has no "
                           f"mask token; set model.mask_token_id to a token id the drafter may use as mask")
     return int(tokenizer.mask_token_id)
+
+
+def check_job_devices(cfg: JobConfig) -> None:
+    """Every device this node's workers use exists (before any child starts: a missing GPU
+    is a configuration error, and no restart can cure it)."""
+    for key, section in (("target.devices", cfg.target), ("drafter.devices", cfg.drafter)):
+        for device in sorted(set(section.devices)):
+            require_device(device, key)
 
 
 def require_device(device: str, key: str) -> None:

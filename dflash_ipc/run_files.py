@@ -114,6 +114,10 @@ class RunFiles:
     def timeline(self, role: str) -> str:
         return self._path("metrics", f"{role_file_name(role)}.jsonl")
 
+    def beacon(self, role: str) -> str:
+        """A worker's liveness beacon (`liveness.py`), read by its node's supervisor."""
+        return self._path("beacons", role_file_name(role))
+
     @property
     def drafter_metrics(self) -> str:
         """Drafter rank 0: one JSON line per optimizer step."""

@@ -32,11 +32,12 @@ class SupervisedJob:
     its output in `out_path`. `node_rank` picks the processes file it reads (node K's own)."""
 
     def __init__(self, run_dir, out_path, cache_dir, overrides, *, args=(), node_rank=0,
-                 env_drop=()) -> None:
+                 env_drop=(), env_extra=None) -> None:
         self.run_dir = run_dir
         self.out_path = out_path
         self.node_rank = node_rank
         env = dict(os.environ, DFLASH_IPC_CACHE=str(cache_dir), PYTHONUNBUFFERED="1")
+        env.update(env_extra or {})
         for key in env_drop:
             env.pop(key, None)
         argv = [sys.executable, "-m", "dflash_ipc.cli", "up", *args, "-o", f"run.run_dir={run_dir}"]
@@ -93,6 +94,22 @@ class SupervisedJob:
         except subprocess.TimeoutExpired:
             pass
         self.out.close()
+
+
+def trained_tokens_by_step(run_dir) -> dict[int, int]:
+    """Tokens of each optimizer step of the final model, from the drafters' own records: the
+    last record of each step (a step redone after a restart from a checkpoint replaces the
+    record of the lineage that was lost)."""
+    import pathlib
+    steps: dict[int, int] = {}
+    record = None
+    for line in (pathlib.Path(run_dir) / "drafter_metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        steps[record["step"]] = record["tokens"]
+    last = record["step"]  # the final lineage wrote last; a lost one may have gone further
+    steps = {s: n for s, n in steps.items() if s <= last}
+    assert sorted(steps) == list(range(1, last + 1)), f"steps missing: {sorted(set(range(1, last + 1)) - set(steps))}"
+    return steps
 
 
 def alive(pid: int) -> bool:

@@ -158,12 +158,14 @@ def test_load_rejects_incomplete_exports(tmp_path):
 
 
 def test_export_training_checkpoint_prefers_full_precision_state(tmp_path):
-    from dflash_ipc.drafter.trainer import TRAINING_STATE
+    from safetensors.torch import save_file
+
+    from dflash_ipc.drafter.checkpoint_store import STATE_TENSORS
 
     model = tiny_model(seed=3)
     step = tmp_path / "ckpt" / "step_00000007"
     save_inference_checkpoint(model, str(step))  # bf16, as the trainer writes it
-    torch.save({"model": model.state_dict(), "step": 7}, step / TRAINING_STATE)
+    save_file({f"model.{n}": t.contiguous() for n, t in model.state_dict().items()}, str(step / STATE_TENSORS))
     (tmp_path / "ckpt" / "latest.json").write_text(json.dumps({"step": 7, "path": "step_00000007"}))
     for source in (tmp_path / "ckpt", step):  # the root (via latest.json) or the step itself
         out = tmp_path / f"out-{source.name}"

@@ -16,7 +16,8 @@ from dflash_ipc.config import JobConfig
 from dflash_ipc.config_load import config_from_dict
 from dflash_ipc.drafter.model import DFlashConfig
 from dflash_ipc.drafter.target_head import FrozenTargetHead
-from dflash_ipc.drafter.trainer import TRAINING_STATE, DrafterTrainer, Sequence, latest_checkpoint
+from dflash_ipc.drafter.checkpoint_store import CheckpointStore
+from dflash_ipc.drafter.trainer import DrafterTrainer, Sequence
 
 torch.set_num_threads(1)
 HIDDEN, VOCAB, LAYERS_CAPTURED = 32, 96, 2
@@ -68,12 +69,12 @@ def test_stop_and_resume_continues_the_same_loss_trajectory(tmp_path):
 
     first = new_trainer()
     resumed_losses = [first.step(chosen)["loss"] for chosen in plan[:3]]
-    first.save_checkpoint(str(tmp_path), extra={"batch_ids": [0, 1, 2]})
+    store = CheckpointStore(str(tmp_path))
+    first.save_checkpoint(store, extra={"committed": [[0, 0, 1, [4, 5]]]})
     del first
     second = new_trainer()  # a fresh process would start exactly like this
-    state = torch.load(os.path.join(latest_checkpoint(str(tmp_path)), TRAINING_STATE), weights_only=False)
-    second.load_state_dict(state)
-    assert second.step_count == 3 and state["extra"]["batch_ids"] == [0, 1, 2]
+    extra = second.resume(store, 3)
+    assert second.step_count == 3 and extra == {"committed": [[0, 0, 1, [4, 5]]]}
     resumed_losses += [second.step(chosen)["loss"] for chosen in plan[3:]]
     assert resumed_losses == losses  # bit-identical in float32 on CPU
     assert losses[-1] < losses[0]

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from dflash_ipc.config_load import config_from_dict
+from dflash_ipc.drafter.checkpoint_store import CheckpointStore
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.data.synthetic import build_synthetic_dataset
 from dflash_ipc.drafter.attention import build_mask
@@ -196,7 +197,9 @@ def test_exported_checkpoint_round_trips_through_evaluate(target_dir, data_dir, 
     head = FrozenTargetHead.from_pretrained(target_dir, dtype=torch.float32, device="cpu")
     trainer = DrafterTrainer(cfg, drafter_config(target_dir), head, device="cpu", total_steps=1)
     root = str(tmp_path / "checkpoints")
-    step_dir = trainer.save_checkpoint(root, extra={})
+    store = CheckpointStore(root)
+    step_dir = trainer.save_checkpoint(store, extra={})
+    store.mark_latest(trainer.step_count)  # as the commit's CommitDone does
     kwargs = dict(num_prompts=2, max_new_tokens=16, check_lossless=True)
     from_root = evaluate(target_dir, root, data_dir, **kwargs)
     assert from_root.label == f"drafter {step_dir}"

@@ -13,9 +13,10 @@ import psutil
 import pytest
 
 from dflash_ipc.config_load import load_config
-from dflash_ipc.dispatch.ledger import BatchState, Ledger
+from dflash_ipc.dispatch.ledger import BatchState
+from dflash_ipc.dispatch.ledger_file import load_ledger
 from dflash_ipc.drafter.export import load_inference_checkpoint
-from supervised_job import SMALL_JOB, SupervisedJob
+from supervised_job import SMALL_JOB, SupervisedJob, trained_tokens_by_step
 
 TIMEOUT_S = 420
 
@@ -38,17 +39,16 @@ def _check_finished_job(run_dir, code: int, out: str) -> None:
     cfg = load_config(str(run_dir / "config.yaml"))
     assert cfg.target.num_workers == 5 and cfg.drafter.num_workers == 3
 
-    # Exactly once: every batch committed once, produced by one target, consumed by one drafter.
-    ledger = Ledger.load(str(run_dir / "ledger.npz"))
+    # Exactly once: every batch committed, leased once, every sample once, every token of the
+    # data through the optimizer once per epoch (the drafters' own step records).
+    ledger = load_ledger(str(run_dir / "ledger.npz"))
     assert ledger.all_committed()
-    history = ledger.history()
-    assert len(history) == len(set(history)) == len(ledger)
-    entries = [ledger.entry(b) for b in history]
-    assert all(e.state is BatchState.COMMITTED and e.attempts == 1 for e in entries)
+    assert all(e.state is BatchState.COMMITTED and e.leases == 1 for e in ledger.entries())
     from dflash_ipc.data.dataset import TokenDataset
-    n = len(TokenDataset(cfg.data.path))
-    report = ledger.audit({epoch: range(n) for epoch in range(cfg.data.num_epochs)})
+    lengths = TokenDataset(cfg.data.path).lengths
+    report = ledger.audit({epoch: range(len(lengths)) for epoch in range(cfg.data.num_epochs)})
     assert report.ok, report
+    assert sum(trained_tokens_by_step(run_dir).values()) == int(lengths.sum()) * cfg.data.num_epochs
 
     # Pull spread the work: every target produced, every drafter consumed.
     final = json.loads((run_dir / "final_status.json").read_text())
@@ -71,6 +71,7 @@ def _check_finished_job(run_dir, code: int, out: str) -> None:
 
     # The checkpoint loads back in the inference format.
     latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] == ledger.last_committed_step() == steps[-1]["step"]
     model = load_inference_checkpoint(str(run_dir / "checkpoints" / latest["path"]))
     assert model.config.num_hidden_layers == 1
 
@@ -83,4 +84,4 @@ def _check_finished_job(run_dir, code: int, out: str) -> None:
              psutil.Process(p["pid"]).status() != psutil.STATUS_ZOMBIE]
     assert not alive, alive
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(cfg.files.shm_prefix)]
-    assert not (run_dir / "dispatcher.sock").exists()
+    assert not os.path.exists(cfg.files.socket)

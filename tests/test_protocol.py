@@ -20,7 +20,10 @@ EXAMPLES = [
     p.WantHidden(credits=1),
     p.Assign(batch_id=7, epoch=1, target=3, pool={"backend": "shm"}, slot=2, sample_ids=[5], num_tokens=3),
     p.Consumed(batch_id=7),
-    p.Committed(step=10, batch_ids=[1, 2, 3]),
+    p.Lost(batch_id=7, attempt=4, reason="producer gone"),
+    p.Committed(step=10, batch_ids=[1, 2], ranks=[0, 1], attempts=[4, 9], samples=[[5, 6], [7]]),
+    p.CommitDone(step=10),
+    p.Resumed(step=-1),
     p.Heartbeat(metrics={"loss": 1.5, "step": 3}),
     p.StatusRequest(),
     p.StatusReply(status={"a": [1, 2], "b": {"c": 1.0}}),
@@ -30,8 +33,8 @@ EXAMPLES = [
     p.Unregistered(instance="ab12", reason="unknown sender"),
     p.Assign(batch_id=7, epoch=1, target=3, pool={}, slot=2, sample_ids=[5], num_tokens=3, attempt=4),
     p.Consumed(batch_id=7, attempt=4),
-    p.Committed(step=10, batch_ids=[1, 2, 3], ranks=[0, 2, 1]),
-    p.Committed(step=10, batch_ids=[1, 2, 3], ranks=[0, 2, 1], attempts=[4, 9, 5]),
+    p.Register(role="drafter", rank=0, pid=9, replaces_pids=[7, 8]),
+    p.Registered(role="drafter", rank=0, num_batches=9, resume_step=20, committed_steps=[10, 20]),
 ]
 
 
@@ -72,6 +75,28 @@ def test_garbage_is_refused(frames, needle):
 def test_oversized_body_is_refused():
     with pytest.raises(ProtocolError, match="exceeds"):
         p.decode([bytes((p.Kind.READY,)), b"\x00" * (p.MAX_BODY_BYTES + 1)])
+
+
+@pytest.mark.parametrize("kind, body, needle", [
+    (p.Kind.PRODUCED, {"batch_id": 1, "slot": 0, "num_tokens": -10**12, "compute_s": 0.1}, "outside [-1, 2**62]"),
+    (p.Kind.PRODUCED, {"batch_id": 1, "slot": 0, "num_tokens": 1, "compute_s": float("nan")}, "not a finite"),
+    (p.Kind.REGISTER, {"role": "target", "rank": 0, "pid": 1, "num_slots": 5 * 10**18}, "outside [-1, 2**62]"),
+    (p.Kind.HEARTBEAT, {"metrics": {f"m{i}": 1.0 for i in range(p.MAX_METRICS + 1)}}, "at most 64"),
+    (p.Kind.HEARTBEAT, {"metrics": {"x" * (p.MAX_STR + 1): 1.0}}, "characters"),
+    (p.Kind.REJECTED, {"kind": 1, "reason": "r" * (p.MAX_STR + 1)}, "characters"),
+])
+def test_values_outside_the_wire_bounds_are_refused(kind, body, needle):
+    """Whatever a peer sends, a decoded message is small and finite: no sender can grow the
+    dispatcher's memory or poison its arithmetic (negative rates, NaN in the status)."""
+    with pytest.raises(ProtocolError) as info:
+        p.decode([bytes((kind,)), msgpack.packb(body)])
+    assert needle in str(info.value)
+
+
+def test_deep_nesting_is_refused_not_a_crash():
+    deep = b"\x91" * 100_000 + b"\x01"  # [[[...1...]]] 100k deep
+    with pytest.raises(ProtocolError):
+        p.decode([bytes((p.Kind.HEARTBEAT,)), msgpack.packb({"metrics": 1})[:-1] + deep])
 
 
 def test_nothing_is_pickled():

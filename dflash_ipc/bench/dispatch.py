@@ -333,7 +333,8 @@ def _fake_drafter(shared: _Shared, rank: int) -> None:
                 return
             if isinstance(msg, p.Assign):
                 link.send(p.Consumed(batch_id=msg.batch_id, attempt=msg.attempt))
-                link.send(p.Committed(step=step, batch_ids=[msg.batch_id]))
+                link.send(p.Committed(step=step, batch_ids=[msg.batch_id], ranks=[rank], attempts=[msg.attempt],
+                                      samples=[msg.sample_ids]))
                 link.send(p.WantHidden(credits=1))
                 step += 1
     finally:

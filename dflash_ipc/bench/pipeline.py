@@ -205,8 +205,8 @@ def drafter_capacity(cfg: JobConfig, *, seconds: float, warmup_s: float) -> dict
     from dflash_ipc.data.dataset import TokenDataset
     from dflash_ipc.drafter.model import DFlashConfig
     from dflash_ipc.drafter.target_head import FrozenTargetHead
-    from dflash_ipc.drafter.trainer import DrafterTrainer, Sequence, eligible_anchor_count, estimate_total_steps
-    from dflash_ipc.drafter.worker import DrafterWorker
+    from dflash_ipc.drafter.sequence_queue import SequenceQueue
+    from dflash_ipc.drafter.trainer import DrafterTrainer, eligible_anchor_count, estimate_total_steps
     from dflash_ipc.target.capture import load_target_config
 
     device = cfg.drafter.device_of(0)
@@ -228,42 +228,39 @@ def drafter_capacity(cfg: JobConfig, *, seconds: float, warmup_s: float) -> dict
     width = model_config.num_context_features * model_config.hidden_size
     gen = torch.Generator(device=dev).manual_seed(cfg.run.seed)
     # What the phase holds on its device, dropped (and the memory freed) when it ends. Every
-    # sequence's features are a slice of one random [longest, F] tensor, in the slot's dtype.
-    held = {"worker": DrafterWorker(cfg, trainer, dataset, readers=None),  # queued here, not read
-            "features": torch.randn(int(dataset.lengths.max()), width, generator=gen, device=dev,
+    # batch's features are a slice of one random [token budget, F] tensor, in the slot's dtype.
+    budget = cfg.objective.anchors_per_step
+    held = {"trainer": trainer,
+            "queue": SequenceQueue(dataset, max_anchors_per_seq=cfg.objective.max_anchors_per_seq),
+            "features": torch.randn(cfg.data.token_budget, width, generator=gen, device=dev,
                                     dtype=TORCH_DTYPES[cfg.target.dtype])}
     del trainer, head
     cycle = itertools.cycle(batches)
-    batch_ids = itertools.count()  # unique per pass over the plan: the worker counts by batch id
+    batch_ids = itertools.count()  # unique per pass over the plan, as copies are
 
     def fill() -> None:
-        """Queues planned batches, in plan order, until a step's anchors wait (as `accept` does)."""
-        worker = held["worker"]
-        while not worker.full:
-            batch, batch_id = next(cycle), next(batch_ids)
-            for sample_id in batch.sample_ids:
-                ids, mask = dataset.sample(sample_id)
-                seq = Sequence(batch_id=batch_id, epoch=batch.epoch, sample_id=sample_id,
-                               features=held["features"][:len(ids)],
-                               input_ids=torch.from_numpy(ids.astype("int64")),
-                               loss_mask=torch.from_numpy(mask.astype(bool)), num_anchors=anchors[sample_id])
-                worker.fifo.append(seq)
-                worker.fifo_anchors += seq.num_anchors
-            worker.remaining[batch_id] = len(batch.sample_ids)
+        """Queues planned batches, in plan order, until a step's anchors wait (as a copy does)."""
+        queue = held["queue"]
+        while queue.anchors < budget:
+            batch = next(cycle)
+            queue.add_copy(next(batch_ids), 1, batch.epoch, list(batch.sample_ids),
+                           held["features"][:batch.num_tokens])
 
     steps_s: list[float] = []
 
     def one_step() -> int:
         fill()
-        worker = held["worker"]
-        before = worker.trained_tokens
-        stats = worker.train_step()
-        worker.trained.clear()  # nothing commits here
+        queue = held["queue"]
+        before = queue.trained_tokens
+        chosen = queue.take(budget)
+        stats = held["trainer"].step(chosen)
+        queue.record_trained(chosen)
+        queue.take_trained()  # nothing commits here
         steps_s.append(stats["step_s"])
-        return worker.trained_tokens - before
+        return queue.trained_tokens - before
 
     log.info("drafter capacity: %d layers on %s, %s attention, %d anchors/step, %g s warmup + %g s",
-             dcfg.num_layers, device, backend, dcfg.anchors_per_step, warmup_s, seconds)
+             cfg.model.num_layers, device, backend, budget, warmup_s, seconds)
     threads = worker_threads(cfg, "drafter")
     try:
         with _threads(threads):
@@ -273,7 +270,7 @@ def drafter_capacity(cfg: JobConfig, *, seconds: float, warmup_s: float) -> dict
         _release(dev)
     measured = steps_s[figures["warmup_calls"]:]
     figures.update(device=device, steps=figures.pop("calls"), warmup_steps=figures.pop("warmup_calls"),
-                   step_s_mean=sum(measured) / len(measured), anchors_per_step=dcfg.anchors_per_step,
+                   step_s_mean=sum(measured) / len(measured), anchors_per_step=budget,
                    cpu_threads=threads, attention=backend)
     log.info("drafter capacity: %.0f tok/s (%d steps in %.1f s)", figures["tok_per_s"], figures["steps"],
              figures["seconds"])

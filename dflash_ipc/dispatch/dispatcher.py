@@ -1,44 +1,20 @@
-"""The dispatcher's logic: who gets which batch, and when. No sockets here.
+"""The dispatcher's logic: seats, credits and when to serve. No sockets here.
 
-`Dispatcher.handle(sender, msg)` and `Dispatcher.tick(now)` return the messages to send, as
-`(identity, message)` pairs, so tests can step the whole policy in one process;
-`dflash_ipc.dispatch.proc` wraps it with a ZMQ ROUTER socket.
+`Dispatcher.handle(sender, msg)` and `Dispatcher.tick()` return the messages to send, as
+`(identity, message)` pairs, so tests step the whole job in one process;
+`dflash_ipc.dispatch.proc` wraps it with a ZMQ ROUTER socket. Every fact about a batch is
+in the `Ledger`; whom to serve is the `Policy`'s answer; this class keeps the seats (who is
+registered, with how many credits and free slots) and sends nothing that was not asked for:
+a target gets a `Batch` while it has a credit and a free slot, a drafter an `Assign` while
+it has a credit.
 
-Pull policy (the default): nothing is sent that was not asked for. A target's `Ready(n)`
-adds n credits; it gets a `Batch` when it has a credit AND a free slot, so a slow target
-(long batches, slow GPU) simply asks less often and fast ones take the rest: no batch waits
-behind a busy worker while another idles. A drafter's `WantHidden(n)` likewise; produced
-batches go to the drafter that has waited longest, oldest batch first.
-
-Target faults: a target silent for `heartbeat_timeout_s` is dropped (`tick`), and a
-`Register` for a target rank held under another identity (a restarted process: identities
-carry the pid) drops the old seat first; the same identity registering twice is refused. A
-drop returns the target's leased and produced batches to pending, including produced ones
-already assigned to a drafter that has not reported `Consumed` (its late `Consumed` is
-refused; see `_without_revoked` for its `Committed`). The dropped pid is listed in the
-status (`dropped_targets`) so the supervisor kills the process if it still runs; anything
-it sends later is answered `Unregistered` (same `instance`: the worker exits).
-
-Drafter faults: the drafters train as one group, so the supervisor restarts all of them
-together. A `Register` for a drafter rank held under another identity (a new process) is
-that restart: every drafter seat is dropped, batches consumed but not committed return to
-pending (the new group resumes from the last committed step's checkpoint, which does not
-hold them), and batches assigned but not yet consumed are assigned again to the new group
-(their slots still hold them). Every `Assign` carries an `attempt`, echoed by `Consumed`,
-so a late `Consumed` of an old copy never frees the slot of a newer one, and by
-`Committed`, so the commit of a copy that was trained after a newer copy of the same batch
-had been consumed counts for nothing (the newer copy commits later). Rank 0 commits for the
-whole group (`Committed.ranks` says who trained what) right after its checkpoint: a commit
-is all of a checkpoint's batches or none.
-
-Dispatcher restarts: a new dispatcher process (new `instance`) restores the ledger (every
-batch not committed is pending) and answers `Unregistered` to the surviving targets, which
-register again with their pools; the supervisor restarts the drafter group.
-
-Round-robin policy (`dispatch.policy: round_robin`) reproduces the reference system for
-benchmarks: batch i belongs to target i mod N from the start and produced batch j to
-drafter j mod M, whatever their speed. Workers still only receive when they have credit,
-so the comparison measures the assignment policy, not flow control.
+Seats: a `Register` for a held seat from another process is a restart when the new process
+names the old pid in `replaces_pids` (its supervisor knows them), or when the old seat has
+been silent past its timeout; otherwise it is refused (a stray second worker must not take
+over a live seat). A target restart drops the old seat (`drop_target`); a drafter restart
+restarts the whole drafter group (`restart_drafter_group`), which resumes from the last
+committed checkpoint (its rank 0 confirms with `Resumed`, and may fall back to an older
+one: `Ledger.rollback_to`). A target silent for `heartbeat_timeout_s` is dropped in `tick`.
 """
 
 from __future__ import annotations
@@ -47,77 +23,18 @@ import collections
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 
 from dflash_ipc import protocol as p
-from dflash_ipc.config import POLICIES
 from dflash_ipc.dispatch.buckets import PlannedBatch
-from dflash_ipc.dispatch.ledger import BatchState, Ledger
+from dflash_ipc.dispatch.ledger import BatchState, Ledger, TrainedCopy
+from dflash_ipc.dispatch.policy import make_policy
+from dflash_ipc.dispatch.seats import DrafterSeat, Rate, Seat, TargetSeat
 from dflash_ipc.errors import ProtocolError, UnregisteredSender
 
 log = logging.getLogger(__name__)
 
-RATE_WINDOW_S = 10.0  # rates in status are averaged over this trailing window
 DROPPED_KEPT = 64     # status lists this many of the latest dropped targets (pid -> reason)
-
-# Rates (tokens/s, valid tokens, padding excluded):
-#   tgt_rate  produced by targets into slots
-#   dft_rate  copied out of slots by drafters (Consumed)
-#   tok_rate  trained: went through a drafter optimizer step (end-to-end throughput)
-
-
-@dataclass
-class TargetSeat:
-    """What the dispatcher knows of one target worker."""
-    rank: int
-    identity: bytes
-    node: int
-    pool: dict
-    num_slots: int
-    pid: int = 0
-    credits: int = 0
-    free_slots: collections.deque = field(default_factory=collections.deque)
-    last_seen: float = 0.0
-    batches_done: int = 0
-    tokens_done: int = 0
-    compute_s: float = 0.0
-    metrics: dict = field(default_factory=dict)
-    done: bool = False  # got EndOfData
-
-
-@dataclass
-class DrafterSeat:
-    """What the dispatcher knows of one drafter worker."""
-    rank: int
-    identity: bytes
-    node: int
-    pid: int = 0
-    credits: int = 0
-    waiting_since: float = 0.0
-    last_seen: float = 0.0
-    batches_done: int = 0
-    tokens_done: int = 0
-    metrics: dict = field(default_factory=dict)
-    done: bool = False
-
-
-class _Rate:
-    """Tokens per second over a trailing window, from cumulative counts."""
-
-    def __init__(self) -> None:
-        self.points: collections.deque = collections.deque()
-
-    def add(self, now: float, total: float) -> None:
-        self.points.append((now, total))
-        while len(self.points) > 2 and now - self.points[1][0] > RATE_WINDOW_S:
-            self.points.popleft()
-
-    def value(self) -> float:
-        if len(self.points) < 2:
-            return 0.0
-        (t0, v0), (t1, v1) = self.points[0], self.points[-1]
-        return (v1 - v0) / (t1 - t0) if t1 > t0 else 0.0
-
+MAX_SLOTS = 256       # a target's slot count (target.num_slots is at most this)
 
 Outgoing = list[tuple[bytes, "p.Message"]]
 
@@ -125,55 +42,37 @@ Outgoing = list[tuple[bytes, "p.Message"]]
 class Dispatcher:
     """Plans are fixed at construction; the ledger records every batch's state."""
 
-    def __init__(self, epochs: list[list[PlannedBatch]], *, policy: str, num_targets: int,
-                 num_drafters: int, heartbeat_timeout_s: float = 30.0,
+    def __init__(self, epochs: list[list[PlannedBatch]], *, policy: str, num_targets: int, num_drafters: int,
+                 num_nodes: int = 1, heartbeat_timeout_s: float = 30.0, drafter_timeout_s: float | None = None,
                  ledger: Ledger | None = None, clock=time.monotonic, drafter_generation: int = 0) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"policy '{policy}' not allowed; allowed: {', '.join(POLICIES)}")
-        self.policy = policy
-        self.num_targets, self.num_drafters = num_targets, num_drafters
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.clock = clock
         self.ledger = ledger or Ledger()
         if ledger is None:
             for batches in epochs:
                 self.ledger.add_epoch(batches)
+        order = [b.batch_id for batches in epochs for b in batches]
+        self.policy = make_policy(policy, order, num_targets=num_targets, num_drafters=num_drafters)
+        self.num_targets, self.num_drafters, self.num_nodes = num_targets, num_drafters, num_nodes
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.drafter_timeout_s = drafter_timeout_s or heartbeat_timeout_s
+        self.clock = clock
         self.num_batches = sum(len(b) for b in epochs)
         self.tokens_planned = sum(b.num_tokens for batches in epochs for b in batches)
         self.targets: dict[int, TargetSeat] = {}
         self.drafters: dict[int, DrafterSeat] = {}
-        self.observers: set[bytes] = set()
-        self.produced: collections.deque[int] = collections.deque()  # batch ids, oldest first
-        self.in_flight: dict[int, tuple[int, int]] = {}  # batch id -> (drafter, attempt): assigned, not consumed
-        self.consumed_attempt: dict[int, int] = {}  # batch id -> attempt consumed, until committed
-        # (batch id, attempt) consumed on the word of a group commit that overtook the
-        # drafter's own Consumed (two sockets, no order): that Consumed is then a no-op.
-        self.consumed_by_commit: set[tuple[int, int]] = set()
-        self.next_attempt = 1
+        self.target_waiters: collections.deque[int] = collections.deque()  # ranks, by ask time
         self.instance = os.urandom(6).hex()  # tells this process from a restarted one
         # The drafter group's generation: +1 on each group restart. Drafters meet for their
         # collectives at MASTER_PORT + generation, so a new group (on every node) never
         # joins the store of the dead one.
         self.drafter_generation = drafter_generation
-        self.target_waiters: collections.deque[int] = collections.deque()  # ranks, by ask time
         self.started = clock()
-        self.tokens_produced = 0
-        self.tokens_consumed = 0
-        self.tokens_committed = 0
-        self.rates = {name: _Rate() for name in ("tgt_rate", "dft_rate", "tok_rate")}
+        self.tokens_produced = self.tokens_consumed = self.tokens_committed = 0
+        self.rates = {name: Rate() for name in ("tgt_rate", "dft_rate", "tok_rate")}
         self.end_sent = False
         self.refusals = 0
         # Targets dropped while their process may still run (hung, or replaced): pid -> why.
         # The supervisor reads it from the status and kills those processes.
         self.dropped_targets: collections.OrderedDict[int, str] = collections.OrderedDict()
-        # Batches taken back from a drafter by a drop (assigned, not yet consumed): id -> rank.
-        # If that drafter had copied the batch anyway, its Committed lists it: _without_revoked.
-        self.revoked: dict[int, set[int]] = {}  # batch id -> drafters whose copy was revoked
-        # Round-robin: fixed ownership decided up front, by plan order.
-        order = [b.batch_id for batches in epochs for b in batches]
-        self.rr_target_of = {bid: i % num_targets for i, bid in enumerate(order)}
-        self.rr_drafter_of: dict[int, int] = {}
-        self.rr_produced_count = 0
 
     # --- entry points -----------------------------------------------------------------
 
@@ -193,11 +92,11 @@ class Dispatcher:
             seat.metrics = dict(msg.metrics)
             return [(sender, p.Heartbeat(metrics={}))]
         if isinstance(seat, TargetSeat):
-            return self._from_target(seat, msg, now)
+            return self._from_target(seat, msg)
         return self._from_drafter(seat, msg, now)
 
     def tick(self) -> Outgoing:
-        """Periodic work: declare silent workers dead, finish the job when all is done."""
+        """Periodic work: declare silent targets dead, update rates, finish when all is done."""
         now = self.clock()
         out: Outgoing = []
         for seat in list(self.targets.values()):
@@ -205,9 +104,8 @@ class Dispatcher:
                 silent = now - seat.last_seen
                 log.warning("target/%d silent for %.1fs: declared dead", seat.rank, silent)
                 out += self.drop_target(seat.rank, reason=f"silent for {silent:.1f}s")
-        trained = sum(s.metrics.get("trained_tokens", 0.0) for s in self.drafters.values())
         for name, total in (("tgt_rate", self.tokens_produced), ("dft_rate", self.tokens_consumed),
-                            ("tok_rate", trained)):
+                            ("tok_rate", self._trained_tokens())):
             self.rates[name].add(now, total)
         return out + self._maybe_end()
 
@@ -215,306 +113,249 @@ class Dispatcher:
     def finished(self) -> bool:
         return self.ledger.all_committed()
 
-    def drop_target(self, rank: int, reason: str = "dropped") -> Outgoing:
-        """A target died, hung or was replaced: its leased and produced batches (produced
-        ones too if already assigned to a drafter that has not reported Consumed) go back to
-        pending. Its identity is forgotten, so a late Produced from it is refused."""
-        seat = self.targets.pop(rank, None)
-        if seat is None:
-            return []
-        requeued = set(self.ledger.requeue_target(rank))
-        self.produced = collections.deque(b for b in self.produced if b not in requeued)
-        for batch_id in requeued:
-            assigned = self.in_flight.pop(batch_id, None)  # a late Consumed for it is refused
-            if assigned is not None:
-                self.revoked.setdefault(batch_id, set()).add(assigned[0])
-        if rank in self.target_waiters:
-            self.target_waiters.remove(rank)
-        self.dropped_targets[seat.pid] = reason
-        while len(self.dropped_targets) > DROPPED_KEPT:
-            self.dropped_targets.popitem(last=False)
-        log.warning("target/%d (pid %d) dropped (%s); %d batches back to pending",
-                    rank, seat.pid, reason, len(requeued))
-        return self._serve_targets()
-
     # --- registration -----------------------------------------------------------------
 
     def _register(self, sender: bytes, msg: p.Register, now: float) -> Outgoing:
         if msg.role == "observer":
-            self.observers.add(sender)
             return [(sender, p.Registered(role=msg.role, rank=msg.rank, num_batches=self.num_batches))]
         limit = {"target": self.num_targets, "drafter": self.num_drafters}.get(msg.role)
         if limit is None:
             raise ProtocolError(f"Register: role '{msg.role}' not allowed; allowed: target, drafter, observer")
         if not 0 <= msg.rank < limit:
             raise ProtocolError(f"Register: {msg.role} rank {msg.rank} outside [0, {limit})")
+        if not 0 <= msg.node < self.num_nodes:
+            raise ProtocolError(f"Register: node {msg.node} outside [0, {self.num_nodes})")
+        if msg.role == "target" and (not msg.pool or not 1 <= msg.num_slots <= MAX_SLOTS):
+            raise ProtocolError(f"Register: a target sends its slot pool and 1 <= num_slots <= {MAX_SLOTS}, "
+                                f"got num_slots={msg.num_slots}")
         seats = self.targets if msg.role == "target" else self.drafters
-        old = seats.get(msg.rank)
-        if old is not None and old.identity == sender:
-            raise ProtocolError(f"Register: {msg.role}/{msg.rank} is already registered by this sender")
         out: Outgoing = []
-        if msg.role == "drafter" and old is not None:
-            # A new process for a held drafter seat: the supervisor restarted the group.
-            self.restart_drafter_group(reason=f"drafter/{msg.rank} registered again as pid {msg.pid}")
-            # Batches went back to pending, maybe after every target went idle: serve them.
-            out += self._serve_targets()
+        if (old := seats.get(msg.rank)) is not None:
+            self._check_takeover(old, sender, msg, now)
+            if msg.role == "target":
+                out += self.drop_target(msg.rank, reason=f"replaced by pid {msg.pid}")
+            else:
+                out += self.restart_drafter_group(f"drafter/{msg.rank} registered again as pid {msg.pid}")
         if msg.role == "target":
-            if msg.pool is None or msg.num_slots < 1:
-                raise ProtocolError("Register: a target must send its slot pool and num_slots >= 1")
             self.dropped_targets.pop(msg.pid, None)  # a reused pid is a new process
-            if old is not None:
-                # A new process for a seat that is still held: the supervisor restarted the
-                # target before the old one's silence was noticed. The old one is gone.
-                out = self.drop_target(msg.rank, reason=f"replaced by pid {msg.pid}")
-            seat = TargetSeat(rank=msg.rank, identity=sender, node=msg.node, pool=msg.pool,
-                              num_slots=msg.num_slots, free_slots=collections.deque(range(msg.num_slots)),
-                              last_seen=now, pid=msg.pid)
-            self.targets[msg.rank] = seat
+            seats[msg.rank] = TargetSeat(rank=msg.rank, identity=sender, node=msg.node, pid=msg.pid, last_seen=now,
+                                         pool=msg.pool, num_slots=msg.num_slots,
+                                         free_slots=collections.deque(range(msg.num_slots)))
         else:
-            self.drafters[msg.rank] = DrafterSeat(rank=msg.rank, identity=sender, node=msg.node,
-                                                  last_seen=now, pid=msg.pid)
+            seats[msg.rank] = DrafterSeat(rank=msg.rank, identity=sender, node=msg.node, pid=msg.pid, last_seen=now)
         log.info("%s/%d registered (pid %d, %s)", msg.role, msg.rank, msg.pid, msg.device)
-        # Drafters resume from the checkpoint of the last commit the ledger holds (a restored
-        # ledger: a rerun in the same run directory); batches committed then are not served.
+        # Drafters resume from the checkpoint of the last commit the ledger holds.
         last = self.ledger.last_committed_step() if msg.role == "drafter" else None
+        steps = self.ledger.committed_steps() if msg.role == "drafter" else []
         return out + [(sender, p.Registered(role=msg.role, rank=msg.rank, num_batches=self.num_batches,
-                                            resume_step=-1 if last is None else last,
-                                            instance=self.instance,
-                                            generation=self.drafter_generation))]
+                                            resume_step=-1 if last is None else last, instance=self.instance,
+                                            generation=self.drafter_generation, committed_steps=steps))]
 
-    def restart_drafter_group(self, reason: str) -> None:
-        """Every drafter seat goes; the new group resumes from the last committed checkpoint.
-        Consumed-not-committed batches go back to pending; assigned-not-consumed ones are
-        assigned again (their slots still hold them). Messages from the old processes are
-        answered `Unregistered` from now on."""
-        self.drafter_generation += 1
-        requeued = self.ledger.requeue_all_uncommitted_consumed()
-        reassign = [b for b in self.in_flight if self.ledger.entry(b).state is BatchState.PRODUCED]
-        self.produced = collections.deque(reassign + [b for b in self.produced if b not in self.in_flight])
-        self.in_flight.clear()
-        self.revoked.clear()
-        self.consumed_attempt.clear()  # nothing consumed is left: it all went back to pending
-        self.consumed_by_commit.clear()
-        self.drafters.clear()
-        self.rr_drafter_of.clear()
-        self._reopen()
-        log.warning("drafter group restart %d (%s): %d consumed batches back to pending, %d assigned "
-                    "batches to assign again", self.drafter_generation, reason, len(requeued), len(reassign))
+    def _check_takeover(self, old: Seat, sender: bytes, msg: p.Register, now: float) -> None:
+        """A held seat goes to a new process only if that process succeeds the holder."""
+        role = f"{msg.role}/{msg.rank}"
+        if old.identity == sender:
+            raise ProtocolError(f"Register: {role} is already registered by this sender")
+        timeout = self.heartbeat_timeout_s if msg.role == "target" else self.drafter_timeout_s
+        silent = now - old.last_seen
+        if old.pid not in msg.replaces_pids and silent <= timeout:
+            raise ProtocolError(f"Register: {role} is held by live pid {old.pid} (heard {silent:.1f}s ago); "
+                                f"pid {msg.pid} does not replace it")
 
-    def _reopen(self) -> None:
-        """Batches went back to pending after EndOfData: the job is open again."""
-        if self.end_sent and not self._all_consumed():
-            self.end_sent = False
-            for seat in list(self.targets.values()) + list(self.drafters.values()):
-                seat.done = False
-
-    def _seat_of(self, sender: bytes) -> TargetSeat | DrafterSeat | None:
+    def _seat_of(self, sender: bytes) -> Seat | None:
         for seats in (self.targets, self.drafters):
             for seat in seats.values():
                 if seat.identity == sender:
                     return seat
         return None
 
+    # --- failures ---------------------------------------------------------------------
+
+    def drop_target(self, rank: int, reason: str = "dropped") -> Outgoing:
+        """A target died, hung or was replaced: its leased and produced batches go back to
+        pending (assigned ones stay with their drafters, whose copy may be under way). Its
+        identity is forgotten, so a late message from it is answered Unregistered."""
+        seat = self.targets.pop(rank, None)
+        if seat is None:
+            return []
+        requeued = self.ledger.drop_target(rank)
+        if rank in self.target_waiters:
+            self.target_waiters.remove(rank)
+        self.dropped_targets[seat.pid] = reason
+        while len(self.dropped_targets) > DROPPED_KEPT:
+            self.dropped_targets.popitem(last=False)
+        log.warning("target/%d (pid %d) dropped (%s); %d batches back to pending", rank, seat.pid, reason,
+                    len(requeued))
+        self._reopen()
+        return self._serve_targets()
+
+    def restart_drafter_group(self, reason: str) -> Outgoing:
+        """Every drafter seat goes; the new group resumes from the last committed checkpoint.
+        Messages from the old processes are answered `Unregistered` from now on."""
+        self.drafter_generation += 1
+        requeued, again = self.ledger.restart_drafters()
+        self.drafters.clear()
+        self.policy.forget_drafters()
+        self._reopen()
+        log.warning("drafter group restart %d (%s): %d batches back to pending, %d to assign again",
+                    self.drafter_generation, reason, len(requeued), len(again))
+        return self._serve_targets()  # batches went back to pending, maybe after targets went idle
+
+    def _reopen(self) -> None:
+        """Batches went back to pending after EndOfData: the job is open again."""
+        if self.end_sent and not self.ledger.all_consumed():
+            self.end_sent = False
+            for seat in list(self.targets.values()) + list(self.drafters.values()):
+                seat.done = False
+
     # --- targets ----------------------------------------------------------------------
 
-    def _from_target(self, seat: TargetSeat, msg: p.Message, now: float) -> Outgoing:
+    def _from_target(self, seat: TargetSeat, msg: p.Message) -> Outgoing:
         if isinstance(msg, p.Ready):
-            if msg.credits < 1:
-                raise ProtocolError(f"Ready: credits must be >= 1, got {msg.credits}")
-            seat.credits += msg.credits
+            if not 1 <= msg.credits <= seat.num_slots:
+                raise ProtocolError(f"Ready: credits must be in [1, {seat.num_slots}], got {msg.credits}")
+            seat.credits = min(seat.credits + msg.credits, seat.num_slots)
             if seat.rank not in self.target_waiters:
                 self.target_waiters.append(seat.rank)
             return self._serve_targets()
         if isinstance(msg, p.Produced):
-            self.ledger.produced(msg.batch_id, seat.rank, msg.slot)
-            seat.batches_done += 1
-            seat.tokens_done += msg.num_tokens
-            seat.compute_s += msg.compute_s
-            self.tokens_produced += msg.num_tokens
-            self.produced.append(msg.batch_id)
-            return self._serve_drafters()
+            return self._produced(seat, msg)
         raise ProtocolError(f"{msg.KIND.name} is not a message a target may send")
 
-    def _next_batch_for(self, rank: int) -> PlannedBatch | None:
-        if self.policy == "pull":
-            return self.ledger.next_pending()
-        for batch in self.ledger.pending_batches():
-            if self.rr_target_of[batch.batch_id] == rank:
-                return batch
-        return None
+    def _produced(self, seat: TargetSeat, msg: p.Produced) -> Outgoing:
+        lease = seat.leases.get(msg.batch_id)
+        if lease is None or lease[0] != msg.slot:
+            raise ProtocolError(f"Produced: batch {msg.batch_id} in slot {msg.slot} was not given to "
+                                f"target/{seat.rank} in that slot")
+        slot, tokens = seat.leases.pop(msg.batch_id)
+        if msg.num_tokens != tokens or msg.compute_s < 0:
+            seat.free_slots.append(slot)
+            raise ProtocolError(f"Produced: batch {msg.batch_id} has {tokens} tokens, reported {msg.num_tokens} "
+                                f"(compute_s {msg.compute_s})")
+        entry = self.ledger.entry(msg.batch_id)
+        if entry.state is not BatchState.LEASED or entry.target != seat.rank:
+            # Taken back meanwhile (a rollback): the slot was written for nothing; reuse it.
+            seat.free_slots.append(slot)
+            return self._serve_targets()
+        self.ledger.produced(msg.batch_id, seat.rank, slot)
+        seat.batches_done += 1
+        seat.tokens_done += tokens
+        seat.compute_s += msg.compute_s
+        self.tokens_produced += tokens
+        return self._serve_drafters()
 
     def _serve_targets(self) -> Outgoing:
         out: Outgoing = []
         for rank in list(self.target_waiters):
             seat = self.targets[rank]
             while seat.credits > 0 and seat.free_slots:
-                batch = self._next_batch_for(rank)
+                batch = self.policy.next_batch(rank, self.ledger)
                 if batch is None:
                     break
                 slot = seat.free_slots.popleft()
-                self.ledger.lease(batch.batch_id, rank)
+                work = self.ledger.lease(batch.batch_id, rank)
+                seat.leases[work.batch_id] = (slot, work.num_tokens)
                 seat.credits -= 1
-                out.append((seat.identity, p.Batch(batch_id=batch.batch_id, epoch=batch.epoch, slot=slot,
-                                                   sample_ids=list(batch.sample_ids),
-                                                   padded_len=batch.padded_len)))
+                out.append((seat.identity, p.Batch(batch_id=work.batch_id, epoch=work.epoch, slot=slot,
+                                                   sample_ids=list(work.sample_ids), padded_len=work.padded_len)))
             if seat.credits == 0:
                 self.target_waiters.remove(rank)
         return out
+
+    def _free_slot(self, freed) -> None:
+        """A slot came free: back to its target if that target's pool still lives."""
+        if freed is not None and (seat := self.targets.get(freed[0])) is not None:
+            seat.free_slots.append(freed[1])
 
     # --- drafters ---------------------------------------------------------------------
 
     def _from_drafter(self, seat: DrafterSeat, msg: p.Message, now: float) -> Outgoing:
         if isinstance(msg, p.WantHidden):
-            if msg.credits < 1:
-                raise ProtocolError(f"WantHidden: credits must be >= 1, got {msg.credits}")
+            if not 1 <= msg.credits <= 1024:
+                raise ProtocolError(f"WantHidden: credits must be in [1, 1024], got {msg.credits}")
             if seat.credits == 0:
                 seat.waiting_since = now
-            seat.credits += msg.credits
+            seat.credits = min(seat.credits + msg.credits, 1024)
             return self._serve_drafters()
         if isinstance(msg, p.Consumed):
-            if (msg.batch_id, msg.attempt) in self.consumed_by_commit:
-                self.consumed_by_commit.discard((msg.batch_id, msg.attempt))
-                return []  # rank 0's commit of it came first and did this already
-            if self.in_flight.get(msg.batch_id) != (seat.rank, msg.attempt):
-                raise ProtocolError(f"Consumed: batch {msg.batch_id} attempt {msg.attempt} is not "
-                                    f"assigned to drafter/{seat.rank}")
-            self._consume(seat, msg.batch_id, msg.attempt)
+            consumption = self.ledger.consumed(msg.batch_id, seat.rank, msg.attempt)
+            if consumption is None:
+                return []  # its group commit came first and did this already
+            self._count_consumed(seat, consumption.tokens)
+            self._free_slot(consumption.freed_slot)
+            return self._serve_targets()
+        if isinstance(msg, p.Lost):
+            self._free_slot(self.ledger.lost(msg.batch_id, seat.rank, msg.attempt))
+            log.warning("drafter/%d lost batch %d (attempt %d): %s; back to pending", seat.rank, msg.batch_id,
+                        msg.attempt, msg.reason)
             return self._serve_targets()
         if isinstance(msg, p.Committed):
-            if msg.ranks and len(msg.ranks) != len(msg.batch_ids):
-                raise ProtocolError(f"Committed: {len(msg.ranks)} ranks for {len(msg.batch_ids)} batch ids")
-            if msg.attempts and len(msg.attempts) != len(msg.batch_ids):
-                raise ProtocolError(f"Committed: {len(msg.attempts)} attempts for {len(msg.batch_ids)} batch ids")
-            ranks = msg.ranks or [seat.rank] * len(msg.batch_ids)
-            # Attempts count from 1; anything else says "not known" (the check by revocation).
-            attempts = [a if a >= 1 else None for a in msg.attempts] or [None] * len(msg.batch_ids)
-            if any(r not in self.drafters for r in ranks):
-                raise ProtocolError(f"Committed: ranks {sorted(set(ranks))} include one not registered")
-            consumed_now = False
-            for batch_id, rank, attempt in zip(msg.batch_ids, ranks, attempts):
-                if attempt is not None and self.in_flight.get(batch_id) == (rank, attempt):
-                    # The rank trained this copy, so it copied it: its Consumed is on the way.
-                    self._consume(self.drafters[rank], batch_id, attempt)
-                    self.consumed_by_commit.add((batch_id, attempt))
-                    consumed_now = True
-            out = self._serve_targets() if consumed_now else []  # slots came free
-            batch_ids = []
-            for batch_id, rank, attempt in zip(msg.batch_ids, ranks, attempts):
-                if self._superseded(batch_id, rank, attempt):
-                    continue
-                batch_ids += self._without_revoked(rank, [batch_id])
-            self.ledger.committed(batch_ids, seat.rank, msg.step,
-                                  group=sorted(set(ranks)) if msg.ranks else None)
-            for batch_id in batch_ids:
-                self.consumed_attempt.pop(batch_id, None)
-            self.tokens_committed += sum(self.ledger.entry(b).batch.num_tokens for b in batch_ids)
-            return out + self._maybe_end()
+            return self._committed(seat, msg)
+        if isinstance(msg, p.Resumed):
+            return self._resumed(seat, msg)
         raise ProtocolError(f"{msg.KIND.name} is not a message a drafter may send")
 
-    def _unrevoke(self, batch_id: int, rank: int) -> None:
-        ranks = self.revoked.get(batch_id)
-        if ranks is not None:
-            ranks.discard(rank)
-            if not ranks:
-                del self.revoked[batch_id]
-
-    def _consume(self, seat: DrafterSeat, batch_id: int, attempt: int) -> None:
-        """The bookkeeping of drafter `seat`'s Consumed of `batch_id`'s copy `attempt`."""
-        entry = self.ledger.entry(batch_id)
-        target_rank, slot = entry.target, entry.slot
-        self.ledger.consumed(batch_id, seat.rank)
-        del self.in_flight[batch_id]
-        self.consumed_attempt[batch_id] = attempt
+    def _count_consumed(self, seat: DrafterSeat, tokens: int) -> None:
         seat.batches_done += 1
-        seat.tokens_done += entry.batch.num_tokens
-        self.tokens_consumed += entry.batch.num_tokens
-        target = self.targets.get(target_rank)
-        if target is not None:  # the slot goes back to its (still living) target
-            target.free_slots.append(slot)
+        seat.tokens_done += tokens
+        self.tokens_consumed += tokens
 
-    def _superseded(self, batch_id: int, rank: int, attempt: int | None) -> bool:
-        """Whether drafter `rank` commits a copy of `batch_id` that is not the one the ledger
-        holds as consumed: a target drop took that copy back after the drafter had copied it
-        (its Consumed was refused), and the batch went round again, to whichever drafter, once
-        or more. Only the copy consumed last counts, and it commits when its drafter has
-        trained it; committing an older one would refuse that commit (all or none) and stall
-        the job. The attempt number tells the copies apart."""
-        if attempt is None or batch_id not in self.ledger:
-            return False
-        entry = self.ledger.entry(batch_id)
-        consumed = self.consumed_attempt.get(batch_id)
-        if entry.state is BatchState.CONSUMED and entry.drafter == rank and consumed == attempt:
-            return False
-        log.warning("drafter/%d committed attempt %d of batch %d, which is %s (drafter %s, attempt "
-                    "%s): an older copy, not counted", rank, attempt, batch_id, entry.state.name,
-                    entry.drafter, consumed)
-        self._unrevoke(batch_id, rank)
-        return True
+    def _committed(self, seat: DrafterSeat, msg: p.Committed) -> Outgoing:
+        n = len(msg.batch_ids)
+        if seat.rank != 0 and any(r != seat.rank for r in msg.ranks):
+            raise ProtocolError(f"Committed from drafter/{seat.rank}: only rank 0 commits for the group")
+        if not len(msg.ranks) == len(msg.attempts) == len(msg.samples) == n:
+            raise ProtocolError(f"Committed: {n} batch ids, {len(msg.ranks)} ranks, {len(msg.attempts)} attempts, "
+                                f"{len(msg.samples)} sample lists")
+        if any(r not in self.drafters for r in msg.ranks):
+            raise ProtocolError(f"Committed: ranks {sorted(set(msg.ranks))} include one not registered")
+        copies = [TrainedCopy(batch_id=b, drafter=r, attempt=a, sample_ids=tuple(s))
+                  for b, r, a, s in zip(msg.batch_ids, msg.ranks, msg.attempts, msg.samples)]
+        result = self.ledger.commit(msg.step, copies)
+        for freed in result.freed_slots:
+            self._free_slot(freed)
+        self.tokens_committed += result.tokens
+        done = [(seat.identity, p.CommitDone(step=msg.step))]
+        return self._serve_targets() + done + self._maybe_end()
 
-    def _without_revoked(self, rank: int, batch_ids: list[int]) -> list[int]:
-        """`batch_ids` less those a target drop took back from drafter `rank` after it had
-        copied them (its Consumed came too late and was refused). The drafter trained them
-        anyway; they are produced and consumed again, and only that second time counts.
-        Committing them now would be refused and, all-or-none, refuse the whole commit."""
-        kept = []
-        for batch_id in batch_ids:
-            if rank in self.revoked.get(batch_id, ()) and batch_id in self.ledger:
-                entry = self.ledger.entry(batch_id)
-                if not (entry.state is BatchState.CONSUMED and entry.drafter == rank):
-                    # Its stale copy: whoever consumed the batch again commits it (or did).
-                    log.warning("drafter/%d committed batch %d, which a target drop took back "
-                                "before its Consumed: not counted, it is served again", rank, batch_id)
-                    self._unrevoke(batch_id, rank)
-                    continue
-                self._unrevoke(batch_id, rank)  # this commit is of its second, valid copy
-            kept.append(batch_id)
-        return kept
-
-    def _drafter_for(self, batch_id: int) -> DrafterSeat | None:
-        """The drafter that gets `batch_id` now, or None if it must wait."""
-        node = self.targets[self.ledger.entry(batch_id).target].node
-        if self.policy == "round_robin":
-            if batch_id not in self.rr_drafter_of:
-                self.rr_drafter_of[batch_id] = self.rr_produced_count % self.num_drafters
-                self.rr_produced_count += 1
-            seat = self.drafters.get(self.rr_drafter_of[batch_id])
-            return seat if seat is not None and seat.credits > 0 else None
-        # Hidden states never leave their node: only drafters of the producing node qualify.
-        ready = [s for s in self.drafters.values() if s.credits > 0 and s.node == node]
-        return min(ready, key=lambda s: s.waiting_since) if ready else None
+    def _resumed(self, seat: DrafterSeat, msg: p.Resumed) -> Outgoing:
+        """Rank 0 says from which checkpoint the group resumed; commits after it are undone
+        (that checkpoint was unreadable, so the model holds none of them)."""
+        last = self.ledger.last_committed_step()
+        if seat.rank != 0 or (msg.step >= 0 and msg.step not in self.ledger.committed_steps()):
+            raise ProtocolError(f"Resumed: drafter/{seat.rank} resumed from step {msg.step}, which is not a "
+                                f"committed checkpoint (latest committed: {self.ledger.committed_steps()[-5:]})")
+        if last is not None and msg.step < last:
+            log.warning("the drafter group resumed from step %d, older than the last commit (step %d, "
+                        "unreadable): the commits after it are undone", msg.step, last)
+            for freed in self.ledger.rollback_to(msg.step):
+                self._free_slot(freed)
+            self._reopen()
+        return [(seat.identity, p.Resumed(step=msg.step))] + self._serve_targets()
 
     def _serve_drafters(self) -> Outgoing:
         out: Outgoing = []
-        kept: collections.deque[int] = collections.deque()
-        while self.produced:
-            batch_id = self.produced.popleft()
-            seat = self._drafter_for(batch_id)
-            if seat is None:
-                kept.append(batch_id)
-                continue
+        drafters = list(self.drafters.values())
+        for batch_id in self.ledger.produced_batches():
             entry = self.ledger.entry(batch_id)
+            seat = self.policy.drafter_for(batch_id, self.targets[entry.target].node, drafters)
+            if seat is None:
+                continue
+            attempt = self.ledger.assign(batch_id, seat.rank)
             seat.credits -= 1
             seat.waiting_since = self.clock()
-            self.in_flight[batch_id] = (seat.rank, self.next_attempt)
-            target = self.targets[entry.target]
-            out.append((seat.identity, p.Assign(batch_id=batch_id, epoch=entry.batch.epoch,
-                                                 target=entry.target, pool=target.pool,
-                                                 slot=entry.slot, sample_ids=list(entry.batch.sample_ids),
-                                                 num_tokens=entry.batch.num_tokens,
-                                                 attempt=self.next_attempt)))
-            self.next_attempt += 1
-        self.produced = kept
+            sample_ids, lengths = entry.remaining()
+            out.append((seat.identity, p.Assign(batch_id=batch_id, epoch=entry.batch.epoch, target=entry.target,
+                                                pool=self.targets[entry.target].pool, slot=entry.slot,
+                                                sample_ids=list(sample_ids), num_tokens=sum(lengths),
+                                                attempt=attempt)))
         return out
 
-    # --- end of job -------------------------------------------------------------------
-
-    def _all_consumed(self) -> bool:
-        counts = self.ledger.counts()
-        return not any(counts.get(s, 0) for s in (BatchState.PENDING, BatchState.LEASED, BatchState.PRODUCED))
+    # --- end of job, status -----------------------------------------------------------
 
     def _maybe_end(self) -> Outgoing:
         """When every batch is consumed, tell everyone no more work will come."""
-        if self.end_sent or not self._all_consumed():
+        if self.end_sent or not self.ledger.all_consumed():
             return []
         self.end_sent = True
         log.info("every batch consumed: sending EndOfData")
@@ -523,27 +364,32 @@ class Dispatcher:
             seat.done = True
         return [(seat.identity, p.EndOfData()) for seat in seats]
 
+    def _trained_tokens(self) -> float:
+        return sum(s.metrics.get("trained_tokens", 0.0) for s in self.drafters.values())
+
     def status(self) -> dict:
         """Everything the supervisor's status line and `dflash-ipc status` show."""
         counts = self.ledger.counts()
+        now = self.clock()
         return {
-            "elapsed_s": self.clock() - self.started,
-            "policy": self.policy,
+            "elapsed_s": now - self.started,
+            "policy": self.policy.name,
             "num_batches": self.num_batches,
             "batches": {state.name.lower(): counts.get(state, 0) for state in BatchState},
             "epochs": self.ledger.epoch_progress(),
-            "tokens": {"total": self.tokens_planned, "produced": self.tokens_produced, "consumed": self.tokens_consumed,
-                       "trained": sum(s.metrics.get("trained_tokens", 0.0) for s in self.drafters.values()),
+            "tokens": {"total": self.tokens_planned, "produced": self.tokens_produced,
+                       "consumed": self.tokens_consumed, "trained": self._trained_tokens(),
                        "committed": self.tokens_committed},
+            "committed_tokens_by_epoch": {str(e): n for e, n in self.ledger.committed_tokens_by_epoch().items()},
+            "last_committed_step": self.ledger.last_committed_step(),
             "rates": {name: rate.value() for name, rate in self.rates.items()},
-            "produced_waiting": len(self.produced),
+            "produced_waiting": counts[BatchState.PRODUCED],
             "targets": {str(r): {"pid": s.pid, "credits": s.credits, "free_slots": len(s.free_slots),
-                                 "batches": s.batches_done, "tokens": s.tokens_done,
-                                 "compute_s": s.compute_s, "metrics": s.metrics,
-                                 "heartbeat_age_s": self.clock() - s.last_seen}
+                                 "batches": s.batches_done, "tokens": s.tokens_done, "compute_s": s.compute_s,
+                                 "metrics": s.metrics, "heartbeat_age_s": now - s.last_seen}
                         for r, s in sorted(self.targets.items())},
-            "drafters": {str(r): {"pid": s.pid, "credits": s.credits, "batches": s.batches_done, "tokens": s.tokens_done,
-                                  "metrics": s.metrics, "heartbeat_age_s": self.clock() - s.last_seen}
+            "drafters": {str(r): {"pid": s.pid, "credits": s.credits, "batches": s.batches_done,
+                                  "tokens": s.tokens_done, "metrics": s.metrics, "heartbeat_age_s": now - s.last_seen}
                          for r, s in sorted(self.drafters.items())},
             "refusals": self.refusals,
             "instance": self.instance,

@@ -1,50 +1,40 @@
-"""The exactly-once ledger: every planned batch's state, owner and commit step.
+"""The exactly-once ledger: every fact about every planned batch, and nothing else's.
 
-States and who moves a batch between them (the dispatcher calls these methods when the
-matching message arrives)::
+States, and the message that moves a batch (the dispatcher calls the method of the same
+name when the message arrives)::
 
-    PENDING --lease(target)--> LEASED --produced(target, slot)--> PRODUCED
-       ^                          |                                  |
-       |   requeue_target(t) <----+----------------------------------+
-       |                                                   consumed(drafter)
-       |                                                             v
-       +-- requeue_drafter(d) / requeue_all_uncommitted_consumed -- CONSUMED
-                                                                     |
-                                                 committed(ids, drafter, step)
-                                                                     v
-                                                                 COMMITTED (final)
+    PENDING --lease(t)--> LEASED --produced(t, slot)--> PRODUCED --assign(d)--> ASSIGNED(d, attempt)
+       ^                    |                             ^    |                  |    |
+       |  drop_target(t) ---+-----------------------------|----+   lost(d, a) ----+    |
+       |                                   restart_drafters: ASSIGNED back to PRODUCED   |
+       |                                                                    consumed(d, a)
+       +-- restart_drafters / requeue_uncommitted / rollback_to ------- CONSUMED(d, attempt)
+                                                                              |
+                                             commit(step, copies): every sample committed
+                                                                              v
+                                                                          COMMITTED
+
+Commits are per sample: a checkpoint commits the samples of each copy that went through an
+optimizer step before it (`CommitRecord`), so a batch whose sequences straddle a checkpoint
+is committed in two parts, and a batch returned to pending keeps its committed samples: it
+is leased again with only the rest (`LeasedWork`). The committed history is then exactly
+what the checkpoints of the drafter group hold, sample by sample; `audit` checks it.
 
 Rules:
-
-* Only the owner moves a batch on: the target that leased it reports it produced, the
-  drafter that consumed it commits it. Any other transition (unknown id, wrong state,
-  wrong sender, slot already holding another batch) raises ``ProtocolError`` naming the
-  batch, its state and the sender, and changes nothing: the dispatcher logs and refuses.
-  ``committed`` checks every id first and applies all or none.
-* A dead target loses its leased batches and its slot pool, so its LEASED and PRODUCED
-  batches return to PENDING. A dead drafter loses what it consumed but has not committed
-  (CONSUMED by it); a drafter-group restart from the last checkpoint loses every
-  CONSUMED batch. Requeued batches are served before untouched ones, oldest (plan order)
-  first, so an epoch does not end with stragglers from its start.
-* COMMITTED is final; the committed history (ids in commit order) is what ``audit``
-  checks: each sample of each epoch exactly once.
-
-Dispatcher restart rule (``Ledger.load``, ``recover=True``): only COMMITTED survives.
-Every LEASED, PRODUCED and CONSUMED batch goes back to PENDING, because nobody can tell
-which in-flight work the old dispatcher's peers still hold. Workers re-register and drop
-what they held (targets free their slots; drafters discard their local FIFO) and the
-drafter group resumes from the checkpoint at ``last_committed_step()``. A drafter may
-hold a newer checkpoint whose ``Committed`` the old dispatcher never persisted; it must
-discard it, otherwise batches trained into it would be trained again. With that rule the
-committed history equals the batches trained into the resumed checkpoint, exactly once.
-The rule is correct however rarely the dispatcher saves; saving after each ``committed``
-only shortens the rollback. Drafters keep their checkpoints back to the last persisted
-commit step (the dispatcher tells them ``last_committed_step()`` when they re-register).
-
-Persistence: one uncompressed ``.npz`` of column arrays (no pickle), written to a temp file
-in the same directory, fsynced, then ``os.replace``d over the old file, so a crash at any
-point leaves either the old or the new ledger. The immutable batch columns are cached
-between saves; a save only rebuilds the small mutable columns.
+* Only the owner moves a batch on: the target that leased it reports it produced; the
+  drafter that holds an assignment under its attempt number consumes it, loses it or
+  commits it. Anything else raises ``ProtocolError`` naming the batch, its state and the
+  sender, and changes nothing; ``commit`` checks every copy first and applies all or none.
+* A target that dies loses its LEASED and PRODUCED batches (back to PENDING). An ASSIGNED
+  batch stays with its drafter, which may have copied it before the target died: its
+  `consumed` or `lost` decides (a copy that completed is valid data).
+* A drafter-group restart resumes from the last committed checkpoint: CONSUMED batches go
+  back to PENDING (their committed samples stay committed), ASSIGNED ones go back to
+  PRODUCED (their slots still hold them) or to PENDING when their target is gone.
+* A dispatcher restart (`requeue_uncommitted`, applied by `ledger_file.load`): everything
+  not committed is PENDING again. `rollback_to(step)` un-commits what came after a
+  checkpoint that turned out unreadable, when the group resumes from an older one.
+* Requeued batches are served before untouched ones, oldest (plan order) first.
 """
 
 from __future__ import annotations
@@ -52,20 +42,13 @@ from __future__ import annotations
 import enum
 import heapq
 import logging
-import os
-import tempfile
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, Mapping, Union
-
-import numpy as np
 
 from dflash_ipc.dispatch.buckets import PlannedBatch
 from dflash_ipc.errors import DataError, ProtocolError
 
 logger = logging.getLogger(__name__)
-
-FORMAT_VERSION = 1
-NO_OWNER = -1  # owner/slot/step columns use -1 for "none" on disk
 
 Owner = Union[int, str]
 """A worker as the dispatcher names it: its rank (int) or a name."""
@@ -79,6 +62,10 @@ class BatchState(enum.IntEnum):
     PRODUCED = 2
     CONSUMED = 3
     COMMITTED = 4
+    ASSIGNED = 5
+
+
+IN_FLIGHT = (BatchState.LEASED, BatchState.PRODUCED, BatchState.ASSIGNED, BatchState.CONSUMED)
 
 
 @dataclass(slots=True)
@@ -92,12 +79,82 @@ class LedgerEntry:
     target: Owner | None = None
     slot: int | None = None
     drafter: Owner | None = None
-    attempts: int = 0
+    attempt: int = 0
+    """The current assignment's attempt number (0: never assigned)."""
+    leases: int = 0
     """Number of leases so far; > 0 while PENDING means requeued."""
     step: int | None = None
-    """Checkpoint step of the commit."""
-    token: int = field(default=0, repr=False)
+    """Checkpoint step of the commit that completed the batch."""
+    done: frozenset = frozenset()
+    """Sample ids committed so far (all of them once COMMITTED)."""
+    orphaned: bool = False
+    """ASSIGNED from a target that was dropped since: its slot belongs to no live pool."""
+    token: int = field(default=0, repr=False, compare=False)
     """Queue generation: heap items with another token are stale."""
+
+    def remaining(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Sample ids and lengths not committed yet, in plan order."""
+        pairs = [(s, n) for s, n in zip(self.batch.sample_ids, self.batch.lengths) if s not in self.done]
+        return tuple(s for s, _ in pairs), tuple(n for _, n in pairs)
+
+    @property
+    def remaining_tokens(self) -> int:
+        return sum(self.remaining()[1])
+
+
+@dataclass(frozen=True, slots=True)
+class LeasedWork:
+    """What a target computes for a lease: the samples of the batch not yet committed."""
+
+    batch_id: int
+    epoch: int
+    sample_ids: tuple[int, ...]
+    lengths: tuple[int, ...]
+    padded_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRecord:
+    """Samples of one batch that one checkpoint committed."""
+
+    batch_id: int
+    step: int
+    sample_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TrainedCopy:
+    """One drafter's trained samples of one assigned copy, as a checkpoint reports them."""
+
+    batch_id: int
+    drafter: Owner
+    attempt: int
+    sample_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Consumption:
+    """What a Consumed did: the slot free again (None: it belonged to a dropped target's
+    pool) and the tokens the copy holds."""
+
+    freed_slot: tuple[Owner, int] | None
+    tokens: int
+
+
+@dataclass(slots=True)
+class CommitResult:
+    """What one commit did."""
+
+    completed: list[int] = field(default_factory=list)
+    """Batches now fully committed."""
+    freed_slots: list[tuple[Owner, int]] = field(default_factory=list)
+    """(target, slot) of copies the commit consumed before their Consumed came."""
+    tokens: int = 0
+    """Tokens of the samples committed."""
 
 
 @dataclass(slots=True)
@@ -109,7 +166,7 @@ class AuditReport:
     """epoch -> {sample id: times committed} for samples committed more than once."""
     unexpected: dict[int, list[int]]
     """epoch -> committed sample ids that the expectation does not contain."""
-    num_committed_batches: int
+    num_commit_records: int
 
     @property
     def ok(self) -> bool:
@@ -117,24 +174,16 @@ class AuditReport:
         return not (self.missing or self.duplicated or self.unexpected)
 
 
-def audit_history(
-    committed: Iterable[PlannedBatch], expected: Mapping[int, Iterable[int] | int]
-) -> AuditReport:
-    """Check a committed history against the expected samples per epoch.
-
-    ``expected`` maps epoch -> sample ids (or an int n meaning ``range(n)``). Epochs that
-    appear in the history but not in ``expected`` report all their samples unexpected.
-    """
+def audit_samples(committed: Iterable[tuple[int, int]], expected: Mapping[int, Iterable[int] | int]) -> AuditReport:
+    """Check (epoch, sample id) commits against the expected samples per epoch
+    (``expected``: epoch -> ids, or an int n meaning ``range(n)``)."""
     counts: dict[int, dict[int, int]] = {}
-    num_batches = 0
-    for batch in committed:
-        num_batches += 1
-        per_epoch = counts.setdefault(batch.epoch, {})
-        for sid in batch.sample_ids:
-            per_epoch[sid] = per_epoch.get(sid, 0) + 1
-    missing: dict[int, list[int]] = {}
-    duplicated: dict[int, dict[int, int]] = {}
-    unexpected: dict[int, list[int]] = {}
+    records = 0
+    for epoch, sid in committed:
+        records += 1
+        per_epoch = counts.setdefault(epoch, {})
+        per_epoch[sid] = per_epoch.get(sid, 0) + 1
+    missing, duplicated, unexpected = {}, {}, {}
     for epoch in sorted(set(expected) | set(counts)):
         want = expected.get(epoch, ())
         want_set = set(range(want)) if isinstance(want, int) else set(want)
@@ -145,10 +194,8 @@ def audit_history(
             duplicated[epoch] = dup
         if extra := sorted(set(got).difference(want_set)):
             unexpected[epoch] = extra
-    return AuditReport(
-        missing=missing, duplicated=duplicated, unexpected=unexpected,
-        num_committed_batches=num_batches,
-    )
+    return AuditReport(missing=missing, duplicated=duplicated, unexpected=unexpected,
+                       num_commit_records=records)
 
 
 class Ledger:
@@ -160,16 +207,16 @@ class Ledger:
         # Requeued PENDING batches as (seq, token, batch_id), oldest first; items whose
         # token no longer matches the entry are stale and skipped lazily.
         self._requeued: list[tuple[int, int, int]] = []
-        # Untouched PENDING batches (attempts == 0) never come back once leased, so a
+        # Untouched PENDING batches (leases == 0) never come back once leased, so a
         # cursor over plan order finds the next one in amortized O(1).
         self._fresh_cursor = 0
         self._counts = {s: 0 for s in BatchState}
         self._epoch_total: dict[int, int] = {}
         self._epoch_committed: dict[int, int] = {}
-        self._slots: dict[tuple[Owner, int], int] = {}  # (target, slot) -> PRODUCED batch
+        self._slots: dict[tuple[Owner, int], int] = {}  # (target, slot) -> batch holding it
         self._produced: dict[int, None] = {}  # PRODUCED ids, insertion = produce order
-        self._history: list[int] = []  # committed ids in commit order
-        self._static_cache: dict[str, np.ndarray] | None = None
+        self._history: list[CommitRecord] = []
+        self.next_attempt = 1
 
     # ---- planning -------------------------------------------------------------------
 
@@ -182,19 +229,15 @@ class Ledger:
         seen: set[int] = set()
         for b in batches:
             if b.batch_id in self._entries or b.batch_id in seen:
-                raise DataError(
-                    f"add_epoch: batch id {b.batch_id} (epoch {b.epoch}) is already in the "
-                    f"ledger; plan each epoch with first_batch_id after the previous one"
-                )
+                raise DataError(f"add_epoch: batch id {b.batch_id} (epoch {b.epoch}) is already in the "
+                                f"ledger; plan each epoch with first_batch_id after the previous one")
             seen.add(b.batch_id)
         for b in batches:
-            entry = LedgerEntry(batch=b, seq=len(self._order))
-            self._entries[b.batch_id] = entry
+            self._entries[b.batch_id] = LedgerEntry(batch=b, seq=len(self._order))
             self._order.append(b.batch_id)
             self._counts[BatchState.PENDING] += 1
             self._epoch_total[b.epoch] = self._epoch_total.get(b.epoch, 0) + 1
             self._epoch_committed.setdefault(b.epoch, 0)
-        self._static_cache = None
 
     # ---- queries --------------------------------------------------------------------
 
@@ -206,50 +249,47 @@ class Ledger:
 
     def entry(self, batch_id: int) -> LedgerEntry:
         """A copy of the entry of ``batch_id`` (ProtocolError if unknown)."""
-        return replace(self._get(batch_id, sender="query", op="read"))
+        return replace(self._get(batch_id, "query", "read"))
+
+    def entries(self) -> Iterator[LedgerEntry]:
+        """Every entry in plan order (live objects: read only)."""
+        return (self._entries[b] for b in self._order)
 
     def next_pending(self) -> PlannedBatch | None:
-        """The batch the next lease should take (requeued first, oldest first), or None."""
-        heap = self._requeued
-        while heap:
-            _, token, bid = heap[0]
-            if self._is_requeued_item(bid, token):
-                return self._entries[bid].batch
-            heapq.heappop(heap)
-        order, entries = self._order, self._entries
-        while self._fresh_cursor < len(order):
-            entry = entries[order[self._fresh_cursor]]
-            if entry.state is BatchState.PENDING and entry.attempts == 0:
-                return entry.batch
-            self._fresh_cursor += 1
-        return None
+        """The batch the next lease takes (requeued first, oldest first), or None."""
+        self._drop_stale()
+        if self._requeued:
+            return self._entries[self._requeued[0][2]].batch
+        return next(self._fresh(), None)
 
     def pending_batches(self) -> Iterator[PlannedBatch]:
         """Every PENDING batch in serving order (lazy; do not change the ledger meanwhile)."""
+        self._drop_stale()
         for _, token, bid in sorted(self._requeued):
-            if self._is_requeued_item(bid, token):
+            if self._is_requeued_item(token, bid):
                 yield self._entries[bid].batch
-        for bid in self._order[self._fresh_cursor :]:
-            entry = self._entries[bid]
-            if entry.state is BatchState.PENDING and entry.attempts == 0:
-                yield entry.batch
+        yield from self._fresh()
 
-    def next_produced(self, targets: Iterable[Owner] | None = None) -> int | None:
-        """Oldest PRODUCED batch, optionally only among batches of ``targets`` (a node)."""
-        allowed = None if targets is None else set(targets)
-        for bid in self._produced:
-            if allowed is None or self._entries[bid].target in allowed:
-                return bid
-        return None
+    def _drop_stale(self) -> None:
+        while self._requeued and not self._is_requeued_item(*self._requeued[0][1:]):
+            heapq.heappop(self._requeued)
+
+    def _fresh(self) -> Iterator[PlannedBatch]:
+        """Untouched PENDING batches in plan order."""
+        order, entries = self._order, self._entries
+        while self._fresh_cursor < len(order) and not self._is_fresh(entries[order[self._fresh_cursor]]):
+            self._fresh_cursor += 1
+        for bid in order[self._fresh_cursor:]:
+            if self._is_fresh(entries[bid]):
+                yield entries[bid].batch
+
+    def produced_batches(self) -> list[int]:
+        """PRODUCED batch ids, oldest produced first (waiting for a drafter)."""
+        return list(self._produced)
 
     def counts(self) -> dict[BatchState, int]:
         """Number of batches in each state (every state present, zeros included)."""
         return dict(self._counts)
-
-    def is_epoch_done(self, epoch: int) -> bool:
-        """True when every batch of ``epoch`` is committed (False for an unknown epoch)."""
-        total = self._epoch_total.get(epoch)
-        return total is not None and self._epoch_committed[epoch] == total
 
     def epoch_progress(self) -> list[dict]:
         """Per epoch, in order: {"epoch", "batches", "committed"} (progress bars, ETA)."""
@@ -260,337 +300,307 @@ class Ledger:
         """True when every batch in the ledger is committed (vacuously for an empty one)."""
         return self._counts[BatchState.COMMITTED] == len(self._entries)
 
-    def history(self) -> list[int]:
-        """Committed batch ids in commit order."""
+    def all_consumed(self) -> bool:
+        """True when no batch waits for a target or a drafter's copy any more."""
+        c = self._counts
+        return not (c[BatchState.PENDING] or c[BatchState.LEASED] or c[BatchState.PRODUCED]
+                    or c[BatchState.ASSIGNED])
+
+    def history(self) -> list[CommitRecord]:
+        """Every commit record, in commit order."""
         return list(self._history)
+
+    def committed_steps(self) -> list[int]:
+        """The distinct checkpoint steps with a commit, increasing."""
+        return sorted({r.step for r in self._history})
 
     def last_committed_step(self) -> int | None:
         """Step of the latest commit (the checkpoint a restarted drafter group resumes)."""
-        return self._entries[self._history[-1]].step if self._history else None
+        return max((r.step for r in self._history), default=None)
+
+    def committed_tokens_by_epoch(self) -> dict[int, int]:
+        """Tokens of the committed samples, per epoch: what the checkpoints trained."""
+        out: dict[int, int] = {e: 0 for e in self._epoch_total}
+        for record in self._history:
+            batch = self._entries[record.batch_id].batch
+            length = dict(zip(batch.sample_ids, batch.lengths))
+            out[batch.epoch] += sum(length[s] for s in record.sample_ids)
+        return out
 
     def audit(self, expected: Mapping[int, Iterable[int] | int]) -> AuditReport:
         """Check the committed history: each expected sample of each epoch exactly once."""
-        return audit_history((self._entries[b].batch for b in self._history), expected)
+        return audit_samples(((self._entries[r.batch_id].batch.epoch, s)
+                              for r in self._history for s in r.sample_ids), expected)
 
     # ---- transitions ----------------------------------------------------------------
 
-    def lease(self, batch_id: int, target: Owner) -> PlannedBatch:
+    def lease(self, batch_id: int, target: Owner) -> LeasedWork:
         """PENDING -> LEASED(target). Any pending batch may be leased, not only the head."""
-        entry = self._get(batch_id, sender=f"target {target!r}", op="lease")
-        self._expect(entry, BatchState.PENDING, sender=f"target {target!r}", op="lease")
+        who = f"target {target!r}"
+        entry = self._get(batch_id, who, "lease")
+        self._expect(entry, BatchState.PENDING, who, "lease")
         self._move(entry, BatchState.LEASED)
         entry.target, entry.slot, entry.drafter = target, None, None
-        entry.attempts += 1
-        return entry.batch
-
-    def take(self, target: Owner) -> PlannedBatch | None:
-        """Lease ``next_pending()`` to ``target``; None if nothing is pending."""
-        batch = self.next_pending()
-        return None if batch is None else self.lease(batch.batch_id, target)
+        entry.leases += 1
+        sample_ids, lengths = entry.remaining()
+        return LeasedWork(batch_id=batch_id, epoch=entry.batch.epoch, sample_ids=sample_ids, lengths=lengths,
+                          padded_len=entry.batch.padded_len)
 
     def produced(self, batch_id: int, target: Owner, slot: int) -> None:
         """LEASED(target) -> PRODUCED(target, slot); the slot must not hold another batch."""
-        sender = f"target {target!r}"
-        entry = self._get(batch_id, sender=sender, op="report produced")
-        self._expect(entry, BatchState.LEASED, sender=sender, op="report produced")
-        self._expect_owner(entry, entry.target, target, sender=sender, op="report produced")
+        who = f"target {target!r}"
+        entry = self._get(batch_id, who, "report produced")
+        self._expect(entry, BatchState.LEASED, who, "report produced")
+        if entry.target != target:
+            raise ProtocolError(f"{who} may not report batch {batch_id} produced: it is leased to {entry.target!r}")
         if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
-            raise ProtocolError(f"batch {batch_id}: {sender} reported invalid slot {slot!r}")
+            raise ProtocolError(f"batch {batch_id}: {who} reported invalid slot {slot!r}")
         holder = self._slots.get((target, slot))
         if holder is not None:
-            raise ProtocolError(
-                f"batch {batch_id}: {sender} reported slot {slot}, which still holds "
-                f"PRODUCED batch {holder}"
-            )
+            raise ProtocolError(f"batch {batch_id}: {who} reported slot {slot}, which still holds batch {holder}")
         self._move(entry, BatchState.PRODUCED)
         entry.slot = slot
         self._slots[(target, slot)] = batch_id
         self._produced[batch_id] = None
 
-    def consumed(self, batch_id: int, drafter: Owner) -> None:
-        """PRODUCED -> CONSUMED(drafter); the target's slot is free again."""
-        sender = f"drafter {drafter!r}"
-        entry = self._get(batch_id, sender=sender, op="report consumed")
-        self._expect(entry, BatchState.PRODUCED, sender=sender, op="report consumed")
-        self._release_slot(entry)
+    def assign(self, batch_id: int, drafter: Owner) -> int:
+        """PRODUCED -> ASSIGNED(drafter, attempt); returns the new attempt number."""
+        who = f"drafter {drafter!r}"
+        entry = self._get(batch_id, who, "be assigned")
+        self._expect(entry, BatchState.PRODUCED, who, "be assigned")
+        del self._produced[batch_id]
+        self._move(entry, BatchState.ASSIGNED)
+        entry.drafter, entry.attempt = drafter, self.next_attempt
+        self.next_attempt += 1
+        return entry.attempt
+
+    def consumed(self, batch_id: int, drafter: Owner, attempt: int) -> Consumption | None:
+        """ASSIGNED(drafter, attempt) -> CONSUMED: the copy is in the drafter's memory.
+
+        None when a group commit of this copy already consumed it (its commit overtook
+        this Consumed: two sockets, no order between them)."""
+        who = f"drafter {drafter!r}"
+        entry = self._get(batch_id, who, "report consumed")
+        if entry.drafter == drafter and entry.attempt == attempt and entry.state in (
+                BatchState.CONSUMED, BatchState.COMMITTED):
+            return None
+        self._expect_copy(entry, drafter, attempt, "report consumed")
+        freed = self._release_slot(entry)
         self._move(entry, BatchState.CONSUMED)
-        entry.drafter = drafter
+        entry.orphaned = False
+        return Consumption(freed_slot=freed, tokens=entry.remaining_tokens)
 
-    def committed(
-        self, batch_ids: Iterable[int], drafter: Owner, step: int,
-        *, group: Iterable[Owner] | None = None,
-    ) -> None:
-        """CONSUMED -> COMMITTED(step) for all ``batch_ids`` or none.
+    def lost(self, batch_id: int, drafter: Owner, attempt: int) -> tuple[Owner, int] | None:
+        """ASSIGNED(drafter, attempt) -> PENDING: the drafter could not copy it (its target
+        died first). Returns the freed (target, slot) if its pool still lives."""
+        entry = self._get(batch_id, f"drafter {drafter!r}", "report lost")
+        self._expect_copy(entry, drafter, attempt, "report lost")
+        freed = self._release_slot(entry)
+        self._to_pending(entry)
+        return freed
 
-        Each batch must have been consumed by ``drafter``, or, when rank 0 commits for the
-        whole drafter group, by a member of ``group``.
-        """
-        sender = f"drafter {drafter!r}"
-        ids = list(batch_ids)
+    def commit(self, step: int, copies: Iterable[TrainedCopy]) -> CommitResult:
+        """Commits the trained samples of each copy at checkpoint `step`, all or none.
+
+        A copy still ASSIGNED (its Consumed not here yet: two sockets, no order between
+        them) is consumed first, and its late Consumed is a no-op."""
+        copies = list(copies)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ProtocolError(f"{sender} committed {len(ids)} batches at invalid step {step!r}")
-        owners = {drafter} if group is None else set(group) | {drafter}
+            raise ProtocolError(f"commit of {len(copies)} copies at invalid step {step!r}")
+        ids = [c.batch_id for c in copies]
         if len(set(ids)) != len(ids):
-            raise ProtocolError(f"{sender} committed a batch id twice in one commit: {ids}")
-        entries = []
-        for bid in ids:
-            entry = self._get(bid, sender=sender, op="commit")
-            self._expect(entry, BatchState.CONSUMED, sender=sender, op="commit")
-            if entry.drafter not in owners:
-                raise ProtocolError(
-                    f"{sender} may not commit batch {bid}: it is CONSUMED by "
-                    f"{entry.drafter!r}, not by the committing drafter or its group "
-                    f"{sorted(owners, key=str)}"
-                )
-            entries.append(entry)
-        for entry in entries:
-            self._move(entry, BatchState.COMMITTED)
-            entry.step = step
-            self._epoch_committed[entry.batch.epoch] += 1
-            self._history.append(entry.batch.batch_id)
+            raise ProtocolError(f"a commit names a batch twice: {sorted(ids)}")
+        for copy in copies:
+            entry = self._get(copy.batch_id, f"drafter {copy.drafter!r}", "commit")
+            if entry.state is not BatchState.CONSUMED or (entry.drafter, entry.attempt) != (copy.drafter, copy.attempt):
+                self._expect_copy(entry, copy.drafter, copy.attempt, "commit")
+            if not copy.sample_ids:
+                raise ProtocolError(f"batch {copy.batch_id}: a commit of no samples")
+            extra = set(copy.sample_ids) - set(entry.remaining()[0])
+            if extra or len(set(copy.sample_ids)) != len(copy.sample_ids):
+                raise ProtocolError(f"batch {copy.batch_id}: committed samples {sorted(extra) or copy.sample_ids} "
+                                    f"are not uncommitted samples of it")
+        result = CommitResult()
+        for copy in copies:
+            entry = self._entries[copy.batch_id]
+            if entry.state is BatchState.ASSIGNED:
+                if (freed := self._release_slot(entry)) is not None:
+                    result.freed_slots.append(freed)
+                self._move(entry, BatchState.CONSUMED)
+            entry.done = entry.done | frozenset(copy.sample_ids)
+            self._history.append(CommitRecord(batch_id=copy.batch_id, step=step,
+                                              sample_ids=tuple(copy.sample_ids)))
+            if len(entry.done) == len(entry.batch.sample_ids):
+                self._move(entry, BatchState.COMMITTED)
+                entry.step = step
+                self._epoch_committed[entry.batch.epoch] += 1
+                result.completed.append(copy.batch_id)
+            result.tokens += sum(n for s, n in zip(entry.batch.sample_ids, entry.batch.lengths)
+                                 if s in set(copy.sample_ids))
+        return result
 
     # ---- failures -------------------------------------------------------------------
 
-    def requeue_target(self, target: Owner) -> list[int]:
-        """A target died: its LEASED and PRODUCED batches go back to PENDING."""
-        return self._requeue(
-            lambda e: e.state in (BatchState.LEASED, BatchState.PRODUCED) and e.target == target
-        )
+    def drop_target(self, target: Owner) -> list[int]:
+        """A target died: its LEASED and PRODUCED batches go back to PENDING; its ASSIGNED
+        ones stay with their drafters (a copy may be under way) but free no slot later."""
+        moved = []
+        for entry in self.entries():
+            if entry.target != target:
+                continue
+            if entry.state in (BatchState.LEASED, BatchState.PRODUCED):
+                self._release_slot(entry)
+                self._to_pending(entry)
+                moved.append(entry.batch.batch_id)
+            elif entry.state is BatchState.ASSIGNED and not entry.orphaned:
+                self._release_slot(entry)
+                entry.orphaned = True
+        return self._logged(moved, f"target {target!r} dropped")
 
-    def requeue_drafter(self, drafter: Owner) -> list[int]:
-        """A drafter died: the batches it CONSUMED but nobody committed go back to PENDING."""
-        return self._requeue(lambda e: e.state is BatchState.CONSUMED and e.drafter == drafter)
-
-    def requeue_all_uncommitted_consumed(self) -> list[int]:
-        """The drafter group restarts from its last checkpoint: every CONSUMED -> PENDING."""
-        return self._requeue(lambda e: e.state is BatchState.CONSUMED)
+    def restart_drafters(self) -> tuple[list[int], list[int]]:
+        """The drafter group restarts from its last commit: CONSUMED -> PENDING; ASSIGNED ->
+        PRODUCED (assigned again to the new group), or PENDING when its target is gone.
+        Returns (requeued, to assign again)."""
+        requeued, again = [], []
+        for entry in self.entries():
+            if entry.state is BatchState.CONSUMED or (entry.state is BatchState.ASSIGNED and entry.orphaned):
+                self._release_slot(entry)
+                self._to_pending(entry)
+                requeued.append(entry.batch.batch_id)
+            elif entry.state is BatchState.ASSIGNED:
+                self._move(entry, BatchState.PRODUCED)
+                entry.drafter = None
+                self._produced[entry.batch.batch_id] = None
+                again.append(entry.batch.batch_id)
+        self._logged(requeued, "drafter group restart")
+        return requeued, again
 
     def requeue_uncommitted(self) -> list[int]:
-        """Dispatcher-restart rule: every LEASED, PRODUCED, CONSUMED batch -> PENDING."""
-        return self._requeue(
-            lambda e: e.state in (BatchState.LEASED, BatchState.PRODUCED, BatchState.CONSUMED)
-        )
-
-    def _requeue(self, pred) -> list[int]:
+        """Dispatcher-restart rule: every batch not committed -> PENDING."""
         moved = []
-        for bid in self._order:
-            entry = self._entries[bid]
-            if pred(entry):
-                if entry.state is BatchState.PRODUCED:
-                    self._release_slot(entry)
-                self._move(entry, BatchState.PENDING)
-                entry.target = entry.slot = entry.drafter = None
-                self._push(entry)
-                moved.append(bid)
-        if moved:
-            logger.info("requeued %d batches: %s", len(moved), _short(moved))
-        return moved
+        for entry in self.entries():
+            if entry.state in IN_FLIGHT:
+                self._release_slot(entry)
+                self._to_pending(entry)
+                moved.append(entry.batch.batch_id)
+        return self._logged(moved, "dispatcher restart")
+
+    def rollback_to(self, step: int) -> list[tuple[Owner, int]]:
+        """Un-commits every commit after checkpoint `step` (-1: all): the group resumed from
+        it because the newer ones are unreadable. A touched batch that is leased or produced
+        again (its uncommitted rest only) goes back to pending with all its rest. No drafter
+        may hold a copy (call it when the new group starts). Returns the slots freed."""
+        if self._counts[BatchState.ASSIGNED] or self._counts[BatchState.CONSUMED]:
+            raise ProtocolError(f"rollback to step {step} while drafters hold copies")
+        undone = [r for r in self._history if r.step > step]
+        self._history = [r for r in self._history if r.step <= step]
+        freed, touched = [], set()
+        for record in undone:
+            entry = self._entries[record.batch_id]
+            touched.add(record.batch_id)
+            if entry.state is BatchState.COMMITTED:
+                self._epoch_committed[entry.batch.epoch] -= 1
+                entry.step = None
+            if entry.state is not BatchState.PENDING:
+                if (slot := self._release_slot(entry)) is not None:
+                    freed.append(slot)
+                self._to_pending(entry)
+            entry.done = entry.done - frozenset(record.sample_ids)
+        self._logged(sorted(touched), f"rollback to step {step}")
+        return freed
+
+    # ---- restoring a saved ledger (ledger_file) --------------------------------------
+
+    def restore_entry(self, batch_id: int, *, state: BatchState, target: Owner | None, drafter: Owner | None,
+                      slot: int | None, leases: int, attempt: int, orphaned: bool = False) -> None:
+        """Sets one entry as saved (before `restore_history`)."""
+        entry = self._entries[batch_id]
+        self._move(entry, state)
+        entry.target, entry.drafter, entry.slot, entry.leases, entry.attempt = target, drafter, slot, leases, attempt
+        entry.orphaned = orphaned
+        if state is BatchState.PENDING and leases:
+            entry.token += 1
+            heapq.heappush(self._requeued, (entry.seq, entry.token, batch_id))
+        elif state in (BatchState.PRODUCED, BatchState.ASSIGNED) and not orphaned:
+            self._slots[(target, slot)] = batch_id
+            if state is BatchState.PRODUCED:
+                self._produced[batch_id] = None
+
+    def restore_history(self, records: list[CommitRecord], *, next_attempt: int) -> None:
+        """Replays the saved commit records; checks them against the restored states."""
+        last_step: dict[int, int] = {}
+        for record in records:
+            entry = self._entries[record.batch_id]
+            last_step[record.batch_id] = record.step
+            if entry.done & set(record.sample_ids) or not set(record.sample_ids) <= set(entry.batch.sample_ids):
+                raise DataError(f"history: batch {record.batch_id} samples {record.sample_ids} committed twice "
+                                f"or not in the batch")
+            entry.done = entry.done | frozenset(record.sample_ids)
+            self._history.append(record)
+        for entry in self.entries():
+            complete = len(entry.done) == len(entry.batch.sample_ids)
+            if complete != (entry.state is BatchState.COMMITTED):
+                raise DataError(f"batch {entry.batch.batch_id} is {entry.state.name} but the history commits "
+                                f"{len(entry.done)} of its {len(entry.batch.sample_ids)} samples")
+            if complete:
+                entry.step = last_step[entry.batch.batch_id]
+                self._epoch_committed[entry.batch.epoch] += 1
+        self.next_attempt = max(next_attempt, 1, *(e.attempt + 1 for e in self.entries()))
 
     # ---- internals ------------------------------------------------------------------
 
-    def _get(self, batch_id: int, *, sender: str, op: str) -> LedgerEntry:
+    def _get(self, batch_id: int, sender: str, op: str) -> LedgerEntry:
         entry = self._entries.get(batch_id)
         if entry is None:
             raise ProtocolError(f"{sender} may not {op} unknown batch id {batch_id!r}")
         return entry
 
     @staticmethod
-    def _expect(entry: LedgerEntry, state: BatchState, *, sender: str, op: str) -> None:
+    def _expect(entry: LedgerEntry, state: BatchState, sender: str, op: str) -> None:
         if entry.state is not state:
-            raise ProtocolError(
-                f"{sender} may not {op} batch {entry.batch.batch_id}: it is "
-                f"{entry.state.name} (target={entry.target!r}, drafter={entry.drafter!r}), "
-                f"expected {state.name}"
-            )
+            raise ProtocolError(f"{sender} may not {op} batch {entry.batch.batch_id}: it is {entry.state.name} "
+                                f"(target={entry.target!r}, drafter={entry.drafter!r}), expected {state.name}")
 
-    @staticmethod
-    def _expect_owner(entry: LedgerEntry, owner, claimant, *, sender: str, op: str) -> None:
-        if owner != claimant:
-            raise ProtocolError(
-                f"{sender} may not {op} batch {entry.batch.batch_id}: it is "
-                f"{entry.state.name} owned by {owner!r}"
-            )
+    def _expect_copy(self, entry: LedgerEntry, drafter: Owner, attempt: int, op: str) -> None:
+        """The entry must be ASSIGNED to this drafter under this attempt."""
+        if entry.state is not BatchState.ASSIGNED or (entry.drafter, entry.attempt) != (drafter, attempt):
+            raise ProtocolError(f"drafter {drafter!r} may not {op} batch {entry.batch.batch_id} attempt "
+                                f"{attempt}: it is {entry.state.name} (drafter={entry.drafter!r}, "
+                                f"attempt {entry.attempt})")
 
     def _move(self, entry: LedgerEntry, state: BatchState) -> None:
         self._counts[entry.state] -= 1
         self._counts[state] += 1
         entry.state = state
 
-    def _push(self, entry: LedgerEntry) -> None:
-        """Queue a requeued (attempts > 0) PENDING batch."""
+    def _to_pending(self, entry: LedgerEntry) -> None:
+        self._move(entry, BatchState.PENDING)
+        entry.target = entry.slot = entry.drafter = None
+        entry.orphaned = False
         entry.token += 1
         heapq.heappush(self._requeued, (entry.seq, entry.token, entry.batch.batch_id))
 
-    def _is_requeued_item(self, batch_id: int, token: int) -> bool:
+    @staticmethod
+    def _is_fresh(entry: LedgerEntry) -> bool:
+        return entry.state is BatchState.PENDING and entry.leases == 0 and not entry.done
+
+    def _is_requeued_item(self, token: int, batch_id: int) -> bool:
         entry = self._entries[batch_id]
         return entry.state is BatchState.PENDING and entry.token == token
 
-    def _release_slot(self, entry: LedgerEntry) -> None:
-        self._slots.pop((entry.target, entry.slot), None)
+    def _release_slot(self, entry: LedgerEntry) -> tuple[Owner, int] | None:
+        """Frees the entry's slot; returns (target, slot) when it belonged to a live pool."""
         self._produced.pop(entry.batch.batch_id, None)
+        key = (entry.target, entry.slot)
+        freed = key if entry.slot is not None and self._slots.get(key) == entry.batch.batch_id else None
+        if freed is not None:
+            del self._slots[key]
         entry.slot = None
+        return freed
 
-    # ---- persistence ----------------------------------------------------------------
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the ledger atomically (temp file in the same dir, fsync, os.replace)."""
-        path = os.fspath(path)
-        arrays = {**self._static_arrays(), **self._dynamic_arrays()}
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".ledger-", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                _write_npz(f, arrays)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        _fsync_dir(directory)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, *, recover: bool = True) -> "Ledger":
-        """Read a saved ledger; with ``recover`` apply the dispatcher-restart rule."""
-        path = os.fspath(path)
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                data = {k: z[k] for k in z.files}
-        except (OSError, ValueError) as exc:
-            raise DataError(f"cannot read ledger {path}: {exc}") from exc
-        version = int(data.get("format_version", np.array(-1)))
-        if version != FORMAT_VERSION:
-            raise DataError(
-                f"ledger {path}: format_version {version}, this code reads {FORMAT_VERSION}"
-            )
-        try:
-            ledger = cls._from_arrays(data)
-        except (KeyError, IndexError, ValueError, DataError) as exc:
-            raise DataError(f"ledger {path} is inconsistent or truncated: {exc!r}") from exc
-        if recover:
-            moved = ledger.requeue_uncommitted()
-            logger.info("loaded ledger %s; %d in-flight batches back to pending", path, len(moved))
-        return ledger
-
-    def _static_arrays(self) -> dict[str, np.ndarray]:
-        if self._static_cache is None:
-            batches = [self._entries[b].batch for b in self._order]
-            sizes = np.fromiter((len(b.sample_ids) for b in batches), np.int64, len(batches))
-            offsets = np.zeros(len(batches) + 1, dtype=np.int64)
-            np.cumsum(sizes, out=offsets[1:])
-            flat_ids = np.fromiter(
-                (s for b in batches for s in b.sample_ids), np.int64, int(offsets[-1]))
-            flat_len = np.fromiter(
-                (n for b in batches for n in b.lengths), np.int64, int(offsets[-1]))
-            self._static_cache = {
-                "format_version": np.array(FORMAT_VERSION, dtype=np.int64),
-                "batch_id": np.array([b.batch_id for b in batches], dtype=np.int64),
-                "epoch": np.array([b.epoch for b in batches], dtype=np.int64),
-                "bucket": np.array([b.bucket for b in batches], dtype=np.int64),
-                "padded_len": np.array([b.padded_len for b in batches], dtype=np.int64),
-                "offsets": offsets,
-                "sample_ids": _narrow(flat_ids),
-                "lengths": _narrow(flat_len),
-            }
-        return self._static_cache
-
-    def _dynamic_arrays(self) -> dict[str, np.ndarray]:
-        names: dict[Owner, int] = {}
-
-        def name_index(name: Owner | None) -> int:
-            return NO_OWNER if name is None else names.setdefault(name, len(names))
-
-        rows = [self._entries[b] for b in self._order]
-        return {
-            "state": np.array([int(e.state) for e in rows], dtype=np.int8),
-            "target": np.array([name_index(e.target) for e in rows], dtype=np.int32),
-            "drafter": np.array([name_index(e.drafter) for e in rows], dtype=np.int32),
-            "slot": np.array([_or_none(e.slot) for e in rows], dtype=np.int64),
-            "attempts": np.array([e.attempts for e in rows], dtype=np.int64),
-            "step": np.array([_or_none(e.step) for e in rows], dtype=np.int64),
-            "names": np.array([str(n) for n in names] or [""], dtype=str),
-            "name_is_int": np.array([isinstance(n, int) for n in names] or [False]),
-            "history": np.array(self._history, dtype=np.int64),
-        }
-
-    @classmethod
-    def _from_arrays(cls, d: dict[str, np.ndarray]) -> "Ledger":
-        ledger = cls()
-        offsets, flat_ids, flat_len = d["offsets"], d["sample_ids"].tolist(), d["lengths"].tolist()
-        batches = [
-            PlannedBatch(
-                batch_id=bid, epoch=ep, bucket=bk, padded_len=pl,
-                sample_ids=tuple(flat_ids[lo:hi]), lengths=tuple(flat_len[lo:hi]),
-            )
-            for bid, ep, bk, pl, lo, hi in zip(
-                d["batch_id"].tolist(), d["epoch"].tolist(), d["bucket"].tolist(),
-                d["padded_len"].tolist(), offsets[:-1].tolist(), offsets[1:].tolist(),
-            )
-        ]
-        ledger.add_epoch(batches)
-        names = [int(n) if is_int else n
-                 for n, is_int in zip(d["names"].tolist(), d["name_is_int"].tolist())]
-        columns = zip(
-            d["state"].tolist(), d["target"].tolist(), d["drafter"].tolist(),
-            d["slot"].tolist(), d["attempts"].tolist(), d["step"].tolist(),
-        )
-        for bid, (state, tgt, dft, slot, attempts, step) in zip(ledger._order, columns):
-            entry = ledger._entries[bid]
-            ledger._move(entry, BatchState(state))
-            entry.target = None if tgt == NO_OWNER else names[tgt]
-            entry.drafter = None if dft == NO_OWNER else names[dft]
-            entry.slot = None if slot == NO_OWNER else slot
-            entry.attempts, entry.step = attempts, (None if step == NO_OWNER else step)
-            if entry.state is BatchState.PENDING and entry.attempts:
-                ledger._push(entry)
-            elif entry.state is BatchState.PRODUCED:
-                ledger._slots[(entry.target, entry.slot)] = bid
-                ledger._produced[bid] = None
-            elif entry.state is BatchState.COMMITTED:
-                ledger._epoch_committed[entry.batch.epoch] += 1
-        ledger._history = d["history"].tolist()
-        num_committed = ledger._counts[BatchState.COMMITTED]
-        if len(ledger._history) != num_committed or any(
-            ledger._entries[b].state is not BatchState.COMMITTED for b in ledger._history
-        ):
-            raise DataError(
-                f"history lists {len(ledger._history)} batches but {num_committed} are COMMITTED"
-            )
-        return ledger
-
-
-def _write_npz(f, arrays: dict[str, np.ndarray]) -> None:
-    """The one place bytes are written; a test makes it fail to simulate a crash."""
-    np.savez(f, **arrays)
-
-
-def _fsync_dir(directory: str) -> None:
-    """Persist the rename itself (POSIX); skipped where directories cannot be fsynced."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _narrow(values: np.ndarray) -> np.ndarray:
-    """Smallest of int16/int32/int64 that holds every value: fewer bytes to write and fsync."""
-    for dtype in (np.int16, np.int32):
-        info = np.iinfo(dtype)
-        if values.size == 0 or (values.min() >= info.min and values.max() <= info.max):
-            return values.astype(dtype)
-    return values
-
-
-def _or_none(value: int | None) -> int:
-    return NO_OWNER if value is None else value
-
-
-def _short(ids: list[int], limit: int = 8) -> str:
-    head = ", ".join(map(str, ids[:limit]))
-    return f"[{head}{', ...' if len(ids) > limit else ''}]"
+    @staticmethod
+    def _logged(moved: list[int], why: str) -> list[int]:
+        if moved:
+            head = ", ".join(map(str, moved[:8])) + (", ..." if len(moved) > 8 else "")
+            logger.info("%s: %d batches back to pending [%s]", why, len(moved), head)
+        return moved

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -24,11 +25,15 @@ from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.dispatch.buckets import BucketSpec, plan_epoch, plan_stats
 from dflash_ipc.dispatch.dispatcher import Dispatcher
 from dflash_ipc.dispatch.ledger import BatchState, Ledger
+from dflash_ipc.dispatch.ledger_file import load_ledger, save_ledger
 from dflash_ipc.errors import DataError, ProtocolError, UnregisteredSender
+from dflash_ipc.wire_security import server_security
 
 log = logging.getLogger(__name__)
 
 LEDGER_SAVE_INTERVAL_S = 2.0
+MAX_MESSAGES_PER_PASS = 256  # then the loop ticks (liveness, saves, signals) before reading more
+SEND_HWM = 1000              # queued replies per peer; past it ZMQ drops them (a peer not reading)
 
 
 def next_generation(cfg: JobConfig) -> int:
@@ -48,6 +53,24 @@ def save_generation(cfg: JobConfig, generation: int) -> None:
     os.replace(tmp, cfg.files.drafter_generation)
 
 
+def write_json_atomic(path: str, value) -> None:
+    """JSON with no bare NaN/Infinity (not JSON), written to a temp file and renamed."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(json_safe(value), f, indent=1, sort_keys=True, allow_nan=False)
+    os.replace(path + ".tmp", path)
+
+
+def json_safe(value):
+    """`value` with non-finite floats as None, so it is valid JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def plan_job(cfg: JobConfig, lengths) -> list:
     """The batches of every epoch, ids unique across epochs."""
     spec = BucketSpec(boundaries=tuple(cfg.data.bucket_boundaries), token_budget=cfg.data.token_budget,
@@ -60,7 +83,7 @@ def plan_job(cfg: JobConfig, lengths) -> list:
     return epochs
 
 
-def _check_same_plan(ledger: Ledger, epochs: list, path: str) -> None:
+def check_same_plan(ledger: Ledger, epochs: list, path: str) -> None:
     """A ledger restored from a run directory must be of this job's plan: the same data,
     budget, buckets, seed and epochs give the same batches. Anything else is refused."""
     planned = [b for batches in epochs for b in batches]
@@ -90,6 +113,27 @@ def _bindable(address: str) -> str:
     return f"tcp://{ip}:{port}"
 
 
+class RefusalLog:
+    """Refusals logged at most `limit` per `window_s` (a flood of garbage must not fill the
+    disk); the rest are counted and summed up in one line when the window ends."""
+
+    def __init__(self, limit: int = 20, window_s: float = 10.0, clock=time.monotonic) -> None:
+        self.limit, self.window_s, self.clock = limit, window_s, clock
+        self._window_start, self._logged, self._suppressed = clock(), 0, 0
+
+    def log(self, level: int, fmt: str, *args) -> None:
+        now = self.clock()
+        if now - self._window_start >= self.window_s:
+            if self._suppressed:
+                log.warning("%d more refusals in the last %.0fs not logged", self._suppressed, self.window_s)
+            self._window_start, self._logged, self._suppressed = now, 0, 0
+        if self._logged < self.limit:
+            self._logged += 1
+            log.log(level, fmt, *args)
+        else:
+            self._suppressed += 1
+
+
 class DispatcherProc:
     def __init__(self, cfg: JobConfig, dispatcher: Dispatcher, *, address: str) -> None:
         self.cfg = cfg
@@ -98,14 +142,20 @@ class DispatcherProc:
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # A frame larger than any message is refused by ZMQ before it is buffered, and replies
+        # to a peer that does not read are dropped past the high-water mark instead of queueing.
+        self.socket.setsockopt(zmq.MAXMSGSIZE, p.MAX_BODY_BYTES + 1024)
+        self.socket.setsockopt(zmq.SNDHWM, SEND_HWM)
         if address.startswith("ipc://"):
             os.makedirs(os.path.dirname(address[len("ipc://"):]), mode=0o700, exist_ok=True)
+        self.security = server_security(cfg, self.socket, address)
         self.socket.bind(_bindable(address))
         self.address = address
         self._last_tick = 0.0
         self._last_save = 0.0
         self.stop_requested = False  # set from another thread (tests, benches) to end run()
         self._saved_generation = dispatcher.drafter_generation
+        self.refusals = RefusalLog()
 
     def _send_all(self, outgoing) -> None:
         for identity, msg in outgoing:
@@ -116,30 +166,31 @@ class DispatcherProc:
         msg = None
         try:
             msg = p.decode(body)
-            self._send_all(self.dispatcher.handle(identity, msg))
-            if isinstance(msg, p.Committed):
-                self.save_ledger()  # a commit is durable before anything else happens
+            outgoing = self.dispatcher.handle(identity, msg)
+            if isinstance(msg, (p.Committed, p.Resumed)):
+                self.save_ledger()  # durable before its confirmation, or anything it causes, goes out
             if self.dispatcher.drafter_generation != self._saved_generation:
                 self._saved_generation = self.dispatcher.drafter_generation
                 save_generation(self.cfg, self._saved_generation)
+            self._send_all(outgoing)
         except UnregisteredSender as exc:
             # A worker that outlived a dispatcher restart registers again on this answer;
             # one this dispatcher dropped (hung, replaced) sees its instance and exits.
             self.dispatcher.refusals += 1
-            log.info("%s: %s", identity[:40], exc)
+            self.refusals.log(logging.INFO, "%r: %s", identity[:40], exc)
             self._send_all([(identity, p.Unregistered(instance=self.dispatcher.instance, reason=str(exc)))])
         except ProtocolError as exc:
             self.dispatcher.refusals += 1
             kind = body[0][0] if body and len(body[0]) == 1 else 0
-            log.warning("refused a message from %r: %s", identity[:40], exc)
+            self.refusals.log(logging.WARNING, "refused a message from %r: %s", identity[:40], exc)
             # A refused registration gets its own answer, so the worker fails at once with
             # the reason instead of waiting out its start-up timeout.
             reply = (p.Refused(reason=str(exc)) if isinstance(msg, p.Register)
-                     else p.Rejected(kind=kind, reason=str(exc)))
+                     else p.Rejected(kind=kind, reason=str(exc)[:p.MAX_STR]))
             self._send_all([(identity, reply)])
 
     def save_ledger(self) -> None:
-        self.dispatcher.ledger.save(self.cfg.files.ledger)
+        save_ledger(self.dispatcher.ledger, self.cfg.files.ledger)
         self._last_save = time.monotonic()
 
     def write_final_status(self) -> None:
@@ -149,10 +200,7 @@ class DispatcherProc:
         status["average_rates"] = {"tgt_rate": status["tokens"]["produced"] / elapsed,
                                    "dft_rate": status["tokens"]["consumed"] / elapsed,
                                    "tok_rate": status["tokens"]["trained"] / elapsed}
-        path = self.cfg.files.final_status
-        with open(path + ".tmp", "w") as f:
-            json.dump(status, f, indent=1, sort_keys=True)
-        os.replace(path + ".tmp", path)
+        write_json_atomic(self.cfg.files.final_status, status)
 
     def run(self) -> None:
         interval = self.cfg.dispatch.heartbeat_interval_s
@@ -163,11 +211,16 @@ class DispatcherProc:
             events = dict(poller.poll(int(interval * 1000 / 4)))
             if self.stop_requested:
                 # SIGTERM: answer what already arrived (a drafter's last Committed), then go.
-                while self.socket.poll(0):
+                for _ in range(MAX_MESSAGES_PER_PASS):
+                    if not self.socket.poll(0):
+                        break
                     self._on_frames(self.socket.recv_multipart())
                 return
-            # 2) handle everything that is waiting
-            while events and self.socket.poll(0):
+            # 2) handle what is waiting, a bounded number: liveness checks and signals below
+            #    run on time whatever arrives
+            for _ in range(MAX_MESSAGES_PER_PASS if events else 0):
+                if not self.socket.poll(0):
+                    break
                 self._on_frames(self.socket.recv_multipart())
             # 3) tick
             now = time.monotonic()
@@ -187,6 +240,8 @@ class DispatcherProc:
 
     def close(self) -> None:
         self.socket.close(linger=0)
+        if self.security is not None:
+            self.security.stop()
         if self.address.startswith("ipc://"):
             try:
                 os.unlink(self.address[len("ipc://"):])
@@ -203,16 +258,17 @@ def run_dispatcher(cfg: JobConfig) -> None:
     ledger = None
     if os.path.exists(cfg.files.ledger):
         # load() applies the restart rule: every batch not committed goes back to pending.
-        ledger = Ledger.load(cfg.files.ledger)
-        _check_same_plan(ledger, epochs, cfg.files.ledger)
+        ledger = load_ledger(cfg.files.ledger)
+        check_same_plan(ledger, epochs, cfg.files.ledger)
         counts = ledger.counts()
         log.info("restored the ledger from %s: %d of %d batches committed, the rest pending",
                  cfg.files.ledger, counts[BatchState.COMMITTED], len(ledger))
     generation = next_generation(cfg)
     save_generation(cfg, generation)
     dispatcher = Dispatcher(epochs, policy=cfg.dispatch.policy, num_targets=cfg.total_targets,
-                            num_drafters=cfg.total_drafters, drafter_generation=generation,
-                            heartbeat_timeout_s=cfg.dispatch.heartbeat_timeout_s, ledger=ledger)
+                            num_drafters=cfg.total_drafters, num_nodes=cfg.run.num_nodes,
+                            drafter_generation=generation, heartbeat_timeout_s=cfg.dispatch.heartbeat_timeout_s,
+                            drafter_timeout_s=cfg.supervise.drafter_step_timeout_s, ledger=ledger)
     proc = DispatcherProc(cfg, dispatcher, address=cfg.dispatcher_address)
     # SIGTERM ends the loop between two messages, never inside one (the ledger stays whole).
     signal.signal(signal.SIGTERM, lambda signum, frame: setattr(proc, "stop_requested", True))

@@ -38,6 +38,7 @@ import shutil
 
 import torch
 
+from dflash_ipc.drafter.checkpoint_store import MANIFEST, STATE_TENSORS, UNCOMMITTED, CheckpointStore, verify_dir
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.dtypes import DTYPE_OF_TORCH
 from dflash_ipc.errors import DataError
@@ -104,6 +105,21 @@ def save_inference_checkpoint(model: DFlashDraftModel, out_dir: str, *, dtype: t
     reader sees either the previous complete export or the new one, never a half file.
     An existing ``out_dir`` is moved aside and removed after the rename.
     """
+    out_dir = os.path.abspath(out_dir)
+    tmp = f"{out_dir}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        write_inference_files(model, tmp, dtype=dtype)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("exported drafter (%s) to %s", DTYPE_OF_TORCH[dtype], out_dir)
+
+
+def write_inference_files(model: DFlashDraftModel, directory: str, *, dtype: torch.dtype = torch.bfloat16) -> None:
+    """``config.json`` + ``model.safetensors`` into an existing directory."""
     from safetensors.torch import save_file
 
     config = inference_config(model.config, dtype)
@@ -111,20 +127,10 @@ def save_inference_checkpoint(model: DFlashDraftModel, out_dir: str, *, dtype: t
     expected = expected_tensor_shapes(model.config)
     if {n: tuple(t.shape) for n, t in state.items()} != expected:
         raise AssertionError(f"model tensors {sorted(state)} do not match the export layout")
-    out_dir = os.path.abspath(out_dir)
-    tmp = f"{out_dir}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        save_file(state, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
-        with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2)
-            f.write("\n")
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    logger.info("exported drafter (%d tensors, %s) to %s", len(state), config["dtype"], out_dir)
+    save_file(state, os.path.join(directory, WEIGHTS_FILE), metadata={"format": "pt"})
+    with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
 
 
 def _replace_dir(src: str, dst: str) -> None:
@@ -180,29 +186,42 @@ def load_inference_checkpoint(
     return model
 
 
+def resolve_checkpoint_dir(checkpoint: str) -> str:
+    """A `step_N/` directory, or the checkpoints root whose latest.json names the newest
+    committed one; a checkpoint with a manifest is verified against it."""
+    step_dir = checkpoint
+    if not os.path.exists(os.path.join(checkpoint, CONFIG_FILE)):
+        step_dir = CheckpointStore(checkpoint).latest()
+        if step_dir is None:
+            raise DataError(f"{checkpoint}: neither a checkpoint ({CONFIG_FILE}) nor a root with latest.json")
+    if os.path.exists(os.path.join(step_dir, MANIFEST)):
+        verify_dir(step_dir)
+    if os.path.basename(os.path.dirname(os.path.abspath(step_dir))) == UNCOMMITTED:
+        logger.warning("%s was written but never committed (a job killed between the two): its training "
+                       "may have continued differently", step_dir)
+    return step_dir
+
+
 def export_training_checkpoint(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.bfloat16) -> str:
     """Inference export of a trainer checkpoint; returns ``out_dir``.
 
     ``checkpoint`` is a ``step_N/`` directory written by the drafter trainer, or the
     checkpoint root holding its ``latest.json``. Weights come from the full-precision
     training state when it is there (the ``model.safetensors`` beside it is already
-    rounded to the export dtype), else from that ``model.safetensors``.
+    rounded to the export dtype), else from that ``model.safetensors``. Nothing read
+    can execute code (safetensors and JSON only).
     """
-    from dflash_ipc.drafter.trainer import TRAINING_STATE, latest_checkpoint  # trainer imports this module
+    from safetensors import SafetensorError, safe_open
 
-    step_dir = checkpoint
-    if not os.path.exists(os.path.join(checkpoint, CONFIG_FILE)):
-        step_dir = latest_checkpoint(checkpoint)
-        if step_dir is None:
-            raise DataError(f"{checkpoint}: neither a checkpoint ({CONFIG_FILE}) nor a root with latest.json")
-    state_path = os.path.join(step_dir, TRAINING_STATE)
+    step_dir = resolve_checkpoint_dir(checkpoint)
     model = load_inference_checkpoint(step_dir, dtype=torch.float32)  # also validates the step dir
+    state_path = os.path.join(step_dir, STATE_TENSORS)
     if os.path.exists(state_path):
-        # Our own file (optimizer state included): mmap so only the model tensors are read.
-        state = torch.load(state_path, map_location="cpu", mmap=True, weights_only=False)
         try:
-            model.load_state_dict(state["model"], strict=True)
-        except (KeyError, RuntimeError) as e:
-            raise DataError(f"{state_path}: 'model' does not match {step_dir}/{CONFIG_FILE} ({e})") from e
+            with safe_open(state_path, framework="pt", device="cpu") as f:
+                state = {n[len("model."):]: f.get_tensor(n) for n in f.keys() if n.startswith("model.")}
+            model.load_state_dict(state, strict=True)
+        except (OSError, SafetensorError, RuntimeError) as e:
+            raise DataError(f"{state_path}: its model tensors do not match {step_dir}/{CONFIG_FILE} ({e})") from e
     save_inference_checkpoint(model, out_dir, dtype=dtype)
     return out_dir

@@ -12,11 +12,8 @@ target batches the sequences arrived in, so step cost does not depend on bucketi
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import math
-import os
-import shutil
 import time
 from dataclasses import dataclass
 
@@ -26,17 +23,18 @@ import torch.distributed as dist
 
 from dflash_ipc.config import JobConfig, ObjectiveConfig
 from dflash_ipc.drafter.attention import build_mask
-from dflash_ipc.drafter.export import save_inference_checkpoint
+from dflash_ipc.drafter.checkpoint_store import CheckpointStore
+from dflash_ipc.drafter.export import write_inference_files
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.drafter.objective import (anchor_generator, build_training_batch, sample_anchors,
                                           weighted_ce_sum)
 from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.drafter.training_state import read_training_state, write_training_state
 from dflash_ipc.dtypes import TORCH_DTYPES
-from dflash_ipc.errors import DataError
+from dflash_ipc.errors import DamagedCheckpointError
 
 log = logging.getLogger(__name__)
 
-TRAINING_STATE = "training_state.pt"
 GRAD_BUCKET_BYTES = 256 * 1024 * 1024  # gradient all-reduce in buckets: bounded extra memory
 
 
@@ -50,6 +48,7 @@ class Sequence:
     input_ids: torch.Tensor  # [L] long
     loss_mask: torch.Tensor  # [L] bool
     num_anchors: int         # anchors it can give: min(max_anchors_per_seq, eligible positions)
+    attempt: int = 0         # the Assign attempt of the copy it came in
 
 
 def eligible_anchor_count(loss_mask: np.ndarray, max_anchors: int) -> int:
@@ -63,6 +62,18 @@ def estimate_total_steps(dataset, cfg: ObjectiveConfig, *, num_epochs: int, worl
     total = sum(eligible_anchor_count(dataset.sample(i)[1], cfg.max_anchors_per_seq)
                 for i in range(len(dataset)))
     return max(1, math.ceil(total * num_epochs / (cfg.anchors_per_step * world_size)))
+
+
+def take_anchors(fifo: collections.deque, budget: int) -> list[tuple[Sequence, int]]:
+    """Pops sequences until `budget` anchors are chosen; returns (sequence, anchors) pairs.
+    The last sequence gets only what remains of the budget; no sequence is split."""
+    chosen = []
+    while fifo and budget > 0:
+        seq = fifo.popleft()
+        anchors = min(seq.num_anchors, budget)
+        chosen.append((seq, anchors))
+        budget -= anchors
+    return chosen
 
 
 def lr_lambda(total_steps: int, warmup_ratio: float, min_lr_ratio: float):
@@ -104,16 +115,8 @@ class DrafterTrainer:
     # --- choosing a step's sequences ------------------------------------------------------
 
     def take(self, fifo: collections.deque) -> list[tuple[Sequence, int]]:
-        """Pops sequences until the anchor budget is full; returns (sequence, anchors) pairs.
-        The last sequence gets only what remains of the budget."""
-        budget = self.cfg.objective.anchors_per_step
-        chosen = []
-        while fifo and budget > 0:
-            seq = fifo.popleft()
-            anchors = min(seq.num_anchors, budget)
-            chosen.append((seq, anchors))
-            budget -= anchors
-        return chosen
+        """A step's sequences from `fifo` (see `take_anchors`)."""
+        return take_anchors(fifo, self.cfg.objective.anchors_per_step)
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -213,58 +216,27 @@ class DrafterTrainer:
 
     # --- checkpoints ------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "step": self.step_count,
-                "torch_rng": torch.get_rng_state(), "total_steps": self.total_steps}
+    def save_checkpoint(self, store: CheckpointStore, extra: dict) -> str:
+        """Rank 0 only: checkpoint `step_<N>/` of the current step (inference export, training
+        state, manifest), written to a temp dir and renamed into place."""
+        def write(directory: str) -> None:
+            write_inference_files(self.model, directory)
+            write_training_state(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                                 step=self.step_count, total_steps=self.total_steps, extra=extra)
+        return store.write(self.step_count, write)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step_count = state["step"]
-        torch.set_rng_state(state["torch_rng"].cpu())
-
-    def resume(self, root: str, step: int) -> dict:
-        """Loads the training state of checkpoint `step`; returns its `extra` (batch ids...)."""
-        path = os.path.join(checkpoint_path(root, step), TRAINING_STATE)
-        if not os.path.exists(path):
-            raise DataError(f"cannot resume from step {step}: {path} does not exist")
-        state = torch.load(path, map_location=self.device, weights_only=False)
-        self.load_state_dict(state)
-        log.info("resumed from %s (step %d)", path, self.step_count)
-        return state.get("extra", {})
-
-    def save_checkpoint(self, root: str, extra: dict) -> str:
-        """Rank 0 only: `<root>/step_<N>/` with the inference export and the training state,
-        written to a temp dir and renamed, then `latest` pointed at it."""
-        final = checkpoint_path(root, self.step_count)
-        tmp = f"{final}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_inference_checkpoint(self.model, tmp)
-        torch.save({**self.state_dict(), "extra": extra}, os.path.join(tmp, TRAINING_STATE))
-        if os.path.exists(final):  # a resumed run reaching this step again: swap, then delete
-            old = f"{final}.old-{os.getpid()}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
-        latest_tmp = os.path.join(root, f"latest.tmp-{os.getpid()}")
-        with open(latest_tmp, "w") as f:
-            json.dump({"step": self.step_count, "path": os.path.basename(final)}, f)
-        os.replace(latest_tmp, os.path.join(root, "latest.json"))
-        return final
-
-
-def checkpoint_path(root: str, step: int) -> str:
-    return os.path.join(root, f"step_{step:08d}")
-
-
-def latest_checkpoint(root: str) -> str | None:
-    try:
-        with open(os.path.join(root, "latest.json")) as f:
-            return os.path.join(root, json.load(f)["path"])
-    except FileNotFoundError:
-        return None
-
+    def resume(self, store: CheckpointStore, step: int) -> dict:
+        """Loads checkpoint `step` (verified against its manifest); returns its `extra`."""
+        directory = store.path(step)
+        store.verify(step)
+        model_state, optimizer_state, rng, meta = read_training_state(
+            directory, model=self.model, optimizer=self.optimizer, device=self.device)
+        if meta.get("step") != step:
+            raise DamagedCheckpointError(f"{directory}: holds step {meta.get('step')}, not {step}")
+        self.model.load_state_dict(model_state)
+        self.optimizer.load_state_dict(optimizer_state)
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.step_count = step
+        torch.set_rng_state(rng)
+        log.info("resumed from %s (step %d)", directory, step)
+        return meta.get("extra", {})

@@ -321,8 +321,8 @@ def load_drafter(drafter: str | DFlashDraftModel, *, device: str | torch.device,
         return drafter.eval(), "in-memory drafter"
     path = os.fspath(drafter)
     if os.path.isfile(os.path.join(path, LATEST_FILE)):
-        from dflash_ipc.drafter.trainer import latest_checkpoint
-        path = latest_checkpoint(path)
+        from dflash_ipc.drafter.checkpoint_store import CheckpointStore
+        path = CheckpointStore(path).latest()
     if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
         raise DataError(f"{drafter}: not a drafter export, checkpoint step directory or checkpoints root "
                         f"(no {CONFIG_FILE}, no {LATEST_FILE})")

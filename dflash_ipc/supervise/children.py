@@ -22,6 +22,14 @@ from dataclasses import dataclass, field
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+REPLACES_ENV = "DFLASH_IPC_REPLACES"  # the pids a restarted child replaces, comma-separated
+
+
+def replaced_pids() -> list[int]:
+    """The pids this process replaces, as its supervisor set them (its `Register` names them:
+    the dispatcher gives a held seat only to the holder's successor)."""
+    raw = os.environ.get(REPLACES_ENV, "")
+    return [int(x) for x in raw.split(",") if x.strip().isdigit()][-64:]
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -41,13 +49,17 @@ class Child:
     popen: subprocess.Popen | None = None
     started_at: float = 0.0
     restarts: list[float] = field(default_factory=list)
+    past_pids: list[int] = field(default_factory=list)  # earlier processes of this role
 
     def start(self) -> None:
         if self.popen is not None and self.popen.poll() is None:
             raise RuntimeError(f"{self.role} (pid {self.popen.pid}) is still running: not started twice")
+        if self.popen is not None:
+            self.past_pids.append(self.popen.pid)
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         log_file = open(self.log_path, "ab")
-        self.popen = subprocess.Popen(self.argv, env=self.env, stdout=log_file, stderr=subprocess.STDOUT,
+        env = dict(self.env, **{REPLACES_ENV: ",".join(map(str, self.past_pids[-64:]))})
+        self.popen = subprocess.Popen(self.argv, env=env, stdout=log_file, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         log_file.close()
         self.started_at = time.monotonic()

@@ -59,7 +59,9 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from dflash_ipc.drafter.checkpoint_store import CheckpointStore
 from dflash_ipc.errors import DataError, DFlashError
+from dflash_ipc.liveness import beacon_problem, read_beacon
 from dflash_ipc.run_files import RunFiles
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,9 @@ class ProcessHealth:
     progress_age_s: float | None = None
     batches: int | None = None
     """Targets: produced; drafters: consumed; the dispatcher's row: committed."""
+    phase: str | None = None
+    """Drafters: the phase their liveness beacon reports, and for how long."""
+    beacon_problem: str | None = None
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -112,6 +117,8 @@ class HealthReport:
     processes: list[ProcessHealth] = field(default_factory=list)
     job: dict | None = None
     """From the dispatcher: elapsed_s, num_batches, batches per state, finished, rates."""
+    uncommitted_checkpoints: list[str] = field(default_factory=list)
+    """Checkpoints written but never committed, set aside (never resumed from)."""
     thresholds: dict = field(default_factory=dict)
     checked_at: float = field(default_factory=time.time)
 
@@ -124,6 +131,7 @@ class HealthReport:
                 "exit_code": self.exit_code,
                 "reasons": list(self.reasons), "checked_at": self.checked_at,
                 "thresholds": dict(self.thresholds), "job": self.job,
+                "uncommitted_checkpoints": list(self.uncommitted_checkpoints),
                 "processes": [p.to_json() for p in self.processes]}
 
 
@@ -153,8 +161,25 @@ def health_report(run_dir: str, *, node_rank: int = 0, stale_after_s: float | No
         report.job = {k: status.get(k) for k in ("elapsed_s", "num_batches", "batches", "finished", "rates")}
         _apply_status(rows, status)
     _apply_progress(RunFiles(run_dir, node_rank).health_state, rows, status, thresholds["stall_after_s"])
+    _apply_beacons(rows, cfg)
+    report.uncommitted_checkpoints = CheckpointStore(cfg.files.checkpoints).uncommitted()
     _judge(report, status, status_error, cfg.dispatcher_address)
     return report
+
+
+def _apply_beacons(rows: list[ProcessHealth], cfg) -> None:
+    """Drafters: their liveness beacon says what they do and whether they are stopped (a
+    drafter sends no heartbeat during a step, so its heartbeat age says little)."""
+    now = time.time()
+    for row in rows:
+        if not row.role.startswith("drafter/"):
+            continue
+        record = read_beacon(cfg.files.beacon(row.role))
+        if record is None or record["pid"] != row.pid:
+            continue
+        row.phase = f"{record['phase']} {now - record['since']:.0f}s"
+        row.beacon_problem = beacon_problem(record, pid=row.pid, now=now, stall_s=cfg.supervise.drafter_stall_s,
+                                            limits=cfg.supervise.drafter_phase_limits())
 
 
 def read_processes(run_dir: str, node_rank: int = 0) -> tuple[dict, float]:
@@ -421,6 +446,10 @@ def _judge(report: HealthReport, status: dict | None, status_error: str | None, 
         elif status is not None and _worker_status(status, row.role) is None and not status.get("finished"):
             if not starting:
                 row.problems.append("not registered with the dispatcher")
+        elif row.beacon_problem is not None:
+            row.problems.append(row.beacon_problem)
+        elif row.role.startswith("drafter/") and row.phase is not None:
+            pass  # its beacon is fresh: a long step is not a silence
         elif row.heartbeat_age_s is not None and row.heartbeat_age_s > thresholds["stale_after_s"]:
             row.problems.append(f"heartbeat {row.heartbeat_age_s:.1f}s old (> {thresholds['stale_after_s']:g}s)")
     degraded = [f"{row.role} (pid {row.pid}): {problem}" for row in report.processes for problem in row.problems]
@@ -455,16 +484,19 @@ def format_health(report: HealthReport) -> str:
         batches = job.get("batches") or {}
         lines.append(f"  job: {batches.get('committed', 0)}/{job.get('num_batches')} batches committed, "
                      f"{job.get('elapsed_s', 0):.0f}s elapsed" + (", finished" if job.get("finished") else ""))
+    for path in report.uncommitted_checkpoints:
+        lines.append(f"  set aside, never committed (never resumed from): {path}")
     if not report.processes:
         return "\n".join(lines)
-    header = ("role", "pid", "state", "rss", "cpu%", "threads", "gpu_mem", "heartbeat", "progress", "batches")
+    header = ("role", "pid", "state", "rss", "cpu%", "threads", "gpu_mem", "heartbeat", "progress", "batches",
+              "phase")
     table = [header]
     for row in report.processes:
         table.append((row.role, str(row.pid), row.state, _size(row.rss_bytes), _num(row.cpu_percent, ".1f"),
                       _num(row.num_threads, ".0f"), _size(row.gpu_memory_bytes),
                       _num(row.heartbeat_age_s, ".1f") + ("s" if row.heartbeat_age_s is not None else ""),
                       _num(row.progress_age_s, ".1f") + ("s ago" if row.progress_age_s is not None else ""),
-                      _num(row.batches, ".0f")))
+                      _num(row.batches, ".0f"), row.phase or "-"))
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table]
     return "\n".join(lines)

@@ -17,8 +17,7 @@ def fetch_status(run_dir: str, timeout_s: float = 3.0, *, node_rank: int = 0) ->
     """The dispatcher's status dict; WorkerDeadError when no dispatcher answers. Any node's
     config names the job's one dispatcher."""
     cfg = load_config(RunFiles(run_dir, node_rank).config)
-    link = DispatcherLink(cfg.dispatcher_address, identity="observer/status",
-                          heartbeat_interval_s=3600, timeout_s=timeout_s)
+    link = DispatcherLink.for_job(cfg, "observer/status", heartbeat_interval_s=3600, timeout_s=timeout_s)
     try:
         reply = link.request(p.StatusRequest(), timeout_s=timeout_s)
     finally:

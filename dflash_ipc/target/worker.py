@@ -29,6 +29,7 @@ from dflash_ipc.link import DispatcherLink
 from dflash_ipc.metrics import TimelineWriter, process_memory
 from dflash_ipc.profiling import IterationProfiler
 from dflash_ipc.resolve import require_device
+from dflash_ipc.supervise.children import replaced_pids
 from dflash_ipc.target.capture import FeatureCapture
 from dflash_ipc.transport.slots import SlotLayout, SlotPool, create_pool
 
@@ -82,9 +83,7 @@ def run_target(cfg: JobConfig, rank: int) -> None:
                         feature_dim=capture.feature_dim, dtype=cfg.target.dtype)
     pool = create_pool(layout, device, name=cfg.files.pool_name(rank),
                        publish_sync=cfg.publish_sync_of(rank))
-    link = DispatcherLink(cfg.dispatcher_address, identity=f"target/{rank}",
-                          heartbeat_interval_s=cfg.dispatch.heartbeat_interval_s,
-                          timeout_s=cfg.dispatch.heartbeat_timeout_s)
+    link = DispatcherLink.for_job(cfg, f"target/{rank}")
     worker = TargetWorker(capture, dataset, pool)
     timeline = TimelineWriter(cfg.files.timeline(f"target/{rank}"), f"target/{rank}")
     try:
@@ -104,7 +103,8 @@ def _serve(cfg: JobConfig, rank: int, worker: TargetWorker, link: DispatcherLink
            timeline: TimelineWriter) -> None:
     reply = link.request(p.Register(role="target", rank=rank, pid=os.getpid(), device=str(worker.device),
                                     node=cfg.node_of("target", rank),
-                                    pool=worker.pool.descriptor(), num_slots=cfg.target.num_slots),
+                                    pool=worker.pool.descriptor(), num_slots=cfg.target.num_slots,
+                                    replaces_pids=replaced_pids()),
                          timeout_s=cfg.supervise.startup_timeout_s)
     if not isinstance(reply, p.Registered):
         raise WorkerDeadError(f"target/{rank}: registration refused: {reply}")

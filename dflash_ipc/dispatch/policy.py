@@ -1,0 +1,90 @@
+"""Whom the dispatcher serves: a small policy object per `dispatch.policy`.
+
+The dispatcher decides *when* (a worker with credit asked) and the ledger records *what*
+happened; a policy only answers two questions: which pending batch a target that asked
+gets next, and which drafter that asked gets a produced batch.
+
+pull (the default): the oldest pending batch (requeued first) to whichever target asks; a
+produced batch to the drafter of the producing node that has waited longest. A slow target
+simply asks less often, so no batch waits behind a busy worker while another idles.
+
+round_robin (the reference system, a benchmark baseline): batch i of the plan belongs to
+target i mod N from the start and the j-th produced batch to drafter j mod M, whatever
+their speed. Workers still receive only with credit, so a comparison measures the
+assignment policy, not flow control.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+from dflash_ipc.config import POLICIES
+from dflash_ipc.dispatch.buckets import PlannedBatch
+from dflash_ipc.dispatch.ledger import Ledger
+
+
+class DrafterView(Protocol):
+    """What a policy reads of a drafter seat."""
+    rank: int
+    node: int
+    credits: int
+    waiting_since: float
+
+
+class Policy(Protocol):
+    name: str
+
+    def next_batch(self, target_rank: int, ledger: Ledger) -> PlannedBatch | None:
+        """The pending batch target `target_rank` gets now, or None."""
+
+    def drafter_for(self, batch_id: int, node: int, drafters: Sequence[DrafterView]) -> DrafterView | None:
+        """The drafter (with credit) that gets produced batch `batch_id` of `node`, or None."""
+
+    def forget_drafters(self) -> None:
+        """The drafter group restarted: assignments decided for the old group are void."""
+
+
+class PullPolicy:
+    name = "pull"
+
+    def next_batch(self, target_rank: int, ledger: Ledger) -> PlannedBatch | None:
+        return ledger.next_pending()
+
+    def drafter_for(self, batch_id: int, node: int, drafters: Sequence[DrafterView]) -> DrafterView | None:
+        # Hidden states never leave their node: only drafters of the producing node qualify.
+        ready = [d for d in drafters if d.credits > 0 and d.node == node]
+        return min(ready, key=lambda d: d.waiting_since) if ready else None
+
+    def forget_drafters(self) -> None:
+        pass
+
+
+class RoundRobinPolicy:
+    name = "round_robin"
+
+    def __init__(self, plan_order: Sequence[int], *, num_targets: int, num_drafters: int) -> None:
+        self.num_drafters = num_drafters
+        self.target_of = {bid: i % num_targets for i, bid in enumerate(plan_order)}
+        self.drafter_of: dict[int, int] = {}
+        self.produced_count = 0
+
+    def next_batch(self, target_rank: int, ledger: Ledger) -> PlannedBatch | None:
+        return next((b for b in ledger.pending_batches() if self.target_of[b.batch_id] == target_rank), None)
+
+    def drafter_for(self, batch_id: int, node: int, drafters: Sequence[DrafterView]) -> DrafterView | None:
+        if batch_id not in self.drafter_of:
+            self.drafter_of[batch_id] = self.produced_count % self.num_drafters
+            self.produced_count += 1
+        owner = next((d for d in drafters if d.rank == self.drafter_of[batch_id]), None)
+        return owner if owner is not None and owner.credits > 0 else None
+
+    def forget_drafters(self) -> None:
+        self.drafter_of.clear()
+
+
+def make_policy(name: str, plan_order: Sequence[int], *, num_targets: int, num_drafters: int) -> Policy:
+    if name == "pull":
+        return PullPolicy()
+    if name == "round_robin":
+        return RoundRobinPolicy(plan_order, num_targets=num_targets, num_drafters=num_drafters)
+    raise ValueError(f"policy '{name}' not allowed; allowed: {', '.join(POLICIES)}")

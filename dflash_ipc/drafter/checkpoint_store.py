@@ -1,0 +1,204 @@
+"""Drafter checkpoints on disk: data only, checksummed, verified before use.
+
+    checkpoints/step_00000500/
+        config.json, model.safetensors   the inference export (bf16): what SGLang/vLLM load
+        training_state.safetensors       master weights, optimizer moments, RNG (tensors)
+        training_state.json              step, schedule, optimizer groups, commit bookkeeping
+        manifest.json                    size and sha256 of every file above; written last
+    checkpoints/latest.json             {"step", "path"} of the newest *committed* checkpoint
+    checkpoints/uncommitted/step_N/      written but never committed: moved aside, never resumed
+
+Nothing here can execute code: tensors are safetensors, the rest is JSON. A checkpoint is
+written to a temp directory and renamed into place, its manifest the last file in it, so a
+directory without a matching manifest is incomplete or damaged; `read` and `verify` raise
+`DamagedCheckpointError` naming the file, and resume falls back to an older committed one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+
+from dflash_ipc.errors import DamagedCheckpointError
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+STATE_TENSORS = "training_state.safetensors"
+STATE_JSON = "training_state.json"
+LATEST = "latest.json"
+UNCOMMITTED = "uncommitted"
+MAX_JSON_BYTES = 256 * 1024 * 1024  # the JSON parts of a checkpoint are far smaller
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def sha256_of(path: str, chunk: int = 16 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_json_file(path: str, what: str) -> dict:
+    """A JSON object from a file of bounded size; DamagedCheckpointError otherwise."""
+    try:
+        if os.path.getsize(path) > MAX_JSON_BYTES:
+            raise DamagedCheckpointError(f"{path}: {what} larger than {MAX_JSON_BYTES} bytes")
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except FileNotFoundError:
+        raise DamagedCheckpointError(f"{path}: {what} missing") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise DamagedCheckpointError(f"{path}: {what} unreadable ({type(exc).__name__}: {str(exc)[:200]})") from None
+    if not isinstance(value, dict):
+        raise DamagedCheckpointError(f"{path}: {what} is not a JSON object")
+    return value
+
+
+class CheckpointStore:
+    """The checkpoints root of one run (`RunFiles.checkpoints`)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.root, step_dir_name(step))
+
+    # --- writing ---------------------------------------------------------------------------
+
+    def write(self, step: int, write_files) -> str:
+        """Calls `write_files(tmp_dir)` to fill a temp directory, adds the manifest, and
+        renames it to `step_<step>` (an existing one is swapped out, then removed)."""
+        final = self.path(step)
+        tmp = f"{final}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        try:
+            write_files(tmp)
+            files = {name: {"bytes": os.path.getsize(os.path.join(tmp, name)),
+                            "sha256": sha256_of(os.path.join(tmp, name))}
+                     for name in sorted(os.listdir(tmp))}
+            write_json_file(os.path.join(tmp, MANIFEST), {"format": 1, "step": step, "files": files})
+            _fsync_tree(tmp)
+            if os.path.exists(final):  # a resumed run reaching this step again
+                old = f"{final}.old-{os.getpid()}"
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old)
+            else:
+                os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
+
+    def mark_latest(self, step: int) -> None:
+        """`latest.json` names checkpoint `step`: called once its commit is durable."""
+        write_json_file(os.path.join(self.root, LATEST), {"step": step, "path": step_dir_name(step)})
+
+    # --- reading ---------------------------------------------------------------------------
+
+    def verify(self, step: int) -> dict:
+        """Checks every file of checkpoint `step` against its manifest; returns the manifest."""
+        return verify_dir(self.path(step))
+
+    def latest(self) -> str | None:
+        """The newest committed checkpoint directory (latest.json), or None."""
+        path = os.path.join(self.root, LATEST)
+        if not os.path.exists(path):
+            return None
+        record = read_json_file(path, "latest.json")
+        name = record.get("path")
+        if not isinstance(name, str) or not _STEP_DIR.match(name):
+            raise DamagedCheckpointError(f"{path}: 'path' must name a step_NNNNNNNN directory, got {name!r:.60}")
+        return os.path.join(self.root, name)
+
+    def steps_on_disk(self) -> list[int]:
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for n in names if (m := _STEP_DIR.match(n)))
+
+    def newest_intact(self, candidates: list[int]) -> int:
+        """The newest of `candidates` (committed steps) whose files verify; -1 if none."""
+        for step in sorted(candidates, reverse=True):
+            try:
+                self.verify(step)
+                return step
+            except DamagedCheckpointError as exc:
+                log.error("checkpoint of step %d is damaged, not resumed from: %s", step, exc)
+        return -1
+
+    # --- uncommitted checkpoints -------------------------------------------------------------
+
+    def quarantine_after(self, step: int | None) -> list[str]:
+        """Moves every checkpoint newer than committed `step` (None: all) to `uncommitted/`:
+        written, but its commit never reached the ledger. Returns the new paths."""
+        moved = []
+        for s in self.steps_on_disk():
+            if step is None or s > step:
+                dst_dir = os.path.join(self.root, UNCOMMITTED)
+                os.makedirs(dst_dir, exist_ok=True)
+                dst = os.path.join(dst_dir, f"{step_dir_name(s)}-{time.strftime('%Y%m%d-%H%M%S')}")
+                os.replace(self.path(s), dst)
+                moved.append(dst)
+                log.warning("checkpoint of step %d was never committed: moved to %s (never resumed from)", s, dst)
+        latest = os.path.join(self.root, LATEST)
+        if moved and os.path.exists(latest):
+            if step is None:
+                os.unlink(latest)
+            else:
+                self.mark_latest(step)
+        return moved
+
+    def uncommitted(self) -> list[str]:
+        """Checkpoints set aside as never committed."""
+        folder = os.path.join(self.root, UNCOMMITTED)
+        return sorted(os.path.join(folder, n) for n in os.listdir(folder)) if os.path.isdir(folder) else []
+
+
+def verify_dir(step_dir: str) -> dict:
+    """Checks every file of a checkpoint directory against its manifest."""
+    manifest = read_json_file(os.path.join(step_dir, MANIFEST), "manifest")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise DamagedCheckpointError(f"{step_dir}/{MANIFEST}: no 'files'")
+    for name, want in files.items():
+        path = os.path.join(step_dir, name)
+        if os.path.basename(name) != name or not isinstance(want, dict):
+            raise DamagedCheckpointError(f"{step_dir}/{MANIFEST}: bad entry {name!r:.60}")
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            raise DamagedCheckpointError(f"{path}: missing (listed in the manifest)") from None
+        if size != want.get("bytes"):
+            raise DamagedCheckpointError(f"{path}: {size} bytes, the manifest says {want.get('bytes')} (truncated?)")
+        if sha256_of(path) != want.get("sha256"):
+            raise DamagedCheckpointError(f"{path}: checksum differs from the manifest (damaged)")
+    return manifest
+
+
+def write_json_file(path: str, value: dict) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=1, allow_nan=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_tree(directory: str) -> None:
+    for name in os.listdir(directory):
+        with open(os.path.join(directory, name), "rb") as f:
+            os.fsync(f.fileno())

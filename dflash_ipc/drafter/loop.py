@@ -1,0 +1,298 @@
+"""One drafter rank's loop, apart from its sockets and collectives (both are injected).
+
+`DrafterLoop.pass_once()` is one pass, numbered as it runs:
+  1) intake: every waiting message; each `Assign` is copied out of its slot and queued
+     (`Consumed`), or reported `Lost` when its target died first;
+  2) request more: `WantHidden` while the queue is short;
+  3) agree with the group (one small all-reduce): is every rank full (or holding its last
+     sequences after `EndOfData`), is everyone drained, must the group stop?
+  4) step together when all are full; every `checkpoint.every_steps`, checkpoint: the ranks
+     gather which samples of which copies went through a step since the last commit, rank 0
+     writes the checkpoint and sends one `Committed` for the group (a commit is all of a
+     checkpoint's samples or none), then marks it `latest` when `CommitDone` comes back.
+Before the first pass `resume()` loads the newest intact committed checkpoint and tells the
+dispatcher which one (`Resumed`); after the last, `finish()` checkpoints what is left and
+waits for `Shutdown`. A stop (SIGTERM/SIGINT on any rank, or `Shutdown` before the end of
+the data) travels in step 3, so all ranks leave together after a closing checkpoint.
+Tests drive it with a fake link and `SoloGroup` (tests/test_drafter_loop.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+
+from dflash_ipc import protocol as p
+from dflash_ipc.drafter.checkpoint_store import CheckpointStore
+from dflash_ipc.drafter.sequence_queue import SequenceQueue
+from dflash_ipc.errors import TransportError, WorkerDeadError
+from dflash_ipc.metrics import process_memory
+
+log = logging.getLogger(__name__)
+
+COMMIT_CONFIRM_S = 5.0  # on a stop, how long rank 0 waits for the dispatcher to take its commit
+RESUME_CONFIRM_S = 60.0
+# Fault injection for tests: the first DFLASH_IPC_FAULT_SLOW_STEPS steps (default: all) of
+# every rank take DFLASH_IPC_FAULT_STEP_SLEEP_S seconds longer (a slow but alive step).
+FAULT_STEP_SLEEP_ENV = "DFLASH_IPC_FAULT_STEP_SLEEP_S"
+FAULT_SLOW_STEPS_ENV = "DFLASH_IPC_FAULT_SLOW_STEPS"
+
+
+class StopRequested(SystemExit):
+    """The group left together on a stop; the exit code says "not the end of the job"."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
+
+
+class DrafterLoop:
+    def __init__(self, cfg, rank: int, *, trainer, queue: SequenceQueue, readers, link, group,
+                 store: CheckpointStore, beacon=None, timeline=None, step_log=None) -> None:
+        self.cfg, self.rank = cfg, rank
+        self.trainer, self.queue, self.readers = trainer, queue, readers
+        self.link, self.group, self.store = link, group, store
+        self.beacon, self.timeline, self.step_log = beacon, timeline, step_log
+        self.outstanding = 0          # WantHidden credits not yet answered by an Assign
+        self.end_of_data = self.shutdown = self.group_waiting = False
+        self.stop_reason: str | None = None  # set by a signal handler, or a Shutdown too early
+        self.resumed_from = -1
+        self.last_checkpoint_step = trainer.step_count
+        self.compiled = False
+        self.wait_s = 0.0
+        # Transport cost, cumulative: wall time inside reads, the copies' own time (GPU-timed
+        # on cuda_ipc), bytes read; read_s - copy_s is handoff overhead, not bandwidth.
+        self.read_s = self.copy_s = 0.0
+        self.read_bytes = self.reads = 0
+        self.fault_step_sleep_s = float(os.environ.get(FAULT_STEP_SLEEP_ENV, "0") or 0)
+        self.fault_slow_steps = int(os.environ.get(FAULT_SLOW_STEPS_ENV, "0") or 0) or None
+
+    # --- 0) resume ---------------------------------------------------------------------------
+
+    def resume(self, registered: p.Registered) -> int:
+        """Loads the newest intact committed checkpoint at or before the ledger's last commit
+        (all ranks the same one) and has the dispatcher confirm it; returns its step (-1: none)."""
+        self._phase("resume")
+        step = -1
+        if self.rank == 0:
+            committed = [s for s in registered.committed_steps if s <= registered.resume_step]
+            self.store.quarantine_after(registered.resume_step if registered.resume_step >= 0 else None)
+            step = self.store.newest_intact(committed) if committed else -1
+            if committed and step != registered.resume_step:
+                log.error("resuming from step %d: the checkpoint of the last commit (step %d) is damaged; the "
+                          "dispatcher returns what was committed after step %d to pending", step,
+                          registered.resume_step, step)
+        step = self.group.broadcast_int(step)
+        if step >= 0:
+            self.trainer.resume(self.store, step)
+            self.last_checkpoint_step = step
+        if self.rank == 0:
+            self.link.send(p.Resumed(step=step))
+            deadline = time.monotonic() + RESUME_CONFIRM_S
+            while not isinstance(reply := self.link.recv(max(0.0, deadline - time.monotonic())), p.Resumed):
+                if reply is None:
+                    raise WorkerDeadError(f"drafter/0: the dispatcher did not confirm resuming from step {step} "
+                                          f"within {RESUME_CONFIRM_S:.0f}s")
+                self._handle(reply)
+            if step >= 0:
+                self.store.mark_latest(step)
+        self.group.agree([0.0])  # nobody asks for work before the dispatcher knows the step
+        self.resumed_from = step
+        return step
+
+    # --- one pass ----------------------------------------------------------------------------
+
+    def pass_once(self) -> bool:
+        """One pass of steps 1-4; False once the whole group is drained."""
+        waited = time.perf_counter()
+        self._phase("wait")
+        self.intake(0.0 if self.full or self.end_of_data else 0.02)   # 1
+        self.request_more()                                           # 2
+        full, drained, stop = self.agree()                            # 3
+        if stop:
+            self.stop_together()
+        if drained == self.group.world:
+            return False
+        self.group_waiting = full + drained < self.group.world
+        if self.group_waiting:
+            self.wait_s += time.perf_counter() - waited
+            if self.timeline is not None:
+                self.timeline.record("wait_hidden", waited, time.perf_counter())
+            return True
+        self.step()                                                   # 4
+        if self.trainer.step_count % self.cfg.checkpoint.every_steps == 0:
+            self.checkpoint()
+        return True
+
+    @property
+    def full(self) -> bool:
+        return self.queue.anchors >= self.cfg.objective.anchors_per_step
+
+    def intake(self, timeout_s: float) -> None:
+        msg = self.link.recv(timeout_s)
+        while msg is not None and not self.shutdown:
+            self._handle(msg)
+            msg = None if self.shutdown else self.link.recv(0.0)
+        if self.shutdown and not self.end_of_data and self.stop_reason is None:
+            self.stop_reason = "Shutdown before the end of data"
+
+    def _handle(self, msg: p.Message) -> None:
+        if isinstance(msg, p.Assign):
+            self.outstanding -= 1  # the credit is spent whether or not the copy succeeds
+            self.accept(msg)
+        elif isinstance(msg, p.EndOfData):
+            self.end_of_data = True
+        elif isinstance(msg, p.CommitDone):
+            if self.rank == 0:
+                self.store.mark_latest(msg.step)
+        elif isinstance(msg, p.Shutdown):
+            self.shutdown = True
+        else:
+            log.warning("drafter/%d: ignored unexpected %s", self.rank, msg.KIND.name)
+
+    def accept(self, msg: p.Assign) -> None:
+        """Copies an assigned slot into local memory and queues its sequences; a copy that
+        fails (its target died first) is reported `Lost`, and the batch goes back to pending."""
+        try:
+            reader = self.readers.get(msg.pool)
+            started = time.perf_counter()
+            features = reader.read(msg.slot, msg.num_tokens)  # [T, F] local copy
+        except TransportError as exc:
+            log.warning("drafter/%d: batch %d lost with its producer target/%d: %s", self.rank, msg.batch_id,
+                        msg.target, exc)
+            self.readers.drop(str(msg.pool.get("pool_id", "")))
+            self.link.send(p.Lost(batch_id=msg.batch_id, attempt=msg.attempt, reason=str(exc)[:500]))
+            return
+        self.read_s += time.perf_counter() - started
+        self.copy_s += reader.last_copy_s or 0.0
+        self.read_bytes += features.numel() * features.element_size()
+        self.reads += 1
+        self.queue.add_copy(msg.batch_id, msg.attempt, msg.epoch, msg.sample_ids, features)
+        self.link.send(p.Consumed(batch_id=msg.batch_id, attempt=msg.attempt))
+
+    def request_more(self) -> None:
+        """Asks while below the queue cap, or short of a step's anchors whatever the cap (a
+        queue full of short sequences must not wait for ever in lockstep), or while the
+        group waits on another rank: with several nodes the last batches of an epoch may all
+        come from this node, and only taking them lets the job reach EndOfData."""
+        if self.end_of_data:
+            return
+        if len(self.queue) < self.cfg.drafter.fifo_sequences or not self.full or self.group_waiting:
+            want = self.cfg.drafter.prefetch - self.outstanding
+            if want > 0:
+                self.link.send(p.WantHidden(credits=want))
+                self.outstanding += want
+
+    def agree(self) -> tuple[float, float, float]:
+        """(ranks full, ranks drained, ranks that must stop), summed over the group."""
+        drained = self.end_of_data and not len(self.queue)
+        full = self.full or (self.end_of_data and bool(len(self.queue)))
+        full, drained, stop = self.group.agree([float(full), float(drained), float(self.stop_reason is not None)])
+        return full, drained, stop
+
+    # --- 4) step and checkpoint --------------------------------------------------------------
+
+    def step(self) -> None:
+        """One collective optimizer step over this rank's share of a step's anchors."""
+        started = time.perf_counter()
+        self._phase("step" if self.compiled else "compile", self.trainer.step_count)
+        before = (len(self.queue), self.queue.anchors, self.queue.trained_tokens)
+        chosen = self.queue.take(self.cfg.objective.anchors_per_step)
+        stats = self.trainer.step(chosen)
+        self.queue.record_trained(chosen)
+        if self.fault_step_sleep_s and (self.fault_slow_steps is None or self.fault_slow_steps > 0):
+            time.sleep(self.fault_step_sleep_s)
+            self.fault_slow_steps = None if self.fault_slow_steps is None else self.fault_slow_steps - 1
+        self.compiled = True
+        ended = time.perf_counter()
+        if self.timeline is not None:
+            self.timeline.record("step", started, ended, loss=float(stats["loss"]), sequences=len(chosen),
+                                 anchors=before[1] - self.queue.anchors, tokens=self.queue.trained_tokens - before[2])
+        stats.update(wait_s=self.wait_s, fifo=len(self.queue), rank=self.rank, time=time.time(),
+                     trained_tokens=self.queue.trained_tokens, read_s=self.read_s, copy_s=self.copy_s,
+                     read_bytes=self.read_bytes, reads=self.reads, resumed_from=self.resumed_from)
+        self.link.metrics.update({k: float(v) for k, v in stats.items()
+                                  if isinstance(v, (int, float)) and v == v})
+        self.link.metrics.update(process_memory(self.trainer.device))
+        if self.step_log is not None:
+            self.step_log.write(json.dumps({k: (v if v == v else None) for k, v in stats.items()}) + "\n")
+            self.step_log.flush()
+
+    def checkpoint(self) -> None:
+        """Collective: rank 0 writes the checkpoint, then commits what every rank trained
+        since the last commit, sample by sample, in one `Committed`."""
+        self._phase("checkpoint", self.trainer.step_count)
+        rows = [(0, t.batch_id, t.attempt, s) for t in self.queue.take_trained() for s in t.sample_ids]
+        rows += [(1, t.batch_id, t.attempt, s) for t in self.queue.untrained() for s in t.sample_ids]
+        per_rank = self.group.gather_rows(rows, 4)
+        self.last_checkpoint_step = self.trainer.step_count
+        if self.rank != 0:
+            return
+        trained = _by_copy(per_rank, kind=0)
+        extra = {"resumed_from": self.resumed_from,
+                 "committed": [[b, r, a, list(s)] for (b, r, a), s in trained.items()],
+                 "untrained": [[b, r, a, list(s)] for (b, r, a), s in _by_copy(per_rank, kind=1).items()]}
+        path = self.trainer.save_checkpoint(self.store, extra)
+        log.info("checkpoint %s: %d copies, %d samples committed", path, len(trained),
+                 sum(len(s) for s in trained.values()))
+        self.link.send(p.Committed(step=self.trainer.step_count, batch_ids=[b for b, _, _ in trained],
+                                   ranks=[r for _, r, _ in trained], attempts=[a for _, _, a in trained],
+                                   samples=[list(s) for s in trained.values()]))
+
+    # --- the end -----------------------------------------------------------------------------
+
+    def stop_together(self) -> None:
+        """Every rank leaves here together: a closing checkpoint, its commit confirmed."""
+        log.info("stopping (%s): checkpoint at step %d", self.stop_reason or "a peer stops", self.trainer.step_count)
+        if self.trainer.step_count != self.last_checkpoint_step:
+            self.checkpoint()
+        if self.rank == 0:
+            self.await_commit_done(COMMIT_CONFIRM_S)
+        raise StopRequested()  # not 0: the supervisor reads exit 0 as "got Shutdown at the end"
+
+    def finish(self) -> None:
+        """Drained: the last checkpoint, then wait for the dispatcher to close the job."""
+        self._phase("finish", self.trainer.step_count)
+        if self.trainer.step_count != self.last_checkpoint_step:
+            self.checkpoint()
+        timeout = self.cfg.dispatch.heartbeat_timeout_s
+        deadline = time.monotonic() + timeout
+        while not self.shutdown and time.monotonic() < deadline:
+            if (msg := self.link.recv(0.5)) is not None:
+                self._handle(msg)
+        if not self.shutdown:
+            # Exit non-zero: the supervisor treats a clean exit as a worker that got Shutdown.
+            raise WorkerDeadError(f"drafter/{self.rank}: trained everything but the dispatcher did not close "
+                                  f"the job within {timeout:.0f}s")
+
+    def await_commit_done(self, timeout_s: float) -> None:
+        """Waits for the dispatcher's `CommitDone` of the last checkpoint (then marks it)."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                msg = self.link.recv(max(0.0, deadline - time.monotonic()))
+                if isinstance(msg, p.CommitDone):
+                    self.store.mark_latest(msg.step)
+                    if msg.step == self.trainer.step_count:
+                        return
+        except WorkerDeadError as exc:
+            log.warning("the dispatcher did not confirm the last commit (%s)", exc)
+            return
+        log.warning("the dispatcher did not confirm the last commit within %.0fs: a rerun trains those "
+                    "samples again from the previous commit", timeout_s)
+
+    def _phase(self, name: str, step: int | None = None) -> None:
+        if self.beacon is not None:
+            self.beacon.phase(name, step)
+
+
+def _by_copy(per_rank: list[list[tuple[int, ...]]], *, kind: int) -> dict[tuple[int, int, int], list[int]]:
+    """(batch, rank, attempt) -> sample ids, from the gathered (kind, batch, attempt, sample) rows."""
+    out: dict[tuple[int, int, int], list[int]] = {}
+    for rank, rows in enumerate(per_rank):
+        for k, batch, attempt, sample in rows:
+            if k == kind:
+                out.setdefault((batch, rank, attempt), []).append(sample)
+    return out

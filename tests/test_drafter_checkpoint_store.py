@@ -1,0 +1,120 @@
+"""Checkpoints are data: checksummed, verified, never executed; damage falls back, uncommitted
+checkpoints are set aside."""
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+from dflash_ipc.config_load import config_from_dict
+from dflash_ipc.drafter.checkpoint_store import (LATEST, MANIFEST, STATE_JSON, STATE_TENSORS, CheckpointStore,
+                                                 verify_dir)
+from dflash_ipc.drafter.export import export_training_checkpoint, load_inference_checkpoint
+from dflash_ipc.drafter.model import DFlashConfig
+from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.drafter.trainer import DrafterTrainer
+from dflash_ipc.errors import DamagedCheckpointError, DataError
+
+VOCAB, HIDDEN = 64, 32
+
+
+def _trainer(seed=0):
+    cfg = config_from_dict({"drafter": {"dtype": "float32", "attention": "dense"}, "run": {"seed": seed},
+                            "model": {"num_layers": 1, "target_layer_ids": [0, 1]}})
+    config = DFlashConfig(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=16, vocab_size=VOCAB, target_layer_ids=[0, 1],
+                          num_target_layers=4, mask_token_id=VOCAB - 1, block_size=4)
+    g = torch.Generator().manual_seed(1)
+    head = FrozenTargetHead(torch.randn(VOCAB, HIDDEN, generator=g), torch.randn(VOCAB, HIDDEN, generator=g))
+    return DrafterTrainer(cfg, config, head, device="cpu", total_steps=10)
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = CheckpointStore(str(tmp_path / "checkpoints"))
+    trainer = _trainer()
+    for step in (10, 20, 30):
+        trainer.step_count = step
+        trainer.save_checkpoint(store, extra={"step": step})
+    return store
+
+
+def test_a_checkpoint_is_complete_and_verifies(store):
+    step_dir = store.path(20)
+    assert sorted(os.listdir(step_dir)) == ["config.json", MANIFEST, "model.safetensors", STATE_JSON, STATE_TENSORS]
+    manifest = verify_dir(step_dir)
+    assert manifest["step"] == 20 and set(manifest["files"]) == set(os.listdir(step_dir)) - {MANIFEST}
+    resumed = _trainer(seed=5)
+    assert resumed.resume(store, 20) == {"step": 20} and resumed.step_count == 20
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest"])
+def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_resume_falls_back(store, damage):
+    path = os.path.join(store.path(30), STATE_TENSORS)
+    data = bytearray(open(path, "rb").read())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+        open(path, "wb").write(bytes(data))
+    elif damage == "truncate":
+        open(path, "wb").write(bytes(data[:-100]))
+    elif damage == "delete":
+        os.unlink(path)
+    else:
+        path = os.path.join(store.path(30), MANIFEST)
+        open(path, "w").write("{not json")
+    with pytest.raises(DamagedCheckpointError) as info:
+        _trainer().resume(store, 30)
+    assert path in str(info.value) and "\n" not in str(info.value)
+    assert store.newest_intact([10, 20, 30]) == 20
+    assert store.newest_intact([30]) == -1
+
+
+def test_nothing_in_a_checkpoint_directory_is_ever_executed(store, tmp_path):
+    """A pickle planted where the previous format kept its training state (or anywhere) is
+    never loaded: resume and export read only safetensors and JSON."""
+    marker = tmp_path / "owned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    for name in ("training_state.pt", "extra.pkl"):
+        with open(os.path.join(store.path(30), name), "wb") as f:
+            pickle.dump(Payload(), f)
+    _trainer().resume(store, 30)
+    store.mark_latest(30)
+    export_training_checkpoint(store.root, str(tmp_path / "export"))
+    assert not marker.exists()
+    assert load_inference_checkpoint(str(tmp_path / "export")).config.hidden_size == HIDDEN
+
+
+def test_hostile_json_is_refused_cleanly(store):
+    state = os.path.join(store.path(20), STATE_JSON)
+    open(state, "w").write("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(DamagedCheckpointError):  # the manifest no longer matches
+        _trainer().resume(store, 20)
+    latest = os.path.join(store.root, LATEST)
+    for record in ({"step": 1, "path": "../../etc"}, {"step": 1}, ["x"]):
+        open(latest, "w").write(json.dumps(record))
+        with pytest.raises(DamagedCheckpointError, match="latest.json"):
+            store.latest()
+
+
+def test_checkpoints_newer_than_the_last_commit_are_set_aside_and_never_resumed(store):
+    store.mark_latest(30)
+    moved = store.quarantine_after(10)
+    assert [os.path.basename(m).split("-")[0] for m in moved] == ["step_00000020", "step_00000030"]
+    assert store.steps_on_disk() == [10] and store.uncommitted() == sorted(moved)
+    assert store.latest() == store.path(10)
+    assert store.quarantine_after(None) and store.steps_on_disk() == [] and store.latest() is None
+
+
+def test_export_refuses_a_damaged_checkpoint(store, tmp_path):
+    store.mark_latest(30)
+    with open(os.path.join(store.path(30), "model.safetensors"), "r+b") as f:
+        f.seek(200)
+        f.write(b"\xff\xff")
+    with pytest.raises(DataError, match="checksum"):
+        export_training_checkpoint(store.root, str(tmp_path / "x"))

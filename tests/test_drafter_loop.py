@@ -1,0 +1,183 @@
+"""The drafter loop stepped in one process: a fake link, a group of one, fake slot readers,
+the real trainer and queue on a tiny model."""
+
+import collections
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_ipc import protocol as p
+from dflash_ipc.config_load import config_from_dict
+from dflash_ipc.drafter.checkpoint_store import STATE_TENSORS, CheckpointStore
+from dflash_ipc.drafter.group import SoloGroup
+from dflash_ipc.drafter.loop import DrafterLoop, StopRequested
+from dflash_ipc.drafter.model import DFlashConfig
+from dflash_ipc.drafter.sequence_queue import SequenceQueue
+from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.drafter.trainer import DrafterTrainer
+from dflash_ipc.errors import ProducerGoneError
+
+VOCAB, HIDDEN, LAYERS = 64, 32, 2
+LENGTHS = [20, 24, 18, 30, 22, 26, 19, 28]
+
+
+class FakeDataset:
+    """Samples of LENGTHS tokens, the loss on the second half of each."""
+
+    def __init__(self):
+        g = np.random.default_rng(0)
+        self.lengths = np.array(LENGTHS)
+        self.rows = [(g.integers(0, VOCAB - 1, n), np.r_[np.zeros(n // 2), np.ones(n - n // 2)].astype(np.uint8))
+                     for n in LENGTHS]
+
+    def sample(self, i):
+        return self.rows[i]
+
+
+class FakeLink:
+    def __init__(self):
+        self.inbox: collections.deque = collections.deque()
+        self.sent: list = []
+        self.metrics: dict = {}
+        self.replies = {p.Resumed: lambda m: p.Resumed(step=m.step), p.Committed: lambda m: p.CommitDone(step=m.step)}
+
+    def send(self, msg):
+        self.sent.append(msg)
+        if type(msg) in self.replies:
+            self.inbox.append(self.replies[type(msg)](msg))
+
+    def recv(self, timeout_s):
+        return self.inbox.popleft() if self.inbox else None
+
+    def of(self, kind):
+        return [m for m in self.sent if isinstance(m, kind)]
+
+
+class FakeReaders:
+    def __init__(self):
+        self.gone: set[str] = set()
+        self.dropped: list[str] = []
+
+    def get(self, pool):
+        return self
+
+    def read(self, slot, num_tokens):
+        if self.pool_of_read in self.gone:
+            raise ProducerGoneError("producer target/0 (pid 1) is gone")
+        self.last_copy_s = 0.0
+        return torch.randn(num_tokens, HIDDEN * LAYERS)
+
+    def drop(self, pool_id):
+        self.dropped.append(pool_id)
+
+
+def build(tmp_path, **sections):
+    cfg = config_from_dict({"drafter": {"dtype": "float32", "attention": "dense", "fifo_sequences": 4, "prefetch": 2},
+                            "model": {"num_layers": 1, "target_layer_ids": [0, 1], "block_size": 4},
+                            "objective": {"anchors_per_step": 12, "max_anchors_per_seq": 6},
+                            "checkpoint": {"every_steps": 2}, **sections})
+    config = DFlashConfig(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=16, vocab_size=VOCAB, target_layer_ids=[0, 1],
+                          num_target_layers=4, mask_token_id=VOCAB - 1, block_size=4)
+    g = torch.Generator().manual_seed(1)
+    head = FrozenTargetHead(torch.randn(VOCAB, HIDDEN, generator=g), torch.randn(VOCAB, HIDDEN, generator=g))
+    trainer = DrafterTrainer(cfg, config, head, device="cpu", total_steps=20)
+    link, readers = FakeLink(), FakeReaders()
+    loop = DrafterLoop(cfg, 0, trainer=trainer, queue=SequenceQueue(FakeDataset(), max_anchors_per_seq=6),
+                       readers=readers, link=link, group=SoloGroup(), store=CheckpointStore(str(tmp_path / "ck")))
+    return loop, link, readers
+
+
+def assign(batch_id, samples, attempt, pool="p0"):
+    return p.Assign(batch_id=batch_id, epoch=0, target=0, pool={"pool_id": pool}, slot=0, sample_ids=samples,
+                    num_tokens=sum(LENGTHS[s] for s in samples), attempt=attempt)
+
+
+def registered(resume_step=-1, committed=()):
+    return p.Registered(role="drafter", rank=0, num_batches=4, resume_step=resume_step,
+                        committed_steps=list(committed))
+
+
+def test_a_fresh_rank_asks_copies_steps_and_commits_sample_by_sample(tmp_path):
+    loop, link, readers = build(tmp_path)
+    readers.pool_of_read = "p0"
+    assert loop.resume(registered()) == -1 and link.of(p.Resumed) == [p.Resumed(step=-1)]
+    link.inbox.clear()
+    assert loop.pass_once()  # nothing yet: the group waits, the rank asks for its credit
+    assert link.of(p.WantHidden) == [p.WantHidden(credits=2)] and loop.trainer.step_count == 0
+    link.inbox.extend([assign(0, [0, 1, 2], 1), assign(1, [3, 4, 5, 6, 7], 2)])
+    steps = 0
+    while loop.trainer.step_count < 2:
+        assert loop.pass_once()
+        steps += 1
+    assert [m.batch_id for m in link.of(p.Consumed)] == [0, 1]
+    (commit,) = link.of(p.Committed)
+    # 12 anchors a step, 6 per sequence: two steps trained samples 0-3; batch 1 is split.
+    assert commit.step == 2 and commit.batch_ids == [0, 1] and commit.ranks == [0, 0]
+    assert commit.attempts == [1, 2] and commit.samples == [[0, 1, 2], [3]]
+    loop.intake(0.0)  # the CommitDone: latest.json names the committed checkpoint
+    assert loop.store.latest() == loop.store.path(2)
+    extra = loop.trainer.resume(loop.store, 2)
+    assert extra["untrained"] == [[1, 0, 2, [4, 5, 6, 7]]] and extra["committed"][1] == [1, 0, 2, [3]]
+    assert link.metrics["trained_tokens"] == sum(LENGTHS[:4])
+
+
+def test_a_copy_whose_producer_died_is_reported_lost_and_asked_for_again(tmp_path):
+    loop, link, readers = build(tmp_path)
+    readers.pool_of_read = "dead"
+    readers.gone.add("dead")
+    loop.resume(registered())
+    loop.outstanding = 2
+    link.inbox.append(assign(3, [0], 7, pool="dead"))
+    loop.pass_once()
+    assert link.of(p.Lost)[0].batch_id == 3 and link.of(p.Lost)[0].attempt == 7
+    assert not link.of(p.Consumed) and readers.dropped == ["dead"] and len(loop.queue) == 0
+    assert link.of(p.WantHidden) == [p.WantHidden(credits=1)]  # the spent credit is asked again
+
+
+def test_resume_falls_back_to_the_newest_intact_committed_checkpoint(tmp_path):
+    loop, link, readers = build(tmp_path)
+    for step in (4, 8, 12):
+        loop.trainer.step_count = step
+        loop.trainer.save_checkpoint(loop.store, extra={})
+    with open(os.path.join(loop.store.path(8), STATE_TENSORS), "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01\x02")
+    fresh, _, _ = build(tmp_path)
+    # The ledger's last commit is step 8 (12 was written, never committed); 8 is damaged.
+    assert fresh.resume(registered(resume_step=8, committed=[4, 8])) == 4
+    assert fresh.trainer.step_count == 4 and fresh.link.of(p.Resumed) == [p.Resumed(step=4)]
+    assert fresh.store.steps_on_disk() == [4, 8] and len(fresh.store.uncommitted()) == 1
+    assert fresh.store.latest() == fresh.store.path(4)
+
+
+def test_a_stop_checkpoints_what_was_trained_and_leaves_once_committed(tmp_path):
+    loop, link, readers = build(tmp_path, checkpoint={"every_steps": 100})
+    readers.pool_of_read = "p0"
+    loop.resume(registered())
+    link.inbox.append(assign(0, [0, 1, 2, 3], 1))
+    while loop.trainer.step_count < 1:
+        loop.pass_once()
+    loop.stop_reason = "SIGTERM"
+    with pytest.raises(StopRequested) as info:
+        loop.pass_once()
+    assert info.value.code == 143
+    (commit,) = link.of(p.Committed)
+    assert commit.step == 1 and commit.samples == [[0, 1]]
+    assert loop.store.latest() == loop.store.path(1)
+
+
+def test_the_end_of_data_drains_the_queue_then_waits_for_shutdown(tmp_path):
+    loop, link, readers = build(tmp_path, checkpoint={"every_steps": 100})
+    readers.pool_of_read = "p0"
+    loop.resume(registered())
+    link.inbox.extend([assign(0, [0, 5], 1), p.EndOfData()])
+    while loop.pass_once():
+        pass
+    assert loop.trainer.step_count == 1 and len(loop.queue) == 0  # one short last step
+    link.inbox.append(p.Shutdown(reason="job finished"))
+    loop.finish()
+    (commit,) = link.of(p.Committed)
+    assert commit.samples == [[0, 5]] and loop.shutdown
