@@ -72,3 +72,11 @@ class DispatcherRestarted(WorkerDeadError):
     dispatcher restored its ledger with every uncommitted batch pending); a drafter exits
     and is restarted with its group.
     """
+
+
+class MissingExtraError(DFlashError):
+    """An optional dependency of the command is not installed; the message names the pip
+    extra that brings it (e.g. `pip install 'dflash-ipc[report]'`).
+
+    Recovery: install it and run the command again; nothing has been written.
+    """

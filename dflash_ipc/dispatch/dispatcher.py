@@ -54,10 +54,11 @@ from dflash_ipc.config import POLICIES
 from dflash_ipc.dispatch.buckets import PlannedBatch
 from dflash_ipc.dispatch.ledger import BatchState, Ledger
 from dflash_ipc.errors import ProtocolError, UnregisteredSender
+from dflash_ipc.token_rate import TokenRate
 
 log = logging.getLogger(__name__)
 
-RATE_WINDOW_S = 10.0  # rates in status are averaged over this trailing window
+RATE_WINDOW_S = 10.0  # status rates span at least this long (token_rate.py: and whole batches)
 DROPPED_KEPT = 64     # status lists this many of the latest dropped targets (pid -> reason)
 
 # Rates (tokens/s, valid tokens, padding excluded):
@@ -101,24 +102,6 @@ class DrafterSeat:
     done: bool = False
 
 
-class _Rate:
-    """Tokens per second over a trailing window, from cumulative counts."""
-
-    def __init__(self) -> None:
-        self.points: collections.deque = collections.deque()
-
-    def add(self, now: float, total: float) -> None:
-        self.points.append((now, total))
-        while len(self.points) > 2 and now - self.points[1][0] > RATE_WINDOW_S:
-            self.points.popleft()
-
-    def value(self) -> float:
-        if len(self.points) < 2:
-            return 0.0
-        (t0, v0), (t1, v1) = self.points[0], self.points[-1]
-        return (v1 - v0) / (t1 - t0) if t1 > t0 else 0.0
-
-
 Outgoing = list[tuple[bytes, "p.Message"]]
 
 
@@ -160,7 +143,7 @@ class Dispatcher:
         self.tokens_produced = 0
         self.tokens_consumed = 0
         self.tokens_committed = 0
-        self.rates = {name: _Rate() for name in ("tgt_rate", "dft_rate", "tok_rate")}
+        self.rates = {name: TokenRate(RATE_WINDOW_S) for name in ("tgt_rate", "dft_rate", "tok_rate")}
         self.end_sent = False
         self.refusals = 0
         # Targets dropped while their process may still run (hung, or replaced): pid -> why.

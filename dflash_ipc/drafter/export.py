@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 
 import torch
 
@@ -97,12 +98,14 @@ def inference_config(config: DFlashConfig, dtype: torch.dtype = torch.bfloat16) 
     return d
 
 
-def save_inference_checkpoint(model: DFlashDraftModel, out_dir: str, *, dtype: torch.dtype = torch.bfloat16) -> None:
+def save_inference_checkpoint(model: DFlashDraftModel, out_dir: str, *, dtype: torch.dtype = torch.bfloat16,
+                              extras: Callable[[str], None] | None = None) -> None:
     """Write ``out_dir/{config.json, model.safetensors}`` atomically.
 
     Everything is written into ``out_dir.tmp-<pid>`` first and renamed into place, so a
     reader sees either the previous complete export or the new one, never a half file.
-    An existing ``out_dir`` is moved aside and removed after the rename.
+    An existing ``out_dir`` is moved aside and removed after the rename. ``extras(tmp_dir)``
+    adds files before the rename (the model card, ``--with-code``: model_card.py, hub_code.py).
     """
     from safetensors.torch import save_file
 
@@ -120,6 +123,8 @@ def save_inference_checkpoint(model: DFlashDraftModel, out_dir: str, *, dtype: t
         with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
             f.write("\n")
+        if extras is not None:
+            extras(tmp)
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -180,7 +185,21 @@ def load_inference_checkpoint(
     return model
 
 
-def export_training_checkpoint(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.bfloat16) -> str:
+def checkpoint_step_dir(checkpoint: str) -> str:
+    """``checkpoint`` itself when it holds a ``config.json``, else the newest step of the
+    checkpoint root it names (its ``latest.json``)."""
+    from dflash_ipc.drafter.trainer import latest_checkpoint  # trainer imports this module
+
+    if os.path.exists(os.path.join(checkpoint, CONFIG_FILE)):
+        return checkpoint
+    step_dir = latest_checkpoint(checkpoint)
+    if step_dir is None:
+        raise DataError(f"{checkpoint}: neither a checkpoint ({CONFIG_FILE}) nor a root with latest.json")
+    return step_dir
+
+
+def export_training_checkpoint(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.bfloat16,
+                               extras: Callable[[str], None] | None = None) -> str:
     """Inference export of a trainer checkpoint; returns ``out_dir``.
 
     ``checkpoint`` is a ``step_N/`` directory written by the drafter trainer, or the
@@ -188,13 +207,9 @@ def export_training_checkpoint(checkpoint: str, out_dir: str, *, dtype: torch.dt
     training state when it is there (the ``model.safetensors`` beside it is already
     rounded to the export dtype), else from that ``model.safetensors``.
     """
-    from dflash_ipc.drafter.trainer import TRAINING_STATE, latest_checkpoint  # trainer imports this module
+    from dflash_ipc.drafter.trainer import TRAINING_STATE  # trainer imports this module
 
-    step_dir = checkpoint
-    if not os.path.exists(os.path.join(checkpoint, CONFIG_FILE)):
-        step_dir = latest_checkpoint(checkpoint)
-        if step_dir is None:
-            raise DataError(f"{checkpoint}: neither a checkpoint ({CONFIG_FILE}) nor a root with latest.json")
+    step_dir = checkpoint_step_dir(checkpoint)
     state_path = os.path.join(step_dir, TRAINING_STATE)
     model = load_inference_checkpoint(step_dir, dtype=torch.float32)  # also validates the step dir
     if os.path.exists(state_path):
@@ -204,5 +219,5 @@ def export_training_checkpoint(checkpoint: str, out_dir: str, *, dtype: torch.dt
             model.load_state_dict(state["model"], strict=True)
         except (KeyError, RuntimeError) as e:
             raise DataError(f"{state_path}: 'model' does not match {step_dir}/{CONFIG_FILE} ({e})") from e
-    save_inference_checkpoint(model, out_dir, dtype=dtype)
+    save_inference_checkpoint(model, out_dir, dtype=dtype, extras=extras)
     return out_dir

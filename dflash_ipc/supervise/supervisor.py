@@ -58,8 +58,8 @@ from dflash_ipc.config_load import dump_config
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.supervise.children import Child, stop_children
 from dflash_ipc.supervise.restart import RestartPolicy
-from dflash_ipc.metric_sinks import TensorBoardSink
-from dflash_ipc.supervise.status_line import format_progress, format_status
+from dflash_ipc.metric_sinks import MetricSinks, open_sinks
+from dflash_ipc.supervise.status_line import StatusLine
 from dflash_ipc.transport.slots import unlink_segments
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,8 @@ class Supervisor:
         self._instance_changed_at = 0.0                  # when a restarted one first answered
         self._signals = 0
         self._checkpoint_on_stop = True
-        self.tensorboard: TensorBoardSink | None = None
+        self.sinks = MetricSinks([])
+        self.status_line = StatusLine()
 
     # --- start ----------------------------------------------------------------------------
 
@@ -168,15 +169,14 @@ class Supervisor:
         try:
             self.start()
             if self.cfg.run.node_rank == 0:  # one writer per job
-                self.tensorboard = TensorBoardSink.open(self.files.tensorboard)
+                self.sinks = open_sinks(self.cfg)
             link = DispatcherLink(self.cfg.dispatcher_address, identity="observer/supervisor",
                                   heartbeat_interval_s=3600, timeout_s=3600)
             return self._watch(link)
         finally:
             if link is not None:
                 link.close()
-            if self.tensorboard is not None:
-                self.tensorboard.close()
+            self.sinks.close()
             if self._stop_reason and self._signals <= 1 and self._checkpoint_on_stop:
                 self._checkpoint_drafters()
             self.stop()
@@ -387,7 +387,9 @@ class Supervisor:
             try:
                 with open(self.files.final_status) as f:
                     self.last_status = json.load(f)
-                self.print_status(format_status(self.last_status, final=True))
+                for line in self.status_line.final_lines(self.last_status):
+                    self.print_status(line)
+                self.sinks.write(self.last_status)  # the trackers end where the job did
             except (OSError, ValueError) as exc:
                 log.warning("no final status: %s", exc)
             return None
@@ -417,10 +419,9 @@ class Supervisor:
         if reply is None:
             return None
         self.last_status = reply.status
-        self.print_status(format_status(reply.status))
-        self.print_status(format_progress(reply.status))
-        if self.tensorboard is not None:
-            self.tensorboard.write(reply.status)
+        for line in self.status_line.lines(reply.status):
+            self.print_status(line)
+        self.sinks.write(reply.status)
         return reply.status
 
     def _wait_workers(self) -> None:
