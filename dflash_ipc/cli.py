@@ -242,7 +242,7 @@ def health(run_dir, as_json, stale_after_s, stall_after_s, timeout_s, node_rank)
 @click.option("--check-lossless", is_flag=True, help="Also decode plainly; exit 1 if any output differs.")
 @click.option("--vs-untrained", is_flag=True, help="Also evaluate an untrained drafter of the same shape.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report(s) as JSON.")
-@click.option("--save-to", "save_to", type=click.Path(file_okay=False), default=None, metavar="RUN_DIR",
+@click.option("--save-to", "save_to", type=click.Path(exists=True, file_okay=False), default=None, metavar="RUN_DIR",
               help="Also append the results to RUN_DIR/eval_results.jsonl (read by report and export).")
 def eval_cmd(target_dir, drafter, data_dir, num_prompts, max_new_tokens, device, dtype, check_lossless,
              vs_untrained, as_json, save_to) -> None:

@@ -273,6 +273,7 @@ def open_sinks(cfg) -> MetricSinks:
     from dflash_ipc.status_history import StatusHistorySink
     from dflash_ipc.wandb_sink import WandbSink  # it imports this module
     files = cfg.files
+    os.makedirs(files.run_dir, mode=0o700, exist_ok=True)  # the supervisor's mode: sockets and keys live there
     sinks: list = [StatusHistorySink(files.status_history)]
     try:
         for name in cfg.metrics.sinks:

@@ -3,9 +3,9 @@
 The dispatcher's status rates (`tgt_rate`, `dft_rate`, `tok_rate`) come from counters that
 grow in steps: a target adds a whole batch when it reports `Produced`, a drafter a whole step
 when its heartbeat arrives. A plain trailing window shorter than the time between two such
-steps swings between 0 (no step inside it) and a spike (one step over a short span): on a real
-model on CPU, one batch every ~15 s against a 10 s window printed 0 and ~160 tok/s on
-alternate lines.
+steps swings between 0 (no step inside it) and a spike (one step over a short span): with one
+batch every ~15 s (a real model on CPU) and a 10 s window, alternate status lines read 0 and
+~160 tok/s.
 
 So the window starts and ends at growths of the count: it reaches back to the newest growth
 at least `window_s` old (at least one growth back), and the rate is the tokens added since

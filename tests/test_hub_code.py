@@ -96,3 +96,41 @@ def test_with_code_export_of_a_real_run_matches_eval(cpu_run, tmp_path):
         cycles += len(stats["acceptance_lengths"])
     assert committed / cycles == pytest.approx(report.tau) == pytest.approx(saved["tau"])
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_spec_generate_matches_eval_on_gpu_in_bfloat16(tiny_cache, tmp_path, monkeypatch):
+    """The same comparison on a GPU in bf16 (eval's dtype there). The trainer's drafter fuses its
+    norms with torch.compile on CUDA; eager here, so both sides run the same ops."""
+    import os
+    monkeypatch.setenv("DFLASH_COMPILE", "0")
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
+    from dflash_ipc.eval.speculative import DFlashProposer, TargetLM, speculative_generate
+    target_dir = os.path.join(tiny_cache, "tiny-target")
+    config = DFlashConfig.from_target_config(AutoConfig.from_pretrained(target_dir), num_draft_layers=2,
+                                             mask_token_id=AutoTokenizer.from_pretrained(target_dir).mask_token_id,
+                                             target_layer_ids=[1, 2])
+    torch.manual_seed(0)
+    out = tmp_path / "export"
+    save_inference_checkpoint(DFlashDraftModel(config), str(out), extras=add_hub_code)  # bf16, as exported
+    target = TargetLM(target_dir, layer_ids=[1, 2], device="cuda:0", dtype="bfloat16")
+    proposer = DFlashProposer(load_for_eval(out), target.head)
+    draft = AutoModel.from_pretrained(str(out), trust_remote_code=True, dtype=torch.bfloat16).to("cuda:0").eval()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        prompt = torch.randint(0, config.vocab_size, (int(torch.randint(8, 40, (1,), generator=gen)),), generator=gen)
+        reference = speculative_generate(target, proposer, prompt, max_new_tokens=48)
+        ids, stats = draft.spec_generate(target.model, prompt[None].cuda(), max_new_tokens=48,
+                                         stop_token_ids=sorted(target.stop_token_ids), return_stats=True)
+        assert ids[0, len(prompt):].tolist() == reference.output_ids
+        assert len(stats["acceptance_lengths"]) == reference.stats.num_cycles
+        assert sum(stats["acceptance_lengths"]) == reference.stats.num_committed
+
+
+def load_for_eval(export_dir):
+    from dflash_ipc.eval.speculative import load_drafter
+    return load_drafter(str(export_dir), device="cuda:0", dtype=torch.bfloat16)[0]

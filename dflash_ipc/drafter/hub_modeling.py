@@ -205,7 +205,8 @@ class DFlashDraftModel(PreTrainedModel):
             block = torch.full((self.block_size,), self.mask_token_id, dtype=torch.long, device=embed.device)
             block[0] = out[-1]
             hidden = self(features, F.embedding(block, embed))  # [bs, H]
-            drafted = F.linear(hidden[1:].to(head.dtype), head).argmax(-1)[:min(self.block_size - 1, remaining)]
+            logits = F.linear(hidden[1:].to(device=head.device, dtype=head.dtype), head)  # [bs-1, V]
+            drafted = logits.argmax(-1)[:min(self.block_size - 1, remaining)]
             target_next, block_features = verifier.extend(torch.cat([block[:1], drafted]))  # [d+1], [d+1, K*H]
             accepted = int((drafted.cpu() == target_next[:-1].cpu()).long().cumprod(0).sum())
             tokens = (drafted[:accepted].tolist() + [int(target_next[accepted])])[:remaining]

@@ -167,9 +167,9 @@ class Supervisor:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         link = None
         try:
+            if self.cfg.run.node_rank == 0:  # one writer per job; before any child, so a missing
+                self.sinks = open_sinks(self.cfg)  # tracker stops nothing that runs
             self.start()
-            if self.cfg.run.node_rank == 0:  # one writer per job
-                self.sinks = open_sinks(self.cfg)
             link = DispatcherLink(self.cfg.dispatcher_address, identity="observer/supervisor",
                                   heartbeat_interval_s=3600, timeout_s=3600)
             return self._watch(link)
