@@ -9,7 +9,7 @@ supervisor is their only writer.
 
 Tags written (each only when its inputs are present in the status):
 
-  rates/{tgt_rate,dft_rate,tok_rate}       trailing-window token rates (tokens/s)
+  rates/{tgt_rate,dft_rate,tok_rate}       the status rates (tokens/s, token_rate.py)
   batches/{pending,leased,...,committed}   batch counts by ledger state
   progress/committed_fraction              committed batches / planned batches
   progress/epoch                           1-based index of the first epoch not fully committed

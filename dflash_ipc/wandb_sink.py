@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 STEP_KEY = "train/step"
 STEP_CHARTS = ("train/*", "drafter/*")  # drawn against the optimizer step
-ID_ALPHABET = string.ascii_lowercase + string.digits
+ID_ALPHABET = string.ascii_lowercase + string.digits  # the ids made here
+ID_CHARS = frozenset(string.ascii_letters + string.digits + "-_")  # the ids accepted (W&B's own too)
 ID_LENGTH = 8
 
 
@@ -58,9 +59,9 @@ def read_run_state(path: str) -> dict | None:
         return None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path}: unreadable W&B run record ({exc}); delete it to start a new W&B run") from None
-    run_id, step = state.get("id") if isinstance(state, dict) else None, (state or {}).get("next_step")
-    if not (isinstance(run_id, str) and run_id and all(c in ID_ALPHABET + "-_" for c in run_id)
-            and isinstance(step, int) and step >= 0):
+    run_id, step = (state.get("id"), state.get("next_step")) if isinstance(state, dict) else (None, None)
+    if not (isinstance(run_id, str) and run_id and set(run_id) <= ID_CHARS
+            and isinstance(step, int) and not isinstance(step, bool) and step >= 0):
         raise ConfigError(f"{path}: expected {{\"id\": letters/digits, \"next_step\": int >= 0}}, got {state!r}; "
                           f"delete it to start a new W&B run")
     return {"id": run_id, "next_step": step}

@@ -68,8 +68,9 @@ def test_every_panel_from_its_file(tmp_path):
     steps = [{"step": s, "loss": 5.0 - 0.1 * s, "lr": 1e-3 * s} for s in range(1, 5)]
     steps += [{"step": 3, "loss": 4.5, "lr": 3e-3}, {"step": 4, "loss": float("nan"), "lr": 4e-3}, "{torn"]
     _write_lines(tmp_path / "drafter_metrics.jsonl", [json.dumps(s) if isinstance(s, dict) else s for s in steps])
-    history = [{"time": T + 2 * i, "workers": {"target/0": {"pid": 1, "rss_mib": 500.0, "gpu_mem_reserved_mib": 1000.0 + i},
-                                               "drafter/0": {"pid": 2, "rss_mib": 800.0}}} for i in range(3)]
+    history = [{"time": T + 2 * i,
+                "workers": {"target/0": {"pid": 1, "rss_mib": 500.0, "gpu_mem_reserved_mib": 1000.0 + i},
+                            "drafter/0": {"pid": 2, "rss_mib": 800.0}}} for i in range(3)]
     _write_lines(tmp_path / "status_history.jsonl", history)
     save_eval_results(str(tmp_path), [
         {"label": "untrained", "tau": 1.0, "acceptance_per_position": [0.0, 0.0, 0.0]},
@@ -149,3 +150,19 @@ def test_report_from_a_real_cpu_run(cpu_run, tmp_path):
     assert numbers["eval"]["acceptance_per_position"] == pytest.approx(saved["acceptance_per_position"])
     image = _decode(tmp_path / "out.png")
     assert image.shape[0] > 1000 and image.shape[1] > 1000
+
+
+def test_a_long_lane_is_binned_by_majority_state(tmp_path):
+    # 30,000 batches of 0.3 s busy + 0.1 s waiting: far more intervals than pixels
+    rows = []
+    for i in range(30_000):
+        rows += [{"t0": T + 0.4 * i, "t1": T + 0.4 * i + 0.3, "state": "busy", "tokens": 10},
+                 {"t0": T + 0.4 * i + 0.3, "t1": T + 0.4 * i + 0.4, "state": "wait_work"}]
+    rows[-20_000:] = [{"t0": r["t0"], "t1": r["t1"], "state": "wait_work"} for r in rows[-20_000:]]  # idle tail
+    _write_lines(tmp_path / "metrics" / "target-0.jsonl", rows)
+    numbers = collect(str(tmp_path))
+    lane = numbers["states"]["target/0"]
+    assert len(lane) <= 2000 and [state for _, _, state in lane] == ["busy", "wait_work"]  # merged runs
+    busy_end = lane[0][1]
+    assert busy_end == pytest.approx(0.4 * 20_000, rel=0.002) and lane[-1][1] == pytest.approx(12_000.0)
+    assert numbers["workers"]["target/0"]["busy_s"] == pytest.approx(0.3 * 20_000)  # exact, unbinned

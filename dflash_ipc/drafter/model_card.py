@@ -169,10 +169,12 @@ def _training(facts: dict) -> list[str]:
 def _evaluation(facts: dict) -> list[str]:
     result = facts["eval"]
     if result is None:
-        return ["## Evaluation", "", "No evaluation was saved with the run (`dflash-ipc eval ... --save-to RUN_DIR`).", ""]
+        return ["## Evaluation", "",
+                "No evaluation was saved with the run (`dflash-ipc eval ... --save-to RUN_DIR`).", ""]
     rates = result["acceptance_per_position"]
     lines = ["## Evaluation", "", f"`dflash-ipc eval` ({result.get('label', '')}), greedy speculative decoding on "
-             f"{result.get('num_prompts', '-')} held-out prompts, up to {result.get('max_new_tokens', '-')} new tokens:", "",
+             f"{result.get('num_prompts', '-')} held-out prompts, up to {result.get('max_new_tokens', '-')} "
+             f"new tokens:", "",
              f"- acceptance length tau: **{_fmt(result.get('tau'))}** (committed tokens per target forward)"]
     if result.get("tokens_per_s") is not None:
         lines.append(f"- {_fmt(result['tokens_per_s'], ',.0f')} tokens/s in that evaluation")

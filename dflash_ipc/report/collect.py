@@ -20,11 +20,13 @@ import numpy as np
 from dflash_ipc.errors import DataError
 from dflash_ipc.eval_results import latest_eval
 from dflash_ipc.json_lines import read_json_lines
-from dflash_ipc.metrics import load_timelines, rate_series, summarize
+from dflash_ipc.metrics import STATES, load_timelines, rate_series, summarize
 from dflash_ipc.run_files import RunFiles
 from dflash_ipc.status_history import load_status_history
 
 PANELS = ("states", "rates", "memory", "training", "eval")
+MAX_LANE_INTERVALS = 5000  # a lane with more intervals is drawn (and stored) binned
+LANE_BINS = 2000           # the bins of such a lane: more than the picture's pixels across
 RATE_BINS = 100       # time bins of the rates panel
 RATE_WINDOW_BINS = 7  # rates are moving averages over this many bins (7 % of the run)
 GPU_MEMORY = "gpu_mem_reserved_mib"  # what PyTorch's allocator holds: nearest to what the GPU lost
@@ -38,10 +40,29 @@ def _finite_or_none(value) -> float | None:
     return float(value)
 
 
-def _lanes(timelines: dict[str, list[dict]], start: float) -> dict[str, list[list]]:
-    """Per worker, its intervals as `[t0, t1, state]`."""
-    return {role: [[round(r["t0"] - start, 4), round(r["t1"] - start, 4), r["state"]] for r in rows]
-            for role, rows in timelines.items()}
+def _lane(rows: list[dict], start: float, span: float) -> list[list]:
+    """One worker's intervals as `[t0, t1, state]`. A long job has far more intervals than the
+    picture has pixels (one per batch or step): past MAX_LANE_INTERVALS the lane is cut into
+    LANE_BINS equal bins, each given the state that filled most of it (none: left out), and
+    runs of equal bins are merged. The exact seconds per state stay in `workers`."""
+    if len(rows) <= MAX_LANE_INTERVALS:
+        return [[round(r["t0"] - start, 4), round(r["t1"] - start, 4), r["state"]] for r in rows]
+    bin_s = span / LANE_BINS
+    filled = np.zeros((LANE_BINS, len(STATES)))  # seconds of each state in each bin
+    for r in rows:
+        t0, t1, state = r["t0"] - start, r["t1"] - start, STATES.index(r["state"])
+        for b in range(int(t0 // bin_s), min(LANE_BINS - 1, int(t1 // bin_s)) + 1):
+            filled[b, state] += max(0.0, min(t1, (b + 1) * bin_s) - max(t0, b * bin_s))
+    lane: list[list] = []
+    for b in range(LANE_BINS):
+        if filled[b].max() <= 0:
+            continue
+        state = STATES[int(filled[b].argmax())]
+        if lane and lane[-1][2] == state and lane[-1][1] == round(b * bin_s, 4):
+            lane[-1][1] = round((b + 1) * bin_s, 4)
+        else:
+            lane.append([round(b * bin_s, 4), round((b + 1) * bin_s, 4), state])
+    return lane
 
 
 def _rates(timelines: dict[str, list[dict]], start: float, end: float) -> dict:
@@ -117,7 +138,7 @@ def collect(run_dir: str) -> dict:
         "run_dir": files.run_dir, "start": start, "span_s": end - start,
         "workers": {role: {k: _finite_or_none(v) if isinstance(v, float) else v for k, v in summarize(rows).items()}
                     for role, rows in timelines.items()},
-        "states": _lanes(timelines, start),
+        "states": {role: _lane(rows, start, end - start) for role, rows in timelines.items()},
         "rates": _rates(timelines, start, end),
         "memory": _memory(load_status_history(files.status_history), start),
         "training": training,
