@@ -3,7 +3,8 @@
     dflash-ipc up [--config FILE] [-o key=value ...]     the whole job (= bin/dflash-up)
     dflash-ipc dispatcher|target|drafter --config FILE [--rank N]   one stage alone
     dflash-ipc prepare --model DIR --input FILE.jsonl --out DIR
-    dflash-ipc export CHECKPOINT OUT_DIR
+    dflash-ipc export CHECKPOINT OUT_DIR [--with-code]
+    dflash-ipc report RUN_DIR
     dflash-ipc status|health RUN_DIR
     dflash-ipc bench transport|drafter|dispatch|pipeline
     dflash-ipc plan --gpus N (--target-capacity T --drafter-capacity D | --from-bench FILE)
@@ -184,11 +185,23 @@ def prepare(model_dir, input_path, out_dir, max_length, on_long, last_turn_only,
 @main.command()
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
-def export(checkpoint, out_dir) -> None:
-    """Write the SGLang/vLLM inference format (config.json + model.safetensors) of a checkpoint."""
-    from dflash_ipc.drafter.export import export_training_checkpoint
-    path = export_training_checkpoint(checkpoint, out_dir)
-    click.echo(f"exported {path}")
+@click.option("--with-code", is_flag=True,
+              help="Also write modeling_dflash.py and config.json auto_map: AutoModel.from_pretrained(OUT_DIR, "
+                   "trust_remote_code=True) then loads it in plain transformers, with spec_generate().")
+@click.option("--base-model", default=None, metavar="ORG/NAME",
+              help="Hub id of the target for the model card (default: from the run's target path when it is "
+                   "a Hub id or lies in the Hub cache).")
+@click.option("--repo-id", default=None, metavar="ORG/NAME",
+              help="Where the export will be uploaded, for the card's usage lines (default: OUT_DIR's name).")
+def export(checkpoint, out_dir, with_code, base_model, repo_id) -> None:
+    """Write the SGLang/vLLM inference format (config.json + model.safetensors) and a model card."""
+    from dflash_ipc.drafter.export import checkpoint_step_dir, export_training_checkpoint
+    from dflash_ipc.drafter.hub_code import publish_files
+    step_dir = checkpoint_step_dir(checkpoint)
+    extras = publish_files(step_dir, out_dir, with_code=with_code, base_model=base_model, repo_id=repo_id)
+    path = export_training_checkpoint(step_dir, out_dir, extras=extras)
+    click.echo(f"exported {path} (model card README.md{', modeling_dflash.py' if with_code else ''}); "
+               f"publish with: huggingface-cli upload {repo_id or 'ORG/NAME'} {path}")
 
 
 @main.command()
@@ -236,8 +249,10 @@ def health(run_dir, as_json, stale_after_s, stall_after_s, timeout_s, node_rank)
 @click.option("--check-lossless", is_flag=True, help="Also decode plainly; exit 1 if any output differs.")
 @click.option("--vs-untrained", is_flag=True, help="Also evaluate an untrained drafter of the same shape.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report(s) as JSON.")
+@click.option("--save-to", "save_to", type=click.Path(exists=True, file_okay=False), default=None, metavar="RUN_DIR",
+              help="Also append the results to RUN_DIR/eval_results.jsonl (read by report and export).")
 def eval_cmd(target_dir, drafter, data_dir, num_prompts, max_new_tokens, device, dtype, check_lossless,
-             vs_untrained, as_json) -> None:
+             vs_untrained, as_json, save_to) -> None:
     """Greedy speculative decoding on held-out prompts: tau, acceptance per position, forwards/token."""
     import json
     from dflash_ipc.eval.acceptance import format_comparison
@@ -250,6 +265,11 @@ def eval_cmd(target_dir, drafter, data_dir, num_prompts, max_new_tokens, device,
                else [evaluate(target_dir, drafter, data_dir, **kw)])
     click.echo(json.dumps([r.to_dict() for r in reports], indent=1) if as_json
                else format_comparison(*reports) if vs_untrained else reports[0].format())
+    if save_to is not None:
+        from dflash_ipc.eval_results import save_eval_results
+        path = save_eval_results(save_to, [r.to_dict() for r in reports],
+                                 baseline=[vs_untrained and i == 0 for i in range(len(reports))])
+        click.echo(f"saved to {path}", err=as_json)  # stdout stays pure JSON with --json
     if any(r.lossless_mismatches for r in reports):
         sys.exit(1)
 
@@ -257,13 +277,15 @@ def eval_cmd(target_dir, drafter, data_dir, num_prompts, max_new_tokens, device,
 @main.command("report")
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
-              help="PNG to write (default RUN_DIR/report.png).")
+              help="PNG to write (default RUN_DIR/report.png; its numbers go beside it as .json).")
 def report(run_dir, out_path) -> None:
-    """Per-worker busy/waiting summary and a timeline PNG (starvation at a glance)."""
+    """Worker states, token rates, memory, loss and lr, latest eval: a PNG and its numbers as JSON."""
     from dflash_ipc.report import build_report, format_summary
     summary = build_report(run_dir, out_path)
     click.echo(format_summary(summary))
-    click.echo(f"loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}; wrote {summary['png']}")
+    loss = ("loss -" if summary["loss_first"] is None
+            else f"loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}")
+    click.echo(f"{loss}; panels {', '.join(summary['panels'])}; wrote {summary['png']} and {summary['json']}")
 
 
 @main.group()

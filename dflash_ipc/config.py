@@ -2,7 +2,8 @@
 
 Sections, as torchtitan splits them: `run`, `data`, `target` (the target workers), `drafter`
 (the drafter workers: devices, precision, flow control), `model` (the drafter's shape),
-`optimizer`, `schedule`, `objective`, `checkpoint`, `dispatch`, `supervise`. Each section
+`optimizer`, `schedule`, `objective`, `checkpoint`, `dispatch`, `supervise`, `metrics` (the
+trackers the supervisor writes to). Each section
 checks its fields in `__post_init__`; `JobConfig.check()` adds the checks that span
 sections. Choices are `Literal` types; floats must be finite. YAML reading, overrides and
 the keys of older versions live in `config_load.py`.
@@ -34,6 +35,12 @@ Auth = Literal["auto", "curve", "none"]
 PublishMode = Literal["ipc_event", "host_wait"]
 PUBLISH_SYNC_MODES: tuple[str, ...] = typing.get_args(PublishMode)
 PublishSync = Literal["auto", "ipc_event", "host_wait"]
+MetricSink = Literal["tensorboard", "wandb"]
+METRIC_SINKS: tuple[str, ...] = typing.get_args(MetricSink)
+WandbMode = Literal["online", "offline", "disabled"]
+WANDB_MODES: tuple[str, ...] = typing.get_args(WandbMode)
+WANDB_NAME_FORBIDDEN = "/\\#?%:"  # characters W&B refuses in project and entity names
+WANDB_MAX_TAG = 64                 # W&B's longest tag
 
 BUILTIN_TINY_TARGET = "builtin:tiny"
 BUILTIN_SYNTHETIC_DATA = "builtin:synthetic"
@@ -379,6 +386,39 @@ class SuperviseConfig(_Section):
 
 
 @dataclass(kw_only=True, slots=True)
+class MetricsConfig(_Section):
+    NAME = "metrics"
+    sinks: list[MetricSink] = field(default_factory=lambda: ["tensorboard"])
+    """Trackers the supervisor writes the job's scalars to, once per status poll: tensorboard
+    (RUN_DIR/tensorboard), wandb (Weights & Biases, `pip install 'dflash-ipc[wandb]'`); [] for none."""
+    wandb_project: str = "dflash-ipc"
+    """W&B project of the run."""
+    wandb_entity: str = ""
+    """W&B entity (team or user); empty: the account's default entity."""
+    wandb_run_name: str = ""
+    """W&B display name of the run; empty: the run directory's name."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """W&B tags of the run."""
+    wandb_mode: WandbMode | None = None
+    """online, offline (written under RUN_DIR/wandb, uploaded later by `wandb sync`) or
+    disabled; null: WANDB_MODE of the environment, else online."""
+
+    def check(self) -> None:
+        for sink in self.sinks:
+            _require(sink in METRIC_SINKS, "metrics.sinks", f"{sink!r} not allowed; allowed: {', '.join(METRIC_SINKS)}")
+        _require(len(set(self.sinks)) == len(self.sinks), "metrics.sinks", f"a sink is named twice: {self.sinks}")
+        _require(self.wandb_mode is None or self.wandb_mode in WANDB_MODES, "metrics.wandb_mode",
+                 f"{self.wandb_mode!r} not allowed; allowed: {', '.join(WANDB_MODES)} or null")
+        for key, name in (("metrics.wandb_project", self.wandb_project), ("metrics.wandb_entity", self.wandb_entity)):
+            _require(not any(c in name for c in WANDB_NAME_FORBIDDEN) and len(name) <= 128, key,
+                     f"{name!r}: at most 128 characters, none of {WANDB_NAME_FORBIDDEN}")
+        _require(self.wandb_project.strip() != "", "metrics.wandb_project", "must name a project, got ''")
+        for tag in self.wandb_tags:
+            _require(isinstance(tag, str) and 0 < len(tag) <= WANDB_MAX_TAG, "metrics.wandb_tags",
+                     f"{tag!r}: tags are 1 to {WANDB_MAX_TAG} characters")
+
+
+@dataclass(kw_only=True, slots=True)
 class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -391,6 +431,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         self.check()

@@ -84,3 +84,11 @@ class DamagedCheckpointError(DataError):
     Recovery: resume falls back to the newest intact committed checkpoint (the ledger
     returns the batches committed after it to pending); an export names another step.
     """
+
+
+class MissingExtraError(DFlashError):
+    """An optional dependency of the command is not installed; the message names the pip
+    extra that brings it (e.g. `pip install 'dflash-ipc[report]'`).
+
+    Recovery: install it and run the command again; nothing has been written.
+    """

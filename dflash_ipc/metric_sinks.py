@@ -1,12 +1,15 @@
 """Metric sinks fed from the dispatcher's status dict (`Dispatcher.status()`).
 
-`TensorBoardSink` writes one set of scalars per status poll to `<run_dir>/tensorboard/`, when the
-`tensorboard` package is installed (`pip install tensorboard`); view with
-`tensorboard --logdir RUN_DIR/tensorboard`.
+`StatusScalars` turns each status the supervisor polls into one set of named scalars;
+`TensorBoardSink` writes them to `<run_dir>/tensorboard/` when the `tensorboard` package is
+installed (`pip install tensorboard`; view with `tensorboard --logdir RUN_DIR/tensorboard`),
+`WandbSink` (wandb_sink.py) to a Weights & Biases run. `open_sinks(cfg)` builds the sinks a
+job's `metrics` section names, plus the status history that `dflash-ipc report` reads; the
+supervisor is their only writer.
 
 Tags written (each only when its inputs are present in the status):
 
-  rates/{tgt_rate,dft_rate,tok_rate}       trailing-window token rates (tokens/s)
+  rates/{tgt_rate,dft_rate,tok_rate}       the status rates (tokens/s, token_rate.py)
   batches/{pending,leased,...,committed}   batch counts by ledger state
   progress/committed_fraction              committed batches / planned batches
   progress/epoch                           1-based index of the first epoch not fully committed
@@ -60,39 +63,21 @@ def _summary_writer_class():
     return SummaryWriter
 
 
-class TensorBoardSink:
-    """Scalars from each status dict, into `<run_dir>/tensorboard/` (see the module doc)."""
+class StatusScalars:
+    """`scalars(status)` -> (step, wall time, {tag: value}) of one status (see the module doc).
 
-    def __init__(self, writer, log_dir: str):
-        self.writer = writer
-        self.log_dir = log_dir
-        self.writes = 0
+    Stateful: the step never goes backwards, and per-worker rates come from the differences of
+    cumulative counters since the previous status. `step_reported`: the last status carried a
+    drafter step (else its step is the previous one, or 0 before any)."""
+
+    def __init__(self) -> None:
         self._step = 0
+        self.step_reported = False
         self._wall0: float | None = None
         # last cumulative counters per worker: key -> (pid or None, {name: value})
         self._last: dict[str, tuple[object, dict]] = {}
 
-    @classmethod
-    def open(cls, log_dir: str) -> TensorBoardSink | None:
-        """A sink writing to `log_dir` (the run's `tensorboard/`), or None (one info line) when the
-        tensorboard package is not installed or cannot be imported."""
-        try:
-            writer_class = _summary_writer_class()
-        except ImportError:
-            log.info("TensorBoard logging off: the tensorboard package is not installed "
-                     "(pip install tensorboard, or pip install 'dflash-ipc[test]')")
-            return None
-        except Exception as exc:  # a broken install (e.g. a protobuf mismatch) must not stop training
-            log.warning("TensorBoard logging off: importing tensorboard failed: %s", exc)
-            return None
-        os.makedirs(log_dir, exist_ok=True)
-        return cls(writer_class(log_dir=log_dir, flush_secs=FLUSH_S), log_dir)
-
-    # ---- writing ------------------------------------------------------------------------
-
-    def write(self, status: dict) -> None:
-        """Write the scalars of one status dict (missing keys are skipped)."""
-        self.writes += 1
+    def __call__(self, status: dict) -> tuple[int, float, dict[str, float]]:
         elapsed = _number(status.get("elapsed_s"))
         if self._wall0 is None:
             self._wall0 = time.time() - (elapsed or 0.0)
@@ -102,26 +87,14 @@ class TensorBoardSink:
         self._job_scalars(status, scalars)
         self._target_scalars(status.get("targets") or {}, scalars)
         self._drafter_scalars(status.get("drafters") or {}, scalars)
-        for tag, value in scalars.items():
-            self.writer.add_scalar(tag, value, global_step=step, walltime=wall)
-
-    def flush(self) -> None:
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
-
-    def __enter__(self) -> TensorBoardSink:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        return step, wall, scalars
 
     # ---- pieces -------------------------------------------------------------------------
 
     def _global_step(self, status: dict) -> int:
         steps = [v for d in (status.get("drafters") or {}).values()
                  if (v := _number((d.get("metrics") or {}).get("step"))) is not None and math.isfinite(v)]
+        self.step_reported = bool(steps)
         if steps:
             self._step = max(self._step, int(round(sum(steps) / len(steps))))
         return self._step
@@ -216,3 +189,98 @@ def _memory(metrics: dict, prefix: str, out: dict) -> None:
     for name in MEMORY_METRICS:
         if (v := _number(metrics.get(name))) is not None:
             out[f"{prefix}/{name}"] = v
+
+
+class TensorBoardSink:
+    """Scalars from each status dict, into `<run_dir>/tensorboard/` (see the module doc)."""
+
+    def __init__(self, writer, log_dir: str):
+        self.writer = writer
+        self.log_dir = log_dir
+        self.writes = 0
+        self.scalars = StatusScalars()
+
+    @classmethod
+    def open(cls, log_dir: str) -> TensorBoardSink | None:
+        """A sink writing to `log_dir` (the run's `tensorboard/`), or None (one info line) when the
+        tensorboard package is not installed or cannot be imported."""
+        try:
+            writer_class = _summary_writer_class()
+        except ImportError:
+            log.info("TensorBoard logging off: the tensorboard package is not installed "
+                     "(pip install tensorboard, or pip install 'dflash-ipc[test]')")
+            return None
+        except Exception as exc:  # a broken install (e.g. a protobuf mismatch) must not stop training
+            log.warning("TensorBoard logging off: importing tensorboard failed: %s", exc)
+            return None
+        os.makedirs(log_dir, exist_ok=True)
+        return cls(writer_class(log_dir=log_dir, flush_secs=FLUSH_S), log_dir)
+
+    def write(self, status: dict) -> None:
+        """Write the scalars of one status dict (missing keys are skipped)."""
+        self.writes += 1
+        step, wall, scalars = self.scalars(status)
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, global_step=step, walltime=wall)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+    def __enter__(self) -> TensorBoardSink:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class MetricSinks:
+    """The sinks of one job, written together from each status. A sink whose write raises is
+    closed and dropped with one warning: a tracker must not stop training."""
+
+    def __init__(self, sinks: list) -> None:
+        self.sinks = list(sinks)
+
+    def write(self, status: dict) -> None:
+        for sink in list(self.sinks):
+            try:
+                sink.write(status)
+            except Exception as exc:
+                log.warning("%s off: a write failed: %s", type(sink).__name__, exc)
+                self.sinks.remove(sink)
+                _close_quietly(sink)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            _close_quietly(sink)
+        self.sinks = []
+
+
+def _close_quietly(sink) -> None:
+    try:
+        sink.close()
+    except Exception as exc:
+        log.warning("%s: closing failed: %s", type(sink).__name__, exc)
+
+
+def open_sinks(cfg) -> MetricSinks:
+    """The sinks of a job (`cfg`: a JobConfig): the status history `dflash-ipc report` reads,
+    then each tracker of `metrics.sinks` that can open. TensorBoard, the default, is skipped
+    with one line when its package is missing; wandb, named only on purpose, raises
+    MissingExtraError."""
+    from dflash_ipc.status_history import StatusHistorySink
+    from dflash_ipc.wandb_sink import WandbSink  # it imports this module
+    files = cfg.files
+    os.makedirs(files.run_dir, mode=0o700, exist_ok=True)  # the supervisor's mode: sockets and keys live there
+    sinks: list = [StatusHistorySink(files.status_history)]
+    try:
+        for name in cfg.metrics.sinks:
+            sink = TensorBoardSink.open(files.tensorboard) if name == "tensorboard" else WandbSink.open(cfg)
+            if sink is not None:
+                sinks.append(sink)
+    except BaseException:
+        MetricSinks(sinks).close()
+        raise
+    return MetricSinks(sinks)

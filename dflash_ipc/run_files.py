@@ -64,6 +64,21 @@ class RunFiles:
         return self._path("tensorboard")
 
     @property
+    def wandb(self) -> str:
+        """The W&B run files (`wandb/`, made by the wandb package; offline runs stay there)."""
+        return self._path("wandb")
+
+    @property
+    def wandb_run(self) -> str:
+        """The job's W&B run id and next history step: a resumed job continues that run."""
+        return self._path("wandb_run.json")
+
+    @property
+    def status_history(self) -> str:
+        """One JSON line per status poll: rates, counters and each worker's memory (read by report)."""
+        return self._path("status_history.jsonl")
+
+    @property
     def logs(self) -> str:
         return self._path("logs")
 
@@ -148,6 +163,16 @@ class RunFiles:
     @property
     def report_png(self) -> str:
         return self._path("report.png")
+
+    @property
+    def report_json(self) -> str:
+        """The numbers `report.png` draws."""
+        return self._path("report.json")
+
+    @property
+    def eval_results(self) -> str:
+        """`dflash-ipc eval --save-to RUN_DIR`: one JSON line per evaluated drafter (eval_results.py)."""
+        return self._path("eval_results.jsonl")
 
     @property
     def health_state(self) -> str:

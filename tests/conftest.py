@@ -15,3 +15,10 @@ def tiny_cache(tmp_path_factory):
     from dflash_ipc.data.tiny import build_tiny_target
     build_tiny_target(os.path.join(cache, "tiny-target"))
     return cache
+
+
+@pytest.fixture(scope="session")
+def cpu_run(tmp_path_factory, tiny_cache):
+    """A finished small CPU job with a saved evaluation (tests/cpu_run.py); read it, never change it."""
+    from cpu_run import run_cpu_job
+    return run_cpu_job(tmp_path_factory.mktemp("cpu-run"), tiny_cache)

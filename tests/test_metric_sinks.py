@@ -139,3 +139,141 @@ def test_open_without_tensorboard_returns_none(tmp_path, monkeypatch, caplog):
     assert [r.levelno for r in caplog.records] == [logging.INFO]
     assert "pip install tensorboard" in caplog.records[0].getMessage()
     assert not os.path.exists(tmp_path / "tensorboard")
+
+
+# ---- Weights & Biases (offline), the status history, the sinks of a job ------------------------
+
+def _job(tmp_path, *overrides):
+    from dflash_ipc.config_load import load_config
+    return load_config(None, [f"run.run_dir={tmp_path / 'run'}", *overrides])
+
+
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from cpu_run import wandb_env
+    for key, value in wandb_env(tmp_path / "wandb-home").items():
+        monkeypatch.setenv(key, value)
+
+
+def test_wandb_offline_run_holds_the_status_scalars_and_a_resumed_job_appends(tmp_path, wandb_offline):
+    from dflash_ipc.wandb_sink import WandbSink, read_run_state
+    from wandb_offline import offline_runs
+    cfg = _job(tmp_path, "metrics.sinks=[wandb]", "metrics.wandb_mode=offline", "metrics.wandb_project=p",
+               "metrics.wandb_run_name=first", "metrics.wandb_tags=[a,b]")
+    sink = WandbSink.open(cfg)
+    for status in SCRIPT[:3]:
+        sink.write(status)
+    sink.close()
+    state = read_run_state(cfg.files.wandb_run)
+    assert state["next_step"] == 3
+    # the job runs again in the same run directory (its supervisor restarted): the same run
+    again = WandbSink.open(cfg)
+    assert again.run.id == state["id"] and again.next_step == 3
+    again.write(SCRIPT[3])
+    again.close()
+    import wandb
+    wandb.teardown()  # the W&B service writes the offline file behind finish(); its exit flushes it
+    first, second = offline_runs(cfg.files.wandb)
+    assert first["id"] == second["id"] == state["id"]
+    assert (first["project"], first["name"], first["tags"]) == ("p", "first", ["a", "b"])
+    assert first["config"]["optimizer"]["lr"] == cfg.optimizer.lr  # the job's config
+    assert [r["_step"] for r in first["history"]] == [0, 1, 2] and [r["_step"] for r in second["history"]] == [3]
+    rows = first["history"] + second["history"]
+    assert [r["rates/tok_rate"] for r in rows] == [80.0, 120.0, 160.0, 200.0]
+    # train/step where drafters report one; W&B itself fills it into a row of drafter/* charts
+    # (step_sync: the first row, a drafter without a step yet), not into one without drafters
+    assert [r.get("train/step") for r in rows] == [0, 3, 5, None]
+    # rates from counter differences: none on a sink's first status (the resumed one's too)
+    assert [r.get("target/0/busy_fraction") for r in rows] == [None, 0.75, None, None]
+    assert rows[1]["drafter/0/loss"] == 2.5 and rows[1]["target/0/rss_mib"] == 510.0
+    assert read_run_state(cfg.files.wandb_run) == {"id": state["id"], "next_step": 4}
+
+
+def test_wandb_missing_or_a_bad_run_record_is_a_clear_error(tmp_path, monkeypatch):
+    from dflash_ipc.errors import ConfigError, MissingExtraError
+    from dflash_ipc.metric_sinks import open_sinks
+    from dflash_ipc.wandb_sink import WandbSink
+    cfg = _job(tmp_path, "metrics.sinks=[tensorboard,wandb]")
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(MissingExtraError, match=r"pip install 'dflash-ipc\[wandb\]'"):
+        open_sinks(cfg)
+    os.makedirs(cfg.run.run_dir, exist_ok=True)
+    with open(cfg.files.wandb_run, "w") as f:
+        f.write('{"id": "../x", "next_step": 2}')
+    monkeypatch.setitem(sys.modules, "wandb", object())  # the record is read before wandb is used
+    with pytest.raises(ConfigError, match=r"wandb_run.json: expected .*delete it"):
+        WandbSink.open(cfg)
+
+
+def test_default_sinks_and_the_status_history(tmp_path):
+    from dflash_ipc.metric_sinks import open_sinks
+    from dflash_ipc.status_history import StatusHistorySink, load_status_history
+    cfg = _job(tmp_path)
+    sinks = open_sinks(cfg)
+    kinds = [type(s).__name__ for s in sinks.sinks]
+    assert kinds[0] == "StatusHistorySink" and kinds[1:] in (["TensorBoardSink"], [])  # tensorboard if installed
+    for status in SCRIPT:
+        sinks.write(status)
+    sinks.close()
+    rows = load_status_history(cfg.files.status_history)
+    assert [r["elapsed_s"] for r in rows] == [10.0, 15.0, 20.0, 25.0]
+    assert rows[0]["workers"] == {"target/0": {"pid": 100, "rss_mib": 500.0, "gpu_mem_allocated_mib": 1000.0,
+                                               "gpu_mem_reserved_mib": 1200.0}}
+    assert rows[1]["workers"]["drafter/0"] == {"pid": None, "rss_mib": 800.0}
+    assert rows[2]["rates"] == SCRIPT[2]["rates"] and rows[2]["batches"]["committed"] == 12
+    # a resumed job appends; a torn last line (a killed supervisor) is skipped
+    StatusHistorySink(cfg.files.status_history).close()
+    with open(cfg.files.status_history, "a") as f:
+        f.write('{"time": 1.0, "work')
+    assert len(load_status_history(cfg.files.status_history)) == 4
+
+
+def test_a_failing_sink_is_dropped_with_one_warning(caplog):
+    from dflash_ipc.metric_sinks import MetricSinks
+
+    class Broken:
+        closed = False
+
+        def write(self, status):
+            raise OSError("disk full")
+
+        def close(self):
+            self.closed = True
+
+    class Counting:
+        writes = 0
+
+        def write(self, status):
+            self.writes += 1
+
+        def close(self):
+            pass
+    broken, counting = Broken(), Counting()
+    sinks = MetricSinks([broken, counting])
+    with caplog.at_level(logging.WARNING, logger="dflash_ipc.metric_sinks"):
+        sinks.write({})
+        sinks.write({})
+    assert counting.writes == 2 and broken.closed and sinks.sinks == [counting]
+    assert [r.getMessage() for r in caplog.records] == ["Broken off: a write failed: disk full"]
+
+
+@pytest.mark.slow
+def test_a_real_job_writes_its_wandb_run(cpu_run):
+    """The supervisor of a real CPU job (metrics.sinks: [tensorboard, wandb], offline): one
+    history row per status poll plus the final status, ending where the job ended."""
+    import json
+
+    from wandb_offline import offline_runs
+    (run,) = offline_runs(os.path.join(cpu_run.run_dir, "wandb"))
+    assert (run["project"], run["tags"]) == ("cpu-run", ["test", "cpu"])
+    history = run["history"]
+    assert [r["_step"] for r in history] == list(range(len(history))) and len(history) >= 3
+    final = json.loads(open(os.path.join(cpu_run.run_dir, "final_status.json")).read())
+    last = history[-1]
+    assert last["batches/committed"] == final["num_batches"] and last["progress/committed_fraction"] == 1.0
+    assert last["train/step"] == final["drafters"]["0"]["metrics"]["step"]
+    assert max(r.get("rates/tok_rate", 0) for r in history) > 0
+    assert any("train/loss" in r for r in history) and "target/1/rss_mib" in last
+    with open(os.path.join(cpu_run.run_dir, "wandb_run.json")) as f:
+        assert json.load(f) == {"id": run["id"], "next_step": len(history)}

@@ -1,142 +1,168 @@
-"""The report: PNG encoding checked by decoding it back, lanes that show starvation, and a PNG
-from a real `dflash-ipc up` run directory on CPU."""
+"""The report: its numbers (report.json) from scripted run directories, the PNG decoded back,
+the clear error without matplotlib, and both from a real `dflash-ipc up` run on CPU."""
 
 import json
-import os
-import signal
-import struct
-import subprocess
 import sys
-import zlib
 
 import numpy as np
 import pytest
 
-from dflash_ipc.errors import DataError
-from dflash_ipc.report import COLORS, UNRECORDED, build_report, draw_text, encode_png, format_summary
+from dflash_ipc.errors import DataError, MissingExtraError
+from dflash_ipc.eval_results import save_eval_results
+from dflash_ipc.report import PANELS, build_report, format_summary
+from dflash_ipc.report.collect import collect
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def decode_png(data: bytes) -> np.ndarray:
-    """Enough of a PNG decoder for what encode_png writes (truecolor, filter 0), checking CRCs."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, []
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
-        assert crc == zlib.crc32(kind + body), kind
-        chunks.append((kind, body))
-        pos += 12 + length
-    assert [k for k, _ in chunks] == [b"IHDR", b"IDAT", b"IEND"]
-    width, height, depth, color, _, _, _ = struct.unpack(">IIBBBBB", chunks[0][1])
-    assert (depth, color) == (8, 2)
-    raw = np.frombuffer(zlib.decompress(chunks[1][1]), np.uint8).reshape(height, 1 + width * 3)
-    assert not raw[:, 0].any()  # filter 0 on every row
-    return raw[:, 1:].reshape(height, width, 3)
+T = 1_800_000_000.0  # wall-clock start of the scripted timelines
 
 
-def test_encode_png_round_trip():
-    image = np.random.default_rng(0).integers(0, 256, (7, 13, 3), dtype=np.uint8)
-    np.testing.assert_array_equal(decode_png(encode_png(image)), image)
-    with pytest.raises(ValueError, match="uint8"):
-        encode_png(image.astype(np.float32))
+def _write_lines(path, rows):
+    path.parent.mkdir(exist_ok=True)
+    with open(path, "w") as f:
+        f.writelines((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
 
 
-def test_draw_text_inks_glyphs_and_clips():
-    image = np.full((20, 40, 3), 255, np.uint8)
-    end = draw_text(image, 1, 1, "i/", color=(0, 0, 0), scale=1)
-    assert end == 13
-    ink = (image == 0).all(axis=2)
-    assert ink[1, 2:5].all() and ink[7, 2:5].all()  # the I's top and bottom bars
-    assert ink[:, 7:12].any() and not ink[9:].any()
-    draw_text(image, 35, 15, "WWW", color=(0, 0, 0))  # past the border: clipped, no error
+def _timelines(run_dir):
+    # target/0 works 90 % of the time, target/1 waits 90 %: a starved target
+    _write_lines(run_dir / "metrics" / "target-0.jsonl",
+                 [{"t0": T + i, "t1": T + i + 0.9, "state": "busy", "tokens": 90} for i in range(10)])
+    _write_lines(run_dir / "metrics" / "target-1.jsonl",
+                 [{"t0": T, "t1": T + 9, "state": "wait_work"},
+                  {"t0": T + 9, "t1": T + 10, "state": "busy", "tokens": 100}])
+    _write_lines(run_dir / "metrics" / "drafter-0.jsonl", [
+        {"t0": T, "t1": T + 5, "state": "wait_hidden"},
+        {"t0": T + 5, "t1": T + 10, "state": "step", "loss": 3.0, "anchors": 50, "sequences": 5, "tokens": 900}])
 
 
-def _write_timeline(run_dir, role, rows):
-    folder = run_dir / "metrics"
-    folder.mkdir(exist_ok=True)
-    with open(folder / (role.replace("/", "-") + ".jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+def _decode(path) -> np.ndarray:
+    from matplotlib.image import imread
+    return imread(path)
 
 
-def _lane_pixels(image, color):
-    """Per image row, how many pixels have exactly `color`."""
-    return (image == np.array(color, np.uint8)).all(axis=2).sum(axis=1)
-
-
-def test_report_shows_a_starved_target(tmp_path):
-    t = 1_800_000_000.0
-    # target/0 works 90% of the time, target/1 waits 90%: a starved target in the picture
-    _write_timeline(tmp_path, "target/0", [{"t0": t + i, "t1": t + i + 0.9, "state": "busy", "tokens": 90}
-                                           for i in range(10)])
-    _write_timeline(tmp_path, "target/1", [{"t0": t, "t1": t + 9, "state": "wait_work"},
-                                           {"t0": t + 9, "t1": t + 10, "state": "busy", "tokens": 100}])
-    _write_timeline(tmp_path, "drafter/0", [
-        {"t0": t, "t1": t + 5, "state": "wait_hidden"},
-        {"t0": t + 5, "t1": t + 10, "state": "step", "loss": 3.0, "anchors": 50, "sequences": 5, "tokens": 900}])
-    (tmp_path / "drafter_metrics.jsonl").write_text('{"loss": 4.0}\n{"loss": NaN}\n{"loss": 3.0}\n')
+def test_timelines_alone_give_the_lanes_and_rates(tmp_path):
+    _timelines(tmp_path)
     report = build_report(str(tmp_path))
-    assert report["png"] == str(tmp_path / "report.png")
-    assert (report["loss_first"], report["loss_last"]) == (4.0, 3.0)
-    workers = report["workers"]
+    assert report["png"] == str(tmp_path / "report.png") and report["json"] == str(tmp_path / "report.json")
+    numbers = json.loads((tmp_path / "report.json").read_text())
+    assert numbers["panels"] == ["states", "rates"]  # no history, step metrics or eval here
+    assert numbers["memory"] is numbers["training"] is numbers["eval"] is None
+    workers = numbers["workers"]
     assert list(workers) == ["target/0", "target/1", "drafter/0"]
     assert workers["target/0"]["busy_fraction"] == pytest.approx(0.9 * 10 / 9.9)
     assert workers["target/1"]["busy_fraction"] == pytest.approx(0.1)
     assert workers["drafter/0"]["anchors_per_s"] == pytest.approx(5.0)
-
-    image = decode_png(open(report["png"], "rb").read())
-    orange, green, red = (_lane_pixels(image, COLORS[s]) for s in ("wait_work", "busy", "wait_hidden"))
-    lanes = [row for row in range(image.shape[0]) if orange[row] + green[row] + red[row] > 500]
-    assert len(lanes) >= 3 * 10  # three lanes, each many pixels tall
-    starved = max(lanes, key=lambda row: orange[row])
-    busy = max(lanes, key=lambda row: green[row])
-    assert orange[starved] > 8 * green[starved]          # target/1: mostly orange
-    assert green[busy] > 0.85 * (green[busy] + orange[busy] + _lane_pixels(image, UNRECORDED)[busy])
-    assert red.max() > 0.4 * green[lanes].max() * 0.9     # drafter/0: half red
+    assert numbers["states"]["target/1"] == [[0.0, 9.0, "wait_work"], [9.0, 10.0, "busy"]]
+    assert numbers["span_s"] == pytest.approx(10.0)
+    rates = numbers["rates"]
+    assert len(rates["t"]) == len(rates["produced_tokens_per_s"]) == len(rates["trained_tokens_per_s"]) == 100
+    # target/0 produces 90 tokens a second; the one step ends at 10 s, so training shows at the end only
+    assert np.mean(rates["produced_tokens_per_s"][20:80]) == pytest.approx(90, rel=0.1)  # 6 whole periods
+    assert max(rates["trained_tokens_per_s"][:50]) == 0 and rates["trained_tokens_per_s"][-1] > 0
+    image = _decode(report["png"])
+    assert image.ndim == 3 and image.shape[1] > 1000 and image.shape[0] > 300
     assert "target/1" in format_summary(report) and "10.0%" in format_summary(report)
 
 
-def test_report_without_metrics_names_the_folder(tmp_path):
+def test_every_panel_from_its_file(tmp_path):
+    _timelines(tmp_path)
+    # a resumed job retrains steps 3-4 and appends them: the last line of a step wins
+    steps = [{"step": s, "loss": 5.0 - 0.1 * s, "lr": 1e-3 * s} for s in range(1, 5)]
+    steps += [{"step": 3, "loss": 4.5, "lr": 3e-3}, {"step": 4, "loss": float("nan"), "lr": 4e-3}, "{torn"]
+    _write_lines(tmp_path / "drafter_metrics.jsonl", [json.dumps(s) if isinstance(s, dict) else s for s in steps])
+    history = [{"time": T + 2 * i,
+                "workers": {"target/0": {"pid": 1, "rss_mib": 500.0, "gpu_mem_reserved_mib": 1000.0 + i},
+                            "drafter/0": {"pid": 2, "rss_mib": 800.0}}} for i in range(3)]
+    _write_lines(tmp_path / "status_history.jsonl", history)
+    save_eval_results(str(tmp_path), [
+        {"label": "untrained", "tau": 1.0, "acceptance_per_position": [0.0, 0.0, 0.0]},
+        {"label": "trained", "tau": 2.5, "acceptance_per_position": [0.9, 0.5, None], "num_generated_tokens": 120,
+         "wall_s": 2.0}], baseline=[True, False])
+    (tmp_path / "out").mkdir()
+    report = build_report(str(tmp_path), str(tmp_path / "out" / "r.png"))  # the JSON goes beside it
+    assert report["json"] == str(tmp_path / "out" / "r.json")
+    numbers = json.loads((tmp_path / "out" / "r.json").read_text())
+    assert numbers["panels"] == list(PANELS)
+    assert numbers["training"] == {"step": [1, 2, 3, 4], "loss": [4.9, 4.8, 4.5, None], "lr": [1e-3, 2e-3, 3e-3, 4e-3]}
+    assert numbers["loss_first"] == 4.9 and numbers["loss_last"] == 4.5
+    memory = numbers["memory"]
+    # GPU memory where any process reports it; the drafter reported host memory only
+    assert memory["metric"] == "gpu_mem_reserved_mib"
+    assert memory["workers"] == {"target/0": {"t": [0.0, 2.0, 4.0], "mib": [1000.0, 1001.0, 1002.0]}}
+    assert numbers["eval"] == {"label": "trained", "time": pytest.approx(numbers["eval"]["time"]), "tau": 2.5,
+                               "acceptance_per_position": [0.9, 0.5, None], "tokens_per_s": 60.0}
+    assert "tau 2.50" in format_summary(report)
+    _decode(report["png"])
+
+
+def test_host_memory_when_no_gpu_memory_is_reported(tmp_path):
+    _timelines(tmp_path)
+    _write_lines(tmp_path / "status_history.jsonl",
+                 [{"time": T + 1, "workers": {"target/1": {"rss_mib": 300.0}, "drafter/0": {"rss_mib": 800.0}}},
+                  {"time": T + 3, "workers": {"target/1": {"rss_mib": 310.0}}}])
+    memory = collect(str(tmp_path))["memory"]  # the numbers alone: no picture needed
+    assert memory == {"metric": "rss_mib", "workers": {"target/1": {"t": [1.0, 3.0], "mib": [300.0, 310.0]},
+                                                       "drafter/0": {"t": [1.0], "mib": [800.0]}}}
+
+
+def test_without_metrics_names_the_folder(tmp_path):
     with pytest.raises(DataError, match="metrics"):
         build_report(str(tmp_path))
 
 
-@pytest.mark.slow
-def test_report_from_a_real_cpu_run(tmp_path, tiny_cache):
-    """A small real job (2 targets, 1 drafter, 1 epoch) leaves timelines that report draws."""
-    run_dir = tmp_path / "run"
-    # test_pipeline_e2e's job, smaller; the target given by path skips the closing eval
-    overrides = [
-        "data.synthetic_samples=120", "data.synthetic_min_len=24", "data.synthetic_max_len=200",
-        "data.bucket_boundaries=[64,128,200]", "data.token_budget=800", "data.num_epochs=1",
-        "model.num_layers=1", "model.target_layer_ids=[1,2]", "objective.anchors_per_step=128",
-        "objective.max_anchors_per_seq=32", "checkpoint.every_steps=10", "drafter.fifo_sequences=32",
-        "target.num_workers=2", "drafter.num_workers=1", f"target.path={tiny_cache}/tiny-target"]
-    argv = [sys.executable, "-m", "dflash_ipc.cli", "up", "-o", f"run.run_dir={run_dir}"]
-    for o in overrides:
-        argv += ["-o", o]
-    env = dict(os.environ, DFLASH_IPC_CACHE=str(tiny_cache), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"dflash-ipc up did not finish in 120 s:\n{out.decode()[-3000:]}")
-    assert proc.returncode == 0, out.decode()[-3000:]
+def test_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
+    _timelines(tmp_path)
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg", "matplotlib.patches"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import matplotlib...` raises ImportError
+    with pytest.raises(MissingExtraError, match=r"pip install 'dflash-ipc\[report\]'"):
+        build_report(str(tmp_path))
+    assert not (tmp_path / "report.png").exists() and not (tmp_path / "report.json").exists()
 
-    report = build_report(str(run_dir), str(tmp_path / "out.png"))
-    workers = report["workers"]
-    assert set(workers) == {"target/0", "target/1", "drafter/0"}
-    final = json.loads((run_dir / "final_status.json").read_text())
+
+@pytest.mark.slow
+def test_report_from_a_real_cpu_run(cpu_run, tmp_path):
+    """A small real job (2 targets, 1 drafter, 1 epoch) and its saved eval: every panel."""
+    from click.testing import CliRunner
+
+    from dflash_ipc.cli import main
+    result = CliRunner().invoke(main, ["report", cpu_run.run_dir, "--out", str(tmp_path / "out.png")])
+    assert result.exit_code == 0, result.output
+    assert "panels states, rates, memory, training, eval" in result.output
+    numbers = json.loads((tmp_path / "out.json").read_text())
+    assert numbers["panels"] == list(PANELS)
+    workers = numbers["workers"]
+    assert set(workers) == set(numbers["states"]) == {"target/0", "target/1", "drafter/0"}
+    final = json.loads(open(f"{cpu_run.run_dir}/final_status.json").read())
     produced = sum(t["tokens"] for t in final["targets"].values())
     assert sum(workers[f"target/{r}"]["tokens"] for r in range(2)) == produced
     drafter = workers["drafter/0"]
-    assert drafter["count"] > 0 and drafter["anchors"] > 0 and drafter["sequences"] > 0
-    assert 0 < drafter["busy_fraction"] <= 1 and drafter["loss_last"] == drafter["loss_last"]
+    assert drafter["count"] > 0 and drafter["anchors"] > 0 and 0 < drafter["busy_fraction"] <= 1
     assert all(0 < workers[f"target/{r}"]["busy_fraction"] < 1 for r in range(2))
-    image = decode_png(open(report["png"], "rb").read())
-    assert image.shape[1] == 1200 and (_lane_pixels(image, COLORS["step"]) > 100).any()
+    assert max(numbers["rates"]["produced_tokens_per_s"]) > 0 and max(numbers["rates"]["trained_tokens_per_s"]) > 0
+    steps = numbers["training"]["step"]
+    latest = json.loads(open(f"{cpu_run.run_dir}/checkpoints/latest.json").read())
+    assert steps == list(range(1, latest["step"] + 1))  # every step, up to the closing checkpoint
+    assert all(v is not None and v > 0 for v in numbers["training"]["lr"][:-1])
+    # CPU: host memory of every process, from the supervisor's polls
+    assert numbers["memory"]["metric"] == "rss_mib"
+    assert set(numbers["memory"]["workers"]) == set(workers)
+    assert all(min(lane["mib"]) > 50 for lane in numbers["memory"]["workers"].values())
+    saved = cpu_run.eval_json[0]
+    assert numbers["eval"]["tau"] == pytest.approx(saved["tau"])
+    assert numbers["eval"]["acceptance_per_position"] == pytest.approx(saved["acceptance_per_position"])
+    image = _decode(tmp_path / "out.png")
+    assert image.shape[0] > 1000 and image.shape[1] > 1000
+
+
+def test_a_long_lane_is_binned_by_majority_state(tmp_path):
+    # 30,000 batches of 0.3 s busy + 0.1 s waiting: far more intervals than pixels
+    rows = []
+    for i in range(30_000):
+        rows += [{"t0": T + 0.4 * i, "t1": T + 0.4 * i + 0.3, "state": "busy", "tokens": 10},
+                 {"t0": T + 0.4 * i + 0.3, "t1": T + 0.4 * i + 0.4, "state": "wait_work"}]
+    rows[-20_000:] = [{"t0": r["t0"], "t1": r["t1"], "state": "wait_work"} for r in rows[-20_000:]]  # idle tail
+    _write_lines(tmp_path / "metrics" / "target-0.jsonl", rows)
+    numbers = collect(str(tmp_path))
+    lane = numbers["states"]["target/0"]
+    assert len(lane) <= 2000 and [state for _, _, state in lane] == ["busy", "wait_work"]  # merged runs
+    busy_end = lane[0][1]
+    assert busy_end == pytest.approx(0.4 * 20_000, rel=0.002) and lane[-1][1] == pytest.approx(12_000.0)
+    assert numbers["workers"]["target/0"]["busy_s"] == pytest.approx(0.3 * 20_000)  # exact, unbinned

@@ -1,8 +1,10 @@
-"""The supervisor's status line and the epoch progress bar with ETA, on constructed statuses."""
+"""The supervisor's status line and the epoch progress bar with ETA, on constructed statuses;
+StatusLine stepped through a scripted job: monotone progress, a final pair that is final."""
 
 import pytest
 
-from dflash_ipc.supervise.status_line import estimate_eta_s, format_duration, format_progress, format_status
+from dflash_ipc.supervise.status_line import (StatusLine, estimate_eta_s, format_duration, format_progress,
+                                              format_status)
 
 
 def _status(epochs, *, tok_rate=0.0, trained=0, committed_tokens=0, consumed_tokens=0, consumed=0,
@@ -104,3 +106,34 @@ def test_trained_share_moves_between_commits():
     status = _status([(10, 0)], tok_rate=50.0, trained=600, consumed_tokens=700, consumed=7, total_tokens=1000)
     assert format_progress(status, width=10) == (
         "epoch 1/1 [..........]   0% 0/10 batches  trained 60% of tokens  ETA 8s")
+
+
+def test_status_line_percent_is_floored():
+    status = _status([(200, 199)])
+    assert format_status(status).startswith("[   42s]  99% 199/200 batches")  # 99.5 % is not done
+
+
+def test_stepped_job_progress_never_goes_back_and_ends_final():
+    """The job seen on a real model: trained 98 % then 97 % (a drafter group restarted from its
+    last checkpoint), and the last live bar at 80 % before the end."""
+    line = StatusLine(width=10)
+    script = [
+        # (committed batches of 10, trained tokens of 1000, committed tokens)
+        (0, 300, 0), (0, 600, 0), (8, 980, 800), (8, 970, 800), (8, 850, 800), (8, 990, 800),
+    ]
+    shown = []
+    for committed, trained, committed_tokens in script:
+        status = _status([(10, committed)], tok_rate=50.0, trained=trained, committed_tokens=committed_tokens,
+                         total_tokens=1000, consumed=10 - committed)
+        status_line, bar = line.lines(status)
+        assert status_line == format_status(status)
+        shown.append(bar)
+    shares = [int(bar.split("trained ")[1].split("%")[0]) for bar in shown]
+    assert shares == [30, 60, 98, 98, 98, 99]
+    # the share holds; the ETA counts what is left now: (1000 - 850) / 50 = 3 s
+    assert shown[4] == "epoch 1/1 [########..]  80% 8/10 batches  trained 98% of tokens  ETA 3s"
+    final = _status([(10, 10)], trained=1000, committed_tokens=1000, total_tokens=1000, finished=True)
+    final["average_rates"] = {"tgt_rate": 30.0, "dft_rate": 25.0, "tok_rate": 20.0}
+    done, bar = line.final_lines(final)
+    assert done.startswith("done, averages: [   42s] 100% 10/10 batches | tgt_rate 30 dft_rate 25 tok_rate 20 ")
+    assert bar == "epoch 1/1 [##########] 100% 10/10 batches  ETA done"

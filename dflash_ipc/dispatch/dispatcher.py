@@ -28,8 +28,9 @@ from dflash_ipc import protocol as p
 from dflash_ipc.dispatch.buckets import PlannedBatch
 from dflash_ipc.dispatch.ledger import BatchState, Ledger, TrainedCopy
 from dflash_ipc.dispatch.policy import make_policy
-from dflash_ipc.dispatch.seats import DrafterSeat, Rate, Seat, TargetSeat
+from dflash_ipc.dispatch.seats import RATE_WINDOW_S, DrafterSeat, Seat, TargetSeat
 from dflash_ipc.errors import ProtocolError, UnregisteredSender
+from dflash_ipc.token_rate import TokenRate
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class Dispatcher:
         self.drafter_generation = drafter_generation
         self.started = clock()
         self.tokens_produced = self.tokens_consumed = self.tokens_committed = 0
-        self.rates = {name: Rate() for name in ("tgt_rate", "dft_rate", "tok_rate")}
+        self.rates = {name: TokenRate(RATE_WINDOW_S) for name in ("tgt_rate", "dft_rate", "tok_rate")}
         self.end_sent = False
         self.refusals = 0
         # Targets dropped while their process may still run (hung, or replaced): pid -> why.

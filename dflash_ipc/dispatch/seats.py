@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-RATE_WINDOW_S = 10.0  # rates in the status are averaged over this trailing window
+RATE_WINDOW_S = 10.0  # status rates span at least this long (token_rate.py: and whole batches)
 
 
 @dataclass
@@ -38,22 +38,3 @@ class TargetSeat(Seat):
 @dataclass
 class DrafterSeat(Seat):
     waiting_since: float = 0.0
-
-
-class Rate:
-    """Tokens per second over a trailing window, from cumulative counts."""
-
-    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
-        self.window_s = window_s
-        self.points: collections.deque = collections.deque()
-
-    def add(self, now: float, total: float) -> None:
-        self.points.append((now, total))
-        while len(self.points) > 2 and now - self.points[1][0] > self.window_s:
-            self.points.popleft()
-
-    def value(self) -> float:
-        if len(self.points) < 2:
-            return 0.0
-        (t0, v0), (t1, v1) = self.points[0], self.points[-1]
-        return (v1 - v0) / (t1 - t0) if t1 > t0 else 0.0

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 
 import torch
 
@@ -98,12 +99,14 @@ def inference_config(config: DFlashConfig, dtype: torch.dtype = torch.bfloat16) 
     return d
 
 
-def save_inference_checkpoint(model: DFlashDraftModel, out_dir: str, *, dtype: torch.dtype = torch.bfloat16) -> None:
+def save_inference_checkpoint(model: DFlashDraftModel, out_dir: str, *, dtype: torch.dtype = torch.bfloat16,
+                              extras: Callable[[str], None] | None = None) -> None:
     """Write ``out_dir/{config.json, model.safetensors}`` atomically.
 
     Everything is written into ``out_dir.tmp-<pid>`` first and renamed into place, so a
     reader sees either the previous complete export or the new one, never a half file.
-    An existing ``out_dir`` is moved aside and removed after the rename.
+    An existing ``out_dir`` is moved aside and removed after the rename. ``extras(tmp_dir)``
+    adds files before the rename (the model card, ``--with-code``: model_card.py, hub_code.py).
     """
     out_dir = os.path.abspath(out_dir)
     tmp = f"{out_dir}.tmp-{os.getpid()}"
@@ -111,6 +114,8 @@ def save_inference_checkpoint(model: DFlashDraftModel, out_dir: str, *, dtype: t
     os.makedirs(tmp)
     try:
         write_inference_files(model, tmp, dtype=dtype)
+        if extras is not None:
+            extras(tmp)
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -186,7 +191,7 @@ def load_inference_checkpoint(
     return model
 
 
-def resolve_checkpoint_dir(checkpoint: str) -> str:
+def checkpoint_step_dir(checkpoint: str) -> str:
     """A `step_N/` directory, or the checkpoints root whose latest.json names the newest
     committed one; a checkpoint with a manifest is verified against it."""
     step_dir = checkpoint
@@ -202,7 +207,8 @@ def resolve_checkpoint_dir(checkpoint: str) -> str:
     return step_dir
 
 
-def export_training_checkpoint(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.bfloat16) -> str:
+def export_training_checkpoint(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.bfloat16,
+                               extras: Callable[[str], None] | None = None) -> str:
     """Inference export of a trainer checkpoint; returns ``out_dir``.
 
     ``checkpoint`` is a ``step_N/`` directory written by the drafter trainer, or the
@@ -213,7 +219,7 @@ def export_training_checkpoint(checkpoint: str, out_dir: str, *, dtype: torch.dt
     """
     from safetensors import SafetensorError, safe_open
 
-    step_dir = resolve_checkpoint_dir(checkpoint)
+    step_dir = checkpoint_step_dir(checkpoint)
     model = load_inference_checkpoint(step_dir, dtype=torch.float32)  # also validates the step dir
     state_path = os.path.join(step_dir, STATE_TENSORS)
     if os.path.exists(state_path):
@@ -223,5 +229,5 @@ def export_training_checkpoint(checkpoint: str, out_dir: str, *, dtype: torch.dt
             model.load_state_dict(state, strict=True)
         except (OSError, SafetensorError, RuntimeError) as e:
             raise DataError(f"{state_path}: its model tensors do not match {step_dir}/{CONFIG_FILE} ({e})") from e
-    save_inference_checkpoint(model, out_dir, dtype=dtype)
+    save_inference_checkpoint(model, out_dir, dtype=dtype, extras=extras)
     return out_dir

@@ -1,6 +1,12 @@
-"""The supervisor's one-line status, from the dispatcher's `StatusReply`."""
+"""The supervisor's status line and epoch progress bar, from the dispatcher's `StatusReply`.
+
+`StatusLine` prints both for each poll and the closing pair at the end of a job; the
+`format_*` functions draw one status each. Rates come smoothed from the dispatcher
+(token_rate.py); the percentages shown never go backwards (see `StatusLine`).
+"""
 
 from __future__ import annotations
+
 
 
 def _mean_metric(workers: dict, name: str) -> float | None:
@@ -20,7 +26,8 @@ def format_status(status: dict, *, final: bool = False) -> str:
     step = _mean_metric(status["drafters"], "step")
     free = sum(t["free_slots"] for t in status["targets"].values())
     parts = [
-        f"[{status['elapsed_s']:5.0f}s] {100 * done / total:3.0f}% {done}/{status['num_batches']} batches",
+        # floor: 100% only once every batch is committed
+        f"[{status['elapsed_s']:5.0f}s] {100 * done // total:3d}% {done}/{status['num_batches']} batches",
         f"tgt_rate {rates['tgt_rate']:,.0f} dft_rate {rates['dft_rate']:,.0f} tok_rate {rates['tok_rate']:,.0f} tok/s",
         (f"step {step:.0f} loss {loss:.3f}" if loss is not None else "step - loss -"),
         f"pending {b.get('pending', 0)} leased {b.get('leased', 0)} produced {b.get('produced', 0)} "
@@ -72,13 +79,14 @@ def estimate_eta_s(status: dict) -> float | None:
     return max(0.0, total - done) / rate
 
 
-def format_progress(status: dict, width: int = 30) -> str:
+def format_progress(status: dict, width: int = 30, *, trained_tokens: float | None = None) -> str:
     """The epoch progress bar, e.g.
     `epoch 2/3 [############..................]  41% 120/290 batches  job 47%  ETA 3m12s`.
     The current epoch is the first not fully committed; `job` (several epochs only) is the
     fraction of all batches committed; `trained` the job's tokens through an optimizer step so
     far (commits come only with checkpoints); the ETA is `--` while the trained-token rate is 0
-    or unknown, and `done` once every batch is committed."""
+    or unknown, and `done` once every batch is committed. `trained_tokens` replaces the
+    status' own count in the trained share (not in the ETA): `StatusLine` keeps it monotone."""
     batches = status.get("batches") or {}
     num_batches = status.get("num_batches") or 0
     job_done = batches.get("committed", 0)
@@ -98,12 +106,39 @@ def format_progress(status: dict, width: int = 30) -> str:
     if len(epochs) > 1 and num_batches > 0:
         parts.append(f"job {int(100 * min(1.0, job_done / num_batches))}%")
     tokens = status.get("tokens") or {}
-    if not finished and tokens.get("total") and tokens.get("trained"):
+    trained = tokens.get("trained") if trained_tokens is None else trained_tokens
+    if not finished and tokens.get("total") and trained:
         # Batches count as committed only at a checkpoint; this moves with every step.
-        parts.append(f"trained {int(100 * min(1.0, tokens['trained'] / tokens['total']))}% of tokens")
+        parts.append(f"trained {int(100 * min(1.0, trained / tokens['total']))}% of tokens")
     if finished:
         parts.append("ETA done")
     else:
         eta = estimate_eta_s(status)
         parts.append(f"ETA {format_duration(eta)}" if eta is not None else "ETA --")
     return "  ".join(parts)
+
+
+class StatusLine:
+    """The lines the supervisor prints, poll after poll.
+
+    Progress shown is monotone: the job's trained tokens (the sum of the drafters' counts)
+    fall back when a drafter group restarts from its last checkpoint, and the batches trained
+    since then are trained again; the share printed holds the most the job has reached (and
+    at least the committed tokens) until the new count passes it. The closing pair is final:
+    the whole-run averages and a bar at 100 %, so nothing printed before it reads as the end.
+    """
+
+    def __init__(self, width: int = 30) -> None:
+        self.width = width
+        self._trained_mark = 0.0
+
+    def lines(self, status: dict) -> list[str]:
+        """The status line and the progress bar of one live status."""
+        tokens = status.get("tokens") or {}
+        self._trained_mark = max(self._trained_mark, float(tokens.get("trained") or 0.0),
+                                 float(tokens.get("committed") or 0.0))
+        return [format_status(status), format_progress(status, self.width, trained_tokens=self._trained_mark)]
+
+    def final_lines(self, status: dict) -> list[str]:
+        """The closing pair, from the dispatcher's final status (every batch committed)."""
+        return [format_status(status, final=True), format_progress(status, self.width)]

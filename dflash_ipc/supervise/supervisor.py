@@ -32,13 +32,13 @@ from dflash_ipc.config_load import dump_config
 from dflash_ipc.drafter.checkpoint_store import CheckpointStore
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.liveness import read_beacon
-from dflash_ipc.metric_sinks import TensorBoardSink
+from dflash_ipc.metric_sinks import MetricSinks, open_sinks
 from dflash_ipc.resolve import check_job_devices
 from dflash_ipc.supervise.children import Child, stop_children
 from dflash_ipc.supervise.decisions import (ChildView, Died, Fail, Kill, KillDrafters, Scheduled, Start,
                                             SupervisorLogic, SweepPool)
 from dflash_ipc.supervise.roles import DISPATCHER, Role
-from dflash_ipc.supervise.status_line import format_progress, format_status
+from dflash_ipc.supervise.status_line import StatusLine
 from dflash_ipc.supervise.status_poller import StatusPoller
 from dflash_ipc.transport.slots import unlink_segments
 from dflash_ipc.wire_security import curve_required, ensure_keys
@@ -86,7 +86,8 @@ class Supervisor:
         self.last_status: dict | None = None
         self._signals = 0
         self._checkpoint_on_stop = True
-        self.tensorboard: TensorBoardSink | None = None
+        self.sinks = MetricSinks([])
+        self.status_line = StatusLine()
 
     # --- start ----------------------------------------------------------------------------
 
@@ -156,16 +157,15 @@ class Supervisor:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         link = None
         try:
+            if self.cfg.run.node_rank == 0:  # one writer per job; before any child, so a missing
+                self.sinks = open_sinks(self.cfg)  # tracker stops nothing that runs
             self.start()
-            if self.cfg.run.node_rank == 0:  # one writer per job
-                self.tensorboard = TensorBoardSink.open(self.files.tensorboard)
             link = DispatcherLink.for_job(self.cfg, "observer/supervisor", heartbeat_interval_s=3600, timeout_s=3600)
             return self._watch(StatusPoller(link))
         finally:
             if link is not None:
                 link.close()
-            if self.tensorboard is not None:
-                self.tensorboard.close()
+            self.sinks.close()
             if self._stop_reason and self._signals <= 1 and self._checkpoint_on_stop:
                 self._checkpoint_drafters()
             self.stop()
@@ -264,17 +264,18 @@ class Supervisor:
         if status is None:
             return None
         self.last_status = status
-        self.print_status(format_status(status))
-        self.print_status(format_progress(status))
-        if self.tensorboard is not None:
-            self.tensorboard.write(status)
+        for line in self.status_line.lines(status):
+            self.print_status(line)
+        self.sinks.write(status)
         return status
 
     def _final_status(self) -> None:
         try:
             with open(self.files.final_status) as f:
                 self.last_status = json.load(f)
-            self.print_status(format_status(self.last_status, final=True))
+            for line in self.status_line.final_lines(self.last_status):
+                self.print_status(line)
+            self.sinks.write(self.last_status)  # the trackers end where the job did
         except (OSError, ValueError) as exc:
             log.warning("no final status: %s", exc)
 
