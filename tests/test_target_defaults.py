@@ -20,6 +20,7 @@ def test_layer_ids_follow_the_paper_and_stay_distinct_for_shallow_targets():
     assert captured_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B
     assert captured_layer_ids(48, 5) == [1, 12, 23, 34, 45]  # Qwen3-30B-A3B
     assert captured_layer_ids(4, 2) == [1, 2]  # the tiny target (the paper's range gives [1, 1])
+    assert captured_layer_ids(3, 2) == [0, 1]  # the last layer only when nothing else is left
     assert captured_layer_ids(2, 2) == [0, 1]
     assert captured_layer_ids(4, 1) == [2]
     with pytest.raises(ConfigError, match="cannot choose that many distinct captured layers"):

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from dflash_ipc import protocol as p
 from dflash_ipc.config import JobConfig
 from dflash_ipc.data.dataset import TokenDataset
+from dflash_ipc.device_fit import probe_drafter_step
 from dflash_ipc.drafter.model import DFlashConfig
 from dflash_ipc.drafter.target_head import FrozenTargetHead
 from dflash_ipc.drafter.trainer import (DrafterTrainer, Sequence, eligible_anchor_count,
@@ -219,6 +220,7 @@ def _build_and_serve(cfg: JobConfig, rank: int, device: str, link: DispatcherLin
     total = estimate_total_steps(dataset, cfg.objective, num_epochs=cfg.data.num_epochs,
                                  world_size=cfg.total_drafters)
     trainer = DrafterTrainer(cfg, model_config, head, device=device, total_steps=total)
+    probe_drafter_step(trainer, dataset, cfg, TORCH_DTYPES[cfg.target.dtype])  # fits, or a ConfigError
     log.info("drafter: %.1fM trainable parameters, ~%d steps planned, attention %s",
              sum(p.numel() for p in trainer.model.parameters()) / 1e6, total, trainer.backend)
     worker = DrafterWorker(cfg, trainer, dataset, ReaderCache(device))

@@ -68,6 +68,9 @@ class FeatureCapture:
         self.layers = stack.layers
         self.embed_tokens = stack.embed_tokens
         self.attn_implementation = model.config._attn_implementation
+        # transformers 5 runs MoE experts as grouped matmuls where it can, else a loop: say which.
+        has_experts = any(getattr(text_config(config), key, None) for key in ("num_experts", "num_local_experts"))
+        self.experts_implementation = getattr(model.config, "_experts_implementation", None) if has_experts else None
         del model
         self.device = input_device(stack)
         self.hidden_size = int(text_config(config).hidden_size)
@@ -76,8 +79,9 @@ class FeatureCapture:
         self._captured: dict[int, torch.Tensor] = {}
         for layer_id in self.layer_ids:
             self.layers[layer_id].register_forward_hook(self._hook(layer_id))
-        log.info("target %s (%s, %s attention): %s; capturing %s (feature dim %d)", path,
-                 type(self.decoder).__name__, self.attn_implementation, loaded, layer_ids, self.feature_dim)
+        experts = f", {self.experts_implementation} experts" if self.experts_implementation else ""
+        log.info("target %s (%s, %s attention%s): %s; capturing %s (feature dim %d)", path,
+                 type(self.decoder).__name__, self.attn_implementation, experts, loaded, layer_ids, self.feature_dim)
 
     def _hook(self, layer_id: int):
         def keep_output(module, args, output):

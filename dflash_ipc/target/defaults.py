@@ -35,15 +35,15 @@ def captured_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[in
     """The paper's layer choice (`default_target_layer_ids`), made distinct for shallow targets.
 
     The paper spreads n ids over layers 1..L-3; a target with fewer than n+3 layers gives
-    repeated ids there, so the spread widens to 1..L-2, then 0..L-1 (a 4-layer target and a
-    2-layer drafter: [1, 2]).
+    repeated ids there, so the spread widens to 1..L-2, then 0..L-2, then 0..L-1 (the last
+    layer only when nothing else is left: a 4-layer target and a 2-layer drafter: [1, 2]).
     """
     if num_draft_layers > num_target_layers:
         raise ConfigError(f"model.num_layers={num_draft_layers}: cannot choose that many distinct captured layers "
                           f"from a {num_target_layers}-layer target; set model.target_layer_ids")
     if num_draft_layers == 1 or num_target_layers >= num_draft_layers + 3:
         return default_target_layer_ids(num_target_layers, num_draft_layers)
-    for low, high in ((1, num_target_layers - 2), (0, num_target_layers - 1)):
+    for low, high in ((1, num_target_layers - 2), (0, num_target_layers - 2), (0, num_target_layers - 1)):
         if high - low + 1 >= num_draft_layers:
             return _spread(low, high, num_draft_layers)
     raise AssertionError("unreachable: n <= L always fits 0..L-1")
