@@ -43,12 +43,14 @@ def device_capacity(device: torch.device) -> int:
     return int(free + torch.cuda.memory_reserved(device))
 
 
-def heaviest_target_batch(data_cfg) -> tuple[int, int]:
+def heaviest_target_batch(data_cfg, longest: int | None = None) -> tuple[int, int]:
     """(sequences, padded length) of the planned batch with the largest activations: the
-    largest bucket, padded, with as many sequences as `token_budget` and `max_batch_size`
-    allow (attention memory grows with batch x length^2 at a fixed token count)."""
+    longest sample (at most the largest bucket), padded, with as many sequences as
+    `token_budget` and `max_batch_size` allow (attention memory grows with batch x length^2
+    at a fixed token count)."""
     pad = data_cfg.pad_multiple
-    padded = -(-data_cfg.max_length // pad) * pad
+    length = data_cfg.max_length if longest is None else min(longest, data_cfg.max_length)
+    padded = -(-length // pad) * pad
     return max(1, min(data_cfg.max_batch_size, data_cfg.token_budget // padded)), padded
 
 
@@ -67,12 +69,13 @@ def check_pool_fits(layout, device: str) -> None:
             "target.num_slots or data.token_budget")
 
 
-def probe_target_batch(capture, pool, data_cfg, device: str) -> None:
-    """Runs the heaviest batch once into slot 0 (nothing is published); ConfigError on OOM."""
+def probe_target_batch(capture, pool, data_cfg, device: str, longest: int | None = None) -> None:
+    """Runs the heaviest batch (`longest`: the data's longest sample) once into slot 0
+    (nothing is published); ConfigError on out-of-memory."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return
-    batch, padded = heaviest_target_batch(data_cfg)
+    batch, padded = heaviest_target_batch(data_cfg, longest)
     # One token everywhere: in a MoE every token then routes to the same experts, the worst
     # case of its per-expert buffers.
     ids = torch.zeros(batch, padded, dtype=torch.long, device=capture.device)
@@ -84,8 +87,8 @@ def probe_target_batch(capture, pool, data_cfg, device: str) -> None:
         torch.cuda.synchronize(dev)
     except torch.OutOfMemoryError:
         raise ConfigError(
-            f"target on {device}: a batch of {batch} x {padded} tokens (the largest bucket "
-            f"data.bucket_boundaries[-1]={data_cfg.max_length}, data.token_budget={data_cfg.token_budget}) runs out "
+            f"target on {device}: a batch of {batch} x {padded} tokens (the longest sample, at most the largest "
+            f"bucket data.bucket_boundaries[-1]={data_cfg.max_length}; data.token_budget={data_cfg.token_budget}) runs out "
             f"of memory next to the model and the slot pool ({gib(torch.cuda.memory_allocated(dev))} held, "
             f"{capture.attn_implementation} attention); lower data.token_budget (one long sequence per batch: "
             f"token_budget = the largest bucket) or target.num_slots") from None
@@ -140,6 +143,8 @@ def heaviest_step(trainer, dataset, cfg, feature_dtype: torch.dtype) -> tuple[li
         chosen.append((Sequence(batch_id=-1, epoch=0, sample_id=sample_id, features=features,
                                 input_ids=torch.from_numpy(ids.astype("int64")),
                                 loss_mask=torch.from_numpy(mask.astype(bool)), num_anchors=anchors), anchors))
+    if not chosen:
+        return [], "no sample has an anchor"
     lengths = [len(s.input_ids) for s, _ in chosen]
     return chosen, (f"{len(chosen)} sequences of {min(lengths)}..{max(lengths)} tokens, "
                     f"{sum(a for _, a in chosen)} anchors")
@@ -166,6 +171,8 @@ def probe_drafter_step(trainer, dataset, cfg, feature_dtype: torch.dtype) -> Non
     if dev.type != "cuda":
         return
     chosen, what = heaviest_step(trainer, dataset, cfg, feature_dtype)
+    if not chosen:
+        return
     width_bytes = chosen[0][0].features.shape[1] * feature_dtype.itemsize
     torch.cuda.reset_peak_memory_stats(dev)
     try:

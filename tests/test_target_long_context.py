@@ -72,6 +72,7 @@ def test_a_32k_sequence_is_planned_alone_and_fits_a_slot(long_data):
                         feature_dim=256, dtype="bfloat16")
     assert layout.max_tokens >= LONG and layout.pool_bytes == 2 * LONG * 256 * 2
     assert device_fit.heaviest_target_batch(cfg.data) == (1, LONG)
+    assert device_fit.heaviest_target_batch(cfg.data, longest=1001) == (32, 1008)  # the data's longest, padded
 
 
 def test_the_drafter_step_attends_over_32k_context_keys(long_data):
@@ -152,7 +153,7 @@ def test_a_batch_that_runs_out_of_memory_is_a_config_error(monkeypatch, tiny_cac
     _FakeCuda(monkeypatch, free=device_fit.GIB)
     pool = type("Pool", (), {"write_view": lambda self, slot, n: None})()
     with pytest.raises(ConfigError, match=r"a batch of 1 x 32768 tokens .* runs out of memory .*sdpa attention"):
-        device_fit.probe_target_batch(capture, pool, cfg.data, "cuda:0")
+        device_fit.probe_target_batch(capture, pool, cfg.data, "cuda:0", longest=LONG)
 
 
 def test_a_drafter_whose_queue_cannot_fit_is_a_config_error(monkeypatch, long_data, caplog):

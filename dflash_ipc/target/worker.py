@@ -85,7 +85,8 @@ def run_target(cfg: JobConfig, rank: int) -> None:
     pool = create_pool(layout, device, name=cfg.files.pool_name(rank),
                        publish_sync=cfg.publish_sync_of(rank))
     try:
-        probe_target_batch(capture, pool, cfg.data, device)  # the longest bucket fits, or a ConfigError
+        # the heaviest batch of the plan fits, or a ConfigError
+        probe_target_batch(capture, pool, cfg.data, device, longest=int(dataset.lengths.max()))
     except BaseException:
         pool.close()
         raise
