@@ -15,7 +15,6 @@ from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.data.prepare import prepare_dataset
 from dflash_ipc.data.tiny import TINY_VOCAB_WORDS
 from dflash_ipc.dispatch.proc import plan_job
-from dflash_ipc.drafter import attention as att
 from dflash_ipc.drafter.model import DFlashConfig
 from dflash_ipc.drafter.target_head import FrozenTargetHead
 from dflash_ipc.drafter.trainer import DrafterTrainer, Sequence, eligible_anchor_count
@@ -47,9 +46,9 @@ def long_data(tiny_cache, tmp_path_factory):
     return target, str(out / "data")
 
 
-def long_job(target, data, **sections):
+def long_job(target_dir, data, **sections):
     base = {"data": {"path": data, "bucket_boundaries": [128, LONG], "token_budget": LONG},
-            "target": {"path": target, "dtype": "float32"},
+            "target": {"path": target_dir, "dtype": "float32"},
             "drafter": {"num_workers": 1, "dtype": "float32"},
             "model": {"num_layers": 1, "target_layer_ids": [1, 2], "mask_token_id": 3},
             "objective": {"max_anchors_per_seq": 32, "anchors_per_step": 32}}
@@ -228,7 +227,7 @@ def test_gpu_drafter_probe_at_32k(long_data, caplog):
     caplog.set_level(logging.INFO)
     target, data = long_data
     dataset = TokenDataset(data)
-    cfg = long_job(target, data, drafter={"dtype": "bfloat16", "devices": ["cuda:0"]})
+    cfg = long_job(target, data, target={"devices": ["cuda:0"]}, drafter={"dtype": "bfloat16", "devices": ["cuda:0"]})
     model_config = DFlashConfig.from_target_config(load_target_config(target), num_draft_layers=1,
                                                    mask_token_id=3, target_layer_ids=[1, 2])
     trainer = DrafterTrainer(cfg, model_config, FrozenTargetHead.from_pretrained(target, dtype=torch.bfloat16,

@@ -1,6 +1,6 @@
 """One support-table row as a real job: a tiny Qwen3-MoE target through `dflash-ipc up`.
 
-prepare (chat template) -> `dflash-ipc up` (real processes: dispatcher, 2 targets, 1 drafter;
+prepare (chat template) -> `dflash-ipc up` (real processes: dispatcher, 1 target, 1 drafter;
 layer ids and mask token derived from the target) -> `dflash-ipc export` -> `dflash-ipc eval
 --check-lossless`. The other rows run the same components in one process
 (tests/test_support_table.py).
@@ -30,7 +30,7 @@ def test_qwen3_moe_row_through_a_real_job(tmp_path, tiny_cache):
     run_dir = tmp_path / "run"
     job = SupervisedJob(run_dir, tmp_path / "up.log", tiny_cache, [
         f"target.path={target}", f"data.path={data}", "data.bucket_boundaries=[64,128]", "data.token_budget=512",
-        "data.num_epochs=2", "target.num_workers=2", "target.num_slots=2", "target.prefetch=1",
+        "data.num_epochs=2", "target.num_workers=1", "target.num_slots=2", "target.prefetch=1",
         "target.dtype=float32", "drafter.num_workers=1", "drafter.dtype=float32", "drafter.fifo_sequences=16",
         "model.num_layers=2", "model.block_size=4", "objective.max_anchors_per_seq=8",
         "objective.anchors_per_step=32", "optimizer.lr=3e-3", "checkpoint.every_steps=5",

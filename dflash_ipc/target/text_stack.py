@@ -34,6 +34,7 @@ PER_LAYER_KEYS = ("layer_types", "layers_block_type", "no_rope_layers", "block_c
 refuses the config (5.x checks len(layer_types) == num_hidden_layers) or builds the wrong
 kind of layer (a hybrid model's linear-attention layers)."""
 
+_LAYER_LIST_NAMES = ("layers", "h", "blocks")
 _LAYER_KEY = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 _HEAD_KEYS = ("lm_head.", "output.", "embed_out.")
 _LOAD_LOGGERS = ("transformers.modeling_utils", "transformers.distributed.tensor_parallel")
@@ -122,12 +123,15 @@ def find_text_stack(model: nn.Module, num_layers: int | None = None) -> TextStac
         num_layers = num_text_layers(config)
     vocab = getattr(text_config(config), "vocab_size", None) if config is not None else None
     for name, module in model.named_modules():
-        layers = [c for c in module.children() if isinstance(c, nn.ModuleList) and len(c) == num_layers]
+        layers = {n: c for n, c in module.named_children() if isinstance(c, nn.ModuleList) and len(c) == num_layers}
         embeds = [c for c in module.children() if isinstance(c, nn.Embedding)
                   and (vocab is None or c.num_embeddings == vocab)]
+        if len(layers) > 1:  # another per-layer list beside the layers: take the one named so
+            layers = {n: c for n, c in layers.items() if n in _LAYER_LIST_NAMES}
         if len(layers) == 1 and embeds:
             head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-            return TextStack(decoder=module, layers=layers[0], embed_tokens=embeds[0], lm_head=head, name=name)
+            return TextStack(decoder=module, layers=next(iter(layers.values())), embed_tokens=embeds[0],
+                             lm_head=head, name=name)
     raise ConfigError(f"target {type(model).__name__}: no text decoder found (no module holds {num_layers} "
                       f"decoder layers next to a token embedding of {vocab} rows); this architecture is not "
                       "supported (docs/targets.md lists the supported ones)")
