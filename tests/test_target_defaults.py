@@ -30,6 +30,7 @@ def test_layer_ids_follow_the_paper_and_stay_distinct_for_shallow_targets():
 def test_given_ids_that_look_wrong_for_the_depth_are_named():
     assert layer_id_warnings([1, 9, 17, 25, 33], 36, 5) == []
     assert layer_id_warnings([1, 2], 4, 2) == []  # a shallow target: nothing to say
+    assert layer_id_warnings([1, 2], 4, 5) == []  # more drafter layers than target layers: given ids stand
     [small] = layer_id_warnings([1, 2], 36, 5)
     assert "first half of the target's 36 layers" in small and "[1, 9, 17, 25, 33]" in small
     [last] = layer_id_warnings([1, 9, 17, 25, 35], 36, 5)

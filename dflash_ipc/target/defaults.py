@@ -51,8 +51,12 @@ def captured_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[in
 
 def layer_id_warnings(ids: list[int], num_target_layers: int, num_draft_layers: int) -> list[str]:
     """Why given `model.target_layer_ids` look wrong for an L-layer target (empty: they look fine)."""
-    L, paper = num_target_layers, captured_layer_ids(num_target_layers, num_draft_layers)
-    hint = f"the paper's choice for {L} layers and {num_draft_layers} drafter layers is {paper}"
+    L = num_target_layers
+    try:
+        paper = captured_layer_ids(L, num_draft_layers)
+        hint = f"the paper's choice for {L} layers and {num_draft_layers} drafter layers is {paper}"
+    except ConfigError:  # more drafter layers than target layers: given ids are the only choice
+        hint = f"the target has {L} layers"
     out = []
     if L >= 8 and max(ids) < L // 2:
         out.append(f"model.target_layer_ids={ids} all lie in the first half of the target's {L} layers "
