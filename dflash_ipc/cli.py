@@ -6,7 +6,7 @@
     dflash-ipc export CHECKPOINT OUT_DIR [--with-code]
     dflash-ipc report RUN_DIR
     dflash-ipc status|health RUN_DIR
-    dflash-ipc bench transport|drafter|dispatch|pipeline
+    dflash-ipc bench transport|drafter|dispatch|pipeline|target
     dflash-ipc plan --gpus N (--target-capacity T --drafter-capacity D | --from-bench FILE)
 """
 
@@ -340,12 +340,43 @@ def bench_transport(pairs, iters, sizes_mib, settle_us, publish_sync) -> None:
 @bench.command("drafter")
 @click.option("--device", default="cuda:0", show_default=True)
 @click.option("--steps", default=10, show_default=True)
+@click.option("--warmup", default=3, show_default=True, help="Untimed steps first (the first compiles).")
 @click.option("--shape", type=click.Choice(["qwen3-8b", "tiny"]), default="qwen3-8b", show_default=True,
               help="tiny: hidden 64, 2 layers, vocab 512, same step sizes (a quick GPU smoke test).")
-def bench_drafter(device, steps, shape) -> None:
-    """Step time and MFU of a Qwen3-8B-shaped drafter at 32,768 query tokens per step."""
+@click.option("--seq-len", "seq_lens", multiple=True, type=int, default=(2048,), show_default=True,
+              help="Tokens per sequence (context keys per sequence); repeatable: one report per length, "
+                   "in one process (compiled once).")
+@click.option("--num-seqs", default=4, show_default=True, help="Sequences per step.")
+@click.option("--anchors-per-seq", default=512, show_default=True, help="Anchors (blocks) per sequence.")
+def bench_drafter(device, steps, warmup, shape, seq_lens, num_seqs, anchors_per_seq) -> None:
+    """Step time, MFU and peak memory of a drafter step (default: Qwen3-8B shape, 4 x 2,048 tokens,
+    512 anchors each = 32,768 query tokens)."""
     from dflash_ipc.bench.drafter import run_drafter_bench
-    run_drafter_bench(device=device, steps=steps, shape=shape)
+    for seq_len in seq_lens:
+        run_drafter_bench(device=device, steps=steps, shape=shape, anchors_per_seq=anchors_per_seq,
+                          num_seqs=num_seqs, seq_len=seq_len, warmup=warmup)
+
+
+@bench.command("target")
+@config_option
+@override_option
+@click.option("--target", "targets", multiple=True, required=True, type=click.Path(exists=True, file_okay=False),
+              help="Target model directory (repeatable: measured one after the other, same data and device).")
+@click.option("--seconds", default=30.0, show_default=True, help="Measured seconds per target.")
+@click.option("--warmup-s", default=10.0, show_default=True, help="Seconds of warmup per target.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures.")
+def bench_target(config, overrides, targets, seconds, warmup_s, json_path) -> None:
+    """Target capacity (tok/s on target.devices[0]) of each --target, e.g. a MoE next to a dense one."""
+    import json
+    from dflash_ipc.bench.targets import format_target_table, run_target_bench
+    from dflash_ipc.logs import setup_logging
+    cfg = _load(config, overrides)
+    setup_logging("bench", level=cfg.run.log_level)
+    rows = run_target_bench(cfg, list(targets), seconds=seconds, warmup_s=warmup_s)
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=1)
+    click.echo(format_target_table(rows, cfg))
 
 
 @bench.command("pipeline")

@@ -2,8 +2,9 @@
 
 `resolve_job` runs once, in the supervisor (or a standalone stage): it builds the embedded
 default's assets on first use, fills what derives from the target (captured layer ids, mask
-token id) and checks that data and target agree. The result is written to the run
-directory's `config.yaml`; every worker reads that file, so all processes run one job.
+token id: target/defaults.py) and checks that data and target agree. The result is written
+to the run directory's `config.yaml`; every worker reads that file, so all processes run one
+job.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ def cache_dir() -> str:
 def resolve_job(cfg: JobConfig) -> JobConfig:
     """A copy of `cfg` with built-in assets built and derived fields filled and checked."""
     from dflash_ipc.data.dataset import TokenDataset
-    from dflash_ipc.drafter.model import default_target_layer_ids
     from dflash_ipc.target.capture import load_target_config
+    from dflash_ipc.target.defaults import fill_layer_ids, fill_mask_token_id, warn_beyond_positions
 
     cfg = copy.deepcopy(cfg)
     if cfg.target.path == BUILTIN_TINY_TARGET:
@@ -40,17 +41,7 @@ def resolve_job(cfg: JobConfig) -> JobConfig:
         cfg.target.path = build_tiny_target(os.path.join(cache_dir(), f"tiny-target-{tiny_target_key()}"))
     cfg.target.path = os.path.abspath(cfg.target.path)
     target_config = load_target_config(cfg.target.path)
-    num_layers = target_config.num_hidden_layers
-    if cfg.model.target_layer_ids is None:
-        cfg.model.target_layer_ids = default_target_layer_ids(num_layers, cfg.model.num_layers)
-    bad = [i for i in cfg.model.target_layer_ids if i >= num_layers]
-    if bad:
-        raise ConfigError(f"model.target_layer_ids: {bad} not in the target's layers 0..{num_layers - 1}")
-    if cfg.model.mask_token_id is None:
-        cfg.model.mask_token_id = _tokenizer_mask_id(cfg.target.path)
-    if not 0 <= cfg.model.mask_token_id < target_config.vocab_size:
-        raise ConfigError(f"model.mask_token_id: {cfg.model.mask_token_id} outside the target's "
-                          f"vocabulary [0, {target_config.vocab_size})")
+    fill_layer_ids(cfg.model, target_config)
     if cfg.data.path == BUILTIN_SYNTHETIC_DATA:
         from dflash_ipc.data.synthetic import build_synthetic_dataset, synthetic_cache_key, synthetic_params
         d = cfg.data
@@ -63,6 +54,8 @@ def resolve_job(cfg: JobConfig) -> JobConfig:
     cfg.data.path = os.path.abspath(cfg.data.path)
     dataset = TokenDataset(cfg.data.path)
     dataset.check_tokenizer(cfg.target.path)
+    fill_mask_token_id(cfg.model, target_config, cfg.target.path, dataset)
+    warn_beyond_positions(cfg.data.max_length, target_config)
     longest = int(dataset.lengths.max()) if len(dataset) else 0
     if longest > cfg.data.max_length:
         raise DataError(f"{cfg.data.path}: longest sample has {longest} tokens, above the largest "
@@ -84,19 +77,6 @@ def check_run_dir(run_dir: str) -> None:
         raise ConfigError(f"run.run_dir: {run_dir} cannot be made: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"run.run_dir: {parent} is not writable by this user")
-
-
-def _tokenizer_mask_id(target_path: str) -> int:
-    from transformers import AutoTokenizer
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(target_path)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"model.mask_token_id is not set and no tokenizer loads from {target_path} "
-                          f"({exc}); set model.mask_token_id") from None
-    if tokenizer.mask_token_id is None:
-        raise ConfigError(f"model.mask_token_id is not set and the tokenizer in {target_path} has no "
-                          f"mask token; set model.mask_token_id to a token id the drafter may use as mask")
-    return int(tokenizer.mask_token_id)
 
 
 def check_job_devices(cfg: JobConfig) -> None:

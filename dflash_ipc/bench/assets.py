@@ -7,41 +7,70 @@ ids stay below its vocabulary, the embedding may be larger). The dataset goes th
 real `prepare` path in its pre-tokenized form.
 
     python -m dflash_ipc.bench.assets target /tmp/qwen3-1.7b --shape qwen3-1.7b
+    python -m dflash_ipc.bench.assets target /tmp/moe --shape qwen3-30b-a3b --num-layers 12
     python -m dflash_ipc.bench.assets data /tmp/qwen3-1.7b /tmp/data --samples 4000 --min-len 256 --max-len 2048
+
+`--num-layers` builds fewer decoder layers than the shape has (a Qwen3-30B-A3B-shaped target is
+61 GB in bf16 at its 48 layers); `dflash_bench.json` in the target directory records the shape's
+own depth, so `dflash-ipc bench target` can scale a measured rate to it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 
 import click
 import numpy as np
 import torch
 
-SHAPES = {
-    # name: (hidden, layers, heads, kv heads, head dim, intermediate, vocab)
-    "tiny": (64, 4, 4, 2, 16, 128, 2048),  # for CPU tests of the bench path
-    "qwen3-0.6b": (1024, 28, 16, 8, 128, 3072, 151936),
-    "qwen3-1.7b": (2048, 28, 16, 8, 128, 6144, 151936),
-    "qwen3-8b": (4096, 36, 32, 8, 128, 12288, 151936),
+_QWEN3_VOCAB = {"vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1e6,
+                "tie_word_embeddings": False}
+SHAPES: dict[str, tuple[str, dict]] = {
+    # name: (transformers config class, its fields)
+    "tiny": ("Qwen3Config", dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=16, intermediate_size=128, vocab_size=2048,
+                                 max_position_embeddings=40960, tie_word_embeddings=False)),  # CPU tests of the bench
+    "tiny-moe": ("Qwen3MoeConfig", dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                                        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                        vocab_size=2048, max_position_embeddings=40960, tie_word_embeddings=False)),
+    "qwen3-0.6b": ("Qwen3Config", dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                                       num_key_value_heads=8, head_dim=128, intermediate_size=3072, **_QWEN3_VOCAB)),
+    "qwen3-1.7b": ("Qwen3Config", dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                                       num_key_value_heads=8, head_dim=128, intermediate_size=6144, **_QWEN3_VOCAB)),
+    "qwen3-8b": ("Qwen3Config", dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                                     num_key_value_heads=8, head_dim=128, intermediate_size=12288, **_QWEN3_VOCAB)),
+    # Qwen3-30B-A3B / Qwen3-Coder-30B-A3B: 128 experts, 8 active, 768-wide experts.
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                                             num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                                             moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                             norm_topk_prob=True, **_QWEN3_VOCAB)),
 }
+BENCH_FILE = "dflash_bench.json"  # in a built target: its shape and the shape's own depth
 
 
-def build_random_target(out_dir: str, *, shape: str, dtype: str = "bfloat16", seed: int = 0) -> str:
-    from transformers import AutoModelForCausalLM, Qwen3Config
+def build_random_target(out_dir: str, *, shape: str, dtype: str = "bfloat16", seed: int = 0,
+                        num_layers: int | None = None) -> str:
+    """A random-weight target of `shape` (`num_layers`: fewer decoder layers than the shape's)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     from dflash_ipc.data.tiny import build_tiny_tokenizer
-    hidden, layers, heads, kv, head_dim, inter, vocab = SHAPES[shape]
-    config = Qwen3Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv, head_dim=head_dim, intermediate_size=inter,
-                         vocab_size=vocab, max_position_embeddings=40960, rope_theta=1e6,
-                         tie_word_embeddings=False)
+    config_class, fields = SHAPES[shape]
+    depth = fields["num_hidden_layers"]
+    if num_layers is not None and not 1 <= num_layers <= depth:
+        raise click.BadParameter(f"--num-layers {num_layers}: the shape {shape} has 1..{depth} layers")
+    config = getattr(transformers, config_class)(**{**fields, "num_hidden_layers": num_layers or depth})
     torch.manual_seed(seed)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(out_dir)
     build_tiny_tokenizer().save_pretrained(out_dir)
+    with open(os.path.join(out_dir, BENCH_FILE), "w") as f:
+        json.dump({"shape": shape, "num_hidden_layers": num_layers or depth, "shape_num_hidden_layers": depth,
+                   "num_parameters": model.num_parameters()}, f)
     return out_dir
 
 
@@ -69,8 +98,9 @@ def main() -> None:
 @main.command("target")
 @click.argument("out_dir")
 @click.option("--shape", type=click.Choice(sorted(SHAPES)), default="qwen3-1.7b")
-def _target(out_dir, shape) -> None:
-    click.echo(build_random_target(out_dir, shape=shape))
+@click.option("--num-layers", type=int, default=None, help="Fewer decoder layers than the shape has.")
+def _target(out_dir, shape, num_layers) -> None:
+    click.echo(build_random_target(out_dir, shape=shape, num_layers=num_layers))
 
 
 @main.command("data")

@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash_ipc.drafter.attention import attention
 from dflash_ipc.errors import ConfigError
+from dflash_ipc.target.text_stack import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +147,7 @@ class DFlashConfig:
         target_layer_ids: list[int] | None = None,
     ) -> "DFlashConfig":
         """A drafter as wide as ``target_config`` (a transformers PretrainedConfig or dict)."""
-        get_text = getattr(target_config, "get_text_config", None)
-        cfg = get_text() if callable(get_text) else target_config
+        cfg = text_config(target_config)  # a multimodal target's text_config
         hidden = int(_cfg_get(cfg, "hidden_size"))
         heads = int(_cfg_get(cfg, "num_attention_heads"))
         num_target_layers = int(_cfg_get(cfg, "num_hidden_layers"))

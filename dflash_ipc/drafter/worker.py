@@ -24,6 +24,7 @@ from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.drafter.checkpoint_store import CheckpointStore
 from dflash_ipc.drafter.group import close_group, init_group
 from dflash_ipc.drafter.loop import DrafterLoop
+from dflash_ipc.device_fit import probe_drafter_step
 from dflash_ipc.drafter.model import DFlashConfig
 from dflash_ipc.drafter.sequence_queue import SequenceQueue
 from dflash_ipc.drafter.target_head import FrozenTargetHead
@@ -100,6 +101,7 @@ def _build_and_run(cfg: JobConfig, rank: int, device: str, link: DispatcherLink,
     head = FrozenTargetHead.from_pretrained(cfg.target.path, dtype=TORCH_DTYPES[cfg.drafter.dtype], device=device)
     total = estimate_total_steps(dataset, cfg.objective, num_epochs=cfg.data.num_epochs, world_size=cfg.total_drafters)
     trainer = DrafterTrainer(cfg, model_config, head, device=device, total_steps=total)
+    probe_drafter_step(trainer, dataset, cfg, TORCH_DTYPES[cfg.target.dtype])  # fits, or a ConfigError
     log.info("drafter: %.1fM trainable parameters, ~%d steps planned, attention %s",
              sum(x.numel() for x in trainer.model.parameters()) / 1e6, total, trainer.backend)
     readers = ReaderCache(device)

@@ -81,13 +81,13 @@ class TargetLM:
 
     def __init__(self, target_dir: str, *, layer_ids: Sequence[int], device: str | torch.device = "cpu",
                  dtype: str = "auto") -> None:
-        from transformers import AutoModelForCausalLM
-
         from dflash_ipc.target.capture import load_target_config
+        from dflash_ipc.target.text_stack import (find_text_stack, has_recurrent_layers, load_causal_lm,
+                                                  num_text_layers, text_config)
 
         config = load_target_config(target_dir)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        self.num_layers = int(text.num_hidden_layers)
+        text = text_config(config)
+        self.num_layers = num_text_layers(config)
         self.hidden_size = int(text.hidden_size)
         self.layer_ids = [int(i) for i in layer_ids]
         if not self.layer_ids or not all(0 <= i < self.num_layers for i in self.layer_ids):
@@ -95,7 +95,7 @@ class TargetLM:
                               f"for the target {target_dir}")
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=self.dtype)
+        self.model = load_causal_lm(target_dir, dtype=self.dtype)  # multimodal checkpoints too
         self.model.to(self.device).eval().requires_grad_(False)
         self.head = FrozenTargetHead(self.model.get_input_embeddings().weight,
                                      self.model.get_output_embeddings().weight)
@@ -105,8 +105,11 @@ class TargetLM:
         # transformers 5.x renamed past_key_values to cache; we own the cache object either way.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._cache = None
+        self._ids: list[int] = []  # the tokens in the cache
+        # A recurrent (linear-attention) state cannot be cut back: truncate re-runs the kept prefix.
+        self._recurrent = has_recurrent_layers(config)
         self._captured: dict[int, Tensor] = {}
-        layers = self.model.get_decoder().layers
+        layers = find_text_stack(self.model).layers
         for layer_id in self.layer_ids:
             layers[layer_id].register_forward_hook(self._hook(layer_id))
         self.num_forwards = 0
@@ -123,6 +126,7 @@ class TargetLM:
         out = self.model(input_ids=ids.to(self.device).reshape(1, -1), use_cache=True,
                          **{self._cache_kw: self._cache}, **kwargs)
         self.num_forwards += 1
+        self._ids += ids.reshape(-1).tolist()
         feats = torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1)  # [k, F]
         self._captured.clear()
         return out.logits[0], feats
@@ -130,9 +134,7 @@ class TargetLM:
     @torch.inference_mode()
     def prefill(self, prompt_ids: Tensor) -> tuple[int, Tensor]:
         """Start a new sequence: (the greedy token after the prompt, features ``[P, F]``)."""
-        from transformers import DynamicCache
-
-        self._cache = DynamicCache()
+        self._cache, self._ids = self._new_cache(), []
         logits, feats = self._forward(prompt_ids, logits_to_keep=1)  # [1, V]: a 150K vocab x P would not fit
         return int(logits[-1].argmax()), feats
 
@@ -144,18 +146,30 @@ class TargetLM:
         logits, feats = self._forward(ids)  # [k, V]
         return logits.argmax(-1), feats
 
+    def _new_cache(self):
+        from transformers import DynamicCache
+        # Only a config builds the cache layers of linear-attention layers; without one every
+        # layer caches full K/V, which crops exactly (sliding-window layers included).
+        return DynamicCache(config=self.model.config) if self._recurrent else DynamicCache()
+
     @property
     def cached_length(self) -> int:
-        return 0 if self._cache is None else int(self._cache.get_seq_length())
+        return len(self._ids) if self._cache is not None else 0
 
     def truncate(self, length: int) -> None:
         """Forget cached positions >= length (rejected drafts)."""
         remove = self.cached_length - length
         if remove < 0:
             raise DataError(f"TargetLM.truncate({length}) beyond the {self.cached_length} cached positions")
-        if remove:
+        if remove and self._recurrent:
+            kept, self._cache, self._ids = self._ids[:length], self._new_cache(), self._ids[:length]
+            with torch.inference_mode():
+                self.model(input_ids=torch.tensor([kept], device=self.device), use_cache=True,
+                           logits_to_keep=1, **{self._cache_kw: self._cache})
+        elif remove:
             # crop(-n) removes n positions in transformers 4.x and 5.x alike (5.x refuses crop(+n)).
             self._cache.crop(-remove)
+            del self._ids[length:]
 
 
 def stop_token_ids(target_dir: str, model) -> frozenset[int]:

@@ -1,9 +1,14 @@
 """The frozen target, cut after its deepest captured layer, and the capture of layer outputs.
 
-Only layers 0..max(layer_ids) are built and loaded (the config is truncated before
-`from_pretrained`, so the weights of later layers and the LM head are never read into
-memory), and the model is the bare decoder (`AutoModel`), with no LM head. Forward hooks on
-the captured layers keep their outputs, which are HF `hidden_states[id + 1]`.
+Only the text stack's layers 0..max(layer_ids) are built and loaded (the config is truncated
+before `from_pretrained`, with every per-layer list cut to match, so the weights of later
+layers and the LM head are never read into memory), and the model is the bare decoder
+(`AutoModel`), with no LM head. The text stack is found by `text_stack.find_text_stack`, so
+multimodal checkpoints work too: only their text decoder moves to the worker's device.
+Forward hooks on the captured layers keep their outputs, which are HF `hidden_states[id + 1]`.
+
+Nothing assumes the decoder sits on one device: token ids go to the embedding's device and
+each captured layer's rows are gathered where that layer ran, then copied into the slot.
 """
 
 from __future__ import annotations
@@ -16,16 +21,31 @@ from transformers import AutoConfig, AutoModel
 
 from dflash_ipc.dtypes import TORCH_DTYPES
 from dflash_ipc.errors import ConfigError
+from dflash_ipc.target.text_stack import (check_load_report, find_text_stack, input_device, load_pretrained,
+                                          num_text_layers, text_config, truncated_config)
 
 log = logging.getLogger(__name__)
 
 
-
 def load_target_config(path: str):
-    """The target's HF config; a clear error when `path` is not a model directory."""
+    """The target's HF config; a clear error when `path` is not a model directory that the
+    installed transformers can read (custom code is never run: no trust_remote_code)."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"target.path: {path} is not a model directory (no config.json there)")
-    return AutoConfig.from_pretrained(path)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError) as exc:
+        import transformers
+        raise ConfigError(f"target.path: {path}/config.json is not a configuration transformers "
+                          f"{transformers.__version__} can read ({str(exc).splitlines()[0]}); "
+                          "architectures that need trust_remote_code are not supported") from None
+
+
+def check_layer_ids(layer_ids: list[int], num_layers: int, key: str = "model.target_layer_ids") -> None:
+    """ConfigError unless every id names a layer of a `num_layers`-layer text stack."""
+    if not layer_ids or min(layer_ids) < 0 or max(layer_ids) >= num_layers:
+        raise ConfigError(f"{key}: {list(layer_ids)} reach beyond the target's {num_layers} layers "
+                          f"(allowed: 0..{num_layers - 1})")
 
 
 class FeatureCapture:
@@ -34,28 +54,34 @@ class FeatureCapture:
     def __init__(self, path: str, *, layer_ids: list[int], dtype: str, attn_implementation: str,
                  device: str) -> None:
         config = load_target_config(path)
-        num_layers = config.num_hidden_layers
-        if max(layer_ids) >= num_layers:
-            raise ConfigError(f"drafter.target_layer_ids: {layer_ids} reach beyond the target's "
-                              f"{num_layers} layers (allowed: 0..{num_layers - 1})")
+        num_layers = num_text_layers(config)
+        check_layer_ids(layer_ids, num_layers)
         self.layer_ids = list(layer_ids)
         keep = max(layer_ids) + 1
-        config.num_hidden_layers = keep
-        if getattr(config, "layer_types", None) is not None:
-            config.layer_types = list(config.layer_types)[:keep]
-        self.device = torch.device(device)
-        self.model = AutoModel.from_pretrained(path, config=config, dtype=TORCH_DTYPES[dtype],
-                                               attn_implementation=attn_implementation)
-        self.model.to(self.device).eval().requires_grad_(False)
-        self.hidden_size = config.hidden_size
+        model, info = load_pretrained(path, AutoModel, config=truncated_config(config, keep),
+                                      dtype=TORCH_DTYPES[dtype], attn_implementation=attn_implementation)
+        stack = find_text_stack(model, keep)
+        loaded = check_load_report(path, info, stack=stack, keep=keep, total=num_layers)
+        # Only the text stack goes to the device: a multimodal model's vision tower stays on
+        # the host and is dropped with `model`.
+        self.decoder = stack.decoder.to(device).eval().requires_grad_(False)
+        self.layers = stack.layers
+        self.embed_tokens = stack.embed_tokens
+        self.attn_implementation = model.config._attn_implementation
+        # transformers 5 runs MoE experts as grouped matmuls where it can, else a loop: say which.
+        has_experts = any(getattr(text_config(config), key, None) for key in ("num_experts", "num_local_experts"))
+        self.experts_implementation = getattr(model.config, "_experts_implementation", None) if has_experts else None
+        del model
+        self.device = input_device(stack)
+        self.hidden_size = int(text_config(config).hidden_size)
         self.feature_dim = self.hidden_size * len(layer_ids)
         self.dtype = TORCH_DTYPES[dtype]
         self._captured: dict[int, torch.Tensor] = {}
-        layers = self.model.layers
         for layer_id in self.layer_ids:
-            layers[layer_id].register_forward_hook(self._hook(layer_id))
-        log.info("target %s: %d of %d layers loaded, capturing %s (feature dim %d)",
-                 path, keep, num_layers, layer_ids, self.feature_dim)
+            self.layers[layer_id].register_forward_hook(self._hook(layer_id))
+        experts = f", {self.experts_implementation} experts" if self.experts_implementation else ""
+        log.info("target %s (%s, %s attention%s): %s; capturing %s (feature dim %d)", path,
+                 type(self.decoder).__name__, self.attn_implementation, experts, loaded, layer_ids, self.feature_dim)
 
     def _hook(self, layer_id: int):
         def keep_output(module, args, output):
@@ -67,14 +93,16 @@ class FeatureCapture:
     def forward_into(self, input_ids: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> int:
         """Runs one right-padded batch and writes the valid tokens' features into `out`.
 
-        input_ids [B, L] long on self.device, lengths [B]; out [>= sum(lengths), F] (a slot
-        view). Features are packed sequence after sequence, valid tokens only, layers
-        concatenated in `layer_ids` order. Returns the number of tokens written.
+        input_ids [B, L] long, lengths [B] (moved to the embedding's device if elsewhere);
+        out [>= sum(lengths), F] (a slot view). Features are packed sequence after sequence,
+        valid tokens only, layers concatenated in `layer_ids` order. Returns the number of
+        tokens written.
         """
+        input_ids, lengths = input_ids.to(self.device), lengths.to(self.device)
         batch, padded = input_ids.shape
         valid = torch.arange(padded, device=self.device)[None, :] < lengths[:, None]  # [B, L]
         self._captured.clear()
-        self.model(input_ids=input_ids, attention_mask=valid.long(), use_cache=False)
+        self.decoder(input_ids=input_ids, attention_mask=valid.long(), use_cache=False)
         # Row indices of the valid tokens in [B*L], row-major over (sequence, position): the
         # packed order. Computed once (one device sync) and reused for every captured layer.
         rows = valid.reshape(-1).nonzero().squeeze(1)  # [T]
@@ -82,6 +110,6 @@ class FeatureCapture:
         hidden = self.hidden_size
         for j, layer_id in enumerate(self.layer_ids):
             flat = self._captured[layer_id].reshape(batch * padded, hidden)  # [B*L, H]
-            out[:num_tokens, j * hidden:(j + 1) * hidden] = flat.index_select(0, rows)
+            out[:num_tokens, j * hidden:(j + 1) * hidden] = flat.index_select(0, rows.to(flat.device))
         self._captured.clear()
         return num_tokens

@@ -24,6 +24,7 @@ import torch
 from dflash_ipc import protocol as p
 from dflash_ipc.config import JobConfig
 from dflash_ipc.data.dataset import TokenDataset
+from dflash_ipc.device_fit import check_pool_fits, probe_target_batch
 from dflash_ipc.errors import DispatcherRestarted, WorkerDeadError
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.metrics import TimelineWriter, process_memory
@@ -81,8 +82,15 @@ def run_target(cfg: JobConfig, rank: int) -> None:
     layout = SlotLayout(num_slots=cfg.target.num_slots,
                         max_tokens=SlotLayout.required_max_tokens(cfg.data.token_budget),
                         feature_dim=capture.feature_dim, dtype=cfg.target.dtype)
+    check_pool_fits(layout, device)
     pool = create_pool(layout, device, name=cfg.files.pool_name(rank),
                        publish_sync=cfg.publish_sync_of(rank))
+    try:
+        # the heaviest batch of the plan fits, or a ConfigError
+        probe_target_batch(capture, pool, cfg.data, device, longest=int(dataset.lengths.max()))
+    except BaseException:
+        pool.close()
+        raise
     link = DispatcherLink.for_job(cfg, f"target/{rank}")
     worker = TargetWorker(capture, dataset, pool)
     timeline = TimelineWriter(cfg.files.timeline(f"target/{rank}"), f"target/{rank}")
