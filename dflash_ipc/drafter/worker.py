@@ -44,11 +44,14 @@ log = logging.getLogger(__name__)
 
 
 class StopOnSignal:
-    """While entered, SIGTERM/SIGINT set `loop.stop_reason` instead of unwinding."""
+    """While entered, SIGTERM/SIGINT set `loop.stop_reason` instead of unwinding: the group
+    leaves together after a closing checkpoint. A signal that comes because the supervisor
+    died (the parent-death signal) unwinds at once: nobody is left to commit a checkpoint."""
 
     def __init__(self, loop: DrafterLoop) -> None:
         self.loop = loop
         self._previous: dict = {}
+        self._parent = os.getppid()
 
     def __enter__(self) -> "StopOnSignal":
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -56,6 +59,8 @@ class StopOnSignal:
         return self
 
     def _on_signal(self, signum, frame) -> None:
+        if os.getppid() != self._parent:
+            raise SystemExit(128 + signum)
         self.loop.stop_reason = signal.Signals(signum).name
 
     def __exit__(self, *exc) -> None:
