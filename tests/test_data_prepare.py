@@ -164,14 +164,14 @@ def test_interrupted_prepare_leaves_the_previous_dataset(model_dir, tmp_path, mo
     out = tmp_path / "out"
     prepare_dataset(model_dir, write_jsonl(tmp_path / "old.jsonl", [msgs(*GOOD)]), str(out), progress=False)
     before = {name: (out / name).read_bytes() for name in os.listdir(out)}
-    real = prepare_mod.RowEncoder.encode_line
+    real = prepare_mod.RowEncoder.encode_row
 
-    def dies_at_line_5(self, line_no, raw):
-        if line_no == 5:
+    def dies_at_line_5(self, row):
+        if row.line == 5:
             raise KeyboardInterrupt  # Ctrl-C mid-way
-        return real(self, line_no, raw)
+        return real(self, row)
 
-    monkeypatch.setattr(prepare_mod.RowEncoder, "encode_line", dies_at_line_5)
+    monkeypatch.setattr(prepare_mod.RowEncoder, "encode_row", dies_at_line_5)
     path = write_jsonl(tmp_path / "new.jsonl", [msgs(*GOOD)] * 200)
     with pytest.raises(KeyboardInterrupt):
         prepare_dataset(model_dir, path, str(out), overwrite=True, progress=False)
