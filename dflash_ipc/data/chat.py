@@ -21,9 +21,11 @@ Two ways to find those characters, which give the same mask on the same rendered
            found by rendering the template with a sentinel character in place of each tag.
   prefix:  for assistant turn i, render messages[:i] with the generation prompt (where the
            turn starts) and messages[:i+1] (where it ends). Templates that render an earlier
-           turn differently once later turns exist (Qwen3 drops the empty think block of
-           older turns) are handled by ending the span at the first end-of-turn token that
-           follows its start in the full rendering.
+           turn differently once later turns exist (Qwen3 drops the think block of older
+           turns) are handled by ending the span at the first end-of-turn token that follows
+           its start in the full rendering, and, where the generation prompt itself is not
+           in the full rendering (Qwen3 with enable_thinking=False), by starting it where
+           the two renderings part.
 The character spans become a token mask through the tokenizer's offsets. With `max_tokens`
 only the head of a long rendering is tokenized (memory stays proportional to the text, not
 ~100x it as a full token list with offsets would be), and the head is checked against a
@@ -136,9 +138,9 @@ def parse_conversation(row: dict, *, need_assistant: bool = True) -> Conversatio
     Raises RowRejected naming the turn index and the field. need_assistant=False accepts a
     conversation without an assistant turn (a prompt to regenerate a reply for).
     """
-    if "messages" in row:
+    if row.get("messages") is not None:  # a Parquet column of other rows is null here
         turns, role_key, content_key, kind = row["messages"], "role", "content", "messages"
-    elif "conversations" in row:
+    elif row.get("conversations") is not None:
         turns, role_key, content_key, kind = row["conversations"], "from", "value", "conversations"
     else:
         raise RowRejected("unknown_format", f"no 'messages', 'conversations' or 'input_ids' key (keys: {sorted(row)[:8]})")
@@ -426,23 +428,31 @@ class ChatEncoder:
     def _turn_span(self, conv: Conversation, i: int, full: str) -> tuple[int, int]:
         """Character span [start, end) of assistant turn i in the full rendering."""
         prompt = self._render(conv, add_generation_prompt=True, upto=i)
-        if not full.startswith(prompt):
-            raise RowRejected(
-                "template_error",
-                f"turn {i}: the rendering of the turns before it (with generation prompt) is not a prefix "
-                "of the full rendering; add {% generation %} markers to the template",
-            )
-        start = len(prompt)
+        start = len(prompt) if full.startswith(prompt) else self._parting_start(conv, i, prompt, full)
         upto = self._render(conv, add_generation_prompt=False, upto=i + 1)
         if full.startswith(upto) and len(upto) > start:
             end = len(upto)
         else:
-            end = self._end_by_marker(prompt, upto, full, i)
+            end = self._end_by_marker(prompt, upto, full, start, i)
         # Whitespace after the end-of-turn token is the template's, not the assistant's.
         end = start + len(full[start:end].rstrip())
         return start, end
 
-    def _end_by_marker(self, prompt: str, upto: str, full: str, i: int) -> int:
+    def _parting_start(self, conv: Conversation, i: int, prompt: str, full: str) -> int:
+        """Start of turn i when the generation prompt is not in the full rendering (Qwen3 with
+        enable_thinking=False: its prompt ends in an empty think block that older turns lose):
+        where the two texts part, provided the turns before it are rendered intact there."""
+        before = self._render(conv, add_generation_prompt=False, upto=i)
+        parted = _common_prefix_len(prompt, full)
+        if not full.startswith(before) or parted < len(before):
+            raise RowRejected(
+                "template_error",
+                f"turn {i}: the rendering of the turns before it is not a prefix of the full rendering; "
+                "add {% generation %} markers to the template",
+            )
+        return parted
+
+    def _end_by_marker(self, prompt: str, upto: str, full: str, start: int, i: int) -> int:
         """End of turn i when the template renders it differently in the full conversation:
         the first occurrence, after its start, of the special token that closes the turn
         when it is rendered last."""
@@ -451,8 +461,7 @@ class ChatEncoder:
                 "template_error",
                 f"turn {i}: rendering the turn changes the text before it; add {{% generation %}} markers",
             )
-        start = len(prompt)
-        added = upto[start:]
+        added = upto[len(prompt):]
         closing = None
         best = -1
         for special in self._specials:
@@ -465,6 +474,18 @@ class ChatEncoder:
         if end < 0:
             raise RowRejected("template_error", f"turn {i}: end-of-turn {closing!r} not found in the full rendering")
         return end + len(closing)
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    """Length of the longest common prefix (bisection over C-speed slice compares)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _sentinel_tag(m: re.Match) -> str:

@@ -131,7 +131,7 @@ class RowEncoder:
         return _RowResult(row.index, row.where, row.line, ids, mask, truncated)
 
     def _encode(self, row: dict) -> tuple[np.ndarray, np.ndarray]:
-        if "input_ids" in row or "loss_mask" in row:
+        if row.get("input_ids") is not None or row.get("loss_mask") is not None:
             return self._pretokenized(row)
         conv = parse_conversation(row)
         if self._chat is None:

@@ -2,9 +2,11 @@
 
 One reader serves `prepare` and `regenerate`, so an original dataset and a regenerated file
 go through the same code. What it reads (`open_input`):
-  FILE.jsonl        one JSON object a line (any name; sniffed by its first byte)
+  FILE.jsonl        one JSON object a line
   FILE.json         a JSON array of objects, pretty-printed or not, streamed element by
-                    element; or pretty-printed objects one after another
+                    element; or pretty-printed objects one after another (the form is
+                    sniffed from the first bytes, whatever the name: a file starting with
+                    '[' is an array, except a .jsonl file whose first line holds more)
   FILE.parquet      Parquet (pyarrow), in record batches
   DIR               a `datasets` save_to_disk directory (state.json / dataset_dict.json), or a
                     dataset's local shards: every *.parquet, *.jsonl, *.json below it
@@ -135,7 +137,8 @@ class InputSource:
         with open(path, "rb") as f:
             head = f.peek(64)[:64].lstrip() if hasattr(f, "peek") else b""
             reader = _ByteCounter(f, self)
-            if head.startswith(b"["):
+            # A .jsonl file is JSON lines, unless its first line opens a pretty-printed array.
+            if head.startswith(b"[") and (not path.endswith(".jsonl") or _first_line(head) == b"["):
                 yield from _JsonScanner(reader, path, self.max_row_bytes).values(array=True)
             elif head.startswith(b"{") and _first_line(head) == b"{":
                 yield from _JsonScanner(reader, path, self.max_row_bytes).values(array=False)
@@ -316,6 +319,8 @@ class _JsonScanner:
 def _is_parquet(path: str) -> bool:
     if path.endswith(".parquet"):
         return True
+    if not os.path.isfile(path):  # a pipe: reading its magic would consume it
+        return False
     try:
         with open(path, "rb") as f:
             return f.read(4) == b"PAR1"

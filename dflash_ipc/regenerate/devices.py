@@ -28,21 +28,21 @@ _READY_TIMEOUT_S = 600.0
 _JOIN_S = 5.0
 
 
-def _device_main(settings, device: str, tasks, results, throttle_s: float) -> None:
+def _device_main(settings, device: str, name: str, tasks, results, throttle_s: float) -> None:
     """A device process: build the Generator, then run batches until a None task."""
     from dflash_ipc.regenerate.hf import Generator
     try:
         gen = Generator(settings, device)
     except Exception as e:
-        results.put(("failed", device, f"{type(e).__name__}: {e}"[:500]))
+        results.put(("failed", name, f"{type(e).__name__}: {e}"[:500]))
         return
-    results.put(("ready", device, os.getpid()))
+    results.put(("ready", name, os.getpid()))
     while True:
         task = tasks.get()
         if task is None:
             return
         batch_id, prompts, max_new = task
-        results.put(("took", batch_id, device))
+        results.put(("took", batch_id, name))
         try:
             outputs, stats = gen.generate(prompts, max_new)
             error = None
@@ -50,7 +50,7 @@ def _device_main(settings, device: str, tasks, results, throttle_s: float) -> No
             outputs, stats, error = None, None, f"{type(e).__name__}: {e}"[:500]
         if throttle_s:
             time.sleep(throttle_s)  # tests: a slow device
-        results.put(("done", batch_id, device, outputs, stats, error))
+        results.put(("done", batch_id, name, outputs, stats, error))
 
 
 class DevicePool:
@@ -68,7 +68,7 @@ class DevicePool:
         for i, device in enumerate(devices):
             name = f"{device}#{i}" if devices.count(device) > 1 else device
             p = ctx.Process(target=_device_main, name=f"regenerate-{name}", daemon=True,
-                            args=(settings, device, self._tasks, self._results, (throttle_s or {}).get(i, 0.0)))
+                            args=(settings, device, name, self._tasks, self._results, (throttle_s or {}).get(i, 0.0)))
             p.start()
             self._procs[p.pid] = (p, name)
         try:

@@ -62,6 +62,7 @@ class RegenOutput:
         self.rejects_path, self.state_path = sidecar_paths(self.path)
         self.settings = settings
         self.done: set[int] = set()
+        self.rejected: set[int] = set()  # this run's rejects
         self.num_before = 0
         self.num_written = 0
         self.num_rejected = 0
@@ -131,6 +132,7 @@ class RegenOutput:
         """Record a row this run could not regenerate."""
         record = {"index": index, "where": where, "reason": reason, "detail": detail[:500], "raw": raw[:2000]}
         self._rejects.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.rejected.add(index)
         self.num_rejected += 1
 
     def finish(self, num_rows: int | None) -> bool:
@@ -139,7 +141,7 @@ class RegenOutput:
         os.fsync(self._fd)
         os.close(self._fd)
         self._rejects.close()
-        complete = num_rows is not None and len(self.done) + self.num_rejected >= num_rows
+        complete = num_rows is not None and all(i in self.done or i in self.rejected for i in range(num_rows))
         if complete:
             sort_by_index(self.path)
         self._write_state(complete=complete, num_rows=num_rows)
