@@ -155,6 +155,13 @@ def drafter(config, overrides, rank) -> None:
     run_drafter(resolve_job(cfg), rank)
 
 
+def _echo_report(report) -> None:
+    """A prepare or regenerate report's summary line, and where its rejects are."""
+    click.echo(report.summary())
+    if report.num_rejected:
+        click.echo(f"rejected rows: {report.rejects_path}")
+
+
 input_option = click.option("--input", "input_path", required=True, type=click.Path(),
                             help="JSONL, JSON array, Parquet, a datasets save_to_disk directory or a directory "
                                  "of Parquet/JSON shards.")
@@ -192,9 +199,7 @@ def prepare(model_dir, input_path, out_dir, split, max_length, on_long, last_tur
                              num_workers=num_workers, strict=strict, on_long=on_long, overwrite=overwrite,
                              split=split, max_line_bytes=max_line_bytes, held_out=held_out, dedup=dedup,
                              template_kwargs=parse_template_kwargs(template_kwargs))
-    click.echo(report.summary())
-    if report.num_rejected:
-        click.echo(f"rejected rows: {report.rejects_path}")
+    _echo_report(report)
 
 
 @main.command()
@@ -252,9 +257,7 @@ def regenerate(model_dir, input_path, out_path, split, kind, max_new_tokens, tem
                                 window=window, overwrite=overwrite)
     finally:
         backend.close()
-    click.echo(report.summary())
-    if report.num_rejected:
-        click.echo(f"rejected rows: {report.rejects_path}")
+    _echo_report(report)
 
 
 @main.command()
@@ -427,6 +430,36 @@ def bench_pipeline(config, overrides, seconds, warmup_s, json_path, run_dir) -> 
         with open(json_path, "w", encoding="utf-8") as f:
             json.dump(figures, f, indent=1)
     click.echo(format_table(figures))
+
+
+@bench.command("regenerate")
+@click.option("--shape", type=click.Choice(["tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"]), default="qwen3-1.7b",
+              show_default=True, help="Random-weight target of this shape (built in a temporary directory).")
+@click.option("--target", default=None, type=click.Path(exists=True, file_okay=False),
+              help="A model directory instead of --shape.")
+@click.option("--device", default="cuda:0", show_default=True)
+@click.option("--prompts", "num_prompts", default=1024, show_default=True, help="Prompts of the batched phase.")
+@click.option("--one-at-a-time", "num_single", default=4, show_default=True, help="Prompts generated alone.")
+@click.option("--min-prompt", default=64, show_default=True)
+@click.option("--max-prompt", default=256, show_default=True)
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--token-budget", type=int, default=None, help="Default 131072 on GPU, 16384 on CPU.")
+@click.option("--max-batch-size", type=int, default=None, help="Default 256 on GPU, 64 on CPU.")
+@click.option("--cache", "caches", multiple=True, type=click.Choice(["static", "dynamic"]),
+              help="KV cache of the batched phase, repeatable (default: static, then dynamic).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures as JSON.")
+def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt, max_prompt, max_new_tokens,
+                     token_budget, max_batch_size, caches, dtype, json_path) -> None:
+    """Generated tokens/s of regenerate's batched HF generation against one prompt at a time."""
+    from dflash_ipc.bench.regenerate import format_table, run_regenerate_bench, write_json
+    result = run_regenerate_bench(shape=shape, target=target, device=device, num_prompts=num_prompts,
+                                  num_single=num_single, min_prompt=min_prompt, max_prompt=max_prompt,
+                                  max_new_tokens=max_new_tokens, token_budget=token_budget,
+                                  max_batch_size=max_batch_size, caches=caches or ("static", "dynamic"), dtype=dtype)
+    if json_path:
+        write_json(result, json_path)
+    click.echo(format_table(result))
 
 
 @main.command("plan")

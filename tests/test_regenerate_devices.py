@@ -9,18 +9,14 @@ from dflash_ipc.data.tiny import TINY_VOCAB_WORDS
 from dflash_ipc.errors import ConfigError
 from dflash_ipc.regenerate.hf import HFBackend
 from dflash_ipc.regenerate.options import GenerationOptions
-from dflash_ipc.regenerate.run import regenerate
+
+from regen_helpers import run_hf
 
 W = TINY_VOCAB_WORDS
 
 
 def run(target, inp, out, devices, **kw):
-    options = GenerationOptions(max_new_tokens=8)
-    backend = HFBackend(target, options, devices=devices, max_batch_size=2, **kw)
-    try:
-        return regenerate(inp, out, backend, options, progress=False)
-    finally:
-        backend.close()
+    return run_hf(target, inp, out, GenerationOptions(max_new_tokens=8), devices=devices, max_batch_size=2, **kw)
 
 
 @pytest.mark.timeout(240)

@@ -9,9 +9,10 @@ import torch
 from click.testing import CliRunner
 
 from dflash_ipc.data.tiny import TINY_VOCAB_WORDS
-from dflash_ipc.regenerate.hf import Generator, GeneratorSettings, HFBackend
+from dflash_ipc.regenerate.hf import Generator, GeneratorSettings
 from dflash_ipc.regenerate.options import GenerationOptions
-from dflash_ipc.regenerate.run import regenerate
+
+from regen_helpers import run_hf, write_rows
 
 W = TINY_VOCAB_WORDS
 
@@ -37,19 +38,9 @@ def user(text):
     return {"role": "user", "content": text}
 
 
-def write(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
 def run(target, inp, out, *, model=None, **kw):
-    backend_kw = {k: kw.pop(k) for k in ("token_budget", "max_batch_size", "cache", "devices") if k in kw}
-    options = GenerationOptions(**{"max_new_tokens": 12, **kw})
-    backend = HFBackend(target, options, model=model, **backend_kw)
-    try:
-        return regenerate(inp, str(out), backend, options, progress=False)
-    finally:
-        backend.close()
+    backend_kw = {k: kw.pop(k) for k in ("token_budget", "max_batch_size", "cache") if k in kw}
+    return run_hf(target, inp, out, GenerationOptions(**{"max_new_tokens": 12, **kw}), model=model, **backend_kw)
 
 
 def plain_generate(model, tok, messages, max_new_tokens):
@@ -67,7 +58,7 @@ PROMPTS = [" ".join(W[(7 * i + k) % 1000] for k in range(1 + (5 * i) % 23)) for 
 
 
 def test_greedy_replies_are_plain_generate_and_do_not_depend_on_batching(target, model, tok, tmp_path):
-    inp = write(tmp_path / "in.jsonl", [{"messages": [user(p)]} for p in PROMPTS])
+    inp = write_rows(tmp_path / "in.jsonl", [{"messages": [user(p)]} for p in PROMPTS])
     a = run(target, inp, tmp_path / "a.jsonl", model=model)
     b = run(target, inp, tmp_path / "b.jsonl", model=model, token_budget=60, max_batch_size=3)  # other batches
     c = run(target, inp, tmp_path / "c.jsonl", model=model, cache="static")
@@ -87,7 +78,7 @@ def test_multi_turn_replaces_every_assistant_turn_and_only_those(target, model, 
               {"role": "assistant", "content": W[7]}]
     sharegpt = {"conversations": [{"from": "human", "value": W[8]}, {"from": "gpt", "value": W[9]},
                                   {"from": "human", "value": W[10]}, {"from": "gpt", "value": W[11]}]}
-    inp = write(tmp_path / "in.jsonl", [{"messages": source}, sharegpt])
+    inp = write_rows(tmp_path / "in.jsonl", [{"messages": source}, sharegpt])
     report = run(target, inp, tmp_path / "o.jsonl", model=model)
     assert report.num_written == 2 and report.num_replies == 5
     rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
@@ -113,7 +104,7 @@ def test_stop_tokens_end_a_reply_and_max_new_tokens_cuts_it(target, model, tok, 
     other = tmp_path / "target"
     shutil.copytree(target, other)
     (other / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, stop]}))
-    inp = write(tmp_path / "in.jsonl", [{"messages": [user(PROMPTS[3])]}, {"messages": [user(PROMPTS[5])]}])
+    inp = write_rows(tmp_path / "in.jsonl", [{"messages": [user(PROMPTS[3])]}, {"messages": [user(PROMPTS[5])]}])
     report = run(str(other), inp, tmp_path / "o.jsonl", max_new_tokens=10)  # loaded from there, configs and all
     first = json.loads((tmp_path / "o.jsonl").read_text().splitlines()[0])
     cut = tokens[: tokens.index(stop)]
@@ -122,7 +113,7 @@ def test_stop_tokens_end_a_reply_and_max_new_tokens_cuts_it(target, model, tok, 
 
 
 def test_sampling_is_seeded(target, model, tmp_path):
-    inp = write(tmp_path / "in.jsonl", [{"messages": [user(p)]} for p in PROMPTS[:4]])
+    inp = write_rows(tmp_path / "in.jsonl", [{"messages": [user(p)]} for p in PROMPTS[:4]])
     texts = []
     for name, seed in (("a", 1), ("b", 1), ("c", 2)):
         run(target, inp, tmp_path / f"{name}.jsonl", model=model, temperature=1.0, top_p=0.9, seed=seed)
@@ -138,7 +129,7 @@ def test_cli_regenerate_then_prepare_with_rejects_by_index(target, tmp_path):
     rows = [{"messages": [user(PROMPTS[0]), {"role": "assistant", "content": "x"}, user(W[3]),
                           {"role": "assistant", "content": "y"}]},
             "{broken", {"messages": [user(f"{W[1]} <|im_start|>")]}, {"conversations": [{"from": "human", "value": W[2]}]}]
-    inp = write(tmp_path / "in.jsonl", [r if isinstance(r, dict) else {"broken": True} for r in rows])
+    inp = write_rows(tmp_path / "in.jsonl", [r if isinstance(r, dict) else {"broken": True} for r in rows])
     (tmp_path / "in.jsonl").write_text((tmp_path / "in.jsonl").read_text().replace('{"broken": true}', "{broken"))
     runner = CliRunner()
     args = ["regenerate", "--model", target, "--input", inp, "--out", str(tmp_path / "r.jsonl"), "--devices", "cpu",

@@ -13,7 +13,8 @@ from dflash_ipc.data.tiny import TINY_VOCAB_WORDS
 from dflash_ipc.regenerate.hf import HFBackend
 from dflash_ipc.regenerate.openai import OpenAIBackend
 from dflash_ipc.regenerate.options import GenerationOptions
-from dflash_ipc.regenerate.run import regenerate
+
+from regen_helpers import run_backend, write_rows
 
 W = TINY_VOCAB_WORDS
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -48,18 +49,6 @@ def user(text):
     return {"role": "user", "content": text}
 
 
-def write(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-def run(backend, inp, out, options):
-    try:
-        return regenerate(inp, str(out), backend, options, progress=False)
-    finally:
-        backend.close()
-
-
 ROWS = [{"messages": [user(" ".join(W[i:i + 1 + i % 7])), {"role": "assistant", "content": "x"}, user(W[i + 50])]}
         for i in range(8)] + [{"messages": [user(W[99])]}]
 
@@ -67,10 +56,10 @@ ROWS = [{"messages": [user(" ".join(W[i:i + 1 + i % 7])), {"role": "assistant", 
 @pytest.mark.timeout(120)
 def test_openai_backend_gives_the_hf_backends_greedy_replies(target, server, tmp_path):
     options = GenerationOptions(max_new_tokens=10, template_kwargs={"enable_thinking": False})
-    inp = write(tmp_path / "in.jsonl", ROWS)
+    inp = write_rows(tmp_path / "in.jsonl", ROWS)
     before = stats(server)["max_in_flight"]
-    served = run(OpenAIBackend(server + "/v1", options, concurrency=3), inp, tmp_path / "served.jsonl", options)
-    local = run(HFBackend(target, options, devices="cpu"), inp, tmp_path / "local.jsonl", options)
+    served = run_backend(OpenAIBackend(server + "/v1", options, concurrency=3), inp, tmp_path / "served.jsonl", options)
+    local = run_backend(HFBackend(target, options, devices="cpu"), inp, tmp_path / "local.jsonl", options)
     assert served.complete and served.num_written == 9 and served.num_replies == 17
     assert (tmp_path / "served.jsonl").read_bytes() == (tmp_path / "local.jsonl").read_bytes()
     s = stats(server)
@@ -85,9 +74,9 @@ def test_errors_and_timeouts_are_retried_refusals_rejected(server, tmp_path):
     options = GenerationOptions(max_new_tokens=6)
     rows = [{"messages": [user("FLAKY2 " + W[1])]}, {"messages": [user("SLOW " + W[2])]},
             {"messages": [user("REFUSE " + W[3])]}, {"messages": [user("BROKEN " + W[4])]}, {"messages": [user(W[5])]}]
-    inp = write(tmp_path / "in.jsonl", rows)
+    inp = write_rows(tmp_path / "in.jsonl", rows)
     backend = OpenAIBackend(server + "/v1", options, concurrency=2, timeout_s=1.0, retries=3, backoff_s=0.05)
-    report = run(backend, inp, tmp_path / "o.jsonl", options)
+    report = run_backend(backend, inp, tmp_path / "o.jsonl", options)
     assert report.complete and report.num_written == 3 and report.rejects_by_reason == {"generation_error": 2}
     assert backend.num_retries >= 2 + 1 + 3  # two 503s, one timeout, three 500s
     rejects = {r["index"]: r["detail"] for r in map(json.loads, (tmp_path / "o.rejects.jsonl").read_text().splitlines())}

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from dflash_ipc.data.tiny import TINY_VOCAB_WORDS
-from dflash_ipc.regenerate.hf import HFBackend
 from dflash_ipc.regenerate.options import GenerationOptions
-from dflash_ipc.regenerate.run import regenerate
+
+from regen_helpers import run_hf
 
 W = TINY_VOCAB_WORDS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,21 +27,13 @@ def rows(n):
     return out
 
 
-def in_process(target, inp, out, options, **kw):
-    backend = HFBackend(target, options, devices="cpu", **kw)
-    try:
-        return regenerate(inp, out, backend, options, progress=False)
-    finally:
-        backend.close()
-
-
 @pytest.mark.timeout(180)
 def test_resume_after_a_kill_mid_file_equals_an_uninterrupted_run(tiny_cache, tmp_path):
     target = os.path.join(tiny_cache, "tiny-target")
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows(60)))
     options = GenerationOptions(max_new_tokens=16)
-    ref = in_process(target, str(inp), str(tmp_path / "ref.jsonl"), options)
+    ref = run_hf(target, str(inp), str(tmp_path / "ref.jsonl"), options)
     assert ref.complete and ref.num_written == 60
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "dflash_ipc.cli", "regenerate", "--model", target, "--input", str(inp),
@@ -69,7 +61,7 @@ def test_resume_after_a_kill_mid_file_equals_an_uninterrupted_run(tiny_cache, tm
             f.write(killed.splitlines(keepends=True)[0][:40])
     state = json.loads((tmp_path / "out.state.json").read_text())
     assert state["complete"] is False
-    again = in_process(target, str(inp), str(out), options, token_budget=512)  # other batches, same settings
+    again = run_hf(target, str(inp), str(out), options, token_budget=512)  # other batches, same settings
     assert again.complete and again.num_skipped == killed.count(b"\n") and again.num_written == 60 - again.num_skipped
     assert out.read_bytes() == (tmp_path / "ref.jsonl").read_bytes()  # same rows, once each, in order, no torn line
     indices = [json.loads(line)["index"] for line in out.read_text().splitlines()]
