@@ -94,12 +94,13 @@ def handler(state: State):
                 state.max_in_flight = max(state.max_in_flight, state.in_flight)
                 state.last_body = body
             try:
-                if self.path != "/v1/chat/completions":
-                    return self._send(404, {"error": {"message": "not found"}})
-                self._send(*state.answer(body))
+                answer = state.answer(body) if self.path == "/v1/chat/completions" else (404, {"error": {}})
             finally:
+                # Out of flight before the answer is sent: a client that sends its next request
+                # on receiving this one is never counted twice.
                 with state.count_lock:
                     state.in_flight -= 1
+            self._send(*answer)
 
     return Handler
 

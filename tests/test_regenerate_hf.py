@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from dflash_ipc.data.tiny import TINY_VOCAB_WORDS
 from dflash_ipc.regenerate.hf import Generator, GeneratorSettings
 from dflash_ipc.regenerate.options import GenerationOptions
+from dflash_ipc.regenerate.run import regenerate
 
 from regen_helpers import run_hf, write_rows
 
@@ -150,3 +151,51 @@ def test_cli_regenerate_then_prepare_with_rejects_by_index(target, tmp_path):
                                "--out", str(tmp_path / "ds")], catch_exceptions=False)
     assert res.exit_code == 0 and "2 samples written" in res.output
     assert len(TokenDataset(str(tmp_path / "ds"))) == 2
+
+
+def test_ctrl_c_keeps_finished_rows_and_a_rerun_completes(target, model, tmp_path, capsys, caplog):
+    from dflash_ipc.regenerate.hf import HFBackend
+
+    inp = write_rows(tmp_path / "in.jsonl", [{"messages": [user(p)]} for p in PROMPTS])
+    ref = run(target, inp, tmp_path / "ref.jsonl", model=model)
+    options = GenerationOptions(max_new_tokens=12)
+    backend = HFBackend(target, options, model=model, max_batch_size=3)
+    real, polls = backend.poll, []
+
+    def interrupted(**kw):
+        polls.append(1)
+        if len(polls) == 3:
+            raise KeyboardInterrupt
+        return real(**kw)
+
+    backend.poll = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(inp, str(tmp_path / "o.jsonl"), backend, options, progress=True)
+    err = capsys.readouterr().err
+    text = (tmp_path / "o.jsonl").read_text()
+    n = len(text.splitlines())
+    assert 0 < n < 12 and text.endswith("\n")  # the rows finished before Ctrl-C, whole
+    assert f"partial, {n} rows written ({n} this run), {12 - n} in flight lost" in caplog.text
+    line = err.strip().splitlines()[-1]  # the progress line: rows, rates, ETA
+    assert line.startswith(f"regenerate: {n}/12 rows (0 before), ") and "rows/s" in line and "tokens/s" in line
+    assert "ETA" in line
+    assert json.loads((tmp_path / "o.state.json").read_text())["complete"] is False
+    again = run(target, inp, tmp_path / "o.jsonl", model=model)
+    assert again.complete and again.num_skipped == n and again.num_written == 12 - n
+    assert (tmp_path / "o.jsonl").read_bytes() == (tmp_path / "ref.jsonl").read_bytes()
+    assert ref.complete
+
+
+def test_every_input_format_regenerates_alike(target, model, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [{"messages": [user(p), {"role": "assistant", "content": "x"}]} for p in PROMPTS[:5]]
+    write_rows(tmp_path / "in.jsonl", rows)
+    (tmp_path / "in.json").write_text(json.dumps(rows, indent=2))
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "in.parquet"))
+    outs = []
+    for name in ("in.jsonl", "in.json", "in.parquet"):
+        assert run(target, str(tmp_path / name), tmp_path / f"{name}.out", model=model).complete
+        outs.append((tmp_path / f"{name}.out").read_bytes())
+    assert outs[0] == outs[1] == outs[2]

@@ -4,9 +4,10 @@ The main process forms batches (hf.py) and puts at most two per device on a shar
 each device process takes the next batch when it is free, so a slow device takes fewer
 batches and never holds the others back (no fixed shards). Results come back on one queue.
 The processes are spawned (no CUDA state or threads inherited), load the model once, exit on
-a `None` task, and die with their parent: the parent stops them by pid (terminate, then kill)
-when it closes or fails. A process that dies unexpectedly fails the run with a DataError
-naming its device (rows already written stay; a rerun resumes).
+a `None` task, ignore Ctrl-C (the parent stops them by pid: a None task, terminate, then
+kill) and exit when their parent is gone (`ParentWatch`), so a parent killed outright leaves
+none behind. A process that dies unexpectedly fails the run with a DataError naming its
+device (rows already written stay; a rerun resumes).
 
 The queues carry token ids and ints between our own processes, nothing read from disk.
 """
@@ -18,6 +19,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import signal
 import time
 
 from dflash_ipc.errors import DataError
@@ -31,6 +33,12 @@ _JOIN_S = 5.0
 def _device_main(settings, device: str, name: str, tasks, results, throttle_s: float) -> None:
     """A device process: build the Generator, then run batches until a None task."""
     from dflash_ipc.regenerate.hf import Generator
+    from dflash_ipc.supervise.children import ParentWatch
+
+    # Ctrl-C reaches the whole process group: the parent decides, and stops us by pid. A
+    # parent killed outright leaves us orphaned: the watch then exits this process.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ParentWatch().start()
     try:
         gen = Generator(settings, device)
     except Exception as e:
