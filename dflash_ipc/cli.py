@@ -193,7 +193,7 @@ template_kwargs_option = click.option(
 def prepare(model_dir, input_path, out_dir, split, max_length, on_long, last_turn_only, template_kwargs, held_out,
             dedup, max_line_bytes, num_workers, strict, overwrite) -> None:
     """Tokenize chat data into a memory-mapped training dataset."""
-    from dflash_ipc.data.chat import parse_template_kwargs
+    from dflash_ipc.data.messages import parse_template_kwargs
     from dflash_ipc.data.prepare import prepare_dataset
     report = prepare_dataset(model_dir, input_path, out_dir, max_length=max_length, last_turn_only=last_turn_only,
                              num_workers=num_workers, strict=strict, on_long=on_long, overwrite=overwrite,
@@ -240,7 +240,7 @@ def regenerate(model_dir, input_path, out_path, split, kind, max_new_tokens, tem
                max_turns, template_kwargs, reasoning, devices, dtype, cache, token_budget, max_batch_size, url,
                served_model, concurrency, timeout_s, retries, api_key, window, max_line_bytes, overwrite) -> None:
     """Replace every assistant turn with the target's own reply (resumable: rerun to continue)."""
-    from dflash_ipc.data.chat import parse_template_kwargs
+    from dflash_ipc.data.messages import parse_template_kwargs
     from dflash_ipc.logs import setup_logging
     from dflash_ipc.regenerate.options import GenerationOptions
     from dflash_ipc.regenerate.run import auto_devices, make_backend, regenerate as run_regenerate

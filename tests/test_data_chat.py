@@ -4,13 +4,8 @@ import re
 
 import pytest
 
-from dflash_ipc.data.chat import (
-    ChatEncoder,
-    RowRejected,
-    has_generation_markers,
-    keep_last_run,
-    normalize_conversation,
-)
+from dflash_ipc.data.chat import ChatEncoder, has_generation_markers, keep_last_run
+from dflash_ipc.data.messages import RowRejected, normalize_conversation
 from dflash_ipc.data.tiny import IM_END, IM_START, TINY_VOCAB_WORDS, build_tiny_tokenizer
 from dflash_ipc.errors import DataError
 
@@ -211,7 +206,7 @@ def test_head_tokenization_is_the_full_tokenizations_head(tok, tok_markers, meth
 
 
 def test_tool_calls_reasoning_tools_and_null_fields_normalize():
-    from dflash_ipc.data.chat import parse_conversation
+    from dflash_ipc.data.messages import parse_conversation
 
     row = {"tools": '[{"type": "function", "function": {"name": "f"}}]', "messages": [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "tool_calls": None},
@@ -241,7 +236,7 @@ def test_tool_calls_reasoning_tools_and_null_fields_normalize():
 
 
 def test_template_kwargs_from_the_command_line():
-    from dflash_ipc.data.chat import parse_template_kwargs
+    from dflash_ipc.data.messages import parse_template_kwargs
     from dflash_ipc.errors import ConfigError
 
     assert parse_template_kwargs(['{"enable_thinking": false}', "depth=3", "name=qwen", 'x="1"']) == {

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from dflash_ipc.data.chat import RowRejected, parse_conversation
+from dflash_ipc.data.messages import RowRejected, parse_conversation
 from dflash_ipc.data.reader import InputSource, decode_row, split_of
 from dflash_ipc.errors import DataError
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dflash_ipc.data.chat import Conversation, RowRejected, parse_conversation
+from dflash_ipc.data.messages import Conversation, RowRejected, parse_conversation
 from dflash_ipc.regenerate.conversation import Reply, RowState, assistant_message, split_reasoning
 
 

@@ -5,7 +5,7 @@ Run manual:
                              max_length=4096, num_workers=8)
 The input is any form `data/reader.py` reads (JSONL, a JSON array, Parquet, a `datasets`
 save_to_disk directory, a directory of Parquet/JSON shards); each row is one of
-    {"messages": [{"role": ..., "content": ...}, ...]}           (OpenAI, see chat.py)
+    {"messages": [{"role": ..., "content": ...}, ...]}           (OpenAI, see messages.py)
     {"conversations": [{"from": ..., "value": ...}, ...]}          (ShareGPT)
     {"input_ids": [int, ...], "loss_mask": [0/1, ...]}             (pre-tokenized)
 Conversations are rendered with the target's own chat template (with `template_kwargs`,
@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dflash_ipc.data.chat import ChatEncoder, RowRejected, keep_last_run, parse_conversation
+from dflash_ipc.data.chat import ChatEncoder, keep_last_run
+from dflash_ipc.data.messages import RowRejected, parse_conversation
 from dflash_ipc.data.dataset import DatasetWriter, tokenizer_fingerprint
 from dflash_ipc.data.held_out import HeldOut
 from dflash_ipc.data.progress import ProgressLine

@@ -33,7 +33,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from dflash_ipc.data.chat import RowRejected
+from dflash_ipc.data.messages import RowRejected
 from dflash_ipc.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,8 @@ def parse_json(raw: bytes | str):
 
 class InputSource:
     """Rows of one input (see the module docstring). `rows()` yields RawRows once; the
-    counters (`bytes_read`, `num_rows`, `sha256`) fill as it goes."""
+    counters (`bytes_read`, `num_rows`, `sha256`: of every byte read, in order; of a
+    DatasetDict's whole directory) fill as it goes."""
 
     def __init__(self, path: str, *, split: str | None = None, max_row_bytes: int = MAX_ROW_BYTES):
         if max_row_bytes < 1:
@@ -117,6 +118,9 @@ class InputSource:
         """Every row of every file, in order, indexed from 0."""
         if self.kind == "arrow_dataset":
             yield from self._numbered(_arrow_dataset_rows(self.path, self._split))
+            for name in sorted(os.listdir(self.path)):  # the dataset's files, for meta.json's input_sha256
+                if os.path.isfile(os.path.join(self.path, name)):
+                    _hash_file(os.path.join(self.path, name), self.sha256)
             return
         for path in self.files:
             yield from self._numbered(self._file_rows(path))
@@ -129,10 +133,8 @@ class InputSource:
 
     def _file_rows(self, path: str) -> Iterator[RawRow]:
         if _is_parquet(path):
-            before = self.bytes_read
-            for row in _parquet_rows(path):
-                yield row
-            self.bytes_read = before + _size(path)
+            yield from _parquet_rows(path)
+            self.bytes_read += _hash_file(path, self.sha256)
             return
         with open(path, "rb") as f:
             head = f.peek(64)[:64].lstrip() if hasattr(f, "peek") else b""
@@ -393,6 +395,16 @@ def _count_lines(path: str) -> int:
             n += chunk.count(b"\n")
             last = chunk[-1:]
     return n + (last != b"\n")
+
+
+def _hash_file(path: str, h) -> int:
+    """Add a file's bytes to hash h; returns its size."""
+    n = 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+            n += len(chunk)
+    return n
 
 
 def _size(path: str) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_ipc.data.chat import Conversation, RowRejected
+from dflash_ipc.data.messages import Conversation, RowRejected
 
 THINK_START, THINK_END = "<think>", "</think>"
 

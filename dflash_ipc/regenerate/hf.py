@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
-from dflash_ipc.data.chat import Conversation, RowRejected, check_special_tokens, render
+from dflash_ipc.data.chat import render
+from dflash_ipc.data.messages import Conversation, RowRejected, check_special_tokens
 from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.regenerate.conversation import Reply, Request
 from dflash_ipc.regenerate.options import GenerationOptions
@@ -147,8 +149,11 @@ class Generator:
         for i, p in enumerate(prompts):  # left padding: every prompt ends at column P-1
             ids[i, width - len(p):] = torch.as_tensor(p, dtype=torch.long)
             attention[i, width - len(p):] = 1
-        torch.manual_seed(_batch_seed(self.settings.seed, prompts))
-        with torch.inference_mode():
+        with torch.random.fork_rng(devices=[self.device] if self.device.startswith("cuda") else [],
+                                   enabled=self.settings.temperature > 0), torch.inference_mode():
+            # Sampling: seeded per batch, without moving the caller's RNG.
+            if self.settings.temperature > 0:
+                torch.manual_seed(_batch_seed(self.settings.seed, prompts))
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
                                       generation_config=self._config(most_new))
         new = out[:, width:]  # [B, n]
@@ -190,6 +195,7 @@ class HFBackend:
             raise ConfigError(f"--cache {cache!r}; allowed: {list(CACHES)}")
         self.devices = _check_devices(devices)
         self.options = options
+        model_dir = os.path.abspath(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         config = _model_config(model_dir) if model is None else model.config
         stops = stop_token_ids(model_dir, model if model is not None else _ConfigHolder(model_dir, config),

@@ -63,7 +63,6 @@ class RegenOutput:
         self.settings = settings
         self.done: set[int] = set()
         self.rejected: set[int] = set()  # this run's rejects
-        self.num_before = 0
         self.num_written = 0
         self.num_rejected = 0
         self.num_torn = 0
@@ -75,7 +74,6 @@ class RegenOutput:
         self._check_settings()
         if os.path.exists(self.path):
             self._resume()
-        self.num_before = len(self.done)
         self._write_state(complete=False, num_rows=None)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._rejects = open(self.rejects_path, "w", encoding="utf-8")

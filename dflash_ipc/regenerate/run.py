@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 from dataclasses import dataclass, field
 
-from dflash_ipc.data.chat import RowRejected, parse_conversation
+from dflash_ipc.data.messages import RowRejected, parse_conversation
 from dflash_ipc.data.progress import ProgressLine, eta
 from dflash_ipc.data.reader import MAX_ROW_BYTES, InputSource, RawRow, decode_row
 from dflash_ipc.errors import ConfigError
@@ -158,7 +159,7 @@ def regenerate(input_path: str, out_path: str, backend, options: GenerationOptio
     if window < 1:
         raise ConfigError(f"--window={window}: must be >= 1")
     source = InputSource(input_path, split=split, max_row_bytes=max_line_bytes)
-    settings = {"input": input_path, "split": split, **options.settings(), **backend.describe()}
+    settings = {"input": os.path.abspath(input_path), "split": split, **options.settings(), **backend.describe()}
     out = RegenOutput(out_path, settings, overwrite=overwrite)
     if out.num_torn:
         log.warning("%s: the last run was interrupted mid-line; that row is generated again", out_path)
