@@ -199,3 +199,17 @@ def test_every_input_format_regenerates_alike(target, model, tmp_path):
         assert run(target, str(tmp_path / name), tmp_path / f"{name}.out", model=model).complete
         outs.append((tmp_path / f"{name}.out").read_bytes())
     assert outs[0] == outs[1] == outs[2]
+
+
+def test_a_reply_gets_what_is_left_of_the_context(target, tmp_path):
+    from dflash_ipc.regenerate.hf import HFBackend
+
+    small = tmp_path / "target"
+    shutil.copytree(target, small)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 40}))
+    inp = write_rows(tmp_path / "in.jsonl", [{"messages": [user(" ".join(W[:10]))]}, {"messages": [user(" ".join(W[:50]))]}])
+    report = run(str(small), inp, tmp_path / "o.jsonl", max_new_tokens=100)
+    assert report.num_written == 1 and report.rejects_by_reason == {"too_long": 1} and report.new_tokens <= 40 - 18
+    backend = HFBackend(str(small), GenerationOptions(), devices="cpu")
+    assert backend.describe()["model_dir"] == str(small) and backend.max_positions == 40

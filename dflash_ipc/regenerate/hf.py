@@ -232,10 +232,11 @@ class HFBackend:
         except Exception as e:  # jinja errors, template raise_exception()
             raise RowRejected("template_error", f"turn {request.key[1]}: {type(e).__name__}: {e}"[:500]) from None
         request.prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        total = len(request.prompt_ids) + request.max_new_tokens
-        if self.max_positions and total > self.max_positions:
-            raise RowRejected("too_long", f"turn {request.key[1]}: {len(request.prompt_ids)} prompt tokens + "
-                                          f"{request.max_new_tokens} new > the model's {self.max_positions} positions")
+        if self.max_positions:  # a reply may use what is left of the model's context
+            request.max_new_tokens = min(request.max_new_tokens, self.max_positions - len(request.prompt_ids))
+            if request.max_new_tokens < 1:
+                raise RowRejected("too_long", f"turn {request.key[1]}: {len(request.prompt_ids)} prompt tokens fill "
+                                              f"the model's {self.max_positions} positions")
 
     def submit(self, request: Request) -> None:
         """Queue a prepared request."""
