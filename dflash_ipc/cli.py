@@ -2,11 +2,12 @@
 
     dflash-ipc up [--config FILE] [-o key=value ...]     the whole job (= bin/dflash-up)
     dflash-ipc dispatcher|target|drafter --config FILE [--rank N]   one stage alone
-    dflash-ipc prepare --model DIR --input FILE.jsonl --out DIR
+    dflash-ipc regenerate --model DIR --input FILE_OR_DIR --out FILE.jsonl   the target writes the replies
+    dflash-ipc prepare --model DIR --input FILE_OR_DIR --out DIR
     dflash-ipc export CHECKPOINT OUT_DIR [--with-code]
     dflash-ipc report RUN_DIR
     dflash-ipc status|health RUN_DIR
-    dflash-ipc bench transport|drafter|dispatch|pipeline|target
+    dflash-ipc bench transport|drafter|dispatch|pipeline|target|regenerate
     dflash-ipc plan --gpus N (--target-capacity T --drafter-capacity D | --from-bench FILE)
 """
 
@@ -68,7 +69,7 @@ def _finished_before(cfg) -> bool:
 config_option = click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
                              help="YAML job config (default: configs/default.yaml).")
 override_option = click.option("-o", "--override", "overrides", multiple=True, metavar="KEY=VALUE",
-                               help="Override a config key, e.g. -o drafter.lr=3e-4 (repeatable).")
+                               help="Override a config key, e.g. -o optimizer.lr=3e-4 (repeatable).")
 
 
 @click.group()
@@ -160,26 +161,109 @@ def drafter(config, overrides, rank) -> None:
     run_drafter(resolve_job(cfg), rank)
 
 
+def _echo_report(report) -> None:
+    """A prepare or regenerate report's summary line, and where its rejects are."""
+    click.echo(report.summary())
+    if report.num_rejected:
+        click.echo(f"rejected rows: {report.rejects_path}")
+
+
+input_option = click.option("--input", "input_path", required=True, type=click.Path(),
+                            help="JSONL, JSON array, Parquet, a datasets save_to_disk directory or a directory "
+                                 "of Parquet/JSON shards.")
+split_option = click.option("--split", default=None, help="Split of a directory input (default: train, or the only one).")
+max_line_option = click.option("--max-line-bytes", type=click.IntRange(min=1), default=32 << 20, show_default=True,
+                               help="Rows longer than this are rejected without being parsed.")
+template_kwargs_option = click.option(
+    "--chat-template-kwargs", "template_kwargs", multiple=True, metavar="JSON|KEY=VALUE",
+    help="Chat-template variables, e.g. '{\"enable_thinking\": false}' or enable_thinking=false (repeatable).")
+
+
 @main.command()
 @click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
               help="Target model directory (its tokenizer and chat template are used).")
-@click.option("--input", "input_path", required=True, type=click.Path(dir_okay=False), help="JSONL file.")
+@input_option
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output dataset directory.")
+@split_option
 @click.option("--max-length", default=4096, show_default=True, help="Longest sample in tokens.")
 @click.option("--on-long", type=click.Choice(["truncate", "reject"]), default="truncate", show_default=True)
 @click.option("--last-turn-only", is_flag=True, help="Loss on the last assistant turn only.")
+@template_kwargs_option
+@click.option("--held-out", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Keep the last N usable conversations out of the dataset; their prompts are recorded for eval.")
+@click.option("--dedup", is_flag=True, help="Drop samples with the same tokens as an earlier one (always counted).")
+@max_line_option
 @click.option("--workers", "num_workers", default=1, show_default=True, help="Tokenizer processes.")
 @click.option("--strict", is_flag=True, help="Stop at the first bad row.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing dataset at --out.")
-def prepare(model_dir, input_path, out_dir, max_length, on_long, last_turn_only, num_workers, strict, overwrite) -> None:
-    """Tokenize a chat JSONL file into a memory-mapped training dataset."""
+def prepare(model_dir, input_path, out_dir, split, max_length, on_long, last_turn_only, template_kwargs, held_out,
+            dedup, max_line_bytes, num_workers, strict, overwrite) -> None:
+    """Tokenize chat data into a memory-mapped training dataset."""
+    from dflash_ipc.data.messages import parse_template_kwargs
     from dflash_ipc.data.prepare import prepare_dataset
     report = prepare_dataset(model_dir, input_path, out_dir, max_length=max_length, last_turn_only=last_turn_only,
-                             num_workers=num_workers, strict=strict, on_long=on_long, overwrite=overwrite)
-    click.echo(f"{report.num_samples} samples written to {report.out_dir}, {report.num_rejected} rejected "
-               f"({report.rejects_by_reason}) in {report.seconds:.1f}s, {report.samples_per_s:,.0f} samples/s")
-    if report.num_rejected:
-        click.echo(f"rejected rows: {report.rejects_path}")
+                             num_workers=num_workers, strict=strict, on_long=on_long, overwrite=overwrite,
+                             split=split, max_line_bytes=max_line_bytes, held_out=held_out, dedup=dedup,
+                             template_kwargs=parse_template_kwargs(template_kwargs))
+    _echo_report(report)
+
+
+@main.command()
+@click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
+              help="Target model directory (hf backend).")
+@input_option
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Output JSONL file.")
+@split_option
+@click.option("--backend", "kind", type=click.Choice(["hf", "openai"]), default="hf", show_default=True)
+@click.option("--max-new-tokens", default=2048, show_default=True, help="Longest reply in tokens.")
+@click.option("--temperature", default=0.0, show_default=True, help="0: greedy.")
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--top-k", default=0, show_default=True, help="0: no limit.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--max-turns", type=click.IntRange(min=1), default=None, help="Assistant turns to regenerate per row.")
+@template_kwargs_option
+@click.option("--reasoning", type=click.Choice(["keep", "drop"]), default="keep", show_default=True,
+              help="A reply's <think> reasoning: kept as reasoning_content, or dropped.")
+@click.option("--devices", default="auto", show_default=True,
+              help="hf: cpu, cuda:0 or cuda:0,cuda:1,... (one process per device); auto: every GPU, else cpu.")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
+              show_default=True, help="hf: auto = bfloat16 on GPU, float32 on CPU.")
+@click.option("--cache", type=click.Choice(["auto", "static", "dynamic"]), default="auto", show_default=True,
+              help="hf: KV cache (auto: static on GPU, dynamic on CPU).")
+@click.option("--token-budget", type=click.IntRange(min=1), default=None,
+              help="hf: batch size x (longest prompt + max new tokens) per batch (default 131072 GPU, 16384 CPU).")
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=None, help="hf: default 256 GPU, 64 CPU.")
+@click.option("--url", default=None, help="openai: the server's base URL, e.g. http://127.0.0.1:8000/v1.")
+@click.option("--served-model", default=None, help="openai: model name (default: the first the server lists).")
+@click.option("--concurrency", default=16, show_default=True, help="openai: requests in flight at most.")
+@click.option("--timeout-s", default=600.0, show_default=True, help="openai: seconds per request.")
+@click.option("--retries", default=5, show_default=True, help="openai: retries of a failed request.")
+@click.option("--api-key", envvar="OPENAI_API_KEY", default=None, help="openai: bearer token (env OPENAI_API_KEY).")
+@click.option("--window", default=4096, show_default=True, help="Rows in flight at most.")
+@max_line_option
+@click.option("--overwrite", is_flag=True, help="Start over instead of resuming an existing --out.")
+def regenerate(model_dir, input_path, out_path, split, kind, max_new_tokens, temperature, top_p, top_k, seed,
+               max_turns, template_kwargs, reasoning, devices, dtype, cache, token_budget, max_batch_size, url,
+               served_model, concurrency, timeout_s, retries, api_key, window, max_line_bytes, overwrite) -> None:
+    """Replace every assistant turn with the target's own reply (resumable: rerun to continue)."""
+    from dflash_ipc.data.messages import parse_template_kwargs
+    from dflash_ipc.logs import setup_logging
+    from dflash_ipc.regenerate.options import GenerationOptions
+    from dflash_ipc.regenerate.run import auto_devices, make_backend, regenerate as run_regenerate
+    setup_logging("regenerate")
+    options = GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                seed=seed, max_turns=max_turns, reasoning=reasoning,
+                                template_kwargs=parse_template_kwargs(template_kwargs))
+    backend = make_backend(kind, options, model_dir=model_dir, devices=auto_devices(devices), dtype=dtype,
+                           cache=cache, token_budget=token_budget, max_batch_size=max_batch_size, url=url,
+                           served_model=served_model, concurrency=concurrency, timeout_s=timeout_s,
+                           retries=retries, api_key=api_key)
+    try:
+        report = run_regenerate(input_path, out_path, backend, options, split=split, max_line_bytes=max_line_bytes,
+                                window=window, overwrite=overwrite)
+    finally:
+        backend.close()
+    _echo_report(report)
 
 
 @main.command()
@@ -404,6 +488,36 @@ def bench_pipeline(config, overrides, seconds, warmup_s, json_path, run_dir) -> 
         with open(json_path, "w", encoding="utf-8") as f:
             json.dump(figures, f, indent=1)
     click.echo(format_table(figures))
+
+
+@bench.command("regenerate")
+@click.option("--shape", type=click.Choice(["tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"]), default="qwen3-1.7b",
+              show_default=True, help="Random-weight target of this shape (built in a temporary directory).")
+@click.option("--target", default=None, type=click.Path(exists=True, file_okay=False),
+              help="A model directory instead of --shape.")
+@click.option("--device", default="cuda:0", show_default=True)
+@click.option("--prompts", "num_prompts", default=1024, show_default=True, help="Prompts of the batched phase.")
+@click.option("--one-at-a-time", "num_single", default=4, show_default=True, help="Prompts generated alone.")
+@click.option("--min-prompt", default=64, show_default=True)
+@click.option("--max-prompt", default=256, show_default=True)
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--token-budget", type=int, default=None, help="Default 131072 on GPU, 16384 on CPU.")
+@click.option("--max-batch-size", type=int, default=None, help="Default 256 on GPU, 64 on CPU.")
+@click.option("--cache", "caches", multiple=True, type=click.Choice(["static", "dynamic"]),
+              help="KV cache of the batched phase, repeatable (default: static, then dynamic).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures as JSON.")
+def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt, max_prompt, max_new_tokens,
+                     token_budget, max_batch_size, caches, dtype, json_path) -> None:
+    """Generated tokens/s of regenerate's batched HF generation against one prompt at a time."""
+    from dflash_ipc.bench.regenerate import format_table, run_regenerate_bench, write_json
+    result = run_regenerate_bench(shape=shape, target=target, device=device, num_prompts=num_prompts,
+                                  num_single=num_single, min_prompt=min_prompt, max_prompt=max_prompt,
+                                  max_new_tokens=max_new_tokens, token_budget=token_budget,
+                                  max_batch_size=max_batch_size, caches=caches or ("static", "dynamic"), dtype=dtype)
+    if json_path:
+        write_json(result, json_path)
+    click.echo(format_table(result))
 
 
 @main.command("plan")

@@ -4,13 +4,8 @@ import re
 
 import pytest
 
-from dflash_ipc.data.chat import (
-    ChatEncoder,
-    RowRejected,
-    has_generation_markers,
-    keep_last_run,
-    normalize_conversation,
-)
+from dflash_ipc.data.chat import ChatEncoder, has_generation_markers, keep_last_run
+from dflash_ipc.data.messages import RowRejected, normalize_conversation
 from dflash_ipc.data.tiny import IM_END, IM_START, TINY_VOCAB_WORDS, build_tiny_tokenizer
 from dflash_ipc.errors import DataError
 
@@ -163,7 +158,10 @@ def test_normalize_openai_and_sharegpt():
         ({"conversations": [{"value": "x"}]}, "missing_role", "conversations[0]"),
         ({"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "y"}]}, "empty_content", "messages[0]"),
         ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]}, "empty_content", "messages[1]"),
-        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "non_string_content", "list"),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "non_text_content", "content[0]"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "non_text_content",
+         "'image_url' part"),
+        ({"messages": [{"role": "user", "content": {"text": "x"}}]}, "non_string_content", "dict"),
         ({"messages": [{"role": "user", "content": None}]}, "non_string_content", "NoneType"),
         ({"messages": [{"role": "user"}]}, "missing_content", "messages[0]"),
         ({"messages": [{"role": "user", "content": "x"}]}, "no_assistant_turn", "['user']"),
@@ -182,3 +180,67 @@ def test_bad_conversations(row, reason, where):
 def test_keep_last_run():
     assert keep_last_run([0, 1, 1, 0, 1, 1, 0]) == [0, 0, 0, 0, 1, 1, 0]
     assert keep_last_run([0, 0]) == [0, 0]
+
+
+def test_marker_spans_match_transformers_assistant_mask(tok_markers):
+    """The sentinel rendering finds the same tokens as transformers' own
+    return_assistant_tokens_mask on a template with {% generation %} markers."""
+    for messages in (SINGLE, MULTI):
+        enc = ChatEncoder(tok_markers, method="markers").encode(messages)
+        ref = tok_markers.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                              return_assistant_tokens_mask=True)
+        assert enc.input_ids == list(ref["input_ids"])
+        assert enc.loss_mask == [int(bool(x)) for x in ref["assistant_masks"]]
+
+
+@pytest.mark.parametrize("method", ["prefix", "markers"])
+def test_head_tokenization_is_the_full_tokenizations_head(tok, tok_markers, method):
+    encoder = ChatEncoder(tok_markers if method == "markers" else tok, method=method)
+    long = conv(("user", " ".join(W[i % 1000] for i in range(3000))), ("assistant", W[1]),
+                ("user", W[2]), ("assistant", " ".join(W[i % 997] for i in range(3000))))
+    full = encoder.encode(long)
+    for n in (5, 100, 3500):
+        head = encoder.encode(long, max_tokens=n)
+        assert (head.input_ids, head.loss_mask) == (full.input_ids[:n], full.loss_mask[:n])
+    assert encoder.encode(long, max_tokens=10**6).input_ids == full.input_ids
+
+
+def test_tool_calls_reasoning_tools_and_null_fields_normalize():
+    from dflash_ipc.data.messages import parse_conversation
+
+    row = {"tools": '[{"type": "function", "function": {"name": "f"}}]', "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "tool_calls": None},
+        {"role": "assistant", "content": None, "reasoning_content": None,
+         "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": [1]}'}},
+                        {"name": "g", "arguments": {"y": 2}}]},
+        {"role": "tool", "content": "r", "tool_call_id": "1", "name": None},
+        {"role": "assistant", "content": "", "reasoning_content": "thought"},
+    ]}
+    c = parse_conversation(row)
+    assert c.tools == [{"type": "function", "function": {"name": "f"}}]
+    assert c.messages == [
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": {"x": [1]}}, "id": "1"},
+            {"type": "function", "function": {"name": "g", "arguments": {"y": 2}}}]},
+        {"role": "tool", "content": "r", "tool_call_id": "1"},
+        {"role": "assistant", "content": "", "reasoning_content": "thought"},
+    ]
+    for bad, where in (([{"function": {"arguments": "{}"}}], "tool_calls[0] needs function.name"),
+                       ([{"function": {"name": "f", "arguments": "{oops"}}], "arguments: column 2"),
+                       ("call", "must be a list")):
+        with pytest.raises(RowRejected) as e:
+            parse_conversation({"messages": [{"role": "user", "content": "a"},
+                                             {"role": "assistant", "content": "", "tool_calls": bad}]})
+        assert e.value.reason == "bad_tool_calls" and where in e.value.detail
+
+
+def test_template_kwargs_from_the_command_line():
+    from dflash_ipc.data.messages import parse_template_kwargs
+    from dflash_ipc.errors import ConfigError
+
+    assert parse_template_kwargs(['{"enable_thinking": false}', "depth=3", "name=qwen", 'x="1"']) == {
+        "enable_thinking": False, "depth": 3, "name": "qwen", "x": "1"}
+    for bad, match in (("[1]", "give KEY=VALUE"), ("{nope", "not a JSON object"), ("tools=[]", "own arguments")):
+        with pytest.raises(ConfigError, match=match):
+            parse_template_kwargs([bad])

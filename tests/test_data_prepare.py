@@ -164,14 +164,14 @@ def test_interrupted_prepare_leaves_the_previous_dataset(model_dir, tmp_path, mo
     out = tmp_path / "out"
     prepare_dataset(model_dir, write_jsonl(tmp_path / "old.jsonl", [msgs(*GOOD)]), str(out), progress=False)
     before = {name: (out / name).read_bytes() for name in os.listdir(out)}
-    real = prepare_mod.RowEncoder.encode_line
+    real = prepare_mod.RowEncoder.encode_row
 
-    def dies_at_line_5(self, line_no, raw):
-        if line_no == 5:
+    def dies_at_line_5(self, row):
+        if row.line == 5:
             raise KeyboardInterrupt  # Ctrl-C mid-way
-        return real(self, line_no, raw)
+        return real(self, row)
 
-    monkeypatch.setattr(prepare_mod.RowEncoder, "encode_line", dies_at_line_5)
+    monkeypatch.setattr(prepare_mod.RowEncoder, "encode_row", dies_at_line_5)
     path = write_jsonl(tmp_path / "new.jsonl", [msgs(*GOOD)] * 200)
     with pytest.raises(KeyboardInterrupt):
         prepare_dataset(model_dir, path, str(out), overwrite=True, progress=False)
@@ -235,3 +235,103 @@ def test_progress_reports_rate(model_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "100.0% 3 rows, 3 samples, 0 rejected" in err and "samples/s" in err
     assert report.samples_per_s > 0 and report.seconds > 0
+
+
+# --- hostile and broken input: every row isolated, clear messages ---------------------
+def test_hostile_rows_are_rejects_with_their_line(model_dir, tmp_path):
+    rows = ["[" * 100_000, '{"messages": [{"role": "user", "content": ' + "9" * 5000 + "}]}",
+            msgs(("user", W[1]), ("assistant", W[2]))]
+    report = prepare_dataset(model_dir, write_jsonl(tmp_path / "in.jsonl", rows), str(tmp_path / "out"), progress=False)
+    assert report.num_samples == 1 and report.rejects_by_reason == {"malformed_json": 2}
+    with open(report.rejects_path) as f:
+        rejects = [json.loads(line) for line in f]
+    assert [(r["index"], r["line"]) for r in rejects] == [(0, 1), (1, 2)]
+    assert "recursion limit" in rejects[0]["detail"] and "digits" in rejects[1]["detail"]
+
+
+def test_an_unexpected_error_on_a_row_is_that_rows_reject(model_dir, tmp_path, monkeypatch):
+    from dflash_ipc.data import chat
+
+    real = chat.ChatEncoder.encode
+
+    def breaks_on_w7(self, conv, **kw):
+        if any(m["content"] == W[7] for m in conv.messages):
+            raise ZeroDivisionError("a bug triggered by one row")
+        return real(self, conv, **kw)
+
+    monkeypatch.setattr(chat.ChatEncoder, "encode", breaks_on_w7)
+    rows = [msgs(("user", W[1]), ("assistant", W[2])), msgs(("user", W[7]), ("assistant", W[2])), msgs(*GOOD)]
+    report = prepare_dataset(model_dir, write_jsonl(tmp_path / "in.jsonl", rows), str(tmp_path / "out"), progress=False)
+    assert report.num_samples == 2 and report.rejects_by_reason == {"row_error": 1}
+    with open(report.rejects_path) as f:
+        record = json.loads(f.readline())
+    assert record["line"] == 2 and record["detail"] == "ZeroDivisionError: a bug triggered by one row"
+
+
+def test_unwritable_output_folder_is_a_clear_error(model_dir, tmp_path):
+    path = write_jsonl(tmp_path / "in.jsonl", [msgs(*GOOD)])
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(DataError, match=r"afile/out: cannot write the dataset there \(Not a directory"):
+        prepare_dataset(model_dir, path, str(tmp_path / "afile" / "out"), progress=False)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_read_only_output_folder_is_a_clear_error(model_dir, tmp_path):
+    path = write_jsonl(tmp_path / "in.jsonl", [msgs(*GOOD)])
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    with pytest.raises(DataError, match=r"cannot write the dataset there \(Permission denied"):
+        prepare_dataset(model_dir, path, str(ro / "out"), progress=False)
+
+
+def test_empty_input_and_missing_model_folder(model_dir, tmp_path):
+    with pytest.raises(DataError, match=r"^/dev/null: the input is empty \(no rows\)$"):
+        prepare_dataset(model_dir, "/dev/null", str(tmp_path / "out"), progress=False)
+    path = write_jsonl(tmp_path / "in.jsonl", [msgs(*GOOD)])
+    with pytest.raises(DataError, match=r"no-such-model: no such model directory") as e:
+        prepare_dataset(str(tmp_path / "no-such-model"), path, str(tmp_path / "out"), progress=False)
+    assert "Repo id" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_truncations_and_duplicates_are_in_the_summary(model_dir, tmp_path):
+    rows = [msgs(*GOOD), msgs(("user", W[1]), ("assistant", " ".join(W[:40]))), msgs(*GOOD)]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    report = prepare_dataset(model_dir, path, str(tmp_path / "out"), max_length=40, progress=False)
+    assert (report.num_samples, report.num_truncated, report.num_duplicates) == (3, 1, 1)
+    assert "1 truncated, 1 duplicates" in report.summary()
+    source = TokenDataset(str(tmp_path / "out")).meta["source"]
+    assert (source["num_truncated"], source["num_duplicates"]) == (1, 1)
+    report = prepare_dataset(model_dir, path, str(tmp_path / "dedup"), max_length=40, dedup=True, progress=False)
+    assert report.num_samples == 2 and report.rejects_by_reason == {"duplicate": 1}
+    with open(report.rejects_path) as f:
+        assert json.loads(f.readline())["detail"] == "the same tokens as row 0 (--dedup)"
+
+
+def test_a_ten_megabyte_line_takes_memory_in_proportion(tok, model_dir, tmp_path):
+    """The head of a long sample is tokenized, not all of it (a full token list with offsets
+    took ~135x the line)."""
+    import tracemalloc
+
+    reply = " ".join(W[i % 1000] for i in range(2_000_000))  # ~10 MB
+    path = write_jsonl(tmp_path / "big.jsonl", [msgs(("user", W[1]), ("assistant", reply))])
+    size = os.path.getsize(path)
+    tracemalloc.start()
+    try:
+        report = prepare_dataset(model_dir, path, str(tmp_path / "out"), max_length=4096, progress=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert report.num_samples == 1 and report.num_truncated == 1
+    assert peak < 12 * size, f"peak {peak / 1e6:.0f} MB for a {size / 1e6:.0f} MB line"
+    ids, mask = samples(tmp_path / "out")[0]
+    want_ids, want_mask = chatml(tok, [("user", W[1]), ("assistant", " ".join(W[i % 1000] for i in range(5000)))])
+    assert (ids, mask) == (want_ids[:4096], want_mask[:4096])
+
+
+def test_pretty_printed_json_array_is_read_like_jsonl(model_dir, tmp_path):
+    rows = [msgs(*GOOD), msgs(("user", W[1]), ("assistant", W[2]))]
+    prepare_dataset(model_dir, write_jsonl(tmp_path / "in.jsonl", rows), str(tmp_path / "a"), progress=False)
+    (tmp_path / "in.json").write_text(json.dumps(rows, indent=2))
+    report = prepare_dataset(model_dir, str(tmp_path / "in.json"), str(tmp_path / "b"), progress=False)
+    assert report.num_rejected == 0 and samples(tmp_path / "a") == samples(tmp_path / "b")

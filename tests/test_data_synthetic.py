@@ -126,20 +126,21 @@ def test_prompts_answered_with_nothing_are_drawn_again(built, tmp_path, monkeypa
     import dflash_ipc.data.synthetic as synthetic
 
     target, _ = built
-    real, calls = synthetic._greedy, []
+    real, calls = synthetic._replies, []
 
-    def first_reply_stops(model, prompt_ids, num_new, device, stop_ids=()):
-        gen = real(model, prompt_ids, num_new, device, stop_ids)
-        calls.append(prompt_ids.shape[0])
+    def first_replies_empty(backend, prompts, max_new_tokens, path):
+        replies = real(backend, prompts, max_new_tokens, path)
+        calls.append(len(prompts))
         if len(calls) == 1:
-            gen[:2, 0] = min(stop_ids)  # the first two prompts: the target "stops" at once
-        return gen
+            replies[:2] = [None, None]  # the first two prompts: regenerate's empty_reply rejects
+        return replies
 
-    monkeypatch.setattr(synthetic, "_greedy", first_reply_stops)
+    monkeypatch.setattr(synthetic, "_replies", first_replies_empty)
     out = build_synthetic_dataset(target, str(tmp_path / "d"), num_samples=6, min_len=24, max_len=64, seed=5)
     assert calls == [6, 2]  # one batch, then the two redrawn prompts
     ds = TokenDataset(out)
     assert len(ds) == 6 and all(ds.sample(i)[1].sum() >= 2 for i in range(6))
+    assert not [n for n in os.listdir(tmp_path) if "regen" in n]  # the regenerate files are cleaned up
 
 
 def test_idempotent_and_refuses_other_parameters(built):

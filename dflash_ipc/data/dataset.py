@@ -202,9 +202,14 @@ class DatasetWriter:
         self.out_dir = os.path.abspath(out_dir.rstrip("/"))
         _check_target(self.out_dir, overwrite)
         self.partial_dir = f"{self.out_dir}.partial-{os.getpid()}"
+        self.started = time.monotonic()
         _warn_stale_partials(self.out_dir)
         shutil.rmtree(self.partial_dir, ignore_errors=True)
-        os.makedirs(self.partial_dir)
+        try:
+            os.makedirs(self.partial_dir)
+        except OSError as e:
+            raise DataError(f"{self.out_dir}: cannot write the dataset there ({e.strerror}: "
+                            f"{e.filename}); choose a writable output directory") from None
         self._fingerprint = tokenizer_fingerprint
         self._overwrite = overwrite
         self._max_length = max_length

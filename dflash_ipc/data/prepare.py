@@ -1,26 +1,32 @@
-"""`dflash-ipc prepare`: chat JSONL -> tokenized, loss-masked, memory-mapped dataset.
+"""`dflash-ipc prepare`: chat data -> tokenized, loss-masked, memory-mapped dataset.
 
 Run manual:
     report = prepare_dataset("models/Qwen3-8B", "chats.jsonl", "data/chats",
                              max_length=4096, num_workers=8)
-Each input line is one of
-    {"messages": [{"role": ..., "content": ...}, ...]}           (OpenAI)
+The input is any form `data/reader.py` reads (JSONL, a JSON array, Parquet, a `datasets`
+save_to_disk directory, a directory of Parquet/JSON shards); each row is one of
+    {"messages": [{"role": ..., "content": ...}, ...]}           (OpenAI, see messages.py)
     {"conversations": [{"from": ..., "value": ...}, ...]}          (ShareGPT)
     {"input_ids": [int, ...], "loss_mask": [0/1, ...]}             (pre-tokenized)
-Conversations are rendered with the target's own chat template; the loss mask covers the
-assistant's tokens (see `chat.py`). Samples longer than max_length are cut to max_length
-(on_long="truncate") or rejected (on_long="reject"); a sample is also rejected as too_long
-when truncation leaves no two consecutive trained tokens (the drafter needs an anchor with
-a following target token). `last_turn_only` trains on the last assistant turn (for
-pre-tokenized rows: the last run of masked tokens).
+Conversations are rendered with the target's own chat template (with `template_kwargs`,
+the ones the replies were generated with); the loss mask covers the assistant's tokens (see
+`chat.py`). Samples longer than max_length are cut to max_length (on_long="truncate") or
+rejected (on_long="reject"); a sample is also rejected as too_long when truncation leaves no
+two consecutive trained tokens (the drafter needs an anchor with a following target token).
+`last_turn_only` trains on the last assistant turn (for pre-tokenized rows: the last run of
+masked tokens). Samples with the same tokens as an earlier one are counted as duplicates
+(dropped with dedup=True). `held_out=N` keeps the last N usable conversations out of the
+dataset and records their prompts in meta.json for `dflash-ipc eval` (see held_out.py).
 
-The file is streamed in chunks of lines; with num_workers > 1 the chunks are encoded by a
-forkserver pool with a bounded number of chunks in flight and written back in input order, so
-the output is byte-identical for any num_workers. Bad rows are counted by reason and written
-to rejects.jsonl inside the dataset (line number, reason, detail, raw line); strict=True
-stops at the first one. Output appears at out_dir only when complete (see dataset.py).
-As with any multiprocessing pool, a script that calls this with num_workers > 1 needs an
-`if __name__ == "__main__":` guard (workers import the caller's main module).
+Every row is isolated: whatever goes wrong on it (bad JSON, a row over the byte limit, a
+template error, any exception) makes it a reject with its index, place and reason, never a
+stopped run. The input is streamed in chunks of rows; with num_workers > 1 the chunks are
+encoded by a forkserver pool with a bounded number of chunks in flight and written back in
+input order, so the output is byte-identical for any num_workers. Rejects are counted by
+reason and written to rejects.jsonl inside the dataset (index, place, reason, detail, the
+row's head); strict=True stops at the first one. Output appears at out_dir only when
+complete (see dataset.py). As with any multiprocessing pool, a script that calls this with
+num_workers > 1 needs an `if __name__ == "__main__":` guard.
 """
 
 from __future__ import annotations
@@ -32,14 +38,17 @@ import json
 import logging
 import multiprocessing
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from dflash_ipc.data.chat import ChatEncoder, RowRejected, keep_last_run, normalize_conversation
+from dflash_ipc.data.chat import ChatEncoder, keep_last_run
+from dflash_ipc.data.messages import RowRejected, parse_conversation
 from dflash_ipc.data.dataset import DatasetWriter, tokenizer_fingerprint
+from dflash_ipc.data.held_out import HeldOut
+from dflash_ipc.data.progress import ProgressLine
+from dflash_ipc.data.reader import MAX_ROW_BYTES, InputSource, RawRow, decode_row
 from dflash_ipc.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -48,6 +57,7 @@ ON_LONG = ("truncate", "reject")
 REJECTS_FILE = "rejects.jsonl"
 CHUNK_LINES = 64
 _RAW_KEEP_CHARS = 2000
+_DETAIL_CHARS = 500
 
 
 @dataclass
@@ -63,6 +73,15 @@ class PrepareReport:
     samples_per_s: float = 0.0
     out_dir: str = ""
     num_truncated: int = 0
+    num_duplicates: int = 0
+    num_held_out: int = 0
+
+    def summary(self) -> str:
+        """One line for the command line."""
+        return (f"{self.num_samples} samples written to {self.out_dir} from {self.num_rows} rows: "
+                f"{self.num_rejected} rejected {self.rejects_by_reason}, {self.num_truncated} truncated, "
+                f"{self.num_duplicates} duplicates, {self.num_held_out} held out; {self.seconds:.1f}s, "
+                f"{self.samples_per_s:,.0f} samples/s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,11 +89,15 @@ class _Options:
     max_length: int
     last_turn_only: bool
     on_long: str
+    max_row_bytes: int = MAX_ROW_BYTES
+    template_kwargs: tuple = ()  # sorted (key, value) pairs: hashable, picklable
 
 
 @dataclass(slots=True)
 class _RowResult:
-    line_no: int
+    index: int
+    where: str
+    line: int | None
     input_ids: np.ndarray | None = None  # int32 [L]
     loss_mask: np.ndarray | None = None  # uint8 [L]
     truncated: bool = False
@@ -84,40 +107,38 @@ class _RowResult:
 
 
 class RowEncoder:
-    """Turns one raw JSONL line into (ids, mask) or a rejection; pure, so it runs the same
-    in the main process and in pool workers."""
+    """Turns one raw row into (ids, mask) or a rejection; pure, so it runs the same in the
+    main process and in pool workers."""
 
-    def __init__(self, tokenizer, *, max_length: int, last_turn_only: bool = False, on_long: str = "truncate"):
+    def __init__(self, tokenizer, *, max_length: int, last_turn_only: bool = False, on_long: str = "truncate",
+                 max_row_bytes: int = MAX_ROW_BYTES, template_kwargs: dict | None = None):
         self.tokenizer = tokenizer
-        self.options = _Options(max_length, last_turn_only, on_long)
+        self.options = _Options(max_length, last_turn_only, on_long, max_row_bytes,
+                                tuple(sorted((template_kwargs or {}).items())))
         self._vocab_limit = len(tokenizer)
         self._chat: ChatEncoder | None = None  # built at the first conversation row
 
-    def encode_line(self, line_no: int, raw: bytes) -> _RowResult:
-        """Encode one line (1-based line_no); bad rows come back with reason set, never raise."""
+    def encode_row(self, row: RawRow) -> _RowResult:
+        """Encode one row; bad rows come back with reason set, never raise (but Ctrl-C)."""
         try:
-            ids, mask = self._encode(raw)
+            ids, mask = self._encode(decode_row(row, self.options.max_row_bytes))
             ids, mask, truncated = self._fit(ids, mask)
         except RowRejected as e:
-            text = raw.decode("utf-8", errors="replace").rstrip("\n")
-            return _RowResult(line_no, reason=e.reason, detail=e.detail, raw=text[:_RAW_KEEP_CHARS])
-        return _RowResult(line_no, ids, mask, truncated)
+            return _RowResult(row.index, row.where, row.line, reason=e.reason, detail=e.detail[:_DETAIL_CHARS],
+                              raw=row.text(_RAW_KEEP_CHARS))
+        except Exception as e:  # anything else is this row's problem, not the run's
+            return _RowResult(row.index, row.where, row.line, reason="row_error",
+                              detail=f"{type(e).__name__}: {e}"[:_DETAIL_CHARS], raw=row.text(_RAW_KEEP_CHARS))
+        return _RowResult(row.index, row.where, row.line, ids, mask, truncated)
 
-    def _encode(self, raw: bytes) -> tuple[np.ndarray, np.ndarray]:
-        try:
-            row = json.loads(raw)
-        except UnicodeDecodeError as e:
-            raise RowRejected("malformed_json", f"invalid UTF-8 at byte {e.start}") from None
-        except json.JSONDecodeError as e:
-            raise RowRejected("malformed_json", f"column {e.colno}: {e.msg}") from None
-        if not isinstance(row, dict):
-            raise RowRejected("not_an_object", f"a JSON {type(row).__name__}, expected an object")
-        if "input_ids" in row or "loss_mask" in row:
+    def _encode(self, row: dict) -> tuple[np.ndarray, np.ndarray]:
+        if row.get("input_ids") is not None or row.get("loss_mask") is not None:
             return self._pretokenized(row)
-        messages = normalize_conversation(row)
+        conv = parse_conversation(row)
         if self._chat is None:
-            self._chat = ChatEncoder(self.tokenizer)
-        enc = self._chat.encode(messages, last_turn_only=self.options.last_turn_only)
+            self._chat = ChatEncoder(self.tokenizer, template_kwargs=dict(self.options.template_kwargs))
+        # One token past max_length tells a long sample from one that fits.
+        enc = self._chat.encode(conv, last_turn_only=self.options.last_turn_only, max_tokens=self.options.max_length + 1)
         return np.asarray(enc.input_ids, np.int32), np.asarray(enc.loss_mask, np.uint8)
 
     def _pretokenized(self, row: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -159,52 +180,41 @@ _WORKER_ENCODER: RowEncoder | None = None
 def _init_worker(model_dir: str, options: _Options) -> None:
     global _WORKER_ENCODER
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    tokenizer = _load_tokenizer(model_dir)
-    _WORKER_ENCODER = RowEncoder(tokenizer, max_length=options.max_length,
-                                 last_turn_only=options.last_turn_only, on_long=options.on_long)
+    _WORKER_ENCODER = RowEncoder(load_tokenizer(model_dir), max_length=options.max_length,
+                                 last_turn_only=options.last_turn_only, on_long=options.on_long,
+                                 max_row_bytes=options.max_row_bytes, template_kwargs=dict(options.template_kwargs))
 
 
-def _encode_chunk(chunk: list[tuple[int, bytes]]) -> list[_RowResult]:
+def _encode_chunk(chunk: list[RawRow]) -> list[_RowResult]:
     assert _WORKER_ENCODER is not None, "pool worker not initialised"
-    return [_WORKER_ENCODER.encode_line(n, raw) for n, raw in chunk]
+    return [_WORKER_ENCODER.encode_row(row) for row in chunk]
 
 
-def _load_tokenizer(model_dir: str):
+def load_tokenizer(model_dir: str):
+    """The target's tokenizer from its local directory; DataError naming the directory when
+    it is missing or holds no tokenizer (nothing is downloaded: a hub id is not a path)."""
     from transformers import AutoTokenizer
 
+    if not os.path.isdir(model_dir):
+        raise DataError(f"{model_dir}: no such model directory (give the local directory of the target's "
+                        "tokenizer and chat template; nothing is downloaded)")
     try:
-        return AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError) as e:
-        raise DataError(f"{model_dir}: cannot load a tokenizer ({e})") from e
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception as e:  # OSError, ValueError, and whatever a broken tokenizer file raises
+        raise DataError(f"{model_dir}: cannot load a tokenizer ({type(e).__name__}: {str(e)[:300]})") from None
 
 
 # --- reading ------------------------------------------------------------------------
-class _Reader:
-    """Streams (line_no, raw bytes) chunks; counts bytes and hashes the input as it goes."""
-
-    def __init__(self, path: str, chunk_lines: int = CHUNK_LINES):
-        self.path = path
-        self.chunk_lines = chunk_lines
-        self.bytes_read = 0
-        self.num_rows = 0
-        self.sha256 = hashlib.sha256()
-
-    def chunks(self):
-        """Yield lists of up to chunk_lines (line_no, raw) pairs, blank lines skipped."""
-        chunk: list[tuple[int, bytes]] = []
-        with open(self.path, "rb") as f:
-            for line_no, raw in enumerate(f, start=1):
-                self.bytes_read += len(raw)
-                self.sha256.update(raw)
-                if not raw.strip():
-                    continue  # blank lines are layout, not rows
-                self.num_rows += 1
-                chunk.append((line_no, raw))
-                if len(chunk) == self.chunk_lines:
-                    yield chunk
-                    chunk = []
-        if chunk:
+def _chunks(source: InputSource, size: int = CHUNK_LINES):
+    """Lists of up to `size` rows of the input."""
+    chunk: list[RawRow] = []
+    for row in source.rows():
+        chunk.append(row)
+        if len(chunk) == size:
             yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 def _pool_context():
@@ -219,15 +229,15 @@ def _pool_context():
     return ctx
 
 
-def _encoded_chunks(reader: _Reader, model_dir: str, encoder: RowEncoder, num_workers: int):
+def _encoded_chunks(source: InputSource, model_dir: str, encoder: RowEncoder, num_workers: int):
     """Yield each chunk's results in input order; at most 4 chunks per worker in flight."""
     if num_workers <= 1:
-        for chunk in reader.chunks():
-            yield [encoder.encode_line(n, raw) for n, raw in chunk]
+        for chunk in _chunks(source):
+            yield [encoder.encode_row(row) for row in chunk]
         return
     with _pool_context().Pool(num_workers, initializer=_init_worker, initargs=(model_dir, encoder.options)) as pool:
         pending: collections.deque = collections.deque()
-        for chunk in reader.chunks():
+        for chunk in _chunks(source):
             pending.append(pool.apply_async(_encode_chunk, (chunk,)))
             if len(pending) >= 4 * num_workers:
                 yield pending.popleft().get()
@@ -235,72 +245,102 @@ def _encoded_chunks(reader: _Reader, model_dir: str, encoder: RowEncoder, num_wo
             yield pending.popleft().get()
 
 
-# --- progress -----------------------------------------------------------------------
-class _Progress:
-    """One stderr line, rewritten in place on a terminal, every 10 s otherwise."""
-
-    def __init__(self, total_bytes: int, enabled: bool):
-        self.total = max(total_bytes, 1)
-        self.enabled = enabled
-        self.tty = enabled and sys.stderr.isatty()
-        self.start = time.monotonic()
-        self.last = 0.0
-
-    def update(self, bytes_read: int, rows: int, samples: int, rejected: int, *, final: bool = False) -> None:
-        """Redraw if enough time has passed (always when final)."""
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if not final and now - self.last < (0.25 if self.tty else 10.0):
-            return
-        self.last = now
-        rate = samples / max(now - self.start, 1e-9)
-        line = (f"prepare: {100.0 * bytes_read / self.total:5.1f}% {rows} rows, {samples} samples, "
-                f"{rejected} rejected, {rate:.0f} samples/s")
-        end = "\n" if final or not self.tty else ""
-        sys.stderr.write(("\r" if self.tty else "") + line + end)
-        sys.stderr.flush()
-
-
 # --- writing ------------------------------------------------------------------------
-@dataclass(slots=True)
-class _Tally:
-    counts: collections.Counter = field(default_factory=collections.Counter)
-    num_samples: int = 0
-    num_truncated: int = 0
-    first_rejects: list = field(default_factory=list)
+def _sample_key(ids: np.ndarray, mask: np.ndarray) -> int:
+    h = hashlib.blake2b(ids.tobytes(), digest_size=8)
+    h.update(mask.tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+class _Sink:
+    """Takes encoded rows in input order: samples to the writer (through the held-out
+    choice), rejects to rejects.jsonl, counts to the tally."""
+
+    def __init__(self, writer: DatasetWriter, rejects, source: InputSource, *, strict: bool, dedup: bool,
+                 held_out: int):
+        self.writer = writer
+        self.source = source
+        self.rejects = rejects
+        self.strict = strict
+        self.dedup = dedup
+        self.held = HeldOut(held_out)
+        self.counts: collections.Counter = collections.Counter()
+        self.num_samples = 0
+        self.num_truncated = 0
+        self.num_duplicates = 0
+        self.first_rejects: list[str] = []
+        self._keys: dict[int, int] = {}  # sample key -> index of its first row
 
     @property
     def num_rejected(self) -> int:
         """Rejected rows, all reasons."""
         return sum(self.counts.values())
 
+    def add(self, r: _RowResult) -> None:
+        if r.reason is None:
+            key = _sample_key(r.input_ids, r.loss_mask)
+            first = self._keys.setdefault(key, r.index)
+            if first != r.index:
+                self.num_duplicates += 1
+                if self.dedup:
+                    r = _RowResult(r.index, r.where, r.line, reason="duplicate",
+                                   detail=f"the same tokens as row {first} (--dedup)", raw="")
+            if r.reason is None:
+                for sample in self.held.offer(r, r.input_ids, r.loss_mask):
+                    self._write(sample)
+                return
+        if self.strict:
+            raise DataError(f"{r.where}: {r.reason}: {r.detail} (strict mode)")
+        self.counts[r.reason] += 1
+        if len(self.first_rejects) < 3:
+            self.first_rejects.append(f"{self._short(r)}: {r.reason}: {r.detail}")
+        record = {"index": r.index, "where": r.where, "reason": r.reason, "detail": r.detail, "raw": r.raw}
+        if r.line is not None:
+            record["line"] = r.line
+        self.rejects.write(json.dumps(record, ensure_ascii=False) + "\n")
 
-def _write_rows(writer: DatasetWriter, reader: _Reader, chunks, input_path: str, *, strict: bool,
-                bar: _Progress) -> _Tally:
-    """Add accepted rows to the writer in input order; log rejects to rejects.jsonl."""
-    tally = _Tally()
-    with open(writer.aux_path(REJECTS_FILE), "w") as rejects:
-        for results in chunks:
-            for r in results:
-                if r.reason is None:
-                    writer.add(r.input_ids, r.loss_mask)
-                    tally.num_samples += 1
-                    tally.num_truncated += int(r.truncated)
-                    continue
-                if strict:
-                    raise DataError(f"{input_path}:{r.line_no}: {r.reason}: {r.detail} (strict mode)")
-                tally.counts[r.reason] += 1
-                if len(tally.first_rejects) < 3:
-                    tally.first_rejects.append(f"line {r.line_no}: {r.reason}: {r.detail}")
-                record = {"line": r.line_no, "reason": r.reason, "detail": r.detail, "raw": r.raw}
-                rejects.write(json.dumps(record, ensure_ascii=False) + "\n")
-            bar.update(reader.bytes_read, reader.num_rows, tally.num_samples, tally.num_rejected)
-    bar.update(reader.bytes_read, reader.num_rows, tally.num_samples, tally.num_rejected, final=True)
-    return tally
+    def _short(self, r: _RowResult) -> str:
+        """`line 12` in a single file; a shard's place relative to the input directory."""
+        if self.source.kind == "file":
+            return f"line {r.line}" if r.line is not None else f"row {r.index}"
+        return os.path.relpath(r.where, self.source.path) if r.where.startswith(self.source.path) else r.where
+
+    def _write(self, r: _RowResult) -> None:
+        self.writer.add(r.input_ids, r.loss_mask)
+        self.num_samples += 1
+        self.num_truncated += int(r.truncated)
+
+    def held_out_records(self) -> list[dict]:
+        """meta.json's extra.held_out: the held-out rows' indices and prompt ids."""
+        return [{"sample_id": r.index, "prompt_ids": prompt.astype(int).tolist()} for r, prompt in self.held.held()]
+
+
+def _progress_line(source: InputSource, sink: _Sink, bar: ProgressLine) -> str:
+    done = (f"{100.0 * source.bytes_read / source.total_bytes:5.1f}% " if source.total_bytes else "")
+    return (f"prepare: {done}{source.num_rows} rows, {sink.num_samples} samples, {sink.num_rejected} rejected, "
+            f"{sink.num_samples / max(bar.elapsed_s, 1e-9):.0f} samples/s")
+
+
+def _write_rows(sink: _Sink, source: InputSource, chunks, bar: ProgressLine) -> None:
+    for results in chunks:
+        for r in results:
+            sink.add(r)
+        bar.show(_progress_line(source, sink, bar))
+    bar.show(_progress_line(source, sink, bar), final=True)
 
 
 # --- entry point --------------------------------------------------------------------
+def _check_options(max_length: int, on_long: str, num_workers: int, held_out: int) -> None:
+    if on_long not in ON_LONG:
+        raise ConfigError(f"on_long={on_long!r}; allowed: {list(ON_LONG)}")
+    if max_length < 2:
+        raise ConfigError(f"max_length={max_length}; must be >= 2")
+    if num_workers < 1:
+        raise ConfigError(f"num_workers={num_workers}; must be >= 1")
+    if held_out < 0:
+        raise ConfigError(f"held_out={held_out}; must be >= 0")
+
+
 def prepare_dataset(
     model_dir: str,
     input_path: str,
@@ -314,47 +354,64 @@ def prepare_dataset(
     overwrite: bool = False,
     progress: bool = True,
     extra_meta: dict | None = None,
+    split: str | None = None,
+    max_line_bytes: int = MAX_ROW_BYTES,
+    template_kwargs: dict | None = None,
+    held_out: int = 0,
+    dedup: bool = False,
 ) -> PrepareReport:
-    """Tokenize input_path (JSONL) with model_dir's tokenizer into the dataset out_dir.
+    """Tokenize input_path (see data/reader.py) with model_dir's tokenizer into the dataset out_dir.
 
-    Raises DataError for an unreadable input, a strict-mode bad row (file:line named), an
-    existing out_dir without overwrite, or when no row is usable; ConfigError for bad options.
+    Raises DataError for an unreadable or empty input, a missing model directory, an
+    unwritable or existing out_dir (without overwrite), a strict-mode bad row (its place
+    named), or when no row is usable; ConfigError for bad options.
     """
-    if on_long not in ON_LONG:
-        raise ConfigError(f"on_long={on_long!r}; allowed: {list(ON_LONG)}")
-    if max_length < 2:
-        raise ConfigError(f"max_length={max_length}; must be >= 2")
-    if num_workers < 1:
-        raise ConfigError(f"num_workers={num_workers}; must be >= 1")
-    if not os.path.isfile(input_path):
-        raise DataError(f"{input_path}: no such input file")
-    tokenizer = _load_tokenizer(model_dir)
-    encoder = RowEncoder(tokenizer, max_length=max_length, last_turn_only=last_turn_only, on_long=on_long)
-    source = {"input": os.path.abspath(input_path), "model_dir": os.path.abspath(model_dir),
-              "max_length": max_length, "last_turn_only": last_turn_only, "on_long": on_long}
-    start = time.monotonic()
-    reader = _Reader(input_path)
+    _check_options(max_length, on_long, num_workers, held_out)
+    if held_out and extra_meta and "held_out" in extra_meta:
+        raise ConfigError("held_out: given both as an option and in extra_meta")
+    source = InputSource(input_path, split=split, max_row_bytes=max_line_bytes)
+    tokenizer = load_tokenizer(model_dir)
+    encoder = RowEncoder(tokenizer, max_length=max_length, last_turn_only=last_turn_only, on_long=on_long,
+                         max_row_bytes=max_line_bytes, template_kwargs=template_kwargs)
+    meta_source = {"input": os.path.abspath(input_path), "model_dir": os.path.abspath(model_dir), "split": split,
+                   "max_length": max_length, "last_turn_only": last_turn_only, "on_long": on_long,
+                   "template_kwargs": dict(template_kwargs or {}), "dedup": dedup, "held_out": held_out}
     with DatasetWriter(out_dir, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), overwrite=overwrite,
-                       max_length=max_length, source=source, extra=extra_meta) as writer:
-        # closing(): a strict-mode stop or Ctrl-C shuts the pool down now, not at garbage collection.
-        with contextlib.closing(_encoded_chunks(reader, model_dir, encoder, num_workers)) as chunks:
-            tally = _write_rows(writer, reader, chunks, input_path, strict=strict,
-                                bar=_Progress(os.path.getsize(input_path), progress))
-        if tally.num_samples == 0:
-            raise DataError(f"{input_path}: no usable rows ({reader.num_rows} rows; rejected by reason: "
-                            f"{dict(tally.counts)}; first: {tally.first_rejects})")
-        writer.source.update(input_sha256=reader.sha256.hexdigest(), num_rows=reader.num_rows,
-                             num_rejected=tally.num_rejected, num_truncated=tally.num_truncated,
-                             rejects_by_reason=dict(sorted(tally.counts.items())))
+                       max_length=max_length, source=meta_source, extra=extra_meta) as writer:
+        with open(writer.aux_path(REJECTS_FILE), "w") as rejects:
+            sink = _Sink(writer, rejects, source, strict=strict, dedup=dedup, held_out=held_out)
+            # closing(): a strict-mode stop or Ctrl-C shuts the pool down now, not at garbage collection.
+            with contextlib.closing(_encoded_chunks(source, model_dir, encoder, num_workers)) as chunks:
+                _write_rows(sink, source, chunks, ProgressLine(progress))
+        _check_usable(input_path, source, sink, held_out)
+        if held_out:
+            writer.extra["held_out"] = sink.held_out_records()
+        writer.source.update(input_sha256=source.sha256.hexdigest(), num_rows=source.num_rows,
+                             num_rejected=sink.num_rejected, num_truncated=sink.num_truncated,
+                             num_duplicates=sink.num_duplicates, rejects_by_reason=dict(sorted(sink.counts.items())))
         writer.close()
-    seconds = time.monotonic() - start
+    return _report(input_path, writer, source, sink, held_out)
+
+
+def _check_usable(input_path: str, source: InputSource, sink: _Sink, held_out: int) -> None:
+    if source.num_rows == 0:
+        raise DataError(f"{input_path}: the input is empty (no rows)")
+    if sink.num_samples == 0:
+        kept = f" and {len(sink.held.held())} held out (--held-out {held_out})" if held_out else ""
+        raise DataError(f"{input_path}: no usable rows ({source.num_rows} rows{kept}; rejected by reason: "
+                        f"{dict(sink.counts)}; first: {sink.first_rejects})")
+    if held_out and len(sink.held.held()) < held_out:
+        raise DataError(f"{input_path}: --held-out {held_out}, but only {len(sink.held.held())} conversations "
+                        "qualify (usable, with a prompt no other row has)")
+
+
+def _report(input_path: str, writer: DatasetWriter, source: InputSource, sink: _Sink, held_out: int) -> PrepareReport:
+    seconds = time.monotonic() - writer.started
     report = PrepareReport(
-        num_rows=reader.num_rows, num_samples=tally.num_samples, num_rejected=tally.num_rejected,
-        rejects_by_reason=dict(sorted(tally.counts.items())), rejects_path=os.path.join(writer.out_dir, REJECTS_FILE),
-        seconds=seconds, samples_per_s=tally.num_samples / max(seconds, 1e-9), out_dir=writer.out_dir,
-        num_truncated=tally.num_truncated,
+        num_rows=source.num_rows, num_samples=sink.num_samples, num_rejected=sink.num_rejected,
+        rejects_by_reason=dict(sorted(sink.counts.items())), rejects_path=os.path.join(writer.out_dir, REJECTS_FILE),
+        seconds=seconds, samples_per_s=sink.num_samples / max(seconds, 1e-9), out_dir=writer.out_dir,
+        num_truncated=sink.num_truncated, num_duplicates=sink.num_duplicates, num_held_out=held_out,
     )
-    log.info("prepare %s -> %s: %d rows, %d samples, %d rejected %s, %d truncated, %.1f s, %.0f samples/s",
-             input_path, writer.out_dir, report.num_rows, report.num_samples, report.num_rejected,
-             report.rejects_by_reason, report.num_truncated, seconds, report.samples_per_s)
+    log.info("prepare %s -> %s", input_path, report.summary())
     return report

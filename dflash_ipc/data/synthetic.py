@@ -1,6 +1,6 @@
 """The embedded default's dataset: random-word prompts answered by the target's own
-greedy continuations, written as OpenAI `messages` JSONL and passed through the real
-`prepare_dataset`.
+greedy replies, generated through the public `regenerate` path (hf backend) and passed
+through the real `prepare_dataset`, as a user's data would be.
 
 Why the target's own continuations: a drafter learns to predict what the target would
 generate; on text the target did not write there is little to learn, and for a randomly
@@ -13,7 +13,8 @@ or before the first token that is not text (a special token or a padding row).
 
 Lengths: each sample's total token count (chat template included) is drawn log-uniformly
 in [min_len, max_len], so short and long buckets are both populated. Samples are sorted
-by length and generated in batches that share one prompt length; each sample keeps its
+by length and generated in batches that share one prompt length (one `regenerate` run per
+batch, with the batch's longest response as --max-new-tokens); each sample keeps its
 own number of response tokens (a prefix of a greedy continuation is still greedy), so the
 lengths are spread, not quantised to batches; a target that stops early makes a sample
 shorter. A prompt the target answers with nothing is drawn again (prepare rejects empty
@@ -32,22 +33,23 @@ Usage:
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import logging
 import math
 import os
+import shutil
 
 import numpy as np
 
 from dflash_ipc.data.dataset import TokenDataset, dataset_is_complete
+from dflash_ipc.data.held_out import held_out_prompts_of  # noqa: F401  (eval reads held-out prompts through it)
 from dflash_ipc.data.prepare import prepare_dataset
 from dflash_ipc.data.tiny import TINY_VOCAB_WORDS
 from dflash_ipc.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
-_SYNTHETIC_FORMAT = 2  # 2: unrestricted greedy replies, held-out prompts, target fingerprint
+_SYNTHETIC_FORMAT = 3  # 3: replies through `regenerate` (2: unrestricted greedy replies, held-out prompts)
 GEN_BATCH_SIZE = 64
 _MAX_PROMPT_DRAWS = 16
 _PROMPT_FRACTION = (0.2, 0.6)  # share of a sample's content tokens that is prompt
@@ -90,50 +92,19 @@ def _plan(num_samples: int, min_len: int, max_len: int, overhead: int, seed: int
     return batches
 
 
-def _greedy(model, prompt_ids, num_new: int, device: str, stop_ids=()):
-    """The target's greedy continuation of equal-length prompts [B, P] -> [B, num_new], over
-    its whole vocabulary (exactly what plain greedy decoding gives). Stops early once every
-    row has produced one of stop_ids (the tokens after a stop are then meaningless)."""
-    import torch
-    from transformers import DynamicCache
-
-    # transformers 5.x renamed the cache argument; pass a cache we own so the output
-    # field's name does not matter either.
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    cache = DynamicCache()
-    ids = torch.as_tensor(prompt_ids, device=device)  # [B, P]
-    stops = torch.as_tensor(sorted(stop_ids), dtype=torch.long, device=device)  # [S]
-    stopped = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)  # [B]
-    out_tokens = []
-    logits = model(input_ids=ids, use_cache=True, **{cache_kw: cache}).logits[:, -1]  # [B, V]
-    for step in range(num_new):
-        nxt = logits.argmax(-1)  # [B]
-        out_tokens.append(nxt)
-        stopped |= torch.isin(nxt, stops)
-        if step + 1 == num_new or bool(stopped.all()):
-            break
-        logits = model(input_ids=nxt[:, None], use_cache=True, **{cache_kw: cache}).logits[:, -1]
-    gen = torch.stack(out_tokens, dim=1).cpu().numpy()  # [B, n <= num_new]
-    pad = np.full((gen.shape[0], num_new - gen.shape[1]), -1, dtype=gen.dtype)
-    return np.concatenate([gen, pad], axis=1)  # [B, num_new]; -1 after an early stop
-
-
 def _generate_rows(target_dir: str, tokenizer, batches: list[dict], num_samples: int, device: str,
-                   num_words: int):
-    """Run the target greedily; return the JSONL rows and the expected token ids, in sample order."""
+                   num_words: int, work_dir: str):
+    """Run the target greedily through `regenerate`; return the JSONL rows and the expected
+    token ids, in sample order."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from dflash_ipc.eval.speculative import stop_token_ids
+    from dflash_ipc.regenerate.hf import HFBackend
+    from dflash_ipc.regenerate.options import GenerationOptions
 
-    model = AutoModelForCausalLM.from_pretrained(target_dir).to(device).eval()
     # The ids a response may hold: what the tokenizer writes back as the same ids inside an
-    # assistant message (words, role words, newlines); not special tokens, not the padding
-    # rows of the embedding table.
-    text_ids = np.zeros(model.config.vocab_size, dtype=bool)
-    special = set(tokenizer.all_special_ids)
-    text_ids[[i for i in range(len(tokenizer)) if i not in special]] = True
-    stops = stop_token_ids(target_dir, model)
+    # assistant message (words, role words, newlines); not special tokens.
+    text_ids = np.ones(len(tokenizer), dtype=bool)
+    text_ids[list(set(tokenizer.all_special_ids))] = False
     rows: list = [None] * num_samples
     expected: list = [None] * num_samples
     # Measured on a loaded 2-core box: a decode step of the tiny target took 140 ms with
@@ -142,56 +113,78 @@ def _generate_rows(target_dir: str, tokenizer, batches: list[dict], num_samples:
     prev_threads = torch.get_num_threads()
     if str(device).startswith("cpu"):
         torch.set_num_threads(1)
+    longest = max(int(b["prompt_len"] + b["response_lens"].max()) for b in batches) + 64
+    backend = HFBackend(target_dir, GenerationOptions(), devices=[device], token_budget=GEN_BATCH_SIZE * longest,
+                        max_batch_size=GEN_BATCH_SIZE)
     try:
-        _generate_batches(model, tokenizer, batches, text_ids, stops, device, rows, expected, num_words)
+        for b, batch in enumerate(batches):
+            _generate_batch(backend, tokenizer, batch, b, text_ids, rows, expected, num_words,
+                            os.path.join(work_dir, f"batch-{b}"))
     finally:
+        backend.close()
         torch.set_num_threads(prev_threads)
     return rows, expected
 
 
 def _response(gen_row, budget: int, text_ids) -> np.ndarray:
-    """The response: the greedy tokens up to the budget, ending before the first token that is
-    not text (a stop token ends the reply there: the template's <|im_end|> follows)."""
+    """The response: the reply's tokens up to the budget, ending before the first token that
+    is not text (a stop token ends the reply there: the template's <|im_end|> follows)."""
     row = gen_row[:budget]
-    bad = np.flatnonzero((row < 0) | ~text_ids[np.clip(row, 0, None)])
+    bad = np.flatnonzero((row < 0) | ~text_ids[np.clip(row, 0, len(text_ids) - 1)] | (row >= len(text_ids)))
     return row[: bad[0]] if bad.size else row
 
 
-def _generate_batches(model, tokenizer, batches, text_ids, stops, device, rows, expected, num_words) -> None:
-    """Fill rows/expected. A sample whose reply would be empty (the target stops, or writes
-    no text, right after the prompt) gets a fresh prompt of the same length, drawn from an
-    RNG seeded by the batch, until it has one (prepare rejects empty replies)."""
-    import torch
+def _replies(backend, prompts: list[str], max_new_tokens: int, path: str) -> list[str | None]:
+    """The target's greedy reply to each prompt, through the public regenerate path (None
+    where it replied with nothing)."""
+    from dflash_ipc.regenerate.options import GenerationOptions
+    from dflash_ipc.regenerate.run import regenerate
 
-    with torch.inference_mode():
-        for b, batch in enumerate(batches):
-            words = batch["prompt_words"].copy()  # [B, P]
-            todo = np.arange(len(words))
-            rng = np.random.default_rng([batch["seed"], b])
-            for _ in range(_MAX_PROMPT_DRAWS):
-                prompts = [" ".join(TINY_VOCAB_WORDS[w] for w in ws) for ws in words[todo]]
-                rendered = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                          add_generation_prompt=True) for p in prompts]
-                prompt_ids = np.asarray([tokenizer(r, add_special_tokens=False)["input_ids"] for r in rendered])  # [b, P]
-                budget = batch["response_lens"][todo]  # [b]
-                gen = _greedy(model, prompt_ids, int(budget.max()), device, stops)  # [b, R]
-                empty = []
-                for j, k in enumerate(todo):
-                    response = _response(gen[j], int(budget[j]), text_ids)
-                    if response.size == 0:
-                        empty.append(k)
-                        continue
-                    i = batch["members"][k]
-                    rows[i] = {"messages": [{"role": "user", "content": prompts[j]},
-                                            {"role": "assistant", "content": tokenizer.decode(response.tolist())}]}
-                    expected[i] = (prompt_ids[j], response)
-                todo = np.asarray(empty, dtype=np.int64)
-                if not todo.size:
-                    break
-                words[todo] = rng.integers(0, num_words, (todo.size, words.shape[1]))
-            else:
-                raise DataError(f"synthetic dataset: the target replied with nothing to {todo.size} prompts "
-                                f"after {_MAX_PROMPT_DRAWS} draws each")
+    _write_jsonl([{"messages": [{"role": "user", "content": p}]} for p in prompts], path + ".in.jsonl")
+    report = regenerate(path + ".in.jsonl", path + ".jsonl", backend, GenerationOptions(max_new_tokens=max_new_tokens),
+                        window=len(prompts), overwrite=True, progress=False)
+    other = {k: v for k, v in report.rejects_by_reason.items() if k != "empty_reply"}
+    if other or not report.complete:
+        raise DataError(f"synthetic dataset: regenerate rejected prompts {other} (see {report.rejects_path})")
+    replies: list[str | None] = [None] * len(prompts)
+    with open(path + ".jsonl") as f:
+        for line in f:
+            row = json.loads(line)
+            replies[row["index"]] = row["messages"][-1]["content"]
+    return replies
+
+
+def _generate_batch(backend, tokenizer, batch, b, text_ids, rows, expected, num_words, path) -> None:
+    """Fill rows/expected for one batch. A sample whose reply would be empty (the target
+    stops, or writes no text, right after the prompt) gets a fresh prompt of the same
+    length, drawn from an RNG seeded by the batch, until it has one (prepare rejects empty
+    replies)."""
+    words = batch["prompt_words"].copy()  # [B, P]
+    todo = np.arange(len(words))
+    rng = np.random.default_rng([batch["seed"], b])
+    budget_all = batch["response_lens"]
+    for draw in range(_MAX_PROMPT_DRAWS):
+        prompts = [" ".join(TINY_VOCAB_WORDS[w] for w in ws) for ws in words[todo]]
+        replies = _replies(backend, prompts, int(budget_all[todo].max()), f"{path}-{draw}")
+        empty = []
+        for j, k in enumerate(todo):
+            ids = np.asarray(tokenizer(replies[j] or "", add_special_tokens=False)["input_ids"], dtype=np.int64)
+            response = _response(ids, int(budget_all[k]), text_ids)
+            if response.size == 0:
+                empty.append(k)
+                continue
+            rendered = tokenizer.apply_chat_template([{"role": "user", "content": prompts[j]}], tokenize=False,
+                                                     add_generation_prompt=True)
+            i = batch["members"][k]
+            rows[i] = {"messages": [{"role": "user", "content": prompts[j]},
+                                    {"role": "assistant", "content": tokenizer.decode(response.tolist())}]}
+            expected[i] = (np.asarray(tokenizer(rendered, add_special_tokens=False)["input_ids"]), response)
+        todo = np.asarray(empty, dtype=np.int64)
+        if not todo.size:
+            return
+        words[todo] = rng.integers(0, num_words, (todo.size, words.shape[1]))
+    raise DataError(f"synthetic dataset: the target replied with nothing to {todo.size} prompts "
+                    f"after {_MAX_PROMPT_DRAWS} draws each")
 
 
 def _write_jsonl(rows: list[dict], path: str) -> None:
@@ -249,14 +242,6 @@ def synthetic_cache_key(params: dict) -> str:
     return hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def held_out_prompts_of(meta: dict) -> list[tuple[int, np.ndarray]]:
-    """(sample id, prompt ids [P]) of the held-out prompts a synthetic dataset's meta.json
-    declares (sample ids of the generation plan that were never written to the dataset);
-    [] for other datasets."""
-    held = (meta.get("extra") or {}).get("held_out") or []
-    return [(int(h["sample_id"]), np.asarray(h["prompt_ids"], dtype=np.int64)) for h in held]
-
-
 def build_synthetic_dataset(
     target_dir: str,
     out_dir: str,
@@ -305,7 +290,12 @@ def build_synthetic_dataset(
         return out_dir
     total = num_samples + num_held_out
     batches = _plan(total, min_len, max_len, overhead, seed, num_words)
-    rows, expected = _generate_rows(target_dir, tokenizer, batches, total, device, num_words)
+    work_dir = f"{out_dir}.regen-{os.getpid()}"
+    os.makedirs(work_dir, exist_ok=True)
+    try:
+        rows, expected = _generate_rows(target_dir, tokenizer, batches, total, device, num_words, work_dir)
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
     held_out = [{"sample_id": i, "prompt_ids": expected[i][0].tolist()} for i in range(num_samples, total)]
     rows, expected = rows[:num_samples], expected[:num_samples]
     jsonl = out_dir + ".jsonl"

@@ -50,6 +50,7 @@ from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.drafter.attention import BlockLayout, build_mask
 from dflash_ipc.drafter.export import CONFIG_FILE, load_inference_checkpoint
 from dflash_ipc.drafter.model import DFlashDraftModel
+from dflash_ipc.data.stops import stop_token_ids
 from dflash_ipc.drafter.target_head import FrozenTargetHead
 from dflash_ipc.dtypes import TORCH_DTYPES as DTYPES
 from dflash_ipc.errors import ConfigError, DataError
@@ -59,7 +60,6 @@ logger = logging.getLogger(__name__)
 
 DTYPE_CHOICES = ("auto", *DTYPES)
 LATEST_FILE = "latest.json"  # written by DrafterTrainer.save_checkpoint in a checkpoints root
-EXTRA_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")  # ChatML end of turn / of text, when in the vocab
 
 
 def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
@@ -170,27 +170,6 @@ class TargetLM:
             # crop(-n) removes n positions in transformers 4.x and 5.x alike (5.x refuses crop(+n)).
             self._cache.crop(-remove)
             del self._ids[length:]
-
-
-def stop_token_ids(target_dir: str, model) -> frozenset[int]:
-    """EOS ids of the model and generation configs and the tokenizer, plus ChatML ends."""
-    ids: set[int] = set()
-    for cfg in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(cfg, "eos_token_id", None)
-        ids.update([eos] if isinstance(eos, int) else list(eos or []))
-    try:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(target_dir)
-    except (OSError, ValueError) as exc:
-        logger.warning("%s: no tokenizer (%s); stop tokens from the configs only: %s", target_dir, exc, sorted(ids))
-        return frozenset(ids)
-    if tok.eos_token_id is not None:
-        ids.add(int(tok.eos_token_id))
-    vocab = tok.get_vocab()
-    ids.update(int(vocab[t]) for t in EXTRA_STOP_TOKENS if t in vocab)
-    if not ids:
-        logger.warning("%s: no stop token found; every generation runs to max_new_tokens", target_dir)
-    return frozenset(ids)
 
 
 class Proposer(Protocol):

@@ -1,0 +1,466 @@
+"""The inputs people have, read one row at a time: each row with its index and its place.
+
+One reader serves `prepare` and `regenerate`, so an original dataset and a regenerated file
+go through the same code. What it reads (`open_input`):
+  FILE.jsonl        one JSON object a line
+  FILE.json         a JSON array of objects, pretty-printed or not, streamed element by
+                    element; or pretty-printed objects one after another (the form is
+                    sniffed from the first bytes, whatever the name: a file starting with
+                    '[' is an array, except a .jsonl file whose first line holds more)
+  FILE.parquet      Parquet (pyarrow), in record batches
+  DIR               a `datasets` save_to_disk directory (state.json / dataset_dict.json), or a
+                    dataset's local shards: every *.parquet, *.jsonl, *.json below it
+  /dev/stdin, FIFO  JSONL or a JSON array, streamed (nothing is sought)
+
+Rows are isolated: the reader only splits the input; `decode_row` parses one row and turns
+every failure (bad UTF-8, bad JSON, nesting deeper than Python's recursion limit, integers
+past its 4,300-digit limit, a row over `max_row_bytes`) into `RowRejected`, so one bad row
+never stops a run. A row over the cap is never held in memory whole: only its first bytes
+are kept, for the rejects file.
+
+Shards and splits: a file named `<split>-00000-of-00004.<ext>` (the HF naming), one under a
+directory named like a split (train/, test/, ...), or one whose stem is a split name belongs
+to that split. `split=None` takes "train" when several splits are present.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from dflash_ipc.data.messages import RowRejected
+from dflash_ipc.errors import DataError
+
+log = logging.getLogger(__name__)
+
+MAX_ROW_BYTES = 32 << 20  # 32 MiB: far above any conversation a max_length can hold
+_READ_CHUNK = 1 << 20
+_HEAD_KEEP = 2000  # bytes of an oversize row kept for the rejects file
+_SHARD_EXTS = (".parquet", ".jsonl", ".json")
+_SPLIT_NAMES = ("train", "test", "validation", "valid", "dev", "eval")
+_HF_SHARD = re.compile(r"^(?P<split>[A-Za-z0-9_]+)-\d+-of-\d+")
+_DATA_EXTRA_HINT = "pip install 'dflash-ipc[data]'"
+
+
+@dataclass(slots=True)
+class RawRow:
+    """One row as read: JSON text still to parse (`raw`) or an already decoded row (`value`).
+
+    index: 0-based position among the input's rows (blank lines are not rows), stable across
+    runs; where: "file:line" or "file row N", for messages; oversize: the byte size of a row
+    over the cap (raw then holds only its first bytes)."""
+
+    index: int
+    where: str
+    line: int | None = None
+    raw: bytes | None = None
+    value: dict | None = None
+    oversize: int = 0
+
+    def text(self, limit: int = _HEAD_KEEP) -> str:
+        """The row's first `limit` characters, for a rejects file."""
+        if self.raw is not None:
+            return self.raw[: limit * 4].decode("utf-8", errors="replace").rstrip("\n")[:limit]
+        try:
+            return json.dumps(self.value, ensure_ascii=False, default=str)[:limit]
+        except (TypeError, ValueError, RecursionError):
+            return repr(self.value)[:limit]
+
+
+def decode_row(row: RawRow, max_row_bytes: int = MAX_ROW_BYTES) -> dict:
+    """The row as a dict; RowRejected (line_too_long, malformed_json, not_an_object) otherwise."""
+    if row.oversize:
+        raise RowRejected("line_too_long", f"{row.oversize} bytes > the {max_row_bytes}-byte row limit "
+                                           "(--max-line-bytes); not parsed")
+    value = row.value if row.raw is None else parse_json(row.raw)
+    if not isinstance(value, dict):
+        raise RowRejected("not_an_object", f"a JSON {type(value).__name__}, expected an object")
+    return value
+
+
+def parse_json(raw: bytes | str):
+    """json.loads with every failure as RowRejected("malformed_json")."""
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError as e:
+        raise RowRejected("malformed_json", f"invalid UTF-8 at byte {e.start}") from None
+    except json.JSONDecodeError as e:
+        raise RowRejected("malformed_json", f"column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise RowRejected("malformed_json", "nested deeper than the parser's recursion limit") from None
+    except ValueError as e:  # e.g. an integer of more than 4,300 digits
+        raise RowRejected("malformed_json", f"{str(e)[:200]}") from None
+
+
+class InputSource:
+    """Rows of one input (see the module docstring). `rows()` yields RawRows once; the
+    counters (`bytes_read`, `num_rows`, `sha256`: of every byte read, in order; of a
+    DatasetDict's whole directory) fill as it goes."""
+
+    def __init__(self, path: str, *, split: str | None = None, max_row_bytes: int = MAX_ROW_BYTES):
+        if max_row_bytes < 1:
+            raise DataError(f"max_row_bytes={max_row_bytes}; must be >= 1")
+        self.path = path
+        self.max_row_bytes = max_row_bytes
+        self.files, self.kind = _resolve(path, split)
+        self.total_bytes = sum(_size(f) for f in self.files) if self.kind != "arrow_dataset" else 0
+        self.bytes_read = 0
+        self.num_rows = 0
+        self.sha256 = hashlib.sha256()
+        self._split = split
+
+    def rows(self) -> Iterator[RawRow]:
+        """Every row of every file, in order, indexed from 0."""
+        if self.kind == "arrow_dataset":
+            yield from self._numbered(_arrow_dataset_rows(self.path, self._split))
+            for name in sorted(os.listdir(self.path)):  # the dataset's files, for meta.json's input_sha256
+                if os.path.isfile(os.path.join(self.path, name)):
+                    _hash_file(os.path.join(self.path, name), self.sha256)
+            return
+        for path in self.files:
+            yield from self._numbered(self._file_rows(path))
+
+    def _numbered(self, rows: Iterator[RawRow]) -> Iterator[RawRow]:
+        for row in rows:
+            row.index = self.num_rows
+            self.num_rows += 1
+            yield row
+
+    def _file_rows(self, path: str) -> Iterator[RawRow]:
+        if _is_parquet(path):
+            yield from _parquet_rows(path)
+            self.bytes_read += _hash_file(path, self.sha256)
+            return
+        with open(path, "rb") as f:
+            head = f.peek(64)[:64].lstrip() if hasattr(f, "peek") else b""
+            reader = _ByteCounter(f, self)
+            # A .jsonl file is JSON lines, unless its first line opens a pretty-printed array.
+            if head.startswith(b"[") and (not path.endswith(".jsonl") or _first_line(head) == b"["):
+                yield from _JsonScanner(reader, path, self.max_row_bytes).values(array=True)
+            elif head.startswith(b"{") and _first_line(head) == b"{":
+                yield from _JsonScanner(reader, path, self.max_row_bytes).values(array=False)
+            else:
+                yield from _jsonl_rows(reader, path, self.max_row_bytes)
+
+    def estimated_rows(self) -> int | None:
+        """The number of rows, or an estimate (lines of JSONL files), or None for streams."""
+        total = 0
+        for path in self.files:
+            if _is_parquet(path):
+                total += _parquet_num_rows(path)
+            elif os.path.isfile(path):
+                total += _count_lines(path)
+            else:
+                return None
+        if self.kind == "arrow_dataset":
+            return _arrow_dataset_len(self.path, self._split)
+        return total
+
+
+class _ByteCounter:
+    """A binary file that counts and hashes what is read through it."""
+
+    def __init__(self, f, source: InputSource):
+        self._f = f
+        self._source = source
+
+    def readline(self, limit: int) -> bytes:
+        return self._count(self._f.readline(limit))
+
+    def read(self, size: int) -> bytes:
+        return self._count(self._f.read(size))
+
+    def _count(self, data: bytes) -> bytes:
+        self._source.bytes_read += len(data)
+        self._source.sha256.update(data)
+        return data
+
+
+def _first_line(head: bytes) -> bytes:
+    return head.split(b"\n", 1)[0].strip()
+
+
+def _jsonl_rows(f: _ByteCounter, path: str, cap: int) -> Iterator[RawRow]:
+    """One row per non-blank line; a line over the cap is skipped in chunks, never held."""
+    line_no = 0
+    while True:
+        raw = f.readline(cap + 1)
+        if not raw:
+            return
+        line_no += 1
+        if len(raw) > cap and not raw.endswith(b"\n"):
+            size, head = len(raw), raw[:_HEAD_KEEP]
+            del raw
+            while True:  # the rest of the line, a chunk at a time
+                more = f.readline(_READ_CHUNK)
+                size += len(more)
+                if not more or more.endswith(b"\n"):
+                    break
+            yield RawRow(0, f"{path}:{line_no}", line_no, raw=head, oversize=size)
+            continue
+        if raw.strip():
+            yield RawRow(0, f"{path}:{line_no}", line_no, raw=raw)
+
+
+_STRUCTURE = re.compile(rb'["\[\]{},]')
+_STRING_END = re.compile(rb'["\\]')
+_SPACE = b" \t\r\n"
+
+
+class _JsonScanner:
+    """Splits a top-level JSON array (or JSON values one after another) into its elements'
+    bytes without parsing them: a scan of brackets, commas and strings, where the regexes
+    jump over text at C speed. Memory: one read chunk plus the current element, capped; an
+    element over the cap keeps only its head."""
+
+    def __init__(self, f: _ByteCounter, path: str, cap: int):
+        self.f, self.path, self.cap = f, path, cap
+        self.buf = bytearray()
+        self.pos = 0
+        self.line = 1  # line number of buf[0]
+        self.eof = False
+
+    def _more(self) -> bool:
+        chunk = self.f.read(_READ_CHUNK)
+        self.eof = not chunk
+        self.buf.extend(chunk)
+        return bool(chunk)
+
+    def _drop(self, k: int) -> None:
+        self.line += self.buf.count(b"\n", 0, k)
+        del self.buf[:k]
+        self.pos -= k
+
+    def _next_byte(self, skip: bytes) -> int | None:
+        """The first byte at or after pos not in `skip` (pos moved there), None at EOF."""
+        while True:
+            while self.pos < len(self.buf) and self.buf[self.pos] in skip:
+                self.pos += 1
+            if self.pos < len(self.buf):
+                return self.buf[self.pos]
+            self._drop(self.pos)
+            if not self._more():
+                return None
+
+    def values(self, *, array: bool) -> Iterator[RawRow]:
+        """Each element (array=True: of the one top-level array) as a RawRow."""
+        if array:
+            self._next_byte(_SPACE)
+            self.pos += 1  # the opening '['
+        while True:
+            c = self._next_byte(_SPACE + (b"," if array else b""))
+            if c is None:
+                if array:
+                    log.warning("%s: the JSON array has no closing ']' (a truncated file?)", self.path)
+                return
+            if array and c == ord("]"):
+                self.pos += 1
+                if self._next_byte(_SPACE) is not None:
+                    log.warning("%s: data after the closing ']' of the JSON array (line %d) ignored",
+                                self.path, self.line + self.buf.count(b"\n", 0, self.pos))
+                return
+            yield self._element(array)
+
+    def _element(self, array: bool) -> RawRow:
+        """Scan one element from pos; pos ends after it (before the array's ']')."""
+        self._drop(self.pos)
+        line, depth, dropped, head = self.line, 0, 0, b""
+        end = None
+        while end is None:
+            m = _STRUCTURE.search(self.buf, self.pos)
+            if m is None:
+                if self.pos > self.cap:  # oversize: keep the head, let the rest go
+                    head = head or bytes(self.buf[:_HEAD_KEEP])
+                    dropped += self.pos
+                    self._drop(self.pos)
+                if not self._more():
+                    end = len(self.buf)
+                continue
+            c, self.pos = self.buf[m.start()], m.end()
+            if c == ord('"'):
+                self._skip_string()
+            elif c in b"[{":
+                depth += 1
+            elif c in b"]}":
+                if depth == 0 and array:  # the array's own ']': values() reads it next
+                    end = self.pos = m.start()
+                elif depth == 0:  # a stray closer between values: part of a bad element
+                    end = self.pos
+                else:
+                    depth -= 1
+                    end = self.pos if depth == 0 and not array else None
+            elif depth == 0:  # a ',' between elements
+                end = m.start()
+        size = dropped + end
+        where = f"{self.path}:{line}"
+        if size > self.cap:
+            return RawRow(0, where, line, raw=head or bytes(self.buf[:_HEAD_KEEP]), oversize=size)
+        return RawRow(0, where, line, raw=bytes(self.buf[:end]))
+
+    def _skip_string(self) -> None:
+        """Move pos past the closing quote of the string it is in (or to the end of the data)."""
+        while True:
+            s = _STRING_END.search(self.buf, self.pos)
+            if s is None or (self.buf[s.start()] == ord("\\") and s.end() >= len(self.buf)):
+                if not self._more():
+                    self.pos = len(self.buf)
+                    return
+                continue
+            if self.buf[s.start()] == ord("\\"):
+                self.pos = s.end() + 1  # the escaped character, whatever it is
+                continue
+            self.pos = s.end()
+            return
+
+
+def _is_parquet(path: str) -> bool:
+    if path.endswith(".parquet"):
+        return True
+    if not os.path.isfile(path):  # a pipe: reading its magic would consume it
+        return False
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"PAR1"
+    except OSError:
+        return False
+
+
+def _require(module: str, what: str):
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DataError(f"reading {what} needs the {module.split('.')[0]} package: {_DATA_EXTRA_HINT}") from None
+
+
+def _parquet_rows(path: str) -> Iterator[RawRow]:
+    pq = _require("pyarrow.parquet", "Parquet files")
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's ArrowInvalid and friends
+        raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+    n = 0
+    for batch in pf.iter_batches(batch_size=64):
+        for value in batch.to_pylist():
+            yield RawRow(0, f"{path} row {n}", value=value)
+            n += 1
+
+
+def _parquet_num_rows(path: str) -> int:
+    pq = _require("pyarrow.parquet", "Parquet files")
+    return int(pq.ParquetFile(path).metadata.num_rows)
+
+
+def _load_from_disk(path: str, split: str | None):
+    datasets = _require("datasets", "a save_to_disk directory")
+    try:
+        ds = datasets.load_from_disk(path)
+    except Exception as e:
+        raise DataError(f"{path}: not a readable save_to_disk directory ({type(e).__name__}: {e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        names = list(ds)
+        chosen = split or ("train" if "train" in names else names[0] if len(names) == 1 else None)
+        if chosen not in names:
+            raise DataError(f"{path}: split {split!r} not found; splits: {names} (choose one with --split)"
+                            if split else f"{path}: splits {names} and none is 'train'; choose one with --split")
+        ds = ds[chosen]
+    elif split is not None:
+        raise DataError(f"{path}: a single-split dataset; --split {split!r} does not apply")
+    return ds
+
+
+def _arrow_dataset_rows(path: str, split: str | None) -> Iterator[RawRow]:
+    ds = _load_from_disk(path, split)
+    n = 0
+    for batch in ds.iter(batch_size=64):
+        keys = list(batch)
+        for values in zip(*(batch[k] for k in keys)):
+            yield RawRow(0, f"{path} row {n}", value=dict(zip(keys, values)))
+            n += 1
+
+
+def _arrow_dataset_len(path: str, split: str | None) -> int:
+    return len(_load_from_disk(path, split))
+
+
+def _count_lines(path: str) -> int:
+    n, last = 0, b"\n"
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            n += chunk.count(b"\n")
+            last = chunk[-1:]
+    return n + (last != b"\n")
+
+
+def _hash_file(path: str, h) -> int:
+    """Add a file's bytes to hash h; returns its size."""
+    n = 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+            n += len(chunk)
+    return n
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path) if os.path.isfile(path) else 0
+    except OSError:
+        return 0
+
+
+def split_of(rel_path: str) -> str | None:
+    """The split a shard belongs to by its name (see the module docstring), or None."""
+    parts = rel_path.replace(os.sep, "/").split("/")
+    name = parts[-1]
+    m = _HF_SHARD.match(name)
+    if m:
+        return m.group("split")
+    for d in reversed(parts[:-1]):
+        if d in _SPLIT_NAMES:
+            return d
+    stem = name.split(".", 1)[0]
+    return stem if stem in _SPLIT_NAMES else None
+
+
+def _shards(root: str, split: str | None) -> list[str]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        found += [os.path.join(dirpath, n) for n in sorted(filenames)
+                  if n.endswith(_SHARD_EXTS) and not n.startswith(".") and n not in ("dataset_info.json", "state.json")]
+    if not found:
+        raise DataError(f"{root}: no *.parquet, *.jsonl or *.json files, and not a save_to_disk directory "
+                        "(no state.json / dataset_dict.json)")
+    splits = {f: split_of(os.path.relpath(f, root)) for f in found}
+    named = sorted({s for s in splits.values() if s is not None})
+    if split is None:
+        if len(named) <= 1:
+            return found
+        if "train" not in named:
+            raise DataError(f"{root}: shards of several splits {named}; choose one with --split")
+        split = "train"
+    chosen = [f for f in found if splits[f] == split]
+    if not chosen:
+        raise DataError(f"{root}: no shard of split {split!r}; splits found: {named or 'none (no split names)'}")
+    return chosen
+
+
+def _resolve(path: str, split: str | None) -> tuple[list[str], str]:
+    """(files, kind) of an input path; DataError naming the path when it cannot be read."""
+    if not os.path.exists(path):
+        raise DataError(f"{path}: no such input file or directory")
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "dataset_dict.json")) or os.path.exists(os.path.join(path, "state.json")):
+            return [], "arrow_dataset"
+        return _shards(path, split), "shards"
+    if split is not None:
+        raise DataError(f"{path}: --split {split!r} applies to a directory input, not to a file")
+    if not os.access(path, os.R_OK):
+        raise DataError(f"{path}: not readable (permission denied)")
+    return [path], "file"

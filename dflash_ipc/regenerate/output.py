@@ -1,0 +1,208 @@
+"""The output of a regeneration: resumable, never torn, complete and ordered at the end.
+
+Three files side by side:
+  OUT.jsonl          one regenerated row a line, `{"index": i, "messages": [...]}`, the index
+                     (the row's position in the input) first; appended as rows finish, in
+                     any order; sorted by index when the run is complete
+  OUT.rejects.jsonl  the rows this run could not regenerate (index, place, reason, detail)
+  OUT.state.json     the settings the replies depend on, and whether the file is complete
+
+Each row is one `os.write` of a whole line to a file opened for appending, and the file is
+fsynced every few seconds and at the end. A run killed mid-write leaves at most one partial
+last line; the next run cuts it off before appending (and says so). A rerun with the same
+settings skips every row already in the file and retries the others (last run's rejects
+included: their errors may have been transient). A rerun with other settings is refused,
+since one file would then mix replies of two configurations. Complete means every input row
+is in the output or in the rejects file; the file is then rewritten in index order
+(through a temporary file and a rename, so it is never half sorted).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+
+from dflash_ipc.errors import DataError
+
+log = logging.getLogger(__name__)
+
+STATE_FORMAT = 1
+FSYNC_INTERVAL_S = 5.0
+_INDEX_HEAD = re.compile(rb'^\{"index": (\d+)[,}]')
+
+
+def sidecar_paths(out_path: str) -> tuple[str, str]:
+    """(rejects file, state file) of an output file."""
+    stem = out_path[: -len(".jsonl")] if out_path.endswith(".jsonl") else out_path
+    return f"{stem}.rejects.jsonl", f"{stem}.state.json"
+
+
+def line_index(line: bytes) -> int | None:
+    """The index a written line starts with, or None when it is not one of ours."""
+    m = _INDEX_HEAD.match(line)
+    if m:
+        return int(m.group(1))
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    index = value.get("index") if isinstance(value, dict) else None
+    return index if isinstance(index, int) and index >= 0 else None
+
+
+class RegenOutput:
+    """The output file of one run (see the module docstring). `done` holds the indices
+    already written (before this run and during it)."""
+
+    def __init__(self, path: str, settings: dict, *, overwrite: bool = False):
+        self.path = os.path.abspath(path)
+        self.rejects_path, self.state_path = sidecar_paths(self.path)
+        self.settings = settings
+        self.done: set[int] = set()
+        self.rejected: set[int] = set()  # this run's rejects
+        self.num_written = 0
+        self.num_rejected = 0
+        self.num_torn = 0
+        _check_writable(self.path)
+        if overwrite:
+            for p in (self.path, self.rejects_path, self.state_path):
+                if os.path.exists(p):
+                    os.remove(p)
+        self._check_settings()
+        if os.path.exists(self.path):
+            self._resume()
+        self._write_state(complete=False, num_rows=None)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._rejects = open(self.rejects_path, "w", encoding="utf-8")
+        self._synced = time.monotonic()
+
+    def _check_settings(self) -> None:
+        if not os.path.exists(self.state_path):
+            if os.path.exists(self.path) and os.path.getsize(self.path):
+                raise DataError(f"{self.path}: exists without its {os.path.basename(self.state_path)}, so the "
+                                "settings its rows were made with are unknown; pass --overwrite or choose another --out")
+            return
+        try:
+            with open(self.state_path, encoding="utf-8") as f:
+                state = json.load(f)
+            theirs = state["settings"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{self.state_path}: unreadable ({type(e).__name__}: {e}); pass --overwrite to start over") from None
+        diff = sorted(k for k in set(theirs) | set(self.settings) if theirs.get(k) != self.settings.get(k))
+        if diff:
+            shown = {k: (theirs.get(k), self.settings.get(k)) for k in diff}
+            raise DataError(f"{self.path}: made with other settings (file, now): {shown}; rerun with the same "
+                            "options to resume, or pass --overwrite / choose another --out")
+
+    def _resume(self) -> None:
+        """Cut a torn last line off, then read the indices already written."""
+        size = os.path.getsize(self.path)
+        with open(self.path, "rb+") as f:
+            keep = _complete_prefix(f, size)
+            if keep < size:
+                f.truncate(keep)
+                self.num_torn = 1
+                log.warning("%s: cut off a torn last line (%d bytes) left by an interrupted run", self.path, size - keep)
+            f.seek(0)
+            for n, line in enumerate(f, start=1):
+                index = line_index(line)
+                if index is None:
+                    raise DataError(f"{self.path}:{n}: not a regenerated row (no leading \"index\"); "
+                                    "this file was not written by regenerate, or was edited")
+                self.done.add(index)
+
+    def write(self, row: dict) -> None:
+        """Append one finished row (its dict starts with "index") as one line."""
+        line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
+        view = memoryview(line)
+        while view:
+            view = view[os.write(self._fd, view):]
+        self.done.add(row["index"])
+        self.num_written += 1
+        if time.monotonic() - self._synced > FSYNC_INTERVAL_S:
+            os.fsync(self._fd)
+            self._synced = time.monotonic()
+
+    def reject(self, index: int, where: str, reason: str, detail: str, raw: str = "") -> None:
+        """Record a row this run could not regenerate."""
+        record = {"index": index, "where": where, "reason": reason, "detail": detail[:500], "raw": raw[:2000]}
+        self._rejects.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.rejected.add(index)
+        self.num_rejected += 1
+
+    def finish(self, num_rows: int | None) -> bool:
+        """Close the files. num_rows: the input's rows when it was read to the end (None if
+        not). Complete (every row written or rejected): sort by index; returns complete."""
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._rejects.close()
+        complete = num_rows is not None and all(i in self.done or i in self.rejected for i in range(num_rows))
+        if complete:
+            sort_by_index(self.path)
+        self._write_state(complete=complete, num_rows=num_rows)
+        return complete
+
+    def _write_state(self, *, complete: bool, num_rows: int | None) -> None:
+        state = {"format": STATE_FORMAT, "settings": self.settings, "complete": complete, "num_rows": num_rows,
+                 "num_done": len(self.done), "num_rejected": self.num_rejected}
+        tmp = f"{self.state_path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(state, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.state_path)
+
+
+def _complete_prefix(f, size: int) -> int:
+    """Bytes up to and including the last newline (a line after it is torn)."""
+    pos = size
+    while pos > 0:
+        step = min(1 << 16, pos)
+        f.seek(pos - step)
+        chunk = f.read(step)
+        k = chunk.rfind(b"\n")
+        if k >= 0:
+            return pos - step + k + 1
+        pos -= step
+    return 0
+
+
+def sort_by_index(path: str) -> int:
+    """Rewrite path in index order (a later copy of an index is dropped); returns the rows.
+    Memory: one (index, offset, length) per row, never the rows themselves."""
+    spans = []
+    with open(path, "rb") as f:
+        offset = 0
+        for line in f:
+            spans.append((line_index(line), offset, len(line)))
+            offset += len(line)
+        spans.sort(key=lambda s: (s[0], s[1]))
+        tmp = f"{path}.sorting-{os.getpid()}"
+        seen = None
+        with open(tmp, "wb") as out:
+            for index, start, length in spans:
+                if index == seen:
+                    continue
+                seen = index
+                f.seek(start)
+                out.write(f.read(length))
+            out.flush()
+            os.fsync(out.fileno())
+    os.replace(tmp, path)
+    return len({s[0] for s in spans})
+
+
+def _check_writable(path: str) -> None:
+    parent = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        raise DataError(f"{path}: is a directory; --out names the output JSONL file")
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"{parent}: cannot create the output directory ({e.strerror})") from None
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise DataError(f"{path}: cannot write there (permission denied); choose a writable --out")
