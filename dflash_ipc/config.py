@@ -218,9 +218,13 @@ class DrafterConfig(_Section):
     """A drafter asks for hidden states while fewer sequences than this wait in its queue."""
     prefetch: int = 2
     """Assignments a drafter may have outstanding (its pull credit)."""
+    max_group_wait_s: float = 5.0
+    """A full drafter that has waited this long for a short one (its node has no hidden states
+    ready) steps anyway, the short one with what it has: lockstep never stalls the group."""
 
     def check(self) -> None:
         _require(1 <= self.num_workers <= 1024, "drafter.num_workers", "must be in [1, 1024]")
+        _require(0 <= self.max_group_wait_s <= 3600, "drafter.max_group_wait_s", "must be in [0, 3600]")
         _check_devices("drafter.devices", self.devices, self.num_workers)
         _require(1 <= self.fifo_sequences <= 1 << 20, "drafter.fifo_sequences", "must be in [1, 1048576]")
         _require(1 <= self.prefetch <= 1024, "drafter.prefetch", "must be in [1, 1024]")

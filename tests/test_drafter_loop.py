@@ -181,3 +181,29 @@ def test_the_end_of_data_drains_the_queue_then_waits_for_shutdown(tmp_path):
     loop.finish()
     (commit,) = link.of(p.Committed)
     assert commit.samples == [[0, 5]] and loop.shutdown
+
+
+class PeerGroup(SoloGroup):
+    """This rank and one peer that never has a full step (its node ran out of hidden states)."""
+    world = 2
+
+    def agree(self, flags):
+        return [f + peer for f, peer in zip(flags, [0.0, 0.0, 0.0, 0.0])]
+
+
+def test_a_full_rank_waits_for_a_short_peer_then_steps_without_hoarding(tmp_path):
+    loop, link, readers = build(tmp_path, drafter={"dtype": "float32", "attention": "dense", "fifo_sequences": 2,
+                                                   "prefetch": 1, "max_group_wait_s": 0.3})
+    loop.group = PeerGroup()
+    readers.pool_of_read = "p0"
+    loop.resume(registered())
+    link.inbox.append(assign(0, [0, 1, 2, 3], 1))
+    loop.pass_once()
+    assert loop.full and loop.trainer.step_count == 0 and loop.waiting_since is not None
+    asked = len(link.of(p.WantHidden))
+    deadline = __import__("time").monotonic() + 10
+    while loop.trainer.step_count == 0:
+        assert __import__("time").monotonic() < deadline
+        loop.pass_once()
+    assert len(link.of(p.WantHidden)) == asked  # full and at its cap: it never asked for more meanwhile
+    assert loop.waiting_since is None

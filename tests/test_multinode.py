@@ -121,11 +121,9 @@ def test_two_nodes_one_dispatcher_exactly_once_and_a_killed_target(tmp_path, tin
             assert cfg.node_of("target", entry.target) == cfg.node_of("drafter", entry.drafter), entry
             trained_on[cfg.node_of("drafter", entry.drafter)] += 1
         assert trained_on[0] > 0 and trained_on[1] > 0, trained_on  # no node's drafter starved
-        # One group across the nodes, never restarted: both drafters stepped in lockstep.
+        # One group across the nodes, never restarted, that trained every token once.
         final = json.loads((run_dir / "final_status.json").read_text())
         assert final["drafter_generation"] == 0
-        steps = {rank: final["drafters"][str(rank)]["metrics"]["step"] for rank in (0, 1)}
-        assert steps[0] == steps[1] == max(trained_tokens_by_step(run_dir)), steps
         assert sum(trained_tokens_by_step(run_dir).values()) == int(TokenDataset(cfg.data.path).lengths.sum()) * cfg.data.num_epochs
     finally:
         for node in nodes:

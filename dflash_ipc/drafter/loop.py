@@ -56,7 +56,8 @@ class DrafterLoop:
         self.link, self.group, self.store = link, group, store
         self.beacon, self.timeline, self.step_log = beacon, timeline, step_log
         self.outstanding = 0          # WantHidden credits not yet answered by an Assign
-        self.end_of_data = self.shutdown = self.group_waiting = False
+        self.end_of_data = self.shutdown = False
+        self.waiting_since: float | None = None  # the group could not step since then
         self.stop_reason: str | None = None  # set by a signal handler, or a Shutdown too early
         self.resumed_from = -1
         self.last_checkpoint_step = trainer.step_count
@@ -110,17 +111,21 @@ class DrafterLoop:
         self._phase("wait")
         self.intake(0.0 if self.full or self.end_of_data else 0.02)   # 1
         self.request_more()                                           # 2
-        full, drained, stop = self.agree()                            # 3
+        full, drained, stop, impatient = self.agree()                 # 3
         if stop:
             self.stop_together()
         if drained == self.group.world:
             return False
-        self.group_waiting = full + drained < self.group.world
-        if self.group_waiting:
+        # Lockstep: every rank full (or drained). A full rank that has waited long enough for
+        # a short one steps with it anyway (the short rank gives what it has): a rank whose node
+        # has no hidden states left never holds the group, and nobody has to hoard batches.
+        if full + drained < self.group.world and not (full and impatient):
+            self.waiting_since = self.waiting_since or time.monotonic()
             self.wait_s += time.perf_counter() - waited
             if self.timeline is not None:
                 self.timeline.record("wait_hidden", waited, time.perf_counter())
             return True
+        self.waiting_since = None
         self.step()                                                   # 4
         if self.trainer.step_count % self.cfg.checkpoint.every_steps == 0:
             self.checkpoint()
@@ -174,23 +179,25 @@ class DrafterLoop:
 
     def request_more(self) -> None:
         """Asks while below the queue cap, or short of a step's anchors whatever the cap (a
-        queue full of short sequences must not wait for ever in lockstep), or while the
-        group waits on another rank: with several nodes the last batches of an epoch may all
-        come from this node, and only taking them lets the job reach EndOfData."""
+        queue full of short sequences must not wait for ever in lockstep). The queue is bounded:
+        a rank that waits for a short one steps after `drafter.max_group_wait_s` instead."""
         if self.end_of_data:
             return
-        if len(self.queue) < self.cfg.drafter.fifo_sequences or not self.full or self.group_waiting:
+        if len(self.queue) < self.cfg.drafter.fifo_sequences or not self.full:
             want = self.cfg.drafter.prefetch - self.outstanding
             if want > 0:
                 self.link.send(p.WantHidden(credits=want))
                 self.outstanding += want
 
-    def agree(self) -> tuple[float, float, float]:
-        """(ranks full, ranks drained, ranks that must stop), summed over the group."""
+    def agree(self) -> tuple[float, float, float, float]:
+        """(ranks full, ranks drained, ranks that must stop, ranks that waited past
+        `drafter.max_group_wait_s`), summed over the group: every rank decides alike."""
         drained = self.end_of_data and not len(self.queue)
         full = self.full or (self.end_of_data and bool(len(self.queue)))
-        full, drained, stop = self.group.agree([float(full), float(drained), float(self.stop_reason is not None)])
-        return full, drained, stop
+        impatient = (self.waiting_since is not None
+                     and time.monotonic() - self.waiting_since > self.cfg.drafter.max_group_wait_s)
+        return tuple(self.group.agree([float(full), float(drained), float(self.stop_reason is not None),
+                                       float(impatient)]))
 
     # --- 4) step and checkpoint --------------------------------------------------------------
 
