@@ -5,7 +5,8 @@
     dflash-ipc prepare --model DIR --input FILE.jsonl --out DIR
     dflash-ipc export CHECKPOINT OUT_DIR
     dflash-ipc status|health RUN_DIR
-    dflash-ipc bench transport|drafter|dispatch|pipeline
+    dflash-ipc eval --target DIR --drafter CKPT (--data DIR | --prompts FILE.jsonl ...)
+    dflash-ipc bench transport|drafter|dispatch|pipeline|eval
     dflash-ipc plan --gpus N (--target-capacity T --drafter-capacity D | --from-bench FILE)
 """
 
@@ -107,7 +108,7 @@ def up(config, overrides, nnodes, node_rank, dispatcher_address) -> None:
     if code == 0 and embedded_default:
         # The embedded default ends by showing that the drafter learned: tau of the trained
         # drafter next to an untrained one of the same shape, on held-out prompts.
-        from dflash_ipc.eval.acceptance import format_comparison
+        from dflash_ipc.eval.report import format_comparison
         from dflash_ipc.eval.speculative import untrained_vs_trained
         from dflash_ipc.runinfo import checkpoints_dir
         untrained, trained = untrained_vs_trained(cfg.target.path, checkpoints_dir(cfg), cfg.data.path,
@@ -221,30 +222,54 @@ def health(run_dir, as_json, stale_after_s, stall_after_s, timeout_s, node_rank)
               help="HF target model directory.")
 @click.option("--drafter", required=True, type=click.Path(exists=True, file_okay=False),
               help="Export, checkpoint step dir, or checkpoints root (latest).")
-@click.option("--data", "data_dir", required=True, type=click.Path(exists=True, file_okay=False),
-              help="Prepared dataset; its declared held-out prompts, else its last --num-prompts samples.")
-@click.option("--num-prompts", default=16, show_default=True)
-@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--data", "data_dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="Prepared dataset: its declared held-out prompts, else its last --num-prompts samples.")
+@click.option("--prompts", "prompt_files", multiple=True, metavar="[NAME=]FILE.jsonl",
+              help="Prompt set (repeatable): rows with turns (MT-Bench), question, problem, prompt or messages.")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=None,
+              help="Prompts per set [default: 16 of --data, every row of a --prompts file].")
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1), help="Per turn.")
+@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Sequences decoded at once.")
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="0: greedy; > 0: speculative sampling.")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(min=0, max=1, min_open=True))
+@click.option("--seed", default=0, show_default=True, help="Sampling seed; also the untrained drafter's.")
+@click.option("--template-kwargs", default=None, metavar="JSON",
+              help='Chat template kwargs for --prompts files, e.g. \'{"enable_thinking": false}\'.')
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
               show_default=True, help="auto: float32 on CPU, bfloat16 on GPU.")
-@click.option("--check-lossless", is_flag=True, help="Also decode plainly; exit 1 if any output differs.")
+@click.option("--check-lossless", is_flag=True,
+              help="Compare with plain greedy decoding; exit 1 on a mismatch (a numerical near-tie is reported).")
+@click.option("--near-tie-ulps", default=4.0, show_default=True, type=click.FloatRange(min=0),
+              help="A difference is a near-tie when both margins are within this many ulps of the top logit.")
+@click.option("--skip-plain", is_flag=True, help="Do not decode plainly (no speedup, no lossless check).")
 @click.option("--vs-untrained", is_flag=True, help="Also evaluate an untrained drafter of the same shape.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report(s) as JSON.")
-def eval_cmd(target_dir, drafter, data_dir, num_prompts, max_new_tokens, device, dtype, check_lossless,
-             vs_untrained, as_json) -> None:
-    """Greedy speculative decoding on held-out prompts: tau, acceptance per position, forwards/token."""
+@click.option("--json", "as_json", is_flag=True, help="Print the reports as JSON.")
+def eval_cmd(target_dir, drafter, data_dir, prompt_files, num_prompts, max_new_tokens, batch_size, temperature,
+             top_p, seed, template_kwargs, device, dtype, check_lossless, near_tie_ulps, skip_plain, vs_untrained,
+             as_json) -> None:
+    """Batched speculative decoding of prompt sets: tau, acceptance per position, tokens/s, speedup."""
     import json
-    from dflash_ipc.eval.acceptance import format_comparison
-    from dflash_ipc.eval.speculative import evaluate, untrained_vs_trained
+    from dflash_ipc.eval.report import format_comparison
+    from dflash_ipc.eval.sampling import Sampling
+    from dflash_ipc.eval.speculative import EvalOptions, evaluate_sets, parse_template_kwargs
     from dflash_ipc.logs import setup_logging
     setup_logging("eval")
-    kw = dict(num_prompts=num_prompts, max_new_tokens=max_new_tokens, device=device, dtype=dtype,
-              check_lossless=check_lossless)
-    reports = (list(untrained_vs_trained(target_dir, drafter, data_dir, **kw)) if vs_untrained
-               else [evaluate(target_dir, drafter, data_dir, **kw)])
-    click.echo(json.dumps([r.to_dict() for r in reports], indent=1) if as_json
-               else format_comparison(*reports) if vs_untrained else reports[0].format())
+    options = EvalOptions(max_new_tokens=max_new_tokens, batch_size=batch_size, plain=not skip_plain,
+                          sampling=Sampling(temperature=temperature, top_p=top_p, seed=seed),
+                          check_lossless=check_lossless, near_tie_ulps=near_tie_ulps,
+                          progress=lambda line: click.echo(line, err=True))
+    reports = evaluate_sets(target_dir, drafter, data_dir=data_dir, prompt_files=prompt_files,
+                            num_prompts=num_prompts, device=device, dtype=dtype, vs_untrained=vs_untrained,
+                            seed=seed, template_kwargs=parse_template_kwargs(template_kwargs), options=options)
+    if as_json:
+        click.echo(json.dumps([r.to_dict() for r in reports], indent=1))
+    elif vs_untrained:
+        click.echo("\n".join(format_comparison(*reports[i:i + 2]) for i in range(0, len(reports), 2)))
+    else:
+        click.echo("\n".join(r.format() for r in reports))
     if any(r.lossless_mismatches for r in reports):
         sys.exit(1)
 

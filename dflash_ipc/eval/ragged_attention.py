@@ -1,0 +1,89 @@
+"""Attention over per-row caches: band masks, and grouped-query attention without copies.
+
+Every sequence of a batch sits at its own length, so a query sees the keys of an index band
+``lo <= t < hi`` of its own row (``hi`` = its position + 1 for a causal target, ``anchor +
+block_size`` for the drafter's block, ``lo`` > 0 only for left padding or a sliding
+window). One boolean ``[B, 1, q, T]`` mask per forward expresses all of it.
+
+transformers' SDPA path copies K and V to every query head (``repeat_kv``) whenever a mask
+is given and more than one token is queried, which for a 16-token verify over a long
+batched cache moves more memory than the weights. :func:`gqa_attention` instead folds the
+query heads that share a K/V head into the query length (``[B, Hkv, rep*q, D]``, the
+single-token ``pack_gqa`` of transformers, for any q), so no K/V byte is copied. It is
+registered with transformers as :data:`ATTN_IMPLEMENTATION`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dflash_ipc.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "ragged_packed_gqa"  # no "flash" in the name: transformers would look for a kernel
+MASKED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def band_mask(lo: Tensor, hi: Tensor, length: int) -> Tensor:
+    """``[B, 1, q, length]`` bool: key t visible to query (b, i) iff ``lo[b, i] <= t < hi[b, i]``."""
+    t = torch.arange(length, device=hi.device)
+    return ((t >= lo[..., None]) & (t < hi[..., None]))[:, None]
+
+
+def layer_masks(layer_types: list[str], sliding_window: int | None, lo: Tensor, hi: Tensor,
+                length: int) -> dict[str, Tensor]:
+    """The mask of every layer type a model has, as transformers takes a prepared mapping."""
+    masks = {}
+    for kind in dict.fromkeys(layer_types):
+        if kind == "full_attention":
+            masks[kind] = band_mask(lo, hi, length)
+        elif kind == "sliding_attention" and sliding_window:
+            masks[kind] = band_mask(torch.maximum(lo, hi - sliding_window), hi, length)
+        else:
+            raise ConfigError(f"target layer type {kind!r} (sliding_window={sliding_window}) is not supported by "
+                              f"batched evaluation; supported: {list(MASKED_LAYER_TYPES)} (sliding with a window)")
+    return masks
+
+
+def gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None) -> Tensor:
+    """q ``[B, Hq, q, D]``, k/v ``[B, Hkv, T, D]``, mask ``[B, 1, q, T]`` -> ``[B, Hq, q, D]``.
+
+    Query head h uses K/V head ``h // rep`` (transformers' ``repeat_kv`` order).
+    """
+    b, hq, nq, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    rep = hq // hkv
+    if rep > 1:
+        q = q.reshape(b, hkv, rep * nq, d)
+        mask = mask[:, :, None].expand(b, 1, rep, nq, length).reshape(b, 1, rep * nq, length)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(b, hq, nq, v.shape[-1])
+
+
+def hf_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                 dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[Tensor, None]:
+    """transformers attention interface: ``[B, q, Hq, D]`` output, no weights."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise ConfigError(f"{type(module).__name__}: attention softcapping / sinks are not supported by batched "
+                          "evaluation")
+    if attention_mask is None or attention_mask.dtype != torch.bool:
+        raise ConfigError(f"{type(module).__name__}: batched evaluation passes its own bool masks; got "
+                          f"{None if attention_mask is None else attention_mask.dtype}")
+    out = gqa_attention(query, key, value, attention_mask[..., : key.shape[-2]], scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> str:
+    """Register :func:`hf_attention`; the ``attn_implementation`` to load targets with."""
+    try:
+        from transformers import AttentionInterface
+    except ImportError:  # pragma: no cover - transformers too old for custom attention
+        logger.warning("transformers has no AttentionInterface; batched evaluation falls back to sdpa")
+        return "sdpa"
+    AttentionInterface.register(ATTN_IMPLEMENTATION, hf_attention)
+    return ATTN_IMPLEMENTATION
