@@ -72,8 +72,10 @@ def hf_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_ma
         raise ConfigError(f"{type(module).__name__}: attention softcapping / sinks are not supported by batched "
                           "evaluation")
     if attention_mask is None or attention_mask.dtype != torch.bool:
-        raise ConfigError(f"{type(module).__name__}: batched evaluation passes its own bool masks; got "
-                          f"{None if attention_mask is None else attention_mask.dtype}")
+        # Not one of our band masks (a plain forward of the same model): transformers' own SDPA.
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     out = gqa_attention(query, key, value, attention_mask[..., : key.shape[-2]], scaling)
     return out.transpose(1, 2).contiguous(), None
 
@@ -86,4 +88,9 @@ def register_attention() -> str:
         logger.warning("transformers has no AttentionInterface; batched evaluation falls back to sdpa")
         return "sdpa"
     AttentionInterface.register(ATTN_IMPLEMENTATION, hf_attention)
+    try:  # plain forwards of the same model (no masks of ours) then get sdpa's masks, sliding windows included
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    except ImportError:  # pragma: no cover - masking_utils predates AttentionMaskInterface
+        pass
     return ATTN_IMPLEMENTATION
