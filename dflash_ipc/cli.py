@@ -373,6 +373,50 @@ def bench_pipeline(config, overrides, seconds, warmup_s, json_path, run_dir) -> 
     click.echo(format_table(figures))
 
 
+@bench.command("eval")
+@click.option("--device", default="cuda:0", show_default=True)
+@click.option("--shape", type=click.Choice(["tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"]), default="qwen3-1.7b",
+              show_default=True, help="Random-weight target shape (bench/assets.py); tiny: a CPU smoke test.")
+@click.option("--batch-sizes", default="1,16,64,256", show_default=True, metavar="B1,B2,...")
+@click.option("--prompts-per-batch", default=2, show_default=True, type=click.IntRange(min=1),
+              help="Prompts per batched row = this x the batch size (at least 2).")
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--prompt-len", default="64,256", show_default=True, metavar="MIN,MAX",
+              help="Prompt lengths, log-uniform.")
+@click.option("--legacy-prompts", default=2, show_default=True, type=click.IntRange(min=1),
+              help="Prompts of the unbatched (legacy) rows.")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
+              show_default=True)
+@click.option("--work-dir", default=None, type=click.Path(file_okay=False),
+              help="Keep the random target here (reused next time); default: a temporary directory.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures.")
+def bench_eval(device, shape, batch_sizes, prompts_per_batch, max_new_tokens, prompt_len, legacy_prompts, dtype,
+               work_dir, json_path) -> None:
+    """Tokens/s of batched speculative and plain decoding against the unbatched decoder."""
+    import json
+    from dflash_ipc.bench.eval import run_eval_bench
+    from dflash_ipc.eval.report import nan_to_none
+    figures = run_eval_bench(device=device, shape=shape, batch_sizes=_int_list(batch_sizes, "--batch-sizes"),
+                             prompts_per_batch=prompts_per_batch, max_new_tokens=max_new_tokens,
+                             prompt_len=tuple(_int_list(prompt_len, "--prompt-len", size=2)),
+                             legacy_prompts=legacy_prompts, dtype=dtype, work_dir=work_dir, emit=click.echo)
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(nan_to_none(figures), f, indent=1)
+
+
+def _int_list(text: str, option: str, size: int | None = None) -> list[int]:
+    from dflash_ipc.errors import ConfigError
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1 or (size is not None and len(values) != size):
+        want = f"{size} " if size else ""
+        raise ConfigError(f"{option} {text!r}: expected {want}comma-separated integers >= 1")
+    return values
+
+
 @main.command("plan")
 @click.option("--gpus", "num_gpus", type=int, required=True, help="GPUs to split between targets and drafters.")
 @click.option("--target-capacity", type=float, default=None, metavar="TOK_S",

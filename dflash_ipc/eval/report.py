@@ -109,7 +109,7 @@ class EvalReport:
     def to_dict(self) -> dict:
         """JSON-ready (per-sample token ids left out); nan (nothing measured) becomes None."""
         s = self.stats
-        return _nan_to_none({
+        return nan_to_none({
             "label": self.label, "prompt_set": self.prompt_set, "block_size": s.block_size,
             "num_prompts": len(self.sample_ids), "num_turns": len(self.samples), "sample_ids": self.sample_ids,
             "max_new_tokens": self.max_new_tokens, "batch_size": self.batch_size, "sampling": dict(self.sampling),
@@ -165,14 +165,14 @@ class EvalReport:
         return f"vs plain greedy on {self.num_lossless_checked} prompts: " + "; ".join(parts)
 
 
-def _nan_to_none(value):
+def nan_to_none(value):
     """Strict JSON has no NaN."""
     if isinstance(value, float) and math.isnan(value):
         return None
     if isinstance(value, dict):
-        return {k: _nan_to_none(v) for k, v in value.items()}
+        return {k: nan_to_none(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_nan_to_none(v) for v in value]
+        return [nan_to_none(v) for v in value]
     return value
 
 
