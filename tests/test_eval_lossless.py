@@ -102,3 +102,23 @@ def test_bf16_outputs_are_identical_or_near_ties(tiny_cache):
                       num_prompts=4, max_new_tokens=16, dtype="bfloat16", check_lossless=True)
     assert report.dtype == "bfloat16" and report.num_lossless_checked == 4
     assert report.lossless_mismatches == [], report.to_dict()["lossless"]
+
+
+@pytest.mark.parametrize("verdict, code", [("near_tie", 0), ("mismatch", 1), ("identical", 0)])
+def test_eval_exits_nonzero_only_on_a_mismatch(monkeypatch, tiny_cache, tmp_path, verdict, code):
+    from click.testing import CliRunner
+
+    import dflash_ipc.eval.speculative as speculative
+    from dflash_ipc.cli import main
+    from dflash_ipc.eval.report import EvalReport, SampleResult
+
+    check = LosslessCheck(verdict=verdict, position=None if verdict == "identical" else 2, speculative_margin=0.0,
+                          plain_margin=0.0, tolerance=0.1)
+    sample = SampleResult(sample_id=0, prompt_len=3, output_ids=[1], stats=AcceptanceStats(block_size=4),
+                          stopped=False, check=check)
+    report = EvalReport(label="d", stats=AcceptanceStats(block_size=4), samples=[sample], max_new_tokens=4, wall_s=1)
+    monkeypatch.setattr(speculative, "evaluate_sets", lambda *a, **k: [report])
+    target = os.path.join(tiny_cache, "tiny-target")
+    result = CliRunner().invoke(main, ["eval", "--target", target, "--drafter", str(tmp_path), "--data", target,
+                                       "--check-lossless"], catch_exceptions=False)
+    assert result.exit_code == code, result.output

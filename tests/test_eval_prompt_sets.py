@@ -138,7 +138,7 @@ def test_eval_command_on_prompt_files(target_dir, tmp_path):
     for r in reports:
         assert r["num_lossless_checked"] == r["num_turns"] and r["lossless_mismatches"] == []
         assert r["plain"]["tokens_per_s"] > 0 and r["speedup"] > 0 and len(r["acceptance_per_position"]) == 7
-    assert "[mt] plain: 4/4 prompts" in result.stderr and "ETA" in result.stderr
+    assert "[mt] plain: 4/4 turns" in result.stderr and "[gsm] plain: 2/2 prompts" in result.stderr and "ETA" in result.stderr
     sampled = CliRunner().invoke(main, args + ["--temperature", "0.8", "--top-p", "0.9"], catch_exceptions=False)
     assert sampled.exit_code == 0 and json.loads(sampled.stdout)[0]["sampling"]["temperature"] == 0.8
     with pytest.raises(ConfigError, match="lossless check compares greedy outputs"):

@@ -162,7 +162,8 @@ class EvalReport:
                          f"<= {first.tolerance:.3g})")
         if bad:
             parts.append(f"DIFFERENT on samples {bad}")
-        return f"vs plain greedy on {self.num_lossless_checked} prompts: " + "; ".join(parts)
+        n, what = self.num_lossless_checked, "prompts" if len(self.samples) == len(self.sample_ids) else "turns"
+        return f"vs plain greedy on {n} {what}: " + "; ".join(parts)
 
 
 def nan_to_none(value):

@@ -202,7 +202,8 @@ def run_set(target: BatchedTarget, drafters: Sequence[tuple[str, DFlashDraftMode
                              stop_token_ids=target.stop_token_ids)
 
     def decoder_kw(what: str) -> dict:
-        progress = (ProgressLine(f"[{prompt_set.name}] {what}", prompt_set.num_turns, options.progress)
+        unit = "prompts" if prompt_set.num_turns == len(prompt_set.cases) else "turns"
+        progress = (ProgressLine(f"[{prompt_set.name}] {what}", prompt_set.num_turns, options.progress, unit=unit)
                     if options.progress else None)
         return dict(batch_size=options.batch_size, sampling=options.sampling, prefill_tokens=options.prefill_tokens,
                     progress=progress)
@@ -219,11 +220,10 @@ def run_set(target: BatchedTarget, drafters: Sequence[tuple[str, DFlashDraftMode
 
 
 def _warm_up(target: BatchedTarget, drafters, request: Request, options: EvalOptions) -> None:
-    """On CUDA, one short untimed run of each decoder, so that compiling the drafter's fused
-    kernels and growing the allocator are not in the measured wall times."""
-    if target.device.type != "cuda":
-        return
-    short = Request(key=request.key, prompt_ids=request.prompt_ids, max_new_tokens=min(options.max_new_tokens, 32))
+    """One short untimed run of each decoder, so that first-call costs (compiling the drafter's
+    fused kernels on CUDA, growing the allocator, lazy initialisation) are not in the wall times."""
+    budget = min(options.max_new_tokens, 32 if target.device.type == "cuda" else 8)
+    short = Request(key=request.key, prompt_ids=request.prompt_ids, max_new_tokens=budget)
     kw = dict(batch_size=1, sampling=options.sampling)
     PlainDecoder(target, **kw).run(RequestList([short]))
     for _, model in drafters:
