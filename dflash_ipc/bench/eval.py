@@ -238,8 +238,8 @@ def format_table(f: dict) -> str:
     for mode, s in f["summary"].items():
         goal = f" (goal >= {f['goal']:g}x: {'met' if s['vs_legacy'] >= f['goal'] else 'not met'})" \
             if mode == "speculative" else ""
-        lines.append(f"  batched {mode}: {s['batch1_tokens_per_s']:,.1f} tok/s at batch 1, "
-                     f"{s['best_tokens_per_s']:,.1f} at batch {s['best_batch_size']} = {s['vs_legacy']:.1f}x legacy "
-                     f"{mode} ({s['legacy_tokens_per_s']:,.1f} tok/s){goal}")
+        one = "" if math.isnan(s["batch1_tokens_per_s"]) else f"{s['batch1_tokens_per_s']:,.1f} tok/s at batch 1, "
+        lines.append(f"  batched {mode}: {one}{s['best_tokens_per_s']:,.1f} tok/s at batch {s['best_batch_size']} = "
+                     f"{s['vs_legacy']:.1f}x legacy {mode} ({s['legacy_tokens_per_s']:,.1f} tok/s){goal}")
     lines.append(f"  target build {f['build_s']:.1f} s, whole bench {f['total_s']:.1f} s")
     return "\n".join(lines)

@@ -70,6 +70,8 @@ class BatchedDecoder:
 
     extra_positions = 1
     """Cache positions past prompt + budget that a step may write."""
+    uses_features = False
+    """Whether forwards return the captured layers (the drafter's context)."""
 
     def __init__(self, target: BatchedTarget, *, batch_size: int, sampling: Sampling = Sampling(),
                  prefill_tokens: int = PREFILL_TOKENS, progress=None) -> None:
@@ -158,8 +160,6 @@ class BatchedDecoder:
             self.slots[row] = gen
             self.length[row] = request.prompt_ids.size  # its first token, at position P, is not cached yet
             self._commit(row, [int(tokens[i])], margins[i: i + 1], tops[i: i + 1], advance=0)
-
-    uses_features = False
 
     def _prefilled(self, rows: Tensor, out) -> None:
         """Hook after a prefill (the speculative decoder feeds the drafter)."""

@@ -124,8 +124,15 @@ class TargetModel:
 
         load_target_config(target_dir)  # a clear error for a directory that holds no model
         self.device, self.dtype = torch.device(device), resolve_dtype(dtype, device)
-        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=self.dtype, **extra)
+        try:
+            extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+            self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=self.dtype, **extra)
+        except (ValueError, KeyError) as exc:  # a transformers that refuses registered attention functions
+            if not attn_implementation:
+                raise
+            logger.warning("%s: attn_implementation=%s refused (%s); using sdpa (it copies K/V per query head)",
+                           target_dir, attn_implementation, exc)
+            self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=self.dtype, attn_implementation="sdpa")
         self.model.to(self.device).eval().requires_grad_(False)
         stack = find_text_stack(self.model, source=target_dir)
         self.text_config = stack.config
