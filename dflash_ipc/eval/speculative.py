@@ -275,14 +275,17 @@ def evaluate(target_dir: str, drafter: str | DFlashDraftModel, data_dir: str, *,
 def untrained_vs_trained(target_dir: str, drafter: str | DFlashDraftModel, data_dir: str, *,
                          num_prompts: int = DEFAULT_HELD_OUT_PROMPTS, max_new_tokens: int = 64,
                          device: str = "cpu", held_out: Sequence[int] | None = None, dtype: str = "auto",
-                         seed: int = 0, check_lossless: bool = False,
-                         batch_size: int = DEFAULT_BATCH_SIZE) -> tuple[EvalReport, EvalReport]:
+                         seed: int = 0, check_lossless: bool = False, batch_size: int = DEFAULT_BATCH_SIZE,
+                         plain: bool | None = None) -> tuple[EvalReport, EvalReport]:
     """(untrained, trained) reports on the held-out prompts of ``data_dir`` with one loaded target.
 
     The untrained drafter has the trained one's config and a fresh initialisation from
-    ``seed``. Print the pair with ``report.format_comparison``.
+    ``seed``. ``plain`` (default: only with ``check_lossless``) also decodes plainly, for the
+    speedup; the embedded default's closing comparison needs tau alone. Print the pair with
+    ``report.format_comparison``.
     """
-    options = EvalOptions(max_new_tokens=max_new_tokens, batch_size=batch_size, check_lossless=check_lossless)
+    options = EvalOptions(max_new_tokens=max_new_tokens, batch_size=batch_size, check_lossless=check_lossless,
+                          plain=check_lossless if plain is None else plain)
     untrained, trained = evaluate_sets(target_dir, drafter, data_dir=data_dir, num_prompts=num_prompts,
                                        held_out=held_out, device=device, dtype=dtype, vs_untrained=True, seed=seed,
                                        options=options)
