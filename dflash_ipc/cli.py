@@ -7,7 +7,8 @@
     dflash-ipc export CHECKPOINT OUT_DIR [--with-code]
     dflash-ipc report RUN_DIR
     dflash-ipc status|health RUN_DIR
-    dflash-ipc bench transport|drafter|dispatch|pipeline|target|regenerate
+    dflash-ipc eval --target DIR --drafter CKPT (--data DIR | --prompts FILE.jsonl ...)
+    dflash-ipc bench transport|drafter|dispatch|pipeline|target|regenerate|eval
     dflash-ipc plan --gpus N (--target-capacity T --drafter-capacity D | --from-bench FILE)
 """
 
@@ -115,7 +116,7 @@ def up(config, overrides, nnodes, node_rank, dispatcher_address) -> None:
     if code == 0 and embedded_default:
         # The embedded default ends by showing that the drafter learned: tau of the trained
         # drafter next to an untrained one of the same shape, on held-out prompts.
-        from dflash_ipc.eval.acceptance import format_comparison
+        from dflash_ipc.eval.report import format_comparison
         from dflash_ipc.eval.speculative import untrained_vs_trained
         untrained, trained = untrained_vs_trained(cfg.target.path, cfg.files.checkpoints, cfg.data.path,
                                                   num_prompts=8, max_new_tokens=48, seed=cfg.run.seed)
@@ -323,36 +324,60 @@ def health(run_dir, as_json, stale_after_s, stall_after_s, timeout_s, node_rank)
               help="HF target model directory.")
 @click.option("--drafter", required=True, type=click.Path(exists=True, file_okay=False),
               help="Export, checkpoint step dir, or checkpoints root (latest).")
-@click.option("--data", "data_dir", required=True, type=click.Path(exists=True, file_okay=False),
-              help="Prepared dataset; its declared held-out prompts, else its last --num-prompts samples.")
-@click.option("--num-prompts", default=16, show_default=True)
-@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--data", "data_dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="Prepared dataset: its declared held-out prompts, else its last --num-prompts samples.")
+@click.option("--prompts", "prompt_files", multiple=True, metavar="[NAME=]FILE.jsonl",
+              help="Prompt set (repeatable): rows with turns (MT-Bench), question, problem, prompt or messages.")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=None,
+              help="Prompts per set [default: 16 of --data, every row of a --prompts file].")
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1), help="Per turn.")
+@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Sequences decoded at once.")
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="0: greedy; > 0: speculative sampling.")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(min=0, max=1, min_open=True))
+@click.option("--seed", default=0, show_default=True, help="Sampling seed; also the untrained drafter's.")
+@click.option("--template-kwargs", default=None, metavar="JSON",
+              help='Chat template kwargs for --prompts files, e.g. \'{"enable_thinking": false}\'.')
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
               show_default=True, help="auto: float32 on CPU, bfloat16 on GPU.")
-@click.option("--check-lossless", is_flag=True, help="Also decode plainly; exit 1 if any output differs.")
+@click.option("--check-lossless", is_flag=True,
+              help="Compare with plain greedy decoding; exit 1 on a mismatch (a numerical near-tie is reported).")
+@click.option("--near-tie-ulps", default=4.0, show_default=True, type=click.FloatRange(min=0),
+              help="A difference is a near-tie when both margins are within this many ulps of the top logit.")
+@click.option("--skip-plain", is_flag=True, help="Do not decode plainly (no speedup, no lossless check).")
 @click.option("--vs-untrained", is_flag=True, help="Also evaluate an untrained drafter of the same shape.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report(s) as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the reports as JSON.")
 @click.option("--save-to", "save_to", type=click.Path(exists=True, file_okay=False), default=None, metavar="RUN_DIR",
               help="Also append the results to RUN_DIR/eval_results.jsonl (read by report and export).")
-def eval_cmd(target_dir, drafter, data_dir, num_prompts, max_new_tokens, device, dtype, check_lossless,
-             vs_untrained, as_json, save_to) -> None:
-    """Greedy speculative decoding on held-out prompts: tau, acceptance per position, forwards/token."""
+def eval_cmd(target_dir, drafter, data_dir, prompt_files, num_prompts, max_new_tokens, batch_size, temperature,
+             top_p, seed, template_kwargs, device, dtype, check_lossless, near_tie_ulps, skip_plain, vs_untrained,
+             as_json, save_to) -> None:
+    """Batched speculative decoding of prompt sets: tau, acceptance per position, tokens/s, speedup."""
     import json
-    from dflash_ipc.eval.acceptance import format_comparison
-    from dflash_ipc.eval.speculative import evaluate, untrained_vs_trained
+    from dflash_ipc.eval.report import format_comparison
+    from dflash_ipc.eval.sampling import Sampling
+    from dflash_ipc.eval.speculative import EvalOptions, evaluate_sets, parse_template_kwargs
     from dflash_ipc.logs import setup_logging
     setup_logging("eval")
-    kw = dict(num_prompts=num_prompts, max_new_tokens=max_new_tokens, device=device, dtype=dtype,
-              check_lossless=check_lossless)
-    reports = (list(untrained_vs_trained(target_dir, drafter, data_dir, **kw)) if vs_untrained
-               else [evaluate(target_dir, drafter, data_dir, **kw)])
-    click.echo(json.dumps([r.to_dict() for r in reports], indent=1) if as_json
-               else format_comparison(*reports) if vs_untrained else reports[0].format())
+    options = EvalOptions(max_new_tokens=max_new_tokens, batch_size=batch_size, plain=not skip_plain,
+                          sampling=Sampling(temperature=temperature, top_p=top_p, seed=seed),
+                          check_lossless=check_lossless, near_tie_ulps=near_tie_ulps,
+                          progress=lambda line: click.echo(line, err=True))
+    reports = evaluate_sets(target_dir, drafter, data_dir=data_dir, prompt_files=prompt_files,
+                            num_prompts=num_prompts, device=device, dtype=dtype, vs_untrained=vs_untrained,
+                            seed=seed, template_kwargs=parse_template_kwargs(template_kwargs), options=options)
+    if as_json:
+        click.echo(json.dumps([r.to_dict() for r in reports], indent=1))
+    elif vs_untrained:
+        click.echo("\n".join(format_comparison(*reports[i:i + 2]) for i in range(0, len(reports), 2)))
+    else:
+        click.echo("\n".join(r.format() for r in reports))
     if save_to is not None:
         from dflash_ipc.eval_results import save_eval_results
         path = save_eval_results(save_to, [r.to_dict() for r in reports],
-                                 baseline=[vs_untrained and i == 0 for i in range(len(reports))])
+                                 baseline=[vs_untrained and i % 2 == 0 for i in range(len(reports))])
         click.echo(f"saved to {path}", err=as_json)  # stdout stays pure JSON with --json
     if any(r.lossless_mismatches for r in reports):
         sys.exit(1)
@@ -518,6 +543,50 @@ def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt,
     if json_path:
         write_json(result, json_path)
     click.echo(format_table(result))
+
+
+@bench.command("eval")
+@click.option("--device", default="cuda:0", show_default=True)
+@click.option("--shape", type=click.Choice(["tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"]), default="qwen3-1.7b",
+              show_default=True, help="Random-weight target shape (bench/assets.py); tiny: a CPU smoke test.")
+@click.option("--batch-sizes", default="1,16,64,256", show_default=True, metavar="B1,B2,...")
+@click.option("--prompts-per-batch", default=2, show_default=True, type=click.IntRange(min=1),
+              help="Prompts per batched row = this x the batch size (at least 2).")
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--prompt-len", default="64,256", show_default=True, metavar="MIN,MAX",
+              help="Prompt lengths, log-uniform.")
+@click.option("--legacy-prompts", default=2, show_default=True, type=click.IntRange(min=1),
+              help="Prompts of the unbatched (legacy) rows.")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
+              show_default=True)
+@click.option("--work-dir", default=None, type=click.Path(file_okay=False),
+              help="Keep the random target here (reused next time); default: a temporary directory.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures.")
+def bench_eval(device, shape, batch_sizes, prompts_per_batch, max_new_tokens, prompt_len, legacy_prompts, dtype,
+               work_dir, json_path) -> None:
+    """Tokens/s of batched speculative and plain decoding against the unbatched decoder."""
+    import json
+    from dflash_ipc.bench.eval import run_eval_bench
+    from dflash_ipc.eval.report import nan_to_none
+    figures = run_eval_bench(device=device, shape=shape, batch_sizes=_int_list(batch_sizes, "--batch-sizes"),
+                             prompts_per_batch=prompts_per_batch, max_new_tokens=max_new_tokens,
+                             prompt_len=tuple(_int_list(prompt_len, "--prompt-len", size=2)),
+                             legacy_prompts=legacy_prompts, dtype=dtype, work_dir=work_dir, emit=click.echo)
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(nan_to_none(figures), f, indent=1)
+
+
+def _int_list(text: str, option: str, size: int | None = None) -> list[int]:
+    from dflash_ipc.errors import ConfigError
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1 or (size is not None and len(values) != size):
+        want = f"{size} " if size else ""
+        raise ConfigError(f"{option} {text!r}: expected {want}comma-separated integers >= 1")
+    return values
 
 
 @main.command("plan")

@@ -11,13 +11,13 @@ from dflash_ipc.errors import DataError
 from dflash_ipc.eval.acceptance import (
     AcceptanceStats,
     Cycle,
-    EvalReport,
-    SampleResult,
     accepted_prefix_length,
-    format_comparison,
+    commit_block,
     stats_of,
     verify_block,
 )
+from dflash_ipc.eval.lossless import LosslessCheck
+from dflash_ipc.eval.report import EvalReport, PlainFigures, SampleResult, format_comparison
 
 
 def t(ids):
@@ -149,24 +149,33 @@ def test_add_cycle_rejects_impossible_cycles(cycle):
         AcceptanceStats(block_size=4).add_cycle(cycle)
 
 
-def report(label, stats, lossless=(None,)):
-    samples = [SampleResult(sample_id=i, prompt_len=5, output_ids=[1, 2], stats=stats, stopped=False, lossless=ok)
-               for i, ok in enumerate(lossless)]
-    return EvalReport(label=label, stats=stats, samples=samples, max_new_tokens=24, wall_s=0.5)
+def report(label, stats, verdicts=(None,), plain=None):
+    checks = [None if v is None else LosslessCheck(verdict=v, position=None if v == "identical" else 3,
+                                                    speculative_margin=0.01, plain_margin=0.02, tolerance=0.05)
+              for v in verdicts]
+    samples = [SampleResult(sample_id=i, prompt_len=5, output_ids=[1, 2], stats=stats, stopped=False, check=c)
+               for i, c in enumerate(checks)]
+    return EvalReport(label=label, stats=stats, samples=samples, max_new_tokens=24, wall_s=0.5, plain=plain)
 
 
 def test_report_dict_and_text():
-    r = report("trained", constructed_stats(), lossless=(True, False, None))
+    plain = PlainFigures(num_generated=11, wall_s=1.1)
+    r = report("trained", constructed_stats(), verdicts=("identical", "mismatch", None, "near_tie"), plain=plain)
     d = r.to_dict()
-    assert d["tau"] == pytest.approx(2.25) and d["num_prompts"] == 3 and d["sample_ids"] == [0, 1, 2]
+    assert d["tau"] == pytest.approx(2.25) and d["num_prompts"] == 4 and d["sample_ids"] == [0, 1, 2, 3]
     assert d["acceptance_per_position"] == pytest.approx([0.75, 0.5, 1 / 3])
-    assert d["num_lossless_checked"] == 2 and d["lossless_mismatches"] == [1]
+    assert d["num_lossless_checked"] == 3 and d["lossless_mismatches"] == [1] and d["near_ties"] == [3]
+    assert [c["sample_id"] for c in d["lossless"]] == [1, 3] and d["lossless"][1]["verdict"] == "near_tie"
+    # 11 tokens in 0.5 s speculative against 11 in 1.1 s plain
+    assert d["tokens_per_s"] == pytest.approx(22.0) and d["plain"]["tokens_per_s"] == pytest.approx(10.0)
+    assert d["speedup"] == pytest.approx(2.2)
     text = r.format()
     assert "tau 2.25" in text and "k=1 0.75 | 2 0.50 | 3 0.33" in text
-    assert "DIFFERENT on samples [1]" in text
+    assert "DIFFERENT on samples [1]" in text and "1 numerical near-ties" in text and "speedup 2.20x" in text
     empty = report("untrained", AcceptanceStats(block_size=4))
     assert "k=1 - | 2 - | 3 -" in empty.format()
     assert empty.to_dict()["tau"] is None and empty.to_dict()["acceptance_per_position"] == [None] * 3
+    assert empty.to_dict()["speedup"] is None
     json.dumps(empty.to_dict(), allow_nan=False)
 
 
@@ -176,3 +185,16 @@ def test_format_comparison_puts_both_taus_on_one_line():
     trained = report("trained", constructed_stats())
     first = format_comparison(untrained, trained).splitlines()[0]
     assert "untrained 1.00 -> trained 2.25 (2.25x)" in first and "block 4" in first
+
+
+@pytest.mark.parametrize("tokens, drafted, accepted, remaining, stops, want, want_m", [
+    ([5, 6, 7, 8], 3, 3, 10, (), [5, 6, 7, 8], 3),
+    ([5, 6, 7, 8], 3, 1, 10, (), [5, 6], 1),
+    ([5, 6, 7, 8], 2, 3, 2, (), [5, 6], 2),  # a full block verified near the end of the budget: clamped
+    ([5, 6, 7, 8], 3, 3, 10, (6,), [5, 6], 3),
+])
+def test_commit_block(tokens, drafted, accepted, remaining, stops, want, want_m):
+    committed, cycle = commit_block(tokens, num_drafted=drafted, num_accepted=accepted, remaining=remaining,
+                                    stop_token_ids=stops)
+    assert committed == want and cycle.num_accepted == want_m and cycle.num_committed == len(want)
+    assert cycle.stopped == bool(set(want) & set(stops))

@@ -1,6 +1,7 @@
-"""Speculative decoding on the tiny target: lossless output, oracle tau, training layout, export round trip."""
+"""Speculative decoding on the tiny target: the unbatched reference (eval/unbatched.py: lossless output,
+oracle tau, training layout) and the evaluate / untrained_vs_trained entry points (export round
+trip, held-out prompts, a drafter that learned)."""
 
-import collections
 import math
 import os
 
@@ -17,24 +18,25 @@ from dflash_ipc.drafter.export import save_inference_checkpoint
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.drafter.objective import build_training_batch
 from dflash_ipc.drafter.target_head import FrozenTargetHead
-from dflash_ipc.drafter.trainer import DrafterTrainer, Sequence, eligible_anchor_count
+from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.errors import ConfigError, DataError
-from dflash_ipc.eval.acceptance import format_comparison
-from dflash_ipc.eval.speculative import (
-    DFlashProposer,
-    TargetLM,
-    evaluate,
-    greedy_generate,
-    held_out_prompts,
-    speculative_generate,
-    untrained_vs_trained,
-)
+from dflash_ipc.eval.unbatched import DFlashProposer, TargetLM, greedy_generate, speculative_generate
+from dflash_ipc.eval.report import format_comparison
+from dflash_ipc.eval.speculative import evaluate, held_out_prompts, untrained_vs_trained
 from dflash_ipc.target.capture import FeatureCapture
+from eval_helpers import (
+    BS,
+    LAYER_IDS,
+    drafter_config,
+    eval_data,
+    memorising_drafter,
+    random_drafter,
+    reference_greedy,
+    train_drafter,
+)
 
 torch.set_num_threads(1)
 
-LAYER_IDS = [1, 2]
-BS = 16
 MAX_NEW = 24
 
 
@@ -44,9 +46,8 @@ def target_dir(tiny_cache):
 
 
 @pytest.fixture(scope="module")
-def data_dir(target_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("eval-data") / "data"
-    return build_synthetic_dataset(target_dir, str(out), num_samples=8, min_len=24, max_len=64, seed=3)
+def data_dir(tiny_cache):
+    return eval_data(str(tiny_cache))
 
 
 @pytest.fixture(scope="module")
@@ -57,29 +58,6 @@ def target(target_dir):
 @pytest.fixture(scope="module")
 def prompts(data_dir):
     return held_out_prompts(TokenDataset(data_dir), num_prompts=4)
-
-
-def drafter_config(target_dir, *, block_size=BS, num_layers=2) -> DFlashConfig:
-    mask_id = AutoTokenizer.from_pretrained(target_dir).mask_token_id
-    return DFlashConfig.from_target_config(AutoConfig.from_pretrained(target_dir), num_draft_layers=num_layers,
-                                           block_size=block_size, mask_token_id=mask_id, target_layer_ids=LAYER_IDS)
-
-
-def random_drafter(target_dir, seed=0, **kwargs) -> DFlashDraftModel:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return DFlashDraftModel(drafter_config(target_dir, **kwargs)).eval()
-
-
-@torch.inference_mode()
-def reference_greedy(target: TargetLM, prompt, max_new_tokens: int) -> list[int]:
-    """Greedy decoding by full recomputation, no cache: independent of TargetLM's cache logic."""
-    ids = torch.as_tensor(prompt, dtype=torch.long).tolist()
-    out = []
-    while len(out) < max_new_tokens and not (out and out[-1] in target.stop_token_ids):
-        logits = target.model(input_ids=torch.tensor([ids + out])).logits[0, -1]
-        out.append(int(logits.argmax()))
-    return out
 
 
 @torch.inference_mode()
@@ -207,7 +185,8 @@ def test_exported_checkpoint_round_trips_through_evaluate(target_dir, data_dir, 
     rounded = trainer.model.to(torch.bfloat16).to(torch.float32)
     in_memory = evaluate(target_dir, rounded, data_dir, **kwargs)
     assert [r.output_ids for r in in_memory.samples] == [r.output_ids for r in from_root.samples]
-    strip = lambda d: {k: v for k, v in d.items() if k not in ("label", "wall_s")}  # noqa: E731
+    timing = ("label", "wall_s", "tokens_per_s", "plain", "speedup")
+    strip = lambda d: {k: v for k, v in d.items() if k not in timing}  # noqa: E731
     assert strip(in_memory.to_dict()) == strip(from_root.to_dict())
 
     export_dir = str(tmp_path / "export")
@@ -215,36 +194,11 @@ def test_exported_checkpoint_round_trips_through_evaluate(target_dir, data_dir, 
     assert strip(evaluate(target_dir, export_dir, data_dir, **kwargs).to_dict()) == strip(in_memory.to_dict())
 
 
-def train_drafter(target_dir, target: TargetLM, data_dir, sample_ids, *, steps: int, lr: float = 3e-3,
-                  max_anchors: int = 64) -> DFlashDraftModel:
-    """A 1-layer, block-8 drafter trained with the real DrafterTrainer on the given samples."""
-    cfg = config_from_dict({"drafter": {"dtype": "float32"},
-                            "model": {"num_layers": 1, "target_layer_ids": LAYER_IDS, "block_size": 8},
-                            "objective": {"max_anchors_per_seq": max_anchors, "anchors_per_step": 256},
-                            "optimizer": {"lr": lr}, "schedule": {"warmup_ratio": 0.0}})
-    head = FrozenTargetHead.from_pretrained(target_dir, dtype=torch.float32, device="cpu")
-    trainer = DrafterTrainer(cfg, drafter_config(target_dir, block_size=8, num_layers=1), head, device="cpu",
-                             total_steps=steps)
-    ds, seqs = TokenDataset(data_dir), []
-    for i in sample_ids:
-        ids, mask = ds.sample(i)
-        _, feats = target.prefill(torch.as_tensor(ids, dtype=torch.long))  # the training features (tested above)
-        seqs.append(dict(batch_id=0, sample_id=i, features=feats, input_ids=torch.as_tensor(ids, dtype=torch.long),
-                         loss_mask=torch.as_tensor(mask), num_anchors=eligible_anchor_count(mask, max_anchors)))
-    fifo, epoch = collections.deque(), 0  # every sample in turn, epoch after epoch
-    for _ in range(steps):
-        while sum(s.num_anchors for s in fifo) < cfg.objective.anchors_per_step:
-            fifo.extend(Sequence(epoch=epoch, **s) for s in seqs)
-            epoch += 1
-        trainer.step(trainer.take(fifo))
-    return trainer.model.eval()
-
-
-def test_trained_drafter_is_lossless_and_beats_untrained(target_dir, target, data_dir, prompts):
+def test_trained_drafter_is_lossless_and_beats_untrained(tiny_cache, target_dir, data_dir):
     """Trained on the held-out samples themselves (memorised: this checks that inference
     conditions the drafter exactly as training did, not generalisation), the drafter's
     tokens get accepted where the data covers the continuation; the output stays greedy."""
-    model = train_drafter(target_dir, target, data_dir, [i for i, _ in prompts], steps=50)
+    model = memorising_drafter(str(tiny_cache))
     untrained, trained = untrained_vs_trained(target_dir, model, data_dir, num_prompts=4, max_new_tokens=MAX_NEW,
                                               check_lossless=True)
     assert untrained.lossless_mismatches == trained.lossless_mismatches == []

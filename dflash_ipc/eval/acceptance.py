@@ -1,4 +1,4 @@
-"""Acceptance arithmetic of greedy speculative decoding, and the report of an evaluation.
+"""Acceptance arithmetic of speculative decoding: the commit rule and the counters behind every figure.
 
 One *cycle* = one drafter pass + one target verification pass. With the newest committed
 token (the anchor) at position ``s``, the drafter proposes ``d`` tokens for positions
@@ -8,7 +8,8 @@ each of the positions ``s+1 .. s+d+1`` (``target_next``, ``d+1`` entries). Then
     m         = longest prefix with drafted[j] == target_next[j]      (accepted drafts)
     committed = drafted[:m] + [target_next[m]]                        (+ the "bonus" token)
 
-cut at the generation budget and after the first stop token. Definitions reported
+cut at the generation budget and after the first stop token (:func:`commit_block`; under
+sampling, m comes from rejection sampling instead, see sampling.py). Definitions reported
 (as in the DFlash paper and z-lab's ``dflash_generate``):
 
 * ``tau`` (mean acceptance length) = committed tokens / cycles, pooled over all cycles of
@@ -82,15 +83,28 @@ def verify_block(
     if remaining < 1:
         raise DataError(f"remaining={remaining}: verify_block needs at least one token of budget")
     m = accepted_prefix_length(drafted, target_next)
-    tokens = [int(t) for t in drafted.reshape(-1)[:m].tolist()] + [int(target_next.reshape(-1)[m])]
-    tokens = tokens[:remaining]
-    stops = set(stop_token_ids)
+    # Greedy: the accepted drafts equal the target's own tokens, so target_next[:m+1] is the commit.
+    return commit_block(target_next.reshape(-1).tolist(), num_drafted=d, num_accepted=m, remaining=remaining,
+                        stop_token_ids=stop_token_ids)
+
+
+def commit_block(tokens: Sequence[int], *, num_drafted: int, num_accepted: int, remaining: int,
+                 stop_token_ids: Iterable[int] = ()) -> tuple[list[int], Cycle]:
+    """The commit rule: ``tokens[:accepted+1]`` (accepted drafts, then the target's token), cut at
+    the budget and after the first stop token. ``tokens`` holds at least accepted+1 entries;
+    ``num_accepted`` may exceed ``num_drafted`` (a fixed-shape batch verifies full blocks near
+    the end of the budget) and is then clamped to it."""
+    if remaining < 1:
+        raise DataError(f"remaining={remaining}: a cycle needs at least one token of budget")
+    m = min(num_accepted, num_drafted)
+    committed = [int(t) for t in tokens[: m + 1]][:remaining]
+    stops = stop_token_ids if isinstance(stop_token_ids, (set, frozenset)) else set(stop_token_ids)
     stopped = False
-    for i, tok in enumerate(tokens):
+    for i, tok in enumerate(committed):
         if tok in stops:
-            tokens, stopped = tokens[: i + 1], True
+            committed, stopped = committed[: i + 1], True
             break
-    return tokens, Cycle(num_drafted=d, num_accepted=m, num_committed=len(tokens), stopped=stopped)
+    return committed, Cycle(num_drafted=num_drafted, num_accepted=m, num_committed=len(committed), stopped=stopped)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -176,112 +190,6 @@ class AcceptanceStats:
     def decode_forwards_per_token(self) -> float:
         """Verification forwards per token they committed: exactly 1 / tau."""
         return self.num_cycles / self.num_committed if self.num_committed else math.nan
-
-
-@dataclass(kw_only=True, slots=True)
-class SampleResult:
-    """One prompt's speculative generation."""
-
-    sample_id: int
-    prompt_len: int
-    output_ids: list[int]
-    """Generated tokens only (the prompt excluded), stop token included if one came."""
-    stats: AcceptanceStats
-    stopped: bool
-    """Ended on a stop token (else on the max_new_tokens budget)."""
-    lossless: bool | None = None
-    """Equal to plain greedy decoding of the target; None when not checked."""
-
-
-@dataclass(kw_only=True, slots=True)
-class EvalReport:
-    """Speculative decoding of held-out prompts with one drafter."""
-
-    label: str
-    """What was evaluated, e.g. 'trained (runs/default/checkpoints/step_00000060)'."""
-    stats: AcceptanceStats
-    samples: list[SampleResult]
-    max_new_tokens: int
-    wall_s: float
-
-    @property
-    def tau(self) -> float:
-        return self.stats.tau
-
-    @property
-    def num_lossless_checked(self) -> int:
-        return sum(s.lossless is not None for s in self.samples)
-
-    @property
-    def lossless_mismatches(self) -> list[int]:
-        """Sample ids whose output differs from plain greedy decoding (checked ones only)."""
-        return [s.sample_id for s in self.samples if s.lossless is False]
-
-    def to_dict(self) -> dict:
-        """JSON-ready summary (per-sample outputs left out); nan (nothing measured) becomes None."""
-        s = self.stats
-        return _nan_to_none({
-            "label": self.label,
-            "block_size": s.block_size,
-            "num_prompts": len(self.samples),
-            "sample_ids": [r.sample_id for r in self.samples],
-            "max_new_tokens": self.max_new_tokens,
-            "tau": s.tau,
-            "acceptance_per_position": s.acceptance_per_position,
-            "target_forwards_per_token": s.target_forwards_per_token,
-            "decode_forwards_per_token": s.decode_forwards_per_token,
-            "num_generated_tokens": s.num_generated,
-            "num_target_forwards": s.num_target_forwards,
-            "num_cycles": s.num_cycles,
-            "committed_hist": list(s.committed_hist),
-            "num_lossless_checked": self.num_lossless_checked,
-            "lossless_mismatches": self.lossless_mismatches,
-            "wall_s": self.wall_s,
-        })
-
-    def format(self) -> str:
-        """A few human-readable lines."""
-        s = self.stats
-        lines = [
-            f"{self.label}: tau {s.tau:.2f} over {s.num_cycles} cycles, {len(self.samples)} prompts, "
-            f"{s.num_generated} tokens ({s.target_forwards_per_token:.3f} target forwards/token, "
-            f"{s.decode_forwards_per_token:.3f} without prefill), {self.wall_s:.1f}s",
-            "  acceptance by block position: " + format_positions(s.acceptance_per_position),
-        ]
-        if self.num_lossless_checked:
-            bad = self.lossless_mismatches
-            verdict = "identical" if not bad else f"DIFFERENT on samples {bad}"
-            lines.append(f"  vs plain greedy on {self.num_lossless_checked} prompts: {verdict}")
-        return "\n".join(lines)
-
-
-def _nan_to_none(value):
-    """Strict JSON has no NaN."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _nan_to_none(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_nan_to_none(v) for v in value]
-    return value
-
-
-def format_positions(rates: Sequence[float]) -> str:
-    """``k=1 0.83 | 2 0.61 | ...``; positions never drafted print as '-'."""
-    cells = ["-" if math.isnan(r) else f"{r:.2f}" for r in rates]
-    return " | ".join(f"{'k=' if k == 1 else ''}{k} {c}" for k, c in enumerate(cells, start=1))
-
-
-def format_comparison(untrained: EvalReport, trained: EvalReport) -> str:
-    """The embedded default's last lines: tau of the trained drafter next to an untrained one."""
-    gain = trained.tau / untrained.tau if untrained.tau and not math.isnan(untrained.tau) else math.nan
-    return "\n".join([
-        f"acceptance length tau on {len(trained.samples)} held-out prompts "
-        f"(block {trained.stats.block_size}, up to {trained.max_new_tokens} new tokens): "
-        f"untrained {untrained.tau:.2f} -> trained {trained.tau:.2f} ({gain:.2f}x)",
-        "  " + untrained.format().replace("\n", "\n  "),
-        "  " + trained.format().replace("\n", "\n  "),
-    ])
 
 
 def stats_of(cycles: Iterable[Cycle], *, block_size: int, prefill_tokens: Sequence[int] = ()) -> AcceptanceStats:

@@ -1,305 +1,99 @@
-"""Greedy speculative decoding with a DFlash drafter, and the `dflash-ipc eval` entry points.
+"""`dflash-ipc eval`: batched speculative decoding of prompt sets, measured against plain decoding.
 
-The loop, for one prompt of P tokens (x = committed tokens, features F = the captured
-target layers, concatenated, of each position):
-
-    prefill  target(prompt) -> KV cache and F of positions 0..P-1, x[P] = greedy token
-    cycle    s = position of the newest token x[s] (the anchor, not yet seen by the target)
-      draft  drafter(context F[0..s-1], block [x[s], MASK x (bs-1)] at positions s..s+bs-1)
-             -> d = min(bs-1, budget left) tokens for positions s+1..s+d
-      verify target([x[s], drafted...]) on the cache of 0..s-1 -> its greedy tokens for
-             s+1..s+d+1 and F of s..s+d
-      commit longest matching prefix + the target's next token (acceptance.verify_block);
-             keep F and the KV cache of positions s..s+c-1 (the ones the committed tokens
-             were verified with), drop the rest, so no extra target pass is ever needed.
-
-This is the training layout exactly (objective.py): an anchor at position a sees context
-positions < a, and block position k predicts x[a+k]. Every committed token is the target's
-own greedy choice given the committed prefix, so the output equals plain greedy decoding
-(up to floating-point ties between the block and the one-token forward).
+For each prompt set (a dataset's held-out prompts, JSONL prompt files) the same prompts run
+through :class:`~dflash_ipc.eval.decoding.PlainDecoder` once and through
+:class:`~dflash_ipc.eval.decoding.SpeculativeDecoder` per drafter, with one loaded target,
+``batch_size`` sequences in flight; each run reports tau, acceptance by block position,
+tokens, wall time and tokens/s, and the speculative run its speedup over the plain one.
+With ``check_lossless`` (greedy only) every prompt's two outputs are compared
+(lossless.py: identical, numerical near-tie, mismatch).
 
 Usage:
-    report = evaluate("runs/cache/tiny-target", "runs/default/checkpoints", "runs/cache/data")
-    print(report.format())
+    reports = evaluate_sets("models/Qwen3-8B", "runs/qwen3-8b/checkpoints",
+                            data_dir="data/chats", prompt_files=["gsm8k=gsm8k/test.jsonl"],
+                            options=EvalOptions(max_new_tokens=256, batch_size=64, check_lossless=True))
+    print("\\n".join(r.format() for r in reports))
     untrained, trained = untrained_vs_trained(target_dir, checkpoints_dir, data_dir)
     print(format_comparison(untrained, trained))
 
-Held-out prompts: by default the prompts the dataset declares held out (the built-in
-synthetic data keeps prompts drawn like its samples but never written to the dataset, in
-meta.json "extra.held_out"); for other data the last ``num_prompts`` usable samples (a
-prompt is a sample's tokens before its first loss-mask token: the conversation up to and
-including the assistant header). Such data is not split here; exclude those samples from
-training to make them truly held out.
+Held-out prompts of a dataset: by default the prompts it declares held out (meta.json
+"extra.held_out": the built-in synthetic data, or ``prepare --held-out``), else its last
+``num_prompts`` usable samples (a prompt is a sample's tokens before its first loss-mask
+token); those are held out only if they were not trained on.
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
+import json
 import logging
 import os
-import time
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
-from torch import Tensor
 
 from dflash_ipc.data.dataset import TokenDataset
-from dflash_ipc.drafter.attention import BlockLayout, build_mask
 from dflash_ipc.drafter.export import CONFIG_FILE, load_inference_checkpoint
 from dflash_ipc.drafter.model import DFlashDraftModel
-from dflash_ipc.data.stops import stop_token_ids
-from dflash_ipc.drafter.target_head import FrozenTargetHead
-from dflash_ipc.dtypes import TORCH_DTYPES as DTYPES
 from dflash_ipc.errors import ConfigError, DataError
-from dflash_ipc.eval.acceptance import AcceptanceStats, EvalReport, SampleResult, verify_block
+from dflash_ipc.eval.acceptance import AcceptanceStats
+from dflash_ipc.eval.decoding import PREFILL_TOKENS, DecodeRun, PlainDecoder, SpeculativeDecoder
+from dflash_ipc.eval.drafter_context import DrafterContext
+from dflash_ipc.eval.lossless import NEAR_TIE_ULPS, compare
+from dflash_ipc.eval.progress import ProgressLine
+from dflash_ipc.eval.prompt_sets import (
+    ChatRenderer,
+    Conversations,
+    PromptSet,
+    held_out_prompts,
+    held_out_set,
+    prompt_set_arg,
+    read_prompt_file,
+)
+from dflash_ipc.eval.report import EvalReport, PlainFigures, SampleResult
+from dflash_ipc.eval.requests import Request, RequestList
+from dflash_ipc.eval.sampling import Sampling
+from dflash_ipc.data.stops import stop_token_ids
+from dflash_ipc.eval.target_runner import BatchedTarget, TargetModel, resolve_dtype
+from dflash_ipc.eval.unbatched import DFlashProposer, TargetLM, UnbatchedDecoder
+
+__all__ = ["EvalOptions", "evaluate", "evaluate_sets", "held_out_prompts", "load_drafter", "resolve_dtype",
+           "parse_template_kwargs", "stop_token_ids", "untrained_vs_trained"]
 
 logger = logging.getLogger(__name__)
 
-DTYPE_CHOICES = ("auto", *DTYPES)
 LATEST_FILE = "latest.json"  # written by DrafterTrainer.save_checkpoint in a checkpoints root
+DEFAULT_BATCH_SIZE = 64
+DEFAULT_HELD_OUT_PROMPTS = 16
 
 
-def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
-    """``auto``: float32 on CPU (bf16 is emulated there), bfloat16 on accelerators."""
-    if dtype == "auto":
-        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
-    if dtype not in DTYPES:
-        raise ConfigError(f"eval dtype {dtype!r} not in {DTYPE_CHOICES}")
-    return DTYPES[dtype]
+@dataclass(kw_only=True)
+class EvalOptions:
+    """How every prompt set is decoded."""
 
+    max_new_tokens: int = 64
+    """Budget of every generation (every turn)."""
+    batch_size: int = DEFAULT_BATCH_SIZE
+    """Sequences in flight."""
+    sampling: Sampling = field(default_factory=Sampling)
+    plain: bool = True
+    """Also decode plainly: tokens/s, speedup and the lossless check need it."""
+    check_lossless: bool = False
+    """Compare each output with plain greedy decoding (greedy only)."""
+    near_tie_ulps: float = NEAR_TIE_ULPS
+    progress: Callable[[str], None] | None = None
+    """Where progress lines go (None: nowhere)."""
+    prefill_tokens: int = PREFILL_TOKENS
 
-class TargetLM:
-    """The full frozen target (with its LM head), a KV cache, and the captured layers.
-
-    Forward hooks keep the outputs of ``layer_ids`` (HF ``hidden_states[id+1]``, the same
-    tensors target/capture.py sends to training; ``output_hidden_states`` would instead
-    give the final-normed state for the last layer).
-    """
-
-    def __init__(self, target_dir: str, *, layer_ids: Sequence[int], device: str | torch.device = "cpu",
-                 dtype: str = "auto") -> None:
-        from dflash_ipc.target.capture import load_target_config
-        from dflash_ipc.target.text_stack import (find_text_stack, has_recurrent_layers, load_causal_lm,
-                                                  num_text_layers, text_config)
-
-        config = load_target_config(target_dir)
-        text = text_config(config)
-        self.num_layers = num_text_layers(config)
-        self.hidden_size = int(text.hidden_size)
-        self.layer_ids = [int(i) for i in layer_ids]
-        if not self.layer_ids or not all(0 <= i < self.num_layers for i in self.layer_ids):
-            raise ConfigError(f"drafter target_layer_ids={self.layer_ids}: allowed ids are 0..{self.num_layers - 1} "
-                              f"for the target {target_dir}")
-        self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        self.model = load_causal_lm(target_dir, dtype=self.dtype)  # multimodal checkpoints too
-        self.model.to(self.device).eval().requires_grad_(False)
-        self.head = FrozenTargetHead(self.model.get_input_embeddings().weight,
-                                     self.model.get_output_embeddings().weight)
-        self.stop_token_ids = stop_token_ids(target_dir, self.model)
-        self.feature_dim = self.hidden_size * len(self.layer_ids)
-        params = inspect.signature(self.model.forward).parameters
-        # transformers 5.x renamed past_key_values to cache; we own the cache object either way.
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._cache = None
-        self._ids: list[int] = []  # the tokens in the cache
-        # A recurrent (linear-attention) state cannot be cut back: truncate re-runs the kept prefix.
-        self._recurrent = has_recurrent_layers(config)
-        self._captured: dict[int, Tensor] = {}
-        layers = find_text_stack(self.model).layers
-        for layer_id in self.layer_ids:
-            layers[layer_id].register_forward_hook(self._hook(layer_id))
-        self.num_forwards = 0
-        """Target forwards run so far (prefills and extends): the cost that tau amortises."""
-
-    def _hook(self, layer_id: int):
-        def keep_output(module, args, output):
-            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
-        return keep_output
-
-    def _forward(self, ids: Tensor, **kwargs) -> tuple[Tensor, Tensor]:
-        """ids ``[k]`` after the cached positions -> (logits ``[k', V]``, features ``[k, F]``)."""
-        self._captured.clear()
-        out = self.model(input_ids=ids.to(self.device).reshape(1, -1), use_cache=True,
-                         **{self._cache_kw: self._cache}, **kwargs)
-        self.num_forwards += 1
-        self._ids += ids.reshape(-1).tolist()
-        feats = torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1)  # [k, F]
-        self._captured.clear()
-        return out.logits[0], feats
-
-    @torch.inference_mode()
-    def prefill(self, prompt_ids: Tensor) -> tuple[int, Tensor]:
-        """Start a new sequence: (the greedy token after the prompt, features ``[P, F]``)."""
-        self._cache, self._ids = self._new_cache(), []
-        logits, feats = self._forward(prompt_ids, logits_to_keep=1)  # [1, V]: a 150K vocab x P would not fit
-        return int(logits[-1].argmax()), feats
-
-    @torch.inference_mode()
-    def extend(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """Run ``ids`` ``[k]`` after the cache: (greedy next token after each ``[k]``, features ``[k, F]``)."""
-        if self._cache is None:
-            raise DataError("TargetLM.extend before prefill")
-        logits, feats = self._forward(ids)  # [k, V]
-        return logits.argmax(-1), feats
-
-    def _new_cache(self):
-        from transformers import DynamicCache
-        # Only a config builds the cache layers of linear-attention layers; without one every
-        # layer caches full K/V, which crops exactly (sliding-window layers included).
-        return DynamicCache(config=self.model.config) if self._recurrent else DynamicCache()
-
-    @property
-    def cached_length(self) -> int:
-        return len(self._ids) if self._cache is not None else 0
-
-    def truncate(self, length: int) -> None:
-        """Forget cached positions >= length (rejected drafts)."""
-        remove = self.cached_length - length
-        if remove < 0:
-            raise DataError(f"TargetLM.truncate({length}) beyond the {self.cached_length} cached positions")
-        if remove and self._recurrent:
-            kept, self._cache, self._ids = self._ids[:length], self._new_cache(), self._ids[:length]
-            with torch.inference_mode():
-                self.model(input_ids=torch.tensor([kept], device=self.device), use_cache=True,
-                           logits_to_keep=1, **{self._cache_kw: self._cache})
-        elif remove:
-            # crop(-n) removes n positions in transformers 4.x and 5.x alike (5.x refuses crop(+n)).
-            self._cache.crop(-remove)
-            del self._ids[length:]
-
-
-class Proposer(Protocol):
-    """Drafts one block. ``features`` ``[s, F]`` are the context of the anchor at position s."""
-
-    block_size: int
-
-    def propose(self, features: Tensor, anchor_token: int) -> Tensor:
-        """-> ``[block_size-1]`` long: proposals for positions s+1 .. s+block_size-1."""
-        ...
-
-
-class DFlashProposer:
-    """A DFlashDraftModel plus the target's embedding and LM head: one pass drafts a block."""
-
-    def __init__(self, model: DFlashDraftModel, head: FrozenTargetHead) -> None:
-        self.model = model.eval()
-        self.head = head
-        self.block_size = model.config.block_size
-        self.mask_token_id = model.config.mask_token_id
-
-    @torch.inference_mode()
-    def propose(self, features: Tensor, anchor_token: int) -> Tensor:
-        hidden = self.block_hidden(features, anchor_token)  # [bs, H]
-        return self.head.logits(hidden[1:]).argmax(-1)  # [bs-1]
-
-    @torch.inference_mode()
-    def block_hidden(self, features: Tensor, anchor_token: int) -> Tensor:
-        """Drafter output ``[bs, H]`` for the block ``[anchor, MASK...]`` at positions s..s+bs-1."""
-        s, bs, dev = int(features.shape[0]), self.block_size, features.device
-        block_ids = torch.full((bs,), self.mask_token_id, dtype=torch.long, device=dev)  # [bs]
-        block_ids[0] = anchor_token
-        zeros_q = torch.zeros(bs, dtype=torch.int32, device=dev)
-        # One sequence, one block: the training layout with a single anchor at s.
-        layout = BlockLayout(query_seq=zeros_q, query_anchor=zeros_q + s, query_block=zeros_q,
-                             ctx_seq=torch.zeros(s, dtype=torch.int32, device=dev),
-                             ctx_pos=torch.arange(s, dtype=torch.int32, device=dev),
-                             cu_seqlens=torch.tensor([0, s], dtype=torch.int32, device=dev), block_size=bs)
-        return self.model(features, torch.arange(s, device=dev), self.head.embed(block_ids),
-                          torch.arange(s, s + bs, device=dev), build_mask(layout, "dense"))
-
-
-@torch.inference_mode()
-def speculative_generate(target: TargetLM, proposer: Proposer, prompt_ids: Tensor | np.ndarray, *,
-                         max_new_tokens: int, sample_id: int = -1) -> SampleResult:
-    """Greedy speculative decoding of one prompt ``[P]``; see the module docstring."""
-    if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)  # [P]
-    num_prompt, bs = int(prompt.numel()), proposer.block_size
-    stats = AcceptanceStats(block_size=bs)
-    first, feats = target.prefill(prompt)
-    stats.add_prefill(1)
-    context = feats.new_empty(num_prompt + max_new_tokens, feats.shape[1])  # [P+N, F] grows in place
-    context[:num_prompt] = feats
-    out, stopped = [first], first in target.stop_token_ids
-    while len(out) < max_new_tokens and not stopped:
-        s = num_prompt + len(out) - 1  # the anchor's position
-        remaining = max_new_tokens - len(out)
-        drafted = proposer.propose(context[:s], out[-1])[: min(bs - 1, remaining)].to(target.device)  # [d]
-        block = torch.cat([torch.tensor([out[-1]], device=target.device), drafted])  # [d+1]
-        target_next, block_feats = target.extend(block)  # [d+1], [d+1, F]
-        tokens, cycle = verify_block(drafted, target_next, remaining=remaining,
-                                     stop_token_ids=target.stop_token_ids)
-        stats.add_cycle(cycle)
-        c = cycle.num_committed
-        context[s : s + c] = block_feats[:c]  # the anchor and the accepted drafts before the bonus
-        target.truncate(s + c)
-        out += tokens
-        stopped = cycle.stopped
-    return SampleResult(sample_id=sample_id, prompt_len=num_prompt, output_ids=out, stats=stats, stopped=stopped)
-
-
-@torch.inference_mode()
-def greedy_generate(target: TargetLM, prompt_ids: Tensor | np.ndarray, *, max_new_tokens: int) -> list[int]:
-    """Plain greedy decoding, one target forward per token (the losslessness reference)."""
-    if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
-    first, _ = target.prefill(prompt)
-    out = [first]
-    while len(out) < max_new_tokens and out[-1] not in target.stop_token_ids:
-        nxt, _ = target.extend(torch.tensor([out[-1]]))
-        out.append(int(nxt[0]))
-    return out
-
-
-def held_out_prompts(dataset: TokenDataset, *, num_prompts: int,
-                     sample_ids: Sequence[int] | None = None) -> list[tuple[int, np.ndarray]]:
-    """(sample id, prompt ids ``[P]``) pairs: ``sample_ids`` of the dataset when given; else the
-    first ``num_prompts`` prompts the dataset declares held out (never trained on); else the
-    last ``num_prompts`` usable samples.
-
-    A sample is usable when it has a loss-mask token after at least one prompt token.
-    """
-    from dflash_ipc.data.synthetic import held_out_prompts_of
-
-    if num_prompts < 1:
-        raise ConfigError(f"num_prompts={num_prompts} must be >= 1")
-    declared = held_out_prompts_of(dataset.meta)
-    if sample_ids is None and declared:
-        if len(declared) < num_prompts:
-            logger.warning("%s: only %d held-out prompts, %d asked", dataset.path, len(declared), num_prompts)
-        return declared[:num_prompts]
-
-    def prompt_of(i: int) -> np.ndarray | None:
-        ids, mask = dataset.sample(i)
-        first = int(np.argmax(mask)) if mask.any() else 0
-        return ids[:first] if first > 0 else None
-
-    if sample_ids is not None:
-        picked = []
-        for i in sample_ids:
-            prompt = prompt_of(int(i))
-            if prompt is None:
-                raise DataError(f"{dataset.path}: sample {i} has no prompt before its first loss-mask token")
-            picked.append((int(i), prompt))
-        return picked
-    picked = []
-    for i in range(len(dataset) - 1, -1, -1):
-        prompt = prompt_of(i)
-        if prompt is not None:
-            picked.append((i, prompt))
-        if len(picked) == num_prompts:
-            break
-    if not picked:
-        raise DataError(f"{dataset.path}: no sample has a prompt followed by loss-mask tokens")
-    if len(picked) < num_prompts:
-        logger.warning("%s: only %d usable prompts, %d asked", dataset.path, len(picked), num_prompts)
-    return picked[::-1]
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.check_lossless and not self.sampling.greedy:
+            raise ConfigError(f"the lossless check compares greedy outputs; got temperature="
+                              f"{self.sampling.temperature} (use --temperature 0)")
+        if self.check_lossless and not self.plain:
+            raise ConfigError("the lossless check needs the plain decoding run (do not skip it)")
 
 
 def load_drafter(drafter: str | DFlashDraftModel, *, device: str | torch.device,
@@ -322,7 +116,7 @@ def load_drafter(drafter: str | DFlashDraftModel, *, device: str | torch.device,
     return load_inference_checkpoint(path, device=device, dtype=dtype).eval(), path
 
 
-def check_compatible(model: DFlashDraftModel, target: TargetLM, source: str) -> None:
+def check_compatible(model: DFlashDraftModel, target: TargetModel, source: str) -> None:
     """ConfigError unless the drafter was made for this target's shape."""
     c = model.config
     for name, mine, theirs in (("hidden_size", c.hidden_size, target.hidden_size),
@@ -333,73 +127,195 @@ def check_compatible(model: DFlashDraftModel, target: TargetLM, source: str) -> 
                               "the drafter was trained for another target")
 
 
-def run_eval(target: TargetLM, proposer: Proposer, prompts: Sequence[tuple[int, np.ndarray]], *,
-             max_new_tokens: int, label: str, check_lossless: bool = False) -> EvalReport:
-    """Speculative decoding of every prompt; with ``check_lossless`` also plain greedy decoding."""
-    started = time.perf_counter()
-    total = AcceptanceStats(block_size=proposer.block_size)
-    samples = []
-    for sample_id, prompt in prompts:
-        result = speculative_generate(target, proposer, prompt, max_new_tokens=max_new_tokens, sample_id=sample_id)
-        if check_lossless:
-            result.lossless = result.output_ids == greedy_generate(target, prompt, max_new_tokens=max_new_tokens)
-            if not result.lossless:
-                logger.error("%s: sample %d differs from plain greedy decoding", label, sample_id)
-        total.merge(result.stats)
-        samples.append(result)
-        logger.debug("%s: sample %d, %d prompt tokens, %d new, tau %.2f", label, sample_id, result.prompt_len,
-                     len(result.output_ids), result.stats.tau)
-    report = EvalReport(label=label, stats=total, samples=samples, max_new_tokens=max_new_tokens,
-                        wall_s=time.perf_counter() - started)
-    logger.info("%s: tau %.3f on %d prompts, %d tokens, %.1fs", label, total.tau, len(samples),
-                total.num_generated, report.wall_s)
+def parse_template_kwargs(text: str | None) -> dict:
+    """``--template-kwargs`` JSON -> kwargs of ``apply_chat_template`` (empty for None)."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"--template-kwargs {text!r}: not valid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise ConfigError(f"--template-kwargs {text!r}: must be a JSON object, e.g. '{{\"enable_thinking\": false}}'")
+    return value
+
+
+def untrained_like(model: DFlashDraftModel, seed: int) -> DFlashDraftModel:
+    """A fresh drafter of ``model``'s config and device/dtype, initialised from ``seed`` (the
+    caller's RNG state is left alone)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        untrained = DFlashDraftModel(model.config)
+    p = next(model.parameters())
+    return untrained.to(device=p.device, dtype=p.dtype).eval()
+
+
+def prompt_sets(target_dir: str, *, data_dir: str | None = None, prompt_files: Sequence[str] = (),
+                num_prompts: int | None = None, held_out: Sequence[int] | None = None) -> list[PromptSet]:
+    """The sets to evaluate: the dataset's held-out prompts (``num_prompts``, default 16), then each
+    prompt file (``NAME=PATH`` or ``PATH``; its first ``num_prompts`` rows, default all)."""
+    sets = []
+    if data_dir is not None:
+        dataset = TokenDataset(data_dir)
+        dataset.check_tokenizer(target_dir)
+        sets.append(held_out_set(dataset, num_prompts=num_prompts or DEFAULT_HELD_OUT_PROMPTS, sample_ids=held_out))
+    for arg in prompt_files:
+        name, path = prompt_set_arg(arg)
+        sets.append(read_prompt_file(path, name=name, limit=num_prompts))
+    if not sets:
+        raise ConfigError("eval: no prompts; give --data DIR (its held-out prompts) and/or --prompts FILE.jsonl")
+    names = [s.name for s in sets]
+    for i, s in enumerate(sets):
+        if names.count(s.name) > 1:
+            s.name = f"{s.name}#{i}"
+    return sets
+
+
+def evaluate_sets(target_dir: str, drafter: str | DFlashDraftModel, *, data_dir: str | None = None,
+                  prompt_files: Sequence[str] = (), num_prompts: int | None = None,
+                  held_out: Sequence[int] | None = None, device: str = "cpu", dtype: str = "auto",
+                  vs_untrained: bool = False, seed: int = 0, template_kwargs: dict | None = None,
+                  options: EvalOptions | None = None, label: str | None = None) -> list[EvalReport]:
+    """One report per (prompt set, drafter): sets in order, and per set the untrained drafter
+    (``vs_untrained``, a fresh one from ``seed``) before ``drafter`` (see :func:`load_drafter`)."""
+    options = options or EvalOptions()
+    model, source = load_drafter(drafter, device=device, dtype=resolve_dtype(dtype, device))
+    sets = prompt_sets(target_dir, data_dir=data_dir, prompt_files=prompt_files, num_prompts=num_prompts,
+                       held_out=held_out)
+    target = load_target(target_dir, model.config.target_layer_ids, device=device, dtype=dtype, options=options)
+    check_compatible(model, target, source)
+    drafters = [("untrained", untrained_like(model, seed))] if vs_untrained else []
+    drafters.append((label or (f"trained ({source})" if vs_untrained else f"drafter {source}"), model))
+    renderer = None
+    if any(c.prompt_ids is None for s in sets for c in s.cases):
+        from transformers import AutoTokenizer
+        renderer = ChatRenderer(AutoTokenizer.from_pretrained(target_dir), template_kwargs)
+    reports = []
+    for prompt_set in sets:
+        reports += run_set(target, drafters, prompt_set, renderer=renderer, options=options)
+    return reports
+
+
+def load_target(target_dir: str, layer_ids: Sequence[int], *, device: str, dtype: str,
+                options: EvalOptions) -> TargetModel:
+    """The batched target, or for a target with linear-attention (recurrent) layers, which it does
+    not run, the unbatched one (greedy, one prompt at a time)."""
+    from dflash_ipc.target.capture import load_target_config
+    from dflash_ipc.target.text_stack import has_recurrent_layers
+
+    if not has_recurrent_layers(load_target_config(target_dir)):
+        return BatchedTarget(target_dir, layer_ids=layer_ids, device=device, dtype=dtype)
+    if not options.sampling.greedy:
+        raise ConfigError(f"target {target_dir} has linear-attention (recurrent) layers: eval decodes it one "
+                          f"prompt at a time, greedy only; got temperature={options.sampling.temperature} "
+                          "(use --temperature 0)")
+    logger.warning("target %s has linear-attention (recurrent) layers: decoding one prompt at a time (greedy; "
+                   "a rejected draft re-runs the kept prefix), --batch-size is not used", target_dir)
+    return TargetLM(target_dir, layer_ids=layer_ids, device=device, dtype=dtype)
+
+
+def plain_decoder(target: TargetModel, **kw):
+    return PlainDecoder(target, **kw) if isinstance(target, BatchedTarget) else UnbatchedDecoder(target, **kw)
+
+
+def speculative_decoder(target: TargetModel, model: DFlashDraftModel, **kw):
+    if isinstance(target, BatchedTarget):
+        return SpeculativeDecoder(target, DrafterContext(model, target.head), **kw)
+    return UnbatchedDecoder(target, DFlashProposer(model, target.head), **kw)
+
+
+def run_set(target: TargetModel, drafters: Sequence[tuple[str, DFlashDraftModel]], prompt_set: PromptSet, *,
+            renderer: ChatRenderer | None, options: EvalOptions) -> list[EvalReport]:
+    """Plain decoding once (``options.plain``), then speculative decoding with each drafter."""
+    def source() -> Conversations:
+        return Conversations(prompt_set, max_new_tokens=options.max_new_tokens, renderer=renderer,
+                             stop_token_ids=target.stop_token_ids)
+
+    def decoder_kw(what: str) -> dict:
+        unit = "prompts" if prompt_set.num_turns == len(prompt_set.cases) else "turns"
+        progress = (ProgressLine(f"[{prompt_set.name}] {what}", prompt_set.num_turns, options.progress, unit=unit)
+                    if options.progress else None)
+        return dict(batch_size=options.batch_size, sampling=options.sampling, prefill_tokens=options.prefill_tokens,
+                    progress=progress)
+
+    _warm_up(target, drafters, source().next_request(), options)
+    plain = plain_decoder(target, **decoder_kw("plain")).run(source()) if options.plain else None
+    reports = []
+    for label, model in drafters:
+        run = speculative_decoder(target, model, **decoder_kw(label)).run(source())
+        reports.append(build_report(label, prompt_set, run, plain, options, dtype=target.dtype,
+                                    block_size=model.config.block_size))
+    return reports
+
+
+def _warm_up(target: TargetModel, drafters, request: Request, options: EvalOptions) -> None:
+    """One short untimed run of each decoder, so that first-call costs (compiling the drafter's
+    fused kernels on CUDA, growing the allocator, lazy initialisation) are not in the wall times."""
+    budget = min(options.max_new_tokens, 32 if target.device.type == "cuda" else 8)
+    short = Request(key=request.key, prompt_ids=request.prompt_ids, max_new_tokens=budget)
+    kw = dict(batch_size=1, sampling=options.sampling)
+    plain_decoder(target, **kw).run(RequestList([short]))
+    for _, model in drafters:
+        speculative_decoder(target, model, **kw).run(RequestList([short]))
+
+
+def build_report(label: str, prompt_set: PromptSet, run: DecodeRun, plain: DecodeRun | None, options: EvalOptions,
+                 *, dtype: torch.dtype, block_size: int) -> EvalReport:
+    """The report of one speculative run; lossless verdicts per turn until a case's first difference
+    (its later turns had other prompts)."""
+    plain_by_key: dict = {g.request.key: g for g in plain.generations} if plain else {}
+    stats, samples, diverged = AcceptanceStats(block_size=block_size), [], set()
+    for gen in sorted(run.generations, key=lambda g: g.request.key):
+        sample_id, turn = gen.request.key
+        stats.merge(gen.stats)
+        check = None
+        if options.check_lossless and sample_id not in diverged:
+            check = compare(gen, plain_by_key[gen.request.key], dtype=dtype, near_tie_ulps=options.near_tie_ulps)
+            if check.verdict != "identical":
+                diverged.add(sample_id)
+                log = logger.error if check.verdict == "mismatch" else logger.warning
+                log("%s [%s]: sample %s turn %d differs from plain greedy decoding at token %s: %s", label,
+                    prompt_set.name, sample_id, turn, check.position, check.verdict)
+        samples.append(SampleResult(sample_id=sample_id, turn=turn, prompt_len=gen.prompt_len, output_ids=gen.tokens,
+                                    stats=gen.stats, stopped=gen.stopped, check=check))
+    report = EvalReport(label=label, stats=stats, samples=samples, max_new_tokens=options.max_new_tokens,
+                        wall_s=run.wall_s, prompt_set=prompt_set.name, batch_size=options.batch_size,
+                        sampling=options.sampling.to_dict(), dtype=str(dtype).removeprefix("torch."),
+                        plain=PlainFigures(num_generated=plain.num_generated, wall_s=plain.wall_s) if plain else None)
+    logger.info("%s [%s]: tau %.3f on %d prompts, %d tokens, %.1fs, %.1f tok/s", label, prompt_set.name, report.tau,
+                len(report.sample_ids), stats.num_generated, report.wall_s, report.tokens_per_s)
     return report
 
 
-def _prepare(target_dir: str, drafter, data_dir: str, *, num_prompts: int, device, dtype: str,
-             held_out: Sequence[int] | None):
-    """(target, drafter model, its label, prompts): everything an evaluation loads."""
-    model, source = load_drafter(drafter, device=device, dtype=resolve_dtype(dtype, device))
-    dataset = TokenDataset(data_dir)
-    dataset.check_tokenizer(target_dir)
-    prompts = held_out_prompts(dataset, num_prompts=num_prompts, sample_ids=held_out)
-    target = TargetLM(target_dir, layer_ids=model.config.target_layer_ids, device=device, dtype=dtype)
-    check_compatible(model, target, source)
-    return target, model, source, prompts
-
-
-def evaluate(target_dir: str, drafter: str | DFlashDraftModel, data_dir: str, *, num_prompts: int = 16,
-             max_new_tokens: int = 64, device: str = "cpu", held_out: Sequence[int] | None = None,
-             dtype: str = "auto", check_lossless: bool = False, label: str | None = None) -> EvalReport:
-    """Mean acceptance length of ``drafter`` with the target in ``target_dir`` on held-out prompts.
+def evaluate(target_dir: str, drafter: str | DFlashDraftModel, data_dir: str, *,
+             num_prompts: int = DEFAULT_HELD_OUT_PROMPTS, max_new_tokens: int = 64, device: str = "cpu",
+             held_out: Sequence[int] | None = None, dtype: str = "auto", check_lossless: bool = False,
+             label: str | None = None, batch_size: int = DEFAULT_BATCH_SIZE) -> EvalReport:
+    """The report of ``drafter`` on the held-out prompts of ``data_dir`` (greedy).
 
     ``held_out``: sample ids of ``data_dir`` to use (``num_prompts`` is then ignored); default
-    ``num_prompts`` prompts the data declares held out, else its last usable samples
-    (:func:`held_out_prompts`). ``drafter``: see :func:`load_drafter`.
+    ``num_prompts`` prompts the data declares held out, else its last usable samples.
     """
-    target, model, source, prompts = _prepare(target_dir, drafter, data_dir, num_prompts=num_prompts,
-                                              device=device, dtype=dtype, held_out=held_out)
-    return run_eval(target, DFlashProposer(model, target.head), prompts, max_new_tokens=max_new_tokens,
-                    label=label or f"drafter {source}", check_lossless=check_lossless)
+    options = EvalOptions(max_new_tokens=max_new_tokens, batch_size=batch_size, check_lossless=check_lossless)
+    return evaluate_sets(target_dir, drafter, data_dir=data_dir, num_prompts=num_prompts, held_out=held_out,
+                         device=device, dtype=dtype, options=options, label=label)[0]
 
 
 def untrained_vs_trained(target_dir: str, drafter: str | DFlashDraftModel, data_dir: str, *,
-                         num_prompts: int = 16, max_new_tokens: int = 64, device: str = "cpu",
-                         held_out: Sequence[int] | None = None, dtype: str = "auto", seed: int = 0,
-                         check_lossless: bool = False) -> tuple[EvalReport, EvalReport]:
-    """(untrained, trained) reports on the same prompts with one loaded target.
+                         num_prompts: int = DEFAULT_HELD_OUT_PROMPTS, max_new_tokens: int = 64,
+                         device: str = "cpu", held_out: Sequence[int] | None = None, dtype: str = "auto",
+                         seed: int = 0, check_lossless: bool = False, batch_size: int = DEFAULT_BATCH_SIZE,
+                         plain: bool | None = None) -> tuple[EvalReport, EvalReport]:
+    """(untrained, trained) reports on the held-out prompts of ``data_dir`` with one loaded target.
 
     The untrained drafter has the trained one's config and a fresh initialisation from
-    ``seed`` (the caller's RNG state is left alone). Print the pair with
-    ``acceptance.format_comparison``.
+    ``seed``. ``plain`` (default: only with ``check_lossless``) also decodes plainly, for the
+    speedup; the embedded default's closing comparison needs tau alone. Print the pair with
+    ``report.format_comparison``.
     """
-    target, trained, source, prompts = _prepare(target_dir, drafter, data_dir, num_prompts=num_prompts,
-                                                device=device, dtype=dtype, held_out=held_out)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        untrained = DFlashDraftModel(trained.config)
-    untrained = untrained.to(device=target.device, dtype=next(trained.parameters()).dtype)
-    kwargs = {"max_new_tokens": max_new_tokens, "check_lossless": check_lossless}
-    before = run_eval(target, DFlashProposer(untrained, target.head), prompts, label="untrained", **kwargs)
-    after = run_eval(target, DFlashProposer(trained, target.head), prompts, label=f"trained ({source})", **kwargs)
-    return before, after
+    options = EvalOptions(max_new_tokens=max_new_tokens, batch_size=batch_size, check_lossless=check_lossless,
+                          plain=check_lossless if plain is None else plain)
+    untrained, trained = evaluate_sets(target_dir, drafter, data_dir=data_dir, num_prompts=num_prompts,
+                                       held_out=held_out, device=device, dtype=dtype, vs_untrained=True, seed=seed,
+                                       options=options)
+    return untrained, trained

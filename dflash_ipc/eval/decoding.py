@@ -1,0 +1,309 @@
+"""Batched decoding: many sequences in flight, each in a cache row, rows refilled as they finish.
+
+One loop serves both decoders:
+
+    admit    free rows take the next ready requests: one left-padded prefill per chunk of
+             prompts (``prefill_tokens`` padded tokens at most), the first token chosen
+             from its logits
+    step     one forward over EVERY row (fixed shapes: a finished row's slot idles until a
+             new request fills it), then one device -> host copy of the step's results, the
+             only sync; the host commits tokens, advances lengths, finishes sequences
+    compact  when nothing is waiting and at most half the rows are busy, the caches keep
+             only the busy rows, so the tail of a prompt set does not pay for empty rows
+
+:class:`PlainDecoder` steps one token (the lossless reference and the baseline of the
+speedup). :class:`SpeculativeDecoder` steps one cycle: the drafter drafts a block for every
+row from its cached context, the target verifies all blocks in one forward, the verified
+positions' features extend the drafter's context, and the acceptance rule (sampling.py)
+says how many tokens each row commits (acceptance.commit_block: budget and stop tokens).
+A row's cache length is the position of its newest token, which the next step feeds in.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dflash_ipc.errors import ConfigError
+from dflash_ipc.eval.acceptance import AcceptanceStats, commit_block
+from dflash_ipc.eval.drafter_context import DrafterContext
+from dflash_ipc.eval.requests import Generation, Request, RequestSource
+from dflash_ipc.eval.sampling import (
+    Sampling,
+    greedy_accept,
+    probabilities,
+    sample,
+    speculative_accept,
+    top2_margin,
+)
+from dflash_ipc.eval.target_runner import BatchedTarget
+
+PREFILL_TOKENS = 16384
+"""Padded prompt tokens per prefill forward (bounds its activations and captured features)."""
+
+
+@dataclass(slots=True)
+class DecodeRun:
+    """What one decoder run produced."""
+
+    generations: list[Generation]
+    """In finishing order."""
+    wall_s: float
+    num_target_forwards: int
+
+    @property
+    def num_generated(self) -> int:
+        return sum(len(g.tokens) for g in self.generations)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_generated / self.wall_s if self.wall_s > 0 else float("nan")
+
+
+class BatchedDecoder:
+    """The row bookkeeping both decoders share; subclasses define ``_step``."""
+
+    extra_positions = 1
+    """Cache positions past prompt + budget that a step may write."""
+    uses_features = False
+    """Whether forwards return the captured layers (the drafter's context)."""
+
+    def __init__(self, target: BatchedTarget, *, batch_size: int, sampling: Sampling = Sampling(),
+                 prefill_tokens: int = PREFILL_TOKENS, progress=None) -> None:
+        if batch_size < 1:
+            raise ConfigError(f"batch_size={batch_size} must be >= 1")
+        self.target, self.batch_size, self.sampling = target, batch_size, sampling
+        self.prefill_tokens, self.progress = prefill_tokens, progress
+        self.device = target.device
+        self.stops = target.stop_token_ids
+
+    # --- the loop --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, source: RequestSource) -> DecodeRun:
+        started, forwards = time.perf_counter(), self.target.num_forwards
+        self.generator = self.sampling.generator(self.device)
+        self.done: list[Generation] = []
+        self.num_done_tokens = 0
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.source = source
+        self._pull(self.batch_size)
+        if self.waiting:
+            self._reset(len(self.waiting), max(self._need(r) for r in self.waiting))
+            while True:
+                self._admit()
+                if not any(s is not None for s in self.slots):
+                    break
+                self._step()
+                self._compact_if_sparse()
+        return DecodeRun(self.done, time.perf_counter() - started, self.target.num_forwards - forwards)
+
+    def _pull(self, n: int) -> None:
+        while len(self.waiting) < n:
+            request = self.source.next_request()
+            if request is None:
+                return
+            self.waiting.append(request)
+
+    def _need(self, request: Request) -> int:
+        return int(request.prompt_ids.size) + request.max_new_tokens + self.extra_positions
+
+    def _reset(self, num_rows: int, capacity: int) -> None:
+        self.slots: list[Generation | None] = [None] * num_rows
+        self.length = np.zeros(num_rows, dtype=np.int64)  # cache length = position of the newest token
+        self.last = np.zeros(num_rows, dtype=np.int64)  # the newest token: the next step's input
+        self.target.reset(num_rows, capacity)
+
+    def _grow(self, capacity: int) -> None:
+        self.target.cache.kv.grow(capacity)
+
+    def _select_rows(self, keep: Tensor) -> None:
+        self.target.cache.kv.select_rows(keep)
+
+    def _admit(self) -> None:
+        """Fill free rows with waiting requests, one prefill per chunk; loops because a request
+        can finish at its first token and free its row again."""
+        while True:
+            free = [r for r, s in enumerate(self.slots) if s is None]
+            self._pull(len(free))
+            if not free or not self.waiting:
+                return
+            batch = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
+            order = sorted(range(len(batch)), key=lambda i: batch[i].prompt_ids.size)
+            for chunk in self._chunks([batch[i] for i in order]):
+                rows, free = free[: len(chunk)], free[len(chunk):]
+                self._prefill(rows, chunk)
+
+    def _chunks(self, requests: list[Request]) -> list[list[Request]]:
+        """Consecutive runs (sorted by length) of at most ``prefill_tokens`` padded tokens."""
+        chunks: list[list[Request]] = []
+        for request in requests:
+            width = int(request.prompt_ids.size)  # the longest so far: sorted ascending
+            if chunks and (len(chunks[-1]) + 1) * width <= self.prefill_tokens:
+                chunks[-1].append(request)
+            else:
+                chunks.append([request])
+        return chunks
+
+    def _prefill(self, rows: list[int], requests: list[Request]) -> None:
+        self._grow(max(self._need(r) for r in requests))
+        out = self.target.prefill(rows, [r.prompt_ids for r in requests], features=self.uses_features)
+        self._prefilled(torch.as_tensor(rows, device=self.device), out)
+        tokens, margins, tops = self._host(*self._choose(out.logits))
+        for i, (row, request) in enumerate(zip(rows, requests)):
+            gen = Generation(request=request, stats=self._new_stats())
+            self.slots[row] = gen
+            self.length[row] = request.prompt_ids.size  # its first token, at position P, is not cached yet
+            self._commit(row, [int(tokens[i])], margins[i: i + 1], tops[i: i + 1], advance=0)
+
+    def _prefilled(self, rows: Tensor, out) -> None:
+        """Hook after a prefill (the speculative decoder feeds the drafter)."""
+
+    def _new_stats(self) -> AcceptanceStats | None:
+        return None
+
+    def _choose(self, logits: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """logits ``[..., V]`` -> (token, margin, top-1 logit) ``[...]``; margins only when greedy."""
+        if self.sampling.greedy:
+            return (logits.argmax(-1), *top2_margin(logits))
+        return sample(probabilities(logits, self.sampling), self.generator), None, None
+
+    def _host(self, tokens: Tensor, margins: Tensor | None, tops: Tensor | None):
+        """One device -> host copy: (tokens int64, margins, tops) as numpy (NaN margins when sampling).
+        Token ids travel as float32, exact below 2**24."""
+        parts = [tokens.float()] + ([margins, tops] if margins is not None else [])
+        host = torch.stack(parts).cpu().numpy()
+        nan = np.full(tokens.shape, np.nan, dtype=np.float32)
+        return host[0].astype(np.int64), (host[1] if margins is not None else nan), \
+            (host[2] if margins is not None else nan)
+
+    def _commit(self, row: int, tokens: list[int], margins, tops, *, advance: int) -> None:
+        """Append committed tokens to a row, its cache length ``advance`` positions on (the tokens
+        the step ran and kept); finish it on a stop token or a full budget."""
+        gen = self.slots[row]
+        gen.tokens += tokens
+        if self.sampling.greedy:
+            gen.margins += [float(m) for m in margins[: len(tokens)]]
+            gen.top_logits += [float(t) for t in tops[: len(tokens)]]
+        self.length[row] += advance
+        self.last[row] = tokens[-1]
+        gen.stopped = tokens[-1] in self.stops
+        if gen.stopped or len(gen.tokens) >= gen.request.max_new_tokens:
+            self._finish(row)
+
+    def _finish(self, row: int) -> None:
+        gen, self.slots[row] = self.slots[row], None
+        self.done.append(gen)
+        self.num_done_tokens += len(gen.tokens)
+        self.source.finished(gen)
+        if self.progress is not None:
+            self.progress.update(len(self.done), self.num_done_tokens)
+
+    def _compact_if_sparse(self) -> None:
+        busy = [r for r, s in enumerate(self.slots) if s is not None]
+        self._pull(1)
+        if self.waiting or not busy or len(busy) > len(self.slots) // 2:
+            return
+        self._select_rows(torch.as_tensor(busy, device=self.device))
+        self.slots = [self.slots[r] for r in busy]
+        self.length, self.last = self.length[busy], self.last[busy]
+
+    def _inputs(self) -> tuple[Tensor, Tensor, int]:
+        """(newest tokens ``[B]``, cache lengths ``[B]``, max length) of every row, on the device."""
+        both = torch.from_numpy(np.stack([self.last, self.length])).to(self.device)
+        return both[0], both[1], int(self.length.max())
+
+    def _step(self) -> None:
+        raise NotImplementedError
+
+
+class PlainDecoder(BatchedDecoder):
+    """One target forward per token for every row: the reference speculative decoding must equal."""
+
+    def _step(self) -> None:
+        last, lengths, max_length = self._inputs()
+        logits, _ = self.target.extend(last[:, None], lengths, max_length, features=False)
+        tokens, margins, tops = self._host(*self._choose(logits[:, 0]))
+        for row, gen in enumerate(self.slots):
+            if gen is not None:
+                self._commit(row, [int(tokens[row])], margins[row: row + 1], tops[row: row + 1], advance=1)
+
+
+class SpeculativeDecoder(BatchedDecoder):
+    """Draft a block per row, verify all blocks in one target forward, commit by acceptance."""
+
+    uses_features = True
+
+    def __init__(self, target: BatchedTarget, drafter: DrafterContext, **kwargs) -> None:
+        super().__init__(target, **kwargs)
+        self.drafter = drafter
+        self.block_size = drafter.block_size
+        self.extra_positions = drafter.block_size
+
+    def _new_stats(self) -> AcceptanceStats:
+        stats = AcceptanceStats(block_size=self.block_size)
+        stats.add_prefill(1)
+        return stats
+
+    def _reset(self, num_rows: int, capacity: int) -> None:
+        super()._reset(num_rows, capacity)
+        self.drafter.reset(num_rows, capacity)
+
+    def _grow(self, capacity: int) -> None:
+        super()._grow(capacity)
+        self.drafter.kv.grow(capacity)
+
+    def _select_rows(self, keep: Tensor) -> None:
+        super()._select_rows(keep)
+        self.drafter.kv.select_rows(keep)
+
+    def _prefilled(self, rows: Tensor, out) -> None:
+        self.drafter.append(rows, out.features, out.write_pos, out.positions)
+
+    def _step(self) -> None:
+        anchors, starts, max_start = self._inputs()
+        accepted, tokens, margins, tops = self._cycle(anchors, starts, max_start)
+        host = self._host_block(accepted, tokens, margins, tops)
+        for row, gen in enumerate(self.slots):
+            if gen is None:
+                continue
+            acc, toks, row_margins, row_tops = host[0][row], host[1][row], host[2][row], host[3][row]
+            remaining = gen.request.max_new_tokens - len(gen.tokens)
+            committed, cycle = commit_block(toks.tolist(), num_drafted=min(self.block_size - 1, remaining),
+                                            num_accepted=int(acc), remaining=remaining, stop_token_ids=self.stops)
+            gen.stats.add_cycle(cycle)
+            # The anchor and the accepted drafts were verified and stay cached; the last token is new.
+            self._commit(row, committed, row_margins, row_tops, advance=len(committed))
+
+    def _cycle(self, anchors: Tensor, starts: Tensor, max_start: int):
+        """Draft, verify, extend the drafter's context, accept: all on the device."""
+        draft_logits = self.drafter.draft_logits(anchors, starts, max_start)  # [B, bs-1, V]
+        if self.sampling.greedy:
+            draft_probs, drafted = None, draft_logits.argmax(-1)
+        else:
+            draft_probs = probabilities(draft_logits, self.sampling)
+            drafted = sample(draft_probs, self.generator)  # [B, bs-1]
+        block = torch.cat([anchors[:, None], drafted], dim=1)  # [B, bs] at positions s..s+bs-1
+        logits, feats = self.target.extend(block, starts, max_start)
+        positions = starts[:, None] + torch.arange(self.block_size, device=self.device)
+        self.drafter.append(torch.arange(len(self.slots), device=self.device), feats, positions, positions)
+        if self.sampling.greedy:
+            return (*greedy_accept(drafted, logits), *top2_margin(logits))
+        accepted, tokens = speculative_accept(drafted, draft_probs, probabilities(logits, self.sampling),
+                                              self.generator)
+        return accepted, tokens, None, None
+
+    def _host_block(self, accepted: Tensor, tokens: Tensor, margins: Tensor | None, tops: Tensor | None):
+        """One device -> host copy of a cycle's results: (accepted [B], tokens [B, bs], margins, tops)."""
+        bs = self.block_size
+        parts = [accepted[:, None].float(), tokens.float()] + ([margins, tops] if margins is not None else [])
+        host = torch.cat(parts, dim=1).cpu().numpy()
+        nan = np.full((host.shape[0], bs), np.nan, dtype=np.float32)
+        return (host[:, 0].astype(np.int64), host[:, 1: 1 + bs].astype(np.int64),
+                host[:, 1 + bs: 1 + 2 * bs] if margins is not None else nan,
+                host[:, 1 + 2 * bs:] if margins is not None else nan)

@@ -1,0 +1,97 @@
+"""The DFlash drafter at inference: context K/V cached per row, one block drafted per row.
+
+KV injection (drafter/model.py) gives every drafter layer the keys and values
+``[proj(ctx); proj(block)]``, and a context row's K/V depend only on that row's target
+features and its position (``k = rope(k_norm(k_proj(hidden_norm(fc(f)))))``, ``v =
+v_proj(...)``, no input norm). So they are computed once, when the target has produced
+the features of a committed position, and kept in a :class:`RowKV` per row:
+
+    append(rows, features, positions)   project new context positions into the cache
+    draft(anchors, starts)              every row's block [anchor, MASK x (bs-1)] at
+                                        positions s..s+bs-1, s = its anchor's position;
+                                        queries see context < s and their whole block
+
+The block's own K/V are written to the cache at s..s+bs-1 (the verified context K/V
+overwrite them after the target's pass), so one mask ``t < s + bs`` covers both parts and
+nothing is concatenated. This is DFlashAttention.forward's math on cached context
+(tests/test_eval_batched.py checks the two agree); the module's parameters are used as
+they are, so any drafter checkpoint works.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dflash_ipc.drafter.model import DFlashAttention, DFlashDraftModel, fused_rms_norm_rope
+from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.eval.ragged_attention import band_mask, gqa_attention
+from dflash_ipc.eval.row_cache import MASK_ALIGN, RowKV, round_up
+
+
+def project_kv(attn: DFlashAttention, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """K (k_norm + RoPE) and V ``[N, Hkv, D]`` of rows ``x`` ``[N, H]`` at cos/sin ``[N, D]``."""
+    n = x.shape[0]
+    k = attn.k_proj(x).view(n, attn.num_kv_heads, attn.head_dim)
+    k = fused_rms_norm_rope(k, attn.k_norm.weight, attn.k_norm.eps, cos, sin)
+    return k, attn.v_proj(x).view(n, attn.num_kv_heads, attn.head_dim)
+
+
+class DrafterContext:
+    """A drafter and its per-row context cache; ``reset`` before each batch of sequences."""
+
+    def __init__(self, model: DFlashDraftModel, head: FrozenTargetHead) -> None:
+        self.model = model.eval()
+        self.head = head
+        self.block_size = model.config.block_size
+        self.mask_token_id = model.config.mask_token_id
+        self.dtype = model.fc.weight.dtype
+        self.kv: RowKV | None = None
+
+    def reset(self, num_rows: int, capacity: int) -> None:
+        self.kv = RowKV(len(self.model.layers), num_rows, capacity)
+
+    @torch.inference_mode()
+    def append(self, rows: Tensor, features: Tensor, write_pos: Tensor, positions: Tensor) -> None:
+        """Context K/V of features ``[R, q, F]`` of ``rows`` at ``positions`` ``[R, q]``, stored at
+        ``write_pos`` ``[R, q]``."""
+        r, q = positions.shape
+        m = self.model
+        ctx = m.hidden_norm(m.fc(features.reshape(r * q, -1).to(self.dtype)))  # [N, H]
+        cos, sin = m.rotary(positions.reshape(-1))
+        for i, layer in enumerate(m.layers):
+            k, v = project_kv(layer.self_attn, ctx, cos, sin)
+            self.kv.write(i, rows, write_pos, k.view(r, q, *k.shape[1:]), v.view(r, q, *v.shape[1:]))
+
+    @torch.inference_mode()
+    def draft_hidden(self, anchors: Tensor, starts: Tensor, max_start: int) -> Tensor:
+        """Drafter output ``[B, bs, H]`` for every row's block; anchors/starts ``[B]`` (long),
+        ``max_start`` their host-side maximum."""
+        m, bs = self.model, self.block_size
+        b, n = anchors.shape[0], anchors.shape[0] * bs
+        block_ids = torch.full((b, bs), self.mask_token_id, dtype=torch.long, device=anchors.device)
+        block_ids[:, 0] = anchors
+        positions = starts[:, None] + torch.arange(bs, device=anchors.device)  # [B, bs]
+        span = round_up(max_start + bs, MASK_ALIGN)
+        mask = band_mask(torch.zeros_like(positions), positions[:, -1:].expand(b, bs) + 1, span)
+        cos, sin = m.rotary(positions.reshape(-1))
+        rows = torch.arange(b, device=anchors.device)
+        h = self.head.embed(block_ids).reshape(n, -1).to(self.dtype)  # [N, H]
+        for i, layer in enumerate(m.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(n, attn.num_heads, attn.head_dim)
+            q = fused_rms_norm_rope(q, attn.q_norm.weight, attn.q_norm.eps, cos, sin)
+            k, v = project_kv(attn, x, cos, sin)
+            self.kv.write(i, rows, positions, k.view(b, bs, *k.shape[1:]), v.view(b, bs, *v.shape[1:]))
+            keys, values = self.kv.view(i, span)
+            out = gqa_attention(q.view(b, bs, *q.shape[1:]).transpose(1, 2), keys, values, mask)  # [B, Hq, bs, D]
+            h = h + attn.o_proj(out.transpose(1, 2).reshape(n, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return m.norm(h).view(b, bs, -1)
+
+    @torch.inference_mode()
+    def draft_logits(self, anchors: Tensor, starts: Tensor, max_start: int) -> Tensor:
+        """``[B, bs-1, V]``: the drafter's logits for positions s+1 .. s+bs-1."""
+        hidden = self.draft_hidden(anchors, starts, max_start)[:, 1:]
+        return self.head.logits(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:2], -1)

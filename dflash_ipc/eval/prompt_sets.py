@@ -1,0 +1,260 @@
+"""Benchmark prompt sets: JSONL files through the target's chat template, a dataset's held-out prompts.
+
+A prompt file holds one JSON object per line (blank lines skipped); the first of these keys
+that a row has decides its form:
+
+    {"turns": ["...", "..."]}                          MT-Bench: user turns, in order
+    {"messages": [{"role": ..., "content": ...}]}      chat: system and user turns kept; its
+                                                       assistant turns are dropped (the
+                                                       model writes its own replies)
+    {"question": "..."}                                GSM8K
+    {"problem": "..."}                                 MATH
+    {"prompt": "..."}                                  any single prompt
+
+Rows of the last four forms may add ``"system": "..."``. Turn k of a row is the chat
+template (with the generation prompt and the caller's template kwargs, e.g.
+``enable_thinking``) applied to the system message, the user turns 1..k and the model's
+own replies to turns 1..k-1 (decoded, special tokens skipped), so each turn is
+conditioned on what this run generated. :class:`Conversations` hands the turns to a
+decoder as they become ready.
+
+A dataset's held-out prompts (``held_out_prompts``) are token ids already rendered by
+``prepare``: single-turn, no template applied here.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dflash_ipc.data.dataset import TokenDataset
+from dflash_ipc.errors import ConfigError, DataError
+from dflash_ipc.eval.requests import Generation, Request
+
+logger = logging.getLogger(__name__)
+
+PROMPT_KEYS = ("turns", "messages", "question", "problem", "prompt")
+MESSAGE_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(slots=True)
+class PromptCase:
+    """One benchmark prompt: one or more user turns, or ready token ids."""
+
+    sample_id: int
+    """Row index in its file (0-based, blank lines not counted), or the dataset sample id."""
+    turns: list[str]
+    system: str | None = None
+    prompt_ids: np.ndarray | None = None
+    """Pre-rendered single-turn prompt (a dataset's held-out prompt); no template applied."""
+
+
+@dataclass(slots=True)
+class PromptSet:
+    name: str
+    cases: list[PromptCase]
+    source: str
+    """The file or dataset it came from."""
+
+    @property
+    def num_turns(self) -> int:
+        return sum(len(c.turns) for c in self.cases)
+
+
+def prompt_set_arg(arg: str) -> tuple[str, str]:
+    """``NAME=PATH`` or ``PATH`` (named by its file stem) -> (name, path)."""
+    name, sep, path = arg.partition("=")
+    if sep and name and os.sep not in name and not os.path.exists(arg):
+        return name, path
+    return os.path.splitext(os.path.basename(arg))[0], arg
+
+
+def read_prompt_file(path: str, *, name: str | None = None, limit: int | None = None) -> PromptSet:
+    """The first ``limit`` (None: all) prompts of a JSONL file; DataError naming file:line on a bad row."""
+    if not os.path.isfile(path):
+        raise DataError(f"prompt file {path}: not found")
+    cases: list[PromptCase] = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if limit is not None and len(cases) >= limit:
+                break
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                raise DataError(f"{where}: not valid JSON ({exc})") from exc
+            turns, system = parse_row(row, where)
+            cases.append(PromptCase(sample_id=len(cases), turns=turns, system=system))
+    if not cases:
+        raise DataError(f"prompt file {path}: no prompts")
+    return PromptSet(name=name or os.path.splitext(os.path.basename(path))[0], cases=cases, source=path)
+
+
+def parse_row(row, where: str) -> tuple[list[str], str | None]:
+    """(user turns, system message) of one prompt row."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+    key = next((k for k in PROMPT_KEYS if k in row), None)
+    if key is None:
+        raise DataError(f"{where}: no prompt field; allowed: {list(PROMPT_KEYS)} (keys: {sorted(row)[:8]})")
+    if key == "messages":
+        return _parse_messages(row["messages"], where)
+    value = row[key]
+    if key == "turns":
+        if not isinstance(value, list) or not value or not all(_text(t) for t in value):
+            raise DataError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
+        turns = list(value)
+    elif not _text(value):
+        raise DataError(f"{where}: '{key}' must be a non-empty string, got {type(value).__name__}")
+    else:
+        turns = [value]
+    system = row.get("system")
+    if system is not None and not _text(system):
+        raise DataError(f"{where}: 'system' must be a non-empty string")
+    return turns, system
+
+
+def _parse_messages(messages, where: str) -> tuple[list[str], str | None]:
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    system, turns = None, []
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in MESSAGE_ROLES:
+            raise DataError(f"{where}: messages[{i}].role={role!r}; allowed: {list(MESSAGE_ROLES)}")
+        if not _text(m.get("content")):
+            raise DataError(f"{where}: messages[{i}].content must be a non-empty string")
+        if role == "system" and i == 0:
+            system = m["content"]
+        elif role == "user":
+            turns.append(m["content"])
+        elif role == "system":
+            raise DataError(f"{where}: messages[{i}]: a system message is allowed first only")
+    if not turns:
+        raise DataError(f"{where}: 'messages' has no user turn")
+    return turns, system
+
+
+def _text(value) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
+class ChatRenderer:
+    """A tokenizer's chat template with fixed template kwargs; and replies back to text."""
+
+    def __init__(self, tokenizer, template_kwargs: dict | None = None) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat_template; prompt "
+                            "files cannot be rendered")
+        self.tokenizer, self.template_kwargs = tokenizer, dict(template_kwargs or {})
+
+    def render(self, messages: list[dict], where: str) -> np.ndarray:
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                      **self.template_kwargs)
+        except Exception as exc:  # jinja errors, raise_exception() in the template
+            raise DataError(f"{where}: the chat template failed ({type(exc).__name__}: {exc})") from exc
+        return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+
+    def reply_text(self, tokens: Sequence[int], stop_token_ids) -> str:
+        if tokens and tokens[-1] in stop_token_ids:
+            tokens = tokens[:-1]
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True).strip()
+
+
+class Conversations:
+    """A request source over a prompt set: turn k+1 of a case is ready once turn k came back.
+
+    Request keys are ``(sample_id, turn)``.
+    """
+
+    def __init__(self, prompt_set: PromptSet, *, max_new_tokens: int, renderer: ChatRenderer | None,
+                 stop_token_ids=frozenset()) -> None:
+        if renderer is None and any(c.prompt_ids is None for c in prompt_set.cases):
+            raise ConfigError(f"prompt set {prompt_set.name}: rendering its turns needs the target's tokenizer")
+        self.prompt_set, self.max_new_tokens = prompt_set, max_new_tokens
+        self.renderer, self.stop_token_ids = renderer, stop_token_ids
+        self.num_expected = prompt_set.num_turns
+        self._cases = {c.sample_id: c for c in prompt_set.cases}
+        self._history = {c.sample_id: ([{"role": "system", "content": c.system}] if c.system else [])
+                         for c in prompt_set.cases}
+        self._ready = collections.deque(self._request(c, 0) for c in prompt_set.cases)
+
+    def _request(self, case: PromptCase, turn: int) -> Request:
+        if case.prompt_ids is not None:
+            return Request(key=(case.sample_id, 0), prompt_ids=case.prompt_ids, max_new_tokens=self.max_new_tokens)
+        history = self._history[case.sample_id]
+        history.append({"role": "user", "content": case.turns[turn]})
+        ids = self.renderer.render(history, f"{self.prompt_set.source}: prompt {case.sample_id}, turn {turn}")
+        return Request(key=(case.sample_id, turn), prompt_ids=ids, max_new_tokens=self.max_new_tokens)
+
+    def next_request(self) -> Request | None:
+        return self._ready.popleft() if self._ready else None
+
+    def finished(self, generation: Generation) -> None:
+        sample_id, turn = generation.request.key
+        case = self._cases[sample_id]
+        if turn + 1 < len(case.turns):
+            reply = self.renderer.reply_text(generation.tokens, self.stop_token_ids)
+            self._history[sample_id].append({"role": "assistant", "content": reply})
+            self._ready.append(self._request(case, turn + 1))
+
+
+def held_out_set(dataset: TokenDataset, *, num_prompts: int, sample_ids: Sequence[int] | None = None) -> PromptSet:
+    """The dataset's held-out prompts (:func:`held_out_prompts`) as a single-turn prompt set."""
+    cases = [PromptCase(sample_id=i, turns=[""], prompt_ids=ids)
+             for i, ids in held_out_prompts(dataset, num_prompts=num_prompts, sample_ids=sample_ids)]
+    return PromptSet(name="held-out", cases=cases, source=dataset.path)
+
+
+def held_out_prompts(dataset: TokenDataset, *, num_prompts: int,
+                     sample_ids: Sequence[int] | None = None) -> list[tuple[int, np.ndarray]]:
+    """(sample id, prompt ids ``[P]``) pairs: ``sample_ids`` of the dataset when given; else the
+    first ``num_prompts`` prompts the dataset declares held out (never trained on); else the
+    last ``num_prompts`` usable samples.
+
+    A sample is usable when it has a loss-mask token after at least one prompt token.
+    """
+    from dflash_ipc.data.synthetic import held_out_prompts_of
+
+    if num_prompts < 1:
+        raise ConfigError(f"num_prompts={num_prompts} must be >= 1")
+    declared = held_out_prompts_of(dataset.meta)
+    if sample_ids is None and declared:
+        if len(declared) < num_prompts:
+            logger.warning("%s: only %d held-out prompts, %d asked", dataset.path, len(declared), num_prompts)
+        return declared[:num_prompts]
+
+    def prompt_of(i: int) -> np.ndarray | None:
+        ids, mask = dataset.sample(i)
+        first = int(np.argmax(mask)) if mask.any() else 0
+        return ids[:first] if first > 0 else None
+
+    if sample_ids is not None:
+        picked = []
+        for i in sample_ids:
+            prompt = prompt_of(int(i))
+            if prompt is None:
+                raise DataError(f"{dataset.path}: sample {i} has no prompt before its first loss-mask token")
+            picked.append((int(i), prompt))
+        return picked
+    picked = []
+    for i in range(len(dataset) - 1, -1, -1):
+        prompt = prompt_of(i)
+        if prompt is not None:
+            picked.append((i, prompt))
+        if len(picked) == num_prompts:
+            break
+    if not picked:
+        raise DataError(f"{dataset.path}: no sample has a prompt followed by loss-mask tokens")
+    if len(picked) < num_prompts:
+        logger.warning("%s: only %d usable prompts, %d asked", dataset.path, len(picked), num_prompts)
+    return picked[::-1]

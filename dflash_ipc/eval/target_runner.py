@@ -1,0 +1,202 @@
+"""The frozen target for batched decoding: one transformers model, a per-row KV cache, features.
+
+Two kinds of forward, both over rows of a :class:`~dflash_ipc.eval.row_cache.RaggedCache`:
+
+    prefill(rows, prompts)  new sequences in the given rows, left-padded to one length so
+                            the logits of every row's last prompt token are the last column
+                            (only those are computed); pads write to the scratch slot and
+                            attend to themselves only.
+    extend(tokens, lengths) q tokens for EVERY row after its ``lengths[b]`` cached
+                            positions: a plain decoding step (q = 1) or a verify pass
+                            (q = block size). Logits of all q tokens.
+
+Forward hooks keep the outputs of the captured layers (HF ``hidden_states[id + 1]``, the
+tensors target/capture.py sends to training), concatenated: the drafter's features.
+Masks, positions and cache writes are explicit (see ragged_attention.py), so transformers
+derives nothing from the cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dflash_ipc.data.stops import stop_token_ids
+from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.dtypes import TORCH_DTYPES as DTYPES
+from dflash_ipc.errors import ConfigError
+from dflash_ipc.eval.ragged_attention import layer_masks, register_attention
+from dflash_ipc.eval.row_cache import MASK_ALIGN, RaggedCache, round_up
+from dflash_ipc.target.text_stack import find_text_stack, has_recurrent_layers, load_causal_lm, text_config
+
+logger = logging.getLogger(__name__)
+
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
+    """``auto``: float32 on CPU (bf16 is emulated there), bfloat16 on accelerators."""
+    if dtype == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ConfigError(f"eval dtype {dtype!r} not in {DTYPE_CHOICES}")
+    return DTYPES[dtype]
+
+
+def check_layer_ids(layer_ids: Sequence[int], num_layers: int, source: str) -> list[int]:
+    ids = [int(i) for i in layer_ids]
+    if not all(0 <= i < num_layers for i in ids):
+        raise ConfigError(f"drafter target_layer_ids={ids}: allowed ids are 0..{num_layers - 1} for the target {source}")
+    return ids
+
+
+@dataclass(slots=True)
+class Prefilled:
+    """One prefill forward: R new rows, left-padded to P tokens."""
+
+    logits: Tensor
+    """``[R, V]`` after each row's last prompt token."""
+    features: Tensor | None
+    """``[R, P, F]`` captured layers (None without layer ids)."""
+    write_pos: Tensor
+    """``[R, P]`` cache index of each token (the scratch slot for pads)."""
+    positions: Tensor
+    """``[R, P]`` position of each token (0 for pads)."""
+
+
+class LayerCapture:
+    """Forward hooks that keep the outputs of some decoder layers (HF ``hidden_states[id + 1]``)."""
+
+    def __init__(self, layers, layer_ids: Sequence[int]) -> None:
+        self.layer_ids = list(layer_ids)
+        self._captured: dict[int, Tensor] = {}
+        for layer_id in self.layer_ids:
+            layers[layer_id].register_forward_hook(self._hook(layer_id))
+
+    def _hook(self, layer_id: int):
+        def keep_output(module, args, output):
+            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+        return keep_output
+
+    def take(self, keep: bool = True) -> Tensor | None:
+        """The captured layers of the last forward, concatenated ``[B, q, F]`` (None if not
+        ``keep`` or no layers); forgets them."""
+        feats = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1) if keep and self.layer_ids else None
+        self._captured.clear()
+        return feats
+
+
+class TargetModel:
+    """A frozen HF causal LM on one device: its text stack, captured layers, head and stop tokens."""
+
+    def __init__(self, target_dir: str, *, layer_ids: Sequence[int], device: str | torch.device, dtype: str,
+                 attn_implementation: str | None = None) -> None:
+        from dflash_ipc.target.capture import load_target_config
+
+        config = load_target_config(target_dir)  # a clear error for a directory that holds no model
+        self.recurrent = has_recurrent_layers(config)
+        self.device, self.dtype = torch.device(device), resolve_dtype(dtype, device)
+        try:
+            self.model = load_causal_lm(target_dir, dtype=self.dtype, attn_implementation=attn_implementation)
+        except (ValueError, KeyError) as exc:  # a transformers that refuses registered attention functions
+            if not attn_implementation:
+                raise
+            logger.warning("%s: attn_implementation=%s refused (%s); using sdpa (it copies K/V per query head)",
+                           target_dir, attn_implementation, exc)
+            self.model = load_causal_lm(target_dir, dtype=self.dtype, attn_implementation="sdpa")
+        self.model.to(self.device).eval().requires_grad_(False)
+        stack = find_text_stack(self.model)
+        if stack.lm_head is None:
+            raise ConfigError(f"target {target_dir}: {type(self.model).__name__} has no LM head to decode with")
+        self.text_config = text_config(self.model.config)
+        self.num_layers, self.hidden_size = len(stack.layers), int(self.text_config.hidden_size)
+        self.layer_ids = check_layer_ids(layer_ids, self.num_layers, target_dir)
+        self.capture = LayerCapture(stack.layers, self.layer_ids)
+        self.head = FrozenTargetHead(stack.embed_tokens.weight, stack.lm_head.weight)
+        self.stop_token_ids = stop_token_ids(target_dir, self.model)
+        self.feature_dim = self.hidden_size * len(self.layer_ids)
+        params = inspect.signature(self.model.forward).parameters
+        # transformers 5.x renamed past_key_values to cache; we own the cache object either way.
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.keeps_logits = "logits_to_keep" in params
+        self.num_forwards = 0
+        """Target forwards run so far: the cost that tau amortises."""
+
+
+class BatchedTarget(TargetModel):
+    """A :class:`TargetModel` with a :class:`RaggedCache` of ``num_rows`` sequences."""
+
+    def __init__(self, target_dir: str, *, layer_ids: Sequence[int] = (), device: str | torch.device = "cpu",
+                 dtype: str = "auto") -> None:
+        super().__init__(target_dir, layer_ids=layer_ids, device=device, dtype=dtype,
+                         attn_implementation=register_attention())
+        if self.recurrent:
+            # A row's cache is cut back after every rejected draft; a linear-attention state
+            # cannot be (it would have to be recomputed from the kept prefix).
+            raise ConfigError(f"target {target_dir}: batched evaluation needs attention K/V in every layer; this "
+                              f"target has linear-attention (recurrent) layers, which it does not support yet")
+        self.layer_types = list(getattr(self.text_config, "layer_types", None) or ["full_attention"] * self.num_layers)
+        self.sliding_window = getattr(self.text_config, "sliding_window", None)
+        self.cache: RaggedCache | None = None
+
+    def reset(self, num_rows: int, capacity: int) -> None:
+        """A new, empty cache of ``num_rows`` rows of at least ``capacity`` positions."""
+        self.cache = RaggedCache(self.num_layers, num_rows, capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.kv.capacity
+
+    def _forward(self, ids: Tensor, positions: Tensor, masks: dict, keep: int,
+                 features: bool) -> tuple[Tensor, Tensor | None]:
+        kwargs = {self.cache_kw: self.cache, "use_cache": True}
+        if self.keeps_logits:
+            kwargs["logits_to_keep"] = keep
+        # One layer type: the 4D mask itself, which every model takes as prepared (Llama's
+        # forward takes no per-type mapping); several: the mapping, as the models that mix
+        # layer types take it.
+        mask = next(iter(masks.values())) if len(masks) == 1 else masks
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs)
+        self.num_forwards += 1
+        logits = out.logits if keep == 0 or self.keeps_logits else out.logits[:, -keep:]
+        return logits, self.capture.take(features)
+
+    @torch.inference_mode()
+    def prefill(self, rows: Sequence[int], prompts: Sequence[np.ndarray], *, features: bool = True) -> Prefilled:
+        """Start ``prompts`` (token ids) in cache ``rows``; see the module docstring."""
+        dev, lengths = self.device, torch.tensor([len(p) for p in prompts], device=self.device)
+        width = int(max(len(p) for p in prompts))
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.as_tensor(np.asarray(p), dtype=torch.long)
+        j = torch.arange(width, device=dev)[None, :]  # [1, P]
+        pad = (width - lengths)[:, None]  # [R, 1]
+        real = j >= pad
+        positions = (j - pad).clamp_min(0)
+        write_pos = torch.where(real, j - pad, self.cache.kv.scratch)
+        lo = torch.where(real, pad, j)  # a pad sees itself only: no all-masked (NaN) row
+        masks = layer_masks(self.layer_types, self.sliding_window, lo, j + 1, width)
+        self.cache.plan_fresh(torch.as_tensor(list(rows), device=dev), write_pos)
+        logits, feats = self._forward(ids.to(dev), positions, masks, keep=1, features=features)
+        return Prefilled(logits=logits[:, -1], features=feats, write_pos=write_pos, positions=positions)
+
+    @torch.inference_mode()
+    def extend(self, tokens: Tensor, lengths: Tensor, max_length: int, *,
+               features: bool = True) -> tuple[Tensor, Tensor | None]:
+        """tokens ``[B, q]`` of every row after ``lengths`` ``[B]`` cached positions (``max_length``
+        = their host-side maximum) -> (logits ``[B, q, V]``, features ``[B, q, F]`` or None)."""
+        q = tokens.shape[1]
+        span = round_up(max_length + q, MASK_ALIGN)
+        if span > self.capacity:
+            raise ConfigError(f"BatchedTarget.extend: {max_length} + {q} positions exceed the cache capacity "
+                              f"{self.capacity}")
+        positions = lengths[:, None] + torch.arange(q, device=self.device)  # [B, q]
+        masks = layer_masks(self.layer_types, self.sliding_window, torch.zeros_like(positions), positions + 1, span)
+        self.cache.plan_extend(positions, span)
+        return self._forward(tokens, positions, masks, keep=0, features=features)

@@ -1,0 +1,72 @@
+"""`dflash-ipc bench eval` at the tiny shape: every row runs, figures and table are consistent,
+the command writes strict JSON; on a GPU (marked) the same at bf16 and a float32 lossless run."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dflash_ipc.bench.eval import run_eval_bench
+from dflash_ipc.cli import main
+
+torch.set_num_threads(1)
+
+ROWS = {("legacy", "speculative", 1), ("legacy", "plain", 1), ("batched", "speculative", 1),
+        ("batched", "plain", 1), ("batched", "speculative", 3), ("batched", "plain", 3)}
+
+
+@pytest.fixture(scope="module")
+def work_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("bench-eval"))
+
+
+def test_every_row_runs_on_cpu(work_dir):
+    lines = []
+    f = run_eval_bench(device="cpu", shape="tiny", batch_sizes=(1, 3), max_new_tokens=10, prompt_len=(8, 20),
+                       legacy_prompts=2, work_dir=work_dir, emit=lines.append)
+    rows = {(r["impl"], r["mode"], r["batch_size"]): r for r in f["rows"]}
+    assert set(rows) == ROWS and not any(r["error"] for r in rows.values())
+    assert rows[("batched", "plain", 3)]["num_prompts"] == 6 and rows[("batched", "plain", 1)]["num_prompts"] == 2
+    for r in rows.values():
+        assert 0 < r["num_tokens"] <= 10 * r["num_prompts"] and r["tokens_per_s"] == pytest.approx(
+            r["num_tokens"] / r["wall_s"])
+    # greedy decoding of the same prompts: speculative rows generate exactly what plain rows do
+    assert rows[("batched", "speculative", 3)]["num_tokens"] == rows[("batched", "plain", 3)]["num_tokens"]
+    assert rows[("legacy", "speculative", 1)]["num_tokens"] == rows[("legacy", "plain", 1)]["num_tokens"]
+    assert math.isnan(rows[("batched", "plain", 3)]["tau"]) and rows[("batched", "speculative", 3)]["tau"] >= 1
+    s = f["summary"]["speculative"]
+    best = max((rows[("batched", "speculative", b)] for b in (1, 3)), key=lambda r: r["tokens_per_s"])
+    assert s["best_batch_size"] == best["batch_size"]
+    assert s["vs_legacy"] == pytest.approx(best["tokens_per_s"] / rows[("legacy", "speculative", 1)]["tokens_per_s"])
+    text = lines[0]
+    assert "tiny-shaped random target" in text and "goal >= 20x" in text and text.count("\n  legacy ") == 2
+    assert os.path.isfile(os.path.join(work_dir, "target-tiny", "config.json"))  # kept for the next run
+
+
+def test_bench_command_writes_strict_json(work_dir, tmp_path):
+    out = str(tmp_path / "bench.json")
+    result = CliRunner().invoke(main, ["bench", "eval", "--device", "cpu", "--shape", "tiny", "--batch-sizes", "2",
+                                       "--max-new-tokens", "4", "--prompt-len", "6,12", "--legacy-prompts", "1",
+                                       "--work-dir", work_dir, "--json", out], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    with open(out) as f:
+        figures = json.load(f, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    assert len(figures["rows"]) == 4 and figures["rows"][-1]["peak_gib"] is None
+    assert "batched speculative:" in result.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bench_and_float32_lossless_on_gpu(work_dir, tiny_cache):
+    f = run_eval_bench(device="cuda:0", shape="tiny", batch_sizes=(1, 8), max_new_tokens=24, prompt_len=(8, 40),
+                       work_dir=work_dir, emit=print)
+    assert f["dtype"] == "bfloat16" and all(not r["error"] and r["peak_gib"] > 0 for r in f["rows"])
+    from dflash_ipc.eval.speculative import evaluate
+    from eval_helpers import eval_data, random_drafter
+    target_dir = os.path.join(tiny_cache, "tiny-target")
+    report = evaluate(target_dir, random_drafter(target_dir, block_size=8), eval_data(str(tiny_cache)), num_prompts=4,
+                      max_new_tokens=24, device="cuda:0", dtype="float32", check_lossless=True, batch_size=3)
+    assert report.num_lossless_checked == 4 and report.lossless_mismatches == [] and report.near_ties == []

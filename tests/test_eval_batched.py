@@ -1,0 +1,264 @@
+"""Batched decoding on the tiny target (float32): per-row caches against full forwards, the cached
+drafter against its training forward, and batched output equal to unbatched output token for token."""
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dflash_ipc.data.dataset import TokenDataset
+from dflash_ipc.data.tiny import build_tiny_tokenizer
+from dflash_ipc.eval.decoding import PlainDecoder, SpeculativeDecoder
+from dflash_ipc.eval.drafter_context import DrafterContext
+from dflash_ipc.eval.unbatched import DFlashProposer, TargetLM, speculative_generate
+from dflash_ipc.eval.prompt_sets import held_out_prompts
+from dflash_ipc.eval.ragged_attention import band_mask, layer_masks
+from dflash_ipc.eval.requests import Request, RequestList
+from dflash_ipc.eval.target_runner import BatchedTarget
+from eval_helpers import LAYER_IDS, eval_data, memorising_drafter, random_drafter, reference_greedy
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_cache):
+    return os.path.join(tiny_cache, "tiny-target")
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return BatchedTarget(target_dir, layer_ids=LAYER_IDS, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def legacy(target_dir):
+    return TargetLM(target_dir, layer_ids=LAYER_IDS, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def requests(tiny_cache):
+    """Ragged prompts and budgets: the 4 held-out-style prompts of the shared data (the
+    memorising drafter knows their continuations) and random ones, a long one last (the
+    caches must grow for it), budgets from 1 (prefill only) to 24."""
+    data = held_out_prompts(TokenDataset(eval_data(str(tiny_cache))), num_prompts=4)
+    rng = np.random.default_rng(7)
+    prompts = [p for _, p in data] + [rng.integers(10, 1000, size=n) for n in (3, 11, 6, 40, 70)]
+    budgets = [20, 24, 13, 16, 1, 12, 9, 18, 14]
+    return [Request(key=(i, 0), prompt_ids=p, max_new_tokens=b) for i, (p, b) in enumerate(zip(prompts, budgets))]
+
+
+def by_key(run):
+    return {g.request.key: g for g in run.generations}
+
+
+@torch.inference_mode()
+def hf_forward(target, ids):
+    """(logits [T, V], features [T, F]) of a plain cache-free HF forward (hidden_states[id + 1])."""
+    out = target.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    return out.logits[0], torch.cat([out.hidden_states[i + 1][0] for i in LAYER_IDS], dim=-1)
+
+
+def test_prefill_and_extend_equal_full_forwards(target):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, 1000, size=n) for n in (5, 12, 1)]
+    more = torch.as_tensor(rng.integers(10, 1000, size=(3, 4)))
+    target.reset(num_rows=4, capacity=40)
+    out = target.prefill([2, 0, 3], prompts)  # rows out of order, row 1 left empty
+    width = max(len(p) for p in prompts)
+    for i, p in enumerate(prompts):
+        logits, feats = hf_forward(target, p.tolist())
+        torch.testing.assert_close(out.logits[i], logits[-1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.features[i, width - len(p):], feats, atol=1e-5, rtol=1e-5)
+    lengths = torch.tensor([len(prompts[1]), 0, len(prompts[0]), len(prompts[2])])
+    tokens = torch.zeros(4, 4, dtype=torch.long)
+    tokens[[2, 0, 3]] = more
+    logits, feats = target.extend(tokens, lengths, int(lengths.max()))
+    for i, row in enumerate([2, 0, 3]):
+        want_logits, want_feats = hf_forward(target, prompts[i].tolist() + more[i].tolist())
+        torch.testing.assert_close(logits[row], want_logits[-4:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(feats[row], want_feats[-4:], atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_window_layers_equal_transformers(tmp_path):
+    """A target with sliding-window layers: the band masks reproduce transformers' own."""
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, use_sliding_window=True,
+                         sliding_window=4, max_window_layers=1, eos_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path)
+    build_tiny_tokenizer().save_pretrained(tmp_path)
+    target = BatchedTarget(str(tmp_path), layer_ids=[1], dtype="float32")
+    assert "sliding_attention" in target.layer_types
+    ids = [5, 9, 3, 22, 7, 1, 40, 11, 2, 30]
+    target.reset(num_rows=1, capacity=32)
+    first = target.prefill([0], [np.array(ids[:7])]).logits[0]
+    logits, _ = target.extend(torch.tensor([ids[7:]]), torch.tensor([7]), 7)
+    with torch.inference_mode():  # the same model through transformers' own masks
+        want = target.model(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(first, want[6], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[0], want[7:], atol=1e-5, rtol=1e-5)
+
+
+def test_attention_sinks_equal_transformers(tmp_path):
+    """gpt-oss: learned attention sinks and alternating sliding/full layers, through the explicit
+    attention path, reproduce transformers' own forward in prefill and extend."""
+    from dflash_ipc.target.architectures import ARCHITECTURES, build_tiny_target_of, missing_reason
+
+    arch = ARCHITECTURES["gpt_oss"]
+    if missing_reason(arch):
+        pytest.skip(missing_reason(arch))
+    from dflash_ipc.target.text_stack import load_causal_lm
+
+    target_dir = build_tiny_target_of(arch, str(tmp_path))
+    target = BatchedTarget(target_dir, layer_ids=[1], dtype="float32")
+    assert {"sliding_attention", "full_attention"} <= set(target.layer_types)
+    eager = load_causal_lm(target_dir, dtype=torch.float32, attn_implementation="eager").eval()  # sinks, by the book
+    ids = [5, 9, 3, 22, 7, 1, 40, 11, 2, 30, 17, 8]
+    target.reset(num_rows=2, capacity=32)
+    first = target.prefill([0, 1], [np.array(ids[:9]), np.array(ids[:4])]).logits
+    logits, _ = target.extend(torch.tensor([ids[9:], ids[4:7]]), torch.tensor([9, 4]), 9)
+    with torch.inference_mode():
+        want = eager(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(first[0], want[8], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(first[1], want[3], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[0], want[9:12], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[1], want[4:7], atol=1e-5, rtol=1e-5)
+
+
+def test_recurrent_target_truncate_re_runs_the_kept_prefix(tmp_path):
+    """A linear-attention target in the unbatched decoder: after a rejected draft is cut off, the
+    next forward equals a full forward of the kept tokens (the batched target refuses it)."""
+    from dflash_ipc.errors import ConfigError
+    from dflash_ipc.target.architectures import ARCHITECTURES, build_tiny_target_of, missing_reason
+
+    arch = ARCHITECTURES["qwen3_next"]
+    if missing_reason(arch):
+        pytest.skip(missing_reason(arch))
+    target_dir = build_tiny_target_of(arch, str(tmp_path))
+    with pytest.raises(ConfigError, match="linear-attention"):
+        BatchedTarget(target_dir, layer_ids=[1], dtype="float32")
+    lm = TargetLM(target_dir, layer_ids=[1], dtype="float32")
+    ids = [5, 9, 3, 22, 7, 1, 40, 11]
+    lm.prefill(torch.tensor(ids[:5]))
+    lm.extend(torch.tensor([50, 51, 52]))  # a draft, rejected
+    lm.truncate(5)
+    got, feats = lm.extend(torch.tensor(ids[5:]))
+    with torch.inference_mode():
+        want = lm.model(input_ids=torch.tensor([ids])).logits[0, 5:].argmax(-1)
+    assert lm.cached_length == len(ids) and feats.shape[0] == 3
+    assert got.tolist() == want.tolist()
+
+
+def test_band_masks():
+    lo, hi = torch.tensor([[0, 2]]), torch.tensor([[3, 5]])
+    assert band_mask(lo, hi, 6)[0, 0].int().tolist() == [[1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 0]]
+    sliding = layer_masks(["sliding_attention"], 2, lo, hi, 6)["sliding_attention"][0, 0]
+    assert sliding.int().tolist() == [[0, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 0]]
+
+
+def test_drafter_context_equals_the_training_forward(target_dir, legacy):
+    """Context appended in pieces (a prefill, then verified blocks), blocks drafted for several
+    rows at once: the block's hidden states are those of the model's own (training) forward."""
+    model = random_drafter(target_dir, seed=3, block_size=8)
+    context = DrafterContext(model, legacy.head)
+    proposer = DFlashProposer(model, legacy.head)
+    rng = np.random.default_rng(1)
+    seqs = [torch.as_tensor(rng.integers(10, 1000, size=n)) for n in (12, 30, 7)]
+    feats = [legacy.prefill(s)[1] for s in seqs]
+    context.reset(num_rows=3, capacity=48)
+    for row, f in enumerate(feats):
+        first = min(len(f), 5)
+        pos = torch.arange(first)[None]
+        context.append(torch.tensor([row]), f[None, :first], pos, pos)
+        for lo in range(first, len(f), 8):  # the rest as verify passes of up to 8 positions
+            pos = torch.arange(lo, min(lo + 8, len(f)))[None]
+            context.append(torch.tensor([row]), f[None, lo: lo + 8], pos, pos)
+    starts, anchors = torch.tensor([5, 29, 7]), torch.tensor([int(seqs[0][5]), int(seqs[1][29]), 77])
+    got = context.draft_hidden(anchors, starts, max_start=29)
+    for row in range(3):
+        want = proposer.block_hidden(feats[row][: starts[row]], int(anchors[row]))
+        torch.testing.assert_close(got[row], want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_batched_equals_unbatched_token_for_token(tiny_cache, target_dir, target, legacy, requests, trained):
+    """Every batch size gives the same tokens and the same acceptance counters per prompt, equal to
+    the unbatched reference decoder (unbatched.py) and to greedy decoding by full recomputation."""
+    model = memorising_drafter(str(tiny_cache)) if trained else random_drafter(target_dir, seed=1, num_layers=1)
+    runs = {}
+    for batch_size in (1, 3, 8):
+        decoder = SpeculativeDecoder(target, DrafterContext(model, target.head), batch_size=batch_size)
+        runs[batch_size] = by_key(decoder.run(RequestList(requests)))
+        if batch_size == 8:
+            assert len(decoder.slots) < 8  # the tail ran on compacted caches
+    plain = by_key(PlainDecoder(target, batch_size=4).run(RequestList(requests)))
+    proposer = DFlashProposer(model, legacy.head)
+    accepted = 0
+    for r in requests:
+        want = reference_greedy(target, r.prompt_ids, r.max_new_tokens)
+        unbatched = speculative_generate(legacy, proposer, r.prompt_ids, max_new_tokens=r.max_new_tokens)
+        assert unbatched.output_ids == plain[r.key].tokens == want, r.key
+        for batch_size, gens in runs.items():
+            assert gens[r.key].tokens == want, (batch_size, r.key)
+            assert gens[r.key].stats == unbatched.stats, (batch_size, r.key)
+        accepted += unbatched.stats.num_committed - unbatched.stats.num_cycles
+    assert (accepted > 20) == trained  # the trained drafter's blocks commit several tokens
+
+
+class OracleDrafter:
+    """Stands in for DrafterContext: drafts each row's true greedy continuation for the first
+    ``num_correct`` block positions and a wrong token after them (it reads the row's request
+    from the decoder, so it follows rows through refills and compaction)."""
+
+    class _NoCache:
+        def grow(self, capacity):
+            pass
+
+        def select_rows(self, keep):
+            pass
+
+    def __init__(self, truth: dict, *, block_size: int, num_correct: int, vocab_size: int) -> None:
+        self.truth, self.block_size, self.num_correct, self.vocab_size = truth, block_size, num_correct, vocab_size
+        self.kv, self.decoder = self._NoCache(), None
+
+    def reset(self, num_rows, capacity):
+        pass
+
+    def append(self, rows, features, write_pos, positions):
+        pass
+
+    def draft_logits(self, anchors, starts, max_start):
+        bs = self.block_size
+        out = torch.zeros(len(anchors), bs - 1, self.vocab_size)
+        for row, gen in enumerate(self.decoder.slots):
+            if gen is None:
+                continue
+            full, s = self.truth[gen.request.key], int(starts[row])
+            for k in range(bs - 1):
+                tok = full[s + 1 + k] if s + 1 + k < len(full) else 7
+                out[row, k, tok if k < self.num_correct else (tok + 1) % self.vocab_size] = 10.0
+        return out
+
+
+@pytest.mark.parametrize("num_correct", [15, 4])
+def test_oracle_blocks_commit_in_a_batch(target, requests, num_correct):
+    """A drafter right on its first ``num_correct`` positions: in a batch of ragged rows every
+    cycle of a row accepts exactly those and commits one more, and the output stays greedy."""
+    truth = {r.key: r.prompt_ids.tolist() + reference_greedy(target, r.prompt_ids, r.max_new_tokens)
+             for r in requests}
+    oracle = OracleDrafter(truth, block_size=16, num_correct=num_correct, vocab_size=target.head.vocab_size)
+    decoder = SpeculativeDecoder(target, oracle, batch_size=4)
+    oracle.decoder = decoder
+    forwards = target.num_forwards
+    run = decoder.run(RequestList(requests))
+    assert run.num_target_forwards == target.num_forwards - forwards
+    for gen in run.generations:
+        r, s = gen.request, gen.stats
+        assert gen.tokens == truth[r.key][r.prompt_ids.size:]
+        if not gen.stopped:
+            assert s.num_cycles == math.ceil((len(gen.tokens) - 1) / (num_correct + 1))
+            drafted = [k for k, d in enumerate(s.drafted_at) if d]
+            assert all(s.acceptance_per_position[k] == (1.0 if k < num_correct else 0.0) for k in drafted)
