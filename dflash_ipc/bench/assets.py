@@ -28,10 +28,13 @@ SHAPES = {
 }
 
 
-def build_random_target(out_dir: str, *, shape: str, dtype: str = "bfloat16", seed: int = 0) -> str:
+def build_random_target(out_dir: str, *, shape: str, dtype: str = "bfloat16", seed: int = 0,
+                        text_only: bool = False) -> str:
+    """``text_only``: zero the LM-head rows of ids the tokenizer cannot write, as the tiny
+    target does (data/tiny.py), so the target's greedy replies are text (data/synthetic.py)."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from dflash_ipc.data.tiny import build_tiny_tokenizer
+    from dflash_ipc.data.tiny import _silence_padding_rows, build_tiny_tokenizer
     hidden, layers, heads, kv, head_dim, inter, vocab = SHAPES[shape]
     config = Qwen3Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv, head_dim=head_dim, intermediate_size=inter,
@@ -40,8 +43,11 @@ def build_random_target(out_dir: str, *, shape: str, dtype: str = "bfloat16", se
     torch.manual_seed(seed)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    tokenizer = build_tiny_tokenizer()
+    if text_only:
+        _silence_padding_rows(model, len(tokenizer))
     model.save_pretrained(out_dir)
-    build_tiny_tokenizer().save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
     return out_dir
 
 
