@@ -346,12 +346,12 @@ def bench_drafter(device, steps, shape, precisions, recipes, lm_heads) -> None:
 # The sizes of `bench precision`, with the defaults of bench/precision.py's RunSizes (a test
 # checks they agree; importing that module here would load torch for every command).
 RUN_SIZE_DEFAULTS = {"samples": 768, "min_len": 128, "max_len": 512, "held_out": 16, "steps": 300,
-                     "anchors_per_step": 1024, "max_anchors_per_seq": 512, "num_layers": 5, "eval_prompts": 16,
-                     "eval_tokens": 64, "seed": 0}
+                     "anchors_per_step": 1024, "max_anchors_per_seq": 512, "num_layers": 5, "lr": 6e-4,
+                     "eval_prompts": 16, "eval_tokens": 48, "seed": 0}
 
 
 def _run_sizes_options(fn):
-    return _add_options(fn, [click.option(f"--{name.replace('_', '-')}", name, type=int, default=value,
+    return _add_options(fn, [click.option(f"--{name.replace('_', '-')}", name, type=type(value), default=value,
                                           show_default=True) for name, value in RUN_SIZE_DEFAULTS.items()])
 
 

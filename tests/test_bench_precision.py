@@ -54,7 +54,7 @@ def test_assets_are_reused_while_they_match(tiny_run):
 def test_window_means_and_the_final_gap():
     assert bp.window_means([4.0, 2.0, 3.0, 1.0], num_windows=2) == [3.0, 2.0]
     assert bp.window_means([5.0, 1.0], num_windows=10) == [5.0, 1.0]
-    runs = {label: {"losses": losses, "step_s": [0.1] * 10, "peak_memory_gib": None}
+    runs = {label: {"losses": losses, "step_s": [0.1] * 10, "peak_memory_gib": None, "train_s": 1.0}
             for label, losses in (("bf16", [10.0] * 9 + [2.0]), ("fp8 tensorwise, lm_head all", [10.0] * 9 + [2.04]))}
     report = bp.format_report({"shape": "tiny", "device": "cpu", "torch": "x", "sizes": dataclasses.asdict(TINY),
                                "runs": runs, "tau": {"untrained": 1.0, "bf16": 1.5,

@@ -5,7 +5,6 @@ graph per weight shape. GPU tests run the real float8 kernels."""
 
 import collections
 import copy
-import os
 import sys
 import types
 

@@ -320,7 +320,8 @@ def precision_variants(precisions: typing.Sequence[str], recipes: typing.Sequenc
 def variant_label(variant: dict) -> str:
     if variant["precision"] == "bf16":
         return "bf16"
-    return f"{variant['precision']} {variant.get('fp8_recipe', 'tensorwise')}, lm_head {variant.get('fp8_lm_head', 'all')}"
+    recipe, lm_head = variant.get("fp8_recipe", "tensorwise"), variant.get("fp8_lm_head", "all")
+    return f"{variant['precision']} {recipe}, lm_head {lm_head}"
 
 
 def bench_job_config(device: torch.device, *, drafter: dict | None = None, **sections: dict) -> JobConfig:

@@ -70,8 +70,9 @@ class RunSizes:
     anchors_per_step: int = 1024
     max_anchors_per_seq: int = 512
     num_layers: int = 5
+    lr: float = 6e-4
     eval_prompts: int = 16
-    eval_tokens: int = 64
+    eval_tokens: int = 48
     seed: int = 0
 
     def check(self) -> None:
@@ -79,6 +80,8 @@ class RunSizes:
                      "eval_prompts", "eval_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"bench precision: {name}={getattr(self, name)} must be >= 1")
+        if not 0 < self.lr <= 1:
+            raise ConfigError(f"bench precision: lr={self.lr} must be in (0, 1]")
         if self.eval_prompts > self.held_out:
             raise ConfigError(f"bench precision: eval_prompts={self.eval_prompts} exceeds the "
                               f"held_out={self.held_out} prompts the data keeps")
@@ -180,7 +183,7 @@ def train_variant(variant: dict, model_config: DFlashConfig, head: FrozenTargetH
                   sizes: RunSizes, device: torch.device, export_dir: str) -> dict:
     """Trains a fresh drafter for ``sizes.steps`` steps on ``order``; exports it to
     ``export_dir``; returns its per-step losses and step times."""
-    cfg = bench_job_config(device, drafter=variant, run={"seed": sizes.seed},
+    cfg = bench_job_config(device, drafter=variant, run={"seed": sizes.seed}, optimizer={"lr": sizes.lr},
                            model={"num_layers": model_config.num_hidden_layers,
                                   "block_size": model_config.block_size},
                            objective={"max_anchors_per_seq": sizes.max_anchors_per_seq,
@@ -244,9 +247,11 @@ def run_precision_comparison(device: str = "cuda:0", shape: str = "qwen3-1.7b", 
     dev = _resolve_device(device)
     started = time.perf_counter()
     target_dir, data_dir = build_assets(work_dir, shape, sizes, dev)
+    phase_s = {"assets": time.perf_counter() - started}
     model_config = drafter_config(target_dir, sizes.num_layers)
     samples = capture_samples(target_dir, TokenDataset(data_dir), model_config.target_layer_ids, dev)
     order = sequence_order(samples, sizes)
+    phase_s["capture"] = time.perf_counter() - started - phase_s["assets"]
     head = FrozenTargetHead.from_pretrained(target_dir, dtype=torch.bfloat16, device=dev)
     runs = {}
     for variant, label in zip(variants, labels):
@@ -254,11 +259,13 @@ def run_precision_comparison(device: str = "cuda:0", shape: str = "qwen3-1.7b", 
         runs[label] = {"variant": variant, **train_variant(variant, model_config, head, order, sizes, dev, export)}
     del head, samples, order
     _free_memory()
+    evaluating = time.perf_counter()
     taus = evaluate_drafters(target_dir, data_dir, model_config, {k: r["export"] for k, r in runs.items()},
                              sizes, dev)
+    phase_s["evaluation"] = time.perf_counter() - evaluating
     figures = {"shape": shape, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                "torch": torch.__version__, "target": target_dir, "data": data_dir, "sizes": asdict(sizes),
-               "runs": runs, "tau": taus, "wall_s": time.perf_counter() - started}
+               "runs": runs, "tau": taus, "phase_s": phase_s, "wall_s": time.perf_counter() - started}
     print(format_report(figures), flush=True)
     return figures
 
@@ -279,7 +286,8 @@ def format_report(f: dict) -> str:
     lines = [f"precision training comparison: {f['shape']} target (random weights, greedy replies) on "
              f"{f['device']}, torch {f['torch']}",
              f"  data     {s['samples']} samples of {s['min_len']}..{s['max_len']} tokens, {s['held_out']} held-out "
-             f"prompts; {s['steps']} steps of {s['anchors_per_step']} anchors, {s['num_layers']}-layer drafter",
+             f"prompts; {s['steps']} steps of {s['anchors_per_step']} anchors at lr {s['lr']:g}, "
+             f"{s['num_layers']}-layer drafter",
              f"  loss     mean of each tenth of the run (steps 1..{s['steps']})"]
     for label in labels:
         lines.append(f"    {label:<30} " + " ".join(f"{v:6.3f}" for v in window_means(f["runs"][label]["losses"])))
@@ -292,6 +300,9 @@ def format_report(f: dict) -> str:
         peak = f"{run['peak_memory_gib']:.1f}" if run["peak_memory_gib"] is not None else "n/a"
         lines.append(f"  {label:<32} {run['losses'][0]:7.3f} {final:7.3f} {100 * (final / final_base - 1):+7.2f}% "
                      f"{statistics.fmean(steady) * 1e3:8.1f} {peak:>9} {f['tau'][label]:6.3f}")
-    lines.append(f"  untrained drafter: tau {f['tau']['untrained']:.3f}; gap = final loss against "
-                 f"{labels[0]}'s; whole comparison {f['wall_s']:.0f} s")
+    lines.append(f"  untrained drafter: tau {f['tau']['untrained']:.3f}; gap = final loss against {labels[0]}'s")
+    trained = ", ".join(f"{f['runs'][label]['train_s']:.0f}" for label in labels)
+    p = f.get("phase_s", {})
+    lines.append(f"  time     {f['wall_s']:.0f} s: assets {p.get('assets', 0):.0f} s, features "
+                 f"{p.get('capture', 0):.0f} s, training {trained} s, evaluation {p.get('evaluation', 0):.0f} s")
     return "\n".join(lines)

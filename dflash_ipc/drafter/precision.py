@@ -246,8 +246,9 @@ class Fp8LMHead:
         self.rowwise, self.fp8_logits, self.emulate = rowwise, fp8_logits, emulate
         self.grad_dtype = E4M3 if rowwise else E5M2
         with torch.no_grad():
-            self.w_q, self.w_inv = quantize(weight, E4M3, rowwise) if fp8_logits else (None, None)  # [V, H], [V, 1] | []
-            self.wt_q, self.wt_inv = quantize(weight.t().contiguous(), E4M3, rowwise)  # [H, V], [H, 1] | []
+            # [V, H], [V, 1] | [] for the logits; [H, V], [H, 1] | [] for dL/dh
+            self.w_q, self.w_inv = quantize(weight, E4M3, rowwise) if fp8_logits else (None, None)
+            self.wt_q, self.wt_inv = quantize(weight.t().contiguous(), E4M3, rowwise)
 
     @classmethod
     def create(cls, weight: Tensor, **kwargs) -> "Fp8LMHead | None":
@@ -278,6 +279,7 @@ class Fp8LMHead:
                 return _fused_chunk_loss(logits, labels, weights), None
             loss, p_q, p_inv = _fused_loss_and_probs(logits, labels, weights, self.grad_dtype, self.rowwise)
             del logits
-            dh = self._mm(p_q, self.wt_q.t(), p_inv, self.wt_inv.t(), torch.float32, False)  # [C, H]
-            dh -= weights[:, None] * self.weight.index_select(0, labels).float()  # the one-hot part
+            # bf16 out, as the bf16 path's dlogits @ W: the output type every scaled-mm kernel has
+            soft = self._mm(p_q, self.wt_q.t(), p_inv, self.wt_inv.t(), torch.bfloat16, False)  # [C, H]
+            dh = soft.float() - weights[:, None] * self.weight.index_select(0, labels).float()  # minus the one-hot
         return loss, dh
