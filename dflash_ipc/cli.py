@@ -446,6 +446,27 @@ def bench_transport(pairs, iters, sizes_mib, settle_us, publish_sync) -> None:
                         publish_sync=publish_sync)
 
 
+def _comma_list(ctx, param, value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def precision_options(default: str):
+    """--precision / --fp8-recipe / --fp8-lm-head: comma lists, compared in one run."""
+    return lambda fn: _add_options(fn, [
+        click.option("--precision", "precisions", default=default, show_default=True, callback=_comma_list,
+                     metavar="P[,P...]", help="drafter.precision of each run: bf16, fp8 (e.g. bf16,fp8)."),
+        click.option("--fp8-recipe", "recipes", default="tensorwise", show_default=True, callback=_comma_list,
+                     metavar="R[,R...]", help="drafter.fp8_recipe of the fp8 runs: tensorwise, rowwise."),
+        click.option("--fp8-lm-head", "lm_heads", default="all", show_default=True, callback=_comma_list,
+                     metavar="H[,H...]", help="drafter.fp8_lm_head of the fp8 runs: all, grad, none.")])
+
+
+def _add_options(fn, options: list):
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
 @bench.command("drafter")
 @click.option("--device", default="cuda:0", show_default=True)
 @click.option("--steps", default=10, show_default=True)
@@ -457,13 +478,17 @@ def bench_transport(pairs, iters, sizes_mib, settle_us, publish_sync) -> None:
                    "in one process (compiled once).")
 @click.option("--num-seqs", default=4, show_default=True, help="Sequences per step.")
 @click.option("--anchors-per-seq", default=512, show_default=True, help="Anchors (blocks) per sequence.")
-def bench_drafter(device, steps, warmup, shape, seq_lens, num_seqs, anchors_per_seq) -> None:
+@precision_options(default="bf16")
+def bench_drafter(device, steps, warmup, shape, seq_lens, num_seqs, anchors_per_seq, precisions, recipes,
+                  lm_heads) -> None:
     """Step time, MFU and peak memory of a drafter step (default: Qwen3-8B shape, 4 x 2,048 tokens,
-    512 anchors each = 32,768 query tokens)."""
-    from dflash_ipc.bench.drafter import run_drafter_bench
+    512 anchors each = 32,768 query tokens), for each precision asked (with the speedup against
+    the first) at each --seq-len."""
+    from dflash_ipc.bench.drafter import compare_precisions, precision_variants
+    variants = precision_variants(precisions, recipes, lm_heads)
     for seq_len in seq_lens:
-        run_drafter_bench(device=device, steps=steps, shape=shape, anchors_per_seq=anchors_per_seq,
-                          num_seqs=num_seqs, seq_len=seq_len, warmup=warmup)
+        compare_precisions(device=device, steps=steps, shape=shape, variants=variants, warmup=warmup,
+                           anchors_per_seq=anchors_per_seq, num_seqs=num_seqs, seq_len=seq_len)
 
 
 @bench.command("target")
@@ -486,6 +511,42 @@ def bench_target(config, overrides, targets, seconds, warmup_s, json_path) -> No
         with open(json_path, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=1)
     click.echo(format_target_table(rows, cfg))
+
+
+# The sizes of `bench precision`, with the defaults of bench/precision.py's RunSizes (a test
+# checks they agree; importing that module here would load torch for every command).
+RUN_SIZE_DEFAULTS = {"samples": 768, "min_len": 128, "max_len": 512, "held_out": 16, "steps": 300,
+                     "anchors_per_step": 1024, "max_anchors_per_seq": 512, "num_layers": 5, "lr": 6e-4,
+                     "eval_prompts": 16, "eval_tokens": 48, "seed": 0}
+
+
+def _run_sizes_options(fn):
+    return _add_options(fn, [click.option(f"--{name.replace('_', '-')}", name, type=type(value), default=value,
+                                          show_default=True) for name, value in RUN_SIZE_DEFAULTS.items()])
+
+
+@bench.command("precision")
+@click.option("--device", default="cuda:0", show_default=True)
+@click.option("--shape", type=click.Choice(["tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"]), default="qwen3-1.7b",
+              show_default=True, help="Shape of the random-weight target (bench/assets.py).")
+@click.option("--work-dir", default="/tmp/dflash-precision", show_default=True,
+              help="Target, data and exported drafters; the target and data are reused while they match.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write every figure (the per-step losses included) as JSON.")
+@precision_options(default="bf16,fp8")
+@_run_sizes_options
+def bench_precision(device, shape, work_dir, json_path, precisions, recipes, lm_heads, **sizes) -> None:
+    """The same short training run in each precision: loss curves, final-loss gap and tau."""
+    import json
+    from dflash_ipc.bench.drafter import precision_variants
+    from dflash_ipc.bench.precision import RunSizes, run_precision_comparison
+    from dflash_ipc.logs import setup_logging
+    setup_logging("bench")
+    figures = run_precision_comparison(device=device, shape=shape, work_dir=work_dir, sizes=RunSizes(**sizes),
+                                       variants=precision_variants(precisions, recipes, lm_heads))
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(figures, f, indent=1)
 
 
 @bench.command("pipeline")

@@ -27,6 +27,9 @@ DTYPE_NAMES: tuple[str, ...] = typing.get_args(DType)
 Policy = Literal["pull", "round_robin"]
 POLICIES: tuple[str, ...] = typing.get_args(Policy)
 Attention = Literal["auto", "flex", "dense"]
+Precision = Literal["bf16", "fp8"]
+Fp8Recipe = Literal["tensorwise", "rowwise"]
+Fp8HeadMatmuls = Literal["all", "grad", "none"]
 AttnImplementation = Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 Auth = Literal["auto", "curve", "none"]
@@ -214,6 +217,12 @@ class DrafterConfig(_Section):
     """Compute dtype of the drafter (master weights and optimizer state stay float32)."""
     attention: Attention = "auto"
     """auto (flex on GPU, dense on CPU), flex or dense."""
+    precision: Precision = "bf16"
+    """Training matmuls: bf16, or fp8 (linear layers and LM head in float8: drafter/precision.py)."""
+    fp8_recipe: Fp8Recipe = "tensorwise"
+    """fp8 only: one scale per tensor (tensorwise, fastest) or one per row (rowwise)."""
+    fp8_lm_head: Fp8HeadMatmuls = "all"
+    """fp8 only: the frozen LM head's matmuls in float8: all (logits, dL/dh), grad (dL/dh) or none."""
     fifo_sequences: int = 256
     """A drafter asks for hidden states while fewer sequences than this wait in its queue."""
     prefetch: int = 2
@@ -228,6 +237,9 @@ class DrafterConfig(_Section):
         _check_devices("drafter.devices", self.devices, self.num_workers)
         _require(1 <= self.fifo_sequences <= 1 << 20, "drafter.fifo_sequences", "must be in [1, 1048576]")
         _require(1 <= self.prefetch <= 1024, "drafter.prefetch", "must be in [1, 1024]")
+        _require(self.precision != "fp8" or self.dtype == "bfloat16", "drafter.precision",
+                 f"fp8 needs drafter.dtype=bfloat16 (the compute dtype around the float8 matmuls), "
+                 f"got {self.dtype}")
 
     def device_of(self, rank: int) -> str:
         """The device of global rank `rank`: devices are per node, ranks count across nodes."""

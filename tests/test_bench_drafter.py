@@ -177,3 +177,56 @@ def test_bench_runs_on_gpu_with_flex_and_memory_figures():
     f = bd.run_drafter_bench("cuda:0", steps=2, shape="tiny", anchors_per_seq=16, num_seqs=2, seq_len=128,
                              warmup=1)
     assert f["attention"] == "flex" and f["peak_memory_gib"] > 0 and 0 < f["mfu"] < 1
+
+
+def test_precision_variants_in_order_and_bad_names_refused():
+    variants = bd.precision_variants(["bf16", "fp8"], ["tensorwise", "rowwise"], ["all", "grad"])
+    assert variants[0] == {"precision": "bf16"} and len(variants) == 5
+    assert [bd.variant_label(v) for v in variants[1:3]] == ["fp8 tensorwise, lm_head all",
+                                                           "fp8 tensorwise, lm_head grad"]
+    with pytest.raises(ConfigError, match="precision fp16 not allowed; allowed: bf16, fp8"):
+        bd.precision_variants(["fp16"])
+    with pytest.raises(ConfigError, match="fp8 recipe blockwise not allowed; allowed: tensorwise, rowwise"):
+        bd.precision_variants(["fp8"], ["blockwise"])
+    with pytest.raises(ConfigError, match=r"precision \(none\) not allowed"):
+        bd.precision_variants([])
+
+
+def test_bench_config_holds_on_a_gpu_device():
+    # A job config refuses CPU targets with CUDA drafters: the bench's targets follow its device.
+    cfg = bd.bench_job_config(torch.device("cuda:0"), drafter={"precision": "fp8"}, objective={"anchors_per_step": 8})
+    assert cfg.drafter.devices == ["cuda:0"] and cfg.target.devices == ["cuda:0"]
+    assert cfg.drafter.precision == "fp8" and cfg.objective.anchors_per_step == 8
+
+
+def test_comparison_table_gives_the_speedup_against_the_first():
+    base = {"shape": "tiny", "device": "cpu", "precision": "bf16", "step_s_mean": 0.5, "query_tokens_per_s": 2000.0,
+            "context_tokens_per_s": 1000.0, "peak_memory_gib": 10.0}
+    fast = {**base, "precision": "fp8 tensorwise, lm_head all", "step_s_mean": 0.25, "query_tokens_per_s": 4000.0,
+            "context_tokens_per_s": 2000.0, "peak_memory_gib": None}
+    lines = bd.format_comparison([base, fast]).splitlines()
+    assert "speedup" in lines[1] and lines[2].split()[-1] == "1.00x"
+    assert lines[3].split()[-1] == "2.00x" and "4,000" in lines[3] and "n/a" in lines[3]
+
+
+def test_bench_compares_precisions_in_one_run_on_cpu(monkeypatch, capsys):
+    pytest.importorskip("torchao.float8", reason="needs torchao (pip install 'dflash-ipc[fp8]')")
+    monkeypatch.setenv("DFLASH_FP8_EMULATE", "1")
+    results = bd.compare_precisions("cpu", steps=1, shape="tiny", variants=bd.precision_variants(["bf16", "fp8"]),
+                                    anchors_per_seq=8, num_seqs=2, seq_len=64, warmup=0)
+    assert [f["precision"] for f in results] == ["bf16", "fp8 tensorwise, lm_head all"]
+    assert results[1]["variant"] == {"precision": "fp8", "fp8_recipe": "tensorwise", "fp8_lm_head": "all"}
+    out = capsys.readouterr().out
+    assert "precision comparison: tiny on cpu" in out and out.count("drafter step benchmark") == 2
+    assert abs(results[1]["loss_last"] - results[0]["loss_last"]) < 0.05  # same init, same data
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bench_compares_bf16_and_fp8_on_gpu():
+    pytest.importorskip("torchao.float8", reason="needs torchao (pip install 'dflash-ipc[fp8]')")
+    if torch.cuda.get_device_capability(0) < (8, 9):
+        pytest.skip("needs compute capability >= 8.9")
+    results = bd.compare_precisions("cuda:0", steps=2, shape="tiny", variants=bd.precision_variants(["bf16", "fp8"]),
+                                    anchors_per_seq=16, num_seqs=2, seq_len=128, warmup=1)
+    assert results[1]["fp8_matmul_tflops"] > 0 and results[1]["peak_memory_gib"] > 0

@@ -52,12 +52,14 @@ BENCH_FILE = "dflash_bench.json"  # in a built target: its shape and the shape's
 
 
 def build_random_target(out_dir: str, *, shape: str, dtype: str = "bfloat16", seed: int = 0,
-                        num_layers: int | None = None) -> str:
-    """A random-weight target of `shape` (`num_layers`: fewer decoder layers than the shape's)."""
+                        num_layers: int | None = None, text_only: bool = False) -> str:
+    """A random-weight target of `shape` (`num_layers`: fewer decoder layers than the shape's).
+    ``text_only``: zero the LM-head rows of ids the tokenizer cannot write, as the tiny target
+    does (data/tiny.py), so the target's greedy replies are text (data/synthetic.py)."""
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from dflash_ipc.data.tiny import build_tiny_tokenizer
+    from dflash_ipc.data.tiny import _silence_padding_rows, build_tiny_tokenizer
     config_class, fields = SHAPES[shape]
     depth = fields["num_hidden_layers"]
     if num_layers is not None and not 1 <= num_layers <= depth:
@@ -66,8 +68,11 @@ def build_random_target(out_dir: str, *, shape: str, dtype: str = "bfloat16", se
     torch.manual_seed(seed)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    tokenizer = build_tiny_tokenizer()
+    if text_only:
+        _silence_padding_rows(model, len(tokenizer))
     model.save_pretrained(out_dir)
-    build_tiny_tokenizer().save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
     with open(os.path.join(out_dir, BENCH_FILE), "w") as f:
         json.dump({"shape": shape, "num_hidden_layers": num_layers or depth, "shape_num_hidden_layers": depth,
                    "num_parameters": model.num_parameters()}, f)

@@ -37,24 +37,33 @@ masked attention computes) and the pairs inside the 128x128 tiles FlexAttention 
 module is the reference. (DESIGN.md's 286 TFLOP counted fc x3 and the LM head over all Q.)
 
 The matmul rate is measured in the same run: ``matmul_size``^3 bf16 matmuls (8192 for
-qwen3-8b), 3 warmups, mean of 10. MFU = model FLOPs / step time / that rate.
+qwen3-8b), 3 warmups, mean of 10. MFU = model FLOPs / step time / that rate, for every
+precision (an fp8 run also reports the float8 ``torch._scaled_mm`` rate of the same size).
+
+Precisions (``drafter.precision``, drafter/precision.py): several variants in one run are
+timed one after the other in the same process, each on a fresh trainer, and compared:
+step time, tokens/s, peak memory and the speedup against the first.
 
 Run manual::
 
     dflash-ipc bench drafter --device cuda:0 --steps 10
+    dflash-ipc bench drafter --device cuda:0 --steps 10 --precision bf16,fp8
     python -c "from dflash_ipc.bench.drafter import run_drafter_bench; run_drafter_bench('cpu', 2, 'tiny', 16, 2, 128)"
 """
 
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import statistics
 import time
+import typing
 from dataclasses import dataclass
 
 import torch
 
+from dflash_ipc.config import Fp8HeadMatmuls, Fp8Recipe, JobConfig, Precision
 from dflash_ipc.config_load import config_from_dict
 from dflash_ipc.drafter.attention import FLEX_TILE, build_mask, flex_tile_flags
 from dflash_ipc.drafter.model import DFlashConfig
@@ -174,19 +183,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def matmul_rate(device: torch.device, size: int, *, warmup: int = MATMUL_WARMUP,
+def matmul_rate(device: torch.device, size: int, *, fp8: bool = False, warmup: int = MATMUL_WARMUP,
                 iters: int = MATMUL_ITERS) -> float:
-    """Mean bf16 ``size^3`` matmul rate in TFLOP/s over ``iters`` back-to-back matmuls."""
+    """Mean ``size^3`` matmul rate in TFLOP/s over ``iters`` back-to-back matmuls: bf16, or
+    float8 e4m3 through ``torch._scaled_mm`` with tensorwise scales (CUDA only)."""
     gen = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=gen)
     b = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=gen)
     out = torch.empty(size, size, device=device, dtype=torch.bfloat16)
+    if fp8:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t()  # b column-major
+        one = torch.ones((), device=device)
+
+        def matmul() -> None:
+            torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    else:
+        def matmul() -> None:
+            torch.matmul(a, b, out=out)
     for _ in range(warmup):
-        torch.matmul(a, b, out=out)
+        matmul()
     _sync(device)
     started = time.perf_counter()
     for _ in range(iters):
-        torch.matmul(a, b, out=out)
+        matmul()
     _sync(device)
     seconds = (time.perf_counter() - started) / iters
     return 2 * size**3 / seconds / 1e12
@@ -276,27 +295,69 @@ def _one_step(trainer: _RecordingTrainer, seqs: list[Sequence], device: torch.de
             "mask_s": _mask_seconds(batch.layout, trainer.backend, device)}
 
 
+# --- precision variants -------------------------------------------------------------------------
+
+
+def precision_variants(precisions: typing.Sequence[str], recipes: typing.Sequence[str] = ("tensorwise",),
+                       lm_heads: typing.Sequence[str] = ("all",)) -> list[dict]:
+    """The ``drafter`` config fields of each variant to compare, in order: bf16 once, fp8 once
+    per (recipe, LM-head choice). ConfigError for a name not allowed."""
+    for name, given, hint in (("precision", precisions, Precision), ("fp8 recipe", recipes, Fp8Recipe),
+                              ("fp8 LM head", lm_heads, Fp8HeadMatmuls)):
+        allowed = typing.get_args(hint)
+        bad = [g for g in given if g not in allowed]
+        if bad or not given:
+            raise ConfigError(f"bench: {name} {', '.join(bad) or '(none)'} not allowed; allowed: {', '.join(allowed)}")
+    out = []
+    for precision in precisions:
+        if precision == "bf16":
+            out.append({"precision": "bf16"})
+        else:
+            out += [{"precision": precision, "fp8_recipe": r, "fp8_lm_head": h} for r in recipes for h in lm_heads]
+    return out
+
+
+def variant_label(variant: dict) -> str:
+    if variant["precision"] == "bf16":
+        return "bf16"
+    recipe, lm_head = variant.get("fp8_recipe", "tensorwise"), variant.get("fp8_lm_head", "all")
+    return f"{variant['precision']} {recipe}, lm_head {lm_head}"
+
+
+def bench_job_config(device: torch.device, *, drafter: dict | None = None, **sections: dict) -> JobConfig:
+    """The config of a one-drafter job on ``device`` (targets on the same kind of device: a job
+    config refuses to mix CPU and CUDA workers)."""
+    return config_from_dict({"target": {"devices": [str(device)]},
+                             "drafter": {"num_workers": 1, "devices": [str(device)], "dtype": "bfloat16",
+                                         "attention": "auto", **(drafter or {})}, **sections})
+
+
 def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwen3-8b", anchors_per_seq: int = 512,
-                      num_seqs: int = 4, seq_len: int = 2048, warmup: int = 3) -> dict:
+                      num_seqs: int = 4, seq_len: int = 2048, warmup: int = 3,
+                      variant: dict | None = None) -> dict:
     """Time ``steps`` real drafter training steps after ``warmup`` untimed ones; print and return figures.
 
     Every step trains on ``num_seqs`` fresh random sequences of ``seq_len`` tokens with
     ``anchors_per_seq`` anchors each (``num_seqs * anchors_per_seq * block_size`` queries).
+    ``variant``: ``drafter`` config fields of the precision (default bf16; precision_variants).
     """
     _check_sizes(steps, warmup, anchors_per_seq, num_seqs, seq_len)
+    variant = variant or {"precision": "bf16"}
     dev = _resolve_device(device)
     config = drafter_model_config(shape)
-    rate = matmul_rate(dev, SHAPES[shape].matmul_size)
+    size = SHAPES[shape].matmul_size
+    rate = matmul_rate(dev, size)
+    fp8_rate = matmul_rate(dev, size, fp8=True) if variant["precision"] == "fp8" and dev.type == "cuda" else None
     gen = torch.Generator(device=dev).manual_seed(1)
     cpu_gen = torch.Generator().manual_seed(2)
-    cfg = config_from_dict({
-        "drafter": {"num_workers": 1, "devices": [str(dev)], "dtype": "bfloat16", "attention": "auto"},
-        "model": {"num_layers": config.num_hidden_layers, "block_size": config.block_size},
-        "objective": {"max_anchors_per_seq": anchors_per_seq, "anchors_per_step": num_seqs * anchors_per_seq}})
+    cfg = bench_job_config(dev, drafter=variant,
+                           model={"num_layers": config.num_hidden_layers, "block_size": config.block_size},
+                           objective={"max_anchors_per_seq": anchors_per_seq,
+                                      "anchors_per_step": num_seqs * anchors_per_seq})
     trainer = _RecordingTrainer(cfg, config, random_head(config, dev, gen), device=str(dev),
                                 total_steps=warmup + steps)
-    logger.info("bench drafter: %s on %s, %s attention, %d warmup + %d steps", shape, dev, trainer.backend,
-                warmup, steps)
+    logger.info("bench drafter: %s on %s, %s, %s attention, %d warmup + %d steps", shape, dev,
+                variant_label(variant), trainer.backend, warmup, steps)
     warm, timed = [], []
     for i in range(warmup + steps):
         seqs = random_sequences(config, step=i, num_seqs=num_seqs, seq_len=seq_len, max_anchors=anchors_per_seq,
@@ -311,8 +372,38 @@ def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwe
     peak = torch.cuda.max_memory_allocated(dev) / GIB if dev.type == "cuda" else None
     figures = _figures(trainer, config, shape, dev, rate, warm, timed, peak,
                        num_seqs=num_seqs, seq_len=seq_len, anchors_per_seq=anchors_per_seq)
+    figures.update(precision=variant_label(variant), variant=dict(variant), fp8_matmul_tflops=fp8_rate)
     print(format_report(figures), flush=True)
     return figures
+
+
+def compare_precisions(device: str = "cuda:0", steps: int = 10, shape: str = "qwen3-8b",
+                       variants: typing.Sequence[dict] = ({"precision": "bf16"},), **sizes) -> list[dict]:
+    """:func:`run_drafter_bench` for each variant, one after the other in this process (each
+    trainer freed before the next is built), then the comparison against the first."""
+    results = []
+    for variant in variants:
+        results.append(run_drafter_bench(device, steps, shape, variant=variant, **sizes))
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if len(results) > 1:
+        print(format_comparison(results), flush=True)
+    return results
+
+
+def format_comparison(results: list[dict]) -> str:
+    """One line per variant: step time, tokens/s, peak memory, speedup against the first."""
+    base = results[0]
+    lines = [f"precision comparison: {base['shape']} on {base['device']}, one run, speedup = step time of "
+             f"{base['precision']} / step time",
+             f"  {'precision':<30} {'step ms':>8} {'query tok/s':>12} {'context tok/s':>14} {'peak GiB':>9} "
+             f"{'speedup':>8}"]
+    for f in results:
+        peak = f"{f['peak_memory_gib']:.1f}" if f["peak_memory_gib"] is not None else "n/a"
+        lines.append(f"  {f['precision']:<30} {f['step_s_mean'] * 1e3:>8.1f} {f['query_tokens_per_s']:>12,.0f} "
+                     f"{f['context_tokens_per_s']:>14,.0f} {peak:>9} {base['step_s_mean'] / f['step_s_mean']:>7.2f}x")
+    return "\n".join(lines)
 
 
 def _mean_flops(config: DFlashConfig, timed: list[dict], pairs: str) -> dict[str, float]:
@@ -369,8 +460,12 @@ def format_report(f: dict) -> str:
         else "n/a on CPU"
     parts = ", ".join(f"{name} {_flop_str(v)}" for name, v in f["flops_breakdown"].items())
     warm = ", ".join(f"{s:.2f} s" for s in f["warmup_step_s"]) or "none"
+    fp8_rate = f.get("fp8_matmul_tflops")
+    fp8_line = [f"                float8 e4m3 matmul {_flop_str(fp8_rate * 1e12)}/s ({f['matmul_size']}^3, "
+                f"torch._scaled_mm, same run)"] if fp8_rate else []
     return "\n".join([
-        f"drafter step benchmark: {f['shape']} on {f['device']}, torch {f['torch']}, {f['attention']} attention",
+        f"drafter step benchmark: {f['shape']} on {f['device']}, torch {f['torch']}, {f['attention']} attention, "
+        f"{f.get('precision', 'bf16')}",
         f"  drafter       {f['num_layers']} layers, hidden {f['hidden_size']}, vocab {f['vocab_size']}, "
         f"{_count_str(f['trainable_params'])} trainable params, target layers {f['target_layer_ids']}",
         f"  step          {f['num_seqs']} seqs x {f['seq_len']} tokens, {f['anchors_per_seq']} anchors/seq, "
@@ -388,6 +483,7 @@ def format_report(f: dict) -> str:
         f"                {parts}",
         f"  rate          {_flop_str(f['tflops'] * 1e12)}/s vs bf16 matmul {_flop_str(f['matmul_tflops'] * 1e12)}/s "
         f"({f['matmul_size']}^3, same run)",
+        *fp8_line,
         f"  MFU           {f['mfu'] * 100:.1f}% (visible-pairs FLOPs; dense-equivalent would read "
         f"{f['mfu_dense'] * 100:.1f}%)",
         f"  loss          {f['loss_last']:.3f} (last step; random data)",

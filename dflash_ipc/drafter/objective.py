@@ -222,7 +222,7 @@ class _ChunkedWeightedCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, chunk_size):  # noqa: D102
+    def forward(ctx, hidden, weight, labels, weights, chunk_size, fp8_head):  # noqa: D102
         rows = torch.nonzero(weights).squeeze(1)  # [R] rows that carry loss
         acc = _acc_dtype(weight.dtype)
         total = torch.zeros((), dtype=acc, device=hidden.device)
@@ -232,6 +232,12 @@ class _ChunkedWeightedCE(torch.autograd.Function):
             h = hidden.index_select(0, idx).to(weight.dtype)  # [C, H]
             y = labels.index_select(0, idx)  # [C]
             w = weights.index_select(0, idx).to(acc)  # [C]
+            if fp8_head is not None:  # both LM-head matmuls in float8 (precision.py)
+                loss, dh = fp8_head.loss_and_input_grad(h, y, w, with_grad=grad is not None)
+                total += loss
+                if grad is not None:
+                    grad.index_copy_(0, idx, dh.to(hidden.dtype))
+                continue
             logits = F.linear(h, weight)  # [C, V]
             if grad is None:
                 total += _fused_chunk_loss(logits, y, w)
@@ -246,7 +252,7 @@ class _ChunkedWeightedCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # noqa: D102
         (grad,) = ctx.saved_tensors
-        return grad * grad_out.to(grad.dtype), None, None, None, None
+        return grad * grad_out.to(grad.dtype), None, None, None, None, None
 
 
 def weighted_ce_sum(
@@ -255,13 +261,16 @@ def weighted_ce_sum(
     labels: Tensor,
     weights: Tensor,
     chunk_size: int = 8192,
+    fp8_head=None,
 ) -> Tensor:
     """``sum_i weights[i] * CE(head.logits(hidden[i]), labels[i])`` as a scalar.
 
     Softmax and the sum run in float32 (float64 for a float64 head), the result's dtype.
 
     hidden ``[Q, H]``, labels ``[Q]`` long, weights ``[Q]``. Chunked over Q so the
-    ``[Q, vocab]`` logits never exist at once, in forward or backward.
+    ``[Q, vocab]`` logits never exist at once, in forward or backward. ``fp8_head``
+    (``precision.Fp8LMHead``, for ``drafter.precision: fp8``) computes each chunk's logits
+    and ``dL/dh`` with float8 matmuls; None keeps the head's own dtype.
     """
     if chunk_size < 1:
         raise DataError(f"chunk_size={chunk_size} must be >= 1")
@@ -270,4 +279,4 @@ def weighted_ce_sum(
             f"hidden {tuple(hidden.shape)}, labels {tuple(labels.shape)} and weights "
             f"{tuple(weights.shape)} disagree on the number of rows"
         )
-    return _ChunkedWeightedCE.apply(hidden, head.lm_head_weight, labels.long(), weights, chunk_size)
+    return _ChunkedWeightedCE.apply(hidden, head.lm_head_weight, labels.long(), weights, chunk_size, fp8_head)

@@ -28,6 +28,7 @@ from dflash_ipc.drafter.export import write_inference_files
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.drafter.objective import (anchor_generator, build_training_batch, sample_anchors,
                                           weighted_ce_sum)
+from dflash_ipc.drafter.precision import apply_precision
 from dflash_ipc.drafter.target_head import FrozenTargetHead
 from dflash_ipc.drafter.training_state import read_training_state, write_training_state
 from dflash_ipc.dtypes import TORCH_DTYPES
@@ -100,6 +101,7 @@ class DrafterTrainer:
         torch.manual_seed(seed)  # identical initial weights on every rank
         self.model = DFlashDraftModel(model_config).to(self.device)
         self.head = head
+        self.fp8_head = apply_precision(cfg.drafter, self.model, head, self.device)  # None in bf16
         self.compute_dtype = TORCH_DTYPES[cfg.drafter.dtype]
         self.backend = cfg.drafter.attention if cfg.drafter.attention != "auto" else (
             "flex" if self.device.type == "cuda" else "dense")
@@ -141,7 +143,7 @@ class DrafterTrainer:
             with torch.autocast(self.device.type, dtype=self.compute_dtype,
                                 enabled=self.compute_dtype != torch.float32):
                 hidden = self._forward(batch, features, mask)
-                loss_sum = weighted_ce_sum(hidden, self.head, batch.labels, batch.weights)
+                loss_sum = weighted_ce_sum(hidden, self.head, batch.labels, batch.weights, fp8_head=self.fp8_head)
             # The clamp only guards hand-made batches with all weights 0: loss and gradient 0.
             (loss_sum / weight_sum.float().clamp_min(torch.finfo(torch.float32).tiny)).backward()
         grad_norm = self._reduce_and_clip()  # synchronizes (the norm is read on the host)

@@ -1,0 +1,285 @@
+"""Training precision of the drafter: bf16 as it is, or float8 matmuls on GPUs that have them.
+
+`drafter.precision: fp8` changes two things and nothing else: master weights, optimizer
+state, norms, attention, checkpoints and the bf16 export stay exactly as in bf16.
+
+1. The drafter's linear layers (fc, q/k/v/o, gate/up/down) become torchao `Float8Linear`s
+   (`convert_to_float8_training`, recipe `drafter.fp8_recipe`): the forward, input-gradient
+   and weight-gradient matmuls run in float8 with dynamic scales. Each layer's forward goes
+   through torch.compile, so the casts to float8 fuse into one kernel, with the row count
+   dynamic: one graph per weight shape, whatever the step's number of tokens. The weight
+   stays the same float32 `nn.Parameter` under the same name, so `state_dict`, checkpoints
+   and the export do not change.
+2. The frozen LM head's two matmuls in the chunked CE (`objective.weighted_ce_sum`), as
+   `drafter.fp8_lm_head` says: `all` = the logits h @ W^T and dL/dh, `grad` = dL/dh only
+   (the logits, hence the loss, stay bf16: float8 logits carry ~2 % of their spread as
+   rounding noise, which a peaked softmax amplifies), `none` = neither. Through
+   `torch._scaled_mm`, on float8 copies of W made once (it is frozen).
+   dL/dh = (w * softmax) @ W - w * W[y]: only the softmax part goes through float8; the
+   one-hot part is a row gather of W, exact. Why: while the drafter is wrong, the one-hot
+   part is the largest term of dL/dh; through float8 it carries the rounding of both
+   operands (~3 % each), and its ~1 sets the scale of the small softmax entries. Measured
+   on random heads: 4-6 % error in dL/dh with the one-hot inside the float8 matmul, 0.1 %
+   with the split (tests/test_drafter_precision.py).
+
+Scaling follows the recipe in both parts: `tensorwise` is one scale per tensor, e4m3 in the
+forward and e5m2 for gradients (torchao's tensorwise recipe); `rowwise` is one power-of-two
+scale per row, e4m3 throughout (torchao's rowwise recipe). A scale maps the absolute
+maximum of its tensor (row) to the format's largest finite value.
+
+Needs a CUDA GPU of compute capability >= 8.9 (Ada, Hopper and newer) and torchao >= 0.18
+(`pip install 'dflash-ipc[fp8]'`); anything else is a ConfigError that names the fix.
+`DFLASH_FP8_EMULATE=1` runs the same code on any device with float8-rounded operands and
+float32 matmuls (torchao's `emulate`): for tests and debugging, no speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflash_ipc.config import DrafterConfig
+from dflash_ipc.drafter.model import CudaCompiled, compile_enabled
+from dflash_ipc.drafter.objective import _chunk_loss, _fused_chunk_loss
+from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+EMULATE_ENV = "DFLASH_FP8_EMULATE"
+"""Set to ``1`` to run fp8 on any device (CPU included) in emulation: for tests."""
+MIN_TORCHAO = (0, 18)  # the release tested here (its rowwise transpose fix is not in 0.17)
+MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0) and newer
+INSTALL_HINT = "pip install 'dflash-ipc[fp8]'"
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+AMAX_EPS = 1e-12  # as torchao: an all-zero tensor gets a finite scale
+MM_MULTIPLE = 16  # torch._scaled_mm: inner and output dims must be multiples of 16
+
+
+def emulate_enabled() -> bool:
+    return os.environ.get(EMULATE_ENV, "0") == "1"
+
+
+def _version(text: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", text)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+def torchao_float8():
+    """The `torchao.float8` module, or a ConfigError that says how to install it."""
+    try:
+        import torchao
+        from torchao import float8
+    except Exception as exc:  # ImportError, or a torchao built for another torch
+        raise ConfigError(f"drafter.precision: fp8 needs torchao >= {'.'.join(map(str, MIN_TORCHAO))}, "
+                          f"which does not import here ({type(exc).__name__}: {exc}); {INSTALL_HINT}, "
+                          f"or set drafter.precision=bf16") from None
+    found = getattr(torchao, "__version__", "unknown")
+    if _version(found) < MIN_TORCHAO:
+        raise ConfigError(f"drafter.precision: fp8 needs torchao >= {'.'.join(map(str, MIN_TORCHAO))}, "
+                          f"found {found}; {INSTALL_HINT}, or set drafter.precision=bf16")
+    return float8
+
+
+def require_fp8(device: torch.device | str) -> None:
+    """ConfigError unless float8 training can run on `device`: a GPU with float8 tensor
+    cores and torchao (emulation needs only torchao)."""
+    device = torch.device(device)
+    if not emulate_enabled():
+        if device.type != "cuda":
+            raise ConfigError(f"drafter.precision: fp8 needs a CUDA GPU of compute capability >= 8.9 "
+                              f"(Ada, Hopper or newer), but the drafter runs on {device}; "
+                              f"set drafter.precision=bf16")
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < MIN_CAPABILITY:
+            raise ConfigError(f"drafter.precision: fp8 needs compute capability >= 8.9 (Ada, Hopper or "
+                              f"newer); {device} is {torch.cuda.get_device_name(device)} ({major}.{minor}) "
+                              f"without float8 tensor cores; set drafter.precision=bf16")
+    torchao_float8()
+
+
+def apply_precision(cfg: DrafterConfig, model: nn.Module, head: FrozenTargetHead,
+                    device: torch.device | str) -> "Fp8LMHead | None":
+    """The trainer's hook, right after the model is built: converts ``model`` in place for
+    ``cfg.precision`` and returns the LM-head matmuls for ``weighted_ce_sum`` (None: bf16)."""
+    if cfg.precision == "bf16":
+        return None
+    require_fp8(device)
+    emulate = emulate_enabled()
+    converted = convert_linears(model, cfg.fp8_recipe, emulate=emulate)
+    if torch.device(device).type == "cuda" and compile_enabled():
+        compile_linears(converted)
+    fp8_head = None if cfg.fp8_lm_head == "none" else Fp8LMHead.create(
+        head.lm_head_weight, rowwise=cfg.fp8_recipe == "rowwise", fp8_logits=cfg.fp8_lm_head == "all",
+        emulate=emulate)
+    if fp8_head is None and cfg.fp8_lm_head != "none":
+        logger.info("precision fp8: LM head %s stays bf16: dims must be multiples of %d",
+                    tuple(head.lm_head_weight.shape), MM_MULTIPLE)
+    logger.info("precision fp8 (%s%s): %d linear layers in float8, LM head matmuls in float8: %s", cfg.fp8_recipe,
+                ", emulated" if emulate else "", len(converted), cfg.fp8_lm_head if fp8_head is not None else "none")
+    return fp8_head
+
+
+# --- the linear layers: torchao ---------------------------------------------------------------
+
+
+def convert_linears(model: nn.Module, recipe: str, *, emulate: bool = False) -> list[nn.Module]:
+    """Swaps every ``nn.Linear`` of ``model`` whose dims fit float8 matmuls for torchao's
+    ``Float8Linear`` (same parameter, same name); returns the converted modules."""
+    float8 = torchao_float8()
+    config = float8.Float8LinearConfig.from_recipe_name(recipe)
+    if emulate:
+        config = dataclasses.replace(config, emulate=True)
+
+    names = []  # Float8Linear is not public API: the converted layers are found by name
+
+    def fits(module: nn.Module, name: str) -> bool:
+        ok = module.in_features % MM_MULTIPLE == 0 and module.out_features % MM_MULTIPLE == 0
+        if ok:
+            names.append(name)
+        else:
+            logger.info("precision fp8: %s (%d -> %d) stays bf16: dims must be multiples of %d", name,
+                        module.in_features, module.out_features, MM_MULTIPLE)
+        return ok
+
+    float8.convert_to_float8_training(model, module_filter_fn=fits, config=config)
+    return [model.get_submodule(name) for name in names]
+
+
+def compile_linears(modules: list[nn.Module]) -> None:
+    """Each layer's forward through one shared torch.compile'd function, rows dynamic."""
+    for module in modules:
+        module.forward = _CompiledForward(module)
+
+
+def _float8_forward(x: Tensor, module: nn.Module) -> Tensor:
+    return type(module).forward(module, x)  # the class's: the instance's forward is the wrapper
+
+
+# One compiled function for every layer: dynamo shares a graph between layers of the same
+# weight shape (their parameters are graph inputs), so 5 graphs serve every Qwen3 shape.
+_fused_float8_forward = CudaCompiled(_float8_forward, dynamic_args=(0,))
+
+
+class _CompiledForward:
+    """A Float8Linear's forward through torch.compile, rows dynamic (context tokens or block
+    queries, a new count every step). A class, not a closure: ``copy.deepcopy`` of the model
+    then points the copy's wrapper at the copied layer."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return _fused_float8_forward(x, self.module)
+
+
+# --- the LM head: torch._scaled_mm --------------------------------------------------------------
+
+
+def _scale(amax: Tensor, dtype: torch.dtype, pow2: bool) -> Tensor:
+    """float32 scale taking ``amax`` to the largest finite value of ``dtype`` (rounded down to
+    a power of two when ``pow2``: scaling is then exact)."""
+    scale = torch.finfo(dtype).max / amax.float().clamp_min(AMAX_EPS)
+    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+
+
+def quantize(x: Tensor, dtype: torch.dtype, rowwise: bool) -> tuple[Tensor, Tensor]:
+    """(``x`` in float8, inverse scale): ``x ~= q * inv``; inv ``[rows, 1]`` rowwise, ``[]``
+    tensorwise, float32 (what ``torch._scaled_mm`` takes)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True) if rowwise else xf.abs().amax()
+    scale = _scale(amax, dtype, pow2=rowwise)
+    fmax = torch.finfo(dtype).max
+    return (xf * scale).clamp(-fmax, fmax).to(dtype), scale.reciprocal()
+
+
+def loss_and_quantized_probs(logits: Tensor, labels: Tensor, weights: Tensor, dtype: torch.dtype,
+                             rowwise: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(the chunk's loss, ``w * softmax(logits)`` ``[C, V]`` in float8, its inverse scale).
+
+    The one-hot is left out (module docstring). Compiled, the softmax, its scale and the cast
+    are one pass over the logits: a row's maximum of ``w * softmax`` is
+    ``w * exp(max(x) - lse)``, known from the reductions, no pass over the probabilities.
+    """
+    loss = _chunk_loss(logits, labels, weights)
+    x = logits.float()  # [C, V]
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [C, 1]
+    amax = weights[:, None] * torch.exp(x.amax(dim=-1, keepdim=True) - lse)  # [C, 1]
+    scale = _scale(amax if rowwise else amax.amax(), dtype, pow2=rowwise)
+    fmax = torch.finfo(dtype).max
+    q = (torch.exp(x - lse) * (weights[:, None] * scale)).clamp(-fmax, fmax).to(dtype)
+    return loss, q, scale.reciprocal()
+
+
+_fused_quantize = CudaCompiled(quantize, dynamic_args=(0,))
+_fused_loss_and_probs = CudaCompiled(loss_and_quantized_probs, dynamic_args=(0, 1, 2))
+
+
+def scaled_matmul(a: Tensor, b: Tensor, a_inv: Tensor, b_inv: Tensor, out_dtype: torch.dtype, *,
+                  fast_accum: bool, emulate: bool) -> Tensor:
+    """``(a * a_inv) @ (b * b_inv)``: a ``[M, K]`` row-major and b ``[K, N]`` column-major in
+    float8, a_inv ``[M, 1]`` or ``[]``, b_inv ``[1, N]`` or ``[]``."""
+    if emulate:
+        return ((a.float() * a_inv) @ (b.float() * b_inv)).to(out_dtype)
+    return torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+class Fp8LMHead:
+    """The frozen LM head's matmuls of the chunked CE in float8: dL/dh, and the logits when
+    ``fp8_logits`` (else those are ``F.linear`` in the head's dtype, as without float8).
+
+    W ``[V, H]`` is quantized once: ``w_q`` for the logits (per vocabulary row when rowwise)
+    and ``wt_q`` = W^T for dL/dh (per hidden channel when rowwise), each row-major, so
+    ``w_q.t()`` and ``wt_q.t()`` are the column-major operands ``torch._scaled_mm`` wants.
+    The logits GEMM uses fast accumulation (torchao does for forward GEMMs); the gradient
+    GEMM, whose inner dimension is the vocabulary, does not.
+    """
+
+    def __init__(self, weight: Tensor, *, rowwise: bool, fp8_logits: bool = True, emulate: bool = False) -> None:
+        self.weight = weight  # [V, H] the head's own: bf16 logits, the exact one-hot part of dL/dh
+        self.rowwise, self.fp8_logits, self.emulate = rowwise, fp8_logits, emulate
+        self.grad_dtype = E4M3 if rowwise else E5M2
+        with torch.no_grad():
+            # [V, H], [V, 1] | [] for the logits; [H, V], [H, 1] | [] for dL/dh
+            self.w_q, self.w_inv = quantize(weight, E4M3, rowwise) if fp8_logits else (None, None)
+            self.wt_q, self.wt_inv = quantize(weight.t().contiguous(), E4M3, rowwise)
+
+    @classmethod
+    def create(cls, weight: Tensor, **kwargs) -> "Fp8LMHead | None":
+        """The float8 head, or None when W's dims are not multiples of 16 (the head then
+        stays in its own dtype)."""
+        if weight.dim() != 2 or weight.shape[0] % MM_MULTIPLE or weight.shape[1] % MM_MULTIPLE:
+            return None
+        return cls(weight, **kwargs)
+
+    def _mm(self, a, b, a_inv, b_inv, out_dtype, fast_accum: bool) -> Tensor:
+        return scaled_matmul(a, b, a_inv, b_inv, out_dtype, fast_accum=fast_accum, emulate=self.emulate)
+
+    @torch.no_grad()
+    def loss_and_input_grad(self, h: Tensor, labels: Tensor, weights: Tensor, *,
+                            with_grad: bool) -> tuple[Tensor, Tensor | None]:
+        """(``sum_i w_i * CE_i`` of one chunk, ``dL/dh`` ``[C, H]`` float32 or None).
+
+        h ``[C, H]`` in the head's dtype, labels ``[C]`` long, weights ``[C]`` float32.
+        """
+        # Outside autocast: it would round the emulated float32 matmuls to bf16.
+        with torch.autocast(h.device.type, enabled=False):
+            if self.fp8_logits:
+                h_q, h_inv = _fused_quantize(h, E4M3, self.rowwise)  # [C, H], [C, 1] | []
+                logits = self._mm(h_q, self.w_q.t(), h_inv, self.w_inv.t(), self.weight.dtype, True)  # [C, V]
+            else:
+                logits = F.linear(h, self.weight)  # [C, V]
+            if not with_grad:
+                return _fused_chunk_loss(logits, labels, weights), None
+            loss, p_q, p_inv = _fused_loss_and_probs(logits, labels, weights, self.grad_dtype, self.rowwise)
+            del logits
+            # bf16 out, as the bf16 path's dlogits @ W: the output type every scaled-mm kernel has
+            soft = self._mm(p_q, self.wt_q.t(), p_inv, self.wt_inv.t(), torch.bfloat16, False)  # [C, H]
+            dh = soft.float() - weights[:, None] * self.weight.index_select(0, labels).float()  # minus the one-hot
+        return loss, dh

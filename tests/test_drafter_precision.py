@@ -1,0 +1,356 @@
+"""drafter.precision: the config choices, the refusals (no torchao needed), the float8 LM head
+against float32 (no torchao needed), and with torchao's emulation on CPU: the conversion,
+the unchanged checkpoint and export names, a training step against bf16, one compiled
+graph per weight shape. GPU tests run the real float8 kernels."""
+
+import collections
+import copy
+import sys
+import types
+
+import pytest
+import torch
+
+from dflash_ipc.bench import drafter as bd
+from dflash_ipc.config_load import config_from_dict, load_config
+from dflash_ipc.drafter import precision as prec
+from dflash_ipc.drafter.model import CudaCompiled, DFlashDraftModel
+from dflash_ipc.drafter.objective import _chunk_loss_and_grad_eager, weighted_ce_sum
+from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.errors import ConfigError
+
+torch.set_num_threads(1)
+
+try:
+    prec.torchao_float8()
+    HAVE_TORCHAO = True
+except ConfigError:
+    HAVE_TORCHAO = False
+needs_torchao = pytest.mark.skipif(not HAVE_TORCHAO, reason="needs torchao >= 0.18 (pip install 'dflash-ipc[fp8]')")
+
+
+def _has_fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= prec.MIN_CAPABILITY
+
+
+# --- config and refusals: no torchao needed ------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("drafter.precision=fp16", "drafter.precision: 'fp16' not allowed; allowed: bf16, fp8"),
+    ("drafter.fp8_recipe=blockwise", "drafter.fp8_recipe: 'blockwise' not allowed; allowed: tensorwise, rowwise"),
+    ("drafter.fp8_lm_head=logits", "drafter.fp8_lm_head: 'logits' not allowed; allowed: all, grad, none"),
+])
+def test_precision_choices_are_checked(override, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        load_config(None, [override])
+
+
+def test_fp8_needs_bf16_compute_and_bf16_is_the_default():
+    cfg = load_config(None, [])
+    assert (cfg.drafter.precision, cfg.drafter.fp8_recipe, cfg.drafter.fp8_lm_head) == ("bf16", "tensorwise", "all")
+    with pytest.raises(ConfigError, match="drafter.precision: fp8 needs drafter.dtype=bfloat16.*got float32"):
+        load_config(None, ["drafter.precision=fp8", "drafter.dtype=float32"])
+    assert load_config(None, ["drafter.precision=fp8", "drafter.dtype=bfloat16"]).drafter.precision == "fp8"
+
+
+def test_bf16_leaves_the_model_alone_and_never_imports_torchao(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # any import of it would raise
+    model = DFlashDraftModel(bd.drafter_model_config("tiny"))
+    before = {n: type(m) for n, m in model.named_modules()}
+    cfg = config_from_dict({"drafter": {"precision": "bf16"}})
+    assert prec.apply_precision(cfg.drafter, model, bd.random_head(model.config, "cpu", None), "cpu") is None
+    assert {n: type(m) for n, m in model.named_modules()} == before
+
+
+def test_fp8_refused_on_cpu_through_the_trainer(monkeypatch):
+    monkeypatch.delenv(prec.EMULATE_ENV, raising=False)
+    config = bd.drafter_model_config("tiny")
+    cfg = config_from_dict({"drafter": {"num_workers": 1, "dtype": "bfloat16", "precision": "fp8"}})
+    with pytest.raises(ConfigError, match=r"fp8 needs a CUDA GPU of compute capability >= 8.9.*runs on cpu; "
+                                          r"set drafter.precision=bf16"):
+        bd.DrafterTrainer(cfg, config, bd.random_head(config, "cpu", None), device="cpu", total_steps=1)
+
+
+def test_fp8_refused_on_a_gpu_without_float8(monkeypatch):
+    monkeypatch.delenv(prec.EMULATE_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ConfigError, match=r"compute capability >= 8.9.*cuda:0 is NVIDIA A100-SXM4-80GB \(8.0\)"):
+        prec.require_fp8("cuda:0")
+
+
+def test_fp8_refused_without_torchao_or_with_an_old_one(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    with pytest.raises(ConfigError, match=r"needs torchao >= 0.18, which does not import here.*"
+                                          r"pip install 'dflash-ipc\[fp8\]'"):
+        prec.require_fp8("cuda:0")
+    old = types.ModuleType("torchao")
+    old.__version__, old.float8 = "0.16.0", types.ModuleType("torchao.float8")
+    monkeypatch.setitem(sys.modules, "torchao", old)
+    monkeypatch.setitem(sys.modules, "torchao.float8", old.float8)
+    with pytest.raises(ConfigError, match=r"needs torchao >= 0.18, found 0.16.0; pip install"):
+        prec.require_fp8("cuda:0")
+
+
+# --- the float8 LM head: no torchao needed -------------------------------------------------------
+
+
+def _head_case(peaked: bool, seed: int = 0, vocab: int = 2048):
+    """W [V, H] bf16, h [C, H] bf16, labels, weights: near-uniform or peaked logits."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, rows = 256, 48
+    weight = (torch.randn(vocab, hidden, generator=gen) * 0.02).bfloat16()
+    h = (torch.randn(rows, hidden, generator=gen) * (8.0 if peaked else 1.0)).bfloat16()
+    logits = h.float() @ weight.float().t()
+    labels = torch.where(torch.rand(rows, generator=gen) < 0.5, logits.argmax(-1),
+                         torch.randint(0, vocab, (rows,), generator=gen))
+    return weight, h, labels, torch.rand(rows, generator=gen) + 0.1
+
+
+def _reference(weight, h, labels, weights):
+    """float32 loss and dL/dh of the same rows."""
+    loss, dlogits = _chunk_loss_and_grad_eager(h.float() @ weight.float().t(), labels, weights)
+    return loss, dlogits @ weight.float()
+
+
+def _rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+@pytest.mark.parametrize("fp8_logits", [True, False])
+def test_fp8_head_matches_float32(rowwise, fp8_logits):
+    for peaked in (False, True):
+        weight, h, labels, weights = _head_case(peaked)
+        head = prec.Fp8LMHead(weight, rowwise=rowwise, fp8_logits=fp8_logits, emulate=True)
+        loss, dh = head.loss_and_input_grad(h, labels, weights, with_grad=True)
+        ref_loss, ref_dh = _reference(weight, h, labels, weights)
+        assert dh.dtype == torch.float32 and dh.shape == h.shape
+        # float8 logits round ~2 % of their spread; bf16 logits and float8 gradients alone much less
+        assert abs(float(loss / ref_loss) - 1) < (2e-2 if fp8_logits else 1e-3)
+        assert _rel(dh, ref_dh) < (0.15 if fp8_logits and peaked else 0.05)
+        no_grad_loss, none = head.loss_and_input_grad(h, labels, weights, with_grad=False)
+        assert none is None and float(no_grad_loss) == pytest.approx(float(loss), rel=1e-5)
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_leaving_the_one_hot_out_of_float8_is_what_keeps_the_gradient(rowwise):
+    """Quantizing w*(softmax - onehot) whole puts the dominant one-hot term through float8
+    rounding (measured 4-6 % error); the split keeps dL/dh within 0.5 %."""
+    weight, h, labels, weights = _head_case(peaked=False)
+    head = prec.Fp8LMHead(weight, rowwise=rowwise, fp8_logits=False, emulate=True)
+    _, dh = head.loss_and_input_grad(h, labels, weights, with_grad=True)
+    _, ref_dh = _reference(weight, h, labels, weights)
+    _, dlogits = _chunk_loss_and_grad_eager((h @ weight.t()).float(), labels, weights)
+    q, inv = prec.quantize(dlogits, head.grad_dtype, rowwise=rowwise)
+    whole = prec.scaled_matmul(q, head.wt_q.t(), inv, head.wt_inv.t(), torch.float32, fast_accum=False, emulate=True)
+    assert _rel(dh, ref_dh) < 0.005 and _rel(whole, ref_dh) > 0.03
+
+
+def test_quantize_scales_and_round_trip():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(33, 64, generator=gen) * torch.logspace(-3, 2, 33)[:, None]  # rows of very different size
+    for rowwise, dtype, step in ((False, prec.E4M3, 2**-3), (True, prec.E4M3, 2**-3), (False, prec.E5M2, 2**-2)):
+        q, inv = prec.quantize(x, dtype, rowwise)
+        assert q.dtype == dtype and inv.dtype == torch.float32 and inv.shape == ((33, 1) if rowwise else ())
+        back = q.float() * inv
+        big = x.abs() > (x.abs().amax(-1, keepdim=True) if rowwise else x.abs().amax()) / 8  # in the normal range
+        assert ((back - x).abs() <= step * x.abs())[big].all()  # half an ulp: 2^-4 (e4m3), 2^-3 (e5m2)
+        if rowwise:  # power-of-two scales: exact scaling, the row maximum in the top binade
+            scale = inv.reciprocal()
+            assert torch.equal(scale, torch.exp2(torch.log2(scale).round()))
+    q, inv = prec.quantize(torch.zeros(4, 16), prec.E4M3, rowwise=True)
+    assert torch.isfinite(inv).all() and not q.float().any()
+
+
+def test_quantized_probs_are_the_weighted_softmax():
+    weight, h, labels, weights = _head_case(peaked=True)
+    logits = (h @ weight.t()).float()
+    for rowwise, dtype in ((True, prec.E4M3), (False, prec.E5M2)):
+        loss, q, inv = prec.loss_and_quantized_probs(logits, labels, weights, dtype, rowwise)
+        want = torch.softmax(logits, -1) * weights[:, None]
+        got = q.float() * inv
+        assert float(loss) == pytest.approx(float(_chunk_loss_and_grad_eager(logits.clone(), labels, weights)[0]))
+        top = want >= want.amax(-1, keepdim=True) / 4
+        assert ((got - want).abs() <= 2**-2 * want)[top].all()
+        # the scale puts each row's (the tensor's) maximum in float8's top binade
+        biggest = (q.float().abs().amax(-1) if rowwise else q.float().abs().amax()) / torch.finfo(dtype).max
+        assert (biggest > 0.49).all() and (biggest <= 1).all()
+
+
+@pytest.mark.parametrize("fn,dynamic,extra", [
+    (prec.quantize, (0,), (prec.E4M3, True)),
+    (prec.loss_and_quantized_probs, (0, 1, 2), (prec.E5M2, False)),
+])
+def test_head_kernels_trace_as_one_graph_for_every_chunk_size(fn, dynamic, extra):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = CudaCompiled(fn, dynamic_args=dynamic, backend=counter)
+    gen = torch.Generator().manual_seed(0)
+    for rows in (5, 17, 40):
+        logits = torch.randn(rows, 64, generator=gen).bfloat16()
+        args = (logits,) if fn is prec.quantize else (logits, torch.randint(0, 64, (rows,), generator=gen),
+                                                      torch.rand(rows, generator=gen))
+        for got, want in zip(compiled.compiled(*args, *extra), fn(*args, *extra)):
+            torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
+def test_head_of_unsupported_shape_stays_in_its_dtype():
+    assert prec.Fp8LMHead.create(torch.zeros(100, 64).bfloat16(), rowwise=False) is None  # 100 % 16 != 0
+    assert prec.Fp8LMHead.create(torch.zeros(96, 64).bfloat16(), rowwise=False) is not None
+
+
+def test_weighted_ce_sum_runs_the_fp8_head_in_forward_and_backward():
+    weight, h, labels, weights = _head_case(peaked=False)
+    head = FrozenTargetHead(weight.clone(), weight)
+    fp8 = prec.Fp8LMHead(weight, rowwise=False, emulate=True)
+    x = h.clone().requires_grad_(True)
+    loss = weighted_ce_sum(x, head, labels, weights, chunk_size=20, fp8_head=fp8)
+    loss.backward()
+    ref_loss, ref_dh = _reference(weight, h, labels, weights)
+    assert float(loss.detach() / ref_loss) == pytest.approx(1, abs=2e-2) and _rel(x.grad, ref_dh) < 0.05
+    with torch.no_grad():
+        assert float(weighted_ce_sum(x, head, labels, weights, chunk_size=20, fp8_head=fp8)) == pytest.approx(
+            float(loss), rel=1e-5)
+
+
+# --- the linear layers: torchao's emulation on CPU ----------------------------------------------
+
+
+def _fp8_cfg(**drafter):
+    return config_from_dict({"drafter": {"num_workers": 1, "dtype": "bfloat16", "precision": "fp8", **drafter},
+                             "objective": {"max_anchors_per_seq": 16, "anchors_per_step": 32}})
+
+
+@needs_torchao
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_conversion_keeps_parameters_checkpoint_and_export(monkeypatch, tmp_path, recipe):
+    from safetensors import safe_open
+
+    from dflash_ipc.drafter.export import save_inference_checkpoint
+
+    monkeypatch.setenv(prec.EMULATE_ENV, "1")
+    config = bd.drafter_model_config("tiny")
+    torch.manual_seed(0)
+    plain = DFlashDraftModel(config)
+    model = copy.deepcopy(plain)
+    params = dict(model.named_parameters())
+    fp8_head = prec.apply_precision(_fp8_cfg(fp8_recipe=recipe).drafter, model, bd.random_head(config, "cpu", None),
+                                    "cpu")
+    assert isinstance(fp8_head, prec.Fp8LMHead) and fp8_head.rowwise == (recipe == "rowwise")
+    linears = [n for n, m in plain.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 7 * config.num_hidden_layers + 1
+    assert all(type(model.get_submodule(n)).__name__ == "Float8Linear" for n in linears)
+    after = dict(model.named_parameters())
+    assert after.keys() == params.keys() and all(after[n] is p for n, p in params.items())  # the same objects
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}
+    for which, m in (("plain", plain), ("fp8", model)):
+        save_inference_checkpoint(m, str(tmp_path / which))
+    files = [safe_open(str(tmp_path / w / "model.safetensors"), framework="pt") for w in ("plain", "fp8")]
+    assert sorted(files[0].keys()) == sorted(files[1].keys())
+    for name in files[0].keys():
+        assert torch.equal(files[0].get_tensor(name), files[1].get_tensor(name))
+    assert (tmp_path / "plain" / "config.json").read_text() == (tmp_path / "fp8" / "config.json").read_text()
+
+
+def _step_gradients(trainer, seqs) -> tuple[float, dict]:
+    """The trainer's own forward and chunked CE (its fp8 head included), one backward."""
+    batch, features, mask, _ = trainer._build(trainer.take(collections.deque(seqs)))
+    trainer.model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = trainer._forward(batch, features, mask)
+        loss = weighted_ce_sum(hidden, trainer.head, batch.labels, batch.weights, fp8_head=trainer.fp8_head)
+    (loss / batch.weights.sum()).backward()
+    return float(loss.detach() / batch.weights.sum()), {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+
+
+@needs_torchao
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_step_follows_the_bf16_step(monkeypatch, recipe):
+    monkeypatch.setenv(prec.EMULATE_ENV, "1")
+    config = bd.drafter_model_config("tiny")
+    results = []
+    for drafter in ({"precision": "bf16"}, {"precision": "fp8", "fp8_recipe": recipe}):
+        gen = torch.Generator().manual_seed(0)
+        trainer = bd.DrafterTrainer(_fp8_cfg(**drafter), config, bd.random_head(config, "cpu", gen), device="cpu",
+                                    total_steps=2)
+        seqs = bd.random_sequences(config, step=0, num_seqs=2, seq_len=64, max_anchors=16, device=torch.device("cpu"),
+                                   gen=gen, cpu_gen=torch.Generator().manual_seed(1))
+        results.append(_step_gradients(trainer, seqs))
+        assert (trainer.fp8_head is None) == (drafter["precision"] == "bf16")
+    (loss16, grads16), (loss8, grads8) = results
+    assert loss8 == pytest.approx(loss16, rel=5e-3)
+    for name, g in grads16.items():
+        cos = torch.nn.functional.cosine_similarity(grads8[name].flatten(), g.flatten(), dim=0)
+        assert cos > 0.98, name
+
+
+@needs_torchao
+def test_compiled_float8_layers_share_one_graph_per_weight_shape(monkeypatch):
+    """The layers' compiled forward (rows dynamic): one graph per distinct weight shape for
+    every layer and row count, values and gradients as eager; a deep copy calls its own
+    layers. aot_eager: tracing without codegen."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    class Always(CudaCompiled):
+        __call__ = CudaCompiled.compiled
+
+    monkeypatch.setenv(prec.EMULATE_ENV, "1")
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(prec, "_fused_float8_forward", Always(prec._float8_forward, dynamic_args=(0,),
+                                                               backend=counter))
+    model = DFlashDraftModel(bd.drafter_model_config("tiny"))
+    eager = copy.deepcopy(model)
+    converted = prec.convert_linears(model, "tensorwise", emulate=True)
+    prec.convert_linears(eager, "tensorwise", emulate=True)
+    prec.compile_linears(converted)
+    shapes = {tuple(m.weight.shape) for m in converted}
+    gen = torch.Generator().manual_seed(0)
+    for rows in (24, 40):
+        for name, layer in [(n, m) for n, m in eager.named_modules() if type(m).__name__ == "Float8Linear"]:
+            x = torch.randn(rows, layer.in_features, generator=gen, requires_grad=True)
+            x2 = x.detach().clone().requires_grad_(True)
+            got, want = model.get_submodule(name)(x), layer(x2)
+            torch.testing.assert_close(got, want)
+            got.sum().backward()
+            want.sum().backward()
+            torch.testing.assert_close(x.grad, x2.grad)
+    assert counter.frame_count == len(shapes)
+    twin = copy.deepcopy(model)
+    assert twin.fc.forward.module is twin.fc and model.fc.forward.module is model.fc
+    torch._dynamo.reset()
+
+
+# --- the real float8 kernels -------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_fp8_gpu(), reason="needs a CUDA GPU of compute capability >= 8.9")
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_scaled_mm_head_equals_its_emulation_on_gpu(rowwise):
+    weight, h, labels, weights = (t.cuda() for t in _head_case(peaked=False))
+    real = prec.Fp8LMHead(weight, rowwise=rowwise).loss_and_input_grad(h, labels, weights, with_grad=True)
+    emulated = prec.Fp8LMHead(weight, rowwise=rowwise, emulate=True).loss_and_input_grad(h, labels, weights,
+                                                                                         with_grad=True)
+    assert float(real[0]) == pytest.approx(float(emulated[0]), rel=2e-3)
+    assert _rel(real[1], emulated[1]) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (_has_fp8_gpu() and HAVE_TORCHAO), reason="needs torchao and a GPU of capability >= 8.9")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_training_steps_on_gpu_follow_bf16(recipe):
+    """Real float8 kernels, compiled: a few steps of the bench's tiny drafter in fp8 track bf16."""
+    losses = {}
+    for variant in ({"precision": "bf16"}, {"precision": "fp8", "fp8_recipe": recipe}):
+        f = bd.run_drafter_bench("cuda:0", steps=3, shape="tiny", anchors_per_seq=16, num_seqs=2, seq_len=128,
+                                 warmup=1, variant=variant)
+        losses[variant["precision"]] = f["loss_last"]
+    assert losses["fp8"] == pytest.approx(losses["bf16"], rel=2e-2)
