@@ -1,7 +1,7 @@
 """`dflash-ipc`: the command line. Thin: click parses, the config builds, a class runs.
 
     dflash-ipc up [--config FILE] [-o key=value ...]     the whole job (= bin/dflash-up)
-    dflash-ipc dispatcher|target|drafter --config FILE [--rank N]   one stage alone
+    dflash-ipc dispatcher|target|drafter --config FILE [--rank N] [--tp-rank K]   one stage alone
     dflash-ipc regenerate --model DIR --input FILE_OR_DIR --out FILE.jsonl   the target writes the replies
     dflash-ipc prepare --model DIR --input FILE_OR_DIR --out DIR
     dflash-ipc export CHECKPOINT OUT_DIR [--with-code]
@@ -139,13 +139,16 @@ def dispatcher(config, overrides) -> None:
 @config_option
 @override_option
 @click.option("--rank", type=int, required=True, help="Target rank, 0..target.num_workers-1.")
-def target(config, overrides, rank) -> None:
-    """Run one target worker alone."""
+@click.option("--tp-rank", type=int, default=0, show_default=True,
+              help="Process of the worker, 0..target.gpus_per_worker-1 (0: the leader).")
+def target(config, overrides, rank, tp_rank) -> None:
+    """Run one target worker alone (one process of it with target.gpus_per_worker > 1)."""
     from dflash_ipc.resolve import resolve_job
+    from dflash_ipc.supervise.roles import Role
     from dflash_ipc.target.worker import run_target
     cfg = _load(config, overrides)
-    _stage_setup(f"target/{rank}", cfg)
-    run_target(resolve_job(cfg), rank)
+    _stage_setup(str(Role("target", rank, tp_rank)), cfg)
+    run_target(resolve_job(cfg), rank, tp_rank)
 
 
 @main.command()

@@ -77,9 +77,9 @@ def _check_group_devices(devices: list[str], num_workers: int, k: int) -> None:
                  f"with target.gpus_per_worker={k}, list {num_workers} x {k} = {want} GPUs (worker r on "
                  f"devices[r*{k}:(r+1)*{k}]); one GPU cannot hold the {k} ranks of a worker, got {devices}")
         return
-    _check_devices(key, devices, want)  # the allowed device names
     _require(len(devices) == want, key, f"with target.gpus_per_worker={k} and target.num_workers={num_workers}, "
              f"list {want} devices (worker r on devices[r*{k}:(r+1)*{k}]), got {len(devices)}")
+    _check_devices(key, devices, want)  # the allowed device names
     _require(all(d.startswith("cuda:") for d in devices), key,
              f"with target.gpus_per_worker={k}, all GPUs ('cuda:N') or one 'cpu', got {devices}")
     seen = {}
