@@ -85,7 +85,7 @@ def _check_group_devices(devices: list[str], num_workers: int, k: int) -> None:
     seen = {}
     for i, d in enumerate(devices):
         _require(gpu_index(d) not in seen, key, f"{d} is listed twice (positions {seen.get(gpu_index(d))} and {i}): "
-                 f"each GPU of a {k}-GPU worker belongs to that worker alone")
+                 f"each GPU holds one rank of one target worker")
         seen[gpu_index(d)] = i
 
 
@@ -495,11 +495,6 @@ class JobConfig:
                  "target.devices/drafter.devices",
                  "mixing cpu and cuda workers is not supported (hidden states move by CUDA IPC "
                  "between GPUs, by shared memory between CPU processes)")
-        if self.target.gpus_per_worker > 1 and uses_cuda:
-            shared = sorted(set(self.target.devices) & set(self.drafter.devices), key=gpu_index)
-            _require(not shared, "target.devices/drafter.devices",
-                     f"{', '.join(shared)} belong to a {self.target.gpus_per_worker}-GPU target worker and to the "
-                     "drafters; a tensor-parallel worker's GPUs are its own")
         if self.drafter.sharding == "fsdp" and uses_cuda and self.drafter.num_workers > 1:
             _require(len(set(self.drafter.devices)) == self.drafter.num_workers, "drafter.sharding",
                      f"fsdp needs one GPU per drafter (drafter.devices={self.drafter.devices} for "

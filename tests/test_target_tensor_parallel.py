@@ -10,6 +10,7 @@ multi-process tests are skipped, with that reason, where it is missing.
 """
 
 import importlib.util
+import tempfile
 import json
 import os
 
@@ -52,9 +53,10 @@ def test_devices_of_a_k_process_worker_and_the_device_rules():
         overrides = ["target.num_workers=2", "target.gpus_per_worker=2", *override.split(" -o ")]
         with pytest.raises(ConfigError, match=message):
             load_config(None, overrides)
-    with pytest.raises(ConfigError, match="cuda:3 belong to a 2-GPU target worker and to the drafters"):
-        load_config(None, ["target.num_workers=2", "target.gpus_per_worker=2", "target.devices=[cuda:0,cuda:1,cuda:2,cuda:3]",
-                           "drafter.num_workers=1", "drafter.devices=[cuda:3]"])
+    # a drafter may share a worker's GPU (2 H200s: a 2-GPU worker and a drafter beside its follower)
+    shared = load_config(None, ["target.num_workers=1", "target.gpus_per_worker=2", "target.devices=[cuda:0,cuda:1]",
+                                "drafter.num_workers=1", "drafter.devices=[cuda:1]"])
+    assert shared.publish_sync_of(0) == "ipc_event"  # the leader's GPU, cuda:0, runs no drafter
     with pytest.raises(ConfigError, match="fsdp needs one GPU per drafter"):
         load_config(None, ["drafter.num_workers=3", "drafter.devices=[cuda:0,cuda:1,cuda:1]", "target.devices=[cuda:0]",
                            "drafter.sharding=fsdp"])
@@ -183,3 +185,23 @@ def test_two_rank_worker_writes_the_features_of_one_rank(tmp_path):
         assert len(leader[name]) == BATCHES and sum(len(f) for f in reference) > 0
         for got, want in zip(leader[name], reference):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@needs_accelerate
+@pytest.mark.timeout(180)
+def test_bench_target_capacity_of_a_two_process_worker(tmp_path):
+    """`bench pipeline`'s target phase with gpus_per_worker=2: this process leads, the follower is
+    a real `dflash-ipc target --tp-rank 1` process, and both end cleanly."""
+    from dflash_ipc.bench.pipeline import target_capacity
+    target = build_tiny_target_of(ARCHITECTURES["qwen3"], str(tmp_path / "qwen3"))
+    data = str(tmp_path / "data")
+    prepare_dataset(target, write_chats(tmp_path / "chats.jsonl", num_chats=12), data, max_length=128, progress=False)
+    cfg = _job(target, data, 2)
+    cfg.run.run_dir = str(tmp_path / "run")
+    def rendezvous_dirs():
+        return {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("dflash-bench-tp-")}
+    before = rendezvous_dirs()
+    figures = target_capacity(cfg, seconds=0.5, warmup_s=0.0)
+    assert figures["gpus_per_worker"] == 2 and figures["devices"] == ["cpu", "cpu"]
+    assert figures["batches"] >= 1 and figures["tokens"] > 0 and figures["tok_per_s"] > 0
+    assert rendezvous_dirs() <= before  # the follower exited 0 and its folder is gone
