@@ -34,6 +34,7 @@ needs_accelerate = pytest.mark.skipif(importlib.util.find_spec("accelerate") is 
                                       reason="transformers loads tensor-parallel models only with accelerate "
                                              "installed (pip install 'dflash-ipc[tp]')")
 BATCHES = 3
+NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 # --- the checks at start -----------------------------------------------------------------------
@@ -100,9 +101,9 @@ def test_a_target_transformers_cannot_split_is_refused_by_name(tmp_path, monkeyp
 CASES = [("qwen3", False), ("llama", False), ("qwen3_moe", False), ("qwen3_moe", True)]
 
 
-def _job(target: str, data: str, k: int, expert_parallel: bool = False):
+def _job(target: str, data: str, k: int, expert_parallel: bool = False, devices=("cpu",)):
     return config_from_dict({"target": {"path": target, "gpus_per_worker": k, "expert_parallel": expert_parallel,
-                                        "dtype": "float32", "num_workers": 1},
+                                        "dtype": "float32", "num_workers": 1, "devices": list(devices)},
                              "data": {"path": data, "bucket_boundaries": [64, 128], "token_budget": 256},
                              "model": {"target_layer_ids": [1, 2]}})
 
@@ -128,29 +129,32 @@ def _shard_fraction(capture, expert_parallel: bool) -> float:
     return weight.to_local().numel() / weight.numel()
 
 
-def _worker_rank(tp_rank: int, targets: dict, data: str, out_dir: str) -> None:
+def _worker_rank(tp_rank: int, targets: dict, data: str, out_dir: str, devices: list[str]) -> None:
     from dflash_ipc.target.worker import TargetWorker, follow, load_capture
     from dflash_ipc.target.worker_group import ADDRESS_ENV, WorkerGroup
     from dflash_ipc.transport.slots import SlotLayout, create_pool
     torch.set_num_threads(1)
+    device = devices[tp_rank] if len(devices) > 1 else devices[0]
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
     os.environ[ADDRESS_ENV] = f"file://{out_dir}/rendezvous"
-    first = _job(targets["qwen3"], data, 2)
-    group = WorkerGroup.join(first, 0, tp_rank, "cpu")
+    first = _job(targets["qwen3"], data, 2, devices=devices)
+    group = WorkerGroup.join(first, 0, tp_rank, device)
     results = {}
     try:
         for arch, expert_parallel in CASES:
-            cfg = _job(targets[arch], data, 2, expert_parallel)
-            capture = load_capture(cfg, "cpu")
+            cfg = _job(targets[arch], data, 2, expert_parallel, devices=devices)
+            capture = load_capture(cfg, device)
             dataset = TokenDataset(data)
             name = f"{arch}-ep" if expert_parallel else arch
             results[f"{name}.shard"] = _shard_fraction(capture, expert_parallel)
             if tp_rank > 0:
-                follow(cfg, capture, dataset, group, "cpu")
+                follow(cfg, capture, dataset, group, device)
                 continue
             layout = SlotLayout(num_slots=1, max_tokens=256, feature_dim=capture.feature_dim, dtype="float32")
-            pool = create_pool(layout, "cpu", name=f"dflash-test-tp-{os.getpid()}-{name}")
+            pool = create_pool(layout, device, name=f"dflash-test-tp-{os.getpid()}-{name}")
             try:
-                results[name] = _features(TargetWorker(capture, dataset, pool, group), _batches(cfg))
+                results[name] = [f.cpu() for f in _features(TargetWorker(capture, dataset, pool, group), _batches(cfg))]
             finally:
                 pool.close()
             group.end_of_work()  # the follower's `follow` returns
@@ -159,9 +163,9 @@ def _worker_rank(tp_rank: int, targets: dict, data: str, out_dir: str) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{tp_rank}.pt"))
 
 
-@needs_accelerate
-@pytest.mark.timeout(240)
-def test_two_rank_worker_writes_the_features_of_one_rank(tmp_path):
+def _compare_with_one_rank(tmp_path, devices: list[str], tolerance: float) -> None:
+    """Spawns the two ranks of a K=2 worker on `devices`, then checks its features against a
+    one-process worker's on the first device."""
     from dflash_ipc.target.worker import TargetWorker, load_capture
     from dflash_ipc.transport.slots import SlotLayout, create_pool
     targets = {arch: build_tiny_target_of(ARCHITECTURES[arch], str(tmp_path / arch)) for arch in ("qwen3", "llama",
@@ -169,22 +173,38 @@ def test_two_rank_worker_writes_the_features_of_one_rank(tmp_path):
     data = str(tmp_path / "data")
     prepare_dataset(targets["qwen3"], write_chats(tmp_path / "chats.jsonl", num_chats=12), data, max_length=128,
                     progress=False)
-    mp.start_processes(_worker_rank, args=(targets, data, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_worker_rank, args=(targets, data, str(tmp_path), devices), nprocs=2, join=True,
+                       start_method="spawn")
     leader, follower = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     for arch, expert_parallel in CASES:
         name = f"{arch}-ep" if expert_parallel else arch
         assert leader[f"{name}.shard"] == follower[f"{name}.shard"] == 0.5, name  # each rank holds half
-        cfg = _job(targets[arch], data, 1)
-        capture = load_capture(cfg, "cpu")
+        cfg = _job(targets[arch], data, 1, devices=devices[:1])
+        capture = load_capture(cfg, devices[0])
         layout = SlotLayout(num_slots=1, max_tokens=256, feature_dim=capture.feature_dim, dtype="float32")
-        pool = create_pool(layout, "cpu", name=f"dflash-test-tp-{os.getpid()}-{name}")
+        pool = create_pool(layout, devices[0], name=f"dflash-test-tp-{os.getpid()}-{name}")
         try:
-            reference = _features(TargetWorker(capture, TokenDataset(data), pool), _batches(cfg))
+            reference = [f.cpu() for f in _features(TargetWorker(capture, TokenDataset(data), pool), _batches(cfg))]
         finally:
             pool.close()
         assert len(leader[name]) == BATCHES and sum(len(f) for f in reference) > 0
         for got, want in zip(leader[name], reference):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+            torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance, msg=name)
+
+
+@needs_accelerate
+@pytest.mark.timeout(240)
+def test_two_rank_worker_writes_the_features_of_one_rank(tmp_path):
+    _compare_with_one_rank(tmp_path, ["cpu"], 1e-5)
+
+
+@pytest.mark.gpu
+@needs_accelerate
+@pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.timeout(300)
+def test_two_gpu_worker_writes_the_features_of_one_gpu(tmp_path):
+    """The same on cuda:0 + cuda:1: NCCL inside the layers, each rank bound to its own GPU."""
+    _compare_with_one_rank(tmp_path, ["cuda:0", "cuda:1"], 1e-4)
 
 
 @needs_accelerate
