@@ -453,7 +453,8 @@ def bench_drafter(device, steps, warmup, shape, seq_lens, num_seqs, anchors_per_
 @click.option("--warmup-s", default=10.0, show_default=True, help="Seconds of warmup per target.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures.")
 def bench_target(config, overrides, targets, seconds, warmup_s, json_path) -> None:
-    """Target capacity (tok/s on target.devices[0]) of each --target, e.g. a MoE next to a dense one."""
+    """Target capacity (tok/s of one worker: on target.devices[0], or its first K devices with
+    target.gpus_per_worker K) of each --target, e.g. a MoE next to a dense one."""
     import json
     from dflash_ipc.bench.targets import format_target_table, run_target_bench
     from dflash_ipc.logs import setup_logging
