@@ -1,7 +1,7 @@
 """`dflash-ipc`: the command line. Thin: click parses, the config builds, a class runs.
 
     dflash-ipc up [--config FILE] [-o key=value ...]     the whole job (= bin/dflash-up)
-    dflash-ipc dispatcher|target|drafter --config FILE [--rank N]   one stage alone
+    dflash-ipc dispatcher|target|drafter --config FILE [--rank N] [--tp-rank K]   one stage alone
     dflash-ipc regenerate --model DIR --input FILE_OR_DIR --out FILE.jsonl   the target writes the replies
     dflash-ipc prepare --model DIR --input FILE_OR_DIR --out DIR
     dflash-ipc export CHECKPOINT OUT_DIR [--with-code]
@@ -140,13 +140,16 @@ def dispatcher(config, overrides) -> None:
 @config_option
 @override_option
 @click.option("--rank", type=int, required=True, help="Target rank, 0..target.num_workers-1.")
-def target(config, overrides, rank) -> None:
-    """Run one target worker alone."""
+@click.option("--tp-rank", type=int, default=0, show_default=True,
+              help="Process of the worker, 0..target.gpus_per_worker-1 (0: the leader).")
+def target(config, overrides, rank, tp_rank) -> None:
+    """Run one target worker alone (one process of it with target.gpus_per_worker > 1)."""
     from dflash_ipc.resolve import resolve_job
+    from dflash_ipc.supervise.roles import Role
     from dflash_ipc.target.worker import run_target
     cfg = _load(config, overrides)
-    _stage_setup(f"target/{rank}", cfg)
-    run_target(resolve_job(cfg), rank)
+    _stage_setup(str(Role("target", rank, tp_rank)), cfg)
+    run_target(resolve_job(cfg), rank, tp_rank)
 
 
 @main.command()
@@ -500,7 +503,8 @@ def bench_drafter(device, steps, warmup, shape, seq_lens, num_seqs, anchors_per_
 @click.option("--warmup-s", default=10.0, show_default=True, help="Seconds of warmup per target.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures.")
 def bench_target(config, overrides, targets, seconds, warmup_s, json_path) -> None:
-    """Target capacity (tok/s on target.devices[0]) of each --target, e.g. a MoE next to a dense one."""
+    """Target capacity (tok/s of one worker: on target.devices[0], or its first K devices with
+    target.gpus_per_worker K) of each --target, e.g. a MoE next to a dense one."""
     import json
     from dflash_ipc.bench.targets import format_target_table, run_target_bench
     from dflash_ipc.logs import setup_logging
@@ -653,25 +657,29 @@ def _int_list(text: str, option: str, size: int | None = None) -> list[int]:
 @main.command("plan")
 @click.option("--gpus", "num_gpus", type=int, required=True, help="GPUs to split between targets and drafters.")
 @click.option("--target-capacity", type=float, default=None, metavar="TOK_S",
-              help="Tokens/s of one target worker on one GPU.")
+              help="Tokens/s of one target worker (on its --gpus-per-target GPUs).")
 @click.option("--drafter-capacity", type=float, default=None, metavar="TOK_S",
               help="Trained tokens/s of one drafter on one GPU.")
 @click.option("--from-bench", "bench_path", type=click.Path(dir_okay=False), default=None,
               help="Take both capacities from a dflash-ipc bench pipeline --json file.")
+@click.option("--gpus-per-target", type=int, default=None,
+              help="GPUs of one target worker (target.gpus_per_worker); default: the bench file's, else 1.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def plan(num_gpus, target_capacity, drafter_capacity, bench_path, as_json) -> None:
+def plan(num_gpus, target_capacity, drafter_capacity, bench_path, gpus_per_target, as_json) -> None:
     """The target/drafter GPU split that maximises predicted tok_rate, and its config."""
     import json
-    from dflash_ipc.plan import capacities_from_bench, format_plan, make_plan
+    from dflash_ipc.plan import capacities_from_bench, format_plan, gpus_per_target_from_bench, make_plan
     given = (target_capacity is not None, drafter_capacity is not None)
     if bench_path is not None:
         if any(given):
             raise ConfigError("plan: give either --from-bench or --target-capacity/--drafter-capacity, not both")
         target_capacity, drafter_capacity = capacities_from_bench(bench_path)
+        if gpus_per_target is None:
+            gpus_per_target = gpus_per_target_from_bench(bench_path)
     elif not all(given):
         raise ConfigError("plan: give --target-capacity and --drafter-capacity (tokens/s per GPU), "
                           "or --from-bench FILE")
-    result = make_plan(num_gpus, target_capacity, drafter_capacity)
+    result = make_plan(num_gpus, target_capacity, drafter_capacity, gpus_per_target or 1)
     click.echo(json.dumps(result, indent=1) if as_json else format_plan(result))
 
 

@@ -38,6 +38,7 @@ Auth = Literal["auto", "curve", "none"]
 PublishMode = Literal["ipc_event", "host_wait"]
 PUBLISH_SYNC_MODES: tuple[str, ...] = typing.get_args(PublishMode)
 PublishSync = Literal["auto", "ipc_event", "host_wait"]
+Sharding = Literal["none", "fsdp"]
 MetricSink = Literal["tensorboard", "wandb"]
 METRIC_SINKS: tuple[str, ...] = typing.get_args(MetricSink)
 WandbMode = Literal["online", "offline", "disabled"]
@@ -68,6 +69,27 @@ def _check_devices(key: str, devices: list[str], num_workers: int) -> None:
     for device in devices:
         _require(device == "cpu" or (device.startswith("cuda:") and device[5:].isdigit()),
                  key, f"'{device}' is not a device; allowed: 'cpu' or 'cuda:N'")
+
+
+def _check_group_devices(devices: list[str], num_workers: int, k: int) -> None:
+    """target.devices of K-process workers: one 'cpu' for all, or K distinct GPUs per worker."""
+    key = "target.devices"
+    want = num_workers * k
+    if len(devices) == 1:
+        _require(devices[0] == "cpu", key,
+                 f"with target.gpus_per_worker={k}, list {num_workers} x {k} = {want} GPUs (worker r on "
+                 f"devices[r*{k}:(r+1)*{k}]); one GPU cannot hold the {k} ranks of a worker, got {devices}")
+        return
+    _require(len(devices) == want, key, f"with target.gpus_per_worker={k} and target.num_workers={num_workers}, "
+             f"list {want} devices (worker r on devices[r*{k}:(r+1)*{k}]), got {len(devices)}")
+    _check_devices(key, devices, want)  # the allowed device names
+    _require(all(d.startswith("cuda:") for d in devices), key,
+             f"with target.gpus_per_worker={k}, all GPUs ('cuda:N') or one 'cpu', got {devices}")
+    seen = {}
+    for i, d in enumerate(devices):
+        _require(gpu_index(d) not in seen, key, f"{d} is listed twice (positions {seen.get(gpu_index(d))} and {i}): "
+                 f"each GPU holds one rank of one target worker")
+        seen[gpu_index(d)] = i
 
 
 def check_field_types(section: object, name: str) -> None:
@@ -177,9 +199,18 @@ class TargetConfig(_Section):
     attn_implementation: AttnImplementation = "sdpa"
     """Passed to from_pretrained."""
     num_workers: int = 5
-    """Target worker processes."""
+    """Target workers; each is `gpus_per_worker` processes (one seat for the dispatcher)."""
+    gpus_per_worker: int = 1
+    """Processes (devices) of one target worker: K > 1 loads the target with transformers'
+    tensor parallelism over its K devices (target/tensor_parallel.py); one K-process worker
+    is one seat, its rank 0 (the leader) owns the slot pool."""
+    expert_parallel: bool = False
+    """gpus_per_worker > 1 and a MoE target: place whole experts on the ranks (transformers'
+    expert-parallel plan) instead of splitting every expert's matrices."""
     devices: list[str] = field(default_factory=lambda: ["cpu"])
-    """One device for all workers or one per worker; several workers may share a GPU."""
+    """One device for all workers or one per worker; several workers may share a GPU. With
+    gpus_per_worker K > 1: num_workers x K GPUs, worker r on devices[r*K:(r+1)*K] (each GPU
+    used once), or one 'cpu' for all."""
     num_slots: int = 4
     """Hidden-state slots per target; a target stalls when all are waiting for drafters."""
     prefetch: int = 2
@@ -196,14 +227,30 @@ class TargetConfig(_Section):
 
     def check(self) -> None:
         _require(1 <= self.num_workers <= 1024, "target.num_workers", "must be in [1, 1024]")
-        _check_devices("target.devices", self.devices, self.num_workers)
+        _require(1 <= self.gpus_per_worker <= 64, "target.gpus_per_worker", "must be in [1, 64]")
+        if self.gpus_per_worker == 1:
+            _check_devices("target.devices", self.devices, self.num_workers)
+        else:
+            _check_group_devices(self.devices, self.num_workers, self.gpus_per_worker)
+        _require(not self.expert_parallel or self.gpus_per_worker > 1, "target.expert_parallel",
+                 "needs target.gpus_per_worker > 1 (experts are placed across the ranks of one worker)")
         _require(1 <= self.num_slots <= 256, "target.num_slots", "must be in [1, 256]")
         _require(1 <= self.prefetch <= self.num_slots, "target.prefetch",
                  f"must be in [1, num_slots={self.num_slots}], got {self.prefetch}")
 
+    def devices_of(self, rank: int) -> list[str]:
+        """The `gpus_per_worker` devices of global target rank `rank`, its leader's first.
+        Devices are per node, ranks count across nodes."""
+        k = self.gpus_per_worker
+        if len(self.devices) == 1:
+            return self.devices * k
+        first = (rank % self.num_workers) * k
+        return self.devices[first:first + k]
+
     def device_of(self, rank: int) -> str:
-        """The device of global rank `rank`: devices are per node, ranks count across nodes."""
-        return self.devices[rank % self.num_workers if len(self.devices) > 1 else 0]
+        """The device of target rank `rank`'s leader (its only process when gpus_per_worker
+        is 1): where its slot pool lives."""
+        return self.devices_of(rank)[0]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -230,6 +277,11 @@ class DrafterConfig(_Section):
     max_group_wait_s: float = 5.0
     """A full drafter that has waited this long for a short one (its node has no hidden states
     ready) steps anyway, the short one with what it has: lockstep never stalls the group."""
+    sharding: Sharding = "none"
+    """none (every rank holds the whole model and optimizer state; gradients all-reduced) or
+    fsdp (FSDP2 `fully_shard`: parameters, gradients and optimizer state sharded across the
+    drafter ranks, for drafters whose optimizer state does not fit one GPU). The same step,
+    the same checkpoints, either way (drafter/sharding.py)."""
 
     def check(self) -> None:
         _require(1 <= self.num_workers <= 1024, "drafter.num_workers", "must be in [1, 1024]")
@@ -459,6 +511,10 @@ class JobConfig:
                  "target.devices/drafter.devices",
                  "mixing cpu and cuda workers is not supported (hidden states move by CUDA IPC "
                  "between GPUs, by shared memory between CPU processes)")
+        if self.drafter.sharding == "fsdp" and uses_cuda and self.drafter.num_workers > 1:
+            _require(len(set(self.drafter.devices)) == self.drafter.num_workers, "drafter.sharding",
+                     f"fsdp needs one GPU per drafter (drafter.devices={self.drafter.devices} for "
+                     f"{self.drafter.num_workers} drafters); use drafter.sharding: none when drafters share GPUs")
         if self.run.num_nodes > 1:
             _require(self.dispatch.address.startswith("tcp://"), "dispatch.address",
                      f"run.num_nodes={self.run.num_nodes}: the dispatcher must listen on tcp://HOST:PORT "

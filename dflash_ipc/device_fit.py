@@ -71,7 +71,7 @@ def check_pool_fits(layout, device: str) -> None:
 
 def probe_target_batch(capture, pool, data_cfg, device: str, longest: int | None = None) -> None:
     """Runs the heaviest batch (`longest`: the data's longest sample) once into slot 0
-    (nothing is published); ConfigError on out-of-memory."""
+    (nothing is published; `pool` None: the forward alone); ConfigError on out-of-memory."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return
@@ -83,7 +83,8 @@ def probe_target_batch(capture, pool, data_cfg, device: str, longest: int | None
     lengths[-1] = padded - 1  # a padded row: the attention mask is built as in real batches
     torch.cuda.reset_peak_memory_stats(dev)
     try:
-        capture.forward_into(ids, lengths, pool.write_view(0, int(lengths.sum())))
+        # pool None: a follower rank of a tensor-parallel worker, whose forward writes nothing
+        capture.forward_into(ids, lengths, pool.write_view(0, int(lengths.sum())) if pool is not None else None)
         torch.cuda.synchronize(dev)
     except torch.OutOfMemoryError:
         raise ConfigError(
@@ -187,9 +188,11 @@ def probe_drafter_step(trainer, dataset, cfg, feature_dtype: torch.dtype) -> Non
 
 
 def _check_drafter_total(trainer, dataset, cfg, what: str, feature_bytes: int) -> None:
+    from dflash_ipc.drafter.sharding import local_numel
     dev = trainer.device
     peak = torch.cuda.max_memory_allocated(dev)
-    adam = 2 * sum(p.numel() * 4 for p in trainer.model.parameters() if p.requires_grad)
+    # this rank's share: 1/N of each parameter under drafter.sharding=fsdp
+    adam = 2 * sum(local_numel(p) * 4 for p in trainer.model.parameters() if p.requires_grad)
     queue = drafter_queue_bytes(dataset.lengths, cfg, feature_bytes)
     usable = USABLE * device_capacity(dev)
     need = peak + adam + queue.typical

@@ -33,6 +33,7 @@ def resolve_job(cfg: JobConfig) -> JobConfig:
     from dflash_ipc.data.dataset import TokenDataset
     from dflash_ipc.target.capture import load_target_config
     from dflash_ipc.target.defaults import fill_layer_ids, fill_mask_token_id, warn_beyond_positions
+    from dflash_ipc.target.tensor_parallel import check_tensor_parallel
 
     cfg = copy.deepcopy(cfg)
     if cfg.target.path == BUILTIN_TINY_TARGET:
@@ -41,6 +42,7 @@ def resolve_job(cfg: JobConfig) -> JobConfig:
         cfg.target.path = build_tiny_target(os.path.join(cache_dir(), f"tiny-target-{tiny_target_key()}"))
     cfg.target.path = os.path.abspath(cfg.target.path)
     target_config = load_target_config(cfg.target.path)
+    check_tensor_parallel(cfg.target, target_config, cfg.target.path)  # target.gpus_per_worker > 1
     fill_layer_ids(cfg.model, target_config)
     if cfg.data.path == BUILTIN_SYNTHETIC_DATA:
         from dflash_ipc.data.synthetic import build_synthetic_dataset, synthetic_cache_key, synthetic_params
@@ -79,9 +81,28 @@ def check_run_dir(run_dir: str) -> None:
         raise ConfigError(f"run.run_dir: {parent} is not writable by this user")
 
 
+def check_node_fits(cfg: JobConfig, device_count: int) -> None:
+    """ConfigError when this node's workers need GPUs it does not have, with the arithmetic:
+    target workers x gpus_per_worker GPUs + the drafters' GPUs."""
+    from dflash_ipc.config import gpu_index
+    k = cfg.target.gpus_per_worker
+    target = {d for r in cfg.local_ranks("target") for d in cfg.target.devices_of(r) if d.startswith("cuda")}
+    drafter = {cfg.drafter.device_of(r) for r in cfg.local_ranks("drafter")} - {"cpu"}
+    missing = sorted((d for d in target | drafter if gpu_index(d) >= device_count), key=gpu_index)
+    if missing:
+        have = f"cuda:0..cuda:{device_count - 1}" if device_count else "none"
+        raise ConfigError(f"target.devices/drafter.devices: this node's job needs {len(target | drafter)} GPUs "
+                          f"({cfg.target.num_workers} target workers x target.gpus_per_worker={k} = {len(target)} "
+                          f"target GPUs, {len(drafter)} drafter GPUs{', shared' if target & drafter else ''}) but "
+                          f"this machine has {device_count} ({have}): {', '.join(missing)} do not exist")
+
+
 def check_job_devices(cfg: JobConfig) -> None:
     """Every device this node's workers use exists (before any child starts: a missing GPU
     is a configuration error, and no restart can cure it)."""
+    if any(d.startswith("cuda") for d in cfg.target.devices + cfg.drafter.devices):
+        import torch
+        check_node_fits(cfg, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     for key, section in (("target.devices", cfg.target), ("drafter.devices", cfg.drafter)):
         for device in sorted(set(section.devices)):
             require_device(device, key)

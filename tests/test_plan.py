@@ -132,3 +132,31 @@ def test_cli_error_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: {path}: field drafter_capacity is missing (expected the output of " \
                                   "dflash-ipc bench pipeline --json)"
+
+
+def test_two_gpu_target_workers_70b_on_8_gpus():
+    """A 70B target needs 2 GPUs per worker: 3 workers (6 GPUs) + 2 drafters is the best of
+    1..3 workers when one worker makes 10,000 tok/s and one drafter GPU trains 15,000."""
+    options = pl.splits(8, 10_000, 15_000, gpus_per_target=2)
+    assert [(s.targets, s.target_gpus, s.drafters) for s in options] == [(1, 2, 6), (2, 4, 4), (3, 6, 2)]
+    assert [s.tok_rate for s in options] == [10_000, 20_000, 30_000]
+    plan = pl.make_plan(8, 10_000, 15_000, gpus_per_target=2)
+    assert (plan["best"]["targets"], plan["best"]["target_gpus"], plan["best"]["drafters"]) == (3, 6, 2)
+    cfg = plan["config"]
+    assert cfg["target.devices"] == [f"cuda:{i}" for i in range(6)] and cfg["drafter.devices"] == ["cuda:6", "cuda:7"]
+    loaded = load_config(None, cfg["overrides"])  # the printed overrides are a valid job
+    assert loaded.target.gpus_per_worker == 2 and loaded.target.devices_of(2) == ["cuda:4", "cuda:5"]
+    text = pl.format_plan(plan)
+    assert "per target worker of 2 GPUs: 10,000 tok/s" in text
+    assert "best: 3 target workers x 2 GPUs (6 GPUs) + 2 drafter GPUs, 30,000 tok/s" in text
+    assert "gpus_per_worker: 2" in text
+    with pytest.raises(ConfigError, match="at least one target worker of 4 GPUs and one drafter GPU"):
+        pl.splits(4, 1, 1, gpus_per_target=4)
+
+
+def test_plan_takes_the_gpus_per_target_from_the_bench_file(tmp_path):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"target_capacity": 10_000, "drafter_capacity": 15_000, "target_gpus_per_worker": 2}))
+    result = CliRunner().invoke(main, ["plan", "--gpus", "8", "--from-bench", str(bench), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["config"]["target.gpus_per_worker"] == 2

@@ -173,3 +173,32 @@ def test_roles_parse_and_print():
         with pytest.raises(ValueError):
             Role.parse(bad)
     assert {r.restart_key for r in ROLES} == {"dispatcher", "target/0", "target/1", "drafters"}
+
+
+def test_a_two_process_target_worker_is_one_restart_key():
+    """target.gpus_per_worker=2: target/0 (the leader) and target/0.1 die, hang and restart together."""
+    from dflash_ipc.supervise.decisions import KillWorker
+    leader, follower = Role("target", 0), Role("target", 0, tp_rank=1)
+    assert str(follower) == "target/0.1" and Role.parse("target/0.1") == follower
+    assert follower.restart_key == leader.restart_key == "target/0"
+    roles = [DISPATCHER, leader, follower, D0]
+    now = [1000.0]
+    cfg = load_config(None, ["target.num_workers=1", "target.gpus_per_worker=2", "drafter.num_workers=1",
+                             "supervise.startup_timeout_s=60"])
+    logic = SupervisorLogic(cfg, roles, clock=lambda: now[0])
+    children = {r: ChildView(r, 10 + i, None, started_at=now[0]) for i, r in enumerate(roles)}
+    children[follower] = ChildView(follower, 11, -9, now[0])  # SIGKILL of the follower
+    actions = logic.step(now[0], list(children.values()))
+    assert kinds(actions) == ["Died", "KillWorker", "SweepPool", "Scheduled"]
+    assert actions[1] == KillWorker(0, actions[1].reason) and "target/0.1" in actions[1].reason
+    children[leader] = ChildView(leader, 10, -9, now[0])  # killed by KillWorker: no death of its own
+    assert logic.step(now[0], list(children.values())) == []
+    now[0] += actions[-1].delay_s
+    assert logic.step(now[0], list(children.values())) == [Start(leader), Start(follower)]
+    # Only the leader holds a seat: a follower is never "not registered", its leader is.
+    children = {r: ChildView(r, 20 + i, None, started_at=now[0]) for i, r in enumerate(roles)}
+    now[0] += 61
+    status = {"targets": {}, "drafters": {"0": {"pid": 23, "heartbeat_age_s": 0.0}}, "dropped_targets": {}}
+    hangs = logic.step(now[0], list(children.values()), status=status, beacons={D0: None}, wall_now=0.0,
+                       dispatcher_replied_at=now[0])
+    assert [a.role for a in hangs if isinstance(a, Kill)] == [leader]

@@ -8,6 +8,7 @@ real `prepare` path in its pre-tokenized form.
 
     python -m dflash_ipc.bench.assets target /tmp/qwen3-1.7b --shape qwen3-1.7b
     python -m dflash_ipc.bench.assets target /tmp/moe --shape qwen3-30b-a3b --num-layers 12
+    python -m dflash_ipc.bench.assets target /tmp/qwen3-32b --shape qwen3-32b
     python -m dflash_ipc.bench.assets data /tmp/qwen3-1.7b /tmp/data --samples 4000 --min-len 256 --max-len 2048
 
 `--num-layers` builds fewer decoder layers than the shape has (a Qwen3-30B-A3B-shaped target is
@@ -42,6 +43,9 @@ SHAPES: dict[str, tuple[str, dict]] = {
                                        num_key_value_heads=8, head_dim=128, intermediate_size=6144, **_QWEN3_VOCAB)),
     "qwen3-8b": ("Qwen3Config", dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
                                      num_key_value_heads=8, head_dim=128, intermediate_size=12288, **_QWEN3_VOCAB)),
+    # Qwen3-32B: 65.5 GB in bf16; the target of the tensor-parallel (target.gpus_per_worker) benchmarks.
+    "qwen3-32b": ("Qwen3Config", dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
+                                      num_key_value_heads=8, head_dim=128, intermediate_size=25600, **_QWEN3_VOCAB)),
     # Qwen3-30B-A3B / Qwen3-Coder-30B-A3B: 128 experts, 8 active, 768-wide experts.
     "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
                                              num_key_value_heads=4, head_dim=128, intermediate_size=6144,

@@ -95,7 +95,7 @@ def worker_threads(cfg: JobConfig, role: str) -> int | None:
     side = cfg.target if role == "target" else cfg.drafter
     if side.device_of(0) != "cpu":
         return None
-    cpu_workers = sum(d == "cpu" for d in [cfg.target.device_of(r) for r in range(cfg.target.num_workers)]
+    cpu_workers = sum(d == "cpu" for d in [d for r in range(cfg.target.num_workers) for d in cfg.target.devices_of(r)]
                       + [cfg.drafter.device_of(r) for r in range(cfg.drafter.num_workers)])
     env = os.environ.get("OMP_NUM_THREADS", "")
     threads = int(env) if env.isdigit() and int(env) > 0 else max(1, (os.cpu_count() or 1) // cpu_workers)
@@ -156,17 +156,27 @@ def _plan(cfg: JobConfig, dataset) -> list:
 
 
 def target_capacity(cfg: JobConfig, *, seconds: float, warmup_s: float) -> dict:
-    """Valid tokens/s of one target worker's forward path on ``target.devices[0]``."""
+    """Valid tokens/s of one target worker's forward path on ``target.devices[0]`` (with
+    target.gpus_per_worker K > 1: of one K-process worker on ``target.devices[0:K]``, this process
+    its leader and the followers real processes, bench/followers.py)."""
+    from dflash_ipc.bench.followers import worker_followers
+
+    with worker_followers(cfg) as group:
+        return _target_capacity(cfg, group, seconds=seconds, warmup_s=warmup_s)
+
+
+def _target_capacity(cfg: JobConfig, group, *, seconds: float, warmup_s: float) -> dict:
     from dflash_ipc.data.dataset import TokenDataset
-    from dflash_ipc.target.capture import FeatureCapture
-    from dflash_ipc.target.worker import TargetWorker
+    from dflash_ipc.device_fit import probe_target_batch
+    from dflash_ipc.target.worker import TargetWorker, load_capture
     from dflash_ipc.transport.slots import SlotLayout
 
     device = cfg.target.device_of(0)
     dev = _prepare_device(device, "target.devices")
-    capture = FeatureCapture(cfg.target.path, layer_ids=cfg.model.target_layer_ids, dtype=cfg.target.dtype,
-                             attn_implementation=cfg.target.attn_implementation, device=device)
+    capture = load_capture(cfg, device)
     dataset = TokenDataset(cfg.data.path)
+    if group is not None:  # the followers run the start-up probe first, as with a real leader
+        probe_target_batch(capture, None, cfg.data, device, longest=int(dataset.lengths.max()))
     batches = _plan(cfg, dataset)
     # What the phase holds on its device, dropped (and the memory freed) when it ends.
     held = {"worker": TargetWorker(capture, dataset, pool=None),  # batch_tokens: the memmap read + copy
@@ -178,11 +188,13 @@ def target_capacity(cfg: JobConfig, *, seconds: float, warmup_s: float) -> dict:
 
     def one_batch() -> int:
         batch = next(cycle)
+        if group is not None:
+            group.announce(list(batch.sample_ids), batch.padded_len)
         input_ids, lengths = held["worker"].batch_tokens(list(batch.sample_ids), batch.padded_len)
         return held["capture"].forward_into(input_ids, lengths, held["slot"])
 
-    log.info("target capacity: %s on %s, %d planned batches, %g s warmup + %g s", cfg.target.path, device,
-             len(batches), warmup_s, seconds)
+    log.info("target capacity: %s on %s, %d planned batches, %g s warmup + %g s", cfg.target.path,
+             ",".join(cfg.target.devices_of(0)), len(batches), warmup_s, seconds)
     threads = worker_threads(cfg, "target")
     try:
         with _threads(threads):
@@ -191,7 +203,7 @@ def target_capacity(cfg: JobConfig, *, seconds: float, warmup_s: float) -> dict:
         held.clear()
         _release(dev)
     figures.update(device=device, batches=figures.pop("calls"), warmup_batches=figures.pop("warmup_calls"),
-                   cpu_threads=threads)
+                   cpu_threads=threads, devices=cfg.target.devices_of(0), gpus_per_worker=cfg.target.gpus_per_worker)
     log.info("target capacity: %.0f tok/s (%d batches in %.1f s)", figures["tok_per_s"],
              figures["batches"], figures["seconds"])
     return figures
@@ -429,10 +441,11 @@ def run_pipeline_bench(cfg: JobConfig, *, seconds: float = 60.0, warmup_s: float
     target = target_capacity(cfg, seconds=seconds, warmup_s=warmup_s)
     drafter = drafter_capacity(cfg, seconds=seconds, warmup_s=warmup_s)
     e2e = end_to_end(cfg, seconds=seconds, warmup_s=warmup_s, run_dir=run_dir, print_status=print_status)
-    figures = combine(target, drafter, e2e,
-                      target_gpus=gpus_of(cfg.target.devices, cfg.target.num_workers),
+    leaders = [cfg.target.device_of(r) for r in range(cfg.target.num_workers)]  # one per worker of K GPUs
+    figures = combine(target, drafter, e2e, target_gpus=gpus_of(leaders, cfg.target.num_workers),
                       drafter_gpus=gpus_of(cfg.drafter.devices, cfg.drafter.num_workers))
     figures.update(seconds=seconds, warmup_s=warmup_s, torch=torch.__version__,
+                   target_gpus_per_worker=cfg.target.gpus_per_worker,
                    device_names=_device_names(cfg),
                    job={"target_path": cfg.target.path, "target_dtype": cfg.target.dtype,
                         "data_path": cfg.data.path, "token_budget": cfg.data.token_budget,
@@ -454,14 +467,19 @@ def _device_names(cfg: JobConfig) -> dict:
     return names
 
 
+def worker_gpus(target: dict) -> str:
+    k = target.get("gpus_per_worker", 1)
+    return f" of {k} processes (tensor parallel)" if k > 1 else ""
+
+
 def format_table(f: dict) -> str:
     """The human-readable result of :func:`run_pipeline_bench`."""
     job, t, d, e = f["job"], f["target"], f["drafter"], f["e2e"]
     tg, dg = f["target_gpus"], f["drafter_gpus"]
     early = " (the data ended first)" if e["finished_early"] else ""
     rows = [
-        ("target capacity", t["device"], t["seconds"], f["target_capacity"],
-         f"{t['batches']} batches, one worker alone, forward into a slot"),
+        ("target capacity", ",".join(t.get("devices", [t["device"]])), t["seconds"], f["target_capacity"],
+         f"{t['batches']} batches, one worker{worker_gpus(t)} alone, forward into a slot"),
         ("drafter capacity", d["device"], d["seconds"], f["drafter_capacity"],
          f"{d['steps']} steps of {d['step_s_mean'] * 1e3:.0f} ms, world size 1, random features"),
         ("end to end tok_rate", f"{e['targets']}+{e['drafters']} workers", e["window_s"], f["tok_rate"],

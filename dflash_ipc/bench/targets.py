@@ -90,7 +90,9 @@ def run_target_bench(cfg: JobConfig, targets: list[str], *, seconds: float, warm
 def format_target_table(rows: list[dict], cfg: JobConfig) -> str:
     """One line per target, then each one's rate against the first's."""
     lines = [f"target capacity: data {cfg.data.path}, token budget {cfg.data.token_budget}, buckets "
-             f"{cfg.data.bucket_boundaries}, {cfg.model.num_layers} drafter layers, dtype {cfg.target.dtype}",
+             f"{cfg.data.bucket_boundaries}, {cfg.model.num_layers} drafter layers, dtype {cfg.target.dtype}, "
+             f"devices {','.join(cfg.target.devices_of(0))}"
+             + (f" ({cfg.target.gpus_per_worker} processes, tensor parallel)" if cfg.target.gpus_per_worker > 1 else ""),
              f"  {'target':<28} {'experts':>8} {'layers run':>11} {'tok/s':>9} {'layer-tok/s':>12} "
              f"{'at shape depth':>18} {'peak':>8}  batches"]
     for r in rows:

@@ -123,12 +123,15 @@ def save_inference_checkpoint(model: DFlashDraftModel, out_dir: str, *, dtype: t
     logger.info("exported drafter (%s) to %s", DTYPE_OF_TORCH[dtype], out_dir)
 
 
-def write_inference_files(model: DFlashDraftModel, directory: str, *, dtype: torch.dtype = torch.bfloat16) -> None:
-    """``config.json`` + ``model.safetensors`` into an existing directory."""
+def write_inference_files(model: DFlashDraftModel, directory: str, *, dtype: torch.dtype = torch.bfloat16,
+                          state: dict | None = None) -> None:
+    """``config.json`` + ``model.safetensors`` into an existing directory (`state`: the model's
+    full state dict when `model` is sharded, drafter/sharding.py)."""
     from safetensors.torch import save_file
 
     config = inference_config(model.config, dtype)
-    state = {name: t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in model.state_dict().items()}
+    state = {name: t.detach().to(device="cpu", dtype=dtype).contiguous()
+             for name, t in (model.state_dict() if state is None else state).items()}
     expected = expected_tensor_shapes(model.config)
     if {n: tuple(t.shape) for n, t in state.items()} != expected:
         raise AssertionError(f"model tensors {sorted(state)} do not match the export layout")

@@ -235,6 +235,7 @@ class DrafterLoop:
         rows += [(1, t.batch_id, t.attempt, s) for t in self.queue.untrained() for s in t.sample_ids]
         per_rank = self.group.gather_rows(rows, 4)
         self.last_checkpoint_step = self.trainer.step_count
+        self.trainer.prepare_checkpoint()  # every rank: a sharded model's state is gathered on rank 0
         if self.rank != 0:
             return
         trained = _by_copy(per_rank, kind=0)

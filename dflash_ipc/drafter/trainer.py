@@ -7,11 +7,16 @@ ranks take exactly the step one rank would take on the union of their blocks.
 
 A step takes a fixed budget of anchors (`anchors_per_step`), whatever the shape of the
 target batches the sequences arrived in, so step cost does not depend on bucketing.
+
+`drafter.sharding: fsdp` shards the model and optimizer state over the ranks with FSDP2 and
+takes the same step (drafter/sharding.py): its reduce-scatter sums the gradients instead of
+the bucketed all-reduce, and checkpoints are gathered on rank 0 in the same format.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import time
@@ -26,6 +31,7 @@ from dflash_ipc.drafter.attention import build_mask
 from dflash_ipc.drafter.checkpoint_store import CheckpointStore
 from dflash_ipc.drafter.export import write_inference_files
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
+from dflash_ipc.drafter.sharding import full_state, load_full_state, shard_model, total_norm
 from dflash_ipc.drafter.objective import (anchor_generator, build_training_batch, sample_anchors,
                                           weighted_ce_sum)
 from dflash_ipc.drafter.precision import apply_precision
@@ -100,6 +106,11 @@ class DrafterTrainer:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         torch.manual_seed(seed)  # identical initial weights on every rank
         self.model = DFlashDraftModel(model_config).to(self.device)
+        # FSDP needs a group to shard over: a world of one has nothing to shard
+        self.sharded = cfg.drafter.sharding == "fsdp" and self.world_size > 1
+        if self.sharded:
+            shard_model(self.model, self.device)
+        self._gathered: tuple[dict, dict] | None = None  # full_state for the next checkpoint (rank 0)
         self.head = head
         self.fp8_head = apply_precision(cfg.drafter, self.model, head, self.device)  # None in bf16
         self.compute_dtype = TORCH_DTYPES[cfg.drafter.dtype]
@@ -131,10 +142,13 @@ class DrafterTrainer:
         """One collective optimizer step over this rank's chosen sequences (may be empty)."""
         started = time.perf_counter()
         batch, features, mask, mask_s = self._build(chosen)
+        num_anchors = batch.num_anchors if batch is not None else 0
         # The weight sum stays on the device until the backward is queued: reading it here
         # would stall the host until the mask and features are built, with no forward queued.
         local = batch.weights.sum().double() if batch is not None else torch.zeros((), dtype=torch.float64,
                                                                                   device=self.device)
+        if batch is None and self.sharded:  # FSDP's collectives are in the forward and backward
+            batch, features, mask, _ = self._idle_batch()
         weight_sum = self._all_reduce(local.reshape(1))[0]  # [] float64, all ranks
         loss_sum = torch.zeros((), device=self.device)
         # Every anchor has a weighted label (block position 1: sample_anchors only picks p
@@ -153,7 +167,6 @@ class DrafterTrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
-        num_anchors = batch.num_anchors if batch is not None else 0
         num_tokens = sum(s.features.shape[0] for s, _ in chosen)
         totals = torch.stack([loss_sum.detach().double(),
                               torch.tensor(float(num_anchors), dtype=torch.float64, device=self.device),
@@ -187,6 +200,16 @@ class DrafterTrainer:
         features = torch.cat([s.features for s, _ in chosen])  # [T, F]
         return batch, features, mask, mask_s
 
+    def _idle_batch(self):
+        """One anchor on a zero sequence, with loss weight 0: a forward and backward that add
+        exactly nothing to the gradients (a rank without blocks under FSDP)."""
+        config = self.model.config
+        seq = Sequence(batch_id=-1, epoch=0, sample_id=0, num_anchors=1,
+                       features=torch.zeros(2, config.num_context_features * config.hidden_size, device=self.device),
+                       input_ids=torch.zeros(2, dtype=torch.long), loss_mask=torch.ones(2, dtype=torch.bool))
+        batch, features, mask, mask_s = self._build([(seq, 1)])
+        return dataclasses.replace(batch, weights=torch.zeros_like(batch.weights)), features, mask, mask_s
+
     def _forward(self, batch, features: torch.Tensor, mask) -> torch.Tensor:
         ctx_positions = batch.layout.ctx_pos.to(self.device, torch.long)
         block_embeds = self.head.embed(batch.block_ids)
@@ -195,6 +218,8 @@ class DrafterTrainer:
     def _reduce_and_clip(self) -> float:
         """Sums gradients over ranks (bucketed, in place), then clips the global norm."""
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.sharded:  # FSDP's reduce-scatter summed them in the backward; every rank ran one
+            return total_norm(torch.nn.utils.clip_grad_norm_(params, self.cfg.optimizer.grad_clip))
         for p in params:
             if p.grad is None:  # a rank without blocks this step still joins the all-reduce
                 p.grad = torch.zeros_like(p)
@@ -218,13 +243,25 @@ class DrafterTrainer:
 
     # --- checkpoints ------------------------------------------------------------------------
 
+    def prepare_checkpoint(self) -> None:
+        """Every rank, before rank 0's `save_checkpoint`: under FSDP gathers the full model and
+        optimizer state on rank 0 (a collective); nothing to do unsharded."""
+        if self.sharded:
+            self._gathered = full_state(self.model, self.optimizer)
+
     def save_checkpoint(self, store: CheckpointStore, extra: dict) -> str:
         """Rank 0 only: checkpoint `step_<N>/` of the current step (inference export, training
         state, manifest), written to a temp dir and renamed into place."""
+        if self.sharded and self._gathered is None:
+            raise RuntimeError("drafter.sharding=fsdp: prepare_checkpoint() on every rank comes first")
+        model_state, optimizer_state = self._gathered or (None, None)
+        self._gathered = None
+
         def write(directory: str) -> None:
-            write_inference_files(self.model, directory)
+            write_inference_files(self.model, directory, state=model_state)
             write_training_state(directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                                 step=self.step_count, total_steps=self.total_steps, extra=extra)
+                                 step=self.step_count, total_steps=self.total_steps, extra=extra,
+                                 model_state=model_state, optimizer_state=optimizer_state)
         return store.write(self.step_count, write)
 
     def resume(self, store: CheckpointStore, step: int) -> dict:
@@ -235,8 +272,11 @@ class DrafterTrainer:
             directory, model=self.model, optimizer=self.optimizer, device=self.device)
         if meta.get("step") != step:
             raise DamagedCheckpointError(f"{directory}: holds step {meta.get('step')}, not {step}")
-        self.model.load_state_dict(model_state)
-        self.optimizer.load_state_dict(optimizer_state)
+        if self.sharded:  # each rank keeps its shards of the full state
+            load_full_state(self.model, self.optimizer, model_state, optimizer_state)
+        else:
+            self.model.load_state_dict(model_state)
+            self.optimizer.load_state_dict(optimizer_state)
         self.scheduler.load_state_dict(meta["scheduler"])
         self.step_count = step
         torch.set_rng_state(rng)

@@ -24,12 +24,16 @@ FORMAT = 1
 
 
 def write_training_state(directory: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                         scheduler, step: int, total_steps: int, extra: dict) -> None:
-    """Writes `training_state.safetensors` and `training_state.json` into `directory`."""
+                         scheduler, step: int, total_steps: int, extra: dict, model_state: dict | None = None,
+                         optimizer_state: dict | None = None) -> None:
+    """Writes `training_state.safetensors` and `training_state.json` into `directory`
+    (`model_state`, `optimizer_state`: the full states when the model is sharded, in the
+    format of `state_dict()`; drafter/sharding.py gathers them)."""
     from safetensors.torch import save_file
 
-    tensors = {f"model.{n}": t.detach().to("cpu").contiguous() for n, t in model.state_dict().items()}
-    opt = optimizer.state_dict()
+    model_state = model.state_dict() if model_state is None else model_state
+    tensors = {f"model.{n}": t.detach().to("cpu").contiguous() for n, t in model_state.items()}
+    opt = optimizer.state_dict() if optimizer_state is None else optimizer_state
     plain_state: dict[str, dict] = {}
     for index, entries in opt["state"].items():
         for key, value in entries.items():

@@ -10,7 +10,9 @@ made-up children and statuses (tests/test_supervise_decisions.py).
 
 Rules:
 - A target that dies is started again for the same rank, within its own `RestartPolicy`;
-  its shared-memory pool is swept first (a SIGKILLed target cannot unlink its own).
+  its shared-memory pool is swept first (a SIGKILLed target cannot unlink its own). A target
+  worker of several processes (`target.gpus_per_worker` > 1) is one restart key: the death of
+  any of them kills the others (`KillWorker`: their group is broken) and starts all again.
 - A drafter that dies or hangs restarts the whole group: every drafter is killed at once
   (the survivors' collective group is broken and must not train on), and after the backoff
   all start again. Hangs come from its liveness beacon (`liveness.py`): stopped (the beacon
@@ -61,6 +63,13 @@ class KillDrafters:
 
 
 @dataclass(frozen=True, slots=True)
+class KillWorker:
+    """SIGKILL every living process of target rank `rank` (a multi-process worker), and reap them."""
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Start:
     role: Role
     delayed_s: float = 0.0
@@ -86,7 +95,7 @@ class Fail:
     reason: str
 
 
-Action = Died | Kill | KillDrafters | Start | SweepPool | Scheduled | Fail
+Action = Died | Kill | KillDrafters | KillWorker | Start | SweepPool | Scheduled | Fail
 
 
 class SupervisorLogic:
@@ -133,6 +142,8 @@ class SupervisorLogic:
                                        f"(exit {EXIT_CONFIG_ERROR}): it would fail again; see its log")]
             why = f"{child.role} (pid {child.pid}) exited with code {child.exit_code}"
             if child.role.kind == "target":
+                if self._worker_size(child.role.rank) > 1:
+                    actions.append(KillWorker(child.role.rank, why))
                 actions += [SweepPool(child.role.rank)]
             actions += self._schedule(child.role.restart_key, why, now)
             if isinstance(actions[-1], Fail):
@@ -164,16 +175,21 @@ class SupervisorLogic:
                 actions += [Start(DISPATCHER)] + [Start(r) for r in self.roles if r.kind == "drafter"]
             elif key == "drafters":
                 actions += [Start(r) for r in self.roles if r.kind == "drafter"]
-            else:
-                actions.append(Start(Role.parse(key)))
+            else:  # a target worker: all of its processes
+                actions += [Start(r) for r in self.roles if r.restart_key == key]
         return actions
+
+    def _worker_size(self, rank: int) -> int:
+        return sum(r.kind == "target" and r.rank == rank for r in self.roles)
 
     # --- hangs -----------------------------------------------------------------------------
 
     def _hung_targets(self, children, status: dict, now: float, changed_at: float) -> list[Action]:
         actions: list[Action] = []
         for child in children:
-            if child.role.kind == "target" and child.exit_code is None and child.role.restart_key not in self.restart_due:
+            # A follower has no seat: its hang stalls its leader's next forward, which is seen.
+            if (child.role.kind == "target" and child.role.is_leader and child.exit_code is None
+                    and child.role.restart_key not in self.restart_due):
                 why = self._target_hang(child, status, now, changed_at)
                 if why:
                     actions.append(Kill(child.role, why))

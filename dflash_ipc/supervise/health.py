@@ -334,6 +334,7 @@ def gpu_memory_by_pid(nvml=None) -> dict[int, int] | None:
 
 def _worker_status(status: dict, role: str) -> dict | None:
     kind, _, rank = role.partition("/")
+    rank = rank.partition(".")[0]  # a follower of a multi-process target is seen through its leader's seat
     group = {"target": "targets", "drafter": "drafters"}.get(kind)
     return status.get(group, {}).get(rank) if group else None
 

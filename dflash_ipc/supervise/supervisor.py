@@ -35,11 +35,12 @@ from dflash_ipc.liveness import read_beacon
 from dflash_ipc.metric_sinks import MetricSinks, open_sinks
 from dflash_ipc.resolve import check_job_devices
 from dflash_ipc.supervise.children import Child, stop_children
-from dflash_ipc.supervise.decisions import (ChildView, Died, Fail, Kill, KillDrafters, Scheduled, Start,
-                                            SupervisorLogic, SweepPool)
+from dflash_ipc.supervise.decisions import (ChildView, Died, Fail, Kill, KillDrafters, KillWorker, Scheduled,
+                                            Start, SupervisorLogic, SweepPool)
 from dflash_ipc.supervise.roles import DISPATCHER, Role
 from dflash_ipc.supervise.status_line import StatusLine
 from dflash_ipc.supervise.status_poller import StatusPoller
+from dflash_ipc.supervise.target_groups import WorkerAddresses
 from dflash_ipc.transport.slots import unlink_segments
 from dflash_ipc.wire_security import curve_required, ensure_keys
 
@@ -88,6 +89,7 @@ class Supervisor:
         self._checkpoint_on_stop = True
         self.sinks = MetricSinks([])
         self.status_line = StatusLine()
+        self.worker_addresses = WorkerAddresses(cfg.target.gpus_per_worker, _free_port)
 
     # --- start ----------------------------------------------------------------------------
 
@@ -95,12 +97,15 @@ class Supervisor:
         argv = [sys.executable, "-m", "dflash_ipc.cli", role.kind, "--config", self.files.config]
         if role.rank is not None:
             argv += ["--rank", str(role.rank)]
+        if role.tp_rank:
+            argv += ["--tp-rank", str(role.tp_rank)]
         return Child(role=role, argv=argv, env=env, log_path=self.files.log(str(role)))
 
     def roles(self) -> list[Role]:
         """This node's processes: the dispatcher (node 0), its targets, its drafters."""
         roles = [DISPATCHER] if self.cfg.run.node_rank == 0 else []
-        roles += [Role("target", r) for r in self.cfg.local_ranks("target")]
+        roles += [Role("target", r, k) for r in self.cfg.local_ranks("target")
+                  for k in range(self.cfg.target.gpus_per_worker)]
         return roles + [Role("drafter", r) for r in self.cfg.local_ranks("drafter")]
 
     def start(self) -> None:
@@ -124,12 +129,18 @@ class Supervisor:
         self.children = {role: self._child(role, env) for role in roles}
         self.logic = SupervisorLogic(self.cfg, roles, clock=time.monotonic)
         for child in self.children.values():
-            child.start()
+            self._start_child(child)
         self._write_processes()
 
+    def _start_child(self, child: Child) -> None:
+        # A multi-process target worker's processes meet at a new address on every start.
+        child.env.update(self.worker_addresses.env(child.role, len(child.restarts)))
+        child.start()
+
     def _device(self, role: Role) -> str:
-        section = self.cfg.target if role.kind == "target" else self.cfg.drafter
-        return section.device_of(role.rank)
+        if role.kind == "target":
+            return self.cfg.target.devices_of(role.rank)[role.tp_rank]
+        return self.cfg.drafter.device_of(role.rank)
 
     def _write_processes(self) -> None:
         record = {"supervisor": os.getpid(), "run_dir": self.cfg.run.run_dir, "node_rank": self.cfg.run.node_rank,
@@ -231,6 +242,16 @@ class Supervisor:
             for child in drafters:
                 if child.popen is not None:
                     child.popen.wait()
+        elif isinstance(action, KillWorker):
+            # Its group is broken: the other processes must not wait in a collective for ever.
+            members = [c for c in self.children.values() if c.role.kind == "target" and c.role.rank == action.rank]
+            for child in members:
+                child.signal(signal.SIGKILL)
+            for child in members:
+                if child.popen is not None:
+                    child.popen.wait()
+            log.warning("target/%d: all %d processes of the worker stopped (%s)", action.rank, len(members),
+                        action.reason)
         elif isinstance(action, SweepPool):
             # No process of this rank runs now: whatever /dev/shm holds under its pool name is
             # a dead pool. Readers keep their maps.
@@ -246,7 +267,7 @@ class Supervisor:
                 poller.forget_dispatcher()
             old_pid = child.pid
             child.restarts.append(time.monotonic())
-            child.start()
+            self._start_child(child)
             log.warning("restarted %s: pid %d replaces pid %s", action.role, child.pid, old_pid)
             self._write_processes()
 

@@ -101,8 +101,6 @@ ARCHITECTURES: dict[str, Architecture] = {a.key: a for a in (
 UNSUPPORTED: dict[str, str] = {
     "Checkpoints that need trust_remote_code": "refused: no code shipped with a checkpoint is ever run; "
     "the architecture must be in the installed transformers",
-    "Targets larger than one GPU (Qwen3-235B-A22B, DeepSeek-V3, gpt-oss-120b in bf16)": "a target worker "
-    "is one process on one GPU; sharded targets are a separate issue",
     "Encoder-decoder models (T5, BART)": "no decoder-only text stack: DFlash drafts from a causal LM's layers",
 }
 """Rows that cannot work, and why (docs/targets.md lists them)."""

@@ -9,6 +9,10 @@ Forward hooks on the captured layers keep their outputs, which are HF `hidden_st
 
 Nothing assumes the decoder sits on one device: token ids go to the embedding's device and
 each captured layer's rows are gathered where that layer ran, then copied into the slot.
+With `tensor_parallel=K > 1` (a K-process target worker, target/tensor_parallel.py) every rank
+of the worker's process group loads its shard through transformers' own plan and runs the
+same forward; the layer outputs are whole on every rank (all-reduced inside each layer), and
+the leader writes them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from transformers import AutoConfig, AutoModel
 
 from dflash_ipc.dtypes import TORCH_DTYPES
 from dflash_ipc.errors import ConfigError
+from dflash_ipc.target.tensor_parallel import bound_device, load_kwargs
 from dflash_ipc.target.text_stack import (check_load_report, find_text_stack, input_device, load_pretrained,
                                           num_text_layers, text_config, truncated_config)
 
@@ -52,19 +57,23 @@ class FeatureCapture:
     """Runs padded token batches through the truncated target; writes packed features."""
 
     def __init__(self, path: str, *, layer_ids: list[int], dtype: str, attn_implementation: str,
-                 device: str) -> None:
+                 device: str, tensor_parallel: int = 1, expert_parallel: bool = False) -> None:
         config = load_target_config(path)
         num_layers = num_text_layers(config)
         check_layer_ids(layer_ids, num_layers)
         self.layer_ids = list(layer_ids)
+        self.tensor_parallel = tensor_parallel
         keep = max(layer_ids) + 1
-        model, info = load_pretrained(path, AutoModel, config=truncated_config(config, keep),
-                                      dtype=TORCH_DTYPES[dtype], attn_implementation=attn_implementation)
+        with bound_device(device):  # tensor-parallel loading places the shards on this device
+            model, info = load_pretrained(path, AutoModel, config=truncated_config(config, keep),
+                                          dtype=TORCH_DTYPES[dtype], attn_implementation=attn_implementation,
+                                          extra=load_kwargs(tensor_parallel, expert_parallel))
         stack = find_text_stack(model, keep)
         loaded = check_load_report(path, info, stack=stack, keep=keep, total=num_layers)
         # Only the text stack goes to the device: a multimodal model's vision tower stays on
-        # the host and is dropped with `model`.
-        self.decoder = stack.decoder.to(device).eval().requires_grad_(False)
+        # the host and is dropped with `model` (a tensor-parallel load is on its device already).
+        decoder = stack.decoder if tensor_parallel > 1 else stack.decoder.to(device)
+        self.decoder = decoder.eval().requires_grad_(False)
         self.layers = stack.layers
         self.embed_tokens = stack.embed_tokens
         self.attn_implementation = model.config._attn_implementation
@@ -80,8 +89,11 @@ class FeatureCapture:
         for layer_id in self.layer_ids:
             self.layers[layer_id].register_forward_hook(self._hook(layer_id))
         experts = f", {self.experts_implementation} experts" if self.experts_implementation else ""
-        log.info("target %s (%s, %s attention%s): %s; capturing %s (feature dim %d)", path,
-                 type(self.decoder).__name__, self.attn_implementation, experts, loaded, layer_ids, self.feature_dim)
+        split = (f", {'expert' if expert_parallel else 'tensor'} parallel over {tensor_parallel} ranks"
+                 if tensor_parallel > 1 else "")
+        log.info("target %s (%s, %s attention%s%s): %s; capturing %s (feature dim %d)", path,
+                 type(self.decoder).__name__, self.attn_implementation, experts, split, loaded, layer_ids,
+                 self.feature_dim)
 
     def _hook(self, layer_id: int):
         def keep_output(module, args, output):
@@ -90,19 +102,23 @@ class FeatureCapture:
         return keep_output
 
     @torch.inference_mode()
-    def forward_into(self, input_ids: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> int:
+    def forward_into(self, input_ids: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor | None) -> int:
         """Runs one right-padded batch and writes the valid tokens' features into `out`.
 
         input_ids [B, L] long, lengths [B] (moved to the embedding's device if elsewhere);
         out [>= sum(lengths), F] (a slot view). Features are packed sequence after sequence,
         valid tokens only, layers concatenated in `layer_ids` order. Returns the number of
-        tokens written.
+        tokens written. `out=None`: the forward alone, nothing written (a follower rank of a
+        tensor-parallel worker: its collectives are the point, the leader writes).
         """
         input_ids, lengths = input_ids.to(self.device), lengths.to(self.device)
         batch, padded = input_ids.shape
         valid = torch.arange(padded, device=self.device)[None, :] < lengths[:, None]  # [B, L]
         self._captured.clear()
         self.decoder(input_ids=input_ids, attention_mask=valid.long(), use_cache=False)
+        if out is None:
+            self._captured.clear()
+            return 0
         # Row indices of the valid tokens in [B*L], row-major over (sequence, position): the
         # packed order. Computed once (one device sync) and reused for every captured layer.
         rows = valid.reshape(-1).nonzero().squeeze(1)  # [T]

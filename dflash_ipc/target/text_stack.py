@@ -165,14 +165,15 @@ def _quiet_transformers_load():
 
 
 def load_pretrained(path: str, auto_class, *, config: Any, dtype: torch.dtype,
-                    attn_implementation: str | None = None) -> tuple[nn.Module, dict]:
-    """`auto_class.from_pretrained(path, config=config)` with the load report returned, not printed.
+                    attn_implementation: str | None = None, extra: dict | None = None) -> tuple[nn.Module, dict]:
+    """`auto_class.from_pretrained(path, config=config, **extra)` with the load report returned,
+    not printed (`extra`: e.g. the tensor-parallel arguments of target/tensor_parallel.py).
 
     An attention implementation the architecture lacks (gpt-oss has no sdpa: its attention
     sinks need eager or flash kernels) falls back to the architecture's default with one
     warning. Returns (model, loading info: missing / unexpected / mismatched keys).
     """
-    kwargs: dict[str, Any] = {"config": config, "dtype": dtype, "output_loading_info": True}
+    kwargs: dict[str, Any] = {"config": config, "dtype": dtype, "output_loading_info": True, **(extra or {})}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     with _quiet_transformers_load():

@@ -10,6 +10,11 @@ test; `run_target` wraps it with the dispatcher link. Busy loop:
 If the dispatcher restarts (a new process restored from the ledger), the worker registers
 again with the same pool and starts over: the batches it held are pending again there, and
 the supervisor stopped every drafter that could still read its slots before that restart.
+
+With `target.gpus_per_worker` K > 1 the worker is K processes (`--tp-rank 0..K-1`) holding one
+tensor-parallel model (target/tensor_parallel.py): rank 0, the leader, runs the loop above and
+hands each batch to the followers just before computing it (worker_group.py); a follower
+(`follow`) runs the same forward passes and writes nothing.
 """
 
 from __future__ import annotations
@@ -25,23 +30,26 @@ from dflash_ipc import protocol as p
 from dflash_ipc.config import JobConfig
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.device_fit import check_pool_fits, probe_target_batch
-from dflash_ipc.errors import DispatcherRestarted, WorkerDeadError
+from dflash_ipc.errors import ConfigError, DispatcherRestarted, WorkerDeadError
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.metrics import TimelineWriter, process_memory
 from dflash_ipc.profiling import IterationProfiler
 from dflash_ipc.resolve import require_device
 from dflash_ipc.supervise.children import replaced_pids
 from dflash_ipc.target.capture import FeatureCapture
+from dflash_ipc.target.worker_group import WorkerGroup
 from dflash_ipc.transport.slots import SlotLayout, SlotPool, create_pool
 
 log = logging.getLogger(__name__)
 
 
 class TargetWorker:
-    def __init__(self, capture: FeatureCapture, dataset: TokenDataset, pool: SlotPool) -> None:
+    def __init__(self, capture: FeatureCapture, dataset: TokenDataset, pool: SlotPool | None,
+                 group: WorkerGroup | None = None) -> None:
         self.capture = capture
         self.dataset = dataset
         self.pool = pool
+        self.group = group  # a tensor-parallel worker's group: this process is its leader
         self.device = capture.device
 
     def batch_tokens(self, sample_ids: list[int], padded_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,6 +68,8 @@ class TargetWorker:
 
     def produce(self, batch: p.Batch) -> p.Produced:
         start = time.perf_counter()
+        if self.group is not None:
+            self.group.announce(batch.sample_ids, batch.padded_len)  # the followers run it with us
         input_ids, lengths = self.batch_tokens(batch.sample_ids, batch.padded_len)
         num_tokens = int(sum(self.dataset.lengths[i] for i in batch.sample_ids))
         view = self.pool.write_view(batch.slot, num_tokens)  # [T, F]
@@ -68,17 +78,58 @@ class TargetWorker:
         return p.Produced(batch_id=batch.batch_id, slot=batch.slot, num_tokens=num_tokens,
                           compute_s=time.perf_counter() - start)
 
+    def idle(self) -> None:
+        """Nothing to compute: the followers hear that their leader lives."""
+        if self.group is not None:
+            self.group.keepalive()
 
-def run_target(cfg: JobConfig, rank: int) -> None:
-    """Entry point of `dflash-ipc target --rank N`."""
-    device = cfg.target.device_of(rank)
+
+def load_capture(cfg: JobConfig, device: str) -> FeatureCapture:
+    """The job's target on `device` (a tensor-parallel worker: this rank's shard of it)."""
+    return FeatureCapture(cfg.target.path, layer_ids=cfg.model.target_layer_ids, dtype=cfg.target.dtype,
+                          attn_implementation=cfg.target.attn_implementation, device=device,
+                          tensor_parallel=cfg.target.gpus_per_worker, expert_parallel=cfg.target.expert_parallel)
+
+
+def run_target(cfg: JobConfig, rank: int, tp_rank: int = 0) -> None:
+    """Entry point of `dflash-ipc target --rank N [--tp-rank K]`: the worker (its leader, K = 0)
+    or, with target.gpus_per_worker > 1, one of its followers."""
+    k = cfg.target.gpus_per_worker
+    if not 0 <= tp_rank < k:
+        raise ConfigError(f"--tp-rank {tp_rank}: target.gpus_per_worker={k} allows 0..{k - 1}")
+    device = cfg.target.devices_of(rank)[tp_rank]
     require_device(device, "target.devices")
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    capture = FeatureCapture(cfg.target.path, layer_ids=cfg.model.target_layer_ids,
-                             dtype=cfg.target.dtype, attn_implementation=cfg.target.attn_implementation,
-                             device=device)
-    dataset = TokenDataset(cfg.data.path)
+    group = WorkerGroup.join(cfg, rank, tp_rank, device) if k > 1 else None
+    clean = False
+    try:
+        capture = load_capture(cfg, device)
+        dataset = TokenDataset(cfg.data.path)
+        if tp_rank == 0:
+            _lead(cfg, rank, capture, dataset, device, group)
+        else:
+            follow(cfg, capture, dataset, group, device)
+        clean = True
+    finally:
+        if group is not None:
+            group.close(clean)
+
+
+def follow(cfg: JobConfig, capture: FeatureCapture, dataset: TokenDataset, group: WorkerGroup, device: str) -> None:
+    """A follower rank: the leader's start-up probe, then its batches, until it stops."""
+    worker = TargetWorker(capture, dataset, pool=None)
+    probe_target_batch(capture, None, cfg.data, device, longest=int(dataset.lengths.max()))
+    batches = 0
+    while (work := group.next_batch()) is not None:
+        input_ids, lengths = worker.batch_tokens(*work)
+        capture.forward_into(input_ids, lengths, None)
+        batches += 1
+    log.info("the leader finished; %d batches run", batches)
+
+
+def _lead(cfg: JobConfig, rank: int, capture: FeatureCapture, dataset: TokenDataset, device: str,
+          group: WorkerGroup | None) -> None:
     layout = SlotLayout(num_slots=cfg.target.num_slots,
                         max_tokens=SlotLayout.required_max_tokens(cfg.data.token_budget),
                         feature_dim=capture.feature_dim, dtype=cfg.target.dtype)
@@ -92,7 +143,7 @@ def run_target(cfg: JobConfig, rank: int) -> None:
         pool.close()
         raise
     link = DispatcherLink.for_job(cfg, f"target/{rank}")
-    worker = TargetWorker(capture, dataset, pool)
+    worker = TargetWorker(capture, dataset, pool, group)
     timeline = TimelineWriter(cfg.files.timeline(f"target/{rank}"), f"target/{rank}")
     try:
         while True:
@@ -136,6 +187,7 @@ def _serve(cfg: JobConfig, rank: int, worker: TargetWorker, link: DispatcherLink
                 log.warning("ignored unexpected %s", msg.KIND.name)
             msg = link.recv(0.0)
         if not queue:
+            worker.idle()
             wait_s += time.perf_counter() - waited
             timeline.record("wait_work", waited, time.perf_counter())
             link.metrics.update(busy_s=busy_s, wait_s=wait_s, batches=batches, tokens=tokens)

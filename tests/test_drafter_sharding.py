@@ -1,0 +1,146 @@
+"""drafter.sharding: fsdp (FSDP2 over gloo, 2 CPU ranks): the same steps as plain ranks, the
+same checkpoint format, and an exact resume.
+
+One spawn of two ranks runs every scenario on the same data, so the suite pays the start-up
+once: plain ranks, FSDP ranks, FSDP ranks stopped at a checkpoint and resumed by new trainers,
+and plain ranks resuming the FSDP checkpoint. The parent compares what each rank saved.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dflash_ipc.config_load import config_from_dict
+from dflash_ipc.drafter.checkpoint_store import STATE_JSON, STATE_TENSORS, CheckpointStore
+from dflash_ipc.drafter.trainer import DrafterTrainer
+from test_drafter_trainer import head, model_config, sequences
+
+WORLD, STEPS, STOP_AT = 2, 6, 3
+NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+DEVICE = "cpu"  # this rank's device, set by _rank_main
+
+
+def trainer(sharding: str) -> DrafterTrainer:
+    cfg = config_from_dict({"drafter": {"num_workers": WORLD, "dtype": "float32", "attention": "dense",
+                                        "sharding": sharding},
+                            "objective": {"anchors_per_step": 12, "max_anchors_per_seq": 6},
+                            "optimizer": {"lr": 3e-3}, "schedule": {"warmup_ratio": 0.2}})
+    return DrafterTrainer(cfg, model_config(), head().to(DEVICE), device=DEVICE, total_steps=8)
+
+
+def shares(rank: int) -> list[list]:
+    """This rank's sequences of each step; in step 2 the last rank has none (an idle rank)."""
+    seqs = sequences(6 * STEPS, seed=5)
+    out = []
+    for step in range(STEPS):
+        mine = seqs[step * 6:(step + 1) * 6][rank::WORLD]
+        out.append([] if (step == 2 and rank == WORLD - 1) else [(s, s.num_anchors) for s in mine])
+    return out
+
+
+def local_state(t: DrafterTrainer) -> dict:
+    """This rank's own tensors: parameter shards and optimizer state shards."""
+    out = {f"param.{n}": p.detach().to_local().cpu() for n, p in t.model.named_parameters()}
+    for i, p in enumerate(t.model.parameters()):
+        for key, value in t.optimizer.state[p].items():
+            out[f"optim.{i}.{key}"] = (value.to_local() if hasattr(value, "to_local") else value).cpu()
+    return out
+
+
+def checkpoint(t: DrafterTrainer, store: CheckpointStore, rank: int) -> None:
+    t.prepare_checkpoint()
+    if rank == 0:
+        t.save_checkpoint(store, extra={})
+    dist.barrier()
+
+
+def _rank_main(rank: int, init_file: str, out_dir: str, device_type: str) -> None:
+    global DEVICE
+    torch.set_num_threads(1)
+    DEVICE = f"cuda:{rank}" if device_type == "cuda" else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(DEVICE)
+        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                                device_id=torch.device(DEVICE))
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        plan, out = shares(rank), {}
+        plain = trainer("none")
+        out["plain"] = [plain.step(chosen)["loss"] for chosen in plan]
+        out["plain_params"] = {n: p.detach().cpu() for n, p in plain.model.state_dict().items()}
+        plain_store = CheckpointStore(os.path.join(out_dir, "plain"))
+        checkpoint(plain, plain_store, rank)
+
+        sharded = trainer("fsdp")
+        out["fsdp"] = [sharded.step(chosen)["loss"] for chosen in plan]
+        fsdp_store = CheckpointStore(os.path.join(out_dir, "fsdp"))
+        checkpoint(sharded, fsdp_store, rank)  # the final weights, gathered, in the plain format
+
+        first = trainer("fsdp")
+        out["resumed"] = [first.step(chosen)["loss"] for chosen in plan[:STOP_AT]]
+        stop_store = CheckpointStore(os.path.join(out_dir, "stop"))
+        checkpoint(first, stop_store, rank)
+        saved = local_state(first)
+        second = trainer("fsdp")  # a restarted group starts exactly like this
+        second.resume(stop_store, STOP_AT)
+        out["shards_equal"] = {k: bool(torch.equal(v, local_state(second)[k])) for k, v in saved.items()}
+        out["resumed"] += [second.step(chosen)["loss"] for chosen in plan[STOP_AT:]]
+
+        crossed = trainer("none")  # the FSDP checkpoint, resumed without sharding
+        crossed.resume(stop_store, STOP_AT)
+        out["crossed"] = out["resumed"][:STOP_AT] + [crossed.step(chosen)["loss"] for chosen in plan[STOP_AT:]]
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _tensors(step_dir: str) -> dict:
+    from safetensors.torch import load_file
+    return {**load_file(os.path.join(step_dir, STATE_TENSORS)),
+            **{f"export.{k}": v for k, v in load_file(os.path.join(step_dir, "model.safetensors")).items()}}
+
+
+@pytest.mark.timeout(180)
+def test_fsdp_ranks_train_like_plain_ranks_and_resume_exactly(tmp_path):
+    _run_and_compare(tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.timeout(300)
+def test_fsdp_ranks_on_two_gpus(tmp_path):
+    """The same over NCCL with fused AdamW on DTensor shards; resumed within float tolerance
+    (GPU kernels need not add in the same order twice)."""
+    _run_and_compare(tmp_path, "cuda")
+
+
+def _run_and_compare(tmp_path, device_type: str) -> None:
+    mp.start_processes(_rank_main, args=(str(tmp_path / "init"), str(tmp_path), device_type), nprocs=WORLD,
+                       join=True, start_method="spawn")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    plain, fsdp = ranks[0]["plain"], ranks[0]["fsdp"]
+    assert all(r["plain"] == plain and r["fsdp"] == fsdp for r in ranks)  # the group agrees on its loss
+    assert plain[-1] < plain[0]
+    # FSDP's reduce-scatter sums where the plain group all-reduces: the same step, up to float order
+    torch.testing.assert_close(torch.tensor(fsdp), torch.tensor(plain), rtol=1e-5, atol=1e-6)
+    plain_ckpt, fsdp_ckpt = _tensors(str(tmp_path / "plain" / "step_00000006")), _tensors(
+        str(tmp_path / "fsdp" / "step_00000006"))
+    assert plain_ckpt.keys() == fsdp_ckpt.keys()  # the same format: export and training state
+    for name, value in plain_ckpt.items():
+        if name != "rng.torch":
+            torch.testing.assert_close(fsdp_ckpt[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    for name, value in ranks[0]["plain_params"].items():
+        torch.testing.assert_close(fsdp_ckpt[f"model.{name}"], value, rtol=1e-4, atol=1e-6, msg=name)
+    meta = [json.loads((tmp_path / d / "step_00000006" / STATE_JSON).read_text()) for d in ("plain", "fsdp")]
+    assert meta[0]["param_groups"] == meta[1]["param_groups"]
+    for r in ranks:
+        assert r["shards_equal"] and all(r["shards_equal"].values()), r["shards_equal"]  # each rank's own shards
+        if device_type == "cpu":
+            assert r["resumed"] == fsdp  # exact: the resumed group continues the uninterrupted trajectory
+        torch.testing.assert_close(torch.tensor(r["resumed"]), torch.tensor(fsdp), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(torch.tensor(r["crossed"]), torch.tensor(fsdp), rtol=1e-5, atol=1e-6)
