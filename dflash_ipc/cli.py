@@ -633,6 +633,8 @@ def bench_eval(device, shape, batch_sizes, prompts_per_batch, max_new_tokens, pr
     import json
     from dflash_ipc.bench.eval import run_eval_bench
     from dflash_ipc.eval.report import nan_to_none
+    from dflash_ipc.logs import setup_logging
+    setup_logging("bench")
     figures = run_eval_bench(device=device, shape=shape, batch_sizes=_int_list(batch_sizes, "--batch-sizes"),
                              prompts_per_batch=prompts_per_batch, max_new_tokens=max_new_tokens,
                              prompt_len=tuple(_int_list(prompt_len, "--prompt-len", size=2)),

@@ -328,6 +328,32 @@ def test_compiled_float8_layers_share_one_graph_per_weight_shape(monkeypatch):
     torch._dynamo.reset()
 
 
+@needs_torchao
+def test_float8_layers_see_rows_in_multiples_of_16(monkeypatch):
+    """torch._scaled_mm refuses a weight-gradient GEMM over a row count that is not a multiple
+    of 16 (a step's token count is anything): the layers pad with zero rows, and the values and
+    gradients are those of the unpadded layer."""
+    monkeypatch.setenv(prec.EMULATE_ENV, "1")
+    model = DFlashDraftModel(bd.drafter_model_config("tiny"))
+    reference = copy.deepcopy(model)
+    prec.convert_linears(reference, "tensorwise", emulate=True)
+    prec.compile_linears(prec.convert_linears(model, "tensorwise", emulate=True))
+    layer, plain = model.fc, reference.fc
+    x = torch.randn(2, 13, layer.in_features, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    want = plain(x2)
+    want.square().sum().backward()
+    seen = []
+    forward = type(layer).forward
+    monkeypatch.setattr(type(layer), "forward", lambda self, inp: seen.append(inp.shape) or forward(self, inp))
+    got = layer(x)
+    got.square().sum().backward()
+    assert seen == [torch.Size([32, layer.in_features])]  # 26 rows -> 32
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(layer.weight.grad, plain.weight.grad)
+
+
 # --- the real float8 kernels -------------------------------------------------------------------
 
 

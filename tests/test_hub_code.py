@@ -109,7 +109,7 @@ def test_spec_generate_matches_eval_on_gpu_in_bfloat16(tiny_cache, tmp_path, mon
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
-    from dflash_ipc.eval.speculative import DFlashProposer, TargetLM, speculative_generate
+    from dflash_ipc.eval.unbatched import DFlashProposer, TargetLM, speculative_generate
     target_dir = os.path.join(tiny_cache, "tiny-target")
     config = DFlashConfig.from_target_config(AutoConfig.from_pretrained(target_dir), num_draft_layers=2,
                                              mask_token_id=AutoTokenizer.from_pretrained(target_dir).mask_token_id,

@@ -92,7 +92,18 @@ def bench_drafter(target_dir: str, shape: str, *, device: torch.device, dtype: t
 
 
 def _measure(row: Row, device: torch.device, fn: Callable[[], tuple[int, float]]) -> Row:
-    """Run ``fn`` (-> tokens, tau) and time it; out of GPU memory is recorded, not raised."""
+    """Run ``fn`` (-> tokens, tau) and time it; out of GPU memory is recorded, not raised.
+    Each row is logged as it is measured (a long run shows its progress)."""
+    row = _time(row, device, fn)
+    if row.error:
+        logger.warning("bench eval: %s %s batch %d: %s", row.impl, row.mode, row.batch_size, row.error)
+    else:
+        logger.info("bench eval: %s %s batch %d, %d prompts: %d tokens in %.2f s, %.1f tok/s", row.impl, row.mode,
+                    row.batch_size, row.num_prompts, row.num_tokens, row.wall_s, row.tokens_per_s)
+    return row
+
+
+def _time(row: Row, device: torch.device, fn: Callable[[], tuple[int, float]]) -> Row:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -115,6 +126,7 @@ def legacy_rows(target_dir: str, model: DFlashDraftModel, prompts: Sequence[np.n
     """Today's unbatched decoder on ``prompts``, after a warm-up on a short one; frees its model."""
     target = TargetLM(target_dir, layer_ids=model.config.target_layer_ids, device=device, dtype=dtype)
     proposer = DFlashProposer(model, target.head)
+    logger.info("bench eval: warm-up of the unbatched decoder")
     speculative_generate(target, proposer, prompts[0][:16], max_new_tokens=8)  # warm-up (and compile)
     greedy_generate(target, prompts[0][:16], max_new_tokens=8)
 
@@ -147,6 +159,7 @@ def batched_rows(target: BatchedTarget, model: DFlashDraftModel, prompts: Sequen
         return RequestList(Request(key=(i, 0), prompt_ids=prompts[i], max_new_tokens=max_new_tokens)
                            for i in range(n))
 
+    logger.info("bench eval: warm-up of the batched decoders (compiles the drafter's kernels on CUDA)")
     for _, decoder in decoders(2):  # warm-up: compiles, and grows the allocator a little
         decoder.run(RequestList([Request(key=(0, 0), prompt_ids=prompts[0][:16], max_new_tokens=20)]))
     rows: list[Row] = []
@@ -196,6 +209,7 @@ def run_eval_bench(*, device: str = "cuda:0", shape: str = "qwen3-1.7b", batch_s
         target_dir = os.path.join(work_dir, f"target-{shape}")
         started = time.perf_counter()
         if not os.path.isfile(os.path.join(target_dir, "config.json")):
+            logger.info("bench eval: building a random %s target in %s", shape, target_dir)
             build_random_target(target_dir, shape=shape, dtype=str(torch_dtype).removeprefix("torch."), seed=seed)
         build_s = time.perf_counter() - started
         model = bench_drafter(target_dir, shape, device=dev, dtype=torch_dtype, seed=seed)

@@ -7,7 +7,10 @@ state, norms, attention, checkpoints and the bf16 export stay exactly as in bf16
    (`convert_to_float8_training`, recipe `drafter.fp8_recipe`): the forward, input-gradient
    and weight-gradient matmuls run in float8 with dynamic scales. Each layer's forward goes
    through torch.compile, so the casts to float8 fuse into one kernel, with the row count
-   dynamic: one graph per weight shape, whatever the step's number of tokens. The weight
+   dynamic: one graph per weight shape, whatever the step's number of tokens. The rows are
+   zero-padded to a multiple of 16 there: the weight gradient's float8 GEMM sums over the
+   rows, and ``torch._scaled_mm`` takes only inner dims that are multiples of 16 (zero rows
+   change neither a scale nor a sum, and their outputs are cut off). The weight
    stays the same float32 `nn.Parameter` under the same name, so `state_dict`, checkpoints
    and the export do not change.
 2. The frozen LM head's two matmuls in the chunked CE (`objective.weighted_ce_sum`), as
@@ -45,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_ipc.config import DrafterConfig
-from dflash_ipc.drafter.model import CudaCompiled, compile_enabled
+from dflash_ipc.drafter.model import CudaCompiled
 from dflash_ipc.drafter.objective import _chunk_loss, _fused_chunk_loss
 from dflash_ipc.drafter.target_head import FrozenTargetHead
 from dflash_ipc.errors import ConfigError
@@ -113,8 +116,7 @@ def apply_precision(cfg: DrafterConfig, model: nn.Module, head: FrozenTargetHead
     require_fp8(device)
     emulate = emulate_enabled()
     converted = convert_linears(model, cfg.fp8_recipe, emulate=emulate)
-    if torch.device(device).type == "cuda" and compile_enabled():
-        compile_linears(converted)
+    compile_linears(converted)  # compiled on CUDA (unless compiling is off), eager elsewhere; rows padded
     fp8_head = None if cfg.fp8_lm_head == "none" else Fp8LMHead.create(
         head.lm_head_weight, rowwise=cfg.fp8_recipe == "rowwise", fp8_logits=cfg.fp8_lm_head == "all",
         emulate=emulate)
@@ -153,13 +155,17 @@ def convert_linears(model: nn.Module, recipe: str, *, emulate: bool = False) -> 
 
 
 def compile_linears(modules: list[nn.Module]) -> None:
-    """Each layer's forward through one shared torch.compile'd function, rows dynamic."""
+    """Each layer's forward through one shared torch.compile'd function, rows dynamic and
+    padded to a multiple of 16 (module docstring)."""
     for module in modules:
         module.forward = _CompiledForward(module)
 
 
 def _float8_forward(x: Tensor, module: nn.Module) -> Tensor:
-    return type(module).forward(module, x)  # the class's: the instance's forward is the wrapper
+    lead, rows = x.shape[:-1], x.shape[:-1].numel()
+    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % MM_MULTIPLE))  # [rows rounded up to 16, in]
+    out = type(module).forward(module, flat)  # the class's: the instance's forward is the wrapper
+    return out[:rows].reshape(*lead, out.shape[-1])
 
 
 # One compiled function for every layer: dynamo shares a graph between layers of the same
