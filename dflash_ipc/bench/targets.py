@@ -77,6 +77,7 @@ def run_target_bench(cfg: JobConfig, targets: list[str], *, seconds: float, warm
         row = _describe(one)
         device = torch.device(one.target.device_of(0))
         if device.type == "cuda":
+            torch.empty(0, device=device)  # the allocator's stats exist only once CUDA is initialised
             torch.cuda.reset_peak_memory_stats(device)
         row.update(target_capacity(one, seconds=seconds, warmup_s=warmup_s))
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
