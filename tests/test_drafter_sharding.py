@@ -17,16 +17,24 @@ import torch.multiprocessing as mp
 from dflash_ipc.config_load import config_from_dict
 from dflash_ipc.drafter.checkpoint_store import STATE_JSON, STATE_TENSORS, CheckpointStore
 from dflash_ipc.drafter.trainer import DrafterTrainer
+from dflash_ipc.drafter.precision import EMULATE_ENV
 from test_drafter_trainer import head, model_config, sequences
+
+try:
+    import torchao.float8  # noqa: F401
+    HAVE_TORCHAO = True
+except Exception:  # not installed, or built for another torch
+    HAVE_TORCHAO = False
 
 WORLD, STEPS, STOP_AT = 2, 6, 3
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 DEVICE = "cpu"  # this rank's device, set by _rank_main
 
 
-def trainer(sharding: str) -> DrafterTrainer:
-    cfg = config_from_dict({"drafter": {"num_workers": WORLD, "dtype": "float32", "attention": "dense",
-                                        "sharding": sharding},
+def trainer(sharding: str, precision: str = "bf16") -> DrafterTrainer:
+    dtype = "bfloat16" if precision == "fp8" else "float32"
+    cfg = config_from_dict({"drafter": {"num_workers": WORLD, "dtype": dtype, "attention": "dense",
+                                        "sharding": sharding, "precision": precision},
                             "objective": {"anchors_per_step": 12, "max_anchors_per_seq": 6},
                             "optimizer": {"lr": 3e-3}, "schedule": {"warmup_ratio": 0.2}})
     return DrafterTrainer(cfg, model_config(), head().to(DEVICE), device=DEVICE, total_steps=8)
@@ -94,6 +102,10 @@ def _rank_main(rank: int, init_file: str, out_dir: str, device_type: str) -> Non
         crossed = trainer("none")  # the FSDP checkpoint, resumed without sharding
         crossed.resume(stop_store, STOP_AT)
         out["crossed"] = out["resumed"][:STOP_AT] + [crossed.step(chosen)["loss"] for chosen in plan[STOP_AT:]]
+        if HAVE_TORCHAO and device_type == "cpu":  # float8 layers (emulated) under FSDP: the same steps
+            os.environ[EMULATE_ENV] = "1"
+            out["fp8_plain"] = [trainer("none", "fp8").step(c)["loss"] for c in plan[:STOP_AT]]
+            out["fp8_fsdp"] = [trainer("fsdp", "fp8").step(c)["loss"] for c in plan[:STOP_AT]]
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -144,3 +156,7 @@ def _run_and_compare(tmp_path, device_type: str) -> None:
             assert r["resumed"] == fsdp  # exact: the resumed group continues the uninterrupted trajectory
         torch.testing.assert_close(torch.tensor(r["resumed"]), torch.tensor(fsdp), rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(torch.tensor(r["crossed"]), torch.tensor(fsdp), rtol=1e-5, atol=1e-6)
+    if HAVE_TORCHAO and device_type == "cpu":  # fp8 (emulated) sharded: the unsharded fp8 steps
+        assert ranks[0]["fp8_fsdp"][-1] < ranks[0]["fp8_fsdp"][0]
+        torch.testing.assert_close(torch.tensor(ranks[0]["fp8_fsdp"]), torch.tensor(ranks[0]["fp8_plain"]),
+                                   rtol=1e-3, atol=1e-4)

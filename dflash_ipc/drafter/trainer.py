@@ -107,12 +107,14 @@ class DrafterTrainer:
         torch.manual_seed(seed)  # identical initial weights on every rank
         self.model = DFlashDraftModel(model_config).to(self.device)
         # FSDP needs a group to shard over: a world of one has nothing to shard
+        self.head = head
+        # float8 layers first, then FSDP over them (torchao's order: fully_shard wraps the
+        # converted modules and shards their parameters like any other)
+        self.fp8_head = apply_precision(cfg.drafter, self.model, head, self.device)  # None in bf16
         self.sharded = cfg.drafter.sharding == "fsdp" and self.world_size > 1
         if self.sharded:
             shard_model(self.model, self.device)
         self._gathered: tuple[dict, dict] | None = None  # full_state for the next checkpoint (rank 0)
-        self.head = head
-        self.fp8_head = apply_precision(cfg.drafter, self.model, head, self.device)  # None in bf16
         self.compute_dtype = TORCH_DTYPES[cfg.drafter.dtype]
         self.backend = cfg.drafter.attention if cfg.drafter.attention != "auto" else (
             "flex" if self.device.type == "cuda" else "dense")
