@@ -220,7 +220,7 @@ class TargetConfig(_Section):
     interprocess event per slot, recorded at publish), host_wait (the target waits for its
     writes before it announces the batch; no interprocess event), or auto: host_wait for a
     target whose GPU also runs drafters, ipc_event otherwise. Why: recording an interprocess
-    event makes the next work of the other processes on that GPU wait, ~195-265 us per read
+    event makes the next work of the other processes on that GPU wait, ~214-265 us per read
     on an H200 (ipc_event against host_wait reads, docs/benchmarks.md). auto looks at
     drafters only: targets sharing a GPU with each other pay it per batch, not per read
     (noise against a forward pass)."""

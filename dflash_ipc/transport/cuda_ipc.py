@@ -9,7 +9,7 @@ Producer (target):
   on the host, so the writes are done before the batch is announced and the reader needs
   no event. Why offer it: on a GPU that several processes share, recording an
   interprocess event makes the next work of the *other* processes on that GPU wait, which
-  the reader pays on every read when it shares the producer's GPU (~195-265 us per read
+  the reader pays on every read when it shares the producer's GPU (~214-265 us per read
   on an H200: ipc_event against host_wait reads, docs/benchmarks.md). The price is the
   producer's host waiting for its last writes, which a target hardly notices: its forward
   pass already synchronises once per batch.
