@@ -340,8 +340,9 @@ def health(run_dir, as_json, stale_after_s, stall_after_s, timeout_s, node_rank)
               help="0: greedy; > 0: speculative sampling.")
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(min=0, max=1, min_open=True))
 @click.option("--seed", default=0, show_default=True, help="Sampling seed; also the untrained drafter's.")
-@click.option("--template-kwargs", default=None, metavar="JSON",
-              help='Chat template kwargs for --prompts files, e.g. \'{"enable_thinking": false}\'.')
+@click.option("--chat-template-kwargs", "--template-kwargs", "template_kwargs", multiple=True, metavar="JSON|KEY=VALUE",
+              help="Chat-template variables for --prompts files, as for prepare: '{\"enable_thinking\": false}' or "
+                   "enable_thinking=false (repeatable).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
               show_default=True, help="auto: float32 on CPU, bfloat16 on GPU.")
@@ -361,7 +362,8 @@ def eval_cmd(target_dir, drafter, data_dir, prompt_files, num_prompts, max_new_t
     import json
     from dflash_ipc.eval.report import format_comparison
     from dflash_ipc.eval.sampling import Sampling
-    from dflash_ipc.eval.speculative import EvalOptions, evaluate_sets, parse_template_kwargs
+    from dflash_ipc.data.messages import parse_template_kwargs
+    from dflash_ipc.eval.speculative import EvalOptions, evaluate_sets
     from dflash_ipc.logs import setup_logging
     setup_logging("eval")
     options = EvalOptions(max_new_tokens=max_new_tokens, batch_size=batch_size, plain=not skip_plain,

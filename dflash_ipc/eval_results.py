@@ -1,8 +1,8 @@
 """Evaluation results kept in a run directory: `RUN_DIR/eval_results.jsonl`.
 
-`dflash-ipc eval ... --save-to RUN_DIR` appends one JSON line per evaluated drafter; the report
-and the model card read the latest one. The shape they rely on is small, so that any version of
-`eval` can write it:
+`dflash-ipc eval ... --save-to RUN_DIR` appends one JSON line per evaluated drafter and prompt set;
+the report and the model card show the latest evaluation (every prompt set of it). The shape
+they rely on is small, so that any version of `eval` can write it:
 
     {"time": 1767000000.0,               unix seconds of the evaluation (added when absent)
      "label": "trained (runs/x/checkpoints/step_00000060)",
@@ -10,6 +10,7 @@ and the model card read the latest one. The shape they rely on is small, so that
      "tau": 2.31,                        committed tokens per target forward (null: none)
      "acceptance_per_position": [0.83, 0.61, ...],   block positions 1..bs-1 (null: never drafted)
      "tokens_per_s": 412.0,              optional: generated tokens / wall seconds
+     "prompt_set": "gsm8k",              optional: the set's name (eval writes it)
      ...}                                any other keys `eval --json` gives, kept as they are
 
 A line that is not such an object is skipped with a warning naming the file and line.
@@ -67,7 +68,12 @@ def load_eval_results(run_dir: str) -> list[dict]:
                                 expected="an eval result (tau and acceptance_per_position)"))
 
 
-def latest_eval(run_dir: str) -> dict | None:
-    """The newest result of a trained drafter (baselines left out), or None."""
+def latest_evaluation(run_dir: str) -> list[dict]:
+    """The results of the newest evaluation of a trained drafter (baselines left out): every
+    prompt set that one `eval --save-to` wrote (its lines share one `time`), in file order;
+    [] when the run has none."""
     rows = [r for r in load_eval_results(run_dir) if not r.get("baseline")]
-    return max(reversed(rows), key=lambda r: r.get("time") or 0.0) if rows else None  # ties: the last line
+    if not rows:
+        return []
+    newest = max(r.get("time") or 0.0 for r in rows)
+    return [r for r in rows if (r.get("time") or 0.0) == newest]

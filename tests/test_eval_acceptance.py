@@ -198,3 +198,35 @@ def test_commit_block(tokens, drafted, accepted, remaining, stops, want, want_m)
                                     stop_token_ids=stops)
     assert committed == want and cycle.num_accepted == want_m and cycle.num_committed == len(want)
     assert cycle.stopped == bool(set(want) & set(stops))
+
+
+@pytest.mark.parametrize("overrides, shown", [([], True), (["-o", "target.path=/models/other"], False)])
+def test_up_ends_with_the_comparison_for_the_embedded_default_only(monkeypatch, tmp_path, overrides, shown):
+    """`up` of the embedded default (tiny target, synthetic data) prints tau of the trained drafter
+    next to an untrained one once the job exits 0; any other job prints nothing of the kind."""
+    from click.testing import CliRunner
+
+    import dflash_ipc.eval.speculative as speculative
+    import dflash_ipc.resolve as resolve
+    import dflash_ipc.supervise.supervisor as supervisor
+    from dflash_ipc.cli import main
+
+    class FinishedJob:
+        def __init__(self, cfg, print_status):
+            pass
+
+        def run(self):
+            return 0
+
+    asked = []
+    untrained = report("untrained", stats_of([Cycle(num_drafted=3, num_accepted=0, num_committed=1)] * 4,
+                                             block_size=4))
+    monkeypatch.setattr(resolve, "resolve_job", lambda cfg: cfg)
+    monkeypatch.setattr(supervisor, "Supervisor", FinishedJob)
+    monkeypatch.setattr(speculative, "untrained_vs_trained",
+                        lambda *a, **k: asked.append(a) or (untrained, report("trained", constructed_stats())))
+    result = CliRunner().invoke(main, ["up", "-o", f"run.run_dir={tmp_path}", *overrides])
+    assert result.exit_code == 0, result.output
+    assert ("untrained 1.00 -> trained 2.25" in result.output) == shown and len(asked) == int(shown)
+    if shown:
+        assert asked[0][1] == str(tmp_path / "checkpoints") and asked[0][2] == "builtin:synthetic"

@@ -128,10 +128,13 @@ def test_attention_sinks_equal_transformers(tmp_path):
     torch.testing.assert_close(logits[1], want[4:7], atol=1e-5, rtol=1e-5)
 
 
-def test_recurrent_target_truncate_re_runs_the_kept_prefix(tmp_path):
+def test_recurrent_target_truncate_re_runs_the_kept_prefix(tmp_path, caplog):
     """A linear-attention target in the unbatched decoder: after a rejected draft is cut off, the
-    next forward equals a full forward of the kept tokens (the batched target refuses it)."""
+    next forward equals a full forward of the kept tokens (the batched target refuses it, and
+    eval takes the unbatched one, greedy only)."""
     from dflash_ipc.errors import ConfigError
+    from dflash_ipc.eval.sampling import Sampling
+    from dflash_ipc.eval.speculative import EvalOptions, load_target
     from dflash_ipc.target.architectures import ARCHITECTURES, build_tiny_target_of, missing_reason
 
     arch = ARCHITECTURES["qwen3_next"]
@@ -140,7 +143,11 @@ def test_recurrent_target_truncate_re_runs_the_kept_prefix(tmp_path):
     target_dir = build_tiny_target_of(arch, str(tmp_path))
     with pytest.raises(ConfigError, match="linear-attention"):
         BatchedTarget(target_dir, layer_ids=[1], dtype="float32")
-    lm = TargetLM(target_dir, layer_ids=[1], dtype="float32")
+    with pytest.raises(ConfigError, match="one prompt at a time, greedy only; got temperature=0.7"):
+        load_target(target_dir, [1], device="cpu", dtype="float32",
+                    options=EvalOptions(sampling=Sampling(temperature=0.7)))
+    lm = load_target(target_dir, [1], device="cpu", dtype="float32", options=EvalOptions())
+    assert isinstance(lm, TargetLM) and "--batch-size is not used" in caplog.text
     ids = [5, 9, 3, 22, 7, 1, 40, 11]
     lm.prefill(torch.tensor(ids[:5]))
     lm.extend(torch.tensor([50, 51, 52]))  # a draft, rejected

@@ -145,3 +145,18 @@ def test_eval_command_on_prompt_files(target_dir, tmp_path):
         CliRunner().invoke(main, args + ["--temperature", "0.8", "--check-lossless"], catch_exceptions=False)
     with pytest.raises(ConfigError, match="no prompts; give --data"):
         CliRunner().invoke(main, ["eval", "--target", target_dir, "--drafter", drafter], catch_exceptions=False)
+
+
+@pytest.mark.parametrize("args", [["--chat-template-kwargs", "enable_thinking=false", "--chat-template-kwargs", "x=2"],
+                                  ["--template-kwargs", '{"enable_thinking": false, "x": 2}']])
+def test_eval_takes_template_variables_as_prepare_does(monkeypatch, target_dir, tmp_path, args):
+    """`eval` parses --chat-template-kwargs (alias --template-kwargs) with prepare's parser."""
+    import dflash_ipc.eval.speculative as speculative
+    seen = {}
+    monkeypatch.setattr(speculative, "evaluate_sets", lambda *a, **k: seen.update(k) or [])
+    cmd = ["eval", "--target", target_dir, "--drafter", str(tmp_path), "--prompts", "x.jsonl", *args]
+    result = CliRunner().invoke(main, cmd, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert seen["template_kwargs"] == {"enable_thinking": False, "x": 2}
+    with pytest.raises(ConfigError, match="give KEY=VALUE or a JSON object"):
+        CliRunner().invoke(main, cmd[:-2] + ["--chat-template-kwargs", "oops"], catch_exceptions=False)

@@ -36,9 +36,14 @@ def run_dir(tmp_path):
     save_inference_checkpoint(tiny_model(), str(run / "checkpoints" / "step_00000042"))
     (run / "checkpoints" / "latest.json").write_text(json.dumps({"step": 42, "path": "step_00000042"}))
     save_eval_results(str(run), [{"label": "old", "tau": 1.5, "acceptance_per_position": [0.4, 0.1, 0.0]}])
-    save_eval_results(str(run), [{"label": "untrained", "tau": 1.0, "acceptance_per_position": [0.0, 0.0, 0.0]},
-                                 {"label": "trained", "tau": 2.25, "acceptance_per_position": [0.75, 0.5, None],
-                                  "num_prompts": 16, "max_new_tokens": 64}], baseline=[True, False])
+    trained = f"trained ({run}/checkpoints/step_00000042)"
+    save_eval_results(str(run), [
+        {"label": "untrained", "prompt_set": "held-out", "tau": 1.0, "acceptance_per_position": [0.0, 0.0, 0.0]},
+        {"label": trained, "prompt_set": "held-out", "tau": 2.25, "acceptance_per_position": [0.75, 0.5, None],
+         "num_prompts": 16, "max_new_tokens": 64, "sampling": {"temperature": 0.0}, "speedup": 1.8},
+        {"label": "untrained", "prompt_set": "gsm8k", "tau": 1.0, "acceptance_per_position": [0.0, 0.0, 0.0]},
+        {"label": trained, "prompt_set": "gsm8k", "tau": 1.5, "acceptance_per_position": [0.5, 0.25, 0.0],
+         "num_prompts": 8, "tokens_per_s": 1234.5}], baseline=[True, False, True, False])
     return run
 
 
@@ -71,8 +76,13 @@ def test_card_of_a_run_parses_and_names_the_base_model(run_dir, tmp_path):
     assert sections["optimizer"]["lr"] == 3e-4 and sections["target"]["path"] == "Qwen/Qwen3-8B"  # no local paths
     assert sections["data"]["path"] == "data" and "synthetic_samples" not in sections["data"]
     assert "run" not in sections and "dispatch" not in sections
-    assert "tau: **2.25**" in text  # the latest trained result, not the untrained baseline beside it
-    assert "| block position | 1 | 2 | 3 |" in text and "| acceptance | 0.75 | 0.50 | - |" in text
+    # every prompt set of the latest evaluation, trained results only, no local path
+    assert "`dflash-ipc eval` of trained (step_00000042): speculative decoding (greedy, up to 64 new" in text
+    assert str(run_dir) not in text
+    assert "| held-out | 16 | **2.25** | - | 1.80x |" in text and "| gsm8k | 8 | **1.50** | 1,234 | - |" in text
+    assert "| prompt set | 1 | 2 | 3 |" in text
+    assert "| held-out | 0.75 | 0.50 | - |" in text and "| gsm8k | 0.50 | 0.25 | 0.00 |" in text
+    assert "1.00" not in text.split("## Evaluation")[1]  # not the untrained baselines beside them
 
 
 def test_base_model_and_repo_given_and_with_code(run_dir, tmp_path):

@@ -213,3 +213,31 @@ def test_a_reply_gets_what_is_left_of_the_context(target, tmp_path):
     assert report.num_written == 1 and report.rejects_by_reason == {"too_long": 1} and report.new_tokens <= 40 - 18
     backend = HFBackend(str(small), GenerationOptions(), devices="cpu")
     assert backend.describe()["model_dir"] == str(small) and backend.max_positions == 40
+
+
+def test_out_of_memory_splits_the_batch_and_rejects_only_a_prompt_too_big_alone(target, model, tmp_path, caplog):
+    """A batch that runs out of memory is split in halves until it fits; a prompt that does not
+    fit even alone rejects its own row, and every other row gets the reply it gets unsplit."""
+    from dflash_ipc.regenerate.hf import HFBackend
+
+    prompts = PROMPTS[:6] + [" ".join(W[:60]), " ".join(W[100:160])]  # two "too long" ones, batched together
+    inp = write_rows(tmp_path / "in.jsonl", [{"messages": [user(p)]} for p in prompts])
+    ref = run(target, inp, tmp_path / "ref.jsonl", model=model)
+    options = GenerationOptions(max_new_tokens=12)
+    backend = HFBackend(target, options, model=model, token_budget=1 << 14)
+    real = backend._local._generate
+
+    def small_gpu(batch, max_new):  # fits 2 prompts at most, and none longer than 50 tokens
+        if len(batch) > 2 or max(map(len, batch)) > 50:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real(batch, max_new)
+
+    backend._local._generate = small_gpu
+    report = regenerate(inp, str(tmp_path / "o.jsonl"), backend, options, progress=False)
+    assert report.complete and report.num_written == 6 and report.rejects_by_reason == {"generation_error": 2}
+    rejects = [json.loads(line) for line in (tmp_path / "o.rejects.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in rejects] == [6, 7] and all("out of memory on its own" in r["detail"] for r in rejects)
+    assert "out of memory on a batch of 2" in caplog.text
+    kept = [line for line in (tmp_path / "ref.jsonl").read_text().splitlines() if json.loads(line)["index"] < 6]
+    assert (tmp_path / "o.jsonl").read_text().splitlines() == kept
+    assert ref.num_written == 8

@@ -91,3 +91,23 @@ def test_unreachable_server_is_a_clear_error():
         OpenAIBackend("http://127.0.0.1:9/v1", GenerationOptions(), timeout_s=2)
     with pytest.raises(ConfigError, match="give the server's base URL"):
         OpenAIBackend("127.0.0.1:8000", GenerationOptions())
+
+
+@pytest.mark.timeout(120)
+def test_cli_openai_backend_and_what_each_backend_needs(server, tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_ipc.cli import main
+    from dflash_ipc.errors import ConfigError
+    inp = write_rows(tmp_path / "in.jsonl", ROWS[:3])
+    args = ["regenerate", "--input", inp, "--out", str(tmp_path / "o.jsonl"), "--max-new-tokens", "6"]
+    result = CliRunner().invoke(main, args + ["--backend", "openai", "--url", server + "/v1", "--concurrency", "2",
+                                              "--served-model", "tiny", "--retries", "1", "--timeout-s", "30"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0 and "complete (sorted by index); 3 rows read" in result.output, result.output
+    state = json.loads((tmp_path / "o.state.json").read_text())["settings"]
+    assert state["backend"] == "openai" and state["model"] == "tiny" and state["url"].endswith("/v1/chat/completions")
+    with pytest.raises(ConfigError, match="--backend openai needs --url"):
+        CliRunner().invoke(main, args + ["--backend", "openai"], catch_exceptions=False)
+    with pytest.raises(ConfigError, match="--backend hf needs --model DIR"):
+        CliRunner().invoke(main, args, catch_exceptions=False)

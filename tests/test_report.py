@@ -72,10 +72,13 @@ def test_every_panel_from_its_file(tmp_path):
                 "workers": {"target/0": {"pid": 1, "rss_mib": 500.0, "gpu_mem_reserved_mib": 1000.0 + i},
                             "drafter/0": {"pid": 2, "rss_mib": 800.0}}} for i in range(3)]
     _write_lines(tmp_path / "status_history.jsonl", history)
+    save_eval_results(str(tmp_path), [{"label": "older", "tau": 9.0, "acceptance_per_position": [1.0, 1.0, 1.0]}])
     save_eval_results(str(tmp_path), [
-        {"label": "untrained", "tau": 1.0, "acceptance_per_position": [0.0, 0.0, 0.0]},
-        {"label": "trained", "tau": 2.5, "acceptance_per_position": [0.9, 0.5, None], "num_generated_tokens": 120,
-         "wall_s": 2.0}], baseline=[True, False])
+        {"label": "untrained", "prompt_set": "held-out", "tau": 1.0, "acceptance_per_position": [0.0, 0.0, 0.0]},
+        {"label": "trained", "prompt_set": "held-out", "tau": 2.5, "acceptance_per_position": [0.9, 0.5, None],
+         "num_generated_tokens": 120, "wall_s": 2.0},
+        {"label": "trained", "prompt_set": "gsm8k", "tau": 1.5, "acceptance_per_position": [0.4, 0.1, 0.0],
+         "speedup": 1.25}], baseline=[True, False, False])
     (tmp_path / "out").mkdir()
     report = build_report(str(tmp_path), str(tmp_path / "out" / "r.png"))  # the JSON goes beside it
     assert report["json"] == str(tmp_path / "out" / "r.json")
@@ -87,9 +90,15 @@ def test_every_panel_from_its_file(tmp_path):
     # GPU memory where any process reports it; the drafter reported host memory only
     assert memory["metric"] == "gpu_mem_reserved_mib"
     assert memory["workers"] == {"target/0": {"t": [0.0, 2.0, 4.0], "mib": [1000.0, 1001.0, 1002.0]}}
-    assert numbers["eval"] == {"label": "trained", "time": pytest.approx(numbers["eval"]["time"]), "tau": 2.5,
-                               "acceptance_per_position": [0.9, 0.5, None], "tokens_per_s": 60.0}
-    assert "tau 2.50" in format_summary(report)
+    # every prompt set of the newest evaluation, its untrained baseline and the older one left out
+    when = numbers["eval"][0]["time"]
+    assert numbers["eval"] == [
+        {"label": "trained", "prompt_set": "held-out", "time": when, "tau": 2.5,
+         "acceptance_per_position": [0.9, 0.5, None], "tokens_per_s": 60.0},
+        {"label": "trained", "prompt_set": "gsm8k", "time": when, "tau": 1.5, "acceptance_per_position": [0.4, 0.1, 0.0],
+         "speedup": 1.25}]
+    summary = format_summary(report)
+    assert "[held-out]: tau 2.50" in summary and "[gsm8k]: tau 1.50" in summary and "tau 9.00" not in summary
     _decode(report["png"])
 
 
@@ -145,9 +154,10 @@ def test_report_from_a_real_cpu_run(cpu_run, tmp_path):
     assert numbers["memory"]["metric"] == "rss_mib"
     assert set(numbers["memory"]["workers"]) == set(workers)
     assert all(min(lane["mib"]) > 50 for lane in numbers["memory"]["workers"].values())
-    saved = cpu_run.eval_json[0]
-    assert numbers["eval"]["tau"] == pytest.approx(saved["tau"])
-    assert numbers["eval"]["acceptance_per_position"] == pytest.approx(saved["acceptance_per_position"])
+    [saved] = cpu_run.eval_json
+    [shown] = numbers["eval"]
+    assert shown["prompt_set"] == saved["prompt_set"] and shown["tau"] == pytest.approx(saved["tau"])
+    assert shown["acceptance_per_position"] == pytest.approx(saved["acceptance_per_position"])
     image = _decode(tmp_path / "out.png")
     assert image.shape[0] > 1000 and image.shape[1] > 1000
 

@@ -34,7 +34,7 @@ from dflash_ipc.drafter.sequence_queue import SequenceQueue
 from dflash_ipc.resolve import resolve_job
 from dflash_ipc.target.architectures import ARCHITECTURES, UNSUPPORTED, build_tiny_target_of, missing_reason
 from dflash_ipc.target.capture import FeatureCapture, load_target_config
-from dflash_ipc.target.text_stack import load_causal_lm
+from dflash_ipc.target.text_stack import load_causal_lm, text_config
 from dflash_ipc.target.worker import TargetWorker
 from dflash_ipc.transport.slots import ReaderCache, SlotLayout, create_pool
 
@@ -149,6 +149,13 @@ def test_row_captures_trains_exports_and_decodes_losslessly(key, tmp_path):
     assert all(map(torch.isfinite, torch.tensor(losses))) and losses[-1] < losses[0], losses
     checkpoint = trainer.save_checkpoint(CheckpointStore(cfg.files.checkpoints), extra={})
     exported = export_training_checkpoint(checkpoint, str(tmp_path / "export"))
+    with open(os.path.join(exported, "config.json")) as f:
+        served = json.load(f)  # the drafter is sized from the text config, whatever the model's kind
+    text = text_config(load_target_config(target))
+    assert (served["hidden_size"], served["vocab_size"], served["num_target_layers"]) == (
+        text.hidden_size, text.vocab_size, text.num_hidden_layers)
+    if arch.key == "llama":  # its RoPE scaling goes into the drafter the servers build
+        assert served["rope_scaling"]["rope_type"] == "llama3" and served["rope_scaling"]["factor"] == 8.0
 
     result = CliRunner().invoke(main, ["eval", "--target", target, "--drafter", exported, "--data", data,
                                        "--num-prompts", "2", "--max-new-tokens", "10", "--check-lossless", "--json"])

@@ -7,7 +7,8 @@
     tags: [dflash, speculative-decoding, draft-model, block-diffusion, dflash-ipc]
     ---
     # ... what it is, how to serve it (SGLang, vLLM, transformers), the training config,
-    # the data, the steps, the latest saved evaluation (tau, acceptance by position)
+    # the data, the steps, the latest saved evaluation (per prompt set: tau, tokens/s,
+    # speedup, acceptance by position)
 
 No `pipeline_tag`: a drafter generates nothing alone, and `text-generation` would list it among
 models the Hub's widget could run. What the card says comes from the export's `config.json`
@@ -27,7 +28,7 @@ import re
 import yaml
 
 from dflash_ipc.config import BUILTIN_SYNTHETIC_DATA
-from dflash_ipc.eval_results import latest_eval
+from dflash_ipc.eval_results import latest_evaluation
 from dflash_ipc.run_files import RunFiles
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_CACHE_DIR = re.compile(r"models--([\w.-]+)--([\w.-]+)$")  # huggingface_hub's cache layout
 CARD_SECTIONS = ("target", "drafter", "model", "data", "optimizer", "schedule", "objective", "checkpoint")
 PATH_KEYS = {("target", "path"), ("data", "path")}
+LABEL_PATH = re.compile(r"[^\s()]*/")  # a path up to its last component
 
 
 def base_model_of(target_path: str | None) -> str | None:
@@ -99,7 +101,7 @@ def card_facts(step_dir: str, drafter_config: dict, *, base_model: str | None = 
     if run_dir is not None:
         facts["training"] = _training_config(run_dir)
         facts["data"] = _dataset_meta(facts["training"]["data_path"])
-        facts["eval"] = latest_eval(run_dir)
+        facts["eval"] = latest_evaluation(run_dir)
     target_path = (facts["training"] or {}).get("target_path")
     facts["base_model"] = base_model or base_model_of(target_path)
     facts["target_name"] = facts["base_model"] or (os.path.basename(target_path) if target_path else None)
@@ -166,22 +168,47 @@ def _training(facts: dict) -> list[str]:
                     yaml.safe_dump(sections, sort_keys=False).rstrip(), "```", ""]
 
 
+def _public_label(label: str) -> str:
+    """An eval label with each path reduced to its last component (a card is public):
+    `trained (/home/me/runs/x/checkpoints/step_00000060)` -> `trained (step_00000060)`."""
+    return LABEL_PATH.sub("", label)
+
+
+def _decoding(result: dict) -> str:
+    """How the evaluation decoded, from its saved options."""
+    sampling = result.get("sampling") or {}
+    temperature = sampling.get("temperature") or 0.0
+    how = ("greedy" if not temperature
+           else f"sampled at temperature {temperature:g}, top-p {sampling.get('top_p', 1.0):g}")
+    extra = [f"up to {result['max_new_tokens']} new tokens per turn"] if result.get("max_new_tokens") else []
+    extra += [f"batch {result['batch_size']}"] if result.get("batch_size") else []
+    extra += [result["dtype"]] if result.get("dtype") else []
+    return ", ".join([how, *extra])
+
+
 def _evaluation(facts: dict) -> list[str]:
-    result = facts["eval"]
-    if result is None:
+    results = facts["eval"]
+    if not results:
         return ["## Evaluation", "",
                 "No evaluation was saved with the run (`dflash-ipc eval ... --save-to RUN_DIR`).", ""]
-    rates = result["acceptance_per_position"]
-    lines = ["## Evaluation", "", f"`dflash-ipc eval` ({result.get('label', '')}), greedy speculative decoding on "
-             f"{result.get('num_prompts', '-')} held-out prompts, up to {result.get('max_new_tokens', '-')} "
-             f"new tokens:", "",
-             f"- acceptance length tau: **{_fmt(result.get('tau'))}** (committed tokens per target forward)"]
-    if result.get("tokens_per_s") is not None:
-        lines.append(f"- {_fmt(result['tokens_per_s'], ',.0f')} tokens/s in that evaluation")
-    lines += ["", "| block position | " + " | ".join(str(k) for k in range(1, len(rates) + 1)) + " |",
-              "|---" * (len(rates) + 1) + "|",
-              "| acceptance | " + " | ".join(_fmt(v) for v in rates) + " |", ""]
-    return lines
+    first = results[0]
+    lines = ["## Evaluation", "",
+             f"`dflash-ipc eval` of {_public_label(first.get('label', 'the drafter'))}: speculative decoding "
+             f"({_decoding(first)}); tau is the acceptance length, committed tokens per target forward; the "
+             f"speedup is over plain decoding of the same prompts in the same run.", "",
+             "| prompt set | prompts | tau | tokens/s | speedup |", "|---|---|---|---|---|"]
+    for r in results:
+        speedup = _fmt(r.get("speedup"))
+        lines.append(f"| {r.get('prompt_set') or '-'} | {r.get('num_prompts', '-')} | **{_fmt(r.get('tau'))}** | "
+                     f"{_fmt(r.get('tokens_per_s'), ',.0f')} | {speedup + 'x' if speedup != '-' else '-'} |")
+    longest = max(len(r["acceptance_per_position"]) for r in results)
+    lines += ["", "Acceptance by block position:", "",
+              "| prompt set | " + " | ".join(str(k) for k in range(1, longest + 1)) + " |",
+              "|---" * (longest + 1) + "|"]
+    for r in results:
+        rates = list(r["acceptance_per_position"]) + [None] * (longest - len(r["acceptance_per_position"]))
+        lines.append(f"| {r.get('prompt_set') or '-'} | " + " | ".join(_fmt(v) for v in rates) + " |")
+    return lines + [""]
 
 
 def render_card(facts: dict, *, repo: str, with_code: bool) -> str:

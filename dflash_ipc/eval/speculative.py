@@ -25,7 +25,6 @@ token); those are held out only if they were not trained on.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -59,7 +58,7 @@ from dflash_ipc.eval.target_runner import BatchedTarget, TargetModel, resolve_dt
 from dflash_ipc.eval.unbatched import DFlashProposer, TargetLM, UnbatchedDecoder
 
 __all__ = ["EvalOptions", "evaluate", "evaluate_sets", "held_out_prompts", "load_drafter", "resolve_dtype",
-           "parse_template_kwargs", "stop_token_ids", "untrained_vs_trained"]
+           "stop_token_ids", "untrained_vs_trained"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,19 +124,6 @@ def check_compatible(model: DFlashDraftModel, target: TargetModel, source: str) 
         if mine != theirs:
             raise ConfigError(f"{source}: drafter {name}={mine} but the target has {theirs}; "
                               "the drafter was trained for another target")
-
-
-def parse_template_kwargs(text: str | None) -> dict:
-    """``--template-kwargs`` JSON -> kwargs of ``apply_chat_template`` (empty for None)."""
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise ConfigError(f"--template-kwargs {text!r}: not valid JSON ({exc})") from exc
-    if not isinstance(value, dict):
-        raise ConfigError(f"--template-kwargs {text!r}: must be a JSON object, e.g. '{{\"enable_thinking\": false}}'")
-    return value
 
 
 def untrained_like(model: DFlashDraftModel, seed: int) -> DFlashDraftModel:

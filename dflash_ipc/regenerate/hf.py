@@ -123,16 +123,20 @@ class Generator:
             cache_implementation="static" if self._cache == "static" else None, disable_compile=True,
         )
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> tuple[list[tuple[list[int], bool]], BatchStats]:
-        """Per prompt: (new tokens up to and including the first stop token, whether one was
-        hit), in order; and the batch's stats. Splits the batch on out-of-memory."""
+    def generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> tuple[list, BatchStats]:
+        """Per prompt, in order: (new tokens up to and including the first stop token, whether one
+        was hit), or an error string for a prompt that runs out of memory even alone (only its
+        row is rejected); and the batch's stats. Splits the batch in halves on out-of-memory."""
         import torch
         try:
             return self._generate(prompts, max_new_tokens)
-        except torch.OutOfMemoryError:
-            if len(prompts) == 1:
-                raise
+        except torch.OutOfMemoryError as e:
             torch.cuda.empty_cache()
+            if len(prompts) == 1:
+                log.warning("%s: out of memory on one prompt of %d tokens (+%d new); its row is rejected",
+                            self.device, len(prompts[0]), max_new_tokens[0])
+                return [f"out of memory on its own ({len(prompts[0])} prompt tokens + {max_new_tokens[0]} new "
+                        f"tokens): {str(e).splitlines()[0] if str(e) else 'OutOfMemoryError'}"[:500]], BatchStats()
             half = len(prompts) // 2
             log.warning("%s: out of memory on a batch of %d; splitting it", self.device, len(prompts))
             a, sa = self.generate(prompts[:half], max_new_tokens[:half])
@@ -271,7 +275,7 @@ class HFBackend:
         reqs = [self._requests[k] for k in keys]
         try:
             outputs, stats = self._local.generate([r.prompt_ids for r in reqs], [r.max_new_tokens for r in reqs])
-        except Exception as e:  # a batch of one that fails (out of memory alone, a model error)
+        except Exception as e:  # a batch of one that fails (a model error)
             if len(keys) > 1:
                 raise
             return self._replies(keys, None, f"{type(e).__name__}: {e}"[:500])
@@ -285,6 +289,9 @@ class HFBackend:
             request = self._requests.pop(key)
             if error is not None:
                 replies.append(Reply(key, error=error))
+                continue
+            if isinstance(outputs[i], str):  # this prompt alone ran out of memory
+                replies.append(Reply(key, error=outputs[i]))
                 continue
             tokens, stopped = outputs[i]
             body = tokens[:-1] if stopped and tokens and tokens[-1] in stops else tokens

@@ -42,7 +42,7 @@ def _cell(value, fmt: str) -> str:
 
 
 def format_summary(report: dict) -> str:
-    """The per-worker table `dflash-ipc report` prints, then the eval line when there is one."""
+    """The per-worker table `dflash-ipc report` prints, then a line per prompt set of the latest eval."""
     lines = [f"{'worker':<11} {'busy':>6} {'wait_s':>8} {'work_s':>8} {'n':>6} {'tok/s':>9} "
              f"{'anch/s':>8} {'seq/s':>7} {'step_ms':>8} {'loss':>7}"]
     for role, s in report["workers"].items():
@@ -52,8 +52,8 @@ def format_summary(report: dict) -> str:
         lines.append(f"{role:<11} {100 * s['busy_fraction']:5.1f}% {wait:8.1f} {s['busy_s'] + s['step_s']:8.1f} "
                      f"{s['count']:6d} {s['tokens_per_s']:9.0f} {s['anchors_per_s']:8.1f} "
                      f"{s['sequences_per_s']:7.2f} {step_ms:>8} {_cell(s.get('loss_last'), '.3f'):>7}")
-    result = report.get("eval")
-    if result:
-        lines.append(f"latest eval ({result.get('label', '')}): tau {_cell(result.get('tau'), '.2f')}, "
-                     f"acceptance by position " + " ".join(_cell(v, ".2f") for v in result["acceptance_per_position"]))
+    for result in report.get("eval") or ():
+        lines.append(f"latest eval ({result.get('label', '')}) [{result.get('prompt_set') or '-'}]: "
+                     f"tau {_cell(result.get('tau'), '.2f')}, acceptance by position "
+                     + " ".join(_cell(v, ".2f") for v in result["acceptance_per_position"]))
     return "\n".join(lines)

@@ -6,6 +6,7 @@ Read from the run directory (each file is optional but the timelines):
     drafter_metrics.jsonl  drafter rank 0, one line per step: loss and learning rate over steps
     status_history.jsonl   the supervisor's polls (status_history.py): memory of each process
     eval_results.jsonl     `dflash-ipc eval --save-to` (eval_results.py): tau, acceptance by position
+                           of each prompt set of the latest evaluation
 
 Times are seconds since the first timeline interval began, on the wall clock every process
 shares. A panel whose source is missing is left out of `panels` (and of the picture).
@@ -18,7 +19,7 @@ import math
 import numpy as np
 
 from dflash_ipc.errors import DataError
-from dflash_ipc.eval_results import latest_eval
+from dflash_ipc.eval_results import latest_evaluation
 from dflash_ipc.json_lines import read_json_lines
 from dflash_ipc.metrics import STATES, load_timelines, rate_series, summarize
 from dflash_ipc.run_files import RunFiles
@@ -115,12 +116,14 @@ def _role_order(role: str) -> tuple:
     return kind != "target", kind, int(rank) if rank.isdigit() else 0
 
 
-def _eval(run_dir: str) -> dict | None:
-    result = latest_eval(run_dir)
-    if result is None:
-        return None
-    keys = ("label", "time", "tau", "acceptance_per_position", "tokens_per_s", "block_size", "num_prompts")
-    return {k: result.get(k) for k in keys if k in result}
+EVAL_KEYS = ("label", "prompt_set", "time", "tau", "acceptance_per_position", "tokens_per_s", "speedup",
+             "block_size", "num_prompts")
+
+
+def _eval(run_dir: str) -> list[dict] | None:
+    """One entry per prompt set of the latest evaluation (None without one)."""
+    results = latest_evaluation(run_dir)
+    return [{k: result.get(k) for k in EVAL_KEYS if k in result} for result in results] or None
 
 
 def collect(run_dir: str) -> dict:

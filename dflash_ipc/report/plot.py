@@ -10,7 +10,8 @@ Panels, top to bottom (each only when `numbers["panels"]` lists it):
     rates     the job's produced (targets) and trained (drafters) valid tokens/s
     memory    each process's GPU memory (host RSS on CPU runs) from the supervisor's polls
     training  loss (left axis) and learning rate (right axis) over optimizer steps
-    eval      acceptance by block position of the latest saved evaluation, tau in the title
+    eval      acceptance by block position of the latest saved evaluation (one bar per prompt
+              set), tau in the title
 
 The three time panels share one x axis (seconds since the first interval). matplotlib is an
 optional extra (`pip install 'dflash-ipc[report]'`); the figure is drawn without pyplot, so
@@ -27,6 +28,7 @@ LEGEND = (("working", "busy"), ("waiting for work", "wait_work"), ("waiting for 
           ("waiting for a slot", "wait_slot"))
 UNRECORDED = "#d7d7d7"
 PRODUCED_COLOR, TRAINED_COLOR = "#1f77b4", "#2ca02c"
+EVAL_COLORS = ("#2ca02c", "#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#17becf")
 WIDTH_IN = 12.0
 PANEL_IN = 2.6      # height of each panel but the lanes
 LANE_IN = 0.32      # height of one worker lane
@@ -102,19 +104,27 @@ def _training(ax, numbers: dict) -> None:
 
 
 def _eval(ax, numbers: dict) -> None:
-    result = numbers["eval"]
-    rates = result["acceptance_per_position"]
-    positions = list(range(1, len(rates) + 1))
-    ax.bar(positions, [v if v is not None else 0.0 for v in rates], color="#2ca02c")
-    ax.set_xticks(positions)
+    """Acceptance by block position, one bar per prompt set of the latest evaluation at each."""
+    results = numbers["eval"]
+    width = 0.8 / len(results)
+    longest = max(len(r["acceptance_per_position"]) for r in results)
+    for i, result in enumerate(results):
+        rates = result["acceptance_per_position"]
+        offset = (i - (len(results) - 1) / 2) * width
+        ax.bar([k + offset for k in range(1, len(rates) + 1)], [v if v is not None else 0.0 for v in rates],
+               width=width, color=EVAL_COLORS[i % len(EVAL_COLORS)], label=result.get("prompt_set") or "-")
+    ax.set_xticks(range(1, longest + 1))
     ax.set_xlabel("block position")
     ax.set_ylabel("acceptance")
     ax.set_ylim(0, 1)
-    tau = result.get("tau")
-    title = f"latest eval: tau {tau:.2f}" if tau is not None else "latest eval: tau -"
-    if result.get("tokens_per_s") is not None:
-        title += f", {result['tokens_per_s']:,.0f} tok/s"
-    ax.set_title(f"{title}  ({result.get('label', '')})", loc="left", fontsize=10)
+    if len(results) > 1:
+        ax.legend(fontsize=8, loc="upper right")
+    parts = []
+    for result in results:
+        tau, rate = result.get("tau"), result.get("tokens_per_s")
+        parts.append(f"{result.get('prompt_set') or '-'} tau {'-' if tau is None else f'{tau:.2f}'}"
+                     + (f", {rate:,.0f} tok/s" if rate is not None else ""))
+    ax.set_title(f"latest eval: {'; '.join(parts)}  ({results[0].get('label', '')})", loc="left", fontsize=10)
 
 
 def render(numbers: dict, path: str) -> None:
