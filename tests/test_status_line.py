@@ -137,3 +137,30 @@ def test_stepped_job_progress_never_goes_back_and_ends_final():
     done, bar = line.final_lines(final)
     assert done.startswith("done, averages: [   42s] 100% 10/10 batches | tgt_rate 30 dft_rate 25 tok_rate 20 ")
     assert bar == "epoch 1/1 [##########] 100% 10/10 batches  ETA done"
+
+
+def test_status_of_an_ended_job_is_its_final_status(tmp_path, monkeypatch):
+    """`dflash-ipc status` of a job whose dispatcher has ended prints the final status it wrote,
+    says so, and still fails where there is none."""
+    import json
+
+    from dflash_ipc.errors import WorkerDeadError
+    from dflash_ipc.run_files import RunFiles
+    from dflash_ipc.supervise import status_query
+
+    def no_dispatcher(run_dir):
+        raise WorkerDeadError("dispatcher silent for 3.0s")
+    monkeypatch.setattr(status_query, "fetch_status", no_dispatcher)
+    files = RunFiles(str(tmp_path))
+    open(files.job_config, "w").close()
+    with pytest.raises(WorkerDeadError, match="silent"):
+        status_query.query_status(str(tmp_path))
+    status = _status([(4, 4)], finished=True)
+    status["average_rates"] = {"tgt_rate": 10.0, "dft_rate": 9.0, "tok_rate": 8.0}
+    status["targets"] = {"0": {"free_slots": 2, "batches": 4, "tokens": 512, "credits": 0, "heartbeat_age_s": 0.5}}
+    with open(files.final_status, "w") as f:
+        json.dump(status, f)
+    lines = status_query.query_status(str(tmp_path)).splitlines()
+    assert lines[0].startswith("no dispatcher answers (dispatcher silent for 3.0s); the job's final status")
+    assert lines[1].startswith("done, averages: [   42s] 100% 4/4 batches | tgt_rate 10 ")
+    assert lines[2].startswith("  target/0: 4 batches 512 tokens")

@@ -1,4 +1,5 @@
-"""`dflash-ipc status RUN_DIR`: ask the running dispatcher for its live status."""
+"""`dflash-ipc status RUN_DIR`: ask the running dispatcher for its live status; of a job whose
+dispatcher has ended, the last status it wrote (final_status.json)."""
 
 from __future__ import annotations
 
@@ -28,12 +29,19 @@ def fetch_status(run_dir: str, timeout_s: float = 3.0, *, node_rank: int = 0) ->
 
 
 def query_status(run_dir: str, *, as_json: bool = False) -> str:
-    if not os.path.exists(RunFiles(run_dir).job_config):
+    files = RunFiles(run_dir)
+    if not os.path.exists(files.job_config):
         raise WorkerDeadError(f"{run_dir} is not a run directory (no config.yaml)")
-    status = fetch_status(run_dir)
+    try:
+        status, heading = fetch_status(run_dir), None
+    except WorkerDeadError as live_error:
+        status = _final_status(files.final_status)
+        if status is None:
+            raise
+        heading = f"no dispatcher answers ({live_error}); the job's final status, {files.final_status}:"
     if as_json:
         return json.dumps(status, indent=1, sort_keys=True)
-    lines = [format_status(status)]
+    lines = ([heading] if heading else []) + [format_status(status, final=heading is not None)]
     for rank, t in status["targets"].items():
         lines.append(f"  target/{rank}: {t['batches']} batches {t['tokens']:,} tokens, credits {t['credits']}, "
                      f"free slots {t['free_slots']}, heartbeat {t['heartbeat_age_s']:.1f}s ago")
@@ -42,3 +50,13 @@ def query_status(run_dir: str, *, as_json: bool = False) -> str:
         lines.append(f"  drafter/{rank}: step {m.get('step', 0):.0f} loss {m.get('loss', float('nan')):.3f}, "
                      f"{d['batches']} batches, heartbeat {d['heartbeat_age_s']:.1f}s ago")
     return "\n".join(lines)
+
+
+def _final_status(path: str) -> dict | None:
+    """The status the dispatcher wrote when it ended, or None (no such file, or not a status)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            status = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return status if isinstance(status, dict) and {"targets", "drafters"} <= status.keys() else None
