@@ -25,6 +25,7 @@ import shutil
 import time
 
 from dflash_ipc.errors import DamagedCheckpointError
+from dflash_ipc.json_files import read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -51,18 +52,7 @@ def sha256_of(path: str, chunk: int = 16 << 20) -> str:
 
 def read_json_file(path: str, what: str) -> dict:
     """A JSON object from a file of bounded size; DamagedCheckpointError otherwise."""
-    try:
-        if os.path.getsize(path) > MAX_JSON_BYTES:
-            raise DamagedCheckpointError(f"{path}: {what} larger than {MAX_JSON_BYTES} bytes")
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except FileNotFoundError:
-        raise DamagedCheckpointError(f"{path}: {what} missing") from None
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise DamagedCheckpointError(f"{path}: {what} unreadable ({type(exc).__name__}: {str(exc)[:200]})") from None
-    if not isinstance(value, dict):
-        raise DamagedCheckpointError(f"{path}: {what} is not a JSON object")
-    return value
+    return read_json_object(path, what, error=DamagedCheckpointError, max_bytes=MAX_JSON_BYTES)
 
 
 class CheckpointStore:

@@ -227,7 +227,7 @@ def held_out_prompts(dataset: TokenDataset, *, num_prompts: int,
 
     if num_prompts < 1:
         raise ConfigError(f"num_prompts={num_prompts} must be >= 1")
-    declared = held_out_prompts_of(dataset.meta)
+    declared = held_out_prompts_of(dataset.meta, os.path.join(dataset.path, "meta.json"))
     if sample_ids is None and declared:
         if len(declared) < num_prompts:
             logger.warning("%s: only %d held-out prompts, %d asked", dataset.path, len(declared), num_prompts)
