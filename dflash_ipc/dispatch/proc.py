@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import signal
 import socket
@@ -27,6 +26,7 @@ from dflash_ipc.dispatch.dispatcher import Dispatcher
 from dflash_ipc.dispatch.ledger import BatchState, Ledger
 from dflash_ipc.dispatch.ledger_file import load_ledger, save_ledger
 from dflash_ipc.errors import DataError, ProtocolError, UnregisteredSender
+from dflash_ipc.json_files import json_safe
 from dflash_ipc.wire_security import server_security
 
 log = logging.getLogger(__name__)
@@ -58,17 +58,6 @@ def write_json_atomic(path: str, value) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(json_safe(value), f, indent=1, sort_keys=True, allow_nan=False)
     os.replace(path + ".tmp", path)
-
-
-def json_safe(value):
-    """`value` with non-finite floats as None, so it is valid JSON."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 def plan_job(cfg: JobConfig, lengths) -> list:
