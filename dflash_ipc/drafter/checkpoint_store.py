@@ -33,6 +33,7 @@ MANIFEST = "manifest.json"
 STATE_TENSORS = "training_state.safetensors"
 STATE_JSON = "training_state.json"
 LATEST = "latest.json"
+CHECKPOINT_FILES = ("config.json", "model.safetensors", STATE_TENSORS, STATE_JSON)  # every one in the manifest
 UNCOMMITTED = "uncommitted"
 MAX_JSON_BYTES = 256 * 1024 * 1024  # the JSON parts of a checkpoint are far smaller
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -164,6 +165,9 @@ def verify_dir(step_dir: str) -> dict:
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise DamagedCheckpointError(f"{step_dir}/{MANIFEST}: no 'files'")
+    unlisted = [name for name in CHECKPOINT_FILES if name not in files]
+    if unlisted:  # a file read on resume or export that no checksum covers
+        raise DamagedCheckpointError(f"{step_dir}/{MANIFEST}: does not list {', '.join(unlisted)}")
     for name, want in files.items():
         path = os.path.join(step_dir, name)
         if os.path.basename(name) != name or not isinstance(want, dict):
