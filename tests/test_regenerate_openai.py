@@ -91,3 +91,19 @@ def test_unreachable_server_is_a_clear_error():
         OpenAIBackend("http://127.0.0.1:9/v1", GenerationOptions(), timeout_s=2)
     with pytest.raises(ConfigError, match="give the server's base URL"):
         OpenAIBackend("127.0.0.1:8000", GenerationOptions())
+
+
+def test_an_answer_is_read_up_to_a_bound(monkeypatch):
+    """A broken or hostile server cannot make the client hold more than MAX_ANSWER_BYTES."""
+    import io
+
+    from dflash_ipc.regenerate import openai
+    monkeypatch.setattr(openai, "MAX_ANSWER_BYTES", 100)
+    assert openai._read_json(io.BytesIO(b'{"choices": []}')) == {"choices": []}
+    for body, needle in ((b'{"x": "' + b"y" * 10**6 + b'"}', "an answer over 100 bytes"),
+                         (b"[" * 90, "Expecting value")):
+        with pytest.raises(ValueError, match=needle):
+            openai._read_json(io.BytesIO(body))
+    monkeypatch.setattr(openai, "MAX_ANSWER_BYTES", 10**6)
+    with pytest.raises(ValueError, match="nested deeper"):
+        openai._read_json(io.BytesIO(b"[" * 100_000))
