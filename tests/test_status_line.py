@@ -137,3 +137,17 @@ def test_stepped_job_progress_never_goes_back_and_ends_final():
     done, bar = line.final_lines(final)
     assert done.startswith("done, averages: [   42s] 100% 10/10 batches | tgt_rate 30 dft_rate 25 tok_rate 20 ")
     assert bar == "epoch 1/1 [##########] 100% 10/10 batches  ETA done"
+
+
+def test_status_json_is_strict_json_whatever_the_status_holds(tmp_path, monkeypatch):
+    """`status --json` prints JSON every parser reads: a NaN or inf anywhere becomes null."""
+    import json
+
+    from dflash_ipc.run_files import RunFiles
+    from dflash_ipc.supervise import status_query
+    open(RunFiles(str(tmp_path)).job_config, "w").close()
+    status = {"rates": {"tok_rate": float("nan")}, "targets": {"0": {"metrics": {"loss": float("inf")}}}}
+    monkeypatch.setattr(status_query, "fetch_status", lambda run_dir: status)
+    text = status_query.query_status(str(tmp_path), as_json=True)
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"rates": {"tok_rate": None}, "targets": {"0": {"metrics": {"loss": None}}}}

@@ -8,6 +8,7 @@ import os
 from dflash_ipc import protocol as p
 from dflash_ipc.config_load import load_config
 from dflash_ipc.errors import WorkerDeadError
+from dflash_ipc.json_files import json_safe
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.run_files import RunFiles
 from dflash_ipc.supervise.status_line import format_status
@@ -32,7 +33,7 @@ def query_status(run_dir: str, *, as_json: bool = False) -> str:
         raise WorkerDeadError(f"{run_dir} is not a run directory (no config.yaml)")
     status = fetch_status(run_dir)
     if as_json:
-        return json.dumps(status, indent=1, sort_keys=True)
+        return json.dumps(json_safe(status), indent=1, sort_keys=True, allow_nan=False)  # strict JSON: no NaN
     lines = [format_status(status)]
     for rank, t in status["targets"].items():
         lines.append(f"  target/{rank}: {t['batches']} batches {t['tokens']:,} tokens, credits {t['credits']}, "
