@@ -27,7 +27,7 @@ from dflash_ipc.dispatch.ledger import BatchState, Ledger
 from dflash_ipc.dispatch.ledger_file import load_ledger, save_ledger
 from dflash_ipc.errors import DataError, ProtocolError, UnregisteredSender
 from dflash_ipc.json_files import json_safe
-from dflash_ipc.wire_security import server_security
+from dflash_ipc.wire_security import private_socket_dir, server_security
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class DispatcherProc:
         self.socket.setsockopt(zmq.MAXMSGSIZE, p.MAX_BODY_BYTES + 1024)
         self.socket.setsockopt(zmq.SNDHWM, SEND_HWM)
         if address.startswith("ipc://"):
-            os.makedirs(os.path.dirname(address[len("ipc://"):]), mode=0o700, exist_ok=True)
+            private_socket_dir(os.path.dirname(address[len("ipc://"):]))
         self.security = server_security(cfg, self.socket, address)
         self.socket.bind(_bindable(address))
         self.address = address
