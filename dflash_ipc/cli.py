@@ -318,7 +318,8 @@ def health(run_dir, as_json, stale_after_s, stall_after_s, timeout_s, node_rank)
     from dflash_ipc.supervise.health import format_health, health_report
     report = health_report(run_dir, node_rank=node_rank, stale_after_s=stale_after_s,
                            stall_after_s=stall_after_s, timeout_s=timeout_s)
-    click.echo(json.dumps(report.to_json(), indent=1) if as_json else format_health(report))
+    from dflash_ipc.json_files import json_safe
+    click.echo(json.dumps(json_safe(report.to_json()), indent=1, allow_nan=False) if as_json else format_health(report))
     sys.exit(report.exit_code)
 
 

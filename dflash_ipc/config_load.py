@@ -2,13 +2,17 @@
 
 Every problem is one `ConfigError` line naming the file (and line) or the override and the
 dotted key: YAML syntax errors, a key given twice, an empty file, unknown keys, wrong types,
-keys that moved to another section (the message names the new key).
+keys that moved to another section (the message names the new key). Hostile YAML too: nesting
+past the parser's recursion limit, integers past Python's 4,300 digits, a file over
+`MAX_CONFIG_BYTES`, and values that are expanded by aliases (a few hundred bytes can name 10^9
+list entries) are shown abbreviated, so no message costs more than a line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import reprlib
 import types
 import typing
 from typing import Any, Literal
@@ -38,6 +42,19 @@ MOVED_KEYS = {
 }
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a job config is a few kilobytes
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxset = 2, 8, 8, 8, 8
+_REPR.maxstring = _REPR.maxother = 80
+
+
+def _short(value: Any) -> str:
+    """repr() of a value from a config, at most a few hundred characters whatever it holds
+    (YAML aliases can make a tiny file name a structure of exponential size)."""
+    return _REPR.repr(value)
+
+
 class _StrictLoader(yaml.SafeLoader):
     """SafeLoader that refuses a key given twice in one mapping (YAML silently keeps the last)."""
 
@@ -48,7 +65,7 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
         key = loader.construct_object(key_node, deep=deep)
         line = key_node.start_mark.line + 1
         if key in seen:
-            raise ConfigError(f"line {line}: key '{key}' given twice (first at line {seen[key]})")
+            raise ConfigError(f"line {line}: key {_short(key)} given twice (first at line {seen[key]})")
         seen[key] = line
     return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
 
@@ -66,6 +83,10 @@ def _parse_yaml(text: str, where: str) -> Any:
         at = f" line {mark.line + 1}, column {mark.column + 1}:" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{where}: not valid YAML:{at} {problem}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: not valid YAML: nested deeper than the parser's recursion limit") from None
+    except ValueError as exc:  # an integer of more than 4,300 digits, a date past year 9999
+        raise ConfigError(f"{where}: not valid YAML: {str(exc).split(';')[0][:120]}") from None
 
 
 def _convert(value: Any, hint: Any, key: str) -> Any:
@@ -80,12 +101,12 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
     if origin is Literal:
         allowed = typing.get_args(hint)
         if value not in allowed:
-            raise ConfigError(f"{key}: {value!r} not allowed; allowed: {', '.join(map(str, allowed))}")
+            raise ConfigError(f"{key}: {_short(value)} not allowed; allowed: {', '.join(map(str, allowed))}")
         return value
     if origin is list:
         (inner,) = typing.get_args(hint)
         if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
+            raise ConfigError(f"{key}: expected a list, got {_short(value)}")
         return [_convert(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -94,10 +115,10 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
         try:
             return float(value)
         except ValueError:
-            raise ConfigError(f"{key}: expected float, got str {value!r}") from None
+            raise ConfigError(f"{key}: expected float, got str {_short(value)}") from None
     if hint in (int, float, str, bool) and not (isinstance(value, hint) and
                                                  not (hint is int and isinstance(value, bool))):
-        raise ConfigError(f"{key}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{key}: expected {hint.__name__}, got {type(value).__name__} {_short(value)}")
     return value
 
 
@@ -111,11 +132,12 @@ def _unknown_key(cls: type, key: str, names: set[str]) -> ConfigError:
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {_short(data)}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for name in sorted(set(data) - names, key=str):
-        raise _unknown_key(cls, f"{prefix}.{name}" if prefix else str(name), names)
+        name = str(name) if len(str(name)) <= 80 else _short(str(name))
+        raise _unknown_key(cls, f"{prefix}.{name}" if prefix else name, names)
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
@@ -151,6 +173,8 @@ def read_config_file(path: str) -> dict:
     if os.path.isdir(path):
         raise ConfigError(f"config file {path} is a directory")
     try:
+        if os.path.getsize(path) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES} bytes: not a job config")
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:

@@ -33,11 +33,13 @@ def _number_or_none(value) -> bool:
 
 
 def valid_result(row) -> bool:
-    """The shape above: `tau` a number or null, `acceptance_per_position` a list of them."""
+    """The shape above: `tau`, `time`, `tokens_per_s` numbers or null, `acceptance_per_position` a
+    list of them, `label` a string."""
     return (isinstance(row, dict) and _number_or_none(row.get("tau"))
             and isinstance(row.get("acceptance_per_position"), list)
             and all(_number_or_none(v) for v in row["acceptance_per_position"])
-            and _number_or_none(row.get("tokens_per_s")))
+            and _number_or_none(row.get("tokens_per_s")) and _number_or_none(row.get("time"))
+            and isinstance(row.get("label", ""), str))
 
 
 def save_eval_results(run_dir: str, results: list[dict], *, baseline: list[bool] | None = None) -> str:

@@ -70,7 +70,7 @@ def read_beacon(path: str) -> dict | None:
     try:
         with open(path) as f:
             record = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # torn, damaged or crafted: no beacon
         return None
     ok = isinstance(record, dict) and all(isinstance(record.get(k), (int, float)) for k in ("time", "since", "pid"))
     return record if ok and record.get("phase") in PHASES else None

@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 
+from dflash_ipc.json_lines import read_json_lines
 from dflash_ipc.run_files import RunFiles
 
 log = logging.getLogger(__name__)
@@ -92,15 +93,20 @@ class TimelineWriter:
         self._file.close()
 
 
+def valid_interval(row) -> bool:
+    """A timeline line `report` can use: a known state, finite times in order, and counts
+    (when present) finite and >= 0."""
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return (isinstance(row, dict) and row.get("state") in STATES and number(row.get("t0"))
+            and number(row.get("t1")) and row["t0"] <= row["t1"]
+            and all(number(row[k]) and row[k] >= 0 for k in ("tokens", "anchors", "sequences") if k in row))
+
+
 def load_timeline(path: str) -> list[dict]:
-    """The intervals of one file, sorted by start; a torn last line (a killed process) is skipped."""
-    rows = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                log.warning("%s:%d: skipped an unreadable line", path, number)
+    """The intervals of one file, sorted by start; a torn last line (a killed process), or any
+    line that is not an interval, is skipped with a warning."""
+    rows = read_json_lines(path, keep=valid_interval, expected="a timeline interval (t0 <= t1, state)")
     return sorted(rows, key=lambda r: r["t0"])
 
 

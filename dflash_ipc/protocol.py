@@ -294,7 +294,8 @@ def _out_of_bounds(value: Any) -> str | None:
     if isinstance(value, int):
         return None if -1 <= value <= MAX_INT else f"integer {value:.6g} outside [-1, 2**62]"
     if isinstance(value, float):
-        return None if math.isfinite(value) else f"{value} is not a finite number"
+        # |x| <= 2**62 as for ints: sums of a million such values stay finite in the status
+        return None if math.isfinite(value) and abs(value) <= MAX_INT else f"{value} is not a finite number within 2**62"
     if isinstance(value, (str, bytes)):
         return None if len(value) <= MAX_STR else f"{len(value)} characters, at most {MAX_STR}"
     if isinstance(value, list):
@@ -305,7 +306,7 @@ def _out_of_bounds(value: Any) -> str | None:
         if len(value) > MAX_MAP:
             return f"{len(value)} entries, at most {MAX_MAP}"
         return next((why for kv in value.items() for v in kv if (why := _out_of_bounds(v)) is not None), None)
-    return None
+    return f"{type(value).__name__} is not a wire value"  # msgpack extension types, timestamps
 
 
 def _matches(value: Any, hint: Any) -> bool:

@@ -19,6 +19,12 @@ import tempfile
 MAX_SOCKET_PATH = 107
 
 
+def shared_socket_dir() -> str:
+    """Where the sockets of run directories with long paths live: a folder of this user in the
+    temp directory (which every user may write, so the dispatcher checks who owns it)."""
+    return os.path.join(tempfile.gettempdir(), f"dflash-ipc-{os.getuid()}")
+
+
 def node_file(run_dir: str, name: str, node_rank: int) -> str:
     """`run_dir/name` for node 0, `run_dir/<stem>-node<K><ext>` for node K."""
     if node_rank == 0:
@@ -109,7 +115,7 @@ class RunFiles:
         if len(path.encode()) <= MAX_SOCKET_PATH:
             return path
         tag = hashlib.sha1(self.run_dir.encode()).hexdigest()[:16]
-        return os.path.join(tempfile.gettempdir(), f"dflash-ipc-{os.getuid()}", f"{tag}.sock")
+        return os.path.join(shared_socket_dir(), f"{tag}.sock")
 
     @property
     def curve_keys(self) -> str:

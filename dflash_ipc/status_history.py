@@ -71,5 +71,6 @@ class StatusHistorySink:
 def load_status_history(path: str) -> list[dict]:
     """Every readable line of a history file ([] when there is none); a torn last line (a
     killed supervisor) is skipped."""
-    return list(read_json_lines(path, keep=lambda row: isinstance(row, dict) and _finite(row.get("time")),
+    return list(read_json_lines(path, keep=lambda row: isinstance(row, dict) and _finite(row.get("time"))
+                                and isinstance(row.get("workers", {}), dict),
                                 expected="a status record with a time"))

@@ -1,7 +1,10 @@
 """Who may talk to the dispatcher: ZMQ CURVE on tcp://, file permissions on ipc://.
 
 Security model (docs/operations.md, "Security"): on `ipc://` the socket lives in the run
-directory, made mode 0700, so only the job's own user can connect. On `tcp://` every
+directory, made mode 0700, so only the job's own user can connect (a run directory whose path
+is too long for a socket has it in a folder of this user in the temp directory, made 0700;
+one there that another user owns, or that others may open, is refused: they could replace
+the socket). On `tcp://` every
 connection is encrypted and authenticated with CURVE when `dispatch.auth` is `curve`, or
 `auto` (the default) and the host is not loopback: the supervisor of node 0 makes one key
 pair for the dispatcher and one for the job's workers in `<run_dir>/keys/` (mode 0700,
@@ -14,17 +17,35 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from dflash_ipc.errors import ConfigError
+from dflash_ipc.run_files import shared_socket_dir
 
 log = logging.getLogger(__name__)
 
 SERVER, CLIENT = "dispatcher", "worker"
 LOOPBACK_HOSTS = ("127.", "localhost", "[::1]", "::1")
+
+
+def private_socket_dir(directory: str) -> None:
+    """Makes the folder of an ipc:// socket (mode 0700). The one this code picks in the temp
+    directory, which every user may write, must then be a directory of this user closed to
+    everyone else: one made by another user would let them replace the socket (ConfigError,
+    before anything binds)."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    if os.path.abspath(directory) != os.path.abspath(shared_socket_dir()):
+        return  # the run directory, or a folder the user named in dispatch.address
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ConfigError(f"dispatch.address: the socket folder {directory} (for a run directory whose path "
+                          f"is too long for a socket) is not a folder of this user closed to others (uid "
+                          f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}): another user could replace the "
+                          f"socket; remove it, or use a shorter run.run_dir")
 
 
 def curve_required(auth: str, address: str) -> bool:

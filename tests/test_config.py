@@ -120,6 +120,41 @@ def test_bad_yaml_files_are_one_line_errors(tmp_path):
         assert "is a directory" in str(info.value) and "\n" not in str(info.value)
 
 
+def _alias_bomb(levels: int = 9) -> str:
+    """A few hundred bytes of YAML whose value, expanded, holds 9**levels entries."""
+    anchors = ["&a0 [1, 1, 1, 1, 1, 1, 1, 1, 1]"] + [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]"
+                                                     for i in range(1, levels)]
+    return "run:\n  seed: [" + ", ".join(anchors) + "]\n"
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("data:\n  bucket_boundaries: " + "[" * 50_000 + "]" * 50_000 + "\n", "nested deeper than the parser's"),
+    ("run:\n  seed: " + "9" * 5000 + "\n", "not valid YAML: Exceeds the limit (4300 digits)"),
+    (_alias_bomb(), "run.seed: expected int, got list [[1, 1, 1, 1, 1, 1, 1, 1, ...], [[...], [...]"),
+    ("run: !!python/object/apply:os.system ['touch owned']\n", "could not determine a constructor for the tag"),
+    ("run:\n  run_dir: !!binary aGVsbG8=\n", "run.run_dir: expected str, got bytes b'hello'"),
+    ("run:\n  seed: 1\n" + "#" * (2 << 20) + "\n", "is larger than 1048576 bytes"),
+    ("? " + "x" * 100_000 + "\n: 1\n", "unknown key 'xxxxxxxx"),
+])
+def test_hostile_yaml_is_one_short_line_and_runs_nothing(tmp_path, text, needle):
+    """Nesting past the recursion limit, huge integers, alias bombs (a 300-byte file naming 9^9
+    list entries), Python tags and oversized files: each one short ConfigError line."""
+    path = tmp_path / "hostile.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    message = str(info.value)
+    assert needle in message and "\n" not in message and len(message) < 600, message[:300]
+    assert not (tmp_path / "owned").exists() and not os.path.exists("owned")
+
+
+def test_hostile_overrides_are_one_line_naming_the_key():
+    for override in ("run.seed=" + "9" * 5000, "data.bucket_boundaries=" + "[" * 50_000, "run.run_dir=2020-13-45"):
+        with pytest.raises(ConfigError) as info:
+            load_config(None, [override])
+        assert str(info.value).startswith(f"override {override.split('=')[0]}: not valid YAML")
+
+
 def test_choices_are_checked_when_built_in_code():
     from dflash_ipc.config import DrafterConfig, OptimizerConfig
     with pytest.raises(ConfigError, match="drafter.attention: 'sparse' not allowed; allowed: auto, flex, dense"):

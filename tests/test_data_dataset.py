@@ -132,7 +132,7 @@ def test_never_replaces_a_foreign_directory(tmp_path):
     "damage, match",
     [
         (lambda d: os.remove(d / "meta.json"), "meta.json: missing"),
-        (lambda d: (d / "meta.json").write_text("{oops"), "invalid JSON at line 1"),
+        (lambda d: (d / "meta.json").write_text("{oops"), "is not valid JSON \\(line 1"),
         (lambda d: _edit_meta(d, format_version=FORMAT_VERSION + 1), "format_version=2, this code reads 1"),
         (lambda d: _edit_meta(d, complete=False), "complete is not true"),
         (lambda d: _truncate(d / "tokens.bin"), "tokens.bin: .* bytes, meta.json implies"),
@@ -144,6 +144,50 @@ def test_damaged_dataset_is_refused_with_the_file_named(tmp_path, damage, match)
     damage(tmp_path / "ds")
     with pytest.raises(DataError, match=match):
         TokenDataset(str(tmp_path / "ds"))
+
+
+def test_a_crafted_held_out_list_is_a_clear_error():
+    from dflash_ipc.data.held_out import held_out_prompts_of
+    assert held_out_prompts_of({"extra": {"held_out": [{"sample_id": 3, "prompt_ids": [1, 2]}]}})[0][0] == 3
+    for held in ([{"sample_id": 1}], [7], "xy", [{"sample_id": "1", "prompt_ids": [1]}],
+                 [{"sample_id": 1, "prompt_ids": [[1]]}], [{"sample_id": 1, "prompt_ids": ["a"]}]):
+        with pytest.raises(DataError, match="ds/meta.json: extra.held_out must be a list"):
+            held_out_prompts_of({"extra": {"held_out": held}}, "ds/meta.json")
+
+
+def _index(d, array, **kw):
+    np.save(d / "index.npy", array, **kw)
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda d: (d / "meta.json").write_text("[1, 2]"), "meta.json: dataset metadata is not a JSON object"),
+    (lambda d: (d / "meta.json").write_text("[" * 100_000), "nested deeper than the parser's recursion limit"),
+    (lambda d: (d / "meta.json").write_bytes(b'{"a": "\xff"}'), "meta.json: dataset metadata is not UTF-8"),
+    (lambda d: (d / "meta.json").write_text('{"n": ' + "9" * 5000 + "}"), "meta.json: dataset metadata unreadable"),
+    (lambda d: (d / "meta.json").write_text('{"n": NaN}'), "NaN is not a JSON number"),
+    (lambda d: _edit_meta(d, num_samples="4"), "field num_samples must be an integer >= 0, got '4'"),
+    (lambda d: _edit_meta(d, num_samples=None), "field num_samples must be an integer"),
+    (lambda d: _edit_meta(d, num_tokens=-4), "field num_tokens must be an integer >= 0"),
+    (lambda d: _edit_meta(d, tokenizer_fingerprint=7), "field tokenizer_fingerprint must be a string"),
+    (lambda d: _edit_meta(d, source=[]), "field source must be an object"),
+    (lambda d: _index(d, np.array([[-10, 5]] * 4)), r"sample 0 spans tokens \[-10, \+5\), outside"),
+    (lambda d: _index(d, np.array([[0, 5], [10**9, 5], [0, 5], [0, 5]])), "sample 1 spans tokens"),
+    (lambda d: _index(d, np.array([[0, 5], [5, 0], [0, 5], [0, 5]])), r"sample 1 spans tokens \[5, \+0\)"),
+    (lambda d: _index(d, np.array([[0, 5]] * 3)), r"int64 \(3, 2\), meta.json says int64 \(4, 2\)"),
+    (lambda d: _index(d, np.array([[0.0, 5.5]] * 4)), "index.npy: float64"),
+    (lambda d: _index(d, np.array([[{}, 1]] * 4, dtype=object), allow_pickle=True), "Python objects or a pickle, never loaded"),
+    (lambda d: (d / "index.npy").write_text("state,target\n"), "index.npy: cannot read index"),
+    (lambda d: os.remove(d / "index.npy"), "index.npy: missing"),
+])
+def test_hostile_dataset_files_are_one_line_errors_never_misread(tmp_path, damage, match):
+    """Every file of a dataset directory may be damaged or crafted: each way is one line naming
+    the file and field, never a traceback, a pickle load, or samples read from the wrong place."""
+    write(tmp_path / "ds", random_samples(4))
+    damage(tmp_path / "ds")
+    with pytest.raises(DataError, match=match) as info:
+        TokenDataset(str(tmp_path / "ds"))
+    message = str(info.value)
+    assert "\n" not in message and "allow_pickle" not in message and len(message) < 400
 
 
 def _edit_meta(d, **kw):

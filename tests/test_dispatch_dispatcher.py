@@ -385,3 +385,13 @@ def test_a_group_restart_after_end_of_data_serves_the_idle_targets_again():
     assert [m.batch_id for m in served] == [batches[0].batch_id] and not d.end_sent
     d.handle(b"t0", p.Ready(credits=2))
     assert all(d.ledger.entry(b.batch_id).state is BatchState.LEASED for b in batches)
+
+
+def test_a_drafter_reporting_negative_trained_tokens_cannot_make_rates_negative():
+    d = _group(num_drafters=1)
+    for value in (100.0, -1e18, 50.0, -3.0):
+        d.handle(b"d0/1", p.Heartbeat(metrics={"trained_tokens": value}))
+        d.clock.now += 5.0
+        d.tick()
+        status = d.status()
+        assert status["tokens"]["trained"] >= 0 and all(r >= 0 for r in status["rates"].values())

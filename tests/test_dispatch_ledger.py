@@ -349,6 +349,88 @@ def test_a_damaged_ledger_is_one_clear_data_error(tmp_path, how, needle):
     assert "allow_pickle" not in message
 
 
+def _mutate(data: bytes, rng: random.Random) -> bytes:
+    out = bytearray(data)
+    how = rng.randrange(4)
+    pos = rng.randrange(len(out))
+    if how == 0:
+        for _ in range(rng.randint(1, 4)):
+            out[rng.randrange(len(out))] = rng.randrange(256)
+    elif how == 1:
+        del out[pos:]
+    elif how == 2:
+        out[pos:pos] = rng.randbytes(rng.randint(1, 50))
+    else:
+        del out[pos:pos + rng.randint(1, 100)]
+    return bytes(out)
+
+
+def test_fuzzed_ledger_files_are_a_clear_error_or_the_same_ledger(tmp_path):
+    """400 random byte flips, cuts, insertions and deletions (fixed seed): each load is one
+    DataError line naming the file, or (a change in bytes nobody reads) the very same ledger."""
+    path = tmp_path / "ledger.npz"
+    save_ledger(populated_ledger(), path)
+    good = path.read_bytes()
+    want = ledger_file.to_columns(load_ledger(path, recover=False))
+    rng = random.Random(15)
+    same = 0
+    for _ in range(400):
+        path.write_bytes(_mutate(good, rng))
+        try:
+            got = ledger_file.to_columns(load_ledger(path, recover=False))
+        except DataError as exc:
+            assert str(path) in str(exc) and "\n" not in str(exc) and "allow_pickle" not in str(exc)
+            continue
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+        same += 1
+    assert same < 100  # nearly every change is caught (zip CRCs, sizes, headers)
+
+
+def _rewrite(path, **columns):
+    """Each column replaced by its function of the saved one."""
+    data = dict(np.load(path))
+    data.update({name: change(data[name]) for name, change in columns.items()})
+    np.savez(path, **data)
+
+
+def _huge_header(path):
+    """The archive with an offsets member whose header promises 10^13 int64 entries."""
+    import io
+    import zipfile
+    data = dict(np.load(path))
+    with zipfile.ZipFile(path, "w") as z:
+        for name, array in data.items():
+            buf = io.BytesIO()
+            if name == "offsets":
+                np.lib.format.write_array_header_1_0(buf, {"descr": "<i8", "fortran_order": False,
+                                                           "shape": (10**13,)})
+                buf.write(array.tobytes())
+            else:
+                np.lib.format.write_array(buf, array)
+            z.writestr(name + ".npy", buf.getvalue())
+
+
+@pytest.mark.parametrize("craft, needle", [
+    (lambda p: np.savez_compressed(p, **dict(np.load(p))), "is not a stored .npy array"),
+    (lambda p: _rewrite(p, state=lambda a: np.array([{"x": 1}] * len(a), dtype=object)),
+     "member state.npy holds Python objects"),
+    (lambda p: _rewrite(p, target=lambda a: np.full_like(a, -3)), "column target names owners outside"),
+    (lambda p: _rewrite(p, drafter=lambda a: np.full_like(a, 99)), "column drafter names owners outside"),
+    (lambda p: _rewrite(p, hist_step=lambda a: np.full_like(a, -7)), "column hist_step holds -7"),
+    (lambda p: _rewrite(p, leases=lambda a: np.full_like(a, -2)), "column leases holds -2"),
+    (lambda p: _huge_header(p), "member offsets.npy claims 80000000000000 bytes of data in"),
+])
+def test_a_crafted_ledger_is_refused_before_it_costs_memory(tmp_path, craft, needle):
+    """A compressed member could inflate without bound, a header could promise 10^13 entries, an
+    object array would need pickle, and out-of-range columns would be taken without a word."""
+    path = tmp_path / "ledger.npz"
+    save_ledger(populated_ledger(), path)
+    craft(path)
+    with pytest.raises(DataError, match=needle) as info:
+        load_ledger(path)
+    assert "\n" not in str(info.value)
+
+
 def test_audit_reports_missing_duplicated_and_unexpected():
     committed = [(0, 0), (0, 1), (0, 1), (0, 2), (1, 0), (1, 9), (2, 5)]
     report = audit_samples(committed, {0: 4, 1: [0, 1]})

@@ -58,3 +58,41 @@ def test_garbage_and_out_of_order_messages_are_refused_and_serving_goes_on(tmp_p
         thread.join(timeout=5)
         assert not thread.is_alive()
         proc.close()
+
+
+def test_slow_requests_never_hold_up_liveness_checks_or_the_stop(tmp_path):
+    """A status of a large ledger costs ~0.1 s (1M samples); a flood of them must not delay
+    the drop of a silent target (it did by 256 messages per pass) nor the end on a stop."""
+    import time
+    cfg = load_config(None, [f"run.run_dir={tmp_path}", "target.num_workers=1", "drafter.num_workers=1",
+                             "dispatch.heartbeat_interval_s=0.2", "dispatch.heartbeat_timeout_s=0.5"])
+    epochs = [plan_epoch(np.full(8, 32), BucketSpec(boundaries=(64,), token_budget=64), seed=0, epoch=0)]
+    dispatcher = Dispatcher(epochs, policy="pull", num_targets=1, num_drafters=1, heartbeat_timeout_s=0.5)
+    real_status = dispatcher.status
+    dispatcher.status = lambda: (time.sleep(0.02), real_status())[1]  # a large ledger's status
+    proc = DispatcherProc(cfg, dispatcher, address=cfg.dispatcher_address)
+    ctx = zmq.Context.instance()
+    target, flood = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for sock in (target, flood):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(cfg.dispatcher_address)
+    thread = threading.Thread(target=proc.run, daemon=True)
+    thread.start()
+    try:
+        assert isinstance(_request(target, p.encode(p.Register(role="target", rank=0, pid=1, pool={"b": 1},
+                                                                num_slots=1))), p.Registered)
+        silent_from = time.monotonic()
+        for _ in range(2000):  # 40 s of status work queued
+            flood.send_multipart(p.encode(p.StatusRequest()))
+        while dispatcher.targets and time.monotonic() - silent_from < 3.0:
+            time.sleep(0.05)
+        assert not dispatcher.targets, "the silent target was not dropped on time"
+        assert time.monotonic() - silent_from < 0.5 + 1.0
+    finally:
+        stopped = time.monotonic()
+        proc.stop_requested = True
+        thread.join(timeout=5)
+        assert not thread.is_alive() and time.monotonic() - stopped < 2.0
+        for sock in (target, flood):
+            sock.close(linger=0)
+        proc.close()

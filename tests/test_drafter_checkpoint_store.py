@@ -10,7 +10,7 @@ import torch
 
 from dflash_ipc.config_load import config_from_dict
 from dflash_ipc.drafter.checkpoint_store import (LATEST, MANIFEST, STATE_JSON, STATE_TENSORS, CheckpointStore,
-                                                 verify_dir)
+                                                 sha256_of, verify_dir, write_json_file)
 from dflash_ipc.drafter.export import export_training_checkpoint, load_inference_checkpoint
 from dflash_ipc.drafter.model import DFlashConfig
 from dflash_ipc.drafter.target_head import FrozenTargetHead
@@ -118,3 +118,81 @@ def test_export_refuses_a_damaged_checkpoint(store, tmp_path):
         f.write(b"\xff\xff")
     with pytest.raises(DataError, match="checksum"):
         export_training_checkpoint(store.root, str(tmp_path / "x"))
+
+
+def _rewrite_manifest(step_dir: str, drop: str | None = None) -> None:
+    """A manifest that matches the files as they are now: what a crafter would write."""
+    files = {n: {"bytes": os.path.getsize(os.path.join(step_dir, n)), "sha256": sha256_of(os.path.join(step_dir, n))}
+             for n in sorted(os.listdir(step_dir)) if n not in (MANIFEST, drop)}
+    write_json_file(os.path.join(step_dir, MANIFEST), {"format": 1, "step": 30, "files": files})
+
+
+def _edit_json(step_dir, change):
+    path = os.path.join(step_dir, STATE_JSON)
+    meta = json.load(open(path))
+    change(meta)
+    open(path, "w").write(json.dumps(meta))
+
+
+def _edit_tensors(step_dir, change):
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(step_dir, STATE_TENSORS)
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "1"})
+
+
+def _model_tensors_to_int(t):
+    t.update({k: v.to(torch.int64) for k, v in list(t.items()) if k.startswith("model.")})
+
+
+CRAFTED = [
+    (lambda d: _edit_json(d, lambda m: m["scheduler"].update(get_lr=5)), STATE_JSON, "scheduler: unknown key 'get_lr'"),
+    (lambda d: _edit_json(d, lambda m: m["scheduler"].update(lr_lambdas=[{"__dict__": 1}])), STATE_JSON,
+     r"scheduler.lr_lambdas\[0\]: expected NoneType"),
+    (lambda d: _edit_json(d, lambda m: m.pop("scheduler")), STATE_JSON, "field scheduler must be an object"),
+    (lambda d: _edit_json(d, lambda m: m["param_groups"][0].update(lr="fast")), STATE_JSON,
+     r"param_groups\[0\].lr: expected a finite float >= 0, got 'fast'"),
+    (lambda d: _edit_json(d, lambda m: m["param_groups"][0].update(weight_decay=-1.0)), STATE_JSON, ">= 0"),
+    (lambda d: _edit_json(d, lambda m: m["param_groups"][0].update(betas=[0.9])), STATE_JSON, "expected a list of 2"),
+    (lambda d: _edit_json(d, lambda m: m.update(step="30")), STATE_JSON, "field step must be an integer"),
+    (lambda d: _edit_json(d, lambda m: m.update(extra=[])), STATE_JSON, "field extra must be an object"),
+    (lambda d: _edit_json(d, lambda m: m.update(optimizer_plain_state={"0": {"eval": "x"}})), STATE_JSON,
+     "optimizer_plain_state.0: unknown key 'eval'"),
+    (lambda d: _edit_tensors(d, lambda t: t.update({"optimizer.x.exp_avg": torch.zeros(1)})), STATE_TENSORS,
+     "names no AdamW state"),
+    (lambda d: _edit_tensors(d, lambda t: t.update({"optimizer.1": torch.zeros(1)})), STATE_TENSORS, "names no AdamW"),
+    (lambda d: _edit_tensors(d, lambda t: t.update({"optimizer.0.step": torch.zeros(5)})), STATE_TENSORS,
+     r"optimizer.0.step is torch.float32 \(5,\), AdamW keeps a float \(\)"),
+    (lambda d: _edit_tensors(d, _model_tensors_to_int), STATE_TENSORS, "is torch.int64"),
+    (lambda d: _edit_tensors(d, lambda t: t.update({"rng.torch": torch.zeros(3, dtype=torch.uint8)})), STATE_TENSORS,
+     "rng.torch missing or not a torch.uint8"),
+    (lambda d: None, MANIFEST, f"does not list {STATE_TENSORS}"),
+]
+
+
+@pytest.mark.parametrize("craft, file, needle", CRAFTED)
+def test_a_crafted_checkpoint_with_a_matching_manifest_is_refused_before_anything_is_loaded(store, craft, file,
+                                                                                            needle):
+    """A downloaded checkpoint's manifest proves nothing about who wrote it: every value of the
+    training state is checked against what this drafter would write, so a crafted file can
+    neither crash resume with a traceback nor set attributes on the live scheduler."""
+    step_dir = store.path(30)
+    craft(step_dir)
+    _rewrite_manifest(step_dir, drop=STATE_TENSORS if file == MANIFEST else None)
+    trainer = _trainer(seed=4)
+    before = dict(vars(trainer.scheduler))
+    with pytest.raises(DamagedCheckpointError, match=needle) as info:
+        trainer.resume(store, 30)
+    assert os.path.join(step_dir, file) in str(info.value) and "\n" not in str(info.value)
+    assert set(vars(trainer.scheduler)) == set(before) and trainer.step_count == 0
+
+
+def test_evaluating_a_damaged_checkpoint_step_is_refused(store):
+    from dflash_ipc.eval.speculative import load_drafter
+    assert load_drafter(store.path(20), device="cpu", dtype=torch.float32)[1] == store.path(20)
+    with open(os.path.join(store.path(20), "model.safetensors"), "r+b") as f:
+        f.seek(os.path.getsize(f.name) - 3)
+        f.write(b"\x00\x01\x02")
+    with pytest.raises(DamagedCheckpointError, match="model.safetensors: checksum differs"):
+        load_drafter(store.path(20), device="cpu", dtype=torch.float32)

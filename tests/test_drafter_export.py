@@ -157,6 +157,40 @@ def test_load_rejects_incomplete_exports(tmp_path):
         load_inference_checkpoint(str(out))
 
 
+def _int_weights(out):
+    state = {k: v.to(torch.int32) for k, v in tiny_model().state_dict().items()}
+    save_file(state, str(out / "model.safetensors"))
+
+
+def _edit_config(out, **kw):
+    config = json.loads((out / "config.json").read_text())
+    config.update(kw)
+    (out / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda o: (o / "config.json").write_text("[" * 100_000), r"config.json: drafter config unreadable \(nested"),
+    (lambda o: (o / "config.json").write_text("[1]"), "config.json: drafter config is not a JSON object"),
+    (lambda o: (o / "config.json").write_bytes(b"\xff\xfe\xfd"), "config.json: drafter config is not"),
+    (lambda o: (o / "config.json").write_text('{"rms_norm_eps": NaN}'), "NaN is not a JSON number"),
+    (lambda o: _edit_config(o, hidden_size="wide"), "config.json: invalid literal for int"),
+    (lambda o: _edit_config(o, dflash_config={"target_layer_ids": 5}), "config.json"),
+    (lambda o: (o / "model.safetensors").write_bytes(b"garbage"), "model.safetensors: unreadable"),
+    (lambda o: (o / "model.safetensors").write_bytes((10**15).to_bytes(8, "little") + b"{}"),
+     "model.safetensors: unreadable"),
+    (lambda o: os.truncate(o / "model.safetensors", os.path.getsize(o / "model.safetensors") // 2),
+     "model.safetensors: unreadable"),
+    (_int_weights, "is torch.int32, not a floating-point tensor"),
+])
+def test_a_damaged_or_crafted_export_is_one_line_naming_the_file(tmp_path, damage, needle):
+    out = tmp_path / "export"
+    save_inference_checkpoint(tiny_model(), str(out), dtype=torch.float32)
+    damage(out)
+    with pytest.raises(DataError, match=needle) as info:
+        load_inference_checkpoint(str(out))
+    assert "\n" not in str(info.value) and len(str(info.value)) < 500
+
+
 def test_export_training_checkpoint_prefers_full_precision_state(tmp_path):
     from safetensors.torch import save_file
 

@@ -62,11 +62,20 @@ def test_every_row_form(tmp_path):
     ('{"messages": [{"role": "bot", "content": "a"}]}', r"bad.jsonl:2: messages\[0\].role='bot'; allowed"),
     ('{"messages": [{"role": "assistant", "content": "a"}]}', "bad.jsonl:2: 'messages' has no user turn"),
     ('{"prompt": "a", "system": ""}', "bad.jsonl:2: 'system' must be a non-empty string"),
+    ("[" * 100_000, r"bad.jsonl:2: not valid JSON \(nested deeper than the parser's recursion limit\)"),
+    ('{"prompt": ' + "9" * 5000 + "}", r"bad.jsonl:2: not valid JSON \(Exceeds the limit"),
+    ('{"prompt": "' + "x" * (17 << 20) + '"}', r"bad.jsonl:2: a line of 17825806 bytes, over 16777216: not a prompt"),
 ])
 def test_bad_rows_name_file_and_line(tmp_path, line, match):
     path = write_jsonl(tmp_path / "bad.jsonl", [ROWS[2], line])
     with pytest.raises(DataError, match=match):
         read_prompt_file(path)
+
+
+def test_bad_utf8_names_file_and_line(tmp_path):
+    (tmp_path / "bad.jsonl").write_bytes(b'{"prompt": "a"}\n{"prompt": "\xff"}\n')
+    with pytest.raises(DataError, match="bad.jsonl:2: not valid JSON"):
+        read_prompt_file(str(tmp_path / "bad.jsonl"))
 
 
 def test_missing_or_empty_files_and_set_names(tmp_path):

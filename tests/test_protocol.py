@@ -84,6 +84,12 @@ def test_oversized_body_is_refused():
     (p.Kind.HEARTBEAT, {"metrics": {f"m{i}": 1.0 for i in range(p.MAX_METRICS + 1)}}, "at most 64"),
     (p.Kind.HEARTBEAT, {"metrics": {"x" * (p.MAX_STR + 1): 1.0}}, "characters"),
     (p.Kind.REJECTED, {"kind": 1, "reason": "r" * (p.MAX_STR + 1)}, "characters"),
+    (p.Kind.PRODUCED, {"batch_id": 1, "slot": 0, "num_tokens": 1, "compute_s": 1e308}, "within 2**62"),
+    (p.Kind.HEARTBEAT, {"metrics": {"trained_tokens": -1e300}}, "within 2**62"),
+    (p.Kind.REGISTER, {"role": "target", "rank": 0, "pid": 1, "pool": {"h": msgpack.ExtType(5, b"x")}},
+     "ExtType is not a wire value"),
+    (p.Kind.REGISTER, {"role": "target", "rank": 0, "pid": 1, "pool": {"t": msgpack.Timestamp(1, 0)}},
+     "Timestamp is not a wire value"),
 ])
 def test_values_outside_the_wire_bounds_are_refused(kind, body, needle):
     """Whatever a peer sends, a decoded message is small and finite: no sender can grow the

@@ -111,3 +111,19 @@ def test_cli_openai_backend_and_what_each_backend_needs(server, tmp_path):
         CliRunner().invoke(main, args + ["--backend", "openai"], catch_exceptions=False)
     with pytest.raises(ConfigError, match="--backend hf needs --model DIR"):
         CliRunner().invoke(main, args, catch_exceptions=False)
+
+
+def test_an_answer_is_read_up_to_a_bound(monkeypatch):
+    """A broken or hostile server cannot make the client hold more than MAX_ANSWER_BYTES."""
+    import io
+
+    from dflash_ipc.regenerate import openai
+    monkeypatch.setattr(openai, "MAX_ANSWER_BYTES", 100)
+    assert openai._read_json(io.BytesIO(b'{"choices": []}')) == {"choices": []}
+    for body, needle in ((b'{"x": "' + b"y" * 10**6 + b'"}', "an answer over 100 bytes"),
+                         (b"[" * 90, "Expecting value")):
+        with pytest.raises(ValueError, match=needle):
+            openai._read_json(io.BytesIO(body))
+    monkeypatch.setattr(openai, "MAX_ANSWER_BYTES", 10**6)
+    with pytest.raises(ValueError, match="nested deeper"):
+        openai._read_json(io.BytesIO(b"[" * 100_000))

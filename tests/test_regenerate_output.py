@@ -70,6 +70,31 @@ def test_other_settings_or_a_foreign_file_are_refused(tmp_path):
         RegenOutput(str(other), SETTINGS)
 
 
+@pytest.mark.parametrize("line", [b'{"index": ' + b"9" * 5000 + b"}", b"[" * 100_000, b'{"index": -3}', b'{"a": "\xff"}'])
+def test_a_hostile_line_in_the_output_is_named_not_a_traceback(tmp_path, line):
+    path = tmp_path / "o.jsonl"
+    out = RegenOutput(str(path), SETTINGS)
+    out.write(row(0))
+    out.finish(num_rows=None)
+    with open(path, "ab") as f:
+        f.write(line + b"\n")
+    with pytest.raises(DataError, match=r"o.jsonl:2: not a regenerated row"):
+        RegenOutput(str(path), SETTINGS)
+
+
+@pytest.mark.parametrize("state, needle", [
+    ("[" * 100_000, "nested deeper"), ("[]", "is not a JSON object"), ('{"settings": [1]}', "field settings must be"),
+    ("\x00\xff", "o.state.json: regenerate state"),
+])
+def test_a_hostile_state_file_is_one_line(tmp_path, state, needle):
+    path = tmp_path / "o.jsonl"
+    RegenOutput(str(path), SETTINGS).finish(num_rows=None)
+    (tmp_path / "o.state.json").write_bytes(state.encode("latin-1"))
+    with pytest.raises(DataError, match=needle) as info:
+        RegenOutput(str(path), SETTINGS)
+    assert "\n" not in str(info.value)
+
+
 def test_unwritable_output_is_a_clear_error(tmp_path):
     (tmp_path / "afile").write_text("")
     with pytest.raises(DataError, match="cannot create the output directory"):

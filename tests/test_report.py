@@ -176,3 +176,50 @@ def test_a_long_lane_is_binned_by_majority_state(tmp_path):
     busy_end = lane[0][1]
     assert busy_end == pytest.approx(0.4 * 20_000, rel=0.002) and lane[-1][1] == pytest.approx(12_000.0)
     assert numbers["workers"]["target/0"]["busy_s"] == pytest.approx(0.3 * 20_000)  # exact, unbinned
+
+
+HOSTILE_LINES = [
+    "[" * 100_000,                                # nesting past the recursion limit
+    '{"t0": ' + "9" * 5000 + "}",                 # an integer past 4,300 digits
+    b'{"t0": "\xff"}',                            # bad UTF-8
+    '{"t0": 1, "t1": 2}',                         # no state
+    '{"t0": "a", "t1": 2, "state": "busy"}',      # a time that is no number
+    '{"t0": NaN, "t1": 2, "state": "busy"}',
+    '{"t0": 1e308, "t1": Infinity, "state": "busy"}',
+    '{"t0": 5, "t1": 1, "state": "busy"}',        # ends before it starts
+    '{"t0": 1, "t1": 2, "state": "sleeping"}',    # no such state
+    '{"t0": 1, "t1": 2, "state": "busy", "tokens": -1e300}',
+    "[1, 2]",
+    "x" * 100,
+]
+
+
+def test_damaged_or_hostile_run_files_are_skipped_and_the_report_is_strict_json(tmp_path, caplog):
+    """Every line of every file `report` reads may be torn, edited or crafted: those lines are
+    skipped with a bounded number of warnings naming file and line, and the report is still
+    made, as strict JSON (no NaN, no Infinity)."""
+    _timelines(tmp_path)
+    rows = [line if isinstance(line, bytes) else line.encode() for line in HOSTILE_LINES]
+    for name in ("metrics/target-0.jsonl", "metrics/drafter-0.jsonl", "drafter_metrics.jsonl",
+                 "status_history.jsonl", "eval_results.jsonl"):
+        with open(tmp_path / name, "ab") as f:
+            f.write(b"\n".join(rows) + b"\n")
+    with open(tmp_path / "eval_results.jsonl", "a") as f:
+        f.write(json.dumps({"label": "x", "tau": 2.0, "acceptance_per_position": [], "time": "yesterday"}) + "\n")
+        f.write(json.dumps({"label": ["x"], "tau": 2.0, "acceptance_per_position": []}) + "\n")
+    with open(tmp_path / "status_history.jsonl", "a") as f:
+        f.write(json.dumps({"time": T, "workers": ["target/0"]}) + "\n")
+    numbers = collect(str(tmp_path))
+    assert numbers["workers"]["target/0"]["busy_fraction"] == pytest.approx(0.9 * 10 / 9.9)  # the good lines
+    assert numbers["eval"] is None and numbers["memory"] is None and numbers["training"] is None
+    json.dumps(numbers, allow_nan=False)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("target-0.jsonl:11: not a timeline interval" in w for w in warnings)
+    assert len(warnings) <= 5 * 6 and any("more lines skipped" in w for w in warnings)
+
+
+def test_a_line_over_the_cap_is_skipped_without_holding_it(tmp_path):
+    from dflash_ipc.json_lines import read_json_lines
+    path = tmp_path / "big.jsonl"
+    path.write_text('{"a": 1}\n' + '{"b": "' + "y" * 5000 + '"}\n{"c": 3}\n')
+    assert list(read_json_lines(str(path), max_line_bytes=1000)) == [{"a": 1}, {"c": 3}]

@@ -164,3 +164,17 @@ def test_status_of_an_ended_job_is_its_final_status(tmp_path, monkeypatch):
     assert lines[0].startswith("no dispatcher answers (dispatcher silent for 3.0s); the job's final status")
     assert lines[1].startswith("done, averages: [   42s] 100% 4/4 batches | tgt_rate 10 ")
     assert lines[2].startswith("  target/0: 4 batches 512 tokens")
+
+
+def test_status_json_is_strict_json_whatever_the_status_holds(tmp_path, monkeypatch):
+    """`status --json` prints JSON every parser reads: a NaN or inf anywhere becomes null."""
+    import json
+
+    from dflash_ipc.run_files import RunFiles
+    from dflash_ipc.supervise import status_query
+    open(RunFiles(str(tmp_path)).job_config, "w").close()
+    status = {"rates": {"tok_rate": float("nan")}, "targets": {"0": {"metrics": {"loss": float("inf")}}}}
+    monkeypatch.setattr(status_query, "fetch_status", lambda run_dir: status)
+    text = status_query.query_status(str(tmp_path), as_json=True)
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"rates": {"tok_rate": None}, "targets": {"0": {"metrics": {"loss": None}}}}

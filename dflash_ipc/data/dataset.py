@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from dflash_ipc.errors import DataError
+from dflash_ipc.json_files import read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +73,8 @@ def length_histogram(lengths: np.ndarray) -> dict:
 def dataset_is_complete(path: str) -> bool:
     """True when path holds a finished dataset of this format version."""
     try:
-        with open(os.path.join(path, META_FILE)) as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError):
+        meta = read_json_object(os.path.join(path, META_FILE), "dataset metadata")
+    except DataError:
         return False
     return meta.get("complete") is True and meta.get("format_version") == FORMAT_VERSION
 
@@ -89,15 +89,8 @@ class TokenDataset:
     def __init__(self, path: str):
         self.path = os.path.abspath(path)
         self.meta = self._read_meta()
-        n = int(self.meta["num_samples"])
-        num_tokens = int(self.meta["num_tokens"])
-        index_path = os.path.join(self.path, INDEX_FILE)
-        try:
-            self._index = np.load(index_path, mmap_mode="r") if n else np.zeros((0, 2), np.int64)
-        except (OSError, ValueError) as e:
-            raise DataError(f"{index_path}: cannot read index ({e}); re-run prepare") from e
-        if self._index.shape != (n, 2):
-            raise DataError(f"{index_path}: shape {self._index.shape}, meta.json says ({n}, 2); re-run prepare")
+        n, num_tokens = self.meta["num_samples"], self.meta["num_tokens"]
+        self._index = self._read_index(n, num_tokens)
         self._tokens = self._map(TOKENS_FILE, np.int32, num_tokens)
         self._mask = self._map(MASK_FILE, np.uint8, num_tokens)
         self.lengths = np.ascontiguousarray(self._index[:, 1], dtype=np.int32)  # [N]
@@ -107,23 +100,51 @@ class TokenDataset:
         meta_path = os.path.join(self.path, META_FILE)
         if not os.path.isdir(self.path):
             raise DataError(f"{self.path}: no such dataset directory; run `dflash-ipc prepare` first")
-        try:
-            with open(meta_path) as f:
-                meta = json.load(f)
-        except FileNotFoundError:
+        if not os.path.exists(meta_path):
             raise DataError(
-                f"{meta_path}: missing; {self.path} is not a complete dataset (an interrupted prepare?)"
-            ) from None
-        except json.JSONDecodeError as e:
-            raise DataError(f"{meta_path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+                f"{meta_path}: missing; {self.path} is not a complete dataset (an interrupted prepare?)")
+        meta = read_json_object(meta_path, "dataset metadata")
         if meta.get("format_version") != FORMAT_VERSION:
             raise DataError(
-                f"{meta_path}: format_version={meta.get('format_version')!r}, this code reads {FORMAT_VERSION}; "
+                f"{meta_path}: format_version={meta.get('format_version')!r:.40}, this code reads {FORMAT_VERSION}; "
                 "re-run prepare"
             )
         if meta.get("complete") is not True:
             raise DataError(f"{meta_path}: complete is not true; the prepare that wrote it did not finish")
+        for key in ("num_samples", "num_tokens"):
+            value = meta.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
+                raise DataError(f"{meta_path}: field {key} must be an integer >= 0, got {value!r:.40}")
+        if not isinstance(meta.get("tokenizer_fingerprint"), str):
+            raise DataError(f"{meta_path}: field tokenizer_fingerprint must be a string")
+        if not isinstance(meta.get("source", {}), dict):
+            raise DataError(f"{meta_path}: field source must be an object")
         return meta
+
+    def _read_index(self, n: int, num_tokens: int) -> np.ndarray:
+        """index.npy as [n, 2] int64, every (offset, length) a non-empty span inside tokens.bin:
+        a wrong entry would otherwise read another sample's tokens, or none, without a word."""
+        index_path = os.path.join(self.path, INDEX_FILE)
+        if not n:
+            return np.zeros((0, 2), np.int64)
+        try:
+            index = np.load(index_path, mmap_mode="r", allow_pickle=False)
+        except FileNotFoundError:
+            raise DataError(f"{index_path}: missing; re-run prepare") from None
+        except (OSError, ValueError, EOFError) as e:
+            # numpy's own words for a pickle suggest loading it unsafely: never here.
+            pickled = "pickle" in str(e) or "Python objects" in str(e)
+            why = "not a plain numpy array: Python objects or a pickle, never loaded" if pickled else str(e)[:200]
+            raise DataError(f"{index_path}: cannot read index ({why}); re-run prepare") from None
+        if index.dtype != np.int64 or index.shape != (n, 2):
+            raise DataError(f"{index_path}: {index.dtype} {index.shape}, meta.json says int64 ({n}, 2); re-run prepare")
+        offsets, lengths = index[:, 0], index[:, 1]
+        bad = (offsets < 0) | (lengths < 1) | (offsets > num_tokens - lengths)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise DataError(f"{index_path}: sample {i} spans tokens [{int(offsets[i])}, +{int(lengths[i])}), "
+                            f"outside the {num_tokens} tokens of {TOKENS_FILE}; re-run prepare")
+        return index
 
     def _map(self, name: str, dtype, count: int) -> np.ndarray:
         file_path = os.path.join(self.path, name)

@@ -17,12 +17,21 @@ from collections import OrderedDict
 
 import numpy as np
 
+from dflash_ipc.errors import DataError
 
-def held_out_prompts_of(meta: dict) -> list[tuple[int, np.ndarray]]:
+
+def held_out_prompts_of(meta: dict, source: str = "meta.json") -> list[tuple[int, np.ndarray]]:
     """(sample id, prompt ids [P]) of the held-out prompts a dataset's meta.json declares
     (sample ids that were never written to the dataset); [] when it declares none."""
-    held = (meta.get("extra") or {}).get("held_out") or []
-    return [(int(h["sample_id"]), np.asarray(h["prompt_ids"], dtype=np.int64)) for h in held]
+    extra = meta.get("extra") or {}
+    held = (extra.get("held_out") if isinstance(extra, dict) else None) or []
+    try:
+        out = [(h["sample_id"], np.asarray(h["prompt_ids"], dtype=np.int64)) for h in held]
+    except (KeyError, TypeError, ValueError, OverflowError):
+        out = None
+    if out is None or any(isinstance(i, bool) or not isinstance(i, int) or p.ndim != 1 for i, p in out):
+        raise DataError(f"{source}: extra.held_out must be a list of {{sample_id: int, prompt_ids: [int, ...]}}")
+    return out
 
 
 def prompt_of(ids: np.ndarray, mask: np.ndarray) -> np.ndarray | None:

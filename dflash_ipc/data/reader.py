@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from dflash_ipc.data.messages import RowRejected
 from dflash_ipc.errors import DataError
+from dflash_ipc.json_lines import capped_lines
 
 log = logging.getLogger(__name__)
 
@@ -187,23 +188,10 @@ def _first_line(head: bytes) -> bytes:
 
 def _jsonl_rows(f: _ByteCounter, path: str, cap: int) -> Iterator[RawRow]:
     """One row per non-blank line; a line over the cap is skipped in chunks, never held."""
-    line_no = 0
-    while True:
-        raw = f.readline(cap + 1)
-        if not raw:
-            return
-        line_no += 1
-        if len(raw) > cap and not raw.endswith(b"\n"):
-            size, head = len(raw), raw[:_HEAD_KEEP]
-            del raw
-            while True:  # the rest of the line, a chunk at a time
-                more = f.readline(_READ_CHUNK)
-                size += len(more)
-                if not more or more.endswith(b"\n"):
-                    break
-            yield RawRow(0, f"{path}:{line_no}", line_no, raw=head, oversize=size)
-            continue
-        if raw.strip():
+    for line_no, raw, size in capped_lines(f, cap, _HEAD_KEEP):
+        if size > cap:
+            yield RawRow(0, f"{path}:{line_no}", line_no, raw=raw, oversize=size)
+        elif raw.strip():
             yield RawRow(0, f"{path}:{line_no}", line_no, raw=raw)
 
 

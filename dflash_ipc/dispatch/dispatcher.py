@@ -366,7 +366,8 @@ class Dispatcher:
         return [(seat.identity, p.EndOfData()) for seat in seats]
 
     def _trained_tokens(self) -> float:
-        return sum(s.metrics.get("trained_tokens", 0.0) for s in self.drafters.values())
+        # A drafter's own count, never below zero whatever it sends (no negative rates).
+        return sum(max(0.0, s.metrics.get("trained_tokens", 0.0)) for s in self.drafters.values())
 
     def status(self) -> dict:
         """Everything the supervisor's status line and `dflash-ipc status` show."""

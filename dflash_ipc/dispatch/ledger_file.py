@@ -9,6 +9,7 @@ one ``DataError`` naming the file. Version 1 files (whole-batch commits) are rea
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 import zipfile
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2
 NO_OWNER = -1  # owner/slot/step columns use -1 for "none" on disk
+_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 
 
 def save_ledger(ledger: Ledger, path: str | os.PathLike) -> None:
@@ -54,6 +56,10 @@ def load_ledger(path: str | os.PathLike, *, recover: bool = True) -> Ledger:
     try:
         if os.path.getsize(path) == 0:
             raise DataError(f"ledger {path} is empty (0 bytes); {hint}")
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                raise DataError(f"ledger {path} is not a ledger file (not an .npz archive); {hint}")
+        _check_archive(path, hint)
         with np.load(path, allow_pickle=False) as z:
             data = {k: z[k] for k in z.files}
     except DataError:
@@ -64,7 +70,7 @@ def load_ledger(path: str | os.PathLike, *, recover: bool = True) -> Ledger:
         if "pickle" in str(exc):  # numpy's words for "not an .npz archive"
             raise DataError(f"ledger {path} is not a ledger file (not an .npz archive); {hint}") from None
         raise DataError(f"ledger {path} is unreadable ({exc}); {hint}") from None
-    except (OSError, EOFError, zipfile.BadZipFile, KeyError, RuntimeError) as exc:
+    except (OSError, EOFError, zipfile.BadZipFile, KeyError, RuntimeError, MemoryError) as exc:
         raise DataError(f"ledger {path} is unreadable ({type(exc).__name__}: {exc}); {hint}") from None
     try:
         version = int(data["format_version"])
@@ -80,6 +86,31 @@ def load_ledger(path: str | os.PathLike, *, recover: bool = True) -> Ledger:
         moved = ledger.requeue_uncommitted()
         logger.info("loaded ledger %s; %d in-flight batches back to pending", path, len(moved))
     return ledger
+
+
+def _check_archive(path: str, hint: str) -> None:
+    """Before numpy reads a byte: every member a stored (uncompressed, as `save_ledger` writes
+    it) plain .npy array whose header promises no more data than the member holds, so no
+    file can make the dispatcher allocate more than the file's own size (a zip bomb, a
+    header claiming 10^15 entries) or unpickle anything."""
+    with zipfile.ZipFile(path) as archive:
+        for info in archive.infolist():
+            if info.compress_type != zipfile.ZIP_STORED or not info.filename.endswith(".npy"):
+                raise DataError(f"ledger {path}: member {info.filename[:60]!r} is not a stored .npy array "
+                                f"(this code writes no other); {hint}")
+            with archive.open(info) as member:
+                read_header = _HEADER_READERS.get(np.lib.format.read_magic(member))
+                if read_header is None:
+                    raise DataError(f"ledger {path}: member {info.filename[:60]} has an .npy version this code "
+                                    f"does not write; {hint}")
+                shape, _, dtype = read_header(member)
+                if dtype.hasobject:
+                    raise DataError(f"ledger {path}: member {info.filename[:60]} holds Python objects, never "
+                                    f"loaded; {hint}")
+                need = math.prod(shape) * dtype.itemsize
+                if need > info.file_size:
+                    raise DataError(f"ledger {path}: member {info.filename[:60]} claims {need} bytes of data "
+                                    f"in {info.file_size}; {hint}")
 
 
 def to_columns(ledger: Ledger) -> dict[str, np.ndarray]:
@@ -120,7 +151,22 @@ def to_columns(ledger: Ledger) -> dict[str, np.ndarray]:
     }
 
 
+def _check_ranges(d: dict[str, np.ndarray], version: int) -> None:
+    """Values the state machine would take without a word: owners that name no owner (a
+    negative index picks one from the end), negative slots, counts or commit steps."""
+    num_names = len(d["names"])
+    for column in ("target", "drafter"):
+        if d[column].size and not (-1 <= d[column].min() and d[column].max() < num_names):
+            raise DataError(f"column {column} names owners outside [-1, {num_names})")
+    lows = {"slot": -1, "attempt": 0, "leases" if version >= 2 else "attempts": 0,
+            "hist_step" if version >= 2 else "step": -1}
+    for column, low in lows.items():
+        if column in d and d[column].size and d[column].min() < low:
+            raise DataError(f"column {column} holds {d[column].min()}, below {low}")
+
+
 def from_columns(d: dict[str, np.ndarray], version: int) -> Ledger:
+    _check_ranges(d, version)
     offsets, flat_ids, flat_len = d["offsets"].tolist(), d["sample_ids"].tolist(), d["lengths"].tolist()
     batches = [PlannedBatch(batch_id=bid, epoch=ep, bucket=bk, padded_len=pl,
                             sample_ids=tuple(flat_ids[lo:hi]), lengths=tuple(flat_len[lo:hi]))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import signal
 import socket
@@ -27,12 +26,16 @@ from dflash_ipc.dispatch.dispatcher import Dispatcher
 from dflash_ipc.dispatch.ledger import BatchState, Ledger
 from dflash_ipc.dispatch.ledger_file import load_ledger, save_ledger
 from dflash_ipc.errors import DataError, ProtocolError, UnregisteredSender
-from dflash_ipc.wire_security import server_security
+from dflash_ipc.json_files import json_safe
+from dflash_ipc.wire_security import private_socket_dir, server_security
 
 log = logging.getLogger(__name__)
 
 LEDGER_SAVE_INTERVAL_S = 2.0
-MAX_MESSAGES_PER_PASS = 256  # then the loop ticks (liveness, saves, signals) before reading more
+MAX_MESSAGES_PER_PASS = 256  # then the loop ticks (liveness, saves, signals) before reading more,
+                             # or sooner: after a quarter heartbeat interval of handling (a status
+                             # of a large ledger takes ~0.1 s: 256 of them would hold ticks for 40 s)
+STOP_DRAIN_S = 1.0           # on SIGTERM, what already arrived is answered for at most this long
 SEND_HWM = 1000              # queued replies per peer; past it ZMQ drops them (a peer not reading)
 
 
@@ -58,17 +61,6 @@ def write_json_atomic(path: str, value) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(json_safe(value), f, indent=1, sort_keys=True, allow_nan=False)
     os.replace(path + ".tmp", path)
-
-
-def json_safe(value):
-    """`value` with non-finite floats as None, so it is valid JSON."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 def plan_job(cfg: JobConfig, lengths) -> list:
@@ -147,7 +139,7 @@ class DispatcherProc:
         self.socket.setsockopt(zmq.MAXMSGSIZE, p.MAX_BODY_BYTES + 1024)
         self.socket.setsockopt(zmq.SNDHWM, SEND_HWM)
         if address.startswith("ipc://"):
-            os.makedirs(os.path.dirname(address[len("ipc://"):]), mode=0o700, exist_ok=True)
+            private_socket_dir(os.path.dirname(address[len("ipc://"):]))
         self.security = server_security(cfg, self.socket, address)
         self.socket.bind(_bindable(address))
         self.address = address
@@ -211,17 +203,12 @@ class DispatcherProc:
             events = dict(poller.poll(int(interval * 1000 / 4)))
             if self.stop_requested:
                 # SIGTERM: answer what already arrived (a drafter's last Committed), then go.
-                for _ in range(MAX_MESSAGES_PER_PASS):
-                    if not self.socket.poll(0):
-                        break
-                    self._on_frames(self.socket.recv_multipart())
+                self._handle_waiting(STOP_DRAIN_S)
                 return
-            # 2) handle what is waiting, a bounded number: liveness checks and signals below
-            #    run on time whatever arrives
-            for _ in range(MAX_MESSAGES_PER_PASS if events else 0):
-                if not self.socket.poll(0):
-                    break
-                self._on_frames(self.socket.recv_multipart())
+            # 2) handle what is waiting, a bounded number for a bounded time: liveness checks
+            #    and signals below run on time whatever arrives
+            if events:
+                self._handle_waiting(interval / 4)
             # 3) tick
             now = time.monotonic()
             if now - self._last_tick >= interval / 2:
@@ -237,6 +224,14 @@ class DispatcherProc:
                 self._send_all([(s.identity, p.Shutdown(reason="job finished")) for s in seats])
                 log.info("all %d batches committed; dispatcher exits", self.dispatcher.num_batches)
                 return
+
+    def _handle_waiting(self, budget_s: float) -> None:
+        """Messages already queued, up to MAX_MESSAGES_PER_PASS and `budget_s` of handling."""
+        end = time.monotonic() + budget_s
+        for _ in range(MAX_MESSAGES_PER_PASS):
+            if time.monotonic() >= end or not self.socket.poll(0):
+                return
+            self._on_frames(self.socket.recv_multipart())
 
     def close(self) -> None:
         self.socket.close(linger=0)

@@ -25,6 +25,7 @@ import shutil
 import time
 
 from dflash_ipc.errors import DamagedCheckpointError
+from dflash_ipc.json_files import read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ MANIFEST = "manifest.json"
 STATE_TENSORS = "training_state.safetensors"
 STATE_JSON = "training_state.json"
 LATEST = "latest.json"
+CHECKPOINT_FILES = ("config.json", "model.safetensors", STATE_TENSORS, STATE_JSON)  # every one in the manifest
 UNCOMMITTED = "uncommitted"
 MAX_JSON_BYTES = 256 * 1024 * 1024  # the JSON parts of a checkpoint are far smaller
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -51,18 +53,7 @@ def sha256_of(path: str, chunk: int = 16 << 20) -> str:
 
 def read_json_file(path: str, what: str) -> dict:
     """A JSON object from a file of bounded size; DamagedCheckpointError otherwise."""
-    try:
-        if os.path.getsize(path) > MAX_JSON_BYTES:
-            raise DamagedCheckpointError(f"{path}: {what} larger than {MAX_JSON_BYTES} bytes")
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except FileNotFoundError:
-        raise DamagedCheckpointError(f"{path}: {what} missing") from None
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise DamagedCheckpointError(f"{path}: {what} unreadable ({type(exc).__name__}: {str(exc)[:200]})") from None
-    if not isinstance(value, dict):
-        raise DamagedCheckpointError(f"{path}: {what} is not a JSON object")
-    return value
+    return read_json_object(path, what, error=DamagedCheckpointError, max_bytes=MAX_JSON_BYTES)
 
 
 class CheckpointStore:
@@ -174,6 +165,9 @@ def verify_dir(step_dir: str) -> dict:
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise DamagedCheckpointError(f"{step_dir}/{MANIFEST}: no 'files'")
+    unlisted = [name for name in CHECKPOINT_FILES if name not in files]
+    if unlisted:  # a file read on resume or export that no checksum covers
+        raise DamagedCheckpointError(f"{step_dir}/{MANIFEST}: does not list {', '.join(unlisted)}")
     for name, want in files.items():
         path = os.path.join(step_dir, name)
         if os.path.basename(name) != name or not isinstance(want, dict):

@@ -43,6 +43,7 @@ from dflash_ipc.drafter.checkpoint_store import MANIFEST, STATE_TENSORS, UNCOMMI
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.dtypes import DTYPE_OF_TORCH
 from dflash_ipc.errors import DataError
+from dflash_ipc.json_files import read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -161,20 +162,33 @@ def load_inference_checkpoint(
     ``dtype=None`` keeps the stored dtype. Missing or unexpected tensors, or wrong shapes,
     raise DataError naming the file.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError
 
     cfg_path, w_path = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
     for p in (cfg_path, w_path):
         if not os.path.exists(p):
             raise DataError(f"{p}: missing (not a drafter export directory)")
     try:
-        with open(cfg_path, encoding="utf-8") as f:
-            config = DFlashConfig.from_hf_dict(json.load(f), source=cfg_path)
-    except ValueError as e:
+        config = DFlashConfig.from_hf_dict(read_json_object(cfg_path, "drafter config"), source=cfg_path)
+    except (ValueError, TypeError, OverflowError) as e:
         if isinstance(e, DataError):
             raise
-        raise DataError(f"{cfg_path}: {e}") from e
+        raise DataError(f"{cfg_path}: {str(e)[:300]}") from None
     expected = expected_tensor_shapes(config)
+    try:
+        state = _read_weights(w_path, expected, device, dtype)
+    except (OSError, SafetensorError, RuntimeError) as e:
+        raise DataError(f"{w_path}: unreadable ({str(e)[:200]})") from None
+    with torch.device("meta"):
+        model = DFlashDraftModel(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model
+
+
+def _read_weights(w_path: str, expected: dict, device, dtype) -> dict:
+    """The tensors of `w_path`, exactly the names and shapes `expected`, all floating point."""
+    from safetensors import safe_open
+
     state = {}
     with safe_open(w_path, framework="pt", device="cpu") as f:
         names = set(f.keys())
@@ -187,11 +201,10 @@ def load_inference_checkpoint(
             t = f.get_tensor(name)
             if tuple(t.shape) != expected[name]:
                 raise DataError(f"{w_path}: {name} has shape {tuple(t.shape)}, config implies {expected[name]}")
+            if not t.dtype.is_floating_point:
+                raise DataError(f"{w_path}: {name} is {t.dtype}, not a floating-point tensor")
             state[name] = t.to(device=device, dtype=dtype or t.dtype)
-    with torch.device("meta"):
-        model = DFlashDraftModel(config)
-    model.load_state_dict(state, strict=True, assign=True)
-    return model
+    return state
 
 
 def checkpoint_step_dir(checkpoint: str) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -220,8 +221,9 @@ class DrafterLoop:
         stats.update(wait_s=self.wait_s, fifo=len(self.queue), rank=self.rank, time=time.time(),
                      trained_tokens=self.queue.trained_tokens, read_s=self.read_s, copy_s=self.copy_s,
                      read_bytes=self.read_bytes, reads=self.reads, resumed_from=self.resumed_from)
+        # Finite values only: the dispatcher refuses a heartbeat with an inf (a diverged loss).
         self.link.metrics.update({k: float(v) for k, v in stats.items()
-                                  if isinstance(v, (int, float)) and v == v})
+                                  if isinstance(v, (int, float)) and math.isfinite(v)})
         self.link.metrics.update(process_memory(self.trainer.device))
         if self.step_log is not None:
             self.step_log.write(json.dumps({k: (v if v == v else None) for k, v in stats.items()}) + "\n")

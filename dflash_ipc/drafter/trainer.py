@@ -271,7 +271,7 @@ class DrafterTrainer:
         directory = store.path(step)
         store.verify(step)
         model_state, optimizer_state, rng, meta = read_training_state(
-            directory, model=self.model, optimizer=self.optimizer, device=self.device)
+            directory, model=self.model, optimizer=self.optimizer, device=self.device, scheduler=self.scheduler)
         if meta.get("step") != step:
             raise DamagedCheckpointError(f"{directory}: holds step {meta.get('step')}, not {step}")
         if self.sharded:  # each rank keeps its shards of the full state

@@ -36,6 +36,7 @@ import numpy as np
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.eval.requests import Generation, Request
+from dflash_ipc.json_lines import MAX_LINE_BYTES, capped_lines
 
 logger = logging.getLogger(__name__)
 
@@ -80,17 +81,21 @@ def read_prompt_file(path: str, *, name: str | None = None, limit: int | None = 
     if not os.path.isfile(path):
         raise DataError(f"prompt file {path}: not found")
     cases: list[PromptCase] = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for line_no, line, size in capped_lines(f, MAX_LINE_BYTES):
             if limit is not None and len(cases) >= limit:
                 break
             if not line.strip():
                 continue
             where = f"{path}:{line_no}"
+            if size > MAX_LINE_BYTES:
+                raise DataError(f"{where}: a line of {size} bytes, over {MAX_LINE_BYTES}: not a prompt")
             try:
                 row = json.loads(line)
-            except ValueError as exc:
-                raise DataError(f"{where}: not valid JSON ({exc})") from exc
+            except RecursionError:
+                raise DataError(f"{where}: not valid JSON (nested deeper than the parser's recursion limit)") from None
+            except ValueError as exc:  # bad JSON or UTF-8, an integer past 4,300 digits
+                raise DataError(f"{where}: not valid JSON ({str(exc)[:200]})") from None
             turns, system = parse_row(row, where)
             cases.append(PromptCase(sample_id=len(cases), turns=turns, system=system))
     if not cases:
@@ -227,7 +232,7 @@ def held_out_prompts(dataset: TokenDataset, *, num_prompts: int,
 
     if num_prompts < 1:
         raise ConfigError(f"num_prompts={num_prompts} must be >= 1")
-    declared = held_out_prompts_of(dataset.meta)
+    declared = held_out_prompts_of(dataset.meta, os.path.join(dataset.path, "meta.json"))
     if sample_ids is None and declared:
         if len(declared) < num_prompts:
             logger.warning("%s: only %d held-out prompts, %d asked", dataset.path, len(declared), num_prompts)

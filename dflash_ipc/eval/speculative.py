@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_ipc.data.dataset import TokenDataset
+from dflash_ipc.drafter.checkpoint_store import MANIFEST, verify_dir
 from dflash_ipc.drafter.export import CONFIG_FILE, load_inference_checkpoint
 from dflash_ipc.drafter.model import DFlashDraftModel
 from dflash_ipc.errors import ConfigError, DataError
@@ -112,6 +113,8 @@ def load_drafter(drafter: str | DFlashDraftModel, *, device: str | torch.device,
     if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
         raise DataError(f"{drafter}: not a drafter export, checkpoint step directory or checkpoints root "
                         f"(no {CONFIG_FILE}, no {LATEST_FILE})")
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        verify_dir(path)  # a checkpoint step directory: used only as written (checksums)
     return load_inference_checkpoint(path, device=device, dtype=dtype).eval(), path
 
 

@@ -34,6 +34,7 @@ from dflash_ipc.regenerate.options import GenerationOptions
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 60.0
+MAX_ANSWER_BYTES = 64 << 20  # a chat completion is kilobytes; more is a broken or hostile server
 _RETRY_STATUS = (408, 409, 425, 429, 500, 502, 503, 504)
 
 
@@ -80,7 +81,7 @@ class OpenAIBackend:
         try:
             with urllib.request.urlopen(urllib.request.Request(url + "/models", headers=self._headers),
                                         timeout=min(self.timeout_s, 30.0)) as r:
-                models = json.loads(r.read())["data"]
+                models = _read_json(r)["data"]
             return str(models[0]["id"])
         except (OSError, ValueError, KeyError, IndexError, TypeError, http.client.HTTPException) as e:
             raise DataError(f"{url}/models: cannot list the served models ({type(e).__name__}: {e}); "
@@ -163,13 +164,25 @@ class OpenAIBackend:
         req = urllib.request.Request(self.endpoint, data=data, headers=self._headers, method="POST")
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
-                return json.loads(r.read())
+                return _read_json(r)
         except urllib.error.HTTPError as e:
             if e.code in _RETRY_STATUS:
                 raise _Retry(f"HTTP {e.code}: {_body_of(e)}") from None
             raise
         except (urllib.error.URLError, OSError, socket.timeout, http.client.HTTPException, ValueError) as e:
             raise _Retry(f"{type(e).__name__}: {e}") from None
+
+
+def _read_json(response):
+    """The JSON of a server's answer, read up to MAX_ANSWER_BYTES: a server that streams
+    without end, or answers with gigabytes, costs a bounded amount of memory."""
+    data = response.read(MAX_ANSWER_BYTES + 1)
+    if len(data) > MAX_ANSWER_BYTES:
+        raise ValueError(f"an answer over {MAX_ANSWER_BYTES} bytes")
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("an answer nested deeper than the parser's recursion limit") from None
 
 
 def _body_of(e: urllib.error.HTTPError) -> str:

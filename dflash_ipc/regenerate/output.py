@@ -26,12 +26,13 @@ import re
 import time
 
 from dflash_ipc.errors import DataError
+from dflash_ipc.json_files import read_json_object
 
 log = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
 FSYNC_INTERVAL_S = 5.0
-_INDEX_HEAD = re.compile(rb'^\{"index": (\d+)[,}]')
+_INDEX_HEAD = re.compile(rb'^\{"index": (\d{1,18})[,}]')  # 18 digits: any row index, and int() stays cheap
 
 
 def sidecar_paths(out_path: str) -> tuple[str, str]:
@@ -47,7 +48,7 @@ def line_index(line: bytes) -> int | None:
         return int(m.group(1))
     try:
         value = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # bad JSON or UTF-8, huge integers, deep nesting
         return None
     index = value.get("index") if isinstance(value, dict) else None
     return index if isinstance(index, int) and index >= 0 else None
@@ -85,12 +86,10 @@ class RegenOutput:
                 raise DataError(f"{self.path}: exists without its {os.path.basename(self.state_path)}, so the "
                                 "settings its rows were made with are unknown; pass --overwrite or choose another --out")
             return
-        try:
-            with open(self.state_path, encoding="utf-8") as f:
-                state = json.load(f)
-            theirs = state["settings"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise DataError(f"{self.state_path}: unreadable ({type(e).__name__}: {e}); pass --overwrite to start over") from None
+        state = read_json_object(self.state_path, "regenerate state")
+        theirs = state.get("settings")
+        if not isinstance(theirs, dict):
+            raise DataError(f"{self.state_path}: field settings must be an object; pass --overwrite to start over")
         diff = sorted(k for k in set(theirs) | set(self.settings) if theirs.get(k) != self.settings.get(k))
         if diff:
             shown = {k: (theirs.get(k), self.settings.get(k)) for k in diff}

@@ -9,6 +9,7 @@ import os
 from dflash_ipc import protocol as p
 from dflash_ipc.config_load import load_config
 from dflash_ipc.errors import WorkerDeadError
+from dflash_ipc.json_files import json_safe
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.run_files import RunFiles
 from dflash_ipc.supervise.status_line import format_status
@@ -40,7 +41,7 @@ def query_status(run_dir: str, *, as_json: bool = False) -> str:
             raise
         heading = f"no dispatcher answers ({live_error}); the job's final status, {files.final_status}:"
     if as_json:
-        return json.dumps(status, indent=1, sort_keys=True)
+        return json.dumps(json_safe(status), indent=1, sort_keys=True, allow_nan=False)  # strict JSON: no NaN
     lines = ([heading] if heading else []) + [format_status(status, final=heading is not None)]
     for rank, t in status["targets"].items():
         lines.append(f"  target/{rank}: {t['batches']} batches {t['tokens']:,} tokens, credits {t['credits']}, "
@@ -57,6 +58,6 @@ def _final_status(path: str) -> dict | None:
     try:
         with open(path, encoding="utf-8") as f:
             status = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # absent, torn, or not JSON a status is made of
         return None
     return status if isinstance(status, dict) and {"targets", "drafters"} <= status.keys() else None

@@ -83,6 +83,7 @@ class FeatureCapture:
         del model
         self.device = input_device(stack)
         self.hidden_size = int(text_config(config).hidden_size)
+        self.vocab_size = int(text_config(config).vocab_size)  # token ids must stay below it
         self.feature_dim = self.hidden_size * len(layer_ids)
         self.dtype = TORCH_DTYPES[dtype]
         self._captured: dict[int, torch.Tensor] = {}

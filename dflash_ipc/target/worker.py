@@ -30,7 +30,7 @@ from dflash_ipc import protocol as p
 from dflash_ipc.config import JobConfig
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.device_fit import check_pool_fits, probe_target_batch
-from dflash_ipc.errors import ConfigError, DispatcherRestarted, WorkerDeadError
+from dflash_ipc.errors import ConfigError, DataError, DispatcherRestarted, WorkerDeadError
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.metrics import TimelineWriter, process_memory
 from dflash_ipc.profiling import IterationProfiler
@@ -60,6 +60,11 @@ class TargetWorker:
             tokens, _ = self.dataset.sample(sample_id)
             ids[row, :len(tokens)] = tokens
             lengths[row] = len(tokens)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.capture.vocab_size):
+            # An id past the embedding is an index error on CPU and a device-side assert on a GPU.
+            row = int(np.argmax((ids < 0).any(axis=1) | (ids >= self.capture.vocab_size).any(axis=1)))
+            raise DataError(f"{self.dataset.path}: sample {sample_ids[row]} holds token ids outside "
+                            f"[0, {self.capture.vocab_size}), the target's vocabulary; re-run prepare")
         pin = self.device.type == "cuda"
         ids_t, lengths_t = torch.from_numpy(ids), torch.from_numpy(lengths)
         if pin:

@@ -1,0 +1,60 @@
+"""What `up` refuses before any child starts: a run directory that cannot be one, devices the
+machine lacks, a finished run directory rerun with another plan."""
+
+import os
+
+import numpy as np
+import pytest
+
+from dflash_ipc.config_load import load_config
+from dflash_ipc.data.dataset import DatasetWriter, TokenDataset
+from dflash_ipc.dispatch.ledger import Ledger
+from dflash_ipc.dispatch.ledger_file import save_ledger
+from dflash_ipc.errors import ConfigError, DataError
+from dflash_ipc.resolve import check_run_dir
+
+
+def test_a_run_directory_that_is_a_file_or_under_one_is_refused(tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match="afile exists and is not a directory"):
+        check_run_dir(str(tmp_path / "afile"))
+    with pytest.raises(ConfigError, match="cannot be made: .*afile is not a directory"):
+        check_run_dir(str(tmp_path / "afile" / "run"))
+    check_run_dir(str(tmp_path / "new" / "run"))  # can be made
+
+
+def test_a_missing_gpu_stops_up_before_any_child_or_file(tmp_path):
+    """`cuda:9` on a machine without it is a config error before the first child: no restart
+    of a child could ever cure it (it used to be retried 3 times, 70 s)."""
+    from dflash_ipc.supervise.supervisor import Supervisor
+    cfg = load_config(None, [f"run.run_dir={tmp_path / 'run'}", "target.num_workers=1", "drafter.num_workers=1",
+                             "target.devices=[cuda:8]", "drafter.devices=[cuda:9]"])
+    supervisor = Supervisor(cfg, print_status=lambda line: None)
+    with pytest.raises(ConfigError, match="cuda:8, cuda:9 do not exist"):
+        supervisor.start()
+    assert supervisor.children == {} and not (tmp_path / "run").exists()
+
+
+def test_rerunning_a_finished_run_directory_with_another_plan_is_refused(tmp_path):
+    """A finished run directory rerun with other data, budget or seed is refused (it exited 0
+    with 'holds a finished job'); with the same plan it is recognised as finished."""
+    from dflash_ipc.cli import _finished_before
+    from dflash_ipc.dispatch.proc import plan_job
+    rng = np.random.default_rng(0)
+    with DatasetWriter(str(tmp_path / "data"), tokenizer_fingerprint="sha256:test") as writer:
+        for length in rng.integers(8, 60, size=12):
+            writer.add(np.arange(length), np.ones(length, bool))
+        writer.close()
+    flags = [f"run.run_dir={tmp_path / 'run'}", f"data.path={tmp_path / 'data'}", "data.bucket_boundaries=[64]",
+             "data.token_budget=128"]
+    cfg = load_config(None, flags)
+    os.makedirs(cfg.run.run_dir)
+    assert not _finished_before(cfg)  # no ledger yet
+    ledger = Ledger()
+    for batches in plan_job(cfg, TokenDataset(cfg.data.path).lengths):
+        ledger.add_epoch(batches)
+    save_ledger(ledger, cfg.files.ledger)
+    assert not _finished_before(cfg)  # the same plan, not finished
+    for change in ("run.seed=7", "data.token_budget=256", "data.num_epochs=2"):
+        with pytest.raises(DataError, match="use a new run.run_dir"):
+            _finished_before(load_config(None, flags + [change]))
