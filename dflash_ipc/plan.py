@@ -21,11 +21,12 @@ one pair comes to its capacity).
 
 from __future__ import annotations
 
-import json
 import math
+import os
 from dataclasses import asdict, dataclass
 
 from dflash_ipc.errors import ConfigError, DataError
+from dflash_ipc.json_files import read_json_object
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,7 @@ def best_split(options: list[Split]) -> Split:
 
 def gpus_per_target_from_bench(path: str) -> int:
     """The ``target_gpus_per_worker`` a ``bench pipeline --json`` file was measured with (1 if absent)."""
-    with open(path, encoding="utf-8") as f:
-        value = json.load(f).get("target_gpus_per_worker", 1)
+    value = read_json_object(path, "bench pipeline --json file").get("target_gpus_per_worker", 1)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise DataError(f"{path}: field target_gpus_per_worker must be an integer >= 1, got {value!r}")
     return value
@@ -86,19 +86,9 @@ def gpus_per_target_from_bench(path: str) -> int:
 
 def capacities_from_bench(path: str) -> tuple[float, float]:
     """``target_capacity`` and ``drafter_capacity`` of a ``bench pipeline --json`` file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise DataError(f"{path}: no such bench file (write one with dflash-ipc bench pipeline --json)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"{path}: cannot read it: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path}: not JSON ({exc}); expected the output of dflash-ipc bench pipeline --json") \
-            from None
-    if not isinstance(data, dict):
-        raise DataError(f"{path}: expected a JSON object with target_capacity and drafter_capacity, "
-                        f"got {type(data).__name__}")
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such bench file (write one with dflash-ipc bench pipeline --json)")
+    data = read_json_object(path, "bench pipeline --json file")
     values = []
     for field in ("target_capacity", "drafter_capacity"):
         if field not in data:

@@ -78,8 +78,8 @@ def test_capacities_from_bench(tmp_path):
 
 
 @pytest.mark.parametrize("data,raw,match", [
-    (None, "{not json", "not JSON"),
-    ([1, 2], None, "expected a JSON object"),
+    (None, "{not json", "not valid JSON"),
+    ([1, 2], None, "is not a JSON object"),
     ({"drafter_capacity": 5.0}, None, "field target_capacity is missing"),
     ({"target_capacity": 5.0}, None, "field drafter_capacity is missing"),
     ({"target_capacity": "fast", "drafter_capacity": 5.0}, None, "field target_capacity must be a positive"),

@@ -77,6 +77,8 @@ def canned_status(*, target_batches=3, drafter_step=2, hb_age_s=0.3, pending=5, 
 def children():
     """Three sleeping python processes standing in for the dispatcher and two workers."""
     procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in ROLES]
+    for proc in procs:  # a child still starting Python reads as 'running' on a loaded machine
+        wait_state(proc.pid, "sleeping", timeout_s=30.0)
     yield dict(zip(ROLES, procs))
     for proc in procs:
         try:

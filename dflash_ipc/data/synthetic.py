@@ -42,7 +42,6 @@ import shutil
 import numpy as np
 
 from dflash_ipc.data.dataset import TokenDataset, dataset_is_complete
-from dflash_ipc.data.held_out import held_out_prompts_of  # noqa: F401  (eval reads held-out prompts through it)
 from dflash_ipc.data.prepare import prepare_dataset
 from dflash_ipc.data.tiny import TINY_VOCAB_WORDS
 from dflash_ipc.errors import ConfigError, DataError

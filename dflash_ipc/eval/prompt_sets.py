@@ -228,7 +228,7 @@ def held_out_prompts(dataset: TokenDataset, *, num_prompts: int,
 
     A sample is usable when it has a loss-mask token after at least one prompt token.
     """
-    from dflash_ipc.data.synthetic import held_out_prompts_of
+    from dflash_ipc.data.held_out import held_out_prompts_of
 
     if num_prompts < 1:
         raise ConfigError(f"num_prompts={num_prompts} must be >= 1")

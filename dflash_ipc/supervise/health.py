@@ -61,6 +61,7 @@ import psutil
 
 from dflash_ipc.drafter.checkpoint_store import CheckpointStore
 from dflash_ipc.errors import DataError, DFlashError
+from dflash_ipc.json_files import read_json_object
 from dflash_ipc.liveness import beacon_problem, read_beacon
 from dflash_ipc.run_files import RunFiles
 
@@ -185,15 +186,14 @@ def _apply_beacons(rows: list[ProcessHealth], cfg) -> None:
 def read_processes(run_dir: str, node_rank: int = 0) -> tuple[dict, float]:
     """The supervisor's processes.json and its mtime; DataError naming the file and field."""
     path = RunFiles(run_dir, node_rank).processes
+    if not os.path.exists(path):
+        raise DataError(f"{path} does not exist: no supervisor has started a job in {run_dir}")
+    record = read_json_object(path, "the supervisor's process list")
     try:
-        with open(path, encoding="utf-8") as f:
-            record = json.load(f)
         written_at = os.stat(path).st_mtime
-    except FileNotFoundError:
-        raise DataError(f"{path} does not exist: no supervisor has started a job in {run_dir}") from None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         raise DataError(f"{path}: unreadable ({exc})") from None
-    if not isinstance(record, dict) or not isinstance(record.get("supervisor"), int):
+    if not isinstance(record.get("supervisor"), int):
         raise DataError(f"{path}: field 'supervisor' must be an integer pid")
     entries = record.get("processes")
     if not isinstance(entries, list):
@@ -398,10 +398,8 @@ def _apply_progress(path: str, rows: list[ProcessHealth], status: dict | None, s
 
 def _read_state(path: str) -> dict:
     try:
-        with open(path, encoding="utf-8") as f:
-            state = json.load(f)
-        return state if isinstance(state, dict) else {}
-    except (OSError, ValueError):
+        return read_json_object(path, "health state")
+    except DataError:  # absent or damaged: start afresh (it only rate-limits reports)
         return {}
 
 
@@ -430,7 +428,7 @@ def _judge(report: HealthReport, status: dict | None, status_error: str | None, 
         if status is None:  # it runs on node 0: asking is all this node can do
             down.append(f"the dispatcher at {address} does not answer: {status_error}")
     elif dispatcher is None:
-        down.append(f"processes.json has no 'dispatcher' entry")
+        down.append("processes.json has no 'dispatcher' entry")
     elif not dispatcher.alive:
         down.append(f"dispatcher (pid {dispatcher.pid}) is not running: {dispatcher.state}")
     elif status is None:

@@ -30,6 +30,8 @@ import time
 from dflash_ipc.config import JobConfig
 from dflash_ipc.config_load import dump_config
 from dflash_ipc.drafter.checkpoint_store import CheckpointStore
+from dflash_ipc.errors import DataError
+from dflash_ipc.json_files import read_json_object
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.liveness import read_beacon
 from dflash_ipc.metric_sinks import MetricSinks, open_sinks
@@ -274,9 +276,8 @@ class Supervisor:
     def _finished_on_disk(self) -> bool:
         """The dispatcher's final status says every batch is committed (shared run dir)."""
         try:
-            with open(self.files.final_status) as f:
-                return bool(json.load(f).get("finished"))
-        except (OSError, ValueError):
+            return read_json_object(self.files.final_status, "final status").get("finished") is True
+        except DataError:  # not there yet, or torn
             return False
 
     def _report_status(self, poller: StatusPoller) -> dict | None:
@@ -292,12 +293,11 @@ class Supervisor:
 
     def _final_status(self) -> None:
         try:
-            with open(self.files.final_status) as f:
-                self.last_status = json.load(f)
+            self.last_status = read_json_object(self.files.final_status, "final status")
             for line in self.status_line.final_lines(self.last_status):
                 self.print_status(line)
             self.sinks.write(self.last_status)  # the trackers end where the job did
-        except (OSError, ValueError) as exc:
+        except (DataError, KeyError, TypeError) as exc:  # missing, damaged, or not a status
             log.warning("no final status: %s", exc)
 
     def _wait_workers(self) -> None:
