@@ -445,12 +445,12 @@ class SuperviseConfig(_Section):
         for name in ("drafter_stall_s", "drafter_step_timeout_s", "drafter_compile_timeout_s",
                      "drafter_checkpoint_timeout_s"):
             _require(1 <= getattr(self, name) <= day, f"supervise.{name}", "must be in [1, 86400]")
+        _require(0 <= self.stop_timeout_s <= day, "supervise.stop_timeout_s", "must be in [0, 86400]")
 
     def drafter_phase_limits(self) -> dict[str, float]:
         """Longest time a drafter may stay in each beacon phase (others: no limit)."""
         return {"compile": self.drafter_compile_timeout_s, "step": self.drafter_step_timeout_s,
                 "checkpoint": self.drafter_checkpoint_timeout_s}
-        _require(0 <= self.stop_timeout_s <= day, "supervise.stop_timeout_s", "must be in [0, 86400]")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -57,6 +57,8 @@ def test_overrides_parse_types():
     ("data.bucket_boundaries=[64,", "override data.bucket_boundaries: not valid YAML: line 1, column"),
     ("drafter.lr=1e-3", "override drafter.lr: moved to optimizer.lr"),
     ("drafter.checkpoint_every_steps=5", "moved to checkpoint.every_steps"),
+    ("supervise.drafter_timeout_s=30", "moved to supervise.drafter_stall_s"),
+    ("supervise.stop_timeout_s=-1", "supervise.stop_timeout_s: must be in [0, 86400]"),
 ])
 def test_bad_values_are_named(override, needle):
     with pytest.raises(ConfigError) as info:
