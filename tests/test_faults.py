@@ -190,7 +190,7 @@ def test_a_stopped_drafter_is_found_within_its_bound_and_a_slow_step_is_not(tmp_
                 died_after.append(time.monotonic() - stopped_at)
 
         assert job.wait(during=watch) == 0, job.output()[-5000:]
-        # Found from its beacon: stall bound + one poll + the kill (0.25 s), with slack.
+        # Found from its beacon: stall bound + one pass of the supervisor (0.25 s) + the kill, with slack.
         assert died_after and died_after[0] < stall_s + 3.0, died_after
         assert job.restarts()["drafter/0"] == 1 and job.final_status()["drafter_generation"] == 1
         job.check_exactly_once()
