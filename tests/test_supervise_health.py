@@ -313,3 +313,21 @@ def test_gpu_memory_by_pid_sums_devices_and_skips_unknown():
     def no_driver():
         raise RuntimeError("NVML Shared Library Not Found")
     assert gpu_memory_by_pid(SimpleNamespace(nvmlInit=no_driver)) is None
+
+
+def test_status_and_health_name_the_checkpoints_set_aside_as_never_committed(tmp_path, children, dispatcher):
+    from dflash_ipc.drafter.checkpoint_store import CheckpointStore
+    from dflash_ipc.supervise.status_query import query_status
+    run_dir = make_run(tmp_path, children, address=dispatcher.address)
+    store = CheckpointStore(RunFiles(run_dir).checkpoints)
+    for step in (8, 12):
+        os.makedirs(store.path(step))
+    assert "never committed" not in query_status(run_dir) + format_health(health_report(run_dir, **QUICK))
+    (moved,) = store.quarantine_after(8)  # what the next start does with a checkpoint never committed
+    text = query_status(run_dir)
+    assert text.splitlines()[-1] == f"  set aside, never committed (never resumed from): {moved}"
+    assert json.loads(query_status(run_dir, as_json=True))["uncommitted_checkpoints"] == [moved]
+    report = health_report(run_dir, **QUICK)
+    assert report.uncommitted_checkpoints == [moved] and report.to_json()["uncommitted_checkpoints"] == [moved]
+    assert f"never committed (never resumed from): {moved}" in format_health(report)
+    assert report.level == "healthy"  # set aside is safe: nothing resumes from it

@@ -33,6 +33,7 @@ STATE_TENSORS = "training_state.safetensors"
 STATE_JSON = "training_state.json"
 LATEST = "latest.json"
 UNCOMMITTED = "uncommitted"
+UNCOMMITTED_NOTE = "set aside, never committed (never resumed from)"  # how status and health list them
 MAX_JSON_BYTES = 256 * 1024 * 1024  # the JSON parts of a checkpoint are far smaller
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 

@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from dflash_ipc.drafter.checkpoint_store import CheckpointStore
+from dflash_ipc.drafter.checkpoint_store import UNCOMMITTED_NOTE, CheckpointStore
 from dflash_ipc.errors import DataError, DFlashError
 from dflash_ipc.liveness import beacon_problem, read_beacon
 from dflash_ipc.run_files import RunFiles
@@ -486,7 +486,7 @@ def format_health(report: HealthReport) -> str:
         lines.append(f"  job: {batches.get('committed', 0)}/{job.get('num_batches')} batches committed, "
                      f"{job.get('elapsed_s', 0):.0f}s elapsed" + (", finished" if job.get("finished") else ""))
     for path in report.uncommitted_checkpoints:
-        lines.append(f"  set aside, never committed (never resumed from): {path}")
+        lines.append(f"  {UNCOMMITTED_NOTE}: {path}")
     if not report.processes:
         return "\n".join(lines)
     header = ("role", "pid", "state", "rss", "cpu%", "threads", "gpu_mem", "heartbeat", "progress", "batches",

@@ -1,4 +1,5 @@
-"""`dflash-ipc status RUN_DIR`: ask the running dispatcher for its live status."""
+"""`dflash-ipc status RUN_DIR`: ask the running dispatcher for its live status, and list the
+checkpoints that were written but never committed (set aside, never resumed from)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 
 from dflash_ipc import protocol as p
 from dflash_ipc.config_load import load_config
+from dflash_ipc.drafter.checkpoint_store import UNCOMMITTED_NOTE, CheckpointStore
 from dflash_ipc.errors import WorkerDeadError
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.run_files import RunFiles
@@ -31,8 +33,9 @@ def query_status(run_dir: str, *, as_json: bool = False) -> str:
     if not os.path.exists(RunFiles(run_dir).job_config):
         raise WorkerDeadError(f"{run_dir} is not a run directory (no config.yaml)")
     status = fetch_status(run_dir)
+    uncommitted = CheckpointStore(RunFiles(run_dir).checkpoints).uncommitted()
     if as_json:
-        return json.dumps(status, indent=1, sort_keys=True)
+        return json.dumps({**status, "uncommitted_checkpoints": uncommitted}, indent=1, sort_keys=True)
     lines = [format_status(status)]
     for rank, t in status["targets"].items():
         lines.append(f"  target/{rank}: {t['batches']} batches {t['tokens']:,} tokens, credits {t['credits']}, "
@@ -41,4 +44,5 @@ def query_status(run_dir: str, *, as_json: bool = False) -> str:
         m = d["metrics"]
         lines.append(f"  drafter/{rank}: step {m.get('step', 0):.0f} loss {m.get('loss', float('nan')):.3f}, "
                      f"{d['batches']} batches, heartbeat {d['heartbeat_age_s']:.1f}s ago")
+    lines += [f"  {UNCOMMITTED_NOTE}: {path}" for path in uncommitted]
     return "\n".join(lines)
