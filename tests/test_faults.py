@@ -80,6 +80,7 @@ class Job(SupervisedJob):
         assert ledger.all_committed() and report.ok, report
         per_epoch = int(lengths.sum())
         assert self.final_status()["committed_tokens_by_epoch"] == {str(e): per_epoch for e in range(epochs)}
+        assert self.final_status()["audit"]["ok"]  # the dispatcher's own verdict agrees
         assert sum(trained_tokens_by_step(self.run_dir).values()) == per_epoch * epochs
         assert not [f for f in os.listdir("/dev/shm") if f.startswith(cfg.files.shm_prefix)]
         return cfg, ledger

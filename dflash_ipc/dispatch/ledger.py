@@ -173,6 +173,15 @@ class AuditReport:
         """True if every expected sample was committed exactly once and nothing else."""
         return not (self.missing or self.duplicated or self.unexpected)
 
+    def summary(self, listed: int = 16) -> dict:
+        """JSON-ready: counts of each kind of fault, and the first `listed` sample ids per epoch."""
+        out: dict = {"ok": self.ok, "committed_samples": self.num_commit_records}
+        for kind in ("missing", "duplicated", "unexpected"):
+            per_epoch = getattr(self, kind)
+            out[kind] = sum(len(ids) for ids in per_epoch.values())
+            out[f"{kind}_samples"] = {str(e): list(ids)[:listed] for e, ids in per_epoch.items()}
+        return out
+
 
 def audit_samples(committed: Iterable[tuple[int, int]], expected: Mapping[int, Iterable[int] | int]) -> AuditReport:
     """Check (epoch, sample id) commits against the expected samples per epoch
@@ -327,8 +336,13 @@ class Ledger:
             out[batch.epoch] += sum(length[s] for s in record.sample_ids)
         return out
 
-    def audit(self, expected: Mapping[int, Iterable[int] | int]) -> AuditReport:
-        """Check the committed history: each expected sample of each epoch exactly once."""
+    def audit(self, expected: Mapping[int, Iterable[int] | int] | None = None) -> AuditReport:
+        """Check the committed history: each expected sample of each epoch exactly once
+        (default: the samples planned in each epoch of this ledger)."""
+        if expected is None:
+            expected = {}
+            for entry in self.entries():
+                expected.setdefault(entry.batch.epoch, []).extend(entry.batch.sample_ids)
         return audit_samples(((self._entries[r.batch_id].batch.epoch, s)
                               for r in self._history for s in r.sample_ids), expected)
 
