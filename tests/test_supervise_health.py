@@ -331,3 +331,12 @@ def test_status_and_health_name_the_checkpoints_set_aside_as_never_committed(tmp
     assert report.uncommitted_checkpoints == [moved] and report.to_json()["uncommitted_checkpoints"] == [moved]
     assert f"never committed (never resumed from): {moved}" in format_health(report)
     assert report.level == "healthy"  # set aside is safe: nothing resumes from it
+
+
+def test_a_follower_of_a_target_worker_is_judged_by_its_leaders_seat():
+    from dflash_ipc.supervise.health import _worker_status
+    status = canned_status(targets=("0", "1"), drafters=("0",))
+    assert _worker_status(status, "target/1.1") is status["targets"]["1"]
+    assert _worker_status(status, "drafter/0") is status["drafters"]["0"]
+    assert _worker_status(status, "target/7") is None
+    assert _worker_status(status, "supervisor") is None and _worker_status(status, "dispatcher") is None
