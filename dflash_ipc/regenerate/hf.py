@@ -78,22 +78,14 @@ class BatchStats:
         return 1.0 - (self.prompt_tokens + self.new_tokens) / slots if slots else 0.0
 
 
-def resolve_dtype(dtype: str, device: str):
-    import torch
-    if dtype == "auto":
-        return torch.float32 if device.startswith("cpu") else torch.bfloat16
-    names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-    if dtype not in names:
-        raise ConfigError(f"--dtype {dtype!r}; allowed: {['auto', *names]}")
-    return names[dtype]
-
-
 class Generator:
     """The target on one device; `generate` runs one batch."""
 
     def __init__(self, settings: GeneratorSettings, device: str, model=None):
         import torch
         from transformers import AutoModelForCausalLM
+
+        from dflash_ipc.dtypes import resolve_dtype
 
         if settings.num_threads and device.startswith("cpu"):
             torch.set_num_threads(settings.num_threads)
