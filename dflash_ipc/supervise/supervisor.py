@@ -41,7 +41,7 @@ from dflash_ipc.supervise.roles import DISPATCHER, Role
 from dflash_ipc.supervise.status_line import StatusLine
 from dflash_ipc.supervise.status_poller import StatusPoller
 from dflash_ipc.supervise.target_groups import WorkerAddresses
-from dflash_ipc.transport.slots import unlink_segments
+from dflash_ipc.transport.backends import unlink_segments
 from dflash_ipc.wire_security import curve_required, ensure_keys
 
 log = logging.getLogger(__name__)

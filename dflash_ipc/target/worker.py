@@ -38,7 +38,8 @@ from dflash_ipc.resolve import require_device
 from dflash_ipc.supervise.children import replaced_pids
 from dflash_ipc.target.capture import FeatureCapture
 from dflash_ipc.target.worker_group import WorkerGroup
-from dflash_ipc.transport.slots import SlotLayout, SlotPool, create_pool
+from dflash_ipc.transport.backends import create_pool
+from dflash_ipc.transport.slots import SlotLayout, SlotPool
 
 log = logging.getLogger(__name__)
 
