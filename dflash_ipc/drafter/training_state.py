@@ -93,20 +93,35 @@ def _optimizer_state(path: str, tensors: dict, meta: dict, optimizer, device) ->
     for name, t in tensors.items():
         if not name.startswith("optimizer."):
             continue
-        _, index, key = name.split(".", 2)
-        if int(index) not in params:
-            raise DamagedCheckpointError(f"{path}: {name} names no parameter")
-        target = params[int(index)]
+        index_text, _, key = name[len("optimizer."):].partition(".")
+        index = _param_index(path, name, index_text, params)
+        if not key:
+            raise DamagedCheckpointError(f"{path}: tensor {name!r:.80} names no optimizer state key")
+        target = params[index]
         if key.startswith("exp_avg") and t.shape != target.shape:
             raise DamagedCheckpointError(f"{path}: {name} has shape {tuple(t.shape)}, the parameter's is "
                                          f"{tuple(target.shape)}")
-        state.setdefault(int(index), {})[key] = t.to(device) if key != "step" else t
-    for index, plain in (meta.get("optimizer_plain_state") or {}).items():
-        state.setdefault(int(index), {}).update(plain)
+        state.setdefault(index, {})[key] = t.to(device) if key != "step" else t
+    plain_state = meta.get("optimizer_plain_state") or {}
+    if not isinstance(plain_state, dict):
+        raise DamagedCheckpointError(f"{path}: optimizer_plain_state must be a JSON object")
+    for index, plain in plain_state.items():
+        if not isinstance(plain, dict):
+            raise DamagedCheckpointError(f"{path}: optimizer_plain_state[{index!r:.40}] must be a JSON object")
+        state.setdefault(_param_index(path, "optimizer_plain_state", index, params), {}).update(plain)
     for group in groups:
         if isinstance(group.get("betas"), list):
             group["betas"] = tuple(group["betas"])
     return {"state": state, "param_groups": groups}
+
+
+def _param_index(path: str, what: str, index: str, params: dict) -> int:
+    """The parameter index an entry of the optimizer state names, checked against the live
+    optimizer's parameters."""
+    if not index.isdigit() or int(index) not in params:
+        raise DamagedCheckpointError(f"{path}: {what!r:.80} names no parameter of this drafter "
+                                     f"(index {index!r:.20}; it has 0..{len(params) - 1})")
+    return int(index)
 
 
 def _jsonable(value):
