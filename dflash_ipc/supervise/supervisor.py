@@ -32,7 +32,8 @@ from dflash_ipc.config_load import dump_config
 from dflash_ipc.drafter.checkpoint_store import CheckpointStore
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.liveness import read_beacon
-from dflash_ipc.metric_sinks import MetricSinks, open_sinks
+from dflash_ipc.job_sinks import open_sinks
+from dflash_ipc.metric_sinks import MetricSinks
 from dflash_ipc.resolve import check_job_devices
 from dflash_ipc.supervise.children import Child, stop_children
 from dflash_ipc.supervise.decisions import (ChildView, Died, Fail, Kill, KillDrafters, KillWorker, Scheduled,
