@@ -139,7 +139,7 @@ def test_dump_and_reload_is_identity(tmp_path):
 def test_a_gpu_this_machine_lacks_is_named():
     import torch
 
-    from dflash_ipc.resolve import require_device
+    from dflash_ipc.machine import require_device
     require_device("cpu", "target.devices")  # nothing to check
     missing = f"cuda:{torch.cuda.device_count() + 3}"
     with pytest.raises(ConfigError, match=f"target.devices: {missing}"):

@@ -24,7 +24,7 @@ from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.data.prepare import prepare_dataset
 from dflash_ipc.dispatch.proc import plan_job
 from dflash_ipc.errors import ConfigError
-from dflash_ipc.resolve import check_node_fits
+from dflash_ipc.machine import check_node_fits
 from dflash_ipc.target.architectures import ARCHITECTURES, build_tiny_target_of
 from dflash_ipc.target.capture import load_target_config
 from dflash_ipc.target.tensor_parallel import check_tensor_parallel

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from dflash_ipc.data.chat import render
 from dflash_ipc.data.messages import Conversation, RowRejected, check_special_tokens
 from dflash_ipc.errors import ConfigError, DataError
+from dflash_ipc.machine import require_device
 from dflash_ipc.regenerate.conversation import Reply, Request
 from dflash_ipc.regenerate.options import GenerationOptions
 from dflash_ipc.regenerate.scheduler import BatchScheduler
@@ -312,7 +313,6 @@ def _model_config(model_dir: str):
 
 
 def _check_devices(devices) -> list[str]:
-    from dflash_ipc.resolve import require_device
     devices = [d.strip() for d in (devices.split(",") if isinstance(devices, str) else devices) if d.strip()]
     if not devices:
         raise ConfigError("--devices: give at least one device (cpu, cuda:0, cuda:0,cuda:1, ...)")

@@ -34,7 +34,7 @@ from dflash_ipc.link import DispatcherLink
 from dflash_ipc.liveness import read_beacon
 from dflash_ipc.job_sinks import open_sinks
 from dflash_ipc.metric_sinks import MetricSinks
-from dflash_ipc.resolve import check_job_devices
+from dflash_ipc.machine import check_job_devices
 from dflash_ipc.supervise.children import Child, stop_children
 from dflash_ipc.supervise.decisions import (ChildView, Died, Fail, Kill, KillDrafters, KillWorker, Scheduled,
                                             Start, SupervisorLogic, SweepPool)

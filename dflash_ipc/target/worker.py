@@ -34,7 +34,7 @@ from dflash_ipc.errors import ConfigError, DispatcherRestarted, WorkerDeadError
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.metrics import TimelineWriter, process_memory
 from dflash_ipc.profiling import IterationProfiler
-from dflash_ipc.resolve import require_device
+from dflash_ipc.machine import require_device
 from dflash_ipc.supervise.children import replaced_pids
 from dflash_ipc.target.capture import FeatureCapture
 from dflash_ipc.target.worker_group import WorkerGroup
