@@ -10,7 +10,8 @@ import pytest
 
 from dflash_ipc.dispatch import ledger_file
 from dflash_ipc.dispatch.buckets import BucketSpec, PlannedBatch, plan_epochs
-from dflash_ipc.dispatch.ledger import BatchState, Ledger, TrainedCopy, audit_samples
+from dflash_ipc.dispatch.audit import audit_samples
+from dflash_ipc.dispatch.ledger import BatchState, Ledger, TrainedCopy
 from dflash_ipc.dispatch.ledger_file import load_ledger, save_ledger
 from dflash_ipc.errors import DataError, ProtocolError
 

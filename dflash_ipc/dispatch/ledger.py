@@ -45,6 +45,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, Mapping, Union
 
+from dflash_ipc.dispatch.audit import AuditReport, audit_samples
 from dflash_ipc.dispatch.buckets import PlannedBatch
 from dflash_ipc.errors import DataError, ProtocolError
 
@@ -155,56 +156,6 @@ class CommitResult:
     """(target, slot) of copies the commit consumed before their Consumed came."""
     tokens: int = 0
     """Tokens of the samples committed."""
-
-
-@dataclass(slots=True)
-class AuditReport:
-    """Result of ``audit``: per epoch, samples never committed and committed twice+."""
-
-    missing: dict[int, list[int]]
-    duplicated: dict[int, dict[int, int]]
-    """epoch -> {sample id: times committed} for samples committed more than once."""
-    unexpected: dict[int, list[int]]
-    """epoch -> committed sample ids that the expectation does not contain."""
-    num_commit_records: int
-
-    @property
-    def ok(self) -> bool:
-        """True if every expected sample was committed exactly once and nothing else."""
-        return not (self.missing or self.duplicated or self.unexpected)
-
-    def summary(self, listed: int = 16) -> dict:
-        """JSON-ready: counts of each kind of fault, and the first `listed` sample ids per epoch."""
-        out: dict = {"ok": self.ok, "committed_samples": self.num_commit_records}
-        for kind in ("missing", "duplicated", "unexpected"):
-            per_epoch = getattr(self, kind)
-            out[kind] = sum(len(ids) for ids in per_epoch.values())
-            out[f"{kind}_samples"] = {str(e): list(ids)[:listed] for e, ids in per_epoch.items()}
-        return out
-
-
-def audit_samples(committed: Iterable[tuple[int, int]], expected: Mapping[int, Iterable[int] | int]) -> AuditReport:
-    """Check (epoch, sample id) commits against the expected samples per epoch
-    (``expected``: epoch -> ids, or an int n meaning ``range(n)``)."""
-    counts: dict[int, dict[int, int]] = {}
-    records = 0
-    for epoch, sid in committed:
-        records += 1
-        per_epoch = counts.setdefault(epoch, {})
-        per_epoch[sid] = per_epoch.get(sid, 0) + 1
-    missing, duplicated, unexpected = {}, {}, {}
-    for epoch in sorted(set(expected) | set(counts)):
-        want = expected.get(epoch, ())
-        want_set = set(range(want)) if isinstance(want, int) else set(want)
-        got = counts.get(epoch, {})
-        if miss := sorted(want_set.difference(got)):
-            missing[epoch] = miss
-        if dup := {s: n for s, n in sorted(got.items()) if n > 1}:
-            duplicated[epoch] = dup
-        if extra := sorted(set(got).difference(want_set)):
-            unexpected[epoch] = extra
-    return AuditReport(missing=missing, duplicated=duplicated, unexpected=unexpected,
-                       num_commit_records=records)
 
 
 class Ledger:
