@@ -145,3 +145,27 @@ def test_export_refuses_a_damaged_checkpoint(store, tmp_path):
         f.write(b"\xff\xff")
     with pytest.raises(DataError, match="checksum"):
         export_training_checkpoint(store.root, str(tmp_path / "x"))
+
+
+def test_the_supervisors_start_sets_aside_what_the_ledger_never_committed(store, tmp_path):
+    """A supervisor killed between a checkpoint and its commit: the next start (before any
+    child) moves the checkpoints newer than the ledger's last commit aside."""
+    from dflash_ipc.config_load import load_config
+    from dflash_ipc.dispatch.buckets import PlannedBatch
+    from dflash_ipc.dispatch.ledger import Ledger, TrainedCopy
+    from dflash_ipc.dispatch.ledger_file import save_ledger
+    from dflash_ipc.supervise.supervisor import quarantine_uncommitted_checkpoints
+    run_dir = os.path.dirname(store.root)
+    cfg = load_config(None, [f"run.run_dir={run_dir}"])
+    assert quarantine_uncommitted_checkpoints(cfg) == []  # no ledger yet: nothing is judged
+    led = Ledger()
+    led.add_epoch([PlannedBatch(batch_id=0, epoch=0, bucket=0, sample_ids=(0, 1), lengths=(4, 4), padded_len=8)])
+    led.lease(0, 0)
+    led.produced(0, 0, 0)
+    attempt = led.assign(0, 0)
+    led.consumed(0, 0, attempt)
+    led.commit(20, [TrainedCopy(0, 0, attempt, (0,))])
+    save_ledger(led, cfg.files.ledger)
+    moved = quarantine_uncommitted_checkpoints(cfg)
+    assert [os.path.basename(m).split("-")[0] for m in moved] == ["step_00000030"]
+    assert store.steps_on_disk() == [10, 20] and store.uncommitted() == moved
