@@ -101,11 +101,6 @@ class Conversation:
     tools: list[dict] | None = None
 
 
-def normalize_conversation(row: dict) -> list[dict]:
-    """The messages of a conversational row with an assistant turn (see parse_conversation)."""
-    return parse_conversation(row).messages
-
-
 def parse_conversation(row: dict, *, need_assistant: bool = True) -> Conversation:
     """Validate a conversational row and return its normalized Conversation.
 
