@@ -21,7 +21,7 @@ import sys
 
 import click
 
-from dflash_ipc.config import POLICIES, PUBLISH_SYNC_MODES
+from dflash_ipc.config import DTYPE_NAMES, POLICIES, PUBLISH_SYNC_MODES
 from dflash_ipc.errors import EXIT_CONFIG_ERROR, EXIT_ERROR, ConfigError, DFlashError
 
 log = logging.getLogger("dflash_ipc.cli")
@@ -230,7 +230,7 @@ def prepare(model_dir, input_path, out_dir, split, max_length, on_long, last_tur
               help="A reply's <think> reasoning: kept as reasoning_content, or dropped.")
 @click.option("--devices", default="auto", show_default=True,
               help="hf: cpu, cuda:0 or cuda:0,cuda:1,... (one process per device); auto: every GPU, else cpu.")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
+@click.option("--dtype", type=click.Choice(["auto", *DTYPE_NAMES]), default="auto",
               show_default=True, help="hf: auto = bfloat16 on GPU, float32 on CPU.")
 @click.option("--cache", type=click.Choice(["auto", "static", "dynamic"]), default="auto", show_default=True,
               help="hf: KV cache (auto: static on GPU, dynamic on CPU).")
@@ -345,7 +345,7 @@ def health(run_dir, as_json, stale_after_s, stall_after_s, timeout_s, node_rank)
               help="Chat-template variables for --prompts files, as for prepare: '{\"enable_thinking\": false}' or "
                    "enable_thinking=false (repeatable).")
 @click.option("--device", default="cpu", show_default=True)
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
+@click.option("--dtype", type=click.Choice(["auto", *DTYPE_NAMES]), default="auto",
               show_default=True, help="auto: float32 on CPU, bfloat16 on GPU.")
 @click.option("--check-lossless", is_flag=True,
               help="Compare with plain greedy decoding; exit 1 on a mismatch (a numerical near-tie is reported).")
@@ -598,7 +598,7 @@ def bench_pipeline(config, overrides, seconds, warmup_s, json_path, run_dir) -> 
 @click.option("--max-batch-size", type=int, default=None, help="Default 256 on GPU, 64 on CPU.")
 @click.option("--cache", "caches", multiple=True, type=click.Choice(["static", "dynamic"]),
               help="KV cache of the batched phase, repeatable (default: static, then dynamic).")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="bfloat16", show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures as JSON.")
 def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt, max_prompt, max_new_tokens,
                      token_budget, max_batch_size, caches, dtype, json_path) -> None:
@@ -625,7 +625,7 @@ def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt,
               help="Prompt lengths, log-uniform.")
 @click.option("--legacy-prompts", default=2, show_default=True, type=click.IntRange(min=1),
               help="Prompts of the unbatched (legacy) rows.")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
+@click.option("--dtype", type=click.Choice(["auto", *DTYPE_NAMES]), default="auto",
               show_default=True)
 @click.option("--work-dir", default=None, type=click.Path(file_okay=False),
               help="Keep the random target here (reused next time); default: a temporary directory.")

@@ -3,9 +3,9 @@
 `StatusScalars` turns each status the supervisor polls into one set of named scalars;
 `TensorBoardSink` writes them to `<run_dir>/tensorboard/` when the `tensorboard` package is
 installed (`pip install tensorboard`; view with `tensorboard --logdir RUN_DIR/tensorboard`),
-`WandbSink` (wandb_sink.py) to a Weights & Biases run. `open_sinks(cfg)` builds the sinks a
-job's `metrics` section names, plus the status history that `dflash-ipc report` reads; the
-supervisor is their only writer.
+`WandbSink` (wandb_sink.py) to a Weights & Biases run. `open_sinks(cfg)` (job_sinks.py) builds
+the sinks a job's `metrics` section names, plus the status history that `dflash-ipc report`
+reads; the supervisor is their only writer.
 
 Tags written (each only when its inputs are present in the status):
 
@@ -263,24 +263,3 @@ def _close_quietly(sink) -> None:
         sink.close()
     except Exception as exc:
         log.warning("%s: closing failed: %s", type(sink).__name__, exc)
-
-
-def open_sinks(cfg) -> MetricSinks:
-    """The sinks of a job (`cfg`: a JobConfig): the status history `dflash-ipc report` reads,
-    then each tracker of `metrics.sinks` that can open. TensorBoard, the default, is skipped
-    with one line when its package is missing; wandb, named only on purpose, raises
-    MissingExtraError."""
-    from dflash_ipc.status_history import StatusHistorySink
-    from dflash_ipc.wandb_sink import WandbSink  # it imports this module
-    files = cfg.files
-    os.makedirs(files.run_dir, mode=0o700, exist_ok=True)  # the supervisor's mode: sockets and keys live there
-    sinks: list = [StatusHistorySink(files.status_history)]
-    try:
-        for name in cfg.metrics.sinks:
-            sink = TensorBoardSink.open(files.tensorboard) if name == "tensorboard" else WandbSink.open(cfg)
-            if sink is not None:
-                sinks.append(sink)
-    except BaseException:
-        MetricSinks(sinks).close()
-        raise
-    return MetricSinks(sinks)

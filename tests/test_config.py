@@ -57,6 +57,7 @@ def test_overrides_parse_types():
     ("data.bucket_boundaries=[64,", "override data.bucket_boundaries: not valid YAML: line 1, column"),
     ("drafter.lr=1e-3", "override drafter.lr: moved to optimizer.lr"),
     ("drafter.checkpoint_every_steps=5", "moved to checkpoint.every_steps"),
+    ("supervise.drafter_timeout_s=30", "moved to supervise.drafter_stall_s"),
     ("supervise.stop_timeout_s=-1", "supervise.stop_timeout_s: must be in [0, 86400]"),
 ])
 def test_bad_values_are_named(override, needle):
@@ -173,7 +174,7 @@ def test_dump_and_reload_is_identity(tmp_path):
 def test_a_gpu_this_machine_lacks_is_named():
     import torch
 
-    from dflash_ipc.resolve import require_device
+    from dflash_ipc.machine import require_device
     require_device("cpu", "target.devices")  # nothing to check
     missing = f"cuda:{torch.cuda.device_count() + 3}"
     with pytest.raises(ConfigError, match=f"target.devices: {missing}"):

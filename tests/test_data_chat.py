@@ -5,7 +5,7 @@ import re
 import pytest
 
 from dflash_ipc.data.chat import ChatEncoder, has_generation_markers, keep_last_run
-from dflash_ipc.data.messages import RowRejected, normalize_conversation
+from dflash_ipc.data.messages import RowRejected, parse_conversation
 from dflash_ipc.data.tiny import IM_END, IM_START, TINY_VOCAB_WORDS, build_tiny_tokenizer
 from dflash_ipc.errors import DataError
 
@@ -145,8 +145,8 @@ def test_normalize_openai_and_sharegpt():
     sharegpt = {"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "u"},
                                   {"from": "gpt", "value": "a"}]}
     want = conv(("system", "s"), ("user", "u"), ("assistant", "a"))
-    assert normalize_conversation(openai) == want
-    assert normalize_conversation(sharegpt) == want
+    assert parse_conversation(openai).messages == want
+    assert parse_conversation(sharegpt).messages == want
 
 
 @pytest.mark.parametrize(
@@ -172,7 +172,7 @@ def test_normalize_openai_and_sharegpt():
 )
 def test_bad_conversations(row, reason, where):
     with pytest.raises(RowRejected) as e:
-        normalize_conversation(row)
+        parse_conversation(row)
     assert e.value.reason == reason
     assert where in e.value.detail
 

@@ -10,7 +10,8 @@ import pytest
 
 from dflash_ipc.dispatch import ledger_file
 from dflash_ipc.dispatch.buckets import BucketSpec, PlannedBatch, plan_epochs
-from dflash_ipc.dispatch.ledger import BatchState, Ledger, TrainedCopy, audit_samples
+from dflash_ipc.dispatch.audit import audit_samples
+from dflash_ipc.dispatch.ledger import BatchState, Ledger, TrainedCopy
 from dflash_ipc.dispatch.ledger_file import load_ledger, save_ledger
 from dflash_ipc.errors import DataError, ProtocolError
 
@@ -78,6 +79,9 @@ def test_happy_path_two_epochs_and_the_audit():
     assert led.all_committed() and led.last_committed_step() == 7 and led.committed_steps() == list(range(1, 8))
     assert led.committed_tokens_by_epoch() == {0: 40, 1: 30}
     assert led.audit({0: 8, 1: range(6)}).ok
+    assert led.audit().summary() == {"ok": True, "committed_samples": 14, "missing": 0, "missing_samples": {},
+                                     "duplicated": 0, "duplicated_samples": {}, "unexpected": 0,
+                                     "unexpected_samples": {}}
 
 
 def test_a_checkpoint_straddling_a_batch_commits_it_in_two_parts():
@@ -90,6 +94,8 @@ def test_a_checkpoint_straddling_a_batch_commits_it_in_two_parts():
     assert first.completed == [] and first.tokens == 10
     entry = led.entry(0)
     assert entry.state is S.CONSUMED and entry.done == {0, 2} and entry.remaining()[0] == (1,)
+    audit = led.audit()  # against the plan: batch 1 and sample 1 of batch 0 not committed yet
+    assert audit.missing == {0: [1, 3, 4, 5]} and audit.summary(listed=2)["missing_samples"] == {"0": [1, 3]}
     assert led.commit(20, [TrainedCopy(0, 1, attempt, (1,))]).completed == [0]
     assert [(r.step, r.sample_ids) for r in led.history()] == [(10, (0, 2)), (20, (1,))]
     with pytest.raises(ProtocolError, match="it is COMMITTED"):
@@ -438,6 +444,9 @@ def test_audit_reports_missing_duplicated_and_unexpected():
     assert report.missing == {0: [3], 1: [1]} and report.duplicated == {0: {1: 2}}
     assert report.unexpected == {1: [9], 2: [5]} and report.num_commit_records == 7
     assert audit_samples(committed[:2], {0: [0, 1]}).ok
+    summary = report.summary()
+    assert (summary["missing"], summary["duplicated"], summary["unexpected"]) == (2, 1, 2) and not summary["ok"]
+    assert summary["duplicated_samples"] == {"0": [1]} and summary["unexpected_samples"] == {"1": [9], "2": [5]}
 
 
 # --- the specification, written the obvious way, against random operations ---------------------

@@ -96,3 +96,37 @@ def test_slow_requests_never_hold_up_liveness_checks_or_the_stop(tmp_path):
         for sock in (target, flood):
             sock.close(linger=0)
         proc.close()
+
+
+def test_the_final_status_carries_the_audit_of_the_ledger_against_the_plan(tmp_path):
+    """Driven in process to the end (no socket traffic): final_status.json says whether every
+    planned sample of every epoch was committed exactly once, and the tokens per epoch."""
+    import json
+    cfg = load_config(None, [f"run.run_dir={tmp_path}", "target.num_workers=1", "drafter.num_workers=1"])
+    epochs = [plan_epoch(np.full(6, 32), BucketSpec(boundaries=(64,), token_budget=64), seed=0, epoch=e,
+                         first_batch_id=3 * e) for e in range(2)]
+    dispatcher = Dispatcher(epochs, policy="pull", num_targets=1, num_drafters=1)
+    proc = DispatcherProc(cfg, dispatcher, address=cfg.dispatcher_address)
+    try:
+        dispatcher.handle(b"t", p.Register(role="target", rank=0, pid=1, pool={"b": 1}, num_slots=1))
+        dispatcher.handle(b"d", p.Register(role="drafter", rank=0, pid=2))
+        step = 0
+        for _ in range(3 * 2):
+            (_, batch), = [m for m in dispatcher.handle(b"t", p.Ready(credits=1)) if isinstance(m[1], p.Batch)]
+            dispatcher.handle(b"t", p.Produced(batch_id=batch.batch_id, slot=batch.slot, num_tokens=64, compute_s=0.0))
+            (_, a), = dispatcher.handle(b"d", p.WantHidden(credits=1))
+            dispatcher.handle(b"d", p.Consumed(batch_id=a.batch_id, attempt=a.attempt))
+            if step == 4:  # four of six batches committed: four of twelve samples are missing
+                proc.write_final_status()
+                midway = json.loads(open(cfg.files.final_status).read())["audit"]
+                assert not midway["ok"] and midway["missing"] == 4 and midway["duplicated"] == 0
+            step += 1
+            dispatcher.handle(b"d", p.Committed(step=step, batch_ids=[a.batch_id], ranks=[0], attempts=[a.attempt],
+                                                samples=[a.sample_ids]))
+        assert dispatcher.finished
+        proc.write_final_status()
+        final = json.loads(open(cfg.files.final_status).read())
+        assert final["audit"]["ok"] and final["audit"]["committed_samples"] == 12
+        assert final["committed_tokens_by_epoch"] == {"0": 6 * 32, "1": 6 * 32}
+    finally:
+        proc.close()

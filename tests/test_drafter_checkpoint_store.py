@@ -102,6 +102,33 @@ def test_hostile_json_is_refused_cleanly(store):
             store.latest()
 
 
+def _remanifest(step_dir):
+    """Rewrites the manifest over the files as they are: a crafted checkpoint, not a damaged one."""
+    from dflash_ipc.drafter.checkpoint_store import sha256_of, write_json_file
+    files = {n: {"bytes": os.path.getsize(os.path.join(step_dir, n)), "sha256": sha256_of(os.path.join(step_dir, n))}
+             for n in sorted(os.listdir(step_dir)) if n != MANIFEST}
+    write_json_file(os.path.join(step_dir, MANIFEST), {"format": 1, "step": 20, "files": files})
+
+
+@pytest.mark.parametrize("craft", ["tensor name", "tensor index", "plain index", "plain entry"])
+def test_a_crafted_optimizer_state_that_verifies_is_still_one_clear_error(store, craft):
+    from safetensors.torch import load_file, save_file
+    step_dir = store.path(20)
+    tensors_path, meta_path = os.path.join(step_dir, STATE_TENSORS), os.path.join(step_dir, STATE_JSON)
+    if craft.startswith("tensor"):
+        tensors = load_file(tensors_path)
+        tensors["optimizer.x.exp_avg" if craft == "tensor name" else "optimizer.9999.exp_avg"] = torch.zeros(2)
+        save_file(tensors, tensors_path, metadata={"format": "1"})
+    else:
+        meta = json.load(open(meta_path))
+        meta["optimizer_plain_state"] = {"zero": {"a": 1}} if craft == "plain index" else {"0": [1, 2]}
+        json.dump(meta, open(meta_path, "w"))
+    _remanifest(step_dir)
+    with pytest.raises(DamagedCheckpointError) as info:
+        _trainer().resume(store, 20)
+    assert step_dir in str(info.value) and "\n" not in str(info.value)
+
+
 def test_checkpoints_newer_than_the_last_commit_are_set_aside_and_never_resumed(store):
     store.mark_latest(30)
     moved = store.quarantine_after(10)
@@ -196,3 +223,27 @@ def test_evaluating_a_damaged_checkpoint_step_is_refused(store):
         f.write(b"\x00\x01\x02")
     with pytest.raises(DamagedCheckpointError, match="model.safetensors: checksum differs"):
         load_drafter(store.path(20), device="cpu", dtype=torch.float32)
+
+
+def test_the_supervisors_start_sets_aside_what_the_ledger_never_committed(store, tmp_path):
+    """A supervisor killed between a checkpoint and its commit: the next start (before any
+    child) moves the checkpoints newer than the ledger's last commit aside."""
+    from dflash_ipc.config_load import load_config
+    from dflash_ipc.dispatch.buckets import PlannedBatch
+    from dflash_ipc.dispatch.ledger import Ledger, TrainedCopy
+    from dflash_ipc.dispatch.ledger_file import save_ledger
+    from dflash_ipc.supervise.supervisor import quarantine_uncommitted_checkpoints
+    run_dir = os.path.dirname(store.root)
+    cfg = load_config(None, [f"run.run_dir={run_dir}"])
+    assert quarantine_uncommitted_checkpoints(cfg) == []  # no ledger yet: nothing is judged
+    led = Ledger()
+    led.add_epoch([PlannedBatch(batch_id=0, epoch=0, bucket=0, sample_ids=(0, 1), lengths=(4, 4), padded_len=8)])
+    led.lease(0, 0)
+    led.produced(0, 0, 0)
+    attempt = led.assign(0, 0)
+    led.consumed(0, 0, attempt)
+    led.commit(20, [TrainedCopy(0, 0, attempt, (0,))])
+    save_ledger(led, cfg.files.ledger)
+    moved = quarantine_uncommitted_checkpoints(cfg)
+    assert [os.path.basename(m).split("-")[0] for m in moved] == ["step_00000030"]
+    assert store.steps_on_disk() == [10, 20] and store.uncommitted() == moved

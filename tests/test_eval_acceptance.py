@@ -13,11 +13,20 @@ from dflash_ipc.eval.acceptance import (
     Cycle,
     accepted_prefix_length,
     commit_block,
-    stats_of,
     verify_block,
 )
 from dflash_ipc.eval.lossless import LosslessCheck
 from dflash_ipc.eval.report import EvalReport, PlainFigures, SampleResult, format_comparison
+
+
+def stats_of(cycles: list[Cycle], *, block_size: int, prefill_tokens: list[int] | tuple = ()) -> AcceptanceStats:
+    """An accumulator filled from cycle records (and prefills yielding the given token counts)."""
+    stats = AcceptanceStats(block_size=block_size)
+    for n in prefill_tokens:
+        stats.add_prefill(n)
+    for cycle in cycles:
+        stats.add_cycle(cycle)
+    return stats
 
 
 def t(ids):

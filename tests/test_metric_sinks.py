@@ -192,7 +192,7 @@ def test_wandb_offline_run_holds_the_status_scalars_and_a_resumed_job_appends(tm
 
 def test_wandb_missing_or_a_bad_run_record_is_a_clear_error(tmp_path, monkeypatch):
     from dflash_ipc.errors import ConfigError, MissingExtraError
-    from dflash_ipc.metric_sinks import open_sinks
+    from dflash_ipc.job_sinks import open_sinks
     from dflash_ipc.wandb_sink import WandbSink
     cfg = _job(tmp_path, "metrics.sinks=[tensorboard,wandb]")
     monkeypatch.setitem(sys.modules, "wandb", None)
@@ -207,7 +207,7 @@ def test_wandb_missing_or_a_bad_run_record_is_a_clear_error(tmp_path, monkeypatc
 
 
 def test_default_sinks_and_the_status_history(tmp_path):
-    from dflash_ipc.metric_sinks import open_sinks
+    from dflash_ipc.job_sinks import open_sinks
     from dflash_ipc.status_history import StatusHistorySink, load_status_history
     cfg = _job(tmp_path)
     sinks = open_sinks(cfg)

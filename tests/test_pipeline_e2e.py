@@ -52,6 +52,7 @@ def _check_finished_job(run_dir, code: int, out: str) -> None:
 
     # Pull spread the work: every target produced, every drafter consumed.
     final = json.loads((run_dir / "final_status.json").read_text())
+    assert final["audit"]["ok"] and final["audit"]["committed_samples"] == len(lengths) * cfg.data.num_epochs
     assert all(t["batches"] > 0 for t in final["targets"].values()), final["targets"]
     assert sum(t["batches"] for t in final["targets"].values()) == len(ledger)
     assert all(d["batches"] > 0 for d in final["drafters"].values())

@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 
 from dflash_ipc.data.tiny import TINY_VOCAB_WORDS
-from dflash_ipc.regenerate.hf import Generator, GeneratorSettings
+from dflash_ipc.regenerate.generator import Generator, GeneratorSettings
 from dflash_ipc.regenerate.options import GenerationOptions
 from dflash_ipc.regenerate.run import regenerate
 

@@ -177,4 +177,5 @@ def test_status_json_is_strict_json_whatever_the_status_holds(tmp_path, monkeypa
     monkeypatch.setattr(status_query, "fetch_status", lambda run_dir: status)
     text = status_query.query_status(str(tmp_path), as_json=True)
     assert "NaN" not in text and "Infinity" not in text
-    assert json.loads(text) == {"rates": {"tok_rate": None}, "targets": {"0": {"metrics": {"loss": None}}}}
+    assert json.loads(text) == {"rates": {"tok_rate": None}, "targets": {"0": {"metrics": {"loss": None}}},
+                                "uncommitted_checkpoints": []}

@@ -133,6 +133,20 @@ def test_a_stopped_drafter_is_found_by_its_stale_beacon_and_a_slow_step_is_not()
     assert "beacon stopped 11.0s ago (supervise.drafter_stall_s=10)" in actions[-1].reason
 
 
+def test_a_stale_beacon_is_judged_without_waiting_for_a_status_poll():
+    """The beacon needs no dispatcher: a stopped drafter is found on the next pass even when
+    no status came (a poll not due yet, or a slow dispatcher); a seat check waits for one."""
+    w = World()
+    wall = 5000.0
+    w.now += 61  # past the start-up timeout: without a status nobody is judged unregistered
+    alive = {D0: beacon(w.children[D0].pid, time=wall - 0.3), D1: beacon(w.children[D1].pid, time=wall - 0.1)}
+    assert w.step(beacons=alive, wall_now=wall, dispatcher_replied_at=w.now) == []
+    stopped = {**alive, D0: beacon(w.children[D0].pid, time=wall - 10.5)}
+    actions = w.step(beacons=stopped, wall_now=wall, dispatcher_replied_at=w.now)
+    assert kinds(actions) == ["KillDrafters", "Scheduled"] and "drafter/0" in actions[-1].reason
+    assert all(w.children[r].exit_code == -9 for r in (D0, D1))
+
+
 def test_a_drafter_stuck_in_a_phase_past_its_limit_hangs_but_its_first_compiled_step_has_longer():
     w = World()
     wall = 5000.0

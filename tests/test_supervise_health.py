@@ -315,3 +315,56 @@ def test_gpu_memory_by_pid_sums_devices_and_skips_unknown():
     def no_driver():
         raise RuntimeError("NVML Shared Library Not Found")
     assert gpu_memory_by_pid(SimpleNamespace(nvmlInit=no_driver)) is None
+
+
+def test_status_and_health_name_the_checkpoints_set_aside_as_never_committed(tmp_path, children, dispatcher):
+    from dflash_ipc.drafter.checkpoint_store import CheckpointStore
+    from dflash_ipc.supervise.status_query import query_status
+    run_dir = make_run(tmp_path, children, address=dispatcher.address)
+    store = CheckpointStore(RunFiles(run_dir).checkpoints)
+    for step in (8, 12):
+        os.makedirs(store.path(step))
+    assert "never committed" not in query_status(run_dir) + format_health(health_report(run_dir, **QUICK))
+    (moved,) = store.quarantine_after(8)  # what the next start does with a checkpoint never committed
+    text = query_status(run_dir)
+    assert text.splitlines()[-1] == f"  set aside, never committed (never resumed from): {moved}"
+    assert json.loads(query_status(run_dir, as_json=True))["uncommitted_checkpoints"] == [moved]
+    report = health_report(run_dir, **QUICK)
+    assert report.uncommitted_checkpoints == [moved] and report.to_json()["uncommitted_checkpoints"] == [moved]
+    assert f"never committed (never resumed from): {moved}" in format_health(report)
+    assert report.level == "healthy"  # set aside is safe: nothing resumes from it
+
+
+def test_a_follower_of_a_target_worker_is_judged_by_its_leaders_seat():
+    from dflash_ipc.supervise.health import _worker_status
+    status = canned_status(targets=("0", "1"), drafters=("0",))
+    assert _worker_status(status, "target/1.1") is status["targets"]["1"]
+    assert _worker_status(status, "drafter/0") is status["drafters"]["0"]
+    assert _worker_status(status, "target/7") is None
+    assert _worker_status(status, "supervisor") is None and _worker_status(status, "dispatcher") is None
+
+
+def test_a_drafters_beacon_shows_its_phase_and_tells_a_long_step_from_a_stopped_process(
+        tmp_path, children, dispatcher):
+    """A drafter sends nothing while it steps: an old heartbeat with a fresh beacon is a long
+    step (healthy, its phase shown); a beacon older than supervise.drafter_stall_s is not."""
+    run_dir = make_run(tmp_path, children, address=dispatcher.address)
+    pid = children["drafter/0"].pid
+    dispatcher.status = canned_status()
+    dispatcher.status["drafters"]["0"]["heartbeat_age_s"] = 40.0
+    path = RunFiles(run_dir).beacon("drafter/0")
+    os.makedirs(os.path.dirname(path))
+    now = time.time()
+    with open(path, "w") as f:
+        json.dump({"time": now, "pid": pid, "phase": "step", "since": now - 42, "step": 9}, f)
+    report = health_report(run_dir, **QUICK)
+    assert report.level == "healthy", report.reasons
+    phase = rows(report)["drafter/0"].phase
+    assert phase in ("step 42s", "step 43s") and phase in format_health(report)
+    with open(path, "w") as f:
+        json.dump({"time": now - 31, "pid": pid, "phase": "step", "since": now - 42, "step": 9}, f)
+    report = health_report(run_dir, **QUICK)
+    assert report.level == "degraded"
+    (reason,) = report.reasons
+    assert reason.startswith(f"drafter/0 (pid {pid}): its liveness beacon stopped 31.")
+    assert reason.endswith("s ago (supervise.drafter_stall_s=30): stopped or frozen")

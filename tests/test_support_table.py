@@ -36,7 +36,8 @@ from dflash_ipc.target.architectures import ARCHITECTURES, UNSUPPORTED, build_ti
 from dflash_ipc.target.capture import FeatureCapture, load_target_config
 from dflash_ipc.target.text_stack import load_causal_lm, text_config
 from dflash_ipc.target.worker import TargetWorker
-from dflash_ipc.transport.slots import ReaderCache, SlotLayout, create_pool
+from dflash_ipc.transport.backends import ReaderCache, create_pool
+from dflash_ipc.transport.slots import SlotLayout
 
 torch.set_num_threads(1)
 

@@ -181,7 +181,7 @@ def test_gpu_probes_pass_at_32k_and_refuse_what_cannot_fit(long_data, caplog):
     """The tiny target's 32K batch fits an H200 (sdpa); eager attention over 131,072 tokens
     (scores 4 heads x 131,072^2 x 4 bytes = 256 GiB) cannot: a ConfigError, not a crash."""
     from dflash_ipc.target.architectures import ARCHITECTURES, build_tiny_target_of
-    from dflash_ipc.transport.slots import create_pool
+    from dflash_ipc.transport.backends import create_pool
     caplog.set_level(logging.INFO)
     target, data = long_data
     cfg = long_job(target, data)

@@ -24,7 +24,7 @@ from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.data.prepare import prepare_dataset
 from dflash_ipc.dispatch.proc import plan_job
 from dflash_ipc.errors import ConfigError
-from dflash_ipc.resolve import check_node_fits
+from dflash_ipc.machine import check_node_fits
 from dflash_ipc.target.architectures import ARCHITECTURES, build_tiny_target_of
 from dflash_ipc.target.capture import load_target_config
 from dflash_ipc.target.tensor_parallel import check_tensor_parallel
@@ -132,7 +132,8 @@ def _shard_fraction(capture, expert_parallel: bool) -> float:
 def _worker_rank(tp_rank: int, targets: dict, data: str, out_dir: str, devices: list[str]) -> None:
     from dflash_ipc.target.worker import TargetWorker, follow, load_capture
     from dflash_ipc.target.worker_group import ADDRESS_ENV, WorkerGroup
-    from dflash_ipc.transport.slots import SlotLayout, create_pool
+    from dflash_ipc.transport.backends import create_pool
+    from dflash_ipc.transport.slots import SlotLayout
     torch.set_num_threads(1)
     device = devices[tp_rank] if len(devices) > 1 else devices[0]
     if device.startswith("cuda"):
@@ -167,7 +168,8 @@ def _compare_with_one_rank(tmp_path, devices: list[str], tolerance: float) -> No
     """Spawns the two ranks of a K=2 worker on `devices`, then checks its features against a
     one-process worker's on the first device."""
     from dflash_ipc.target.worker import TargetWorker, load_capture
-    from dflash_ipc.transport.slots import SlotLayout, create_pool
+    from dflash_ipc.transport.backends import create_pool
+    from dflash_ipc.transport.slots import SlotLayout
     targets = {arch: build_tiny_target_of(ARCHITECTURES[arch], str(tmp_path / arch)) for arch in ("qwen3", "llama",
                                                                                                   "qwen3_moe")}
     data = str(tmp_path / "data")

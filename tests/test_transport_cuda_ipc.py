@@ -17,15 +17,8 @@ import torch
 
 from dflash_ipc.errors import ConfigError, ProducerGoneError, TransportError
 from dflash_ipc.transport.cuda_ipc import check_torch_version, parse_share_tuple, wait_until
-from dflash_ipc.transport.slots import (
-    ProducerWatch,
-    ReaderCache,
-    SlotLayout,
-    check_peer_access,
-    create_pool,
-    open_reader,
-    producer_identity,
-)
+from dflash_ipc.transport.backends import ReaderCache, check_peer_access, create_pool, open_reader
+from dflash_ipc.transport.slots import ProducerWatch, SlotLayout, producer_identity
 
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 

@@ -26,6 +26,8 @@ import click
 import numpy as np
 import torch
 
+from dflash_ipc.dtypes import torch_dtype
+
 _QWEN3_VOCAB = {"vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1e6,
                 "tie_word_embeddings": False}
 SHAPES: dict[str, tuple[str, dict]] = {
@@ -71,7 +73,7 @@ def build_random_target(out_dir: str, *, shape: str, dtype: str = "bfloat16", se
     config = getattr(transformers, config_class)(**{**fields, "num_hidden_layers": num_layers or depth})
     torch.manual_seed(seed)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
     tokenizer = build_tiny_tokenizer()
     if text_only:
         _silence_padding_rows(model, len(tokenizer))

@@ -72,7 +72,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _prepare_device(device: str, key: str) -> torch.device:
-    from dflash_ipc.resolve import require_device
+    from dflash_ipc.machine import require_device
     require_device(device, key)
     dev = torch.device(device)
     if dev.type == "cuda":

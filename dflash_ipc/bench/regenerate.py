@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from dflash_ipc.regenerate.hf import BatchStats, Generator, GeneratorSettings
+from dflash_ipc.regenerate.generator import BatchStats, Generator, GeneratorSettings
 from dflash_ipc.regenerate.scheduler import BatchScheduler
 
 

@@ -15,9 +15,11 @@ import time
 import click
 import psutil
 
+from dflash_ipc.run_files import RunFiles
+
 
 def sample_until_done(run_dir: str, interval_s: float, out_path: str, max_s: float) -> dict:
-    path = os.path.join(run_dir, "processes.json")
+    path = RunFiles(run_dir).processes
     deadline = time.monotonic() + max_s
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -48,13 +48,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dflash_ipc.errors import ConfigError, TransportError
-from dflash_ipc.transport.slots import (
-    PUBLISH_SYNC_MODES,
-    SlotLayout,
-    create_pool,
-    open_reader,
-    unlink_segments,
-)
+from dflash_ipc.transport.backends import create_pool, open_reader, unlink_segments
+from dflash_ipc.transport.slots import PUBLISH_SYNC_MODES, SlotLayout
 
 logger = logging.getLogger(__name__)
 

@@ -79,17 +79,26 @@ class RowRejected(DataError):
         self.detail = detail
 
 
+def parse_json(raw: bytes | str):
+    """json.loads with every failure as RowRejected("malformed_json")."""
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError as e:
+        raise RowRejected("malformed_json", f"invalid UTF-8 at byte {e.start}") from None
+    except json.JSONDecodeError as e:
+        raise RowRejected("malformed_json", f"column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise RowRejected("malformed_json", "nested deeper than the parser's recursion limit") from None
+    except ValueError as e:  # e.g. an integer of more than 4,300 digits
+        raise RowRejected("malformed_json", f"{str(e)[:200]}") from None
+
+
 @dataclass(slots=True)
 class Conversation:
     """A validated conversation: OpenAI-style messages and the tools offered to the model."""
 
     messages: list[dict]
     tools: list[dict] | None = None
-
-
-def normalize_conversation(row: dict) -> list[dict]:
-    """The messages of a conversational row with an assistant turn (see parse_conversation)."""
-    return parse_conversation(row).messages
 
 
 def parse_conversation(row: dict, *, need_assistant: bool = True) -> Conversation:
@@ -188,7 +197,6 @@ def _tool_calls(calls, where: str) -> list[dict]:
             raise RowRejected("bad_tool_calls", f"{where}.tool_calls[{j}] needs function.name (a string)")
         args = fn.get("arguments", {})
         if isinstance(args, str):
-            from dflash_ipc.data.reader import parse_json
             try:
                 args = parse_json(args) if args.strip() else {}
             except RowRejected as e:
@@ -207,7 +215,6 @@ def _tools(tools) -> list[dict] | None:
     if tools is None:
         return None
     if isinstance(tools, str):
-        from dflash_ipc.data.reader import parse_json
         try:
             tools = parse_json(tools)
         except RowRejected as e:

@@ -33,7 +33,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from dflash_ipc.data.messages import RowRejected
+from dflash_ipc.data.messages import RowRejected, parse_json
 from dflash_ipc.errors import DataError
 from dflash_ipc.json_lines import capped_lines
 
@@ -82,20 +82,6 @@ def decode_row(row: RawRow, max_row_bytes: int = MAX_ROW_BYTES) -> dict:
     if not isinstance(value, dict):
         raise RowRejected("not_an_object", f"a JSON {type(value).__name__}, expected an object")
     return value
-
-
-def parse_json(raw: bytes | str):
-    """json.loads with every failure as RowRejected("malformed_json")."""
-    try:
-        return json.loads(raw)
-    except UnicodeDecodeError as e:
-        raise RowRejected("malformed_json", f"invalid UTF-8 at byte {e.start}") from None
-    except json.JSONDecodeError as e:
-        raise RowRejected("malformed_json", f"column {e.colno}: {e.msg}") from None
-    except RecursionError:
-        raise RowRejected("malformed_json", "nested deeper than the parser's recursion limit") from None
-    except ValueError as e:  # e.g. an integer of more than 4,300 digits
-        raise RowRejected("malformed_json", f"{str(e)[:200]}") from None
 
 
 class InputSource:

@@ -98,10 +98,6 @@ class BucketSpec:
         if self.max_batch_size is not None:
             _check_int("max_batch_size", self.max_batch_size, low=1)
 
-    def padded(self, length: int) -> int:
-        """``length`` rounded up to ``pad_multiple``."""
-        return -(-int(length) // self.pad_multiple) * self.pad_multiple
-
 
 def _check_int(field: str, value: object, *, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:

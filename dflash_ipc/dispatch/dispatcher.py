@@ -51,7 +51,8 @@ class Dispatcher:
             for batches in epochs:
                 self.ledger.add_epoch(batches)
         order = [b.batch_id for batches in epochs for b in batches]
-        self.policy = make_policy(policy, order, num_targets=num_targets, num_drafters=num_drafters)
+        self.policy = make_policy(policy, order, num_targets=num_targets, num_drafters=num_drafters,
+                                  num_nodes=num_nodes)
         self.num_targets, self.num_drafters, self.num_nodes = num_targets, num_drafters, num_nodes
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.drafter_timeout_s = drafter_timeout_s or heartbeat_timeout_s

@@ -45,6 +45,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, Mapping, Union
 
+from dflash_ipc.dispatch.audit import AuditReport, audit_samples
 from dflash_ipc.dispatch.buckets import PlannedBatch
 from dflash_ipc.errors import DataError, ProtocolError
 
@@ -155,47 +156,6 @@ class CommitResult:
     """(target, slot) of copies the commit consumed before their Consumed came."""
     tokens: int = 0
     """Tokens of the samples committed."""
-
-
-@dataclass(slots=True)
-class AuditReport:
-    """Result of ``audit``: per epoch, samples never committed and committed twice+."""
-
-    missing: dict[int, list[int]]
-    duplicated: dict[int, dict[int, int]]
-    """epoch -> {sample id: times committed} for samples committed more than once."""
-    unexpected: dict[int, list[int]]
-    """epoch -> committed sample ids that the expectation does not contain."""
-    num_commit_records: int
-
-    @property
-    def ok(self) -> bool:
-        """True if every expected sample was committed exactly once and nothing else."""
-        return not (self.missing or self.duplicated or self.unexpected)
-
-
-def audit_samples(committed: Iterable[tuple[int, int]], expected: Mapping[int, Iterable[int] | int]) -> AuditReport:
-    """Check (epoch, sample id) commits against the expected samples per epoch
-    (``expected``: epoch -> ids, or an int n meaning ``range(n)``)."""
-    counts: dict[int, dict[int, int]] = {}
-    records = 0
-    for epoch, sid in committed:
-        records += 1
-        per_epoch = counts.setdefault(epoch, {})
-        per_epoch[sid] = per_epoch.get(sid, 0) + 1
-    missing, duplicated, unexpected = {}, {}, {}
-    for epoch in sorted(set(expected) | set(counts)):
-        want = expected.get(epoch, ())
-        want_set = set(range(want)) if isinstance(want, int) else set(want)
-        got = counts.get(epoch, {})
-        if miss := sorted(want_set.difference(got)):
-            missing[epoch] = miss
-        if dup := {s: n for s, n in sorted(got.items()) if n > 1}:
-            duplicated[epoch] = dup
-        if extra := sorted(set(got).difference(want_set)):
-            unexpected[epoch] = extra
-    return AuditReport(missing=missing, duplicated=duplicated, unexpected=unexpected,
-                       num_commit_records=records)
 
 
 class Ledger:
@@ -327,8 +287,13 @@ class Ledger:
             out[batch.epoch] += sum(length[s] for s in record.sample_ids)
         return out
 
-    def audit(self, expected: Mapping[int, Iterable[int] | int]) -> AuditReport:
-        """Check the committed history: each expected sample of each epoch exactly once."""
+    def audit(self, expected: Mapping[int, Iterable[int] | int] | None = None) -> AuditReport:
+        """Check the committed history: each expected sample of each epoch exactly once
+        (default: the samples planned in each epoch of this ledger)."""
+        if expected is None:
+            expected = {}
+            for entry in self.entries():
+                expected.setdefault(entry.batch.epoch, []).extend(entry.batch.sample_ids)
         return audit_samples(((self._entries[r.batch_id].batch.epoch, s)
                               for r in self._history for s in r.sample_ids), expected)
 

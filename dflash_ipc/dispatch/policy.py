@@ -9,9 +9,9 @@ produced batch to the drafter of the producing node that has waited longest. A s
 simply asks less often, so no batch waits behind a busy worker while another idles.
 
 round_robin (the reference system, a benchmark baseline): batch i of the plan belongs to
-target i mod N from the start and the j-th produced batch to drafter j mod M, whatever
-their speed. Workers still receive only with credit, so a comparison measures the
-assignment policy, not flow control.
+target i mod N from the start and the j-th batch produced on a node to that node's drafter
+j mod M, whatever their speed. Workers still receive only with credit, so a comparison
+measures the assignment policy, not flow control.
 """
 
 from __future__ import annotations
@@ -62,19 +62,22 @@ class PullPolicy:
 class RoundRobinPolicy:
     name = "round_robin"
 
-    def __init__(self, plan_order: Sequence[int], *, num_targets: int, num_drafters: int) -> None:
-        self.num_drafters = num_drafters
+    def __init__(self, plan_order: Sequence[int], *, num_targets: int, num_drafters: int, num_nodes: int = 1) -> None:
+        # Drafter ranks are global: node k's are k*D .. k*D+D-1 (config.node_of).
+        self.drafters_per_node = num_drafters // num_nodes
         self.target_of = {bid: i % num_targets for i, bid in enumerate(plan_order)}
         self.drafter_of: dict[int, int] = {}
-        self.produced_count = 0
+        self.produced_on: dict[int, int] = {}  # node -> batches produced there so far
 
     def next_batch(self, target_rank: int, ledger: Ledger) -> PlannedBatch | None:
         return next((b for b in ledger.pending_batches() if self.target_of[b.batch_id] == target_rank), None)
 
     def drafter_for(self, batch_id: int, node: int, drafters: Sequence[DrafterView]) -> DrafterView | None:
         if batch_id not in self.drafter_of:
-            self.drafter_of[batch_id] = self.produced_count % self.num_drafters
-            self.produced_count += 1
+            # Hidden states never leave their node: the rotation runs over its drafters.
+            j = self.produced_on.get(node, 0)
+            self.drafter_of[batch_id] = node * self.drafters_per_node + j % self.drafters_per_node
+            self.produced_on[node] = j + 1
         owner = next((d for d in drafters if d.rank == self.drafter_of[batch_id]), None)
         return owner if owner is not None and owner.credits > 0 else None
 
@@ -82,9 +85,10 @@ class RoundRobinPolicy:
         self.drafter_of.clear()
 
 
-def make_policy(name: str, plan_order: Sequence[int], *, num_targets: int, num_drafters: int) -> Policy:
+def make_policy(name: str, plan_order: Sequence[int], *, num_targets: int, num_drafters: int,
+                num_nodes: int = 1) -> Policy:
     if name == "pull":
         return PullPolicy()
     if name == "round_robin":
-        return RoundRobinPolicy(plan_order, num_targets=num_targets, num_drafters=num_drafters)
+        return RoundRobinPolicy(plan_order, num_targets=num_targets, num_drafters=num_drafters, num_nodes=num_nodes)
     raise ValueError(f"policy '{name}' not allowed; allowed: {', '.join(POLICIES)}")

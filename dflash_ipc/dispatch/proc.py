@@ -21,7 +21,7 @@ import zmq
 from dflash_ipc import protocol as p
 from dflash_ipc.config import JobConfig
 from dflash_ipc.data.dataset import TokenDataset
-from dflash_ipc.dispatch.buckets import BucketSpec, plan_epoch, plan_stats
+from dflash_ipc.dispatch.buckets import BucketSpec, plan_epochs, plan_stats
 from dflash_ipc.dispatch.dispatcher import Dispatcher
 from dflash_ipc.dispatch.ledger import BatchState, Ledger
 from dflash_ipc.dispatch.ledger_file import load_ledger, save_ledger
@@ -67,12 +67,7 @@ def plan_job(cfg: JobConfig, lengths) -> list:
     """The batches of every epoch, ids unique across epochs."""
     spec = BucketSpec(boundaries=tuple(cfg.data.bucket_boundaries), token_budget=cfg.data.token_budget,
                       pad_multiple=cfg.data.pad_multiple, max_batch_size=cfg.data.max_batch_size)
-    epochs, first = [], 0
-    for epoch in range(cfg.data.num_epochs):
-        batches = plan_epoch(lengths, spec, seed=cfg.run.seed, epoch=epoch, first_batch_id=first)
-        first += len(batches)
-        epochs.append(batches)
-    return epochs
+    return plan_epochs(lengths, spec, seed=cfg.run.seed, num_epochs=cfg.data.num_epochs)
 
 
 def check_same_plan(ledger: Ledger, epochs: list, path: str) -> None:
@@ -192,6 +187,7 @@ class DispatcherProc:
         status["average_rates"] = {"tgt_rate": status["tokens"]["produced"] / elapsed,
                                    "dft_rate": status["tokens"]["consumed"] / elapsed,
                                    "tok_rate": status["tokens"]["trained"] / elapsed}
+        status["audit"] = self.dispatcher.ledger.audit().summary()  # every planned sample once?
         write_json_atomic(self.cfg.files.final_status, status)
 
     def run(self) -> None:

@@ -35,6 +35,7 @@ STATE_JSON = "training_state.json"
 LATEST = "latest.json"
 CHECKPOINT_FILES = ("config.json", "model.safetensors", STATE_TENSORS, STATE_JSON)  # every one in the manifest
 UNCOMMITTED = "uncommitted"
+UNCOMMITTED_NOTE = "set aside, never committed (never resumed from)"  # how status and health list them
 MAX_JSON_BYTES = 256 * 1024 * 1024  # the JSON parts of a checkpoint are far smaller
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 

@@ -5,7 +5,8 @@
      (`Consumed`), or reported `Lost` when its target died first;
   2) request more: `WantHidden` while the queue is short;
   3) agree with the group (one small all-reduce): is every rank full (or holding its last
-     sequences after `EndOfData`), is everyone drained, must the group stop?
+     sequences after `EndOfData`), is everyone drained, must the group stop, has a full rank
+     waited `drafter.max_group_wait_s` for a short one?
   4) step together when all are full; every `checkpoint.every_steps`, checkpoint: the ranks
      gather which samples of which copies went through a step since the last commit, rank 0
      writes the checkpoint and sends one `Committed` for the group (a commit is all of a

@@ -35,10 +35,10 @@ from dflash_ipc.link import DispatcherLink
 from dflash_ipc.liveness import Beacon
 from dflash_ipc.metrics import TimelineWriter
 from dflash_ipc.profiling import IterationProfiler
-from dflash_ipc.resolve import require_device
+from dflash_ipc.machine import require_device
 from dflash_ipc.supervise.children import replaced_pids
 from dflash_ipc.target.capture import load_target_config
-from dflash_ipc.transport.slots import ReaderCache, check_peer_access
+from dflash_ipc.transport.backends import ReaderCache, check_peer_access
 
 log = logging.getLogger(__name__)
 

@@ -190,14 +190,3 @@ class AcceptanceStats:
     def decode_forwards_per_token(self) -> float:
         """Verification forwards per token they committed: exactly 1 / tau."""
         return self.num_cycles / self.num_committed if self.num_committed else math.nan
-
-
-def stats_of(cycles: Iterable[Cycle], *, block_size: int, prefill_tokens: Sequence[int] = ()) -> AcceptanceStats:
-    """An accumulator filled from cycle records (and prefills yielding the given token counts)."""
-    stats = AcceptanceStats(block_size=block_size)
-    for n in prefill_tokens:
-        stats.add_prefill(n)
-    for cycle in cycles:
-        stats.add_cycle(cycle)
-    return stats
-

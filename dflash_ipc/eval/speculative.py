@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_ipc.data.dataset import TokenDataset
-from dflash_ipc.drafter.checkpoint_store import MANIFEST, verify_dir
+from dflash_ipc.drafter.checkpoint_store import LATEST, MANIFEST, CheckpointStore, verify_dir
 from dflash_ipc.drafter.export import CONFIG_FILE, load_inference_checkpoint
 from dflash_ipc.drafter.model import DFlashDraftModel
 from dflash_ipc.errors import ConfigError, DataError
@@ -63,7 +63,6 @@ __all__ = ["EvalOptions", "evaluate", "evaluate_sets", "held_out_prompts", "load
 
 logger = logging.getLogger(__name__)
 
-LATEST_FILE = "latest.json"  # written by DrafterTrainer.save_checkpoint in a checkpoints root
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_HELD_OUT_PROMPTS = 16
 
@@ -107,12 +106,11 @@ def load_drafter(drafter: str | DFlashDraftModel, *, device: str | torch.device,
             drafter = copy.deepcopy(drafter).to(device=device, dtype=dtype)
         return drafter.eval(), "in-memory drafter"
     path = os.fspath(drafter)
-    if os.path.isfile(os.path.join(path, LATEST_FILE)):
-        from dflash_ipc.drafter.checkpoint_store import CheckpointStore
+    if os.path.isfile(os.path.join(path, LATEST)):
         path = CheckpointStore(path).latest()
     if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
         raise DataError(f"{drafter}: not a drafter export, checkpoint step directory or checkpoints root "
-                        f"(no {CONFIG_FILE}, no {LATEST_FILE})")
+                        f"(no {CONFIG_FILE}, no {LATEST})")
     if os.path.isfile(os.path.join(path, MANIFEST)):
         verify_dir(path)  # a checkpoint step directory: used only as written (checksums)
     return load_inference_checkpoint(path, device=device, dtype=dtype).eval(), path

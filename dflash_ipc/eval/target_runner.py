@@ -29,24 +29,13 @@ from torch import Tensor
 
 from dflash_ipc.data.stops import stop_token_ids
 from dflash_ipc.drafter.target_head import FrozenTargetHead
-from dflash_ipc.dtypes import TORCH_DTYPES as DTYPES
+from dflash_ipc.dtypes import resolve_dtype
 from dflash_ipc.errors import ConfigError
 from dflash_ipc.eval.ragged_attention import layer_masks, register_attention
 from dflash_ipc.eval.row_cache import MASK_ALIGN, RaggedCache, round_up
 from dflash_ipc.target.text_stack import find_text_stack, has_recurrent_layers, load_causal_lm, text_config
 
 logger = logging.getLogger(__name__)
-
-DTYPE_CHOICES = ("auto", *DTYPES)
-
-
-def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
-    """``auto``: float32 on CPU (bf16 is emulated there), bfloat16 on accelerators."""
-    if dtype == "auto":
-        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
-    if dtype not in DTYPES:
-        raise ConfigError(f"eval dtype {dtype!r} not in {DTYPE_CHOICES}")
-    return DTYPES[dtype]
 
 
 def check_layer_ids(layer_ids: Sequence[int], num_layers: int, source: str) -> list[int]:

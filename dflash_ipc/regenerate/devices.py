@@ -23,6 +23,7 @@ import signal
 import time
 
 from dflash_ipc.errors import DataError
+from dflash_ipc.regenerate.generator import Generator
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,6 @@ _JOIN_S = 5.0
 
 def _device_main(settings, device: str, name: str, tasks, results, throttle_s: float) -> None:
     """A device process: build the Generator, then run batches until a None task."""
-    from dflash_ipc.regenerate.hf import Generator
     from dflash_ipc.supervise.children import ParentWatch
 
     # Ctrl-C reaches the whole process group: the parent decides, and stops us by pid. A

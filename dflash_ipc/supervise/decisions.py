@@ -115,15 +115,17 @@ class SupervisorLogic:
     def step(self, now: float, children: list[ChildView], *, status: dict | None = None,
              beacons: dict[Role, dict | None] | None = None, wall_now: float | None = None,
              dispatcher_replied_at: float | None = None, dispatcher_changed_at: float = 0.0) -> list[Action]:
-        """Deaths, then due restarts, then (with a fresh status) hangs. `now` is monotonic;
-        beacons carry wall-clock times, read against `wall_now`."""
+        """Deaths, then due restarts, then hangs. `now` is monotonic; beacons carry wall-clock
+        times, read against `wall_now`. Drafter beacons are judged on every step: a stopped
+        drafter is found within its bound whether or not the dispatcher answered a status
+        poll. What needs the dispatcher's view (heartbeats, seats) waits for a fresh `status`."""
         actions = self._deaths(children, now)
         if any(isinstance(a, Fail) for a in actions):
             return actions
         actions += self._due(now)
         if status is not None:
             actions += self._hung_targets(children, status, now, dispatcher_changed_at)
-            actions += self._hung_drafters(children, status, beacons or {}, now, now if wall_now is None else wall_now)
+        actions += self._hung_drafters(children, status, beacons or {}, now, now if wall_now is None else wall_now)
         actions += self._hung_dispatcher(children, now, dispatcher_replied_at)
         return actions
 
@@ -206,19 +208,20 @@ class SupervisorLogic:
             return f"the dispatcher dropped it ({dropped})"
         return self._unregistered(child, seated, now, since=max(child.started_at, changed_at))
 
-    def _hung_drafters(self, children, status: dict, beacons: dict, now: float, wall_now: float) -> list[Action]:
+    def _hung_drafters(self, children, status: dict | None, beacons: dict, now: float,
+                       wall_now: float) -> list[Action]:
         if "drafters" in self.restart_due or "dispatcher" in self.restart_due:
             return []
         sup = self.cfg.supervise
         for child in children:
             if child.role.kind != "drafter" or child.exit_code is not None:
                 continue
-            seat = status.get("drafters", {}).get(str(child.role.rank))
-            seated = seat is not None and seat.get("pid") == child.pid
-            beacon = beacons.get(child.role)
-            why = beacon_problem(beacon, pid=child.pid, now=wall_now, stall_s=sup.drafter_stall_s,
+            why = beacon_problem(beacons.get(child.role), pid=child.pid, now=wall_now, stall_s=sup.drafter_stall_s,
                                  limits=sup.drafter_phase_limits())
-            why = why or self._unregistered(child, seated, now, since=child.started_at)
+            if why is None and status is not None:
+                seat = status.get("drafters", {}).get(str(child.role.rank))
+                seated = seat is not None and seat.get("pid") == child.pid
+                why = self._unregistered(child, seated, now, since=child.started_at)
             if why:
                 return self._schedule("drafters", f"{child.role} (pid {child.pid}) hangs: {why}", now)
         return []

@@ -59,11 +59,12 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from dflash_ipc.drafter.checkpoint_store import CheckpointStore
+from dflash_ipc.drafter.checkpoint_store import UNCOMMITTED_NOTE, CheckpointStore
 from dflash_ipc.errors import DataError, DFlashError
 from dflash_ipc.json_files import read_json_object
 from dflash_ipc.liveness import beacon_problem, read_beacon
 from dflash_ipc.run_files import RunFiles
+from dflash_ipc.supervise.roles import Role
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ def _apply_beacons(rows: list[ProcessHealth], cfg) -> None:
     drafter sends no heartbeat during a step, so its heartbeat age says little)."""
     now = time.time()
     for row in rows:
-        if not row.role.startswith("drafter/"):
+        if _kind(row.role) != "drafter":
             continue
         record = read_beacon(cfg.files.beacon(row.role))
         if record is None or record["pid"] != row.pid:
@@ -332,11 +333,18 @@ def gpu_memory_by_pid(nvml=None) -> dict[int, int] | None:
 # --- the dispatcher's view and progress ---------------------------------------------------
 
 
+def _kind(role: str) -> str:
+    """`target`, `drafter`, `dispatcher`, or the name itself (`supervisor`: not a child role)."""
+    try:
+        return Role.parse(role).kind
+    except ValueError:
+        return role
+
+
 def _worker_status(status: dict, role: str) -> dict | None:
-    kind, _, rank = role.partition("/")
-    rank = rank.partition(".")[0]  # a follower of a multi-process target is seen through its leader's seat
-    group = {"target": "targets", "drafter": "drafters"}.get(kind)
-    return status.get(group, {}).get(rank) if group else None
+    """The dispatcher's seat of a worker (a follower of a multi-process target: its leader's)."""
+    group = {"target": "targets", "drafter": "drafters"}.get(_kind(role))
+    return status.get(group, {}).get(str(Role.parse(role).rank)) if group else None
 
 
 def _apply_status(rows: list[ProcessHealth], status: dict) -> None:
@@ -356,7 +364,7 @@ def _progress_counter(row: ProcessHealth, status: dict) -> list | None:
     seen = _worker_status(status, row.role)
     if seen is None:
         return None
-    if row.role.startswith("drafter/"):
+    if _kind(row.role) == "drafter":
         return [seen.get("batches"), seen.get("metrics", {}).get("step")]
     return [seen.get("batches")]
 
@@ -364,7 +372,7 @@ def _progress_counter(row: ProcessHealth, status: dict) -> list | None:
 def _progress_expected(row: ProcessHealth, status: dict) -> bool:
     if status.get("finished"):
         return False
-    if row.role.startswith("target/"):
+    if _kind(row.role) == "target":
         return status.get("batches", {}).get("pending", 0) > 0
     return True
 
@@ -447,7 +455,7 @@ def _judge(report: HealthReport, status: dict | None, status_error: str | None, 
                 row.problems.append("not registered with the dispatcher")
         elif row.beacon_problem is not None:
             row.problems.append(row.beacon_problem)
-        elif row.role.startswith("drafter/") and row.phase is not None:
+        elif _kind(row.role) == "drafter" and row.phase is not None:
             pass  # its beacon is fresh: a long step is not a silence
         elif row.heartbeat_age_s is not None and row.heartbeat_age_s > thresholds["stale_after_s"]:
             row.problems.append(f"heartbeat {row.heartbeat_age_s:.1f}s old (> {thresholds['stale_after_s']:g}s)")
@@ -484,7 +492,7 @@ def format_health(report: HealthReport) -> str:
         lines.append(f"  job: {batches.get('committed', 0)}/{job.get('num_batches')} batches committed, "
                      f"{job.get('elapsed_s', 0):.0f}s elapsed" + (", finished" if job.get("finished") else ""))
     for path in report.uncommitted_checkpoints:
-        lines.append(f"  set aside, never committed (never resumed from): {path}")
+        lines.append(f"  {UNCOMMITTED_NOTE}: {path}")
     if not report.processes:
         return "\n".join(lines)
     header = ("role", "pid", "state", "rss", "cpu%", "threads", "gpu_mem", "heartbeat", "progress", "batches",

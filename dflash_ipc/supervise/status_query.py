@@ -1,5 +1,6 @@
-"""`dflash-ipc status RUN_DIR`: ask the running dispatcher for its live status; of a job whose
-dispatcher has ended, the last status it wrote (final_status.json)."""
+"""`dflash-ipc status RUN_DIR`: ask the running dispatcher for its live status (of a job whose
+dispatcher has ended, the last status it wrote: final_status.json), and list the checkpoints
+that were written but never committed (set aside, never resumed from)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import os
 
 from dflash_ipc import protocol as p
 from dflash_ipc.config_load import load_config
-from dflash_ipc.errors import WorkerDeadError
-from dflash_ipc.json_files import json_safe
+from dflash_ipc.drafter.checkpoint_store import UNCOMMITTED_NOTE, CheckpointStore
+from dflash_ipc.errors import DataError, WorkerDeadError
+from dflash_ipc.json_files import json_safe, read_json_object
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.run_files import RunFiles
 from dflash_ipc.supervise.status_line import format_status
@@ -40,8 +42,10 @@ def query_status(run_dir: str, *, as_json: bool = False) -> str:
         if status is None:
             raise
         heading = f"no dispatcher answers ({live_error}); the job's final status, {files.final_status}:"
+    uncommitted = CheckpointStore(files.checkpoints).uncommitted()
     if as_json:
-        return json.dumps(json_safe(status), indent=1, sort_keys=True, allow_nan=False)  # strict JSON: no NaN
+        return json.dumps(json_safe({**status, "uncommitted_checkpoints": uncommitted}), indent=1, sort_keys=True,
+                          allow_nan=False)  # strict JSON: no NaN
     lines = ([heading] if heading else []) + [format_status(status, final=heading is not None)]
     for rank, t in status["targets"].items():
         lines.append(f"  target/{rank}: {t['batches']} batches {t['tokens']:,} tokens, credits {t['credits']}, "
@@ -50,14 +54,15 @@ def query_status(run_dir: str, *, as_json: bool = False) -> str:
         m = d["metrics"]
         lines.append(f"  drafter/{rank}: step {m.get('step', 0):.0f} loss {m.get('loss', float('nan')):.3f}, "
                      f"{d['batches']} batches, heartbeat {d['heartbeat_age_s']:.1f}s ago")
+    lines += [f"  {UNCOMMITTED_NOTE}: {path}" for path in uncommitted]
     return "\n".join(lines)
 
 
 def _final_status(path: str) -> dict | None:
     """The status the dispatcher wrote when it ended, or None (no such file, or not a status)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            status = json.load(f)
-    except (OSError, ValueError, RecursionError):  # absent, torn, or not JSON a status is made of
+        status = read_json_object(path, "final status")
+    except DataError:  # absent, torn, or not JSON a status is made of
         return None
-    return status if isinstance(status, dict) and {"targets", "drafters"} <= status.keys() else None
+    shaped = all(isinstance(status.get(k), dict) for k in ("targets", "drafters"))
+    return status if shaped else None

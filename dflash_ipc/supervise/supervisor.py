@@ -34,8 +34,9 @@ from dflash_ipc.errors import DataError
 from dflash_ipc.json_files import read_json_object
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.liveness import read_beacon
-from dflash_ipc.metric_sinks import MetricSinks, open_sinks
-from dflash_ipc.resolve import check_job_devices
+from dflash_ipc.job_sinks import open_sinks
+from dflash_ipc.metric_sinks import MetricSinks
+from dflash_ipc.machine import check_job_devices
 from dflash_ipc.supervise.children import Child, stop_children
 from dflash_ipc.supervise.decisions import (ChildView, Died, Fail, Kill, KillDrafters, KillWorker, Scheduled,
                                             Start, SupervisorLogic, SweepPool)
@@ -43,7 +44,7 @@ from dflash_ipc.supervise.roles import DISPATCHER, Role
 from dflash_ipc.supervise.status_line import StatusLine
 from dflash_ipc.supervise.status_poller import StatusPoller
 from dflash_ipc.supervise.target_groups import WorkerAddresses
-from dflash_ipc.transport.slots import unlink_segments
+from dflash_ipc.transport.backends import unlink_segments
 from dflash_ipc.wire_security import curve_required, ensure_keys
 
 log = logging.getLogger(__name__)

@@ -34,11 +34,12 @@ from dflash_ipc.errors import ConfigError, DataError, DispatcherRestarted, Worke
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.metrics import TimelineWriter, process_memory
 from dflash_ipc.profiling import IterationProfiler
-from dflash_ipc.resolve import require_device
+from dflash_ipc.machine import require_device
 from dflash_ipc.supervise.children import replaced_pids
 from dflash_ipc.target.capture import FeatureCapture
 from dflash_ipc.target.worker_group import WorkerGroup
-from dflash_ipc.transport.slots import SlotLayout, SlotPool, create_pool
+from dflash_ipc.transport.backends import create_pool
+from dflash_ipc.transport.slots import SlotLayout, SlotPool
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ Two backends behind the same interface, chosen by the producer's device:
 Producer death is detected by pid plus process start time (to defeat pid reuse): a reader
 raises ``ProducerGoneError`` instead of hanging or reading freed memory.
 
-Typical use::
+Typical use (``create_pool`` and ``ReaderCache`` pick the backend: ``transport/backends.py``)::
 
     # target
     pool = create_pool(SlotLayout(8, budget, 5 * hidden, "bfloat16"), "cuda:0", name=f"{run}-t0")
@@ -332,19 +332,7 @@ class ProducerWatch:
             self._finalizer()
 
 
-# --- factories ------------------------------------------------------------------------------
-
-
-def _as_device(device: torch.device | str) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise TransportError(f"bad device {device!r}: expected 'cpu' or 'cuda:N'") from exc
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    if dev.type not in ("cpu", "cuda"):
-        raise TransportError(f"device {device!r}: slot pools live on 'cpu' or 'cuda:N' only")
-    return dev
+# --- descriptors --------------------------------------------------------------------------
 
 
 def check_publish_sync(publish_sync: str) -> None:
@@ -353,28 +341,6 @@ def check_publish_sync(publish_sync: str) -> None:
         raise ConfigError(
             f"slot pool publish_sync {publish_sync!r} not allowed; allowed: {PUBLISH_SYNC_MODES}"
         )
-
-
-def create_pool(
-    layout: SlotLayout, device: torch.device | str, *, name: str,
-    publish_sync: str = "ipc_event",
-) -> SlotPool:
-    """Allocate a pool on ``device``: ``cpu`` gives shared memory, ``cuda:N`` CUDA IPC.
-
-    ``name`` starts with the run's prefix (the supervisor cleans up leftovers by prefix);
-    the producer's pid is appended, so a restarted worker never collides with the
-    leftovers of the one it replaces. ``publish_sync`` (one of ``PUBLISH_SYNC_MODES``)
-    matters on GPUs only: host writes to shared memory are done when ``publish`` runs.
-    """
-    check_publish_sync(publish_sync)
-    dev = _as_device(device)
-    if dev.type == "cpu":
-        from dflash_ipc.transport.shm import ShmSlotPool
-
-        return ShmSlotPool(layout, name=name)
-    from dflash_ipc.transport.cuda_ipc import CudaIpcSlotPool
-
-    return CudaIpcSlotPool(layout, dev, name=name, publish_sync=publish_sync)
 
 
 def validate_descriptor(descriptor: Any) -> str:
@@ -398,124 +364,3 @@ def validate_descriptor(descriptor: Any) -> str:
             f"allowed {list(BACKENDS)}"
         )
     return descriptor["backend"]
-
-
-def open_reader(
-    descriptor: dict[str, Any],
-    device: torch.device | str,
-    *,
-    timeout_s: float = DEFAULT_READ_TIMEOUT_S,
-) -> SlotReader:
-    """Open a producer's pool for reading into ``device``; backend from ``descriptor``."""
-    backend = validate_descriptor(descriptor)
-    dev = _as_device(device)
-    if backend == "shm":
-        from dflash_ipc.transport.shm import ShmSlotReader
-
-        return ShmSlotReader(descriptor, dev, timeout_s=timeout_s)
-    from dflash_ipc.transport.cuda_ipc import CudaIpcSlotReader
-
-    return CudaIpcSlotReader(descriptor, dev, timeout_s=timeout_s)
-
-
-class ReaderCache:
-    """Opens each producer pool once (opening a CUDA handle costs ~40 ms) and keeps it."""
-
-    def __init__(
-        self, device: torch.device | str, *, timeout_s: float = DEFAULT_READ_TIMEOUT_S
-    ) -> None:
-        self.device = _as_device(device)
-        self.timeout_s = timeout_s
-        self._readers: dict[str, SlotReader] = {}
-
-    def get(self, descriptor: dict[str, Any]) -> SlotReader:
-        validate_descriptor(descriptor)
-        pool_id = descriptor["pool_id"]
-        reader = self._readers.get(pool_id)
-        if reader is None:
-            reader = open_reader(descriptor, self.device, timeout_s=self.timeout_s)
-            self._readers[pool_id] = reader
-            logger.info("opened slot pool %s on %s", pool_id, self.device)
-        return reader
-
-    def drop(self, pool_id: str) -> None:
-        """Close and forget one pool (its producer died or was replaced)."""
-        reader = self._readers.pop(pool_id, None)
-        if reader is not None:
-            reader.close()
-
-    def prune_dead(self) -> list[str]:
-        """Close the readers whose producers are gone; return their pool ids."""
-        dead = [pid for pid, r in self._readers.items() if not r.producer_alive()]
-        for pool_id in dead:
-            self.drop(pool_id)
-        return dead
-
-    def __len__(self) -> int:
-        return len(self._readers)
-
-    def close(self) -> None:
-        for pool_id in list(self._readers):
-            self.drop(pool_id)
-
-
-# --- start-up checks ------------------------------------------------------------------------
-
-
-def check_slot_capacity(layout: SlotLayout, *, token_budget: int, feature_dim: int) -> None:
-    """ConfigError unless every batch the budget allows fits a slot of ``layout``.
-
-    ``feature_dim`` is what the target writes per token: hidden size x captured layers.
-    """
-    if feature_dim != layout.feature_dim:
-        raise ConfigError(
-            f"slot feature_dim {layout.feature_dim} != target feature width {feature_dim} "
-            "(hidden_size x number of captured layers)"
-        )
-    need = SlotLayout.required_max_tokens(token_budget)
-    if layout.max_tokens < need:
-        raise ConfigError(
-            f"slot holds {layout.max_tokens} tokens ({layout.slot_bytes} bytes) but token_budget "
-            f"{token_budget} can produce a batch of {need} tokens x {feature_dim} features = "
-            f"{need * feature_dim * layout.itemsize} bytes; raise max_tokens to >= {need} "
-            "or lower the token budget"
-        )
-
-
-def check_peer_access(target_devices: list[str], drafter_devices: list[str]) -> None:
-    """TransportError naming the first (target GPU, drafter GPU) pair without peer access.
-
-    A drafter maps each target's pool into its own device and copies over NVLink/PCIe, so
-    every drafter GPU must reach every target GPU. CPU targets (shm) need nothing.
-    """
-    targets = [_as_device(d) for d in target_devices]
-    drafters = [_as_device(d) for d in drafter_devices]
-    for t in targets:
-        for d in drafters:
-            if t.type == "cpu":
-                continue
-            if d.type != "cuda":
-                raise TransportError(
-                    f"target {t} uses CUDA IPC slots but drafter device {d} is not a GPU: "
-                    "put targets and drafters both on cuda:N or both on cpu"
-                )
-            from dflash_ipc.transport.cuda_ipc import check_pair
-
-            check_pair(t, d)
-
-
-# --- leftover shared-memory segments (supervisor clean-up) --------------------------------
-
-
-def list_leftover_segments(prefix: str) -> list[str]:
-    """Names of shared-memory segments in /dev/shm whose name starts with ``prefix``."""
-    from dflash_ipc.transport.shm import list_segments
-
-    return list_segments(prefix)
-
-
-def unlink_segments(prefix: str) -> int:
-    """Unlink every segment starting with ``prefix``; return how many were removed."""
-    from dflash_ipc.transport.shm import unlink_segments_with_prefix
-
-    return unlink_segments_with_prefix(prefix)

@@ -1,0 +1,164 @@
+"""The target on one device, generating one batch: what the hf backend runs in this process or
+in each device process (`devices.py`).
+
+`Generator` runs one batch (left padding, an attention mask, a static KV cache sized to the
+batch where transformers offers one) and returns each prompt's new tokens up to its first
+stop token. A batch that runs out of GPU memory is split in halves and retried; a prompt that
+fails alone is reported as that row's error.
+
+Greedy means the argmax of the target's logits: the generation config is built here, so a
+model's own generation_config.json (Qwen3 ships do_sample, temperature 0.6, top_k 20) does
+not change it. Sampling is seeded per batch: reproducible for the same batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+CACHES = ("auto", "static", "dynamic")
+"""auto: static on CUDA (pre-sized, no re-allocation as the cache grows), dynamic on CPU."""
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratorSettings:
+    """What a device process needs to build its Generator (picklable)."""
+
+    model_dir: str
+    dtype: str = "auto"
+    cache: str = "auto"
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop_ids: tuple = ()
+    pad_id: int = 0
+    num_threads: int = 0  # CPU: torch threads of this process (0: leave as is)
+
+
+@dataclass(slots=True)
+class BatchStats:
+    """Token slots of the batches run: real prompt / padded prompt, real / computed new."""
+
+    batches: int = 0
+    prompts: int = 0
+    prompt_tokens: int = 0
+    prompt_slots: int = 0
+    new_tokens: int = 0
+    new_slots: int = 0
+    seconds: float = 0.0
+    per_device: dict = field(default_factory=dict)
+
+    def add(self, other: "BatchStats", device: str = "") -> None:
+        for name in ("batches", "prompts", "prompt_tokens", "prompt_slots", "new_tokens", "new_slots", "seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        if device:
+            self.per_device[device] = self.per_device.get(device, 0) + other.batches
+
+    @property
+    def padding_share(self) -> float:
+        """Share of computed token slots (prompt and new) that held no real token."""
+        slots = self.prompt_slots + self.new_slots
+        return 1.0 - (self.prompt_tokens + self.new_tokens) / slots if slots else 0.0
+
+
+class Generator:
+    """The target on one device; `generate` runs one batch."""
+
+    def __init__(self, settings: GeneratorSettings, device: str, model=None):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from dflash_ipc.dtypes import resolve_dtype
+
+        if settings.num_threads and device.startswith("cpu"):
+            torch.set_num_threads(settings.num_threads)
+        self.settings = settings
+        self.device = device
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=resolve_dtype(settings.dtype, device))
+            model.to(device)
+        self.model = model.eval()
+        self._stops = torch.as_tensor(sorted(settings.stop_ids), dtype=torch.long, device=device)
+        cache = settings.cache if settings.cache != "auto" else ("static" if device.startswith("cuda") else "dynamic")
+        self._cache = cache
+
+    def _config(self, max_new_tokens: int):
+        from transformers import GenerationConfig
+
+        s = self.settings
+        sample = s.temperature > 0
+        # Every field that changes the choice of token is set: a None would be filled from the
+        # model's own generation_config.json.
+        return GenerationConfig(
+            max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=sample,
+            # greedy: the global defaults, which sampling alone reads (other values would be warned about)
+            temperature=s.temperature if sample else 1.0, top_p=s.top_p if sample else 1.0,
+            top_k=s.top_k if sample else 50, min_p=None, typical_p=1.0, repetition_penalty=1.0,
+            no_repeat_ngram_size=0, num_beams=1, eos_token_id=list(s.stop_ids) or None, pad_token_id=s.pad_id,
+            cache_implementation="static" if self._cache == "static" else None, disable_compile=True,
+        )
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> tuple[list, BatchStats]:
+        """Per prompt, in order: (new tokens up to and including the first stop token, whether one
+        was hit), or an error string for a prompt that runs out of memory even alone (only its
+        row is rejected); and the batch's stats. Splits the batch in halves on out-of-memory."""
+        import torch
+        try:
+            return self._generate(prompts, max_new_tokens)
+        except torch.OutOfMemoryError as e:
+            torch.cuda.empty_cache()
+            if len(prompts) == 1:
+                log.warning("%s: out of memory on one prompt of %d tokens (+%d new); its row is rejected",
+                            self.device, len(prompts[0]), max_new_tokens[0])
+                return [f"out of memory on its own ({len(prompts[0])} prompt tokens + {max_new_tokens[0]} new "
+                        f"tokens): {str(e).splitlines()[0] if str(e) else 'OutOfMemoryError'}"[:500]], BatchStats()
+            half = len(prompts) // 2
+            log.warning("%s: out of memory on a batch of %d; splitting it", self.device, len(prompts))
+            a, sa = self.generate(prompts[:half], max_new_tokens[:half])
+            b, sb = self.generate(prompts[half:], max_new_tokens[half:])
+            sa.add(sb)
+            return a + b, sa
+
+    def _generate(self, prompts: list[list[int]], max_new_tokens: list[int]):
+        import torch
+        started = time.perf_counter()
+        width, most_new = max(len(p) for p in prompts), max(max_new_tokens)
+        ids = torch.full((len(prompts), width), self.settings.pad_id, dtype=torch.long)  # [B, P]
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, P]
+        for i, p in enumerate(prompts):  # left padding: every prompt ends at column P-1
+            ids[i, width - len(p):] = torch.as_tensor(p, dtype=torch.long)
+            attention[i, width - len(p):] = 1
+        with torch.random.fork_rng(devices=[self.device] if self.device.startswith("cuda") else [],
+                                   enabled=self.settings.temperature > 0), torch.inference_mode():
+            # Sampling: seeded per batch, without moving the caller's RNG.
+            if self.settings.temperature > 0:
+                torch.manual_seed(_batch_seed(self.settings.seed, prompts))
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
+                                      generation_config=self._config(most_new))
+        new = out[:, width:]  # [B, n]
+        results = [self._cut(new[i], max_new_tokens[i]) for i in range(len(prompts))]
+        stats = BatchStats(batches=1, prompts=len(prompts), prompt_tokens=sum(map(len, prompts)),
+                           prompt_slots=width * len(prompts), new_tokens=sum(len(r[0]) for r in results),
+                           new_slots=int(new.shape[1]) * len(prompts), seconds=time.perf_counter() - started)
+        return results, stats
+
+    def _cut(self, row, limit: int) -> tuple[list[int], bool]:
+        import torch
+        row = row[:limit]
+        hits = torch.isin(row, self._stops).nonzero()
+        if hits.numel():
+            return row[: int(hits[0, 0]) + 1].tolist(), True
+        return row.tolist(), False
+
+
+def _batch_seed(seed: int, prompts: list[list[int]]) -> int:
+    """A seed for one batch from the run's seed and the batch's prompts."""
+    h = hashlib.blake2b(str(seed).encode(), digest_size=8)
+    for p in prompts:
+        h.update(len(p).to_bytes(4, "little") + bytes(str(p[-8:]), "ascii"))
+    return int.from_bytes(h.digest(), "little") >> 1
