@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from dflash_ipc.data.dataset import TokenDataset
+from dflash_ipc.data.held_out import held_out_prompts_of
 from dflash_ipc.data.synthetic import (
     _response,
     build_synthetic_dataset,
-    held_out_prompts_of,
     synthetic_cache_key,
     synthetic_params,
 )
