@@ -38,3 +38,20 @@ def test_drafter_bench_takes_sequence_length_and_sequences_per_step():
     assert "2 seqs x 512 tokens, 8 anchors/seq, block 16: 256 query tokens, 1,024 context tokens" in result.stdout
     assert "2 seqs x 1536 tokens, 8 anchors/seq, block 16: 256 query tokens, 3,072 context tokens" in result.stdout
     assert "MFU" in result.stdout and "peak memory" in result.stdout
+
+
+def test_a_sharpened_random_head_has_logits_of_the_asked_spread(tmp_path):
+    """bench precision's target: rows of ids the tokenizer can write scaled to logits of std 4
+    for a unit-RMS hidden state, the others zero (text only); the spread is what it says."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash_ipc.data.tiny import build_tiny_tokenizer
+    path = build_random_target(str(tmp_path / "t"), shape="tiny", dtype="float32", text_only=True, logit_std=4.0)
+    head = AutoModelForCausalLM.from_pretrained(path).get_output_embeddings().weight.detach()
+    n = len(build_tiny_tokenizer())
+    hidden = torch.randn(4096, head.shape[1], generator=torch.Generator().manual_seed(0))  # unit RMS
+    logits = hidden @ head[:n].T
+    assert 3.8 < float(logits.std()) < 4.2
+    assert not head[n:].any()
+    assert json.loads((tmp_path / "t" / "dflash_bench.json").read_text())["logit_std"] == 4.0

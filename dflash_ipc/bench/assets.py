@@ -58,10 +58,13 @@ BENCH_FILE = "dflash_bench.json"  # in a built target: its shape and the shape's
 
 
 def build_random_target(out_dir: str, *, shape: str, dtype: str = "bfloat16", seed: int = 0,
-                        num_layers: int | None = None, text_only: bool = False) -> str:
+                        num_layers: int | None = None, text_only: bool = False,
+                        logit_std: float | None = None) -> str:
     """A random-weight target of `shape` (`num_layers`: fewer decoder layers than the shape's).
     ``text_only``: zero the LM-head rows of ids the tokenizer cannot write, as the tiny target
-    does (data/tiny.py), so the target's greedy replies are text (data/synthetic.py)."""
+    does (data/tiny.py), so the target's greedy replies are text (data/synthetic.py).
+    ``logit_std``: rescale the LM-head rows of the ids it can write so that a hidden state of
+    unit RMS (what the final norm gives) has logits of this spread (see `_sharpen_head`)."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -77,12 +80,30 @@ def build_random_target(out_dir: str, *, shape: str, dtype: str = "bfloat16", se
     tokenizer = build_tiny_tokenizer()
     if text_only:
         _silence_padding_rows(model, len(tokenizer))
+    if logit_std is not None:
+        _sharpen_head(model, len(tokenizer), logit_std)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     with open(os.path.join(out_dir, BENCH_FILE), "w") as f:
         json.dump({"shape": shape, "num_hidden_layers": num_layers or depth, "shape_num_hidden_layers": depth,
-                   "num_parameters": model.num_parameters()}, f)
+                   "num_parameters": model.num_parameters(), "logit_std": logit_std}, f)
     return out_dir
+
+
+def _sharpen_head(model, num_tokens: int, logit_std: float) -> None:
+    """Scale LM-head rows ``[:num_tokens]`` so a unit-RMS hidden state has logits of std
+    ``logit_std``. At the default init (std 0.02) a hidden size of 2048 gives logits of std
+    ~0.9: a near-flat distribution, in which even the target's own cross-entropy on its greedy
+    token is ~9 nats (1,009 such logits beside 150,927 zeros), so a drafter's loss can fall
+    only from ~11.9 to ~9. At std 4 that floor is ~1.2 nats: the loss has room to fall."""
+    if logit_std <= 0:
+        raise click.BadParameter(f"logit_std={logit_std} must be > 0")
+    head = model.get_output_embeddings().weight
+    if head is model.get_input_embeddings().weight:
+        raise click.BadParameter("logit_std: the shape ties its LM head to its embeddings")
+    with torch.no_grad():
+        rows = head[:num_tokens]
+        rows.mul_(logit_std / (rows.float().std() * head.shape[1] ** 0.5).clamp_min(1e-12))
 
 
 def build_random_dataset(target_dir: str, out_dir: str, *, num_samples: int, min_len: int, max_len: int,

@@ -3,7 +3,8 @@ loss really falls; the loss curves side by side and the acceptance length (tau) 
 
 Data: the embedded default's recipe at a GPU shape. A random-weight Qwen3-shaped target
 (bench/assets.py, with the tiny target's rule that the LM-head rows of ids no tokenizer can
-write are zero, so its greedy replies are text) answers synthetic prompts with its own greedy
+write are zero, so its greedy replies are text, and those it can write scaled to logits of
+std 4, so its greedy tokens are predictable: at the default init they are near-flat) answers synthetic prompts with its own greedy
 continuations (data/synthetic.py: the real prepare, plus held-out prompts never trained on).
 Random tokens would teach nothing: their loss does not fall.
 
@@ -58,6 +59,7 @@ logger = logging.getLogger(__name__)
 TARGET_MARKER = "bench-target.json"  # the build parameters of a complete target directory
 NUM_WINDOWS = 10  # the curves are reported as the mean loss of each tenth of the run
 CAPTURE_TOKENS = 32768  # padded tokens per target forward while capturing features
+TARGET_LOGIT_STD = 4.0  # a peaked random target: its greedy tokens can be learned (assets._sharpen_head)
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ class RunSizes:
 def build_assets(work_dir: str, shape: str, sizes: RunSizes, device: torch.device) -> tuple[str, str]:
     """(target dir, data dir) under ``work_dir``, built once and reused while they match."""
     target_dir = os.path.join(os.path.abspath(work_dir), f"target-{shape}")
-    params = {"shape": shape, "seed": sizes.seed, "text_only": True}
+    params = {"shape": shape, "seed": sizes.seed, "text_only": True, "logit_std": TARGET_LOGIT_STD}
     marker = os.path.join(target_dir, TARGET_MARKER)
     try:
         with open(marker, encoding="utf-8") as f:
@@ -105,7 +107,7 @@ def build_assets(work_dir: str, shape: str, sizes: RunSizes, device: torch.devic
     if built != params:
         shutil.rmtree(target_dir, ignore_errors=True)
         started = time.perf_counter()
-        build_random_target(target_dir, shape=shape, seed=sizes.seed, text_only=True)
+        build_random_target(target_dir, shape=shape, seed=sizes.seed, text_only=True, logit_std=TARGET_LOGIT_STD)
         with open(marker, "w", encoding="utf-8") as f:
             json.dump(params, f)
         logger.info("built the %s target in %.1f s: %s", shape, time.perf_counter() - started, target_dir)
