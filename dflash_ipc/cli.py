@@ -485,8 +485,11 @@ def _add_options(fn, options: list):
 @click.option("--num-seqs", default=4, show_default=True, help="Sequences per step.")
 @click.option("--anchors-per-seq", default=512, show_default=True, help="Anchors (blocks) per sequence.")
 @precision_options(default="bf16")
+@click.option("--profile", "profile_steps", default=0, show_default=True,
+              help="Profile this many more steps (CUDA): kernel time per step by kind (matmul fp8 / "
+                   "matmul / attention / fp8 scaling / fused elementwise / other) and the costliest kernels.")
 def bench_drafter(device, steps, warmup, shape, seq_lens, num_seqs, anchors_per_seq, precisions, recipes,
-                  lm_heads) -> None:
+                  lm_heads, profile_steps) -> None:
     """Step time, MFU and peak memory of a drafter step (default: Qwen3-8B shape, 4 x 2,048 tokens,
     512 anchors each = 32,768 query tokens), for each precision asked (with the speedup against
     the first) at each --seq-len."""
@@ -494,7 +497,8 @@ def bench_drafter(device, steps, warmup, shape, seq_lens, num_seqs, anchors_per_
     variants = precision_variants(precisions, recipes, lm_heads)
     for seq_len in seq_lens:
         compare_precisions(device=device, steps=steps, shape=shape, variants=variants, warmup=warmup,
-                           anchors_per_seq=anchors_per_seq, num_seqs=num_seqs, seq_len=seq_len)
+                           anchors_per_seq=anchors_per_seq, num_seqs=num_seqs, seq_len=seq_len,
+                           profile_steps=profile_steps)
 
 
 @bench.command("target")

@@ -230,3 +230,47 @@ def test_bench_compares_bf16_and_fp8_on_gpu():
     results = bd.compare_precisions("cuda:0", steps=2, shape="tiny", variants=bd.precision_variants(["bf16", "fp8"]),
                                     anchors_per_seq=16, num_seqs=2, seq_len=128, warmup=1)
     assert results[1]["fp8_matmul_tflops"] > 0 and results[1]["peak_memory_gib"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bench_profiles_the_kernels_of_a_step_on_gpu(capsys):
+    f = bd.run_drafter_bench("cuda:0", steps=1, shape="tiny", anchors_per_seq=16, num_seqs=2, seq_len=128,
+                             warmup=1, profile_steps=2)
+    profile = f["kernel_profile"]
+    assert profile["steps"] == 2 and profile["total_ms"] > 0
+    assert profile["ms_per_step"]["matmul"] > 0 and profile["ms_per_step"]["attention"] > 0
+    assert "kernel time per step (bf16, 2 profiled steps)" in capsys.readouterr().out
+
+
+def test_kernel_kinds_and_the_summary_per_step():
+    from dflash_ipc.bench.kernel_profile import KINDS, format_profile, kernel_kind, summarize
+    names = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1": "matmul",
+        "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTN": "matmul",
+        "sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n_tilesize128x128x128": "matmul fp8",
+        "nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT": "matmul fp8",
+        "nvjet_sm90_qqtst_192x192_128x4_2x1_v_bz_coopB_TNN": "matmul fp8",
+        "triton_tem_fused_flex_attention_backward_1": "attention",
+        "triton_red_fused_abs_max_slice_backward_0": "fp8 scaling",
+        "triton_red_fused_abs_constant_pad_nd_max_0": "fp8 scaling",
+        "triton_red_fused__to_copy_arange_eq_exp_logsumexp_mul_sub_unsqueeze_0": "fused elementwise",
+        "triton_tem_fused_0": "attention",
+        "triton_red_fused__to_copy_abs_amax_0": "fp8 scaling",
+        "triton_poi_fused__to_copy_clamp_mul_1": "fp8 scaling",
+        "triton_per_fused__to_copy_mean_mul_pow_rsqrt_0": "fused elementwise",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "other",
+    }
+    assert {n: kernel_kind(n) for n in names} == names
+    summary = summarize([(n, 1000.0) for n in names] + [(next(iter(names)), 3000.0)], steps=2)
+    assert list(summary["ms_per_step"]) == list(KINDS)
+    assert summary["ms_per_step"]["matmul"] == pytest.approx(2.5)
+    assert summary["total_ms"] == pytest.approx((len(names) + 3) / 2)
+    assert summary["top"][0] == (next(iter(names)), "matmul", 2.0, 1.0)  # 4 ms in 2 launches over 2 steps
+    text = format_profile(summary, label="bf16", wall_ms=6.0)
+    assert text.startswith(f"kernel time per step (bf16, 2 profiled steps): {summary['total_ms']:.1f} ms, "
+                           "step wall time 6.0 ms")
+    with pytest.raises(ValueError, match="steps=0"):
+        summarize([], steps=0)
+    with pytest.raises(ConfigError, match="needs a count >= 0 and a CUDA --device"):
+        bd.run_drafter_bench("cpu", steps=1, shape="tiny", profile_steps=1)

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_ipc.bench.kernel_profile import format_profile, profile_kernels, summarize
 from dflash_ipc.config import Fp8HeadMatmuls, Fp8Recipe, JobConfig, Precision
 from dflash_ipc.config_load import config_from_dict
 from dflash_ipc.drafter.attention import FLEX_TILE, build_mask, flex_tile_flags
@@ -334,16 +335,21 @@ def bench_job_config(device: torch.device, *, drafter: dict | None = None, **sec
 
 def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwen3-8b", anchors_per_seq: int = 512,
                       num_seqs: int = 4, seq_len: int = 2048, warmup: int = 3,
-                      variant: dict | None = None) -> dict:
+                      variant: dict | None = None, profile_steps: int = 0) -> dict:
     """Time ``steps`` real drafter training steps after ``warmup`` untimed ones; print and return figures.
 
     Every step trains on ``num_seqs`` fresh random sequences of ``seq_len`` tokens with
     ``anchors_per_seq`` anchors each (``num_seqs * anchors_per_seq * block_size`` queries).
     ``variant``: ``drafter`` config fields of the precision (default bf16; precision_variants).
+    ``profile_steps``: that many more steps under the torch profiler, then the kernel time per
+    step by kind (bench/kernel_profile.py; CUDA only).
     """
     _check_sizes(steps, warmup, anchors_per_seq, num_seqs, seq_len)
     variant = variant or {"precision": "bf16"}
     dev = _resolve_device(device)
+    if profile_steps < 0 or (profile_steps and dev.type != "cuda"):
+        raise ConfigError(f"bench drafter: --profile {profile_steps}: profiles CUDA kernels, so it needs "
+                          f"a count >= 0 and a CUDA --device (got {dev})")
     config = drafter_model_config(shape)
     size = SHAPES[shape].matmul_size
     rate = matmul_rate(dev, size)
@@ -374,7 +380,26 @@ def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwe
                        num_seqs=num_seqs, seq_len=seq_len, anchors_per_seq=anchors_per_seq)
     figures.update(precision=variant_label(variant), variant=dict(variant), fp8_matmul_tflops=fp8_rate)
     print(format_report(figures), flush=True)
+    if profile_steps:
+        figures["kernel_profile"] = _profile(trainer, config, dev, gen, cpu_gen, profile_steps, first=warmup + steps,
+                                             num_seqs=num_seqs, seq_len=seq_len, anchors_per_seq=anchors_per_seq)
+        print(format_profile(figures["kernel_profile"], label=variant_label(variant),
+                             wall_ms=figures["step_s_mean"] * 1e3), flush=True)
     return figures
+
+
+def _profile(trainer, config, dev, gen, cpu_gen, steps: int, *, first: int, num_seqs: int, seq_len: int,
+             anchors_per_seq: int) -> dict:
+    """Kernel time per step by kind over ``steps`` more steps (their inputs made beforehand, so
+    only the steps' own kernels are profiled)."""
+    inputs = [random_sequences(config, step=first + i, num_seqs=num_seqs, seq_len=seq_len,
+                               max_anchors=anchors_per_seq, device=dev, gen=gen, cpu_gen=cpu_gen)
+              for i in range(steps)]
+
+    def run_step() -> None:
+        trainer.step(trainer.take(collections.deque(inputs.pop(0))))
+
+    return summarize(profile_kernels(run_step, steps), steps=steps)
 
 
 def compare_precisions(device: str = "cuda:0", steps: int = 10, shape: str = "qwen3-8b",
