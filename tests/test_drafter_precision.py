@@ -328,6 +328,59 @@ def test_compiled_float8_layers_share_one_graph_per_weight_shape(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_a_row_count_gets_static_graphs_once_it_repeats_and_only_so_many():
+    rows = prec.StaticRowCounts(quantum=1024, limit=2)
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    assert rows.padded(a, 32768) is None  # first sight: dynamic (a one-off costs no compile)
+    assert rows.padded(b, 32768) is None  # another layer's first sight too
+    assert rows.padded(a, 32768) == 32768 and rows.padded(b, 32000) == 32768  # repeats: static, padded
+    assert rows.padded(a, 5000) is None and rows.padded(a, 5000) == 5120
+    assert rows.padded(a, 9000) is None and rows.padded(a, 9000) is None  # the limit: dynamic from now on
+    assert rows.static == {32768, 5120}
+
+
+@needs_torchao
+def test_static_row_counts_give_the_values_and_gradients_of_eager(monkeypatch):
+    """Where the layers compile (CUDA), a repeating row count runs a graph of its own, padded
+    outside it: one graph per weight shape and padded count, values and gradients as eager.
+    aot_eager on CPU: tracing without codegen."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    class Always(CudaCompiled):
+        __call__ = CudaCompiled.compiled
+
+    monkeypatch.setenv(prec.EMULATE_ENV, "1")
+    torch._dynamo.reset()
+    static, dynamic = CompileCounterWithBackend("aot_eager"), CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(prec, "_compiles", lambda x: True)
+    monkeypatch.setattr(prec, "STATIC_ROWS", prec.StaticRowCounts(quantum=32, limit=8))
+    monkeypatch.setattr(prec, "_static_float8_forward", Always(prec._float8_forward_padded, dynamic_args=(),
+                                                                backend=static, dynamic=False))
+    monkeypatch.setattr(prec, "_fused_float8_forward", Always(prec._float8_forward, dynamic_args=(0,),
+                                                               backend=dynamic))
+    model = DFlashDraftModel(bd.drafter_model_config("tiny"))
+    eager = copy.deepcopy(model)
+    converted = prec.convert_linears(model, "tensorwise", emulate=True)
+    prec.convert_linears(eager, "tensorwise", emulate=True)
+    prec.compile_linears(converted)
+    shapes = {tuple(m.weight.shape) for m in converted}
+    gen = torch.Generator().manual_seed(0)
+    for rows in (40, 40, 64):  # 40 repeats (static at 64 padded rows), 64 pads to the same count
+        for name, layer in [(n, m) for n, m in eager.named_modules() if type(m).__name__ == "Float8Linear"]:
+            x = torch.randn(rows, layer.in_features, generator=gen, requires_grad=True)
+            x2 = x.detach().clone().requires_grad_(True)
+            got, want = model.get_submodule(name)(x), layer(x2)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want)
+            got.square().sum().backward()
+            want.square().sum().backward()
+            torch.testing.assert_close(x.grad, x2.grad)
+    assert prec.STATIC_ROWS.static == {64}
+    assert static.frame_count == len(shapes) and dynamic.frame_count == len(shapes)
+    assert torch._dynamo.config.recompile_limit >= prec.RECOMPILE_LIMIT
+    torch._dynamo.reset()
+
+
 @needs_torchao
 def test_float8_layers_see_rows_in_multiples_of_16(monkeypatch):
     """torch._scaled_mm refuses a weight-gradient GEMM over a row count that is not a multiple

@@ -333,10 +333,12 @@ class CudaCompiled:
     when its first argument is a CUDA tensor and compiling is enabled; eager otherwise
     (CPU: tests stay fast and the eager code is the reference)."""
 
-    def __init__(self, fn: Callable, *, dynamic_args: tuple[int, ...], backend: str = "inductor") -> None:
+    def __init__(self, fn: Callable, *, dynamic_args: tuple[int, ...], backend: str = "inductor",
+                 dynamic: bool | None = None) -> None:
         self.fn = fn
         self.dynamic_args = dynamic_args
         self.backend = backend
+        self.dynamic = dynamic  # torch.compile's: False compiles every shape it sees on its own
         self._compiled: Callable | None = None
 
     def __call__(self, *args: Any) -> Any:
@@ -349,7 +351,7 @@ class CudaCompiled:
         if self._compiled is None:
             # Not fullgraph: past dynamo's recompile limit that would be an error, this a
             # fall back to eager. The tests check each function traces as one graph.
-            self._compiled = torch.compile(self.fn, backend=self.backend)
+            self._compiled = torch.compile(self.fn, backend=self.backend, dynamic=self.dynamic)
         for i in self.dynamic_args:  # "maybe": a size 0/1 may still specialise, never an error
             torch._dynamo.maybe_mark_dynamic(args[i], 0)
         return self._compiled(*args)
