@@ -637,6 +637,7 @@ def test_state_machine_matches_the_model_under_random_operations(seed, tmp_path)
     batches = make_batches(num, per_batch=3)
     led, model = Ledger(), Model(batches)
     led.add_epoch(batches)
+    lengths = {b.batch_id: dict(zip(b.sample_ids, b.lengths)) for b in batches}
     for i in range(1500):
         op, args = random_op(rng, model, num)
         expected = model.apply(op, args)
@@ -654,6 +655,11 @@ def test_state_machine_matches_the_model_under_random_operations(seed, tmp_path)
                 row["orphaned"]), (i, op)
         assert [b.batch_id for b in led.pending_batches()] == model.pending_order()
         assert [(r.batch_id, r.step, r.sample_ids) for r in led.history()] == model.history
+        # The running totals a status reads agree with the history they summarise.
+        assert led.committed_tokens_by_epoch() == {0: sum(lengths[b][s] for b, _, samples in model.history
+                                                          for s in samples)}
+        assert led.committed_steps() == sorted({h[1] for h in model.history})
+        assert led.last_committed_step() == max((h[1] for h in model.history), default=None)
         if i % 300 == 299:  # persistence must not perturb anything
             save_ledger(led, tmp_path / "l.npz")
             led = load_ledger(tmp_path / "l.npz", recover=False)

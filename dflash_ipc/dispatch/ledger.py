@@ -176,6 +176,10 @@ class Ledger:
         self._slots: dict[tuple[Owner, int], int] = {}  # (target, slot) -> batch holding it
         self._produced: dict[int, None] = {}  # PRODUCED ids, insertion = produce order
         self._history: list[CommitRecord] = []
+        # Kept with the history, so a status (read several times a second) costs
+        # O(epochs + checkpoints), not O(commit records): a long job has hundreds of thousands.
+        self._committed_tokens: dict[int, int] = {}  # epoch -> tokens of its committed samples
+        self._records_by_step: dict[int, int] = {}  # checkpoint step -> commit records at it
         self.next_attempt = 1
 
     # ---- planning -------------------------------------------------------------------
@@ -198,6 +202,7 @@ class Ledger:
             self._counts[BatchState.PENDING] += 1
             self._epoch_total[b.epoch] = self._epoch_total.get(b.epoch, 0) + 1
             self._epoch_committed.setdefault(b.epoch, 0)
+            self._committed_tokens.setdefault(b.epoch, 0)
 
     # ---- queries --------------------------------------------------------------------
 
@@ -272,20 +277,32 @@ class Ledger:
 
     def committed_steps(self) -> list[int]:
         """The distinct checkpoint steps with a commit, increasing."""
-        return sorted({r.step for r in self._history})
+        return sorted(self._records_by_step)
 
     def last_committed_step(self) -> int | None:
         """Step of the latest commit (the checkpoint a restarted drafter group resumes)."""
-        return max((r.step for r in self._history), default=None)
+        return max(self._records_by_step, default=None)
 
     def committed_tokens_by_epoch(self) -> dict[int, int]:
         """Tokens of the committed samples, per epoch: what the checkpoints trained."""
-        out: dict[int, int] = {e: 0 for e in self._epoch_total}
-        for record in self._history:
-            batch = self._entries[record.batch_id].batch
-            length = dict(zip(batch.sample_ids, batch.lengths))
-            out[batch.epoch] += sum(length[s] for s in record.sample_ids)
-        return out
+        return dict(self._committed_tokens)
+
+    def _record_tokens(self, record: CommitRecord) -> int:
+        batch = self._entries[record.batch_id].batch
+        samples = set(record.sample_ids)
+        return sum(n for s, n in zip(batch.sample_ids, batch.lengths) if s in samples)
+
+    def _count_record(self, record: CommitRecord, sign: int) -> int:
+        """Adds (sign 1) or takes back (-1) one commit record in the running totals; its tokens."""
+        tokens = self._record_tokens(record)
+        epoch = self._entries[record.batch_id].batch.epoch
+        self._committed_tokens[epoch] += sign * tokens
+        left = self._records_by_step.get(record.step, 0) + sign
+        if left:
+            self._records_by_step[record.step] = left
+        else:
+            del self._records_by_step[record.step]
+        return tokens
 
     def audit(self, expected: Mapping[int, Iterable[int] | int] | None = None) -> AuditReport:
         """Check the committed history: each expected sample of each epoch exactly once
@@ -393,15 +410,14 @@ class Ledger:
                     result.freed_slots.append(freed)
                 self._move(entry, BatchState.CONSUMED)
             entry.done = entry.done | frozenset(copy.sample_ids)
-            self._history.append(CommitRecord(batch_id=copy.batch_id, step=step,
-                                              sample_ids=tuple(copy.sample_ids)))
+            record = CommitRecord(batch_id=copy.batch_id, step=step, sample_ids=tuple(copy.sample_ids))
+            self._history.append(record)
+            result.tokens += self._count_record(record, 1)
             if len(entry.done) == len(entry.batch.sample_ids):
                 self._move(entry, BatchState.COMMITTED)
                 entry.step = step
                 self._epoch_committed[entry.batch.epoch] += 1
                 result.completed.append(copy.batch_id)
-            result.tokens += sum(n for s, n in zip(entry.batch.sample_ids, entry.batch.lengths)
-                                 if s in set(copy.sample_ids))
         return result
 
     # ---- failures -------------------------------------------------------------------
@@ -461,6 +477,7 @@ class Ledger:
         self._history = [r for r in self._history if r.step <= step]
         freed, touched = [], set()
         for record in undone:
+            self._count_record(record, -1)
             entry = self._entries[record.batch_id]
             touched.add(record.batch_id)
             if entry.state is BatchState.COMMITTED:
@@ -502,6 +519,7 @@ class Ledger:
                                 f"or not in the batch")
             entry.done = entry.done | frozenset(record.sample_ids)
             self._history.append(record)
+            self._count_record(record, 1)
         for entry in self.entries():
             complete = len(entry.done) == len(entry.batch.sample_ids)
             if complete != (entry.state is BatchState.COMMITTED):
