@@ -337,6 +337,8 @@ def test_a_row_count_gets_static_graphs_once_it_repeats_and_only_so_many():
     assert rows.padded(a, 5000) is None and rows.padded(a, 5000) == 5120
     assert rows.padded(a, 9000) is None and rows.padded(a, 9000) is None  # the limit: dynamic from now on
     assert rows.static == {32768, 5120}
+    empty = prec.StaticRowCounts()
+    assert empty.padded(a, 0) is None and empty.padded(a, 0) is None and not empty.static  # no rows: never
 
 
 @needs_torchao

@@ -203,6 +203,8 @@ class StaticRowCounts:
 
     def padded(self, layer: nn.Module, rows: int) -> int | None:
         """The padded count to run ``rows`` at with a static graph, or None (dynamic)."""
+        if rows < 1:  # nothing to pad to; the dynamic graph handles it
+            return None
         padded = -(-rows // self.quantum) * self.quantum
         if padded in self.static:
             return padded
