@@ -329,16 +329,39 @@ def test_compiled_float8_layers_share_one_graph_per_weight_shape(monkeypatch):
 
 
 def test_a_row_count_gets_static_graphs_once_it_repeats_and_only_so_many():
-    rows = prec.StaticRowCounts(quantum=1024, limit=2)
+    rows = prec.StaticRowCounts(limit=2)
     a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     assert rows.padded(a, 32768) is None  # first sight: dynamic (a one-off costs no compile)
     assert rows.padded(b, 32768) is None  # another layer's first sight too
-    assert rows.padded(a, 32768) == 32768 and rows.padded(b, 32000) == 32768  # repeats: static, padded
-    assert rows.padded(a, 5000) is None and rows.padded(a, 5000) == 5120
+    assert rows.padded(a, 32768) == 32768 and rows.padded(b, 32500) == 32768  # repeats: static, padded (quantum 512)
+    assert rows.padded(a, 5000) is None and rows.padded(a, 5000) == 5120  # quantum 4096 / 32 = 128
     assert rows.padded(a, 9000) is None and rows.padded(a, 9000) is None  # the limit: dynamic from now on
     assert rows.static == {32768, 5120}
-    empty = prec.StaticRowCounts()
-    assert empty.padded(a, 0) is None and empty.padded(a, 0) is None and not empty.static  # no rows: never
+    assert [prec.static_row_quantum(n) for n in (300, 1024, 8192, 32768, 40000)] == [16, 32, 256, 1024, 1024]
+    small = prec.StaticRowCounts()
+    assert all(small.padded(a, n) is None for n in (0, 0, 16, 16, 1023, 1023)) and not small.static
+
+
+def test_nothing_is_promoted_inside_a_backward_pass():
+    """Gradient checkpointing runs a layer's forward again inside the backward pass: that
+    recompute must take the graph the forward took (dynamic, at a count's first sight)."""
+    rows, layer = prec.StaticRowCounts(), torch.nn.Linear(2, 2)
+    seen_in_backward = []
+
+    class Recompute(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen_in_backward.append(rows.padded(layer, 4096))
+            return grad * 2
+
+    assert rows.padded(layer, 4096) is None  # the forward: first sight
+    Recompute.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    assert seen_in_backward == [None] and not rows.static
+    assert rows.padded(layer, 4096) == 4096  # the next step's forward promotes it
 
 
 @needs_torchao
@@ -355,7 +378,7 @@ def test_static_row_counts_give_the_values_and_gradients_of_eager(monkeypatch):
     torch._dynamo.reset()
     static, dynamic = CompileCounterWithBackend("aot_eager"), CompileCounterWithBackend("aot_eager")
     monkeypatch.setattr(prec, "_compiles", lambda x: True)
-    monkeypatch.setattr(prec, "STATIC_ROWS", prec.StaticRowCounts(quantum=32, limit=8))
+    monkeypatch.setattr(prec, "STATIC_ROWS", prec.StaticRowCounts(min_rows=1))
     monkeypatch.setattr(prec, "_static_float8_forward", Always(prec._float8_forward_padded, dynamic_args=(),
                                                                 backend=static, dynamic=False))
     monkeypatch.setattr(prec, "_fused_float8_forward", Always(prec._float8_forward, dynamic_args=(0,),
@@ -367,7 +390,7 @@ def test_static_row_counts_give_the_values_and_gradients_of_eager(monkeypatch):
     prec.compile_linears(converted)
     shapes = {tuple(m.weight.shape) for m in converted}
     gen = torch.Generator().manual_seed(0)
-    for rows in (40, 40, 64):  # 40 repeats (static at 64 padded rows), 64 pads to the same count
+    for rows in (40, 40, 44):  # 40 repeats (static at 48 padded rows), 44 pads to the same count
         for name, layer in [(n, m) for n, m in eager.named_modules() if type(m).__name__ == "Float8Linear"]:
             x = torch.randn(rows, layer.in_features, generator=gen, requires_grad=True)
             x2 = x.detach().clone().requires_grad_(True)
@@ -377,7 +400,7 @@ def test_static_row_counts_give_the_values_and_gradients_of_eager(monkeypatch):
             got.square().sum().backward()
             want.square().sum().backward()
             torch.testing.assert_close(x.grad, x2.grad)
-    assert prec.STATIC_ROWS.static == {64}
+    assert prec.STATIC_ROWS.static == {48}
     assert static.frame_count == len(shapes) and dynamic.frame_count == len(shapes)
     assert torch._dynamo.config.recompile_limit >= prec.RECOMPILE_LIMIT
     torch._dynamo.reset()

@@ -228,6 +228,10 @@ def test_out_of_memory_splits_the_batch_and_rejects_only_a_prompt_too_big_alone(
     real = backend._local._generate
 
     def small_gpu(batch, max_new):  # fits 2 prompts at most, and none longer than 50 tokens
+        import sys
+        # A retry runs with no exception being handled: its traceback would hold the failed
+        # attempt's frames, and on a GPU their tensors.
+        assert sys.exc_info()[0] is None
         if len(batch) > 2 or max(map(len, batch)) > 50:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return real(batch, max_new)
@@ -241,3 +245,27 @@ def test_out_of_memory_splits_the_batch_and_rejects_only_a_prompt_too_big_alone(
     kept = [line for line in (tmp_path / "ref.jsonl").read_text().splitlines() if json.loads(line)["index"] < 6]
     assert (tmp_path / "o.jsonl").read_text().splitlines() == kept
     assert ref.num_written == 8
+
+
+def test_a_batch_that_fails_in_its_device_process_rejects_its_rows(target, model):
+    """A device process reports a failed batch with no stats and the error: the rows of that
+    batch get the error (rejected), and the backend goes on."""
+    from dflash_ipc.regenerate.conversation import Request
+    from dflash_ipc.regenerate.hf import HFBackend
+
+    backend = HFBackend(target, GenerationOptions(max_new_tokens=4), model=model)
+    request = Request(key=(0, 1), messages=[user(PROMPTS[0])], tools=None, max_new_tokens=4)
+    backend.prepare(request)
+    backend.submit(request)
+
+    class FailedPool:  # what devices.DevicePool.get returns for a batch whose generate raised
+        def free_slots(self):
+            return 0
+
+        def get(self, timeout_s):
+            return [(0, 1)], None, None, "cuda:1", "RuntimeError: CUDA error: an illegal memory access"
+
+    backend._pool = FailedPool()
+    (reply,) = backend.poll(flush=True)
+    assert reply.key == (0, 1) and reply.error.startswith("RuntimeError: CUDA error")
+    assert backend.pending() == 0 and backend.stats.batches == 0

@@ -158,12 +158,15 @@ def test_status_of_an_ended_job_is_its_final_status(tmp_path, monkeypatch):
     status = _status([(4, 4)], finished=True)
     status["average_rates"] = {"tgt_rate": 10.0, "dft_rate": 9.0, "tok_rate": 8.0}
     status["targets"] = {"0": {"free_slots": 2, "batches": 4, "tokens": 512, "credits": 0, "heartbeat_age_s": 0.5}}
+    # A NaN loss is written as null (strict JSON): shown as nan, not a crash.
+    status["drafters"] = {"0": {"metrics": {"step": 7.0, "loss": None}, "batches": 4, "heartbeat_age_s": 0.2}}
     with open(files.final_status, "w") as f:
         json.dump(status, f)
     lines = status_query.query_status(str(tmp_path)).splitlines()
     assert lines[0].startswith("no dispatcher answers (dispatcher silent for 3.0s); the job's final status")
     assert lines[1].startswith("done, averages: [   42s] 100% 4/4 batches | tgt_rate 10 ")
     assert lines[2].startswith("  target/0: 4 batches 512 tokens")
+    assert lines[3] == "  drafter/0: step 7 loss nan, 4 batches, heartbeat 0.2s ago"
 
 
 def test_status_json_is_strict_json_whatever_the_status_holds(tmp_path, monkeypatch):

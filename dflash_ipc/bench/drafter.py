@@ -69,6 +69,7 @@ from dflash_ipc.config_load import config_from_dict
 from dflash_ipc.drafter.attention import FLEX_TILE, build_mask, flex_tile_flags
 from dflash_ipc.drafter.model import DFlashConfig
 from dflash_ipc.drafter.objective import TrainingBatch
+from dflash_ipc.drafter.precision import reset_compiled_layers
 from dflash_ipc.drafter.target_head import FrozenTargetHead
 from dflash_ipc.drafter.trainer import DrafterTrainer, Sequence, eligible_anchor_count
 from dflash_ipc.errors import ConfigError
@@ -409,6 +410,7 @@ def compare_precisions(device: str = "cuda:0", steps: int = 10, shape: str = "qw
     results = []
     for variant in variants:
         results.append(run_drafter_bench(device, steps, shape, variant=variant, **sizes))
+        reset_compiled_layers()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

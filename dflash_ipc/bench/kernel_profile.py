@@ -26,7 +26,7 @@ _GEMM = re.compile(r"gemm|cutlass|xmma|nvjet|cublas|wgmma", re.IGNORECASE)
 # The type tags of float8 GEMMs: CUTLASS/xmma spell the types (e4m3); cuBLAS's Hopper nvjet
 # kernels put a letter per operand type first (measured on H200: nvjet_sm90_tst_* for bf16,
 # nvjet_sm90_qqtst_* / _qrtst_* for the float8 GEMMs of torch._scaled_mm).
-_FP8 = re.compile(r"e4m3|e5m2|f8f8|fp8|float8|nvjet_(?:sm\d+_)?q", re.IGNORECASE)
+_FP8 = re.compile(r"e4m3|e5m2|f8f8|fp8|float8|nvjet_(?:sm\d+_)?[qr]{2}", re.IGNORECASE)
 _ATTENTION = re.compile(r"flex_attention|flex_decoding|flash|fmha", re.IGNORECASE)
 # inductor names a kernel after the ops it fused: torchao's float8 casts take an amax, clamp
 # to the format's range and convert (measured on H200: triton_red_fused_abs_max_*, or abs and

@@ -46,6 +46,7 @@ from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.data.synthetic import build_synthetic_dataset, synthetic_cache_key, synthetic_params
 from dflash_ipc.drafter.export import load_inference_checkpoint, save_inference_checkpoint
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
+from dflash_ipc.drafter.precision import reset_compiled_layers
 from dflash_ipc.drafter.target_head import FrozenTargetHead
 from dflash_ipc.drafter.trainer import DrafterTrainer, Sequence, eligible_anchor_count
 from dflash_ipc.errors import ConfigError
@@ -208,6 +209,7 @@ def train_variant(variant: dict, model_config: DFlashConfig, head: FrozenTargetH
     save_inference_checkpoint(trainer.model, export_dir)
     peak = torch.cuda.max_memory_allocated(device) / 1024**3 if device.type == "cuda" else None
     del trainer
+    reset_compiled_layers()
     _free_memory()
     return {"losses": losses, "step_s": step_s, "train_s": time.perf_counter() - started,
             "peak_memory_gib": peak, "export": export_dir}

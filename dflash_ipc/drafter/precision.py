@@ -11,7 +11,7 @@ state, norms, attention, checkpoints and the bf16 export stay exactly as in bf16
    ``torch._scaled_mm`` takes only inner dims that are multiples of 16 (zero rows change
    neither a scale nor a sum, and their outputs are cut off). Row counts that repeat (a
    step's block queries: anchors x block size, the same every step) get graphs compiled for
-   that count, padded to a multiple of 1,024 (`StaticRowCounts`); others one graph per weight
+   that count, padded by up to ~3 % (`StaticRowCounts`); others one graph per weight
    shape with the count dynamic. Why: the tensorwise scale is the amax of a whole tensor, and
    inductor's reduction over a dynamic row count runs at a quarter of the static one's speed
    (measured on H200: 0.9 against 3.2-3.6 TB/s for a 40,960-row bf16 amax, 0.46 with the
@@ -184,30 +184,42 @@ def _float8_forward_padded(flat: Tensor, module: nn.Module) -> Tensor:
 _fused_float8_forward = CudaCompiled(_float8_forward, dynamic_args=(0,))
 _static_float8_forward = CudaCompiled(_float8_forward_padded, dynamic_args=(), dynamic=False)
 
-STATIC_ROW_QUANTUM = 1024  # static row counts are padded to a multiple of this (<= 3 % at 32K rows)
+MIN_STATIC_ROWS = 1024  # below, a call is cheap either way: no graph of its own
+STATIC_ROW_SHARE = 32  # static counts are padded to a multiple of (their power of two) / 32: <= ~3 %
 MAX_STATIC_ROW_COUNTS = 8  # at most this many padded counts get their own graphs (x 5 weight shapes)
+
+
+def static_row_quantum(rows: int) -> int:
+    """The multiple a static row count is padded to: 1,024 at 32,768 rows, 256 at 8,192."""
+    return max(MM_MULTIPLE, (1 << (rows.bit_length() - 1)) // STATIC_ROW_SHARE)
 
 
 class StaticRowCounts:
     """Which padded row counts a layer runs with graphs compiled for that count.
 
-    A count becomes static the second time one layer sees it (it repeats: the block queries
-    of every step), while fewer than ``limit`` counts are static; every other call takes the
-    dynamic graph. So a one-off count never costs a compile, and the compiles are bounded.
+    A count becomes static the second time one layer sees it in a forward pass (it repeats:
+    the block queries of every step), while fewer than ``limit`` counts are static; every
+    other call takes the dynamic graph. So a one-off count never costs a compile, and the
+    compiles are bounded. Inside a backward pass (gradient checkpointing's recompute) nothing
+    is promoted: the recompute must take the graph its forward took, or the tensors it saves
+    would differ from the forward's.
     """
 
-    def __init__(self, quantum: int = STATIC_ROW_QUANTUM, limit: int = MAX_STATIC_ROW_COUNTS) -> None:
-        self.quantum, self.limit = quantum, limit
+    def __init__(self, limit: int = MAX_STATIC_ROW_COUNTS, min_rows: int = MIN_STATIC_ROWS) -> None:
+        self.limit, self.min_rows = limit, min_rows
         self.static: set[int] = set()
         self._seen: set[tuple[int, int]] = set()  # (id of the layer, padded count)
 
     def padded(self, layer: nn.Module, rows: int) -> int | None:
         """The padded count to run ``rows`` at with a static graph, or None (dynamic)."""
-        if rows < 1:  # nothing to pad to; the dynamic graph handles it
+        if rows < self.min_rows:
             return None
-        padded = -(-rows // self.quantum) * self.quantum
+        quantum = static_row_quantum(rows)
+        padded = -(-rows // quantum) * quantum
         if padded in self.static:
             return padded
+        if torch._C._current_graph_task_id() != -1:  # in a backward pass: a recompute
+            return None
         key = (id(layer), padded)
         if key not in self._seen:
             self._seen.add(key)
@@ -218,7 +230,9 @@ class StaticRowCounts:
         return padded
 
 
-RECOMPILE_LIMIT = 64  # graphs per function: 5 weight shapes x (8 static counts + 1 dynamic), and a margin
+# Graphs per function: up to 6 weight shapes x (8 static counts + 1 dynamic) per recipe, two
+# recipes in one process (bench precision compares them), and a margin.
+RECOMPILE_LIMIT = 128
 
 
 def _allow_recompiles() -> None:
@@ -231,6 +245,15 @@ def _allow_recompiles() -> None:
 
 
 STATIC_ROWS = StaticRowCounts()
+
+
+def reset_compiled_layers() -> None:
+    """Forget the float8 layers' graphs and row counts: between models of one process (a bench
+    comparing precisions), so one model's graphs neither count against the next one's
+    recompile limit nor decide its static counts."""
+    global STATIC_ROWS
+    STATIC_ROWS = StaticRowCounts()
+    torch._dynamo.reset()
 
 
 def _compiles(x: Tensor) -> bool:

@@ -111,18 +111,21 @@ class Generator:
         try:
             return self._generate(prompts, max_new_tokens)
         except torch.OutOfMemoryError as e:
-            torch.cuda.empty_cache()
-            if len(prompts) == 1:
-                log.warning("%s: out of memory on one prompt of %d tokens (+%d new); its row is rejected",
-                            self.device, len(prompts[0]), max_new_tokens[0])
-                return [f"out of memory on its own ({len(prompts[0])} prompt tokens + {max_new_tokens[0]} new "
-                        f"tokens): {str(e).splitlines()[0] if str(e) else 'OutOfMemoryError'}"[:500]], BatchStats()
-            half = len(prompts) // 2
-            log.warning("%s: out of memory on a batch of %d; splitting it", self.device, len(prompts))
-            a, sa = self.generate(prompts[:half], max_new_tokens[:half])
-            b, sb = self.generate(prompts[half:], max_new_tokens[half:])
-            sa.add(sb)
-            return a + b, sa
+            message = str(e).splitlines()[0] if str(e) else "OutOfMemoryError"
+        # Retried only here, past the except block: inside it the exception's traceback keeps
+        # the failed attempt's frames, and their GPU tensors, alive.
+        torch.cuda.empty_cache()
+        if len(prompts) == 1:
+            log.warning("%s: out of memory on one prompt of %d tokens (+%d new); its row is rejected",
+                        self.device, len(prompts[0]), max_new_tokens[0])
+            return [f"out of memory on its own ({len(prompts[0])} prompt tokens + {max_new_tokens[0]} new "
+                    f"tokens): {message}"[:500]], BatchStats()
+        half = len(prompts) // 2
+        log.warning("%s: out of memory on a batch of %d; splitting it", self.device, len(prompts))
+        a, sa = self.generate(prompts[:half], max_new_tokens[:half])
+        b, sb = self.generate(prompts[half:], max_new_tokens[half:])
+        sa.add(sb)
+        return a + b, sa
 
     def _generate(self, prompts: list[list[int]], max_new_tokens: list[int]):
         import torch

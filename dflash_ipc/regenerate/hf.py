@@ -106,7 +106,8 @@ class HFBackend:
         if done is None:
             return []
         keys, outputs, stats, device, error = done
-        self.stats.add(stats, device)
+        if stats is not None:  # None: the batch failed in its device process (error says how)
+            self.stats.add(stats, device)
         return self._replies(keys, outputs, error)
 
     def _run_local(self, keys: list) -> list[Reply]:

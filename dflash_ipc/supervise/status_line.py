@@ -8,9 +8,10 @@
 from __future__ import annotations
 
 
-
 def _mean_metric(workers: dict, name: str) -> float | None:
-    values = [w["metrics"][name] for w in workers.values() if name in w.get("metrics", {})]
+    """The workers' mean of a metric; numbers only (a final status writes a NaN as null)."""
+    values = [v for w in workers.values() if isinstance(v := w.get("metrics", {}).get(name), (int, float))
+              and not isinstance(v, bool)]
     return sum(values) / len(values) if values else None
 
 

@@ -42,7 +42,10 @@ def query_status(run_dir: str, *, as_json: bool = False) -> str:
         if status is None:
             raise
         heading = f"no dispatcher answers ({live_error}); the job's final status, {files.final_status}:"
-    uncommitted = CheckpointStore(files.checkpoints).uncommitted()
+    try:
+        uncommitted = CheckpointStore(files.checkpoints).uncommitted()
+    except OSError as exc:  # the folder is there but cannot be listed: say so, show the rest
+        uncommitted = [f"(cannot list the checkpoints set aside: {exc})"]
     if as_json:
         return json.dumps(json_safe({**status, "uncommitted_checkpoints": uncommitted}), indent=1, sort_keys=True,
                           allow_nan=False)  # strict JSON: no NaN
@@ -52,7 +55,7 @@ def query_status(run_dir: str, *, as_json: bool = False) -> str:
                      f"free slots {t['free_slots']}, heartbeat {t['heartbeat_age_s']:.1f}s ago")
     for rank, d in status["drafters"].items():
         m = d["metrics"]
-        lines.append(f"  drafter/{rank}: step {m.get('step', 0):.0f} loss {m.get('loss', float('nan')):.3f}, "
+        lines.append(f"  drafter/{rank}: step {_number(m.get('step'), 0):.0f} loss {_number(m.get('loss')):.3f}, "
                      f"{d['batches']} batches, heartbeat {d['heartbeat_age_s']:.1f}s ago")
     lines += [f"  {UNCOMMITTED_NOTE}: {path}" for path in uncommitted]
     return "\n".join(lines)
@@ -66,3 +69,8 @@ def _final_status(path: str) -> dict | None:
         return None
     shaped = all(isinstance(status.get(k), dict) for k in ("targets", "drafters"))
     return status if shaped else None
+
+
+def _number(value, default: float = float("nan")) -> float:
+    """A metric as a number: the final status writes a NaN as null (strict JSON)."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else default
