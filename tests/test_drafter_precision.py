@@ -291,6 +291,36 @@ def test_fp8_step_follows_the_bf16_step(monkeypatch, recipe):
         assert cos > 0.98, name
 
 
+class AlwaysCompiled(CudaCompiled):
+    """Compiles on CPU too (the layers' wrappers compile only on CUDA)."""
+    __call__ = CudaCompiled.compiled
+
+
+def _compiled_and_eager_twins():
+    """(the tiny drafter with its float8 layers compiled, an eager copy, the compiled layers)."""
+    model = DFlashDraftModel(bd.drafter_model_config("tiny"))
+    eager = copy.deepcopy(model)
+    converted = prec.convert_linears(model, "tensorwise", emulate=True)
+    prec.convert_linears(eager, "tensorwise", emulate=True)
+    prec.compile_linears(converted)
+    return model, eager, converted
+
+
+def _assert_layers_match_eager(model, eager, row_counts) -> None:
+    """Every float8 layer, at each row count: the compiled values and input gradients are eager's."""
+    gen = torch.Generator().manual_seed(0)
+    for rows in row_counts:
+        for name, layer in [(n, m) for n, m in eager.named_modules() if type(m).__name__ == "Float8Linear"]:
+            x = torch.randn(rows, layer.in_features, generator=gen, requires_grad=True)
+            x2 = x.detach().clone().requires_grad_(True)
+            got, want = model.get_submodule(name)(x), layer(x2)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want)
+            got.square().sum().backward()
+            want.square().sum().backward()
+            torch.testing.assert_close(x.grad, x2.grad)
+
+
 @needs_torchao
 def test_compiled_float8_layers_share_one_graph_per_weight_shape(monkeypatch):
     """The layers' compiled forward (rows dynamic): one graph per distinct weight shape for
@@ -298,31 +328,14 @@ def test_compiled_float8_layers_share_one_graph_per_weight_shape(monkeypatch):
     layers. aot_eager: tracing without codegen."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    class Always(CudaCompiled):
-        __call__ = CudaCompiled.compiled
-
     monkeypatch.setenv(prec.EMULATE_ENV, "1")
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
-    monkeypatch.setattr(prec, "_fused_float8_forward", Always(prec._float8_forward, dynamic_args=(0,),
-                                                               backend=counter))
-    model = DFlashDraftModel(bd.drafter_model_config("tiny"))
-    eager = copy.deepcopy(model)
-    converted = prec.convert_linears(model, "tensorwise", emulate=True)
-    prec.convert_linears(eager, "tensorwise", emulate=True)
-    prec.compile_linears(converted)
-    shapes = {tuple(m.weight.shape) for m in converted}
-    gen = torch.Generator().manual_seed(0)
-    for rows in (24, 40):
-        for name, layer in [(n, m) for n, m in eager.named_modules() if type(m).__name__ == "Float8Linear"]:
-            x = torch.randn(rows, layer.in_features, generator=gen, requires_grad=True)
-            x2 = x.detach().clone().requires_grad_(True)
-            got, want = model.get_submodule(name)(x), layer(x2)
-            torch.testing.assert_close(got, want)
-            got.sum().backward()
-            want.sum().backward()
-            torch.testing.assert_close(x.grad, x2.grad)
-    assert counter.frame_count == len(shapes)
+    monkeypatch.setattr(prec, "_fused_float8_forward", AlwaysCompiled(prec._float8_forward, dynamic_args=(0,),
+                                                                       backend=counter))
+    model, eager, converted = _compiled_and_eager_twins()
+    _assert_layers_match_eager(model, eager, (24, 40))
+    assert counter.frame_count == len({tuple(m.weight.shape) for m in converted})
     twin = copy.deepcopy(model)
     assert twin.fc.forward.module is twin.fc and model.fc.forward.module is model.fc
     torch._dynamo.reset()
@@ -371,35 +384,18 @@ def test_static_row_counts_give_the_values_and_gradients_of_eager(monkeypatch):
     aot_eager on CPU: tracing without codegen."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    class Always(CudaCompiled):
-        __call__ = CudaCompiled.compiled
-
     monkeypatch.setenv(prec.EMULATE_ENV, "1")
     torch._dynamo.reset()
     static, dynamic = CompileCounterWithBackend("aot_eager"), CompileCounterWithBackend("aot_eager")
     monkeypatch.setattr(prec, "_compiles", lambda x: True)
     monkeypatch.setattr(prec, "STATIC_ROWS", prec.StaticRowCounts(min_rows=1))
-    monkeypatch.setattr(prec, "_static_float8_forward", Always(prec._float8_forward_padded, dynamic_args=(),
-                                                                backend=static, dynamic=False))
-    monkeypatch.setattr(prec, "_fused_float8_forward", Always(prec._float8_forward, dynamic_args=(0,),
-                                                               backend=dynamic))
-    model = DFlashDraftModel(bd.drafter_model_config("tiny"))
-    eager = copy.deepcopy(model)
-    converted = prec.convert_linears(model, "tensorwise", emulate=True)
-    prec.convert_linears(eager, "tensorwise", emulate=True)
-    prec.compile_linears(converted)
+    monkeypatch.setattr(prec, "_static_float8_forward", AlwaysCompiled(prec._float8_forward_padded, dynamic_args=(),
+                                                                        backend=static, dynamic=False))
+    monkeypatch.setattr(prec, "_fused_float8_forward", AlwaysCompiled(prec._float8_forward, dynamic_args=(0,),
+                                                                       backend=dynamic))
+    model, eager, converted = _compiled_and_eager_twins()
     shapes = {tuple(m.weight.shape) for m in converted}
-    gen = torch.Generator().manual_seed(0)
-    for rows in (40, 40, 44):  # 40 repeats (static at 48 padded rows), 44 pads to the same count
-        for name, layer in [(n, m) for n, m in eager.named_modules() if type(m).__name__ == "Float8Linear"]:
-            x = torch.randn(rows, layer.in_features, generator=gen, requires_grad=True)
-            x2 = x.detach().clone().requires_grad_(True)
-            got, want = model.get_submodule(name)(x), layer(x2)
-            assert got.shape == want.shape
-            torch.testing.assert_close(got, want)
-            got.square().sum().backward()
-            want.square().sum().backward()
-            torch.testing.assert_close(x.grad, x2.grad)
+    _assert_layers_match_eager(model, eager, (40, 40, 44))  # 40 repeats (static at 48 rows), 44 pads to it
     assert prec.STATIC_ROWS.static == {48}
     assert static.frame_count == len(shapes) and dynamic.frame_count == len(shapes)
     assert torch._dynamo.config.recompile_limit >= prec.RECOMPILE_LIMIT
