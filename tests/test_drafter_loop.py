@@ -3,6 +3,7 @@ the real trainer and queue on a tiny model."""
 
 import collections
 import os
+import math
 
 import numpy as np
 import pytest
@@ -207,3 +208,31 @@ def test_a_full_rank_waits_for_a_short_peer_then_steps_without_hoarding(tmp_path
         loop.pass_once()
     assert len(link.of(p.WantHidden)) == asked  # full and at its cap: it never asked for more meanwhile
     assert loop.waiting_since is None
+
+
+def test_a_loss_that_stops_being_finite_is_not_reported_as_its_last_finite_value(tmp_path):
+    """The heartbeat carries finite values only: a diverged loss is dropped from it (the status
+    shows no loss, not the last healthy one), and the step log writes it as null (strict JSON)."""
+    import json
+    loop, link, readers = build(tmp_path)
+    readers.pool_of_read = "p0"
+    loop.step_log = open(tmp_path / "steps.jsonl", "w")
+    real_step = loop.trainer.step
+
+    def diverging(chosen):
+        stats = real_step(chosen)
+        return {**stats, "loss": float("inf")} if loop.trainer.step_count >= 2 else stats
+
+    loop.trainer.step = diverging
+    loop.resume(registered())
+    link.inbox.extend([assign(0, [0, 1, 2], 1), assign(1, [3, 4, 5, 6, 7], 2)])
+    while loop.trainer.step_count < 1:
+        assert loop.pass_once()
+    assert math.isfinite(link.metrics["loss"])
+    while loop.trainer.step_count < 2:
+        assert loop.pass_once()
+    assert "loss" not in link.metrics and link.metrics["trained_tokens"] > 0
+    loop.step_log.close()
+    rows = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in the step log"))
+            for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [r["loss"] is None for r in rows] == [False, True]

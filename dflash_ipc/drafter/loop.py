@@ -31,6 +31,7 @@ from dflash_ipc import protocol as p
 from dflash_ipc.drafter.checkpoint_store import CheckpointStore
 from dflash_ipc.drafter.sequence_queue import SequenceQueue
 from dflash_ipc.errors import TransportError, WorkerDeadError
+from dflash_ipc.json_files import json_safe
 from dflash_ipc.metrics import process_memory
 
 log = logging.getLogger(__name__)
@@ -223,11 +224,15 @@ class DrafterLoop:
                      trained_tokens=self.queue.trained_tokens, read_s=self.read_s, copy_s=self.copy_s,
                      read_bytes=self.read_bytes, reads=self.reads, resumed_from=self.resumed_from)
         # Finite values only: the dispatcher refuses a heartbeat with an inf (a diverged loss).
-        self.link.metrics.update({k: float(v) for k, v in stats.items()
-                                  if isinstance(v, (int, float)) and math.isfinite(v)})
+        # A value that is not finite now is dropped, so no stale finite one goes on being sent.
+        for k, v in stats.items():
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                self.link.metrics[k] = float(v)
+            elif isinstance(v, (int, float)):
+                self.link.metrics.pop(k, None)
         self.link.metrics.update(process_memory(self.trainer.device))
         if self.step_log is not None:
-            self.step_log.write(json.dumps({k: (v if v == v else None) for k, v in stats.items()}) + "\n")
+            self.step_log.write(json.dumps(json_safe(stats), allow_nan=False) + "\n")
             self.step_log.flush()
 
     def checkpoint(self) -> None:
