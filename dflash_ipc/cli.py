@@ -283,11 +283,11 @@ def regenerate(model_dir, input_path, out_path, split, kind, max_new_tokens, tem
               help="Where the export will be uploaded, for the card's usage lines (default: OUT_DIR's name).")
 def export(checkpoint, out_dir, with_code, base_model, repo_id) -> None:
     """Write the SGLang/vLLM inference format (config.json + model.safetensors) and a model card."""
-    from dflash_ipc.drafter.export import checkpoint_step_dir, export_training_checkpoint
+    from dflash_ipc.drafter.export import checkpoint_step_dir, export_step_dir
     from dflash_ipc.drafter.hub_code import publish_files
-    step_dir = checkpoint_step_dir(checkpoint)
+    step_dir = checkpoint_step_dir(checkpoint)  # resolved and verified once
     extras = publish_files(step_dir, out_dir, with_code=with_code, base_model=base_model, repo_id=repo_id)
-    path = export_training_checkpoint(step_dir, out_dir, extras=extras)
+    path = export_step_dir(step_dir, out_dir, extras=extras)
     click.echo(f"exported {path} (model card README.md{', modeling_dflash.py' if with_code else ''}); "
                f"publish with: huggingface-cli upload {repo_id or 'ORG/NAME'} {path}")
 

@@ -90,6 +90,21 @@ def test_nothing_in_a_checkpoint_directory_is_ever_executed(store, tmp_path):
     assert load_inference_checkpoint(str(tmp_path / "export")).config.hidden_size == HIDDEN
 
 
+def test_export_reads_the_checksums_of_a_checkpoint_once(store, tmp_path, monkeypatch):
+    """`dflash-ipc export` verifies the step directory once (its training state may be many GB)."""
+    from click.testing import CliRunner
+
+    from dflash_ipc.cli import main
+    from dflash_ipc.drafter import export as export_module
+    calls = []
+    real = export_module.verify_dir
+    monkeypatch.setattr(export_module, "verify_dir", lambda d: calls.append(d) or real(d))
+    store.mark_latest(30)
+    result = CliRunner().invoke(main, ["export", store.root, str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert calls == [store.path(30)]
+
+
 def test_hostile_json_is_refused_cleanly(store):
     state = os.path.join(store.path(20), STATE_JSON)
     open(state, "w").write("[" * 100_000 + "]" * 100_000)

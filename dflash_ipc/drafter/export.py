@@ -233,9 +233,15 @@ def export_training_checkpoint(checkpoint: str, out_dir: str, *, dtype: torch.dt
     rounded to the export dtype), else from that ``model.safetensors``. Nothing read
     can execute code (safetensors and JSON only).
     """
+    return export_step_dir(checkpoint_step_dir(checkpoint), out_dir, dtype=dtype, extras=extras)
+
+
+def export_step_dir(step_dir: str, out_dir: str, *, dtype: torch.dtype = torch.bfloat16,
+                    extras: Callable[[str], None] | None = None) -> str:
+    """`export_training_checkpoint` of a step directory `checkpoint_step_dir` has already
+    resolved and verified (the checksums of a large training state are read once)."""
     from safetensors import SafetensorError, safe_open
 
-    step_dir = checkpoint_step_dir(checkpoint)
     model = load_inference_checkpoint(step_dir, dtype=torch.float32)  # also validates the step dir
     state_path = os.path.join(step_dir, STATE_TENSORS)
     if os.path.exists(state_path):
