@@ -116,3 +116,13 @@ def test_card_outside_a_run_directory(tmp_path):
 ])
 def test_base_model_of(path, hub_id):
     assert base_model_of(path) == hub_id
+
+
+def test_a_run_without_a_local_dataset_reads_no_meta_json_of_the_working_directory(tmp_path, monkeypatch):
+    from dflash_ipc.drafter.model_card import _dataset_meta
+    (tmp_path / "meta.json").write_text(json.dumps({"num_samples": 7}))
+    monkeypatch.chdir(tmp_path)
+    assert _dataset_meta(None) is None and _dataset_meta("") is None and _dataset_meta("builtin:synthetic") is None
+    assert _dataset_meta(str(tmp_path)) == {"num_samples": 7}
+    (tmp_path / "meta.json").write_text("[" * 100_000)  # damaged: no card facts, no crash
+    assert _dataset_meta(str(tmp_path)) is None

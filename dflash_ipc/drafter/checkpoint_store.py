@@ -44,6 +44,12 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def step_of_dir_name(name: str) -> int | None:
+    """The step a `step_NNNNNNNN` directory name holds, or None for any other name."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
 def sha256_of(path: str, chunk: int = 16 << 20) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -120,7 +126,7 @@ class CheckpointStore:
             names = os.listdir(self.root)
         except FileNotFoundError:
             return []
-        return sorted(int(m.group(1)) for n in names if (m := _STEP_DIR.match(n)))
+        return sorted(step for n in names if (step := step_of_dir_name(n)) is not None)
 
     def newest_intact(self, candidates: list[int]) -> int:
         """The newest of `candidates` (committed steps) whose files verify; -1 if none."""

@@ -19,7 +19,6 @@ written as their last component only (a target in the Hub cache as its Hub id).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -28,7 +27,12 @@ import re
 import yaml
 
 from dflash_ipc.config import BUILTIN_SYNTHETIC_DATA
+from dflash_ipc.config_load import read_config_file
+from dflash_ipc.data.dataset import META_FILE
+from dflash_ipc.drafter.checkpoint_store import step_of_dir_name
+from dflash_ipc.errors import DataError
 from dflash_ipc.eval_results import latest_evaluation
+from dflash_ipc.json_files import read_json_object
 from dflash_ipc.run_files import RunFiles
 
 log = logging.getLogger(__name__)
@@ -64,14 +68,12 @@ def _run_dir_of(step_dir: str) -> str | None:
 
 
 def _step_of(step_dir: str) -> int | None:
-    match = re.search(r"step_(\d+)$", os.path.basename(os.path.normpath(step_dir)))
-    return int(match.group(1)) if match else None
+    return step_of_dir_name(os.path.basename(os.path.normpath(step_dir)))
 
 
 def _training_config(run_dir: str) -> dict:
     """The card's sections of the run's resolved config, local paths as their last component."""
-    with open(RunFiles(run_dir).job_config, encoding="utf-8") as f:
-        tree = yaml.safe_load(f) or {}
+    tree = read_config_file(RunFiles(run_dir).job_config)  # bounded, strict YAML
     sections = {name: dict(tree[name]) for name in CARD_SECTIONS if isinstance(tree.get(name), dict)}
     for section, key in PATH_KEYS:
         value = sections.get(section, {}).get(key)
@@ -85,12 +87,13 @@ def _training_config(run_dir: str) -> dict:
 
 
 def _dataset_meta(data_path: str | None) -> dict | None:
-    try:
-        with open(os.path.join(data_path or "", "meta.json"), encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError):
+    """The dataset's meta.json, or None (no local dataset, or not readable as one)."""
+    if not data_path or not os.path.isdir(data_path):
         return None
-    return meta if isinstance(meta, dict) else None
+    try:
+        return read_json_object(os.path.join(data_path, META_FILE), "dataset metadata")
+    except DataError:
+        return None
 
 
 def card_facts(step_dir: str, drafter_config: dict, *, base_model: str | None = None) -> dict:
@@ -228,8 +231,7 @@ def render_card(facts: dict, *, repo: str, with_code: bool) -> str:
 def write_model_card(export_dir: str, step_dir: str, *, base_model: str | None = None, repo_id: str | None = None,
                      with_code: bool = False) -> str:
     """Writes `export_dir/README.md` for the checkpoint `step_dir`; returns its path."""
-    with open(os.path.join(export_dir, "config.json"), encoding="utf-8") as f:
-        drafter_config = json.load(f)
+    drafter_config = read_json_object(os.path.join(export_dir, "config.json"), "drafter export config")
     facts = card_facts(step_dir, drafter_config, base_model=base_model)
     if facts["base_model"] is None:
         log.warning("model card without base_model: the target is not a Hub id; pass --base-model ORG/NAME")
