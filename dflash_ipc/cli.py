@@ -23,6 +23,7 @@ import click
 
 from dflash_ipc.config import DTYPE_NAMES, POLICIES, PUBLISH_SYNC_MODES
 from dflash_ipc.errors import EXIT_CONFIG_ERROR, EXIT_ERROR, ConfigError, DFlashError
+from dflash_ipc.json_files import json_safe, write_json_atomic
 
 log = logging.getLogger("dflash_ipc.cli")
 
@@ -318,7 +319,6 @@ def health(run_dir, as_json, stale_after_s, stall_after_s, timeout_s, node_rank)
     from dflash_ipc.supervise.health import format_health, health_report
     report = health_report(run_dir, node_rank=node_rank, stale_after_s=stale_after_s,
                            stall_after_s=stall_after_s, timeout_s=timeout_s)
-    from dflash_ipc.json_files import json_safe
     click.echo(json.dumps(json_safe(report.to_json()), indent=1, allow_nan=False) if as_json else format_health(report))
     sys.exit(report.exit_code)
 
@@ -375,7 +375,7 @@ def eval_cmd(target_dir, drafter, data_dir, prompt_files, num_prompts, max_new_t
                             num_prompts=num_prompts, device=device, dtype=dtype, vs_untrained=vs_untrained,
                             seed=seed, template_kwargs=parse_template_kwargs(template_kwargs), options=options)
     if as_json:
-        click.echo(json.dumps([r.to_dict() for r in reports], indent=1))
+        click.echo(json.dumps(json_safe([r.to_dict() for r in reports]), indent=1, allow_nan=False))
     elif vs_untrained:
         click.echo("\n".join(format_comparison(*reports[i:i + 2]) for i in range(0, len(reports), 2)))
     else:
@@ -423,14 +423,12 @@ def bench() -> None:
 def bench_dispatch(num_samples, num_targets, num_drafters, policies, target_speeds, time_scale, seed,
                    out_path) -> None:
     """Pull against round-robin: the real dispatcher and sockets, cost-model fake workers."""
-    import json
     from dflash_ipc.bench.dispatch import parse_speeds, run_dispatch_bench
     result = run_dispatch_bench(num_targets=num_targets, num_drafters=num_drafters, num_samples=num_samples,
                                 policies=policies or POLICIES, seed=seed, time_scale=time_scale,
                                 target_speeds=parse_speeds(target_speeds) if target_speeds else None)
     if out_path:
-        with open(out_path, "w", encoding="utf-8") as f:
-            json.dump(result, f)
+        write_json_atomic(out_path, result)
 
 
 @bench.command("transport")
@@ -513,15 +511,13 @@ def bench_drafter(device, steps, warmup, shape, seq_lens, num_seqs, anchors_per_
 def bench_target(config, overrides, targets, seconds, warmup_s, json_path) -> None:
     """Target capacity (tok/s of one worker: on target.devices[0], or its first K devices with
     target.gpus_per_worker K) of each --target, e.g. a MoE next to a dense one."""
-    import json
     from dflash_ipc.bench.targets import format_target_table, run_target_bench
     from dflash_ipc.logs import setup_logging
     cfg = _load(config, overrides)
     setup_logging("bench", level=cfg.run.log_level)
     rows = run_target_bench(cfg, list(targets), seconds=seconds, warmup_s=warmup_s)
     if json_path:
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=1)
+        write_json_atomic(json_path, rows)
     click.echo(format_target_table(rows, cfg))
 
 
@@ -549,7 +545,6 @@ def _run_sizes_options(fn):
 @_run_sizes_options
 def bench_precision(device, shape, work_dir, json_path, precisions, recipes, lm_heads, **sizes) -> None:
     """The same short training run in each precision: loss curves, final-loss gap and tau."""
-    import json
     from dflash_ipc.bench.drafter import precision_variants
     from dflash_ipc.bench.precision import RunSizes, run_precision_comparison
     from dflash_ipc.logs import setup_logging
@@ -557,8 +552,7 @@ def bench_precision(device, shape, work_dir, json_path, precisions, recipes, lm_
     figures = run_precision_comparison(device=device, shape=shape, work_dir=work_dir, sizes=RunSizes(**sizes),
                                        variants=precision_variants(precisions, recipes, lm_heads))
     if json_path:
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(figures, f, indent=1)
+        write_json_atomic(json_path, figures)
 
 
 @bench.command("pipeline")
@@ -574,7 +568,6 @@ def bench_precision(device, shape, work_dir, json_path, precisions, recipes, lm_
               help="Fresh run directory of the end-to-end job (default: <run.run_dir>-bench-<time>).")
 def bench_pipeline(config, overrides, seconds, warmup_s, json_path, run_dir) -> None:
     """Target capacity, drafter capacity and end-to-end tok_rate of one job, and their ratio."""
-    import json
     from dflash_ipc.bench.pipeline import format_table, run_pipeline_bench
     from dflash_ipc.logs import setup_logging
     from dflash_ipc.resolve import resolve_job
@@ -583,8 +576,7 @@ def bench_pipeline(config, overrides, seconds, warmup_s, json_path, run_dir) -> 
     figures = run_pipeline_bench(resolve_job(cfg), seconds=seconds, warmup_s=warmup_s, run_dir=run_dir,
                                  print_status=lambda line: click.echo(line))
     if json_path:
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(figures, f, indent=1)
+        write_json_atomic(json_path, figures)
     click.echo(format_table(figures))
 
 
@@ -638,9 +630,7 @@ def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt,
 def bench_eval(device, shape, batch_sizes, prompts_per_batch, max_new_tokens, prompt_len, legacy_prompts, dtype,
                work_dir, json_path) -> None:
     """Tokens/s of batched speculative and plain decoding against the unbatched decoder."""
-    import json
     from dflash_ipc.bench.eval import run_eval_bench
-    from dflash_ipc.eval.report import nan_to_none
     from dflash_ipc.logs import setup_logging
     setup_logging("bench")
     figures = run_eval_bench(device=device, shape=shape, batch_sizes=_int_list(batch_sizes, "--batch-sizes"),
@@ -648,8 +638,7 @@ def bench_eval(device, shape, batch_sizes, prompts_per_batch, max_new_tokens, pr
                              prompt_len=tuple(_int_list(prompt_len, "--prompt-len", size=2)),
                              legacy_prompts=legacy_prompts, dtype=dtype, work_dir=work_dir, emit=click.echo)
     if json_path:
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(nan_to_none(figures), f, indent=1)
+        write_json_atomic(json_path, figures)
 
 
 def _int_list(text: str, option: str, size: int | None = None) -> list[int]:

@@ -5,7 +5,8 @@ A JSON file in one of those folders is data someone may have damaged, truncated 
 bound, bad UTF-8, bad JSON, nested past the parser's recursion limit, an integer past
 Python's 4,300 digits, a bare NaN/Infinity, not an object) into one line of the caller's
 error type naming the file. `json_safe` is the other direction: non-finite floats become
-null, so what we write is JSON every reader accepts.
+null, so what we write is JSON every reader accepts; `write_json_atomic` writes a file that
+way, whole or not at all.
 """
 
 from __future__ import annotations
@@ -66,3 +67,18 @@ def json_safe(value):
     if isinstance(value, (list, tuple)):
         return [json_safe(v) for v in value]
     return value
+
+
+def write_json_atomic(path: str, value, *, indent: int | None = 1, sort_keys: bool = False,
+                      fsync: bool = False) -> None:
+    """`value` as strict JSON (json_safe: no bare NaN/Infinity), written to a temp file of this
+    process and renamed over `path`: a reader sees the old file or the new one, never a torn
+    one. ``fsync``: on disk before the rename (a checkpoint's manifest, a resumable state)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(json_safe(value), f, indent=indent, sort_keys=sort_keys, allow_nan=False)
+        f.write("\n")
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -31,6 +31,7 @@ import string
 from dflash_ipc.config import JobConfig, config_to_dict
 from dflash_ipc.errors import ConfigError, MissingExtraError
 from dflash_ipc.metric_sinks import StatusScalars
+from dflash_ipc.json_files import write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +69,7 @@ def read_run_state(path: str) -> dict | None:
 
 
 def write_run_state(path: str, run_id: str, next_step: int) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"id": run_id, "next_step": next_step}, f)
-    os.replace(tmp, path)
+    write_json_atomic(path, {"id": run_id, "next_step": next_step}, indent=None)
 
 
 class WandbSink:

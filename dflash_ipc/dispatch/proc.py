@@ -9,7 +9,6 @@ Busy loop, one pass:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -26,15 +25,15 @@ from dflash_ipc.dispatch.dispatcher import Dispatcher
 from dflash_ipc.dispatch.ledger import BatchState, Ledger
 from dflash_ipc.dispatch.ledger_file import load_ledger, save_ledger
 from dflash_ipc.errors import DataError, ProtocolError, UnregisteredSender
-from dflash_ipc.json_files import json_safe
+from dflash_ipc.json_files import write_json_atomic
 from dflash_ipc.wire_security import private_socket_dir, server_security
 
 log = logging.getLogger(__name__)
 
 LEDGER_SAVE_INTERVAL_S = 2.0
 MAX_MESSAGES_PER_PASS = 256  # then the loop ticks (liveness, saves, signals) before reading more,
-                             # or sooner: after a quarter heartbeat interval of handling (a status
-                             # of a large ledger takes ~0.1 s: 256 of them would hold ticks for 40 s)
+                             # or sooner: after a quarter heartbeat interval of handling (any slow
+                             # request, 256 at a time, must not hold liveness checks and signals)
 STOP_DRAIN_S = 1.0           # on SIGTERM, what already arrived is answered for at most this long
 SEND_HWM = 1000              # queued replies per peer; past it ZMQ drops them (a peer not reading)
 
@@ -54,13 +53,6 @@ def save_generation(cfg: JobConfig, generation: int) -> None:
     with open(tmp, "w") as f:
         f.write(f"{generation}\n")
     os.replace(tmp, cfg.files.drafter_generation)
-
-
-def write_json_atomic(path: str, value) -> None:
-    """JSON with no bare NaN/Infinity (not JSON), written to a temp file and renamed."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(json_safe(value), f, indent=1, sort_keys=True, allow_nan=False)
-    os.replace(path + ".tmp", path)
 
 
 def plan_job(cfg: JobConfig, lengths) -> list:
@@ -188,7 +180,7 @@ class DispatcherProc:
                                    "dft_rate": status["tokens"]["consumed"] / elapsed,
                                    "tok_rate": status["tokens"]["trained"] / elapsed}
         status["audit"] = self.dispatcher.ledger.audit().summary()  # every planned sample once?
-        write_json_atomic(self.cfg.files.final_status, status)
+        write_json_atomic(self.cfg.files.final_status, status, sort_keys=True)
 
     def run(self) -> None:
         interval = self.cfg.dispatch.heartbeat_interval_s

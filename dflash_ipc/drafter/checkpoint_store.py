@@ -17,7 +17,6 @@ directory without a matching manifest is incomplete or damaged; `read` and `veri
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import re
@@ -25,7 +24,7 @@ import shutil
 import time
 
 from dflash_ipc.errors import DamagedCheckpointError
-from dflash_ipc.json_files import read_json_object
+from dflash_ipc.json_files import read_json_object, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -191,12 +190,8 @@ def verify_dir(step_dir: str) -> dict:
 
 
 def write_json_file(path: str, value: dict) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=1, allow_nan=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """A checkpoint's JSON: on disk before it is renamed into place."""
+    write_json_atomic(path, value, fsync=True)
 
 
 def _fsync_tree(directory: str) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from dflash_ipc.eval.acceptance import AcceptanceStats
 from dflash_ipc.eval.lossless import LosslessCheck
+from dflash_ipc.json_files import json_safe
 
 
 @dataclass(kw_only=True, slots=True)
@@ -109,7 +110,7 @@ class EvalReport:
     def to_dict(self) -> dict:
         """JSON-ready (per-sample token ids left out); nan (nothing measured) becomes None."""
         s = self.stats
-        return nan_to_none({
+        return json_safe({
             "label": self.label, "prompt_set": self.prompt_set, "block_size": s.block_size,
             "num_prompts": len(self.sample_ids), "num_turns": len(self.samples), "sample_ids": self.sample_ids,
             "max_new_tokens": self.max_new_tokens, "batch_size": self.batch_size, "sampling": dict(self.sampling),
@@ -164,17 +165,6 @@ class EvalReport:
             parts.append(f"DIFFERENT on samples {bad}")
         n, what = self.num_lossless_checked, "prompts" if len(self.samples) == len(self.sample_ids) else "turns"
         return f"vs plain greedy on {n} {what}: " + "; ".join(parts)
-
-
-def nan_to_none(value):
-    """Strict JSON has no NaN."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: nan_to_none(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [nan_to_none(v) for v in value]
-    return value
 
 
 def format_positions(rates: Sequence[float]) -> str:

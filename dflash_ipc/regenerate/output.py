@@ -26,7 +26,7 @@ import re
 import time
 
 from dflash_ipc.errors import DataError
-from dflash_ipc.json_files import read_json_object
+from dflash_ipc.json_files import read_json_object, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -147,13 +147,7 @@ class RegenOutput:
     def _write_state(self, *, complete: bool, num_rows: int | None) -> None:
         state = {"format": STATE_FORMAT, "settings": self.settings, "complete": complete, "num_rows": num_rows,
                  "num_done": len(self.done), "num_rejected": self.num_rejected}
-        tmp = f"{self.state_path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(state, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.state_path)
+        write_json_atomic(self.state_path, state, sort_keys=True, fsync=True)
 
 
 def _complete_prefix(f, size: int) -> int:

@@ -11,12 +11,12 @@ summary: a script or a test reads the figures there, not off the pixels.
 
 from __future__ import annotations
 
-import json
 import os
 
 from dflash_ipc.report.collect import PANELS, collect
 from dflash_ipc.report.plot import render
 from dflash_ipc.run_files import RunFiles
+from dflash_ipc.json_files import write_json_atomic
 
 __all__ = ["PANELS", "build_report", "format_summary"]
 
@@ -30,10 +30,7 @@ def build_report(run_dir: str, out_path: str | None = None, json_path: str | Non
     json_path = json_path or (files.report_json if out_path == files.report_png
                               else os.path.splitext(out_path)[0] + ".json")
     render(numbers, out_path)
-    tmp = f"{json_path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(numbers, f, allow_nan=False)
-    os.replace(tmp, json_path)
+    write_json_atomic(json_path, numbers, indent=None)
     return {**numbers, "png": out_path, "json": json_path}
 
 
