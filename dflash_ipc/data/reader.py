@@ -198,6 +198,7 @@ class _JsonScanner:
         self.pos = 0
         self.line = 1  # line number of buf[0]
         self.eof = False
+        self._head, self._dropped = b"", 0  # of the element being scanned, once past the cap
 
     def _more(self) -> bool:
         chunk = self.f.read(_READ_CHUNK)
@@ -243,15 +244,14 @@ class _JsonScanner:
     def _element(self, array: bool) -> RawRow:
         """Scan one element from pos; pos ends after it (before the array's ']')."""
         self._drop(self.pos)
-        line, depth, dropped, head = self.line, 0, 0, b""
+        line, depth = self.line, 0
+        self._head, self._dropped = b"", 0
         end = None
         while end is None:
             m = _STRUCTURE.search(self.buf, self.pos)
             if m is None:
-                if self.pos > self.cap:  # oversize: keep the head, let the rest go
-                    head = head or bytes(self.buf[:_HEAD_KEEP])
-                    dropped += self.pos
-                    self._drop(self.pos)
+                self.pos = len(self.buf)  # nothing structural up to here: never searched again
+                self._trim()
                 if not self._more():
                     end = len(self.buf)
                 continue
@@ -270,17 +270,28 @@ class _JsonScanner:
                     end = self.pos if depth == 0 and not array else None
             elif depth == 0:  # a ',' between elements
                 end = m.start()
-        size = dropped + end
+        size = self._dropped + end
         where = f"{self.path}:{line}"
         if size > self.cap:
-            return RawRow(0, where, line, raw=head or bytes(self.buf[:_HEAD_KEEP]), oversize=size)
+            return RawRow(0, where, line, raw=self._head or bytes(self.buf[:_HEAD_KEEP]), oversize=size)
         return RawRow(0, where, line, raw=bytes(self.buf[:end]))
+
+    def _trim(self) -> None:
+        """An element past the cap: keep its head, let the bytes before pos go (they are
+        scanned), so memory stays at the cap plus one read chunk however long the element."""
+        if self.pos > self.cap:
+            self._head = self._head or bytes(self.buf[:_HEAD_KEEP])
+            self._dropped += self.pos
+            self._drop(self.pos)
 
     def _skip_string(self) -> None:
         """Move pos past the closing quote of the string it is in (or to the end of the data)."""
         while True:
             s = _STRING_END.search(self.buf, self.pos)
             if s is None or (self.buf[s.start()] == ord("\\") and s.end() >= len(self.buf)):
+                # scanned up to the end, or to a backslash whose escaped byte is still unread
+                self.pos = len(self.buf) if s is None else s.start()
+                self._trim()
                 if not self._more():
                     self.pos = len(self.buf)
                     return
