@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import threading
 
 import pytest
@@ -152,6 +153,22 @@ def test_save_to_disk_dataset_and_splits(tmp_path):
     with pytest.raises(DataError, match=r"split 'dev' not found; splits: \['train', 'test'\]"):
         InputSource(str(tmp_path / "two"), split="dev").rows().__next__()
     assert InputSource(str(tmp_path / "two"), split="test").estimated_rows() == 1
+
+
+def test_save_to_disk_dataset_dict_hash_covers_its_rows(tmp_path):
+    """input_sha256 of a DatasetDict directory: the rows live in split subdirectories."""
+    datasets = pytest.importorskip("datasets")
+
+    def digest(name):
+        src = InputSource(str(tmp_path / name))
+        list(src.rows())
+        return src.sha256.hexdigest()
+
+    for name, rows in (("a", ROWS[:1]), ("b", ROWS[1:2])):
+        datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / name))
+    assert digest("a") != digest("b")
+    shutil.copytree(tmp_path / "a", tmp_path / "a-copy")  # the same dataset elsewhere: the same hash
+    assert digest("a") == digest("a") == digest("a-copy")
 
 
 def test_shard_directory_by_split(tmp_path):

@@ -105,9 +105,7 @@ class InputSource:
         """Every row of every file, in order, indexed from 0."""
         if self.kind == "arrow_dataset":
             yield from self._numbered(_arrow_dataset_rows(self.path, self._split))
-            for name in sorted(os.listdir(self.path)):  # the dataset's files, for meta.json's input_sha256
-                if os.path.isfile(os.path.join(self.path, name)):
-                    _hash_file(os.path.join(self.path, name), self.sha256)
+            _hash_tree(self.path, self.sha256)  # every split's files, for meta.json's input_sha256
             return
         for path in self.files:
             yield from self._numbered(self._file_rows(path))
@@ -390,6 +388,19 @@ def _hash_file(path: str, h) -> int:
             h.update(chunk)
             n += len(chunk)
     return n
+
+
+def _hash_tree(root: str, h) -> None:
+    """Add every file below root to hash h, in sorted order, each as its relative path and its
+    bytes: a DatasetDict keeps its rows in split subdirectories, not beside dataset_dict.json."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            path = os.path.join(dirpath, name)
+            if os.path.isfile(path):
+                h.update(os.path.relpath(path, root).replace(os.sep, "/").encode() + b"\0")
+                h.update(str(_size(path)).encode() + b"\0")  # so no path/content split is ambiguous
+                _hash_file(path, h)
 
 
 def _size(path: str) -> int:
