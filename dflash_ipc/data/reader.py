@@ -180,6 +180,7 @@ def _jsonl_rows(f: _ByteCounter, path: str, cap: int) -> Iterator[RawRow]:
 
 
 _STRUCTURE = re.compile(rb'["\[\]{},]')
+_NESTED = re.compile(rb'["\[\]{}]')  # inside an element a ',' changes nothing: a list of ints is one jump
 _STRING_END = re.compile(rb'["\\]')
 _SPACE = b" \t\r\n"
 
@@ -246,7 +247,7 @@ class _JsonScanner:
         self._head, self._dropped = b"", 0
         end = None
         while end is None:
-            m = _STRUCTURE.search(self.buf, self.pos)
+            m = (_NESTED if depth else _STRUCTURE).search(self.buf, self.pos)
             if m is None:
                 self.pos = len(self.buf)  # nothing structural up to here: never searched again
                 self._trim()
