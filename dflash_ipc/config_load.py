@@ -62,8 +62,13 @@ class _StrictLoader(yaml.SafeLoader):
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
+        key = loader.construct_object(key_node, deep=True)  # a list key filled now, for the message
         line = key_node.start_mark.line + 1
+        try:
+            hash(key)
+        except TypeError:  # `? [1]` or a flow mapping as a key: no dict can hold it
+            raise ConfigError(f"line {line}: key {_short(key)} is a {type(key).__name__}; "
+                              "a key must be a plain value") from None
         if key in seen:
             raise ConfigError(f"line {line}: key {_short(key)} given twice (first at line {seen[key]})")
         seen[key] = line

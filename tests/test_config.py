@@ -137,6 +137,8 @@ def _alias_bomb(levels: int = 9) -> str:
     ("run:\n  run_dir: !!binary aGVsbG8=\n", "run.run_dir: expected str, got bytes b'hello'"),
     ("run:\n  seed: 1\n" + "#" * (2 << 20) + "\n", "is larger than 1048576 bytes"),
     ("? " + "x" * 100_000 + "\n: 1\n", "unknown key 'xxxxxxxx"),
+    ("? [1]\n: 2\n", "hostile.yaml line 1: key [1] is a list; a key must be a plain value"),
+    ("run:\n  {seed: 1}: 2\n", "hostile.yaml line 2: key {'seed': 1} is a dict; a key must be a plain value"),
 ])
 def test_hostile_yaml_is_one_short_line_and_runs_nothing(tmp_path, text, needle):
     """Nesting past the recursion limit, huge integers, alias bombs (a 300-byte file naming 9^9

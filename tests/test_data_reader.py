@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import threading
 
 import pytest
@@ -91,6 +92,29 @@ def test_rows_over_the_cap_are_never_held_whole(tmp_path):
         assert [decode_row(r) for r in (rows[0], rows[2])] == ROWS[:2]
 
 
+@pytest.mark.parametrize("long_value", ['"' + "x" * (8 << 20) + '"', "1" * (8 << 20), '"' + "\\n" * (4 << 20) + '"'])
+def test_one_long_value_in_a_json_array_is_never_held_whole(tmp_path, monkeypatch, long_value):
+    """An 8 MiB string (or number) in one element: the scanner's buffer stays within the cap
+    plus one read chunk, the element is rejected as too long, the rows after it are read."""
+    from dflash_ipc.data import reader
+    sizes = []
+    more = reader._JsonScanner._more
+
+    def watched_more(self):
+        got = more(self)
+        sizes.append(len(self.buf))
+        return got
+
+    monkeypatch.setattr(reader._JsonScanner, "_more", watched_more)
+    path = tmp_path / "a.json"
+    path.write_text("[" + json.dumps(ROWS[0]) + ', {"messages": [{"content": ' + long_value + "}]}, "
+                    + json.dumps(ROWS[1]) + "]")
+    got = read(path, max_row_bytes=10_000)
+    assert [r if isinstance(r, str) else "ok" for _, _, r in got] == ["ok", "line_too_long", "ok"]
+    assert [r for _, _, r in got][::2] == ROWS[:2]
+    assert len(sizes) > 8 and max(sizes) <= 10_000 + reader._READ_CHUNK, max(sizes)
+
+
 def test_truncated_json_array_rejects_only_the_torn_element(tmp_path):
     text = json.dumps(ROWS, indent=2)
     path = tmp_path / "a.json"
@@ -129,6 +153,22 @@ def test_save_to_disk_dataset_and_splits(tmp_path):
     with pytest.raises(DataError, match=r"split 'dev' not found; splits: \['train', 'test'\]"):
         InputSource(str(tmp_path / "two"), split="dev").rows().__next__()
     assert InputSource(str(tmp_path / "two"), split="test").estimated_rows() == 1
+
+
+def test_save_to_disk_dataset_dict_hash_covers_its_rows(tmp_path):
+    """input_sha256 of a DatasetDict directory: the rows live in split subdirectories."""
+    datasets = pytest.importorskip("datasets")
+
+    def digest(name):
+        src = InputSource(str(tmp_path / name))
+        list(src.rows())
+        return src.sha256.hexdigest()
+
+    for name, rows in (("a", ROWS[:1]), ("b", ROWS[1:2])):
+        datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / name))
+    assert digest("a") != digest("b")
+    shutil.copytree(tmp_path / "a", tmp_path / "a-copy")  # the same dataset elsewhere: the same hash
+    assert digest("a") == digest("a") == digest("a-copy")
 
 
 def test_shard_directory_by_split(tmp_path):

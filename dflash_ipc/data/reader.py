@@ -105,9 +105,7 @@ class InputSource:
         """Every row of every file, in order, indexed from 0."""
         if self.kind == "arrow_dataset":
             yield from self._numbered(_arrow_dataset_rows(self.path, self._split))
-            for name in sorted(os.listdir(self.path)):  # the dataset's files, for meta.json's input_sha256
-                if os.path.isfile(os.path.join(self.path, name)):
-                    _hash_file(os.path.join(self.path, name), self.sha256)
+            _hash_tree(self.path, self.sha256)  # every split's files, for meta.json's input_sha256
             return
         for path in self.files:
             yield from self._numbered(self._file_rows(path))
@@ -182,6 +180,7 @@ def _jsonl_rows(f: _ByteCounter, path: str, cap: int) -> Iterator[RawRow]:
 
 
 _STRUCTURE = re.compile(rb'["\[\]{},]')
+_NESTED = re.compile(rb'["\[\]{}]')  # inside an element a ',' changes nothing: a list of ints is one jump
 _STRING_END = re.compile(rb'["\\]')
 _SPACE = b" \t\r\n"
 
@@ -198,6 +197,7 @@ class _JsonScanner:
         self.pos = 0
         self.line = 1  # line number of buf[0]
         self.eof = False
+        self._head, self._dropped = b"", 0  # of the element being scanned, once past the cap
 
     def _more(self) -> bool:
         chunk = self.f.read(_READ_CHUNK)
@@ -243,15 +243,14 @@ class _JsonScanner:
     def _element(self, array: bool) -> RawRow:
         """Scan one element from pos; pos ends after it (before the array's ']')."""
         self._drop(self.pos)
-        line, depth, dropped, head = self.line, 0, 0, b""
+        line, depth = self.line, 0
+        self._head, self._dropped = b"", 0
         end = None
         while end is None:
-            m = _STRUCTURE.search(self.buf, self.pos)
+            m = (_NESTED if depth else _STRUCTURE).search(self.buf, self.pos)
             if m is None:
-                if self.pos > self.cap:  # oversize: keep the head, let the rest go
-                    head = head or bytes(self.buf[:_HEAD_KEEP])
-                    dropped += self.pos
-                    self._drop(self.pos)
+                self.pos = len(self.buf)  # nothing structural up to here: never searched again
+                self._trim()
                 if not self._more():
                     end = len(self.buf)
                 continue
@@ -270,17 +269,28 @@ class _JsonScanner:
                     end = self.pos if depth == 0 and not array else None
             elif depth == 0:  # a ',' between elements
                 end = m.start()
-        size = dropped + end
+        size = self._dropped + end
         where = f"{self.path}:{line}"
         if size > self.cap:
-            return RawRow(0, where, line, raw=head or bytes(self.buf[:_HEAD_KEEP]), oversize=size)
+            return RawRow(0, where, line, raw=self._head or bytes(self.buf[:_HEAD_KEEP]), oversize=size)
         return RawRow(0, where, line, raw=bytes(self.buf[:end]))
+
+    def _trim(self) -> None:
+        """An element past the cap: keep its head, let the bytes before pos go (they are
+        scanned), so memory stays at the cap plus one read chunk however long the element."""
+        if self.pos > self.cap:
+            self._head = self._head or bytes(self.buf[:_HEAD_KEEP])
+            self._dropped += self.pos
+            self._drop(self.pos)
 
     def _skip_string(self) -> None:
         """Move pos past the closing quote of the string it is in (or to the end of the data)."""
         while True:
             s = _STRING_END.search(self.buf, self.pos)
             if s is None or (self.buf[s.start()] == ord("\\") and s.end() >= len(self.buf)):
+                # scanned up to the end, or to a backslash whose escaped byte is still unread
+                self.pos = len(self.buf) if s is None else s.start()
+                self._trim()
                 if not self._more():
                     self.pos = len(self.buf)
                     return
@@ -379,6 +389,19 @@ def _hash_file(path: str, h) -> int:
             h.update(chunk)
             n += len(chunk)
     return n
+
+
+def _hash_tree(root: str, h) -> None:
+    """Add every file below root to hash h, in sorted order, each as its relative path and its
+    bytes: a DatasetDict keeps its rows in split subdirectories, not beside dataset_dict.json."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            path = os.path.join(dirpath, name)
+            if os.path.isfile(path):
+                h.update(os.path.relpath(path, root).replace(os.sep, "/").encode() + b"\0")
+                h.update(str(_size(path)).encode() + b"\0")  # so no path/content split is ambiguous
+                _hash_file(path, h)
 
 
 def _size(path: str) -> int:
