@@ -292,14 +292,10 @@ def test_a_multimodal_target_generates_through_its_image_text_class(vl_target):
 
 
 def test_a_checkpoint_missing_a_weight_is_refused_with_its_name(tmp_path):
-    from safetensors.torch import load_file, save_file
-
     from dflash_ipc.errors import DataError
     from dflash_ipc.target.architectures import ARCHITECTURES, build_tiny_target_of
+    from target_helpers import drop_weight
     target = build_tiny_target_of(ARCHITECTURES["qwen3"], str(tmp_path / "t"))
-    weights = os.path.join(target, "model.safetensors")
-    tensors = load_file(weights)
-    del tensors["model.layers.1.mlp.down_proj.weight"]
-    save_file(tensors, weights, metadata={"format": "pt"})
+    drop_weight(target, "model.layers.1.mlp.down_proj.weight")
     with pytest.raises(DataError, match=r"1 weights are missing.*model\.layers\.1\.mlp\.down_proj\.weight"):
         Generator(GeneratorSettings(target), "cpu")
