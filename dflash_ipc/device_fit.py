@@ -154,13 +154,9 @@ def heaviest_step(trainer, dataset, cfg, feature_dtype: torch.dtype) -> tuple[li
 def forward_backward(trainer, chosen) -> None:
     """The step's forward and backward as `DrafterTrainer.step` runs them, without its
     collectives and its optimizer step; the gradients are dropped, the weights unchanged."""
-    from dflash_ipc.drafter.objective import weighted_ce_sum
-    dtype = trainer.compute_dtype
     try:
         batch, features, mask, _ = trainer._build(chosen)
-        with torch.autocast(trainer.device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = weighted_ce_sum(trainer._forward(batch, features, mask), trainer.head, batch.labels, batch.weights)
-        loss.backward()
+        trainer.loss_sum(batch, features, mask).backward()
     finally:
         trainer.model.zero_grad(set_to_none=True)
 

@@ -263,9 +263,7 @@ def _step_gradients(trainer, seqs) -> tuple[float, dict]:
     """The trainer's own forward and chunked CE (its fp8 head included), one backward."""
     batch, features, mask, _ = trainer._build(trainer.take(collections.deque(seqs)))
     trainer.model.zero_grad()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        hidden = trainer._forward(batch, features, mask)
-        loss = weighted_ce_sum(hidden, trainer.head, batch.labels, batch.weights, fp8_head=trainer.fp8_head)
+    loss = trainer.loss_sum(batch, features, mask)  # under the trainer's bf16 autocast
     (loss / batch.weights.sum()).backward()
     return float(loss.detach() / batch.weights.sum()), {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
 
@@ -290,6 +288,23 @@ def test_fp8_step_follows_the_bf16_step(monkeypatch, recipe):
         cos = torch.nn.functional.cosine_similarity(grads8[name].flatten(), g.flatten(), dim=0)
         assert cos > 0.98, name
 
+
+@needs_torchao
+def test_the_memory_probe_runs_the_steps_fp8_lm_head(monkeypatch):
+    from dflash_ipc import device_fit
+
+    monkeypatch.setenv(prec.EMULATE_ENV, "1")
+    config = bd.drafter_model_config("tiny")
+    gen = torch.Generator().manual_seed(0)
+    trainer = bd.DrafterTrainer(_fp8_cfg(), config, bd.random_head(config, "cpu", gen), device="cpu", total_steps=2)
+    seqs = bd.random_sequences(config, step=0, num_seqs=2, seq_len=64, max_anchors=16, device=torch.device("cpu"),
+                               gen=gen, cpu_gen=torch.Generator().manual_seed(1))
+    calls, real = [], trainer.fp8_head.loss_and_input_grad
+    monkeypatch.setattr(trainer.fp8_head, "loss_and_input_grad",
+                        lambda *a, **kw: calls.append(kw["with_grad"]) or real(*a, **kw))
+    device_fit.forward_backward(trainer, trainer.take(collections.deque(seqs)))
+    assert calls and all(calls)  # the loss and dL/dh of training's float8 head, not the bf16 one
+    assert all(p.grad is None for p in trainer.model.parameters())
 
 class AlwaysCompiled(CudaCompiled):
     """Compiles on CPU too (the layers' wrappers compile only on CUDA)."""

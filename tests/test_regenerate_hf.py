@@ -269,3 +269,33 @@ def test_a_batch_that_fails_in_its_device_process_rejects_its_rows(target, model
     (reply,) = backend.poll(flush=True)
     assert reply.key == (0, 1) and reply.error.startswith("RuntimeError: CUDA error")
     assert backend.pending() == 0 and backend.stats.batches == 0
+
+
+@pytest.fixture(scope="module")
+def vl_target(tmp_path_factory):
+    from dflash_ipc.target.architectures import ARCHITECTURES, build_tiny_target_of
+    return build_tiny_target_of(ARCHITECTURES["qwen3_vl"], str(tmp_path_factory.mktemp("vl") / "t"))
+
+
+def test_a_multimodal_target_generates_through_its_image_text_class(vl_target):
+    # transformers has no causal-LM class for Qwen3-VL: its image-text class generates the text.
+    from transformers import AutoModelForImageTextToText
+    generator = Generator(GeneratorSettings(vl_target, pad_id=0), "cpu")
+    assert type(generator.model).__name__ == "Qwen3VLForConditionalGeneration"
+    prompt = list(range(40, 52))
+    (tokens, stopped), = generator.generate([prompt], [6])[0]
+    reference = AutoModelForImageTextToText.from_pretrained(vl_target).eval()
+    with torch.inference_mode():
+        out = reference.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=6, min_new_tokens=6, pad_token_id=0)
+    assert tokens == out[0, len(prompt):].tolist() and not stopped
+
+
+def test_a_checkpoint_missing_a_weight_is_refused_with_its_name(tmp_path):
+    from dflash_ipc.errors import DataError
+    from dflash_ipc.target.architectures import ARCHITECTURES, build_tiny_target_of
+    from target_helpers import drop_weight
+    target = build_tiny_target_of(ARCHITECTURES["qwen3"], str(tmp_path / "t"))
+    drop_weight(target, "model.layers.1.mlp.down_proj.weight")
+    with pytest.raises(DataError, match=r"1 weights are missing.*model\.layers\.1\.mlp\.down_proj\.weight"):
+        Generator(GeneratorSettings(target), "cpu")

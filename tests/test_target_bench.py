@@ -4,10 +4,13 @@ sequence-length flags (`bench drafter --seq-len --num-seqs --anchors-per-seq`)."
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from dflash_ipc.bench.assets import build_random_dataset, build_random_target
+from dflash_ipc.bench.targets import _shape_of
 from dflash_ipc.cli import main
+from dflash_ipc.errors import DataError
 
 
 def test_moe_capacity_next_to_a_dense_target(tmp_path):
@@ -28,6 +31,16 @@ def test_moe_capacity_next_to_a_dense_target(tmp_path):
     assert moe_row["tok_per_s_at_shape_depth"] == moe_row["tok_per_s"] * 2 / 3
     assert dense_row["layer_ids"] == [1, 2] and dense_row["tok_per_s"] > 0 and moe_row["batches"] >= 1
     assert "tiny-moe / tiny:" in result.stdout and "at shape depth" in result.stdout
+
+
+def test_a_broken_shape_file_is_a_data_error_naming_it(tmp_path):
+    assert _shape_of(str(tmp_path)) == {}  # a target not built by bench.assets
+    (tmp_path / "dflash_bench.json").write_text('{"shape": "tiny",')
+    with pytest.raises(DataError, match=r"dflash_bench\.json: the shape file .* is not valid JSON \(line 1"):
+        _shape_of(str(tmp_path))
+    (tmp_path / "dflash_bench.json").write_text('["tiny"]')
+    with pytest.raises(DataError, match=r"dflash_bench\.json: the shape file"):
+        _shape_of(str(tmp_path))
 
 
 def test_drafter_bench_takes_sequence_length_and_sequences_per_step():

@@ -2,12 +2,10 @@
 
 import json
 import logging
-import os
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dflash_ipc.errors import ConfigError, DataError
@@ -16,6 +14,8 @@ from dflash_ipc.data.tiny import build_tiny_tokenizer
 from dflash_ipc.target.capture import FeatureCapture, load_target_config
 from dflash_ipc.target.text_stack import (find_text_stack, has_recurrent_layers, load_causal_lm, num_text_layers,
                                           text_config, truncated_config)
+
+from target_helpers import drop_weight
 
 torch.set_num_threads(1)
 
@@ -72,10 +72,7 @@ def test_capture_logs_one_line_instead_of_the_load_report(tmp_path, caplog):
 
 def test_missing_text_stack_weights_stop_the_capture(tmp_path):
     target = build_tiny_target_of(ARCHITECTURES["qwen3"], str(tmp_path / "t"))
-    weights = os.path.join(target, "model.safetensors")
-    tensors = load_file(weights)
-    del tensors["model.layers.0.mlp.up_proj.weight"]
-    save_file(tensors, weights, metadata={"format": "pt"})
+    drop_weight(target, "model.layers.0.mlp.up_proj.weight")
     with pytest.raises(DataError, match=r"1 weights of the text stack are missing.*layers\.0\.mlp\.up_proj"):
         FeatureCapture(target, layer_ids=[0, 1], dtype="float32", attn_implementation="sdpa", device="cpu")
     with pytest.raises(DataError, match="1 weights are missing"):

@@ -19,7 +19,6 @@ same (the embedding, the final norm and the copy of the captured rows are left o
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 
@@ -27,6 +26,7 @@ import torch
 
 from dflash_ipc.bench.assets import BENCH_FILE
 from dflash_ipc.config import JobConfig
+from dflash_ipc.json_files import read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,7 @@ def _shape_of(target_dir: str) -> dict:
     path = os.path.join(target_dir, BENCH_FILE)
     if not os.path.isfile(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json_object(path, "the shape file of a built random-weight target")
 
 
 def _describe(cfg: JobConfig) -> dict:

@@ -156,10 +156,7 @@ class DrafterTrainer:
         # Every anchor has a weighted label (block position 1: sample_anchors only picks p
         # with loss at p+1), so a batch means a positive weight sum here and everywhere.
         if batch is not None:
-            with torch.autocast(self.device.type, dtype=self.compute_dtype,
-                                enabled=self.compute_dtype != torch.float32):
-                hidden = self._forward(batch, features, mask)
-                loss_sum = weighted_ce_sum(hidden, self.head, batch.labels, batch.weights, fp8_head=self.fp8_head)
+            loss_sum = self.loss_sum(batch, features, mask)
             # The clamp only guards hand-made batches with all weights 0: loss and gradient 0.
             (loss_sum / weight_sum.float().clamp_min(torch.finfo(torch.float32).tiny)).backward()
         grad_norm = self._reduce_and_clip()  # synchronizes (the norm is read on the host)
@@ -211,6 +208,13 @@ class DrafterTrainer:
                        input_ids=torch.zeros(2, dtype=torch.long), loss_mask=torch.ones(2, dtype=torch.bool))
         batch, features, mask, mask_s = self._build([(seq, 1)])
         return dataclasses.replace(batch, weights=torch.zeros_like(batch.weights)), features, mask, mask_s
+
+    def loss_sum(self, batch, features: torch.Tensor, mask) -> torch.Tensor:
+        """The batch's weighted cross-entropy sum under the drafter's autocast: the step's
+        forward, which the start-up memory probe (device_fit.py) runs too."""
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+            hidden = self._forward(batch, features, mask)
+            return weighted_ce_sum(hidden, self.head, batch.labels, batch.weights, fp8_head=self.fp8_head)
 
     def _forward(self, batch, features: torch.Tensor, mask) -> torch.Tensor:
         ctx_positions = batch.layout.ctx_pos.to(self.device, torch.long)

@@ -50,7 +50,6 @@ def _device_main(settings, device: str, name: str, tasks, results, throttle_s: f
         if task is None:
             return
         batch_id, prompts, max_new = task
-        results.put(("took", batch_id, name))
         try:
             outputs, stats = gen.generate(prompts, max_new)
             error = None
@@ -71,7 +70,6 @@ class DevicePool:
         self._procs = {}
         self._ids = itertools.count()
         self._out: dict[int, list] = {}  # batch id -> keys
-        self._taken: dict[int, str] = {}  # batch id -> device
         self.devices = devices
         for i, device in enumerate(devices):
             name = f"{device}#{i}" if devices.count(device) > 1 else device
@@ -114,11 +112,8 @@ class DevicePool:
             msg = self._next(deadline - time.monotonic())
             if msg is None:
                 return None
-            if msg[0] == "took":
-                self._taken[msg[1]] = msg[2]
-            elif msg[0] == "done":
+            if msg[0] == "done":
                 _, batch_id, device, outputs, stats, error = msg
-                self._taken.pop(batch_id, None)
                 return self._out.pop(batch_id), outputs, stats, device, error
 
     def _next(self, timeout_s: float):

@@ -71,16 +71,17 @@ class Generator:
 
     def __init__(self, settings: GeneratorSettings, device: str, model=None):
         import torch
-        from transformers import AutoModelForCausalLM
 
         from dflash_ipc.dtypes import resolve_dtype
+        from dflash_ipc.target.text_stack import load_causal_lm
 
         if settings.num_threads and device.startswith("cpu"):
             torch.set_num_threads(settings.num_threads)
         self.settings = settings
         self.device = device
         if model is None:
-            model = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=resolve_dtype(settings.dtype, device))
+            # The image-text class for multimodal targets (Qwen3-VL, Gemma 3); missing weights refused.
+            model = load_causal_lm(settings.model_dir, dtype=resolve_dtype(settings.dtype, device))
             model.to(device)
         self.model = model.eval()
         self._stops = torch.as_tensor(sorted(settings.stop_ids), dtype=torch.long, device=device)
