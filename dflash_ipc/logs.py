@@ -36,3 +36,12 @@ def setup_logging(role: str, *, level: str = "INFO", log_file: str | None = None
     # transformers and torch are chatty at INFO about things that are expected here.
     for noisy in ("transformers", "torch", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+
+
+def tail_lines(path: str, lines: int, *, max_bytes: int = 8000) -> list[str]:
+    """The last `lines` lines within the last `max_bytes` bytes of a log file, read from its
+    end (a long job's log may be gigabytes); OSError when it cannot be read."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - max_bytes))
+        return f.read(max_bytes).decode(errors="replace").splitlines()[-lines:]

@@ -26,6 +26,7 @@ import tempfile
 
 from dflash_ipc.config import JobConfig
 from dflash_ipc.errors import DFlashError
+from dflash_ipc.logs import tail_lines
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,7 @@ class FollowerError(DFlashError):
 
 def _tail(path: str, lines: int = 20) -> str:
     try:
-        with open(path, "rb") as f:
-            return "\n".join(f.read()[-6000:].decode(errors="replace").splitlines()[-lines:])
+        return "\n".join(tail_lines(path, lines, max_bytes=6000))
     except OSError:
         return "(no log)"
 

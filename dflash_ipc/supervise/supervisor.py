@@ -34,6 +34,7 @@ from dflash_ipc.errors import DataError
 from dflash_ipc.json_files import read_json_object
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.liveness import read_beacon
+from dflash_ipc.logs import tail_lines
 from dflash_ipc.job_sinks import open_sinks
 from dflash_ipc.metric_sinks import MetricSinks
 from dflash_ipc.machine import check_job_devices
@@ -324,9 +325,7 @@ class Supervisor:
     def _tail_log(child: Child, lines: int = 25) -> None:
         log.error("%s (pid %s) exited with code %s; see %s", child.role, child.pid, child.poll(), child.log_path)
         try:
-            with open(child.log_path, "rb") as f:
-                tail = f.read()[-8000:].decode(errors="replace").splitlines()[-lines:]
-            for line in tail:
+            for line in tail_lines(child.log_path, lines):
                 log.error("  %s| %s", child.role, line)
         except OSError:
             pass
