@@ -480,7 +480,7 @@ def _add_options(fn, options: list):
               help="tiny: hidden 64, 2 layers, vocab 512, same step sizes (a quick GPU smoke test).")
 @click.option("--seq-len", "seq_lens", multiple=True, type=int, default=(2048,), show_default=True,
               help="Tokens per sequence (context keys per sequence); repeatable: one report per length, "
-                   "in one process (compiled once).")
+                   "in one process (the bf16 parts compiled once; fp8 layers per variant).")
 @click.option("--num-seqs", default=4, show_default=True, help="Sequences per step.")
 @click.option("--anchors-per-seq", default=512, show_default=True, help="Anchors (blocks) per sequence.")
 @precision_options(default="bf16")

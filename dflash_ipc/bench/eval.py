@@ -25,6 +25,7 @@ Run manual (one H200, about 3 minutes with the target build)::
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -132,8 +133,7 @@ def legacy_rows(target_dir: str, model: DFlashDraftModel, prompts: Sequence[np.n
 
     def speculative():
         results = [speculative_generate(target, proposer, p, max_new_tokens=max_new_tokens) for p in prompts]
-        cycles = sum(r.stats.num_cycles for r in results)
-        return sum(len(r.output_ids) for r in results), sum(r.stats.num_committed for r in results) / max(cycles, 1)
+        return sum(len(r.output_ids) for r in results), _pooled_tau([r.stats for r in results])
 
     def plain():
         return sum(len(greedy_generate(target, p, max_new_tokens=max_new_tokens)) for p in prompts), math.nan
@@ -168,10 +168,7 @@ def batched_rows(target: BatchedTarget, model: DFlashDraftModel, prompts: Sequen
         for mode, decoder in decoders(batch_size):
             def run(decoder=decoder):
                 result = decoder.run(requests(n))
-                stats = [g.stats for g in result.generations if g.stats is not None]
-                tau = sum(s.num_committed for s in stats) / max(sum(s.num_cycles for s in stats), 1) if stats \
-                    else math.nan
-                return result.num_generated, tau
+                return result.num_generated, _pooled_tau([g.stats for g in result.generations if g.stats is not None])
             rows.append(_measure(Row(impl="batched", mode=mode, batch_size=batch_size, num_prompts=n),
                                  target.device, run))
         if any(r.error for r in rows[-2:]):
@@ -257,3 +254,13 @@ def format_table(f: dict) -> str:
                      f"{s['vs_legacy']:.1f}x legacy {mode} ({s['legacy_tokens_per_s']:,.1f} tok/s){goal}")
     lines.append(f"  target build {f['build_s']:.1f} s, whole bench {f['total_s']:.1f} s")
     return "\n".join(lines)
+
+
+def _pooled_tau(stats: list) -> float:
+    """tau over every cycle of the runs (NaN when none ran a cycle)."""
+    if not stats:
+        return math.nan
+    pooled = copy.deepcopy(stats[0])
+    for other in stats[1:]:
+        pooled.merge(other)
+    return pooled.tau
