@@ -39,8 +39,15 @@ def _load(config: str | None, overrides: tuple[str, ...]):
 
 
 def _exit_on_sigterm() -> None:
-    """SIGTERM unwinds like an exception, so `finally` blocks close pools and sockets."""
+    """SIGTERM unwinds like an exception, so `finally` blocks close pools and sockets.
+
+    Once only: when the supervisor dies, a child hears SIGTERM twice (the parent-death
+    signal, then `ParentWatch` a second later), and a second SystemExit raised inside the
+    unwinding skips what is left of it, such as the `finally` that unlinks a shared-memory
+    segment. Later SIGTERMs are ignored; the supervisor's SIGKILL after its grace period
+    still ends a child that does not finish."""
     def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, handler)
 
@@ -49,9 +56,10 @@ def _stage_setup(role: str, cfg) -> None:
     from dflash_ipc.logs import setup_logging
     setup_logging(role, level=cfg.run.log_level)
     _exit_on_sigterm()
-    if os.environ.get("DFLASH_IPC_SUPERVISED"):
+    supervisor = os.environ.get("DFLASH_IPC_SUPERVISED", "")
+    if supervisor:
         from dflash_ipc.supervise.children import ParentWatch
-        ParentWatch().start()
+        ParentWatch(parent=int(supervisor) if supervisor.isdigit() else None).start()
 
 
 def _finished_before(cfg) -> bool:

@@ -241,6 +241,68 @@ def test_node_sweep_leaves_other_nodes_segments(tmp_path):
         one.close()
 
 
+def test_a_signal_while_the_segment_is_made_leaves_none_and_a_stale_one_is_not_ours(monkeypatch):
+    import dflash_ipc.transport.shm as shm
+    real_create = shm._create_segment
+
+    def interrupted(segment, nbytes):  # a SIGTERM (SystemExit) right after the file exists
+        real_create(segment, nbytes)
+        raise SystemExit(143)
+
+    monkeypatch.setattr(shm, "_create_segment", interrupted)
+    with pytest.raises(SystemExit):
+        create_pool(SlotLayout(1, 1, 1, "float32"), "cpu", name=PREFIX + "signal")
+    assert list_segments(PREFIX) == []
+    monkeypatch.setattr(shm, "_create_segment", real_create)
+    stale = f"{PREFIX}stale-{os.getpid()}"
+    open(os.path.join(shm.SHM_DIR, stale), "wb").close()
+    try:
+        with pytest.raises(TransportError, match="already exists"):
+            create_pool(SlotLayout(1, 1, 1, "float32"), "cpu", name=PREFIX + "stale")
+        import gc
+        gc.collect()  # the failed pool's finalizer, had it stayed attached, would run here
+        assert list_segments(PREFIX) == [stale]
+    finally:
+        unlink_segments(PREFIX)
+
+
+_TWICE_TERMINATED = """
+import os, signal, sys, time
+from dflash_ipc.cli import _exit_on_sigterm
+from dflash_ipc.transport.backends import create_pool
+from dflash_ipc.transport.slots import SlotLayout
+_exit_on_sigterm()
+pool = create_pool(SlotLayout(1, 1, 1, "float32"), "cpu", name=sys.argv[1])
+try:
+    print("ready", flush=True)
+    time.sleep(60)
+finally:
+    print("unwinding", flush=True)
+    time.sleep(1.0)  # closing sockets and files takes a while; the second SIGTERM lands here
+    pool.close()
+    print("closed", flush=True)
+"""
+
+
+def test_a_second_sigterm_does_not_cut_the_unwinding_short():
+    # A dead supervisor's children hear SIGTERM twice: the parent-death signal, then
+    # ParentWatch. The second must not skip the `finally` that closes the pool.
+    child = subprocess.Popen([sys.executable, "-c", _TWICE_TERMINATED, PREFIX + "twice"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        child.send_signal(signal.SIGTERM)
+        assert child.stdout.readline().strip() == "unwinding"
+        child.send_signal(signal.SIGTERM)
+        out, _ = child.communicate(timeout=30)
+        assert child.returncode == 128 + signal.SIGTERM and out.split() == ["closed"]
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(5)
+        unlink_segments(PREFIX)
+
+
 # --- producer and consumer in separate processes -------------------------------------------
 
 

@@ -97,16 +97,21 @@ def stop_children(children: list[Child], grace_s: float) -> None:
 
 
 class ParentWatch(threading.Thread):
-    """Exits this process (via SIGTERM to itself) when the parent that started it is gone."""
+    """Exits this process (via SIGTERM to itself) when the parent that started it is gone.
 
-    def __init__(self, interval_s: float = 1.0) -> None:
+    `parent` is the supervisor's pid as it passed it down (`DFLASH_IPC_SUPERVISED`): a
+    supervisor killed between fork and the parent-death `prctl`, or before this thread
+    starts, has already handed the child to another parent, and `os.getppid()` read here
+    would take that one for the supervisor."""
+
+    def __init__(self, interval_s: float = 1.0, parent: int | None = None) -> None:
         super().__init__(daemon=True, name="parent-watch")
-        self.parent = os.getppid()
+        self.parent = os.getppid() if parent is None else parent
         self.interval_s = interval_s
 
     def run(self) -> None:
         while True:
-            time.sleep(self.interval_s)
             if os.getppid() != self.parent:
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
+            time.sleep(self.interval_s)

@@ -123,7 +123,7 @@ class Supervisor:
             if curve_required(self.cfg.dispatch.auth, self.cfg.dispatcher_address):
                 ensure_keys(self.files.curve_keys)
         dump_config(self.cfg, self.files.config)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", DFLASH_IPC_SUPERVISED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", DFLASH_IPC_SUPERVISED=str(os.getpid()))
         env.update(rendezvous_env(self.cfg, os.environ))
         roles = self.roles()
         cpu_workers = sum(self._device(r) == "cpu" for r in roles if r.kind != "dispatcher")

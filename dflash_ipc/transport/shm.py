@@ -113,10 +113,19 @@ class ShmSlotPool(SlotPool):
         _require_dev_shm()
         self.layout = layout
         self.segment = f"{name}-{os.getpid()}"
-        _create_segment(self.segment, layout.pool_bytes)
         # Unlinks at interpreter exit too, if the owner forgets close(); SIGKILL leaves the
-        # segment to the supervisor's prefix sweep.
+        # segment to the supervisor's prefix sweep. Registered before the segment exists, so
+        # a SIGTERM (SystemExit) between the two cannot leave it behind.
         self._finalizer = weakref.finalize(self, _unlink_quietly, self.segment)
+        try:
+            _create_segment(self.segment, layout.pool_bytes)
+        except TransportError:
+            # It cleaned up after itself; a segment of this name that exists is not ours.
+            self._finalizer.detach()
+            raise
+        except BaseException:  # a signal mid-way: whatever was created is ours
+            self._finalizer()
+            raise
         try:
             self._flat: torch.Tensor | None = _map(self.segment, layout.pool_bytes)
         except Exception as exc:
