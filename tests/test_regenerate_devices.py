@@ -2,12 +2,15 @@
 
 import json
 import os
+import queue
 
 import pytest
 import torch
 
 from dflash_ipc.data.tiny import TINY_VOCAB_WORDS
-from dflash_ipc.errors import ConfigError
+from dflash_ipc.errors import ConfigError, DataError
+from dflash_ipc.regenerate import devices as regen_devices
+from dflash_ipc.regenerate.generator import GeneratorSettings
 from dflash_ipc.regenerate.hf import HFBackend
 from dflash_ipc.regenerate.options import GenerationOptions
 
@@ -42,3 +45,62 @@ def test_devices_are_checked(tiny_cache):
                            (absent, absent)):
         with pytest.raises(ConfigError, match=match):
             HFBackend(target, GenerationOptions(), devices=devices)
+
+
+class _FailingGenerator:
+    """A device's Generator whose every batch fails, as a CUDA error would."""
+    usable = True
+
+    def __init__(self, settings, device):
+        self.device = device
+
+    def generate(self, prompts, max_new_tokens):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def device_usable(self) -> bool:
+        return self.usable
+
+
+class _NoWatch:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def start(self):
+        pass
+
+
+def _step_device(monkeypatch, usable: bool, num_batches: int) -> tuple[list, queue.Queue]:
+    """Runs one device process's loop here, on plain queues: what it answered, and its tasks."""
+    from dflash_ipc.supervise import children
+    monkeypatch.setattr(_FailingGenerator, "usable", usable)
+    monkeypatch.setattr(regen_devices, "Generator", _FailingGenerator)
+    monkeypatch.setattr(children, "ParentWatch", _NoWatch)
+    monkeypatch.setattr(regen_devices.signal, "signal", lambda *args: None)  # pytest keeps its Ctrl-C
+    tasks, results = queue.Queue(), queue.Queue()
+    for i in range(num_batches):
+        tasks.put((i, [[5, 6, 7]], [4]))
+    tasks.put(None)
+    regen_devices._device_main(GeneratorSettings("unused"), "cuda:7", "cuda:7", tasks, results, 0.0)
+    answers = []
+    while not results.empty():
+        answers.append(results.get_nowait())
+    return answers, tasks
+
+
+def test_a_batch_that_breaks_its_device_stops_that_process_and_fails_the_run(monkeypatch):
+    # A broken CUDA context fails every later batch in moments: a process that went on would
+    # pull, and reject, most of the remaining rows.
+    answers, tasks = _step_device(monkeypatch, usable=False, num_batches=3)
+    assert [a[0] for a in answers] == ["ready", "broken"] and tasks.qsize() == 3  # took no other batch
+    pool = object.__new__(regen_devices.DevicePool)  # the parent's side of the queue only
+    pool._results, pool._procs, pool._out = queue.Queue(), {}, {}
+    pool._results.put(answers[1])
+    with pytest.raises(DataError, match=r"failed on cuda:7 and left the device unusable \(RuntimeError: CUDA "
+                                        r"error: an illegal memory access.*rerun to resume"):
+        pool.get(5.0)
+
+
+def test_a_batch_that_fails_on_a_device_that_still_works_only_rejects_its_rows(monkeypatch):
+    answers, tasks = _step_device(monkeypatch, usable=True, num_batches=2)
+    assert [a[0] for a in answers] == ["ready", "done", "done"] and tasks.empty()
+    assert all(a[3] is None and "illegal memory access" in a[5] for a in answers[1:])

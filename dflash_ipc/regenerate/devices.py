@@ -7,7 +7,10 @@ The processes are spawned (no CUDA state or threads inherited), load the model o
 a `None` task, ignore Ctrl-C (the parent stops them by pid: a None task, terminate, then
 kill) and exit when their parent is gone (`ParentWatch`), so a parent killed outright leaves
 none behind. A process that dies unexpectedly fails the run with a DataError naming its
-device (rows already written stay; a rerun resumes).
+device (rows already written stay; a rerun resumes). So does a batch that fails and leaves
+its device unusable (a CUDA error that sticks to the process): that process reports it and
+exits rather than failing, in moments, every batch it would pull next. A batch that fails
+on a device that still works only rejects its rows.
 
 The queues carry token ids and ints between our own processes, nothing read from disk.
 """
@@ -55,6 +58,9 @@ def _device_main(settings, device: str, name: str, tasks, results, throttle_s: f
             error = None
         except Exception as e:
             outputs, stats, error = None, None, f"{type(e).__name__}: {e}"[:500]
+            if not gen.device_usable():
+                results.put(("broken", name, error))
+                return  # its rows stay in flight: not rejected, a rerun generates them
         if throttle_s:
             time.sleep(throttle_s)  # tests: a slow device
         results.put(("done", batch_id, name, outputs, stats, error))
@@ -117,13 +123,19 @@ class DevicePool:
                 return self._out.pop(batch_id), outputs, stats, device, error
 
     def _next(self, timeout_s: float):
-        """The next message, or None after timeout_s; DataError when a process died."""
+        """The next message, or None after timeout_s; DataError when a process died or reported
+        its device broken."""
         end = time.monotonic() + max(0.0, timeout_s)
         while True:
             try:
-                return self._results.get(timeout=min(0.5, max(0.0, end - time.monotonic())) or 0.01)
+                msg = self._results.get(timeout=min(0.5, max(0.0, end - time.monotonic())) or 0.01)
             except queue.Empty:
-                pass
+                msg = None
+            if msg is not None and msg[0] == "broken":
+                raise DataError(f"regenerate: a batch failed on {msg[1]} and left the device unusable ({msg[2]}); "
+                                "rows written so far are kept, rerun to resume")
+            if msg is not None:
+                return msg
             for p, name in self._procs.values():
                 if p.exitcode is not None:
                     raise DataError(f"regenerate: the process on {name} (pid {p.pid}) died with exit code "

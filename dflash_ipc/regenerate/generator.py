@@ -88,6 +88,18 @@ class Generator:
         cache = settings.cache if settings.cache != "auto" else ("static" if device.startswith("cuda") else "dynamic")
         self._cache = cache
 
+    def device_usable(self) -> bool:
+        """False when this process's CUDA context is broken: an illegal address, a device-side
+        assert or an ECC error sticks to the context, and every later call fails the same way
+        (fast, so a device process that went on would reject most of the remaining rows)."""
+        if not self.device.startswith("cuda"):
+            return True
+        import torch
+        try:
+            return torch.ones(1, device=self.device).add_(1).item() == 2.0  # .item() synchronizes
+        except Exception:  # noqa: BLE001 - any failure here means the context is gone
+            return False
+
     def _config(self, max_new_tokens: int):
         from transformers import GenerationConfig
 

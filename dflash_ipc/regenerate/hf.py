@@ -114,8 +114,8 @@ class HFBackend:
         reqs = [self._requests[k] for k in keys]
         try:
             outputs, stats = self._local.generate([r.prompt_ids for r in reqs], [r.max_new_tokens for r in reqs])
-        except Exception as e:  # a batch of one that fails (a model error)
-            if len(keys) > 1:
+        except Exception as e:  # a batch of one that fails (a model error) on a device that still works
+            if len(keys) > 1 or not self._local.device_usable():
                 raise
             return self._replies(keys, None, f"{type(e).__name__}: {e}"[:500])
         self.stats.add(stats, self._local.device)
