@@ -182,6 +182,10 @@ def test_the_end_of_data_drains_the_queue_then_waits_for_shutdown(tmp_path):
     loop.finish()
     (commit,) = link.of(p.Committed)
     assert commit.samples == [[0, 5]] and loop.shutdown
+    # The last step's metrics went out before the commit that ends the job (final_status.json).
+    beats = [i for i, m in enumerate(link.sent) if isinstance(m, p.Heartbeat)]
+    assert beats and beats[-1] < link.sent.index(commit)
+    assert link.sent[beats[-1]].metrics["step"] == 1.0
 
 
 class PeerGroup(SoloGroup):
