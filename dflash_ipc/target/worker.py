@@ -19,6 +19,7 @@ hands each batch to the followers just before computing it (worker_group.py); a 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -140,28 +141,25 @@ def _lead(cfg: JobConfig, rank: int, capture: FeatureCapture, dataset: TokenData
                         max_tokens=SlotLayout.required_max_tokens(cfg.data.token_budget),
                         feature_dim=capture.feature_dim, dtype=cfg.target.dtype)
     check_pool_fits(layout, device)
-    pool = create_pool(layout, device, name=cfg.files.pool_name(rank),
-                       publish_sync=cfg.publish_sync_of(rank))
-    try:
+    # Each resource is closed from the moment it exists, in reverse order: a SIGTERM between
+    # two of these lines still unlinks the pool's segment.
+    with contextlib.ExitStack() as opened:
+        pool = create_pool(layout, device, name=cfg.files.pool_name(rank),
+                           publish_sync=cfg.publish_sync_of(rank))
+        opened.callback(pool.close)
         # the heaviest batch of the plan fits, or a ConfigError
         probe_target_batch(capture, pool, cfg.data, device, longest=int(dataset.lengths.max()))
-    except BaseException:
-        pool.close()
-        raise
-    link = DispatcherLink.for_job(cfg, f"target/{rank}")
-    worker = TargetWorker(capture, dataset, pool, group)
-    timeline = TimelineWriter(cfg.files.timeline(f"target/{rank}"), f"target/{rank}")
-    try:
+        link = DispatcherLink.for_job(cfg, f"target/{rank}")
+        opened.callback(link.close)
+        worker = TargetWorker(capture, dataset, pool, group)
+        timeline = TimelineWriter(cfg.files.timeline(f"target/{rank}"), f"target/{rank}")
+        opened.callback(timeline.close)
         while True:
             try:
                 _serve(cfg, rank, worker, link, timeline)
                 break
             except DispatcherRestarted as exc:
                 log.warning("%s: registering again", exc)
-    finally:
-        timeline.close()
-        link.close()
-        pool.close()
 
 
 def _serve(cfg: JobConfig, rank: int, worker: TargetWorker, link: DispatcherLink,
