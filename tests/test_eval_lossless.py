@@ -14,6 +14,7 @@ from dflash_ipc.eval.prompt_sets import PromptCase, PromptSet
 from dflash_ipc.eval.requests import Generation, Request, RequestList
 from dflash_ipc.eval.speculative import EvalOptions, build_report, evaluate
 from dflash_ipc.eval.target_runner import BatchedTarget
+from dflash_ipc.eval.unbatched import DFlashProposer, TargetLM, UnbatchedDecoder
 from eval_helpers import LAYER_IDS, eval_data, random_drafter
 
 torch.set_num_threads(1)
@@ -67,11 +68,11 @@ def tied_target(tiny_cache, tmp_path_factory):
     weights = load_file(os.path.join(source, "model.safetensors"))
     weights["lm_head.weight"][b] = weights["lm_head.weight"][a]
     save_file(weights, os.path.join(out, "model.safetensors"))
-    return BatchedTarget(out, layer_ids=LAYER_IDS, dtype="float32"), prompt, a, b
+    return BatchedTarget(out, layer_ids=LAYER_IDS, dtype="float32"), prompt, a, b, out
 
 
 def test_a_flip_at_an_exact_tie_is_a_near_tie_and_elsewhere_a_mismatch(tied_target):
-    target, prompt, a, b = tied_target
+    target, prompt, a, b, _ = tied_target
     request = Request(key=(0, 0), prompt_ids=prompt, max_new_tokens=12)
     plain = PlainDecoder(target, batch_size=1).run(RequestList([request]))
     reference = plain.generations[0]
@@ -93,6 +94,24 @@ def test_a_flip_at_an_exact_tie_is_a_near_tie_and_elsewhere_a_mismatch(tied_targ
     bug = verdict_if_token(clear, (reference.tokens[clear] + 1) % 1000)
     assert bug.samples[0].check.verdict == "mismatch" and bug.lossless_mismatches == [0]
     assert bug.samples[0].check.plain_margin == pytest.approx(reference.margins[clear])
+
+
+def test_the_unbatched_decoder_keeps_the_margins_that_tell_a_near_tie(tied_target):
+    """Targets with recurrent layers run the unbatched decoder: its generations, plain and
+    speculative, carry the target's margin at every token, as the batched decoder's do."""
+    batched, prompt, a, b, target_dir = tied_target
+    request = Request(key=(0, 0), prompt_ids=prompt, max_new_tokens=12)
+    plain = PlainDecoder(batched, batch_size=1).run(RequestList([request])).generations[0]
+    target = TargetLM(target_dir, layer_ids=LAYER_IDS, dtype="float32")
+    proposer = DFlashProposer(random_drafter(target_dir, num_layers=1, block_size=8), target.head)
+    for decoder in (UnbatchedDecoder(target), UnbatchedDecoder(target, proposer)):
+        generation = decoder.run(RequestList([request])).generations[0]
+        assert generation.tokens == plain.tokens and generation.margins[0] == 0.0  # the exact tie
+        assert generation.margins == pytest.approx(plain.margins, abs=1e-4)
+        assert generation.top_logits == pytest.approx(plain.top_logits, abs=1e-4)
+        flipped = copy.deepcopy(generation)
+        flipped.tokens[0] = b
+        assert compare(flipped, generation, dtype=torch.float32).verdict == "near_tie"
 
 
 def test_bf16_outputs_are_identical_or_near_ties(tiny_cache):

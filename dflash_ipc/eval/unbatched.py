@@ -15,7 +15,10 @@ tokens (x = committed tokens, F = the captured target layers of each position):
       commit longest matching prefix + the target's next token (acceptance.verify_block);
              keep F and the KV cache of positions s..s+c-1, drop the rest.
 
-Each cycle reads its results back to the host token by token (``int()``, ``.cpu()``).
+Each cycle reads its results back to the host token by token (``int()``, ``.cpu()``). Every
+forward also keeps the target's top-1 minus top-2 logit of each position it returns
+(``TargetLM.last_margins``), so ``--check-lossless`` can tell a near-tie from a mismatch here
+as with the batched decoders.
 A recurrent layer's state cannot be cut back to before a rejected draft, so on such targets
 ``truncate`` re-runs the kept prefix (exact; eval time grows with the context, tau does not move).
 """
@@ -39,7 +42,7 @@ from dflash_ipc.eval.acceptance import AcceptanceStats, verify_block
 from dflash_ipc.eval.decoding import DecodeRun
 from dflash_ipc.eval.report import SampleResult
 from dflash_ipc.eval.requests import Generation, RequestSource
-from dflash_ipc.eval.sampling import Sampling
+from dflash_ipc.eval.sampling import Sampling, top2_margin
 from dflash_ipc.eval.target_runner import TargetModel
 
 
@@ -53,6 +56,9 @@ class TargetLM(TargetModel):
         super().__init__(target_dir, layer_ids=layer_ids, device=device, dtype=dtype)
         self._cache = None
         self._ids: list[int] = []  # the tokens in the cache
+        # Of the last prefill/extend, per position returned: top-1 minus top-2 logit, top-1 logit.
+        self.last_margins: list[float] = []
+        self.last_tops: list[float] = []
 
     def _forward(self, ids: Tensor, **kwargs) -> tuple[Tensor, Tensor]:
         """ids ``[k]`` after the cached positions -> (logits ``[k', V]``, features ``[k, F]``)."""
@@ -60,7 +66,10 @@ class TargetLM(TargetModel):
                          **{self.cache_kw: self._cache}, **kwargs)
         self.num_forwards += 1
         self._ids += ids.reshape(-1).tolist()
-        return out.logits[0], self.capture.take()[0]
+        logits = out.logits[0]  # [k', V]
+        margins, tops = top2_margin(logits)
+        self.last_margins, self.last_tops = margins.tolist(), tops.tolist()
+        return logits, self.capture.take()[0]
 
     def _new_cache(self):
         from transformers import DynamicCache
@@ -144,14 +153,19 @@ class DFlashProposer:
 
 @torch.inference_mode()
 def speculative_generate(target: TargetLM, proposer: Proposer, prompt_ids: Tensor | np.ndarray, *,
-                         max_new_tokens: int, sample_id: int = -1) -> SampleResult:
-    """Greedy speculative decoding of one prompt ``[P]``; see the module docstring."""
+                         max_new_tokens: int, sample_id: int = -1,
+                         margins: list[float] | None = None, tops: list[float] | None = None) -> SampleResult:
+    """Greedy speculative decoding of one prompt ``[P]``; see the module docstring. ``margins``
+    and ``tops``, when given, get the target's margin and top-1 logit of each token chosen."""
+    margins, tops = (margins if margins is not None else []), (tops if tops is not None else [])
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1")
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)  # [P]
     num_prompt, bs = int(prompt.numel()), proposer.block_size
     stats = AcceptanceStats(block_size=bs)
     first, feats = target.prefill(prompt)
+    margins += target.last_margins[-1:]
+    tops += target.last_tops[-1:]
     stats.add_prefill(1)
     context = feats.new_empty(num_prompt + max_new_tokens, feats.shape[1])  # [P+N, F] grows in place
     context[:num_prompt] = feats
@@ -165,6 +179,9 @@ def speculative_generate(target: TargetLM, proposer: Proposer, prompt_ids: Tenso
         tokens, cycle = verify_block(drafted, target_next, remaining=remaining,
                                      stop_token_ids=target.stop_token_ids)
         stats.add_cycle(cycle)
+        # Greedy: the committed tokens are the target's own choices at s+1..s+len(tokens).
+        margins += target.last_margins[: len(tokens)]
+        tops += target.last_tops[: len(tokens)]
         c = cycle.num_committed
         context[s : s + c] = block_feats[:c]  # the anchor and the accepted drafts before the bonus
         target.truncate(s + c)
@@ -174,16 +191,23 @@ def speculative_generate(target: TargetLM, proposer: Proposer, prompt_ids: Tenso
 
 
 @torch.inference_mode()
-def greedy_generate(target: TargetLM, prompt_ids: Tensor | np.ndarray, *, max_new_tokens: int) -> list[int]:
-    """Plain greedy decoding, one target forward per token (the losslessness reference)."""
+def greedy_generate(target: TargetLM, prompt_ids: Tensor | np.ndarray, *, max_new_tokens: int,
+                    margins: list[float] | None = None, tops: list[float] | None = None) -> list[int]:
+    """Plain greedy decoding, one target forward per token (the losslessness reference);
+    ``margins`` and ``tops`` as in ``speculative_generate``."""
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    margins, tops = (margins if margins is not None else []), (tops if tops is not None else [])
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
     first, _ = target.prefill(prompt)
     out = [first]
+    margins += target.last_margins[-1:]
+    tops += target.last_tops[-1:]
     while len(out) < max_new_tokens and out[-1] not in target.stop_token_ids:
         nxt, _ = target.extend(torch.tensor([out[-1]]))
         out.append(int(nxt[0]))
+        margins += target.last_margins
+        tops += target.last_tops
     return out
 
 
@@ -205,14 +229,17 @@ class UnbatchedDecoder:
         started, forwards = time.perf_counter(), self.target.num_forwards
         done: list[Generation] = []
         while (request := source.next_request()) is not None:
+            margins, tops = [], []
             if self.proposer is None:
-                tokens = greedy_generate(self.target, request.prompt_ids, max_new_tokens=request.max_new_tokens)
-                gen = Generation(request=request, tokens=tokens, stopped=tokens[-1] in self.target.stop_token_ids)
+                tokens = greedy_generate(self.target, request.prompt_ids, max_new_tokens=request.max_new_tokens,
+                                         margins=margins, tops=tops)
+                gen = Generation(request=request, tokens=tokens, stopped=tokens[-1] in self.target.stop_token_ids,
+                                 margins=margins, top_logits=tops)
             else:
                 result = speculative_generate(self.target, self.proposer, request.prompt_ids,
-                                              max_new_tokens=request.max_new_tokens)
+                                              max_new_tokens=request.max_new_tokens, margins=margins, tops=tops)
                 gen = Generation(request=request, tokens=result.output_ids, stopped=result.stopped,
-                                 stats=result.stats)
+                                 stats=result.stats, margins=margins, top_logits=tops)
             done.append(gen)
             source.finished(gen)
             if self.progress:
