@@ -56,10 +56,9 @@ def _stage_setup(role: str, cfg) -> None:
     from dflash_ipc.logs import setup_logging
     setup_logging(role, level=cfg.run.log_level)
     _exit_on_sigterm()
-    supervisor = os.environ.get("DFLASH_IPC_SUPERVISED", "")
-    if supervisor:
-        from dflash_ipc.supervise.children import ParentWatch
-        ParentWatch(parent=int(supervisor) if supervisor.isdigit() else None).start()
+    from dflash_ipc.supervise.children import SUPERVISOR_ENV, ParentWatch, supervisor_pid
+    if os.environ.get(SUPERVISOR_ENV):
+        ParentWatch(parent=supervisor_pid()).start()
 
 
 def _finished_before(cfg) -> bool:

@@ -42,3 +42,44 @@ def test_a_child_of_a_living_supervisor_keeps_running():
     finally:
         child.kill()
         child.wait(5)
+
+
+class _Loop:
+    stop_reason = None
+
+
+def _signals_after(watch, enter_then):
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with watch:
+            enter_then()
+        return {s: signal.getsignal(s) for s in previous}
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def test_a_training_drafter_stops_at_a_signal_and_unwinds_once_when_its_supervisor_is_gone():
+    from dflash_ipc.drafter.worker import StopOnSignal
+    # Its supervisor alive: a SIGTERM asks the group to stop together; nothing unwinds.
+    loop = _Loop()
+    kept = _signals_after(StopOnSignal(loop), lambda: os.kill(os.getpid(), signal.SIGTERM))
+    assert loop.stop_reason == "SIGTERM" and kept[signal.SIGTERM] is not signal.SIG_IGN
+    # Its supervisor gone: the first SIGTERM unwinds; the second (ParentWatch's) is ignored,
+    # during the unwinding and after it.
+    gone = StopOnSignal(_Loop())
+    gone._parent = -1  # not this process's parent: as after the supervisor died
+
+    def twice():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+        except SystemExit as first:
+            assert first.code == 128 + signal.SIGTERM
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # a handler that raised again would do it here
+            return
+        raise AssertionError("the first SIGTERM did not unwind")
+
+    after = _signals_after(gone, twice)
+    assert after[signal.SIGTERM] is signal.SIG_IGN and after[signal.SIGINT] is signal.SIG_IGN

@@ -27,6 +27,7 @@ import tempfile
 from dflash_ipc.config import JobConfig
 from dflash_ipc.errors import DFlashError
 from dflash_ipc.logs import tail_lines
+from dflash_ipc.supervise.children import SUPERVISOR_ENV
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def worker_followers(cfg: JobConfig):
     config = os.path.join(folder, "config.yaml")
     dump_config(cfg, config)
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{ADDRESS_ENV: f"file://{folder}/rendezvous"})
-    env.pop("DFLASH_IPC_SUPERVISED", None)
+    env.pop(SUPERVISOR_ENV, None)
     procs = []
     for tp_rank in range(1, k):
         log_path = os.path.join(folder, f"follower-{tp_rank}.log")

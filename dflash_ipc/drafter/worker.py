@@ -36,7 +36,7 @@ from dflash_ipc.liveness import Beacon
 from dflash_ipc.metrics import TimelineWriter
 from dflash_ipc.profiling import IterationProfiler
 from dflash_ipc.machine import require_device
-from dflash_ipc.supervise.children import replaced_pids
+from dflash_ipc.supervise.children import replaced_pids, supervisor_pid
 from dflash_ipc.target.capture import load_target_config
 from dflash_ipc.transport.backends import ReaderCache, check_peer_access
 
@@ -46,12 +46,15 @@ log = logging.getLogger(__name__)
 class StopOnSignal:
     """While entered, SIGTERM/SIGINT set `loop.stop_reason` instead of unwinding: the group
     leaves together after a closing checkpoint. A signal that comes because the supervisor
-    died (the parent-death signal) unwinds at once: nobody is left to commit a checkpoint."""
+    died (the parent-death signal) unwinds at once: nobody is left to commit a checkpoint.
+    It unwinds once: later signals (`ParentWatch` sends another) are ignored from then on, on
+    leaving too, so they cannot cut the unwinding short."""
 
     def __init__(self, loop: DrafterLoop) -> None:
         self.loop = loop
         self._previous: dict = {}
-        self._parent = os.getppid()
+        self._parent = supervisor_pid() or os.getppid()
+        self._unwinding = False
 
     def __enter__(self) -> "StopOnSignal":
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -60,10 +63,15 @@ class StopOnSignal:
 
     def _on_signal(self, signum, frame) -> None:
         if os.getppid() != self._parent:
+            self._unwinding = True
+            for sig in self._previous:
+                signal.signal(sig, signal.SIG_IGN)
             raise SystemExit(128 + signum)
         self.loop.stop_reason = signal.Signals(signum).name
 
     def __exit__(self, *exc) -> None:
+        if self._unwinding:
+            return  # keep ignoring: the handlers before us would raise again
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 

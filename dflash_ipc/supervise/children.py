@@ -23,6 +23,15 @@ log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 REPLACES_ENV = "DFLASH_IPC_REPLACES"  # the pids a restarted child replaces, comma-separated
+SUPERVISOR_ENV = "DFLASH_IPC_SUPERVISED"  # the supervisor's pid, in every child it starts
+
+
+def supervisor_pid() -> int | None:
+    """The pid of the supervisor that started this process, or None when run by hand. Read
+    from the environment, not `os.getppid()`: a supervisor that died before this is read has
+    already handed its child to another parent."""
+    raw = os.environ.get(SUPERVISOR_ENV, "")
+    return int(raw) if raw.isdigit() else None
 
 
 def replaced_pids() -> list[int]:

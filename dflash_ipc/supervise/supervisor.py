@@ -38,7 +38,7 @@ from dflash_ipc.logs import tail_lines
 from dflash_ipc.job_sinks import open_sinks
 from dflash_ipc.metric_sinks import MetricSinks
 from dflash_ipc.machine import check_job_devices
-from dflash_ipc.supervise.children import Child, stop_children
+from dflash_ipc.supervise.children import SUPERVISOR_ENV, Child, stop_children
 from dflash_ipc.supervise.decisions import (ChildView, Died, Fail, Kill, KillDrafters, KillWorker, Scheduled,
                                             Start, SupervisorLogic, SweepPool)
 from dflash_ipc.supervise.roles import DISPATCHER, Role
@@ -123,7 +123,7 @@ class Supervisor:
             if curve_required(self.cfg.dispatch.auth, self.cfg.dispatcher_address):
                 ensure_keys(self.files.curve_keys)
         dump_config(self.cfg, self.files.config)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", DFLASH_IPC_SUPERVISED=str(os.getpid()))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{SUPERVISOR_ENV: str(os.getpid())})
         env.update(rendezvous_env(self.cfg, os.environ))
         roles = self.roles()
         cpu_workers = sum(self._device(r) == "cpu" for r in roles if r.kind != "dispatcher")
