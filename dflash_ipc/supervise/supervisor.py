@@ -261,10 +261,10 @@ class Supervisor:
             # a dead pool. Readers keep their maps.
             unlink_segments(self.files.pool_name(action.target_rank) + "-")
         elif isinstance(action, Scheduled):
-            log.warning("%s: %s restarts in %.1fs (restart %d of %d allowed per %.0fs)", action.reason,
-                        {"drafters": "the drafter group", "dispatcher": "the dispatcher and the drafter group"}
-                        .get(action.key, action.key), action.delay_s, action.restarts_in_window,
-                        action.max_restarts, action.window_s)
+            who = {"drafters": "the drafter group restarts",
+                   "dispatcher": "the dispatcher and the drafter group restart"}.get(action.key, f"{action.key} restarts")
+            log.warning("%s: %s in %.1fs (restart %d of %d allowed per %.0fs)", action.reason, who,
+                        action.delay_s, action.restarts_in_window, action.max_restarts, action.window_s)
         elif isinstance(action, Start):
             child = self.children[action.role]
             if action.role == DISPATCHER:
