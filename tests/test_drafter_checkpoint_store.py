@@ -153,6 +153,35 @@ def test_checkpoints_newer_than_the_last_commit_are_set_aside_and_never_resumed(
     assert store.quarantine_after(None) and store.steps_on_disk() == [] and store.latest() is None
 
 
+def test_what_a_writer_killed_mid_write_left_is_cleared_and_a_cut_swap_undone(store, tmp_path):
+    """`write` goes through step_N.tmp-<pid> (and step_N.old-<pid> when it replaces a step):
+    a rank 0 killed there leaves a checkpoint's worth of files under a name nothing reads."""
+    import shutil
+    import subprocess
+    import sys
+
+    from dflash_ipc.dispatch.ledger_file import remove_partial_saves
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)  # its pid: a writer that no longer runs
+    root = store.root
+    shutil.copytree(store.path(10), os.path.join(root, f"step_00000040.tmp-{gone.pid}"))  # cut mid-write
+    os.replace(store.path(20), os.path.join(root, f"step_00000020.old-{gone.pid}"))  # cut between the renames
+    shutil.copytree(store.path(30), os.path.join(root, f"step_00000030.old-{gone.pid}"))  # cut after the second
+    shutil.copytree(store.path(10), os.path.join(root, f"step_00000050.tmp-{os.getpid()}"))  # a live writer's
+    touched = store.remove_partial_writes()
+    assert sorted(os.path.basename(p) for p in touched) == [f"step_00000020.old-{gone.pid}",
+                                                            f"step_00000030.old-{gone.pid}",
+                                                            f"step_00000040.tmp-{gone.pid}"]
+    assert sorted(os.listdir(root)) == ["step_00000010", "step_00000020", "step_00000030",
+                                        f"step_00000050.tmp-{os.getpid()}"]
+    assert verify_dir(store.path(20))["step"] == 20  # the swapped-out checkpoint is back, whole
+    # The dispatcher's ledger: a save cut short leaves its temp file next to the ledger.
+    (tmp_path / "ledger.npz").write_bytes(b"kept")
+    (tmp_path / ".ledger-k2j3.tmp").write_bytes(b"partial")
+    assert remove_partial_saves(str(tmp_path / "ledger.npz")) == 1
+    assert (tmp_path / "ledger.npz").read_bytes() == b"kept" and not (tmp_path / ".ledger-k2j3.tmp").exists()
+
+
 def test_export_refuses_a_damaged_checkpoint(store, tmp_path):
     store.mark_latest(30)
     with open(os.path.join(store.path(30), "model.safetensors"), "r+b") as f:

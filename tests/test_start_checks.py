@@ -58,3 +58,44 @@ def test_rerunning_a_finished_run_directory_with_another_plan_is_refused(tmp_pat
     for change in ("run.seed=7", "data.token_budget=256", "data.num_epochs=2"):
         with pytest.raises(DataError, match="use a new run.run_dir"):
             _finished_before(load_config(None, flags + [change]))
+
+
+def test_a_run_directory_in_use_is_refused_until_the_last_process_of_its_job_exits(tmp_path):
+    """The lock is held by the supervisor and inherited by its children: a rerun while a killed
+    supervisor's children still unwind is refused, and allowed once they are gone."""
+    import subprocess
+    import sys
+
+    from dflash_ipc.supervise.run_lock import RunLock
+    first = RunLock(str(tmp_path))
+    first.acquire()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=(first.fd,))
+    try:
+        first.release()  # the supervisor is gone; its child is not
+        with pytest.raises(ConfigError, match=rf"run.run_dir: {tmp_path} is in use .*supervisor was pid {os.getpid()}"):
+            RunLock(str(tmp_path)).acquire()
+    finally:
+        child.kill()
+        child.wait(10)
+    again = RunLock(str(tmp_path))
+    again.acquire()  # the job's last process exited: free
+    node1 = RunLock(str(tmp_path), node_rank=1)
+    node1.acquire()  # node 1 of a shared run directory has its own lock
+    assert node1.path.endswith(".lock-node1")
+    again.release()
+    node1.release()
+
+
+def test_up_refuses_a_run_directory_another_job_holds(tmp_path):
+    from dflash_ipc.supervise.run_lock import RunLock
+    from dflash_ipc.supervise.supervisor import Supervisor
+    cfg = load_config(None, [f"run.run_dir={tmp_path}", "target.num_workers=1", "drafter.num_workers=1"])
+    held = RunLock(cfg.run.run_dir)
+    held.acquire()
+    try:
+        supervisor = Supervisor(cfg, print_status=lambda line: None)
+        with pytest.raises(ConfigError, match="is in use by another job"):
+            supervisor.start()
+        assert supervisor.children == {} and not os.path.exists(cfg.files.config)
+    finally:
+        held.release()

@@ -27,11 +27,30 @@ NO_OWNER = -1  # owner/slot/step columns use -1 for "none" on disk
 _HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 
 
+_TEMP_PREFIX, _TEMP_SUFFIX = ".ledger-", ".tmp"
+
+
+def remove_partial_saves(path: str | os.PathLike) -> int:
+    """Deletes the temp files of saves cut short next to ledger `path` (a dispatcher killed
+    mid-save: up to a ledger's size each). Only while no dispatcher of that run directory
+    lives: the supervisor's start, under the run directory's lock."""
+    directory = os.path.dirname(os.path.abspath(os.fspath(path)))
+    removed = 0
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        if name.startswith(_TEMP_PREFIX) and name.endswith(_TEMP_SUFFIX):
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
+
+
 def save_ledger(ledger: Ledger, path: str | os.PathLike) -> None:
     """Write the ledger atomically (temp file in the same dir, fsync, os.replace)."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".ledger-", suffix=".tmp", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=_TEMP_SUFFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             _write_npz(f, to_columns(ledger))

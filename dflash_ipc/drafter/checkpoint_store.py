@@ -37,6 +37,7 @@ UNCOMMITTED = "uncommitted"
 UNCOMMITTED_NOTE = "set aside, never committed (never resumed from)"  # how status and health list them
 MAX_JSON_BYTES = 256 * 1024 * 1024  # the JSON parts of a checkpoint are far smaller
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_PARTIAL_WRITE = re.compile(r"^(step_\d{8})\.(tmp|old)-(\d+)$")  # what `write` renames through
 
 
 def step_dir_name(step: int) -> str:
@@ -139,9 +140,35 @@ class CheckpointStore:
 
     # --- uncommitted checkpoints -------------------------------------------------------------
 
+    def remove_partial_writes(self) -> list[str]:
+        """What a writer killed inside `write` left (`step_N.tmp-<pid>`, `step_N.old-<pid>` of a
+        pid no longer alive; a checkpoint's size each): a temp directory is removed; an `.old`
+        one whose step directory is missing goes back (the kill fell between the two renames, and
+        the old one may be the committed one). Returns what was removed or restored."""
+        try:
+            names = sorted(os.listdir(self.root))
+        except FileNotFoundError:
+            return []
+        done = []
+        for name in names:
+            match = _PARTIAL_WRITE.match(name)
+            if match is None or _pid_alive(int(match.group(3))):
+                continue
+            path, final = os.path.join(self.root, name), os.path.join(self.root, match.group(1))
+            if match.group(2) == "old" and not os.path.exists(final):
+                os.replace(path, final)
+                log.warning("checkpoint %s: restored from %s, left by a writer killed mid-swap", final, name)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+                log.warning("removed %s, left by a checkpoint writer killed mid-write", path)
+            done.append(path)
+        return done
+
     def quarantine_after(self, step: int | None) -> list[str]:
         """Moves every checkpoint newer than committed `step` (None: all) to `uncommitted/`:
-        written, but its commit never reached the ledger. Returns the new paths."""
+        written, but its commit never reached the ledger. Returns the new paths. Partial
+        writes of killed writers go first (`remove_partial_writes`)."""
+        self.remove_partial_writes()
         moved = []
         for s in self.steps_on_disk():
             if step is None or s > step:
@@ -163,6 +190,16 @@ class CheckpointStore:
         """Checkpoints set aside as never committed."""
         folder = os.path.join(self.root, UNCOMMITTED)
         return sorted(os.path.join(folder, n) for n in os.listdir(folder)) if os.path.isdir(folder) else []
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: not ours to judge, keep its files
+    return True
 
 
 def verify_dir(step_dir: str) -> dict:

@@ -55,6 +55,7 @@ class Child:
     argv: list[str]
     env: dict
     log_path: str
+    keep_fds: tuple[int, ...] = ()  # inherited open files (the run directory's lock)
     popen: subprocess.Popen | None = None
     started_at: float = 0.0
     restarts: list[float] = field(default_factory=list)
@@ -69,7 +70,8 @@ class Child:
         log_file = open(self.log_path, "ab")
         env = dict(self.env, **{REPLACES_ENV: ",".join(map(str, self.past_pids[-64:]))})
         self.popen = subprocess.Popen(self.argv, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                      stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                      pass_fds=self.keep_fds)
         log_file.close()
         self.started_at = time.monotonic()
         log.info("started %s (pid %d)", self.role, self.popen.pid)

@@ -42,6 +42,7 @@ from dflash_ipc.supervise.children import SUPERVISOR_ENV, Child, stop_children
 from dflash_ipc.supervise.decisions import (ChildView, Died, Fail, Kill, KillDrafters, KillWorker, Scheduled,
                                             Start, SupervisorLogic, SweepPool)
 from dflash_ipc.supervise.roles import DISPATCHER, Role
+from dflash_ipc.supervise.run_lock import RunLock
 from dflash_ipc.supervise.status_line import StatusLine
 from dflash_ipc.supervise.status_poller import StatusPoller
 from dflash_ipc.supervise.target_groups import WorkerAddresses
@@ -73,11 +74,14 @@ def rendezvous_env(cfg: JobConfig, environ) -> dict:
 def quarantine_uncommitted_checkpoints(cfg: JobConfig) -> list[str]:
     """Checkpoints newer than the ledger's last commit were written but never committed (a
     supervisor killed between the two): moved aside, so nothing ever resumes from them."""
-    from dflash_ipc.dispatch.ledger_file import load_ledger
+    from dflash_ipc.dispatch.ledger_file import load_ledger, remove_partial_saves
+    remove_partial_saves(cfg.files.ledger)  # under the run lock: no dispatcher of this run lives
+    store = CheckpointStore(cfg.files.checkpoints)
     if not os.path.exists(cfg.files.ledger):
+        store.remove_partial_writes()
         return []
     last = load_ledger(cfg.files.ledger, recover=False).last_committed_step()
-    return CheckpointStore(cfg.files.checkpoints).quarantine_after(last)
+    return store.quarantine_after(last)
 
 
 class Supervisor:
@@ -94,6 +98,7 @@ class Supervisor:
         self.sinks = MetricSinks([])
         self.status_line = StatusLine()
         self.worker_addresses = WorkerAddresses(cfg.target.gpus_per_worker, _free_port)
+        self.run_lock = RunLock(cfg.run.run_dir, cfg.run.node_rank)
 
     # --- start ----------------------------------------------------------------------------
 
@@ -103,7 +108,8 @@ class Supervisor:
             argv += ["--rank", str(role.rank)]
         if role.tp_rank:
             argv += ["--tp-rank", str(role.tp_rank)]
-        return Child(role=role, argv=argv, env=env, log_path=self.files.log(str(role)))
+        return Child(role=role, argv=argv, env=env, log_path=self.files.log(str(role)),
+                     keep_fds=(self.run_lock.fd,) if self.run_lock.fd is not None else ())
 
     def roles(self) -> list[Role]:
         """This node's processes: the dispatcher (node 0), its targets, its drafters."""
@@ -115,6 +121,7 @@ class Supervisor:
     def start(self) -> None:
         check_job_devices(self.cfg)  # a config error never reaches a child (nor its restarts)
         os.makedirs(self.cfg.run.run_dir, mode=0o700, exist_ok=True)
+        self.run_lock.acquire()  # before anything of the run directory is touched
         removed = unlink_segments(self.files.segments_prefix)
         if removed:
             log.warning("removed %d shared-memory segments left by an earlier run in %s", removed, self.cfg.run.run_dir)
@@ -180,12 +187,16 @@ class Supervisor:
         finally:
             if link is not None:
                 link.close()
-            self.sinks.close()
-            if self._stop_reason and self._signals <= 1 and self._checkpoint_on_stop:
-                self._checkpoint_drafters()
-            self.stop()
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+            try:
+                if self._stop_reason and self._signals <= 1 and self._checkpoint_on_stop:
+                    self._checkpoint_drafters()
+                self.stop()
+            finally:
+                # Last: a tracker's close (wandb uploads) must not delay the drafters' checkpoint.
+                self.sinks.close()
+                self.run_lock.release()
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
 
     def _watch(self, poller: StatusPoller) -> int:
         next_status = time.monotonic() + self.cfg.dispatch.status_interval_s
