@@ -58,7 +58,15 @@ def _stage_setup(role: str, cfg) -> None:
     _exit_on_sigterm()
     from dflash_ipc.supervise.children import SUPERVISOR_ENV, ParentWatch, supervisor_pid
     if os.environ.get(SUPERVISOR_ENV):
-        ParentWatch(parent=supervisor_pid()).start()
+        ParentWatch(parent=supervisor_pid(), grace_s=cfg.supervise.grace_s, before_kill=_unlink_own_segments).start()
+
+
+def _unlink_own_segments() -> None:
+    """Before a SIGKILL of this process by itself: the shared-memory pools it created. Only
+    if the module is loaded (no pool otherwise); importing here could wait on a lock forever."""
+    shm = sys.modules.get("dflash_ipc.transport.shm")
+    if shm is not None:
+        shm.unlink_own_segments()
 
 
 def _finished_before(cfg) -> bool:

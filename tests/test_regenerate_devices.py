@@ -80,7 +80,7 @@ def _step_device(monkeypatch, usable: bool, num_batches: int) -> tuple[list, que
     for i in range(num_batches):
         tasks.put((i, [[5, 6, 7]], [4]))
     tasks.put(None)
-    regen_devices._device_main(GeneratorSettings("unused"), "cuda:7", "cuda:7", tasks, results, 0.0)
+    regen_devices._device_main(GeneratorSettings("unused"), "cuda:7", "cuda:7", tasks, results, 0.0, os.getppid())
     answers = []
     while not results.empty():
         answers.append(results.get_nowait())

@@ -83,3 +83,36 @@ def test_a_training_drafter_stops_at_a_signal_and_unwinds_once_when_its_supervis
 
     after = _signals_after(gone, twice)
     assert after[signal.SIGTERM] is signal.SIG_IGN and after[signal.SIGINT] is signal.SIG_IGN
+
+
+_STUCK = """
+import signal, sys, time
+from dflash_ipc.supervise.children import ParentWatch
+from dflash_ipc.transport.backends import create_pool
+from dflash_ipc.transport.shm import unlink_own_segments
+from dflash_ipc.transport.slots import SlotLayout
+pool = create_pool(SlotLayout(1, 1, 1, "float32"), "cpu", name=sys.argv[2])
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as a main thread stuck in C code would: deaf to it
+print(pool.descriptor()["segment"], flush=True)
+ParentWatch(interval_s=0.05, parent=int(sys.argv[1]), grace_s=0.5, before_kill=unlink_own_segments).start()
+time.sleep(60)
+"""
+
+
+def test_a_child_deaf_to_sigterm_is_killed_after_the_grace_and_leaves_no_segment():
+    from dflash_ipc.transport.backends import unlink_segments
+    from dflash_ipc.transport.shm import SHM_DIR
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(10)
+    child = subprocess.Popen([sys.executable, "-c", _STUCK, str(gone.pid), f"dfpw{os.getpid()}"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        segment = child.stdout.readline().strip()
+        assert segment.startswith(f"dfpw{os.getpid()}")
+        assert child.wait(30) == -signal.SIGKILL
+        assert not os.path.exists(os.path.join(SHM_DIR, segment))
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(5)
+        unlink_segments(f"dfpw{os.getpid()}")

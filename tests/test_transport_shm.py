@@ -178,9 +178,16 @@ def test_reader_of_closed_pool_and_bad_descriptors():
     reused = {**desc["producer"], "create_time": desc["producer"]["create_time"] - 1000.0}
     with pytest.raises(ProducerGoneError, match=f"pid {os.getpid()}"):
         open_reader({**desc, "producer": reused}, "cpu")
+    # A descriptor claiming more bytes than the segment holds: refused, the segment not grown.
+    path = os.path.join("/dev/shm", desc["segment"])
+    size = os.path.getsize(path)
+    with pytest.raises(TransportError, match=f"holds {size} bytes, its descriptor says {size + 4096}"):
+        open_reader({**desc, "nbytes": size + 4096}, "cpu")
+    assert os.path.getsize(path) == size
     pool.close()
     with pytest.raises(TransportError, match="does not exist"):
         open_reader(desc, "cpu")
+    assert not os.path.exists(path)  # opening it did not make it again
 
 
 @pytest.mark.parametrize("use_pidfd", [True, False])

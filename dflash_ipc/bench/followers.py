@@ -23,11 +23,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 from dflash_ipc.config import JobConfig
 from dflash_ipc.errors import DFlashError
 from dflash_ipc.logs import tail_lines
-from dflash_ipc.supervise.children import SUPERVISOR_ENV
+from dflash_ipc.supervise.children import SUPERVISOR_ENV, die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -59,21 +60,24 @@ def worker_followers(cfg: JobConfig):
     folder = tempfile.mkdtemp(prefix="dflash-bench-tp-")
     config = os.path.join(folder, "config.yaml")
     dump_config(cfg, config)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **{ADDRESS_ENV: f"file://{folder}/rendezvous"})
-    env.pop(SUPERVISOR_ENV, None)
+    # The followers die with this process as a supervisor's children do: the parent-death
+    # signal, and their ParentWatch against this pid.
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               **{ADDRESS_ENV: f"file://{folder}/rendezvous", SUPERVISOR_ENV: str(os.getpid())})
     procs = []
-    for tp_rank in range(1, k):
-        log_path = os.path.join(folder, f"follower-{tp_rank}.log")
-        with open(log_path, "wb") as out:
-            procs.append((subprocess.Popen([sys.executable, "-m", "dflash_ipc.cli", "target", "--config", config,
-                                            "--rank", "0", "--tp-rank", str(tp_rank)], env=env, stdout=out,
-                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL), log_path))
-    log.info("worker of %d processes: this one leads on %s, followers pids %s", k, cfg.target.device_of(0),
-             [p.pid for p, _ in procs])
     previous = os.environ.get(ADDRESS_ENV)
-    os.environ[ADDRESS_ENV] = env[ADDRESS_ENV]
     clean = False
     try:
+        for tp_rank in range(1, k):
+            log_path = os.path.join(folder, f"follower-{tp_rank}.log")
+            with open(log_path, "wb") as out:
+                procs.append((subprocess.Popen(
+                    [sys.executable, "-m", "dflash_ipc.cli", "target", "--config", config, "--rank", "0",
+                     "--tp-rank", str(tp_rank)], env=env, stdout=out, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, preexec_fn=die_with_parent), log_path))
+        log.info("worker of %d processes: this one leads on %s, followers pids %s", k, cfg.target.device_of(0),
+                 [p.pid for p, _ in procs])
+        os.environ[ADDRESS_ENV] = env[ADDRESS_ENV]
         group = WorkerGroup.join(cfg, 0, 0, cfg.target.device_of(0))
         try:
             yield group
@@ -95,11 +99,11 @@ def worker_followers(cfg: JobConfig):
 
 
 def _reap(procs) -> str:
-    """Waits for every follower (SIGKILL past EXIT_WAIT_S); the failures, described, or ''."""
-    failed = []
+    """Waits for every follower, EXIT_WAIT_S in all (then SIGKILL); the failures, described, or ''."""
+    failed, deadline = [], time.monotonic() + EXIT_WAIT_S
     for proc, log_path in procs:
         try:
-            code = proc.wait(timeout=EXIT_WAIT_S)
+            code = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             code = proc.wait()

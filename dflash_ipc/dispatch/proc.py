@@ -252,15 +252,21 @@ def run_dispatcher(cfg: JobConfig) -> None:
                             num_drafters=cfg.total_drafters, num_nodes=cfg.run.num_nodes,
                             drafter_generation=generation, heartbeat_timeout_s=cfg.dispatch.heartbeat_timeout_s,
                             drafter_timeout_s=cfg.supervise.drafter_step_timeout_s, ledger=ledger)
+    # SIGTERM ends the loop between two messages, never inside one (the ledger stays whole);
+    # one before the socket is bound stops the dispatcher before it serves anything.
+    stop = {"requested": False}
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(requested=True))
     proc = DispatcherProc(cfg, dispatcher, address=cfg.dispatcher_address)
-    # SIGTERM ends the loop between two messages, never inside one (the ledger stays whole).
-    signal.signal(signal.SIGTERM, lambda signum, frame: setattr(proc, "stop_requested", True))
     try:
-        proc.run()
+        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(proc, "stop_requested", True))
+        proc.stop_requested = proc.stop_requested or stop["requested"]
+        try:
+            proc.run()
+        finally:
+            # On SIGTERM too: the next dispatcher in this run directory resumes from it.
+            proc.save_ledger()
     finally:
-        # On SIGTERM too: the next dispatcher in this run directory resumes from it.
-        proc.save_ledger()
-        proc.close()
+        proc.close()  # the socket (and its file) and the CURVE thread, even when the save fails
     if not dispatcher.finished:
         # Exit 0 means "every batch committed" to the supervisor; a stop is not that.
         raise SystemExit(128 + signal.SIGTERM)

@@ -34,14 +34,15 @@ _READY_TIMEOUT_S = 600.0
 _JOIN_S = 5.0
 
 
-def _device_main(settings, device: str, name: str, tasks, results, throttle_s: float) -> None:
+def _device_main(settings, device: str, name: str, tasks, results, throttle_s: float, parent: int) -> None:
     """A device process: build the Generator, then run batches until a None task."""
     from dflash_ipc.supervise.children import ParentWatch
 
     # Ctrl-C reaches the whole process group: the parent decides, and stops us by pid. A
-    # parent killed outright leaves us orphaned: the watch then exits this process.
+    # parent killed outright leaves us orphaned: the watch then exits this process. `parent`
+    # comes from the parent itself: one killed while we start has handed us to another.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    ParentWatch().start()
+    ParentWatch(parent=parent).start()
     try:
         gen = Generator(settings, device)
     except Exception as e:
@@ -80,7 +81,8 @@ class DevicePool:
         for i, device in enumerate(devices):
             name = f"{device}#{i}" if devices.count(device) > 1 else device
             p = ctx.Process(target=_device_main, name=f"regenerate-{name}", daemon=True,
-                            args=(settings, device, name, self._tasks, self._results, (throttle_s or {}).get(i, 0.0)))
+                            args=(settings, device, name, self._tasks, self._results, (throttle_s or {}).get(i, 0.0),
+                                  os.getpid()))
             p.start()
             self._procs[p.pid] = (p, name)
         try:

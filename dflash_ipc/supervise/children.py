@@ -41,7 +41,7 @@ def replaced_pids() -> list[int]:
     return [int(x) for x in raw.split(",") if x.strip().isdigit()][-64:]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec (Popen's preexec_fn)
     os.setpgrp()
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -70,7 +70,7 @@ class Child:
         log_file = open(self.log_path, "ab")
         env = dict(self.env, **{REPLACES_ENV: ",".join(map(str, self.past_pids[-64:]))})
         self.popen = subprocess.Popen(self.argv, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                      stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
                                       pass_fds=self.keep_fds)
         log_file.close()
         self.started_at = time.monotonic()
@@ -108,21 +108,31 @@ def stop_children(children: list[Child], grace_s: float) -> None:
 
 
 class ParentWatch(threading.Thread):
-    """Exits this process (via SIGTERM to itself) when the parent that started it is gone.
+    """Exits this process when the parent that started it is gone: SIGTERM to itself, then,
+    if it still runs `grace_s` later, `before_kill()` (unlink what it owns) and SIGKILL. A
+    process whose main thread is stuck in C code (a rendezvous or collective whose peers are
+    gone retries for many minutes) runs no Python signal handler until that call returns, and
+    a SystemExit raised inside a finalizer is printed and dropped: neither may outlive its
+    supervisor holding GPU memory and ports.
 
     `parent` is the supervisor's pid as it passed it down (`DFLASH_IPC_SUPERVISED`): a
     supervisor killed between fork and the parent-death `prctl`, or before this thread
     starts, has already handed the child to another parent, and `os.getppid()` read here
     would take that one for the supervisor."""
 
-    def __init__(self, interval_s: float = 1.0, parent: int | None = None) -> None:
+    def __init__(self, interval_s: float = 1.0, parent: int | None = None, grace_s: float = 10.0,
+                 before_kill=None) -> None:
         super().__init__(daemon=True, name="parent-watch")
         self.parent = os.getppid() if parent is None else parent
-        self.interval_s = interval_s
+        self.interval_s, self.grace_s, self.before_kill = interval_s, grace_s, before_kill
 
     def run(self) -> None:
-        while True:
-            if os.getppid() != self.parent:
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
+        while os.getppid() == self.parent:
             time.sleep(self.interval_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(self.grace_s)  # a process that unwinds is gone before this ends
+        try:
+            if self.before_kill is not None:
+                self.before_kill()
+        finally:
+            os.kill(os.getpid(), signal.SIGKILL)

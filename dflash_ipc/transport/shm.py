@@ -66,6 +66,25 @@ def _map(segment: str, nbytes: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)  # [nbytes]
 
 
+def _map_existing(segment: str, nbytes: int) -> torch.Tensor | None:
+    """Map a segment another process created, or None when it does not exist. Opened first
+    without O_CREAT (``torch.from_file`` alone would create and size a segment unlinked a
+    moment before, leaving a pool-sized file nobody owns), then mapped through that open file,
+    and only if it holds ``nbytes`` (a mapping past its end would fault on the first read)."""
+    path = os.path.join(SHM_DIR, segment)
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise TransportError(f"shared-memory segment {path} holds {size} bytes, its descriptor says {nbytes}")
+        return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)  # [nbytes]
+    finally:
+        os.close(fd)
+
+
 def _create_segment(segment: str, nbytes: int) -> None:
     """Create ``/dev/shm/<segment>`` of ``nbytes`` zero bytes, owner-only.
 
@@ -98,11 +117,22 @@ def _create_segment(segment: str, nbytes: int) -> None:
     os.close(fd)
 
 
+_OWN_SEGMENTS: set[str] = set()  # created by this process and not unlinked yet
+
+
 def _unlink_quietly(segment: str) -> None:
+    _OWN_SEGMENTS.discard(segment)
     try:
         os.unlink(os.path.join(SHM_DIR, segment))
     except FileNotFoundError:
         pass
+
+
+def unlink_own_segments() -> None:
+    """Unlinks every segment this process created and still holds: for a process about to
+    SIGKILL itself (`ParentWatch`), whose finalizers will not run."""
+    for segment in list(_OWN_SEGMENTS):
+        _unlink_quietly(segment)
 
 
 class ShmSlotPool(SlotPool):
@@ -118,8 +148,10 @@ class ShmSlotPool(SlotPool):
         # a SIGTERM (SystemExit) between the two cannot leave it behind.
         self._finalizer = weakref.finalize(self, _unlink_quietly, self.segment)
         try:
+            _OWN_SEGMENTS.add(self.segment)
             _create_segment(self.segment, layout.pool_bytes)
         except TransportError:
+            _OWN_SEGMENTS.discard(self.segment)
             # It cleaned up after itself; a segment of this name that exists is not ours.
             self._finalizer.detach()
             raise
@@ -203,13 +235,13 @@ class ShmSlotReader(SlotReader):
                 f"its layout ({self.layout.pool_bytes} bytes)"
             )
         self._watch.check("when opening its pool")
-        if not os.path.exists(os.path.join(SHM_DIR, segment)):
+        self._flat: torch.Tensor | None = _map_existing(segment, nbytes)
+        if self._flat is None:
             self._watch.check("(its segment is unlinked)")
             raise TransportError(
                 f"shm slot pool {self.pool_id}: segment {SHM_DIR}/{segment} does not exist "
                 "although its producer runs: the pool was closed"
             )
-        self._flat: torch.Tensor | None = _map(segment, nbytes)
         self._last_copy_s: float | None = None
 
     @property
