@@ -271,7 +271,7 @@ def _bench_pair(
     tokens = [max(1, int(mib * 2**20) // token_bytes) for mib in sizes_mib]
     layout = SlotLayout(num_slots=2, max_tokens=max(tokens), feature_dim=feature_dim, dtype=dtype)
     plan = [(n, warmup + iters) for n in tokens]
-    prefix = f"dfbench{os.getpid()}"
+    prefix = f"dfbench{os.getpid()}-"  # the "-": pid 123 must not sweep pid 1234's segments
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
     marked, marked_theirs = ctx.Pipe(duplex=False)
