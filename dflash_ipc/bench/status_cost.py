@@ -17,15 +17,12 @@ import numpy as np
 
 from dflash_ipc.dispatch.buckets import BucketSpec, plan_epoch
 from dflash_ipc.dispatch.dispatcher import Dispatcher
-from dflash_ipc.dispatch.ledger import TrainedCopy
+from dflash_ipc.dispatch.ledger import Ledger, TrainedCopy
 
 
-def status_ms(num_samples: int, repeats: int = 20) -> tuple[int, float]:
-    """(commit records, ms per status) of a job whose every sample is committed."""
-    epochs = [plan_epoch(np.full(num_samples, 512), BucketSpec(boundaries=(512,), token_budget=16384),
-                         seed=0, epoch=0)]
-    dispatcher = Dispatcher(epochs, policy="pull", num_targets=1, num_drafters=1)
-    ledger = dispatcher.ledger
+def commit_every_batch(ledger: Ledger, per_step: int = 50) -> int:
+    """Drive every pending batch through lease, produce, assign, consume and commit (``per_step``
+    commits per checkpoint step), as one target and one drafter would; returns the commits."""
     commits = 0
     while (batch := ledger.next_pending()) is not None:
         ledger.lease(batch.batch_id, "t")
@@ -33,7 +30,16 @@ def status_ms(num_samples: int, repeats: int = 20) -> tuple[int, float]:
         attempt = ledger.assign(batch.batch_id, "d")
         ledger.consumed(batch.batch_id, "d", attempt)
         commits += 1
-        ledger.commit(commits // 50, [TrainedCopy(batch.batch_id, "d", attempt, tuple(batch.sample_ids))])
+        ledger.commit(commits // per_step, [TrainedCopy(batch.batch_id, "d", attempt, tuple(batch.sample_ids))])
+    return commits
+
+
+def status_ms(num_samples: int, repeats: int = 20) -> tuple[int, float]:
+    """(commit records, ms per status) of a job whose every sample is committed."""
+    epochs = [plan_epoch(np.full(num_samples, 512), BucketSpec(boundaries=(512,), token_budget=16384),
+                         seed=0, epoch=0)]
+    dispatcher = Dispatcher(epochs, policy="pull", num_targets=1, num_drafters=1)
+    commits = commit_every_batch(dispatcher.ledger)
     started = time.perf_counter()
     for _ in range(repeats):
         dispatcher.status()
