@@ -56,8 +56,9 @@ def _stage_setup(role: str, cfg) -> None:
     from dflash_ipc.logs import setup_logging
     setup_logging(role, level=cfg.run.log_level)
     _exit_on_sigterm()
-    from dflash_ipc.supervise.children import SUPERVISOR_ENV, ParentWatch, supervisor_pid
+    from dflash_ipc.supervise.children import SUPERVISOR_ENV, ParentWatch, die_with_parent, supervisor_pid
     if os.environ.get(SUPERVISOR_ENV):
+        die_with_parent()  # then the watch, whose first look covers a parent gone before this
         ParentWatch(parent=supervisor_pid(), grace_s=cfg.supervise.grace_s, before_kill=_unlink_own_segments).start()
 
 

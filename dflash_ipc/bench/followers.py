@@ -28,7 +28,7 @@ import time
 from dflash_ipc.config import JobConfig
 from dflash_ipc.errors import DFlashError
 from dflash_ipc.logs import tail_lines
-from dflash_ipc.supervise.children import SUPERVISOR_ENV, die_with_parent
+from dflash_ipc.supervise.children import SUPERVISOR_ENV
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def worker_followers(cfg: JobConfig):
                 procs.append((subprocess.Popen(
                     [sys.executable, "-m", "dflash_ipc.cli", "target", "--config", config, "--rank", "0",
                      "--tp-rank", str(tp_rank)], env=env, stdout=out, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, preexec_fn=die_with_parent), log_path))
+                    stdin=subprocess.DEVNULL, start_new_session=True), log_path))
         log.info("worker of %d processes: this one leads on %s, followers pids %s", k, cfg.target.device_of(0),
                  [p.pid for p, _ in procs])
         os.environ[ADDRESS_ENV] = env[ADDRESS_ENV]

@@ -1,10 +1,13 @@
 """Starting and stopping worker processes so that none outlives its supervisor.
 
 Every child runs `python -m dflash_ipc.cli <stage> --config <run_dir>/config.yaml`, in its
-own process group, with the Linux parent-death signal set to SIGTERM: if the supervisor is
-killed (even with SIGKILL) the kernel sends SIGTERM to each child, which then unwinds
-normally (closing its slot pool and sockets). `ParentWatch` is the portable second line of
-defence: a thread that exits the child when its parent pid changes.
+own session (so its own process group), and sets the Linux parent-death signal to SIGTERM at
+its start (`die_with_parent`): if the supervisor is killed (even with SIGKILL) the kernel
+sends SIGTERM to each child, which then unwinds normally (closing its slot pool and sockets).
+`ParentWatch` is the second line of defence, and covers a supervisor that died before the
+child set the signal: a thread that exits the child when its parent is no longer the
+supervisor. Nothing runs between fork and exec (no `preexec_fn`): that is unsafe in a parent
+with threads, and the supervisor has some (sockets, trackers).
 """
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ def replaced_pids() -> list[int]:
     return [int(x) for x in raw.split(",") if x.strip().isdigit()][-64:]
 
 
-def die_with_parent() -> None:  # runs in the child between fork and exec (Popen's preexec_fn)
-    os.setpgrp()
+def die_with_parent() -> None:
+    """Called by a child at its start: the kernel sends it SIGTERM when its parent dies."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -70,7 +73,7 @@ class Child:
         log_file = open(self.log_path, "ab")
         env = dict(self.env, **{REPLACES_ENV: ",".join(map(str, self.past_pids[-64:]))})
         self.popen = subprocess.Popen(self.argv, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
+                                      stdin=subprocess.DEVNULL, start_new_session=True,
                                       pass_fds=self.keep_fds)
         log_file.close()
         self.started_at = time.monotonic()
