@@ -79,7 +79,7 @@ def _finished_before(cfg) -> bool:
     path = cfg.files.ledger
     if not os.path.exists(path):
         return False
-    ledger = load_ledger(path)
+    ledger = load_ledger(path, recover=False)  # only read: nothing restarts here
     check_same_plan(ledger, plan_job(cfg, TokenDataset(cfg.data.path).lengths), path)
     return ledger.all_committed()
 

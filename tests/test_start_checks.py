@@ -86,16 +86,26 @@ def test_a_run_directory_in_use_is_refused_until_the_last_process_of_its_job_exi
     node1.release()
 
 
-def test_up_refuses_a_run_directory_another_job_holds(tmp_path):
+def test_up_refuses_a_run_directory_another_job_holds_and_leaves_that_job_alone(tmp_path):
+    """Refused by the lock before anything of the run directory is touched: the running job's
+    socket, segments and tracker files stay as they are."""
     from dflash_ipc.supervise.run_lock import RunLock
     from dflash_ipc.supervise.supervisor import Supervisor
+    from dflash_ipc.transport.backends import create_pool
+    from dflash_ipc.transport.slots import SlotLayout
     cfg = load_config(None, [f"run.run_dir={tmp_path}", "target.num_workers=1", "drafter.num_workers=1"])
     held = RunLock(cfg.run.run_dir)
     held.acquire()
+    socket_file = cfg.dispatcher_address[len("ipc://"):]
+    open(socket_file, "w").close()  # the running job's dispatcher socket
+    pool = create_pool(SlotLayout(1, 1, 1, "float32"), "cpu", name=cfg.files.pool_name(0))  # and a pool of it
     try:
         supervisor = Supervisor(cfg, print_status=lambda line: None)
         with pytest.raises(ConfigError, match="is in use by another job"):
-            supervisor.start()
+            supervisor.run()
         assert supervisor.children == {} and not os.path.exists(cfg.files.config)
+        assert os.path.exists(socket_file) and os.path.exists(os.path.join("/dev/shm", pool.descriptor()["segment"]))
+        assert not os.path.exists(cfg.files.tensorboard)
     finally:
+        pool.close()
         held.release()

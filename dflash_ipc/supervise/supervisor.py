@@ -118,10 +118,17 @@ class Supervisor:
                   for k in range(self.cfg.target.gpus_per_worker)]
         return roles + [Role("drafter", r) for r in self.cfg.local_ranks("drafter")]
 
-    def start(self) -> None:
+    def claim(self) -> None:
+        """What may refuse the job, before anything of the run directory is touched or created
+        there (a tracker's files, a sweep): the devices, then the run directory's lock."""
+        if self.run_lock.fd is not None:
+            return
         check_job_devices(self.cfg)  # a config error never reaches a child (nor its restarts)
         os.makedirs(self.cfg.run.run_dir, mode=0o700, exist_ok=True)
-        self.run_lock.acquire()  # before anything of the run directory is touched
+        self.run_lock.acquire()  # refused: another job's files, left as they are
+
+    def start(self) -> None:
+        self.claim()
         removed = unlink_segments(self.files.segments_prefix)
         if removed:
             log.warning("removed %d shared-memory segments left by an earlier run in %s", removed, self.cfg.run.run_dir)
@@ -176,6 +183,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Starts the job and watches it to the end; returns the process exit code."""
+        self.claim()  # outside the try: a refused job must not clean up the job that holds the lock
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         link = None
         try:
@@ -363,8 +371,11 @@ class Supervisor:
         log.warning("drafters did not finish their checkpoint; stopping them")
 
     def stop(self) -> None:
-        """Stops every child and removes what they might have left: idempotent."""
+        """Stops every child and removes what they might have left: idempotent. Only the
+        holder of the run directory's lock touches its segments and socket."""
         stop_children(list(self.children.values()), self.cfg.supervise.grace_s)
+        if self.run_lock.fd is None:
+            return
         removed = unlink_segments(self.files.segments_prefix)
         if removed:
             log.warning("removed %d leftover shared-memory segments", removed)
