@@ -12,17 +12,26 @@ from dflash_ipc.errors import ConfigError
 
 
 def check_node_fits(cfg: JobConfig, device_count: int) -> None:
-    """ConfigError when this node's workers need GPUs it does not have, with the arithmetic:
-    target workers x gpus_per_worker GPUs + the drafters' GPUs."""
+    """ConfigError when this node's workers need GPUs it does not have, naming which GPUs the
+    target workers (of gpus_per_worker processes each) and the drafters are placed on."""
     k = cfg.target.gpus_per_worker
     target = {d for r in cfg.local_ranks("target") for d in cfg.target.devices_of(r) if d.startswith("cuda")}
     drafter = {cfg.drafter.device_of(r) for r in cfg.local_ranks("drafter")} - {"cpu"}
     missing = sorted((d for d in target | drafter if gpu_index(d) >= device_count), key=gpu_index)
     if missing:
         have = f"cuda:0..cuda:{device_count - 1}" if device_count else "none"
+
+        def on(gpus: set[str]) -> str:
+            return f"{len(gpus)} GPU{'s' if len(gpus) != 1 else ''} ({', '.join(sorted(gpus, key=gpu_index))})"
+
+        def count(n: int, what: str) -> str:
+            return f"{n} {what}{'s' if n != 1 else ''}"
+
+        per_worker = f" of target.gpus_per_worker={k} processes" if k > 1 else ""
         raise ConfigError(f"target.devices/drafter.devices: this node's job needs {len(target | drafter)} GPUs "
-                          f"({cfg.target.num_workers} target workers x target.gpus_per_worker={k} = {len(target)} "
-                          f"target GPUs, {len(drafter)} drafter GPUs{', shared' if target & drafter else ''}) but "
+                          f"({count(len(cfg.local_ranks('target')), 'target worker')}{per_worker} on {on(target)}, "
+                          f"{count(len(cfg.local_ranks('drafter')), 'drafter')} on {on(drafter)}"
+                          f"{', shared' if target & drafter else ''}) but "
                           f"this machine has {device_count} ({have}): {', '.join(missing)} do not exist")
 
 

@@ -68,10 +68,17 @@ def test_the_node_must_hold_every_worker_gpu():
                              "target.devices=[cuda:0,cuda:1,cuda:2,cuda:3,cuda:4,cuda:5]",
                              "drafter.devices=[cuda:6,cuda:7]"])
     check_node_fits(cfg, 8)
-    with pytest.raises(ConfigError, match=r"needs 8 GPUs \(3 target workers x target.gpus_per_worker=2 = 6 target "
-                                          r"GPUs, 2 drafter GPUs\) but this machine has 4 \(cuda:0..cuda:3\): "
+    with pytest.raises(ConfigError, match=r"needs 8 GPUs \(3 target workers of target.gpus_per_worker=2 processes "
+                                          r"on 6 GPUs \(cuda:0, .*, cuda:5\), 2 drafters on 2 GPUs \(cuda:6, cuda:7\)\) "
+                                          r"but this machine has 4 \(cuda:0..cuda:3\): "
                                           r"cuda:4, cuda:5, cuda:6, cuda:7 do not exist"):
         check_node_fits(cfg, 4)
+    # Workers sharing a GPU: the count of workers and of distinct GPUs, both named.
+    shared = load_config(None, ["target.num_workers=2", "target.devices=[cuda:0]", "drafter.num_workers=1",
+                                "drafter.devices=[cuda:1]"])
+    with pytest.raises(ConfigError, match=r"needs 2 GPUs \(2 target workers on 1 GPU \(cuda:0\), 1 drafter on "
+                                          r"1 GPU \(cuda:1\)\) but this machine has 0 \(none\)"):
+        check_node_fits(shared, 0)
 
 
 def test_a_target_transformers_cannot_split_is_refused_by_name(tmp_path, monkeypatch):
