@@ -95,6 +95,13 @@ def test_with_code_export_of_a_real_run_matches_eval(cpu_run, tmp_path):
         committed += sum(stats["acceptance_lengths"])
         cycles += len(stats["acceptance_lengths"])
     assert committed / cycles == pytest.approx(report.tau) == pytest.approx(saved["tau"])
+    # The model card's snippet: a chat template's BatchEncoding (transformers 5) goes in as is.
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(cpu_run.target_dir)
+    encoded = tok.apply_chat_template([{"role": "user", "content": "the cat"}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)
+    by_tensor = draft.spec_generate(target, encoded["input_ids"], max_new_tokens=8)
+    assert torch.equal(draft.spec_generate(target, encoded, max_new_tokens=8), by_tensor)
 
 
 

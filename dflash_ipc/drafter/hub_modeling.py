@@ -5,7 +5,7 @@
     draft = AutoModel.from_pretrained(DRAFTER_DIR, trust_remote_code=True, dtype=torch.bfloat16).eval()
     target = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.bfloat16).eval()
     tok = AutoTokenizer.from_pretrained(TARGET)
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     out = draft.spec_generate(target, ids, max_new_tokens=256, stop_token_ids=[tok.eos_token_id])
     print(tok.decode(out[0, ids.shape[1]:]), draft.last_stats["tau"])
 
@@ -180,7 +180,8 @@ class DFlashDraftModel(PreTrainedModel):
                       temperature: float = 0.0, return_stats: bool = False):
         """Greedy speculative decoding of one prompt with `target` (an HF causal LM).
 
-        input_ids [1, P] (or [P]); stop_token_ids default to the target's eos ids. Returns the
+        input_ids [1, P] (or [P]), or a tokenizer's output holding them (`apply_chat_template`
+        returns a BatchEncoding in transformers 5); stop_token_ids default to the target's eos ids. Returns the
         prompt and the new tokens, [1, P + N]; with `return_stats`, (ids, stats). `last_stats`
         keeps the stats: tau (committed tokens per verification forward), acceptance_lengths
         (committed per cycle), acceptance_per_position (block positions 1..bs-1), target_forwards.
@@ -189,7 +190,9 @@ class DFlashDraftModel(PreTrainedModel):
             raise ValueError(f"temperature={temperature}: this drafter's spec_generate decodes greedily only")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-        prompt = input_ids.reshape(-1).to(torch.long)
+        if not isinstance(input_ids, Tensor) and "input_ids" in input_ids:  # BatchEncoding, dict
+            input_ids = input_ids["input_ids"]
+        prompt = torch.as_tensor(input_ids).reshape(-1).to(torch.long)
         stops = set(_stop_ids(target) if stop_token_ids is None else (int(t) for t in stop_token_ids))
         with _Verifier(target, self.target_layer_ids) as verifier:
             ids, self.last_stats = self._decode(verifier, prompt, max_new_tokens, stops)

@@ -143,7 +143,7 @@ def _usage(facts: dict, repo: str, *, with_code: bool) -> list[str]:
                   f"target = AutoModelForCausalLM.from_pretrained(\"{target}\", dtype=\"auto\").eval()",
                   f"tok = AutoTokenizer.from_pretrained(\"{target}\")",
                   "ids = tok.apply_chat_template([{\"role\": \"user\", \"content\": \"Hi!\"}], "
-                  "add_generation_prompt=True, return_tensors=\"pt\")",
+                  "add_generation_prompt=True, return_tensors=\"pt\", return_dict=True)[\"input_ids\"]",
                   "out = draft.spec_generate(target, ids, max_new_tokens=256, stop_token_ids=[tok.eos_token_id])",
                   "print(tok.decode(out[0, ids.shape[1]:]), draft.last_stats[\"tau\"])", "```", ""]
     return lines
