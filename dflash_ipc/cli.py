@@ -84,6 +84,13 @@ def _finished_before(cfg) -> bool:
     return ledger.all_committed()
 
 
+def _checked_device(ctx, param, value: str) -> str:
+    """--device: cpu or cuda:N of a GPU this machine has, else one error line (not a CUDA traceback)."""
+    from dflash_ipc.machine import check_device
+    check_device(value, "--device")
+    return value
+
+
 config_option = click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
                              help="YAML job config (default: configs/default.yaml).")
 override_option = click.option("-o", "--override", "overrides", multiple=True, metavar="KEY=VALUE",
@@ -360,7 +367,7 @@ def health(run_dir, as_json, stale_after_s, stall_after_s, timeout_s, node_rank)
 @click.option("--chat-template-kwargs", "--template-kwargs", "template_kwargs", multiple=True, metavar="JSON|KEY=VALUE",
               help="Chat-template variables for --prompts files, as for prepare: '{\"enable_thinking\": false}' or "
                    "enable_thinking=false (repeatable).")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True, callback=_checked_device)
 @click.option("--dtype", type=click.Choice(["auto", *DTYPE_NAMES]), default="auto",
               show_default=True, help="auto: float32 on CPU, bfloat16 on GPU.")
 @click.option("--check-lossless", is_flag=True,
@@ -488,7 +495,7 @@ def _add_options(fn, options: list):
 
 
 @bench.command("drafter")
-@click.option("--device", default="cuda:0", show_default=True)
+@click.option("--device", default="cuda:0", show_default=True, callback=_checked_device)
 @click.option("--steps", default=10, show_default=True)
 @click.option("--warmup", default=3, show_default=True,
               help="Untimed steps first (the first compiles; with fp8 the second too: static row counts).")
@@ -550,7 +557,7 @@ def _run_sizes_options(fn):
 
 
 @bench.command("precision")
-@click.option("--device", default="cuda:0", show_default=True)
+@click.option("--device", default="cuda:0", show_default=True, callback=_checked_device)
 @click.option("--shape", type=click.Choice(["tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"]), default="qwen3-1.7b",
               show_default=True, help="Shape of the random-weight target (bench/assets.py).")
 @click.option("--work-dir", default="/tmp/dflash-precision", show_default=True,
@@ -601,7 +608,7 @@ def bench_pipeline(config, overrides, seconds, warmup_s, json_path, run_dir) -> 
               show_default=True, help="Random-weight target of this shape (built in a temporary directory).")
 @click.option("--target", default=None, type=click.Path(exists=True, file_okay=False),
               help="A model directory instead of --shape.")
-@click.option("--device", default="cuda:0", show_default=True)
+@click.option("--device", default="cuda:0", show_default=True, callback=_checked_device)
 @click.option("--prompts", "num_prompts", default=1024, show_default=True, help="Prompts of the batched phase.")
 @click.option("--one-at-a-time", "num_single", default=4, show_default=True, help="Prompts generated alone.")
 @click.option("--min-prompt", default=64, show_default=True)
@@ -627,7 +634,7 @@ def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt,
 
 
 @bench.command("eval")
-@click.option("--device", default="cuda:0", show_default=True)
+@click.option("--device", default="cuda:0", show_default=True, callback=_checked_device)
 @click.option("--shape", type=click.Choice(["tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"]), default="qwen3-1.7b",
               show_default=True, help="Random-weight target shape (bench/assets.py); tiny: a CPU smoke test.")
 @click.option("--batch-sizes", default="1,16,64,256", show_default=True, metavar="B1,B2,...")

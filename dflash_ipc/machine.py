@@ -46,6 +46,13 @@ def check_job_devices(cfg: JobConfig) -> None:
             require_device(device, key)
 
 
+def check_device(device: str, key: str) -> None:
+    """ConfigError unless `device` is `cpu` or `cuda:N` of a GPU this machine has."""
+    if device != "cpu" and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise ConfigError(f"{key}: {device!r}; allowed: cpu or cuda:N")
+    require_device(device, key)
+
+
 def require_device(device: str, key: str) -> None:
     """ConfigError when `device` names a GPU this machine does not have (checked in the worker
     that uses it, so the supervisor itself never initialises CUDA)."""

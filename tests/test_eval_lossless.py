@@ -141,3 +141,18 @@ def test_eval_exits_nonzero_only_on_a_mismatch(monkeypatch, tiny_cache, tmp_path
     result = CliRunner().invoke(main, ["eval", "--target", target, "--drafter", str(tmp_path), "--data", target,
                                        "--check-lossless"], catch_exceptions=False)
     assert result.exit_code == code, result.output
+
+
+@pytest.mark.parametrize("device, message", [("gpu", "'gpu'; allowed: cpu or cuda:N"),
+                                             ("cuda:64", "cuda:64")])
+def test_eval_names_a_bad_device_in_one_line(tiny_cache, tmp_path, monkeypatch, capsys, device, message):
+    import sys
+
+    from dflash_ipc.cli import run
+    target = os.path.join(tiny_cache, "tiny-target")
+    monkeypatch.setattr(sys, "argv", ["dflash-ipc", "eval", "--target", target, "--drafter", str(tmp_path),
+                                      "--device", device])
+    with pytest.raises(SystemExit) as exited:
+        run()
+    err = capsys.readouterr().err
+    assert exited.value.code == 78 and f"error: --device: {message}" in err and "Traceback" not in err, err
