@@ -1,6 +1,7 @@
 """The resumable output file: torn tails cut, done rows skipped, settings pinned, sorted at the end."""
 
 import json
+import os
 
 import pytest
 
@@ -110,3 +111,15 @@ def test_sort_drops_a_later_copy_and_reads_indices_fast(tmp_path):
     assert lines(path) == [row(1), row(2)]
     assert line_index(b'{"index": 12, "messages": []}\n') == 12
     assert line_index(b'{"messages": [], "index": 4}\n') == 4 and line_index(b"[1]\n") is None
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "[]"])
+def test_an_empty_input_is_refused_before_any_output_exists(tmp_path, text):
+    from dflash_ipc.errors import DataError
+    from dflash_ipc.regenerate.options import GenerationOptions
+    from dflash_ipc.regenerate.run import regenerate
+    name = "in.json" if text == "[]" else "in.jsonl"
+    (tmp_path / name).write_text(text)
+    with pytest.raises(DataError, match=f"{name}: the input is empty"):
+        regenerate(str(tmp_path / name), str(tmp_path / "out.jsonl"), None, GenerationOptions(max_new_tokens=4))
+    assert sorted(os.listdir(tmp_path)) == [name]

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from dflash_ipc.data.messages import RowRejected, parse_conversation
 from dflash_ipc.data.progress import ProgressLine, eta
 from dflash_ipc.data.reader import MAX_ROW_BYTES, InputSource, RawRow, decode_row
-from dflash_ipc.errors import ConfigError
+from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.regenerate.conversation import Reply, RowState, assistant_message
 from dflash_ipc.regenerate.options import GenerationOptions
 from dflash_ipc.regenerate.output import RegenOutput
@@ -159,6 +159,9 @@ def regenerate(input_path: str, out_path: str, backend, options: GenerationOptio
     if window < 1:
         raise ConfigError(f"--window={window}: must be >= 1")
     source = InputSource(input_path, split=split, max_row_bytes=max_line_bytes)
+    if next(InputSource(input_path, split=split, max_row_bytes=max_line_bytes).rows(), None) is None:
+        # Before the output exists: an empty input writes nothing (prepare refuses it alike).
+        raise DataError(f"{input_path}: the input is empty (no rows)")
     settings = {"input": os.path.abspath(input_path), "split": split, **options.settings(), **backend.describe()}
     out = RegenOutput(out_path, settings, overwrite=overwrite)
     if out.num_torn:
