@@ -11,6 +11,7 @@ list entries) are shown abbreviated, so no message costs more than a line.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import reprlib
 import types
@@ -130,8 +131,10 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
 def _unknown_key(cls: type, key: str, names: set[str]) -> ConfigError:
     if key in MOVED_KEYS:
         return ConfigError(f"{key} moved to {MOVED_KEYS[key]}: write it there")
-    section = key.rpartition(".")[0]
-    return ConfigError(f"unknown key {key}; allowed keys{' of ' + section if section else ''}: "
+    section, _, name = key.rpartition(".")
+    close = difflib.get_close_matches(name, sorted(names), n=1)
+    hint = f" (did you mean {(section + '.') if section else ''}{close[0]}?)" if close else ""
+    return ConfigError(f"unknown key {key}{hint}; allowed keys{' of ' + section if section else ''}: "
                        f"{', '.join(sorted(names))}")
 
 
@@ -203,7 +206,25 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     try:
         return config_from_dict(tree)
     except ConfigError as exc:
-        raise ConfigError(f"{path or 'defaults'}: {exc}") from None
+        raise ConfigError(f"{_culprit(path, overrides)}: {exc}") from None
+
+
+def _culprit(path: str | None, overrides) -> str:
+    """What to blame for an invalid job: the first `-o` override that makes a valid file invalid,
+    else the file (a user searching the file for a key they typed on the command line would not
+    find it). Only on the error path: the file is re-read and validated once per override."""
+    tree = read_config_file(path) if path is not None else {}
+    try:
+        config_from_dict(tree)
+    except ConfigError:
+        return path or "defaults"
+    for override in overrides:
+        _apply_override(tree, override)
+        try:
+            config_from_dict(tree)
+        except ConfigError:
+            return f"override -o {override}"
+    return path or "defaults"
 
 
 def dump_config(cfg: JobConfig, path: str) -> None:

@@ -98,6 +98,24 @@ def test_yaml_errors_name_the_file(tmp_path):
         load_config(str(tmp_path / "missing.yaml"))
 
 
+def test_an_invalid_override_is_named_not_the_file_it_overrides(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("optimizer:\n  lr: 3.0e-4\n")
+    with pytest.raises(ConfigError, match=r"^override -o optimiser.lr=1e-3: unknown key optimiser \(did you mean "
+                                          r"optimizer\?\)"):
+        load_config(str(good), ["run.seed=3", "optimiser.lr=1e-3"])
+    with pytest.raises(ConfigError, match=r"^override -o optimizer.lr=-1: optimizer.lr: must be in"):
+        load_config(str(good), ["optimizer.lr=-1"])
+    with pytest.raises(ConfigError, match=r"^override -o optimizer.lrr=3: unknown key optimizer.lrr \(did you mean "
+                                          r"optimizer.lr\?\)"):
+        load_config(None, ["optimizer.lrr=3"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optimizer:\n  lr: -1\n")  # the file itself is wrong: it is named, whatever the overrides
+    with pytest.raises(ConfigError, match=r"^.*bad.yaml: optimizer.lr: must be in"):
+        load_config(str(bad), ["run.seed=3"])
+    assert load_config(str(bad), ["optimizer.lr=1e-3"]).optimizer.lr == pytest.approx(1e-3)  # an override may fix it
+
+
 def test_bad_yaml_files_are_one_line_errors(tmp_path):
     twice = tmp_path / "twice.yaml"
     twice.write_text("data:\n  num_epochs: 2\nrun:\n  seed: 1\ndata:\n  num_epochs: 3\n")
