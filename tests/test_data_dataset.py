@@ -110,7 +110,7 @@ def test_partial_directory_is_refused(tmp_path):
 def test_existing_output_needs_overwrite(tmp_path):
     out = tmp_path / "ds"
     write(out, random_samples(2, seed=1))
-    with pytest.raises(DataError, match="already exists; pass overwrite=True"):
+    with pytest.raises(DataError, match="already exists; --overwrite"):
         DatasetWriter(str(out), tokenizer_fingerprint="x")
     write(out, random_samples(3, seed=2), overwrite=True)
     assert len(TokenDataset(str(out))) == 3

@@ -122,6 +122,8 @@ def test_round_trip_float32_is_exact(tmp_path):
     save_inference_checkpoint(model, str(out), dtype=torch.float32)
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     assert [p for p in os.listdir(tmp_path) if p != "export"] == []  # no temp dirs left behind
+    # The weights are as readable as the config beside them (a server may run as another user).
+    assert os.stat(out / "model.safetensors").st_mode & 0o777 == os.stat(out / "config.json").st_mode & 0o777
     loaded = load_inference_checkpoint(str(out))
     assert loaded.config == model.config
     torch.testing.assert_close(forward(loaded), forward(model), rtol=0, atol=0)

@@ -338,7 +338,7 @@ def _check_target(out_dir: str, overwrite: bool) -> None:
     if not os.listdir(out_dir):
         return  # an empty directory made beforehand (mkdir -p) holds nothing to lose
     if not overwrite:
-        raise DataError(f"{out_dir}: already exists; pass overwrite=True (--overwrite) to replace it")
+        raise DataError(f"{out_dir}: already exists; --overwrite (overwrite=True) replaces it")
     if not os.path.exists(os.path.join(out_dir, META_FILE)):
         raise DataError(f"{out_dir}: exists, is not empty and holds no {META_FILE}; refusing to replace it")
 

@@ -235,7 +235,7 @@ def held_out_prompts(dataset: TokenDataset, *, num_prompts: int,
     declared = held_out_prompts_of(dataset.meta, os.path.join(dataset.path, "meta.json"))
     if sample_ids is None and declared:
         if len(declared) < num_prompts:
-            logger.warning("%s: only %d held-out prompts, %d asked", dataset.path, len(declared), num_prompts)
+            logger.warning("%s: only %d held-out prompts, %d asked (--num-prompts)", dataset.path, len(declared), num_prompts)
         return declared[:num_prompts]
 
     def prompt_of(i: int) -> np.ndarray | None:
@@ -261,5 +261,5 @@ def held_out_prompts(dataset: TokenDataset, *, num_prompts: int,
     if not picked:
         raise DataError(f"{dataset.path}: no sample has a prompt followed by loss-mask tokens")
     if len(picked) < num_prompts:
-        logger.warning("%s: only %d usable prompts, %d asked", dataset.path, len(picked), num_prompts)
+        logger.warning("%s: only %d usable prompts, %d asked (--num-prompts)", dataset.path, len(picked), num_prompts)
     return picked[::-1]
