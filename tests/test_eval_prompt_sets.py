@@ -28,6 +28,10 @@ ROWS = [
     {"question": "balu bagu", "answer": "#### 4"},  # GSM8K
     {"problem": "badu baba", "solution": "x"},  # MATH
     {"prompt": "bagu", "system": "banu"},
+    # as prepare and regenerate read chats: ShareGPT, and content as text parts
+    {"conversations": [{"from": "system", "value": "banu"}, {"from": "human", "value": "balu"},
+                       {"from": "gpt", "value": "baru"}, {"from": "human", "value": "bagu"}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "baba"}]}]},
 ]
 
 
@@ -46,17 +50,20 @@ def target_dir(tiny_cache):
 def test_every_row_form(tmp_path):
     path = write_jsonl(tmp_path / "mixed.jsonl", ROWS[:2] + ["", "  "] + ROWS[2:])
     prompt_set = read_prompt_file(path)
-    assert prompt_set.name == "mixed" and prompt_set.num_turns == 7
+    assert prompt_set.name == "mixed" and prompt_set.num_turns == 10
     assert [(c.sample_id, c.turns, c.system) for c in prompt_set.cases] == [
         (0, ["baba badu", "bagu balu"], None), (1, ["baba", "badu"], "banu"), (2, ["balu bagu"], None),
-        (3, ["badu baba"], None), (4, ["bagu"], "banu")]
+        (3, ["badu baba"], None), (4, ["bagu"], "banu"), (5, ["balu", "bagu"], "banu"), (6, ["baba"], None)]
     assert [c.sample_id for c in read_prompt_file(path, limit=2).cases] == [0, 1]
 
 
 @pytest.mark.parametrize("line, match", [
     ("{not json", "bad.jsonl:2: not valid JSON"),
     ('["a"]', "bad.jsonl:2: a row must be a JSON object"),
-    ('{"text": "a"}', r"bad.jsonl:2: no prompt field; allowed: \['turns', 'messages', 'question'"),
+    ('{"text": "a"}', r"bad.jsonl:2: no prompt field; allowed: \['turns', 'messages', 'conversations', 'question'"),
+    ('{"messages": [{"role": "tool", "content": "a"}]}', r"bad.jsonl:2: messages\[0\] is a 'tool' turn"),
+    ('{"conversations": [{"from": "gpt", "value": "a"}]}', "bad.jsonl:2: 'conversations' has no user turn"),
+    ('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', r"messages\[0\].content\[0\] is a 'image_url'"),
     ('{"turns": []}', "bad.jsonl:2: 'turns' must be a non-empty list"),
     ('{"question": 3}', "bad.jsonl:2: 'question' must be a non-empty string, got int"),
     ('{"messages": [{"role": "bot", "content": "a"}]}', r"bad.jsonl:2: messages\[0\].role='bot'; allowed"),
@@ -105,7 +112,7 @@ def test_turns_are_conditioned_on_the_models_own_replies(target_dir, tmp_path):
     and plain decoding see the same turns (float32: identical replies)."""
     target = BatchedTarget(target_dir, layer_ids=LAYER_IDS, dtype="float32")
     tok = AutoTokenizer.from_pretrained(target_dir)
-    prompt_set = read_prompt_file(write_jsonl(tmp_path / "mt.jsonl", ROWS))
+    prompt_set = read_prompt_file(write_jsonl(tmp_path / "mt.jsonl", ROWS[:5]))
 
     def run(decoder):
         source = Conversations(prompt_set, max_new_tokens=10, renderer=ChatRenderer(tok),

@@ -5,8 +5,10 @@ that a row has decides its form:
 
     {"turns": ["...", "..."]}                          MT-Bench: user turns, in order
     {"messages": [{"role": ..., "content": ...}]}      chat: system and user turns kept; its
-                                                       assistant turns are dropped (the
-                                                       model writes its own replies)
+    {"conversations": [{"from": ..., "value": ...}]}   assistant turns are dropped (the model
+                                                       writes its own replies); read as
+                                                       prepare reads them (content may be
+                                                       a list of text parts)
     {"question": "..."}                                GSM8K
     {"problem": "..."}                                 MATH
     {"prompt": "..."}                                  any single prompt
@@ -34,13 +36,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash_ipc.data.dataset import TokenDataset
+from dflash_ipc.data.messages import RowRejected, parse_conversation
 from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.eval.requests import Generation, Request
 from dflash_ipc.json_lines import MAX_LINE_BYTES, capped_lines
 
 logger = logging.getLogger(__name__)
 
-PROMPT_KEYS = ("turns", "messages", "question", "problem", "prompt")
+PROMPT_KEYS = ("turns", "messages", "conversations", "question", "problem", "prompt")
 MESSAGE_ROLES = ("system", "user", "assistant")
 
 
@@ -110,8 +113,8 @@ def parse_row(row, where: str) -> tuple[list[str], str | None]:
     key = next((k for k in PROMPT_KEYS if k in row), None)
     if key is None:
         raise DataError(f"{where}: no prompt field; allowed: {list(PROMPT_KEYS)} (keys: {sorted(row)[:8]})")
-    if key == "messages":
-        return _parse_messages(row["messages"], where)
+    if key in ("messages", "conversations"):
+        return _parse_messages(row, where)
     value = row[key]
     if key == "turns":
         if not isinstance(value, list) or not value or not all(_text(t) for t in value):
@@ -127,24 +130,28 @@ def parse_row(row, where: str) -> tuple[list[str], str | None]:
     return turns, system
 
 
-def _parse_messages(messages, where: str) -> tuple[list[str], str | None]:
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+def _parse_messages(row: dict, where: str) -> tuple[list[str], str | None]:
+    """A chat row read as prepare and regenerate read it (`data/messages.py`: OpenAI or
+    ShareGPT shape, content as a string or text parts): its system message, if first, and its
+    user turns; assistant turns are dropped, tool turns refused (nothing would answer them)."""
+    try:
+        conversation = parse_conversation(row, need_assistant=False)
+    except RowRejected as exc:
+        raise DataError(f"{where}: {exc.detail}") from None
+    kind = "messages" if row.get("messages") is not None else "conversations"
     system, turns = None, []
-    for i, m in enumerate(messages):
-        role = m.get("role") if isinstance(m, dict) else None
-        if role not in MESSAGE_ROLES:
-            raise DataError(f"{where}: messages[{i}].role={role!r}; allowed: {list(MESSAGE_ROLES)}")
-        if not _text(m.get("content")):
-            raise DataError(f"{where}: messages[{i}].content must be a non-empty string")
+    for i, m in enumerate(conversation.messages):
+        role = m["role"]
         if role == "system" and i == 0:
             system = m["content"]
         elif role == "user":
             turns.append(m["content"])
         elif role == "system":
-            raise DataError(f"{where}: messages[{i}]: a system message is allowed first only")
+            raise DataError(f"{where}: {kind}[{i}]: a system message is allowed first only")
+        elif role not in MESSAGE_ROLES:
+            raise DataError(f"{where}: {kind}[{i}] is a {role!r} turn; a prompt holds {list(MESSAGE_ROLES)} turns")
     if not turns:
-        raise DataError(f"{where}: 'messages' has no user turn")
+        raise DataError(f"{where}: '{kind}' has no user turn")
     return turns, system
 
 
