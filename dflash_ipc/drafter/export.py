@@ -123,11 +123,13 @@ def save_inference_checkpoint(model: DFlashDraftModel, out_dir: str, *, dtype: t
         write_inference_files(model, tmp, dtype=dtype)
         if extras is not None:
             extras(tmp)
+        replaced = os.path.exists(out_dir)
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info("exported drafter (%s) to %s", DTYPE_OF_TORCH[dtype], out_dir)
+    logger.info("exported drafter (%s) to %s%s", DTYPE_OF_TORCH[dtype], out_dir,
+                " (replacing the directory that was there)" if replaced else "")
 
 
 def write_inference_files(model: DFlashDraftModel, directory: str, *, dtype: torch.dtype = torch.bfloat16,
