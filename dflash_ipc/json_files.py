@@ -11,6 +11,7 @@ way, whole or not at all.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -69,16 +70,29 @@ def json_safe(value):
     return value
 
 
+def as_number(value) -> float | None:
+    """A JSON value as a float when it is a number (bools excluded: JSON's true is no count),
+    else None (a status writes a NaN as null)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
 def write_json_atomic(path: str, value, *, indent: int | None = 1, sort_keys: bool = False,
                       fsync: bool = False) -> None:
     """`value` as strict JSON (json_safe: no bare NaN/Infinity), written to a temp file of this
     process and renamed over `path`: a reader sees the old file or the new one, never a torn
     one. ``fsync``: on disk before the rename (a checkpoint's manifest, a resumable state)."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(json_safe(value), f, indent=indent, sort_keys=sort_keys, allow_nan=False)
-        f.write("\n")
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(json_safe(value), f, indent=indent, sort_keys=sort_keys, allow_nan=False)
+            f.write("\n")
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a value that is not JSON, a full disk: no temp file left behind
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

@@ -109,9 +109,10 @@ class DispatcherLink:
             raise WorkerDeadError(f"no reply from the dispatcher at {self.address} within {timeout_s:.0f}s")
         return reply
 
-    def beat(self) -> None:
+    def beat(self, force: bool = False) -> None:
+        """A heartbeat with `metrics` when one is due (`force`: now, e.g. a drafter's last step)."""
         now = time.monotonic()
-        if now - self._last_beat >= self.heartbeat_interval_s:
+        if force or now - self._last_beat >= self.heartbeat_interval_s:
             self._last_beat = now
             self.send(p.Heartbeat(metrics=dict(self.metrics)))
 

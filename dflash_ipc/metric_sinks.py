@@ -40,6 +40,8 @@ import math
 import os
 import time
 
+from dflash_ipc.json_files import as_number
+
 log = logging.getLogger(__name__)
 
 MEMORY_METRICS = ("rss_mib", "gpu_mem_allocated_mib", "gpu_mem_reserved_mib")
@@ -47,13 +49,6 @@ TRAIN_MEANS = ("loss", "lr", "grad_norm", "anchors", "tokens")
 FLUSH_S = 10  # SummaryWriter's flush period (its default, 120 s, leaves TensorBoard far behind)
 # drafter metrics that are no curves: the rank, the host clock
 DRAFTER_SKIPPED = frozenset({"rank", "time"})
-
-
-def _number(value) -> float | None:
-    """A finite-or-not float for ints/floats (bools excluded), else None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
 
 
 def _summary_writer_class():
@@ -78,7 +73,7 @@ class StatusScalars:
         self._last: dict[str, tuple[object, dict]] = {}
 
     def __call__(self, status: dict) -> tuple[int, float, dict[str, float]]:
-        elapsed = _number(status.get("elapsed_s"))
+        elapsed = as_number(status.get("elapsed_s"))
         if self._wall0 is None:
             self._wall0 = time.time() - (elapsed or 0.0)
         wall = self._wall0 + elapsed if elapsed is not None else time.time()
@@ -93,7 +88,7 @@ class StatusScalars:
 
     def _global_step(self, status: dict) -> int:
         steps = [v for d in (status.get("drafters") or {}).values()
-                 if (v := _number((d.get("metrics") or {}).get("step"))) is not None and math.isfinite(v)]
+                 if (v := as_number((d.get("metrics") or {}).get("step"))) is not None and math.isfinite(v)]
         self.step_reported = bool(steps)
         if steps:
             self._step = max(self._step, int(round(sum(steps) / len(steps))))
@@ -101,14 +96,14 @@ class StatusScalars:
 
     @staticmethod
     def _job_scalars(status: dict, out: dict) -> None:
-        if (elapsed := _number(status.get("elapsed_s"))) is not None:
+        if (elapsed := as_number(status.get("elapsed_s"))) is not None:
             out["time/elapsed_s"] = elapsed
         for group in ("rates", "batches", "tokens"):
             for name, value in (status.get(group) or {}).items():
-                if (v := _number(value)) is not None:
+                if (v := as_number(value)) is not None:
                     out[f"{group}/{name}"] = v
-        committed = _number((status.get("batches") or {}).get("committed"))
-        total = _number(status.get("num_batches"))
+        committed = as_number((status.get("batches") or {}).get("committed"))
+        total = as_number(status.get("num_batches"))
         if committed is not None and total:
             out["progress/committed_fraction"] = committed / total
         epochs = status.get("epochs") or []
@@ -116,9 +111,9 @@ class StatusScalars:
             current = next((i for i, e in enumerate(epochs) if e.get("committed", 0) < e.get("batches", 0)),
                            len(epochs) - 1)
             out["progress/epoch"] = float(current + 1)
-        if (v := _number(status.get("produced_waiting"))) is not None:
+        if (v := as_number(status.get("produced_waiting"))) is not None:
             out["queue/produced_waiting"] = v
-        if (v := _number(status.get("refusals"))) is not None:
+        if (v := as_number(status.get("refusals"))) is not None:
             out["health/refusals"] = v
         if "dropped_targets" in status:
             out["health/dropped_targets"] = float(len(status["dropped_targets"] or {}))
@@ -126,7 +121,7 @@ class StatusScalars:
         out["health/drafters"] = float(len(status.get("drafters") or {}))
         drafters = [d.get("metrics") or {} for d in (status.get("drafters") or {}).values()]
         for name in TRAIN_MEANS:
-            values = [v for m in drafters if (v := _number(m.get(name))) is not None]
+            values = [v for m in drafters if (v := as_number(m.get(name))) is not None]
             if values:
                 out[f"train/{name}"] = sum(values) / len(values)
 
@@ -146,11 +141,11 @@ class StatusScalars:
         for rank, t in targets.items():
             prefix = f"target/{rank}"
             for name in ("credits", "free_slots", "heartbeat_age_s"):
-                if (v := _number(t.get(name))) is not None:
+                if (v := as_number(t.get(name))) is not None:
                     out[f"{prefix}/{name}"] = v
             metrics = t.get("metrics") or {}
             _memory(metrics, prefix, out)
-            counters = {n: v for n in ("busy_s", "wait_s", "tokens") if (v := _number(metrics.get(n))) is not None}
+            counters = {n: v for n in ("busy_s", "wait_s", "tokens") if (v := as_number(metrics.get(n))) is not None}
             if "busy_s" not in counters:
                 continue  # registered, no heartbeat with metrics yet
             delta = self._deltas(f"target/{rank}", t.get("pid"), counters)
@@ -165,14 +160,14 @@ class StatusScalars:
         for rank, d in drafters.items():
             prefix = f"drafter/{rank}"
             for name in ("credits", "heartbeat_age_s"):
-                if (v := _number(d.get(name))) is not None:
+                if (v := as_number(d.get(name))) is not None:
                     out[f"{prefix}/{name}"] = v
             metrics = d.get("metrics") or {}
             for name, value in metrics.items():
-                if name not in DRAFTER_SKIPPED and (v := _number(value)) is not None:
+                if name not in DRAFTER_SKIPPED and (v := as_number(value)) is not None:
                     out[f"{prefix}/{name}"] = v
             counters = {n: v for n in ("time", "wait_s", "trained_tokens")
-                        if (v := _number(metrics.get(n))) is not None}
+                        if (v := as_number(metrics.get(n))) is not None}
             if "time" not in counters:
                 continue
             # a restarted drafter restarts its counters: the backwards check in _deltas catches it
@@ -187,7 +182,7 @@ class StatusScalars:
 
 def _memory(metrics: dict, prefix: str, out: dict) -> None:
     for name in MEMORY_METRICS:
-        if (v := _number(metrics.get(name))) is not None:
+        if (v := as_number(metrics.get(name))) is not None:
             out[f"{prefix}/{name}"] = v
 
 

@@ -52,6 +52,10 @@ class FakeLink:
     def recv(self, timeout_s):
         return self.inbox.popleft() if self.inbox else None
 
+    def beat(self, force=False):  # periodic beats are the real link's; a forced one is recorded
+        if force:
+            self.send(p.Heartbeat(metrics=dict(self.metrics)))
+
     def of(self, kind):
         return [m for m in self.sent if isinstance(m, kind)]
 

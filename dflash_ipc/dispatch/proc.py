@@ -252,14 +252,11 @@ def run_dispatcher(cfg: JobConfig) -> None:
                             num_drafters=cfg.total_drafters, num_nodes=cfg.run.num_nodes,
                             drafter_generation=generation, heartbeat_timeout_s=cfg.dispatch.heartbeat_timeout_s,
                             drafter_timeout_s=cfg.supervise.drafter_step_timeout_s, ledger=ledger)
-    # SIGTERM ends the loop between two messages, never inside one (the ledger stays whole);
-    # one before the socket is bound stops the dispatcher before it serves anything.
-    stop = {"requested": False}
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(requested=True))
+    # Until it serves, a SIGTERM exits as in any stage (cli: SystemExit); from then on it ends
+    # the loop between two messages, never inside one (the ledger stays whole).
     proc = DispatcherProc(cfg, dispatcher, address=cfg.dispatcher_address)
     try:
         signal.signal(signal.SIGTERM, lambda signum, frame: setattr(proc, "stop_requested", True))
-        proc.stop_requested = proc.stop_requested or stop["requested"]
         try:
             proc.run()
         finally:

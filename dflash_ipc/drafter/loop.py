@@ -262,7 +262,9 @@ class DrafterLoop:
     def stop_together(self) -> None:
         """Every rank leaves here together: a closing checkpoint, its commit confirmed."""
         log.info("stopping (%s): checkpoint at step %d", self.stop_reason or "a peer stops", self.trainer.step_count)
-        self.report_metrics()
+        # This rank's last metrics now, before the closing checkpoint's collective: they reach the
+        # dispatcher before rank 0's last `Committed` ends the job (and final_status.json).
+        self.link.beat(force=True)
         if self.trainer.step_count != self.last_checkpoint_step:
             self.checkpoint()
         if self.rank == 0:
@@ -272,7 +274,9 @@ class DrafterLoop:
     def finish(self) -> None:
         """Drained: the last checkpoint, then wait for the dispatcher to close the job."""
         self._phase("finish", self.trainer.step_count)
-        self.report_metrics()
+        # This rank's last metrics now, before the closing checkpoint's collective: they reach the
+        # dispatcher before rank 0's last `Committed` ends the job (and final_status.json).
+        self.link.beat(force=True)
         if self.trainer.step_count != self.last_checkpoint_step:
             self.checkpoint()
         timeout = self.cfg.dispatch.heartbeat_timeout_s
@@ -284,12 +288,6 @@ class DrafterLoop:
             # Exit non-zero: the supervisor treats a clean exit as a worker that got Shutdown.
             raise WorkerDeadError(f"drafter/{self.rank}: trained everything but the dispatcher did not close "
                                   f"the job within {timeout:.0f}s")
-
-    def report_metrics(self) -> None:
-        """This rank's metrics of its last step, now rather than at the next heartbeat: sent
-        before the closing checkpoint's collective, they reach the dispatcher before rank 0's
-        last `Committed` ends the job and `final_status.json` is written."""
-        self.link.send(p.Heartbeat(metrics=dict(self.link.metrics)))
 
     def await_commit_done(self, timeout_s: float) -> None:
         """Waits for the dispatcher's `CommitDone` of the last checkpoint (then marks it)."""

@@ -61,7 +61,7 @@ import psutil
 
 from dflash_ipc.drafter.checkpoint_store import UNCOMMITTED_NOTE, CheckpointStore
 from dflash_ipc.errors import DataError, DFlashError
-from dflash_ipc.json_files import read_json_object
+from dflash_ipc.json_files import read_json_object, write_json_atomic
 from dflash_ipc.liveness import beacon_problem, read_beacon
 from dflash_ipc.run_files import RunFiles
 from dflash_ipc.supervise.roles import Role
@@ -412,11 +412,8 @@ def _read_state(path: str) -> dict:
 
 
 def _write_state(path: str, state: dict) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(state, f)
-        os.replace(tmp, path)
+        write_json_atomic(path, state, indent=None)
     except OSError as exc:
         log.debug("cannot keep progress state in %s: %s", path, exc)
 

@@ -7,11 +7,12 @@
 
 from __future__ import annotations
 
+from dflash_ipc.json_files import as_number
+
 
 def _mean_metric(workers: dict, name: str) -> float | None:
     """The workers' mean of a metric; numbers only (a final status writes a NaN as null)."""
-    values = [v for w in workers.values() if isinstance(v := w.get("metrics", {}).get(name), (int, float))
-              and not isinstance(v, bool)]
+    values = [v for w in workers.values() if (v := as_number(w.get("metrics", {}).get(name))) is not None]
     return sum(values) / len(values) if values else None
 
 

@@ -11,7 +11,7 @@ from dflash_ipc import protocol as p
 from dflash_ipc.config_load import load_config
 from dflash_ipc.drafter.checkpoint_store import UNCOMMITTED_NOTE, CheckpointStore
 from dflash_ipc.errors import DataError, WorkerDeadError
-from dflash_ipc.json_files import json_safe, read_json_object
+from dflash_ipc.json_files import as_number, json_safe, read_json_object
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.run_files import RunFiles
 from dflash_ipc.supervise.status_line import format_status
@@ -42,12 +42,16 @@ def query_status(run_dir: str, *, as_json: bool = False) -> str:
         if status is None:
             raise
         heading = f"no dispatcher answers ({live_error}); the job's final status, {files.final_status}:"
+    listing_error = None
     try:
         uncommitted = CheckpointStore(files.checkpoints).uncommitted()
     except OSError as exc:  # the folder is there but cannot be listed: say so, show the rest
-        uncommitted = [f"(cannot list the checkpoints set aside: {exc})"]
+        uncommitted, listing_error = [], f"cannot list the checkpoints set aside: {exc}"
     if as_json:
-        return json.dumps(json_safe({**status, "uncommitted_checkpoints": uncommitted}), indent=1, sort_keys=True,
+        extra = {"uncommitted_checkpoints": uncommitted}
+        if listing_error:
+            extra["uncommitted_checkpoints_error"] = listing_error
+        return json.dumps(json_safe({**status, **extra}), indent=1, sort_keys=True,
                           allow_nan=False)  # strict JSON: no NaN
     lines = ([heading] if heading else []) + [format_status(status, final=heading is not None)]
     for rank, t in status["targets"].items():
@@ -58,6 +62,7 @@ def query_status(run_dir: str, *, as_json: bool = False) -> str:
         lines.append(f"  drafter/{rank}: step {_number(m.get('step'), 0):.0f} loss {_number(m.get('loss')):.3f}, "
                      f"{d['batches']} batches, heartbeat {d['heartbeat_age_s']:.1f}s ago")
     lines += [f"  {UNCOMMITTED_NOTE}: {path}" for path in uncommitted]
+    lines += [f"  ({listing_error})"] if listing_error else []
     return "\n".join(lines)
 
 
@@ -73,4 +78,5 @@ def _final_status(path: str) -> dict | None:
 
 def _number(value, default: float = float("nan")) -> float:
     """A metric as a number: the final status writes a NaN as null (strict JSON)."""
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+    number = as_number(value)
+    return default if number is None else number

@@ -19,7 +19,6 @@ resumes from that checkpoint. A second signal stops at once.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -31,7 +30,7 @@ from dflash_ipc.config import JobConfig
 from dflash_ipc.config_load import dump_config
 from dflash_ipc.drafter.checkpoint_store import CheckpointStore
 from dflash_ipc.errors import DataError
-from dflash_ipc.json_files import read_json_object
+from dflash_ipc.json_files import read_json_object, write_json_atomic
 from dflash_ipc.link import DispatcherLink
 from dflash_ipc.liveness import read_beacon
 from dflash_ipc.logs import tail_lines
@@ -164,10 +163,7 @@ class Supervisor:
         record = {"supervisor": os.getpid(), "run_dir": self.cfg.run.run_dir, "node_rank": self.cfg.run.node_rank,
                   "processes": [{"role": str(c.role), "pid": c.pid, "log": c.log_path, "restarts": len(c.restarts)}
                                 for c in self.children.values()]}
-        tmp = self.files.processes + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(record, f, indent=1)
-        os.replace(tmp, self.files.processes)
+        write_json_atomic(self.files.processes, record)
 
     # --- watch ----------------------------------------------------------------------------
 
