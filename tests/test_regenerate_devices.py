@@ -10,7 +10,7 @@ import torch
 from dflash_ipc.data.tiny import TINY_VOCAB_WORDS
 from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.regenerate import devices as regen_devices
-from dflash_ipc.regenerate.generator import GeneratorSettings
+from dflash_ipc.regenerate.generator import Generator, GeneratorSettings
 from dflash_ipc.regenerate.hf import HFBackend
 from dflash_ipc.regenerate.options import GenerationOptions
 
@@ -47,8 +47,9 @@ def test_devices_are_checked(tiny_cache):
             HFBackend(target, GenerationOptions(), devices=devices)
 
 
-class _FailingGenerator:
-    """A device's Generator whose every batch fails, as a CUDA error would."""
+class _FailingGenerator(Generator):
+    """A device's Generator (its failure rule, run_batch, the real one) whose every batch fails,
+    as a CUDA error would."""
     usable = True
 
     def __init__(self, settings, device):

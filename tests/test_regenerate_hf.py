@@ -73,6 +73,21 @@ def test_greedy_replies_are_plain_generate_and_do_not_depend_on_batching(target,
         assert r["messages"][1] == {"role": "assistant", "content": plain_generate(model, tok, [user(p)], 12)}
 
 
+def test_a_piped_input_is_read_once_whole(target, model, tmp_path):
+    """regenerate peeks at the first row (an empty input is refused before any output): from
+    the one reader, so a pipe (`/dev/stdin`) keeps every row."""
+    import os
+    inp = write_rows(tmp_path / "in.jsonl", [{"messages": [user(p)]} for p in PROMPTS[:3]])
+    read_end, write_end = os.pipe()
+    os.write(write_end, open(inp, "rb").read())
+    os.close(write_end)
+    try:
+        report = run(target, f"/dev/fd/{read_end}", tmp_path / "piped.jsonl", model=model)
+    finally:
+        os.close(read_end)
+    assert report.complete and report.num_rows == 3 and report.num_written == 3
+
+
 def test_multi_turn_replaces_every_assistant_turn_and_only_those(target, model, tok, tmp_path):
     source = [{"role": "system", "content": W[900]}, user(W[1]), {"role": "assistant", "content": W[2]},
               user(f"{W[3]} {W[4]}"), {"role": "assistant", "content": W[5]}, user(W[6]),

@@ -26,7 +26,7 @@ import signal
 import time
 
 from dflash_ipc.errors import DataError
-from dflash_ipc.regenerate.generator import Generator
+from dflash_ipc.regenerate.generator import DeviceUnusable, Generator
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +55,10 @@ def _device_main(settings, device: str, name: str, tasks, results, throttle_s: f
             return
         batch_id, prompts, max_new = task
         try:
-            outputs, stats = gen.generate(prompts, max_new)
-            error = None
-        except Exception as e:
-            outputs, stats, error = None, None, f"{type(e).__name__}: {e}"[:500]
-            if not gen.device_usable():
-                results.put(("broken", name, error))
-                return  # its rows stay in flight: not rejected, a rerun generates them
+            outputs, stats, error = gen.run_batch(prompts, max_new)
+        except DeviceUnusable as e:
+            results.put(("broken", name, str(e)))
+            return  # its rows stay in flight: not rejected, a rerun generates them
         if throttle_s:
             time.sleep(throttle_s)  # tests: a slow device
         results.put(("done", batch_id, name, outputs, stats, error))
@@ -134,8 +131,7 @@ class DevicePool:
             except queue.Empty:
                 msg = None
             if msg is not None and msg[0] == "broken":
-                raise DataError(f"regenerate: a batch failed on {msg[1]} and left the device unusable ({msg[2]}); "
-                                "rows written so far are kept, rerun to resume")
+                raise DataError(msg[2])
             if msg is not None:
                 return msg
             for p, name in self._procs.values():

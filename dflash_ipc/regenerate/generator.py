@@ -18,6 +18,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from dflash_ipc.errors import DataError
+
 log = logging.getLogger(__name__)
 
 CACHES = ("auto", "static", "dynamic")
@@ -66,8 +68,13 @@ class BatchStats:
         return 1.0 - (self.prompt_tokens + self.new_tokens) / slots if slots else 0.0
 
 
+class DeviceUnusable(DataError):
+    """A batch failed and left its device unusable: a CUDA error (an illegal address, a
+    device-side assert, ECC) sticks to the process, and every later batch would fail too."""
+
+
 class Generator:
-    """The target on one device; `generate` runs one batch."""
+    """The target on one device; `generate` runs one batch, `run_batch` adds the failure rule."""
 
     def __init__(self, settings: GeneratorSettings, device: str, model=None):
         import torch
@@ -87,6 +94,21 @@ class Generator:
         self._stops = torch.as_tensor(sorted(settings.stop_ids), dtype=torch.long, device=device)
         cache = settings.cache if settings.cache != "auto" else ("static" if device.startswith("cuda") else "dynamic")
         self._cache = cache
+
+    def run_batch(self, prompts: list[list[int]], max_new_tokens: list[int]) -> tuple[list | None, BatchStats | None,
+                                                                                    str | None]:
+        """(outputs, stats, None) of `generate`; for a batch that fails on a device that still
+        works, (None, None, error): its rows are rejected, the run goes on. A batch that leaves
+        the device unusable raises DeviceUnusable: the run stops (rows written are kept)."""
+        try:
+            outputs, stats = self.generate(prompts, max_new_tokens)
+            return outputs, stats, None
+        except Exception as e:  # noqa: BLE001 - a model error of any kind is this batch's
+            error = f"{type(e).__name__}: {e}"[:500]
+        if not self.device_usable():
+            raise DeviceUnusable(f"regenerate: a batch failed on {self.device} and left the device unusable "
+                                 f"({error}); rows written so far are kept, rerun to resume")
+        return None, None, error
 
     def device_usable(self) -> bool:
         """False when this process's CUDA context is broken: an illegal address, a device-side

@@ -112,14 +112,11 @@ class HFBackend:
 
     def _run_local(self, keys: list) -> list[Reply]:
         reqs = [self._requests[k] for k in keys]
-        try:
-            outputs, stats = self._local.generate([r.prompt_ids for r in reqs], [r.max_new_tokens for r in reqs])
-        except Exception as e:  # a batch of one that fails (a model error) on a device that still works
-            if len(keys) > 1 or not self._local.device_usable():
-                raise
-            return self._replies(keys, None, f"{type(e).__name__}: {e}"[:500])
-        self.stats.add(stats, self._local.device)
-        return self._replies(keys, outputs, None)
+        # The device processes' rule (Generator.run_batch): rows rejected, or DeviceUnusable.
+        outputs, stats, error = self._local.run_batch([r.prompt_ids for r in reqs], [r.max_new_tokens for r in reqs])
+        if stats is not None:
+            self.stats.add(stats, self._local.device)
+        return self._replies(keys, outputs, error)
 
     def _replies(self, keys: list, outputs, error: str | None) -> list[Reply]:
         replies = []

@@ -21,6 +21,7 @@ rerun of the same command resumes.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -70,11 +71,11 @@ class RegenerateReport:
 class _Loop:
     """The state of one run: rows in flight, counters, the progress line."""
 
-    def __init__(self, source: InputSource, out: RegenOutput, backend, options: GenerationOptions, window: int,
+    def __init__(self, source: InputSource, rows, out: RegenOutput, backend, options: GenerationOptions, window: int,
                  bar: ProgressLine):
         self.source, self.out, self.backend, self.options = source, out, backend, options
         self.window, self.bar = window, bar
-        self.rows = source.rows()
+        self.rows = rows  # the source's rows
         self.active: dict[int, tuple[RowState, RawRow]] = {}
         self.input_done = False
         self.reasons: collections.Counter = collections.Counter()
@@ -159,14 +160,16 @@ def regenerate(input_path: str, out_path: str, backend, options: GenerationOptio
     if window < 1:
         raise ConfigError(f"--window={window}: must be >= 1")
     source = InputSource(input_path, split=split, max_row_bytes=max_line_bytes)
-    if next(InputSource(input_path, split=split, max_row_bytes=max_line_bytes).rows(), None) is None:
+    rows = source.rows()
+    first = next(rows, None)  # peeked from the one reader: a pipe is read once
+    if first is None:
         # Before the output exists: an empty input writes nothing (prepare refuses it alike).
         raise DataError(f"{input_path}: the input is empty (no rows)")
     settings = {"input": os.path.abspath(input_path), "split": split, **options.settings(), **backend.describe()}
     out = RegenOutput(out_path, settings, overwrite=overwrite)
     if out.num_torn:
         log.warning("%s: the last run was interrupted mid-line; that row is generated again", out_path)
-    loop = _Loop(source, out, backend, options, window, ProgressLine(progress))
+    loop = _Loop(source, itertools.chain([first], rows), out, backend, options, window, ProgressLine(progress))
     complete = False
     try:
         loop.run()
