@@ -498,7 +498,7 @@ def _add_options(fn, options: list):
 @click.option("--device", default="cuda:0", show_default=True, callback=_checked_device)
 @click.option("--steps", default=10, show_default=True)
 @click.option("--warmup", default=3, show_default=True,
-              help="Untimed steps first (the first compiles; with fp8 the second too: static row counts).")
+              help="Untimed steps first (the first compiles; with fp8 the third too: a row count seen twice runs static from the next step).")
 @click.option("--shape", type=click.Choice(["qwen3-8b", "tiny"]), default="qwen3-8b", show_default=True,
               help="tiny: hidden 64, 2 layers, vocab 512, same step sizes (a quick GPU smoke test).")
 @click.option("--seq-len", "seq_lens", multiple=True, type=int, default=(2048,), show_default=True,

@@ -325,6 +325,7 @@ def _assert_layers_match_eager(model, eager, row_counts) -> None:
     """Every float8 layer, at each row count: the compiled values and input gradients are eager's."""
     gen = torch.Generator().manual_seed(0)
     for rows in row_counts:
+        prec.next_step()  # each row count as a step of its own (the trainer calls it per step)
         for name, layer in [(n, m) for n, m in eager.named_modules() if type(m).__name__ == "Float8Linear"]:
             x = torch.randn(rows, layer.in_features, generator=gen, requires_grad=True)
             x2 = x.detach().clone().requires_grad_(True)
@@ -361,10 +362,15 @@ def test_a_row_count_gets_static_graphs_once_it_repeats_and_only_so_many():
     a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     assert rows.padded(a, 32768) is None  # first sight: dynamic (a one-off costs no compile)
     assert rows.padded(b, 32768) is None  # another layer's first sight too
-    assert rows.padded(a, 32768) == 32768 and rows.padded(b, 32500) == 32768  # repeats: static, padded (quantum 512)
-    assert rows.padded(a, 5000) is None and rows.padded(a, 5000) == 5120  # quantum 4096 / 32 = 128
+    assert rows.padded(a, 32768) is None and not rows.static  # a repeat promotes it: static from the next step
+    rows.next_step()
+    assert rows.padded(a, 32768) == 32768 and rows.padded(b, 32500) == 32768  # static, padded (quantum 512)
+    assert rows.padded(a, 5000) is None and rows.padded(a, 5000) is None  # promoted in this step
+    rows.next_step()
+    assert rows.padded(a, 5000) == 5120  # quantum 4096 / 32 = 128
     assert rows.padded(a, 9000) is None and rows.padded(a, 9000) is None  # the limit: dynamic from now on
-    assert rows.static == {32768, 5120}
+    rows.next_step()
+    assert rows.padded(a, 9000) is None and rows.static == {32768, 5120}
     assert [prec.static_row_quantum(n) for n in (300, 1024, 8192, 32768, 40000)] == [16, 32, 256, 1024, 1024]
     small = prec.StaticRowCounts()
     assert all(small.padded(a, n) is None for n in (0, 0, 16, 16, 1023, 1023)) and not small.static
@@ -389,7 +395,13 @@ def test_nothing_is_promoted_inside_a_backward_pass():
     assert rows.padded(layer, 4096) is None  # the forward: first sight
     Recompute.apply(torch.ones(1, requires_grad=True)).sum().backward()
     assert seen_in_backward == [None] and not rows.static
-    assert rows.padded(layer, 4096) == 4096  # the next step's forward promotes it
+    # A later call of the same forward promotes the count: the recompute still takes the
+    # forward's (dynamic) graph, and the next step the static one.
+    assert rows.padded(layer, 4096) is None
+    Recompute.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    assert seen_in_backward == [None, None] and not rows.static
+    rows.next_step()
+    assert rows.padded(layer, 4096) == 4096
 
 
 @needs_torchao

@@ -197,18 +197,26 @@ def static_row_quantum(rows: int) -> int:
 class StaticRowCounts:
     """Which padded row counts a layer runs with graphs compiled for that count.
 
-    A count becomes static the second time one layer sees it in a forward pass (it repeats:
-    the block queries of every step), while fewer than ``limit`` counts are static; every
-    other call takes the dynamic graph. So a one-off count never costs a compile, and the
-    compiles are bounded. Inside a backward pass (gradient checkpointing's recompute) nothing
-    is promoted: the recompute must take the graph its forward took, or the tensors it saves
-    would differ from the forward's.
+    A count is promoted the second time one layer sees it in a forward pass (it repeats: the
+    block queries of every step), while fewer than ``limit`` counts are static or promoted, and
+    runs static from the next step on (`next_step`); every other call takes the dynamic graph.
+    So a one-off count never costs a compile, and the compiles are bounded. Within a step the
+    static set does not change: gradient checkpointing's recompute of a layer takes the graph
+    its forward took, even when a later call of the same forward promoted that count (k_proj
+    and v_proj see the context rows and the block rows, which may pad to one count), or the
+    tensors it saves would differ from the forward's. Nothing is promoted in a backward pass.
     """
 
     def __init__(self, limit: int = MAX_STATIC_ROW_COUNTS, min_rows: int = MIN_STATIC_ROWS) -> None:
         self.limit, self.min_rows = limit, min_rows
         self.static: set[int] = set()
+        self._promoted: set[int] = set()  # static from the next step
         self._seen: set[tuple[int, int]] = set()  # (id of the layer, padded count)
+
+    def next_step(self) -> None:
+        """Between two steps (the trainer's): the counts promoted in the last one turn static."""
+        self.static |= self._promoted
+        self._promoted.clear()
 
     def padded(self, layer: nn.Module, rows: int) -> int | None:
         """The padded count to run ``rows`` at with a static graph, or None (dynamic)."""
@@ -223,11 +231,9 @@ class StaticRowCounts:
         key = (id(layer), padded)
         if key not in self._seen:
             self._seen.add(key)
-            return None
-        if len(self.static) >= self.limit:
-            return None
-        self.static.add(padded)
-        return padded
+        elif len(self.static) + len(self._promoted) < self.limit:
+            self._promoted.add(padded)
+        return None
 
 
 # Graphs per function: up to 6 weight shapes x (8 static counts + 1 dynamic) per recipe, two
@@ -245,6 +251,11 @@ def _allow_recompiles() -> None:
 
 
 STATIC_ROWS = StaticRowCounts()
+
+
+def next_step() -> None:
+    """The trainer's call before each step: row counts promoted in the last one turn static."""
+    STATIC_ROWS.next_step()
 
 
 def reset_compiled_layers() -> None:

@@ -34,7 +34,7 @@ from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.drafter.sharding import full_state, load_full_state, shard_model, total_norm
 from dflash_ipc.drafter.objective import (anchor_generator, build_training_batch, sample_anchors,
                                           weighted_ce_sum)
-from dflash_ipc.drafter.precision import apply_precision
+from dflash_ipc.drafter.precision import apply_precision, next_step
 from dflash_ipc.drafter.target_head import FrozenTargetHead
 from dflash_ipc.drafter.training_state import read_training_state, write_training_state
 from dflash_ipc.dtypes import TORCH_DTYPES
@@ -143,6 +143,7 @@ class DrafterTrainer:
     def step(self, chosen: list[tuple[Sequence, int]]) -> dict:
         """One collective optimizer step over this rank's chosen sequences (may be empty)."""
         started = time.perf_counter()
+        next_step()  # fp8: row counts promoted in the last step run static graphs from this one
         batch, features, mask, mask_s = self._build(chosen)
         num_anchors = batch.num_anchors if batch is not None else 0
         # The weight sum stays on the device until the backward is queued: reading it here
