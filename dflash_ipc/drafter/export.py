@@ -100,12 +100,6 @@ def inference_config(config: DFlashConfig, dtype: torch.dtype = torch.bfloat16) 
     return d
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def save_inference_checkpoint(model: DFlashDraftModel, out_dir: str, *, dtype: torch.dtype = torch.bfloat16,
                               extras: Callable[[str], None] | None = None) -> None:
     """Write ``out_dir/{config.json, model.safetensors}`` atomically.
@@ -144,14 +138,14 @@ def write_inference_files(model: DFlashDraftModel, directory: str, *, dtype: tor
     expected = expected_tensor_shapes(model.config)
     if {n: tuple(t.shape) for n, t in state.items()} != expected:
         raise AssertionError(f"model tensors {sorted(state)} do not match the export layout")
-    weights = os.path.join(directory, WEIGHTS_FILE)
-    save_file(state, weights, metadata={"format": "pt"})
-    # safetensors writes 0600; the weights get the mode of the files beside them (0644 under the
-    # usual umask), or a server running as another user could read the config but not them.
-    os.chmod(weights, 0o666 & ~_umask())
     with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
+    weights = os.path.join(directory, WEIGHTS_FILE)
+    save_file(state, weights, metadata={"format": "pt"})
+    # safetensors writes 0600; the weights get the config's mode (0644 under the usual umask),
+    # or a server running as another user could read the config but not them.
+    shutil.copymode(os.path.join(directory, CONFIG_FILE), weights)
 
 
 def _replace_dir(src: str, dst: str) -> None:

@@ -67,8 +67,7 @@ class TargetLM(TargetModel):
         self.num_forwards += 1
         self._ids += ids.reshape(-1).tolist()
         logits = out.logits[0]  # [k', V]
-        margins, tops = top2_margin(logits)
-        self.last_margins, self.last_tops = margins.tolist(), tops.tolist()
+        self.last_margins, self.last_tops = torch.stack(top2_margin(logits)).tolist()  # one copy to the host
         return logits, self.capture.take()[0]
 
     def _new_cache(self):
