@@ -169,6 +169,14 @@ def test_save_to_disk_dataset_dict_hash_covers_its_rows(tmp_path):
     assert digest("a") != digest("b")
     shutil.copytree(tmp_path / "a", tmp_path / "a-copy")  # the same dataset elsewhere: the same hash
     assert digest("a") == digest("a") == digest("a-copy")
+    # Only the split read is hashed: another split (here a large test split) is not read at all.
+    with_test = {"train": datasets.Dataset.from_list(ROWS[:1]), "test": datasets.Dataset.from_list(ROWS[:1] * 50)}
+    datasets.DatasetDict(with_test).save_to_disk(str(tmp_path / "c"))
+    with_other_test = {"train": datasets.Dataset.from_list(ROWS[:1]), "test": datasets.Dataset.from_list(ROWS[:1] * 2)}
+    datasets.DatasetDict(with_other_test).save_to_disk(str(tmp_path / "d"))
+    c = InputSource(str(tmp_path / "c"))
+    list(c.rows())
+    assert c.sha256.hexdigest() == digest("d") != digest("a")  # dataset_dict.json names both splits
 
 
 def test_shard_directory_by_split(tmp_path):

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from dflash_ipc.data.messages import RowRejected, parse_json
 from dflash_ipc.errors import DataError
+from dflash_ipc.json_files import read_json_object
 from dflash_ipc.json_lines import capped_lines
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class InputSource:
         """Every row of every file, in order, indexed from 0."""
         if self.kind == "arrow_dataset":
             yield from self._numbered(_arrow_dataset_rows(self.path, self._split))
-            _hash_tree(self.path, self.sha256)  # every split's files, for meta.json's input_sha256
+            _hash_tree(self.path, self.sha256, self._split)  # the files read, for meta.json's input_sha256
             return
         for path in self.files:
             yield from self._numbered(self._file_rows(path))
@@ -347,15 +348,19 @@ def _load_from_disk(path: str, split: str | None):
     except Exception as e:
         raise DataError(f"{path}: not a readable save_to_disk directory ({type(e).__name__}: {e})") from None
     if isinstance(ds, datasets.DatasetDict):
-        names = list(ds)
-        chosen = split or ("train" if "train" in names else names[0] if len(names) == 1 else None)
-        if chosen not in names:
-            raise DataError(f"{path}: split {split!r} not found; splits: {names} (choose one with --split)"
-                            if split else f"{path}: splits {names} and none is 'train'; choose one with --split")
-        ds = ds[chosen]
+        ds = ds[chosen_split(path, list(ds), split)]
     elif split is not None:
         raise DataError(f"{path}: a single-split dataset; --split {split!r} does not apply")
     return ds
+
+
+def chosen_split(path: str, names: list[str], split: str | None) -> str:
+    """The split of a DatasetDict that is read: `split`, else `train`, else the only one."""
+    chosen = split or ("train" if "train" in names else names[0] if len(names) == 1 else None)
+    if chosen not in names:
+        raise DataError(f"{path}: split {split!r} not found; splits: {names} (choose one with --split)"
+                        if split else f"{path}: splits {names} and none is 'train'; choose one with --split")
+    return chosen
 
 
 def _arrow_dataset_rows(path: str, split: str | None) -> Iterator[RawRow]:
@@ -391,10 +396,14 @@ def _hash_file(path: str, h) -> int:
     return n
 
 
-def _hash_tree(root: str, h) -> None:
-    """Add every file below root to hash h, in sorted order, each as its relative path and its
-    bytes: a DatasetDict keeps its rows in split subdirectories, not beside dataset_dict.json."""
+def _hash_tree(root: str, h, split: str | None) -> None:
+    """Add the files of a save_to_disk directory to hash h, in sorted order, each as its
+    relative path and its bytes: a DatasetDict keeps its rows in split subdirectories, not
+    beside dataset_dict.json; only the split read is hashed (another may be far larger)."""
+    splits = _dict_splits(root)
     for dirpath, dirnames, filenames in os.walk(root):
+        if dirpath == root and splits:
+            dirnames[:] = [d for d in dirnames if d not in splits or d == chosen_split(root, splits, split)]
         dirnames.sort()
         for name in sorted(filenames):
             path = os.path.join(dirpath, name)
@@ -402,6 +411,15 @@ def _hash_tree(root: str, h) -> None:
                 h.update(os.path.relpath(path, root).replace(os.sep, "/").encode() + b"\0")
                 h.update(str(_size(path)).encode() + b"\0")  # so no path/content split is ambiguous
                 _hash_file(path, h)
+
+
+def _dict_splits(root: str) -> list[str]:
+    """The splits a DatasetDict's dataset_dict.json names ([] for a single Dataset)."""
+    path = os.path.join(root, "dataset_dict.json")
+    if not os.path.isfile(path):
+        return []
+    splits = read_json_object(path, "dataset_dict.json", max_bytes=1 << 20).get("splits")
+    return [s for s in splits if isinstance(s, str)] if isinstance(splits, list) else []
 
 
 def _size(path: str) -> int:
