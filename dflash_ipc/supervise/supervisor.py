@@ -367,11 +367,9 @@ class Supervisor:
         log.warning("drafters did not finish their checkpoint; stopping them")
 
     def stop(self) -> None:
-        """Stops every child and removes what they might have left: idempotent. Only the
-        holder of the run directory's lock touches its segments and socket."""
+        """Stops every child and removes what they might have left: idempotent. Called only
+        by `run`, after `claim` took the run directory's lock: its segments and socket are ours."""
         stop_children(list(self.children.values()), self.cfg.supervise.grace_s)
-        if self.run_lock.fd is None:
-            return
         removed = unlink_segments(self.files.segments_prefix)
         if removed:
             log.warning("removed %d leftover shared-memory segments", removed)
