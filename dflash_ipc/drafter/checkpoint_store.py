@@ -23,6 +23,8 @@ import re
 import shutil
 import time
 
+import psutil
+
 from dflash_ipc.errors import DamagedCheckpointError
 from dflash_ipc.json_files import read_json_object, write_json_atomic
 
@@ -152,7 +154,7 @@ class CheckpointStore:
         done = []
         for name in names:
             match = _PARTIAL_WRITE.match(name)
-            if match is None or _pid_alive(int(match.group(3))):
+            if match is None or psutil.pid_exists(int(match.group(3))):  # a writer that runs: not ours
                 continue
             path, final = os.path.join(self.root, name), os.path.join(self.root, match.group(1))
             if match.group(2) == "old" and not os.path.exists(final):
@@ -190,16 +192,6 @@ class CheckpointStore:
         """Checkpoints set aside as never committed."""
         folder = os.path.join(self.root, UNCOMMITTED)
         return sorted(os.path.join(folder, n) for n in os.listdir(folder)) if os.path.isdir(folder) else []
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process: not ours to judge, keep its files
-    return True
 
 
 def verify_dir(step_dir: str) -> dict:
