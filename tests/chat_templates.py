@@ -4,7 +4,7 @@ assistant turns after the last user query (empty unless reasoning_content), and
 `enable_thinking=False` adding an empty think block to the generation prompt. Written here
 from the behaviour it imitates; the tiny tokenizer gets the tags as added tokens."""
 
-from dflash_ipc.data.tiny import build_tiny_tokenizer
+from dflash_ipc.builtin.tiny import build_tiny_tokenizer
 
 TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 

@@ -12,7 +12,7 @@ torch.set_num_threads(1)
 def tiny_cache(tmp_path_factory):
     """A DFLASH_IPC_CACHE holding the tiny target (built through save_pretrained)."""
     cache = tmp_path_factory.mktemp("dflash-cache")
-    from dflash_ipc.data.tiny import build_tiny_target
+    from dflash_ipc.builtin.tiny import build_tiny_target
     build_tiny_target(os.path.join(cache, "tiny-target"))
     return cache
 

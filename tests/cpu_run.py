@@ -60,7 +60,7 @@ def run_cpu_job(tmp_path, tiny_cache) -> CpuRun:
     output = job.output()
     if code != 0:
         pytest.fail(f"dflash-ipc up exited {code}:\n{output[-4000:]}")
-    from dflash_ipc.config_load import load_config
+    from dflash_ipc.config.load import load_config
     data_dir = load_config(str(run_dir / "config.yaml")).data.path  # the synthetic data the job built
     argv = [sys.executable, "-m", "dflash_ipc.cli", "eval", "--target", target_dir, "--drafter",
             str(run_dir / "checkpoints"), "--data", data_dir, "--num-prompts", str(EVAL_PROMPTS),

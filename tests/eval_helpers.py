@@ -8,11 +8,11 @@ import os
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from dflash_ipc.config_load import config_from_dict
+from dflash_ipc.config.load import config_from_dict
 from dflash_ipc.data.dataset import TokenDataset
-from dflash_ipc.data.synthetic import build_synthetic_dataset
+from dflash_ipc.builtin.synthetic import build_synthetic_dataset
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
-from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.drafter.trainer import DrafterTrainer, Sequence, eligible_anchor_count
 
 LAYER_IDS = [1, 2]

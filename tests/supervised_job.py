@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from dflash_ipc.run_files import RunFiles
+from dflash_ipc.run.files import RunFiles
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from dflash_ipc.bench.bookkeeping import _same_output, bench_prepare, parse_args, run, write_chats
+from benchmarks.bookkeeping import _same_output, bench_prepare, parse_args, run, write_chats
 from dflash_ipc.data.dataset import TOKENS_FILE
 
 

@@ -10,7 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash_ipc.bench import drafter as bd
-from dflash_ipc.config_load import config_from_dict
+from dflash_ipc.config.load import config_from_dict
 from dflash_ipc.drafter import attention as att
 from dflash_ipc.drafter.objective import build_training_batch
 from dflash_ipc.errors import ConfigError

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from dflash_ipc.bench import pipeline as bp
-from dflash_ipc.config_load import load_config
+from dflash_ipc.config.load import load_config
 from dflash_ipc.errors import ConfigError
-from dflash_ipc.metrics import load_timelines
+from dflash_ipc.obs.timelines import load_timelines
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T0 = 1_700_000_000.0  # wall-clock seconds, as the timelines hold them

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dflash_ipc.bench import precision as bp
-from dflash_ipc.cli import RUN_SIZE_DEFAULTS
-from dflash_ipc.drafter.export import expected_tensor_shapes, load_inference_checkpoint
+from dflash_ipc.cli.bench import RUN_SIZE_DEFAULTS
+from dflash_ipc.drafter.inference_format import expected_tensor_shapes, load_inference_checkpoint
 from dflash_ipc.errors import ConfigError
 
 torch.set_num_threads(1)

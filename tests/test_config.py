@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from dflash_ipc.config import JobConfig
-from dflash_ipc.config_load import dump_config, load_config
+from dflash_ipc.config.schema import JobConfig
+from dflash_ipc.config.load import dump_config, load_config
 from dflash_ipc.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,7 +178,7 @@ def test_hostile_overrides_are_one_line_naming_the_key():
 
 
 def test_choices_are_checked_when_built_in_code():
-    from dflash_ipc.config import DrafterConfig, OptimizerConfig
+    from dflash_ipc.config.schema import DrafterConfig, OptimizerConfig
     with pytest.raises(ConfigError, match="drafter.attention: 'sparse' not allowed; allowed: auto, flex, dense"):
         DrafterConfig(attention="sparse")
     with pytest.raises(ConfigError, match="optimizer.lr: must be a finite number"):
@@ -194,7 +194,7 @@ def test_dump_and_reload_is_identity(tmp_path):
 def test_a_gpu_this_machine_lacks_is_named():
     import torch
 
-    from dflash_ipc.machine import require_device
+    from dflash_ipc.config.machine import require_device
     require_device("cpu", "target.devices")  # nothing to check
     missing = f"cuda:{torch.cuda.device_count() + 3}"
     with pytest.raises(ConfigError, match=f"target.devices: {missing}"):

@@ -6,7 +6,7 @@ import pytest
 
 from dflash_ipc.data.chat import ChatEncoder, has_generation_markers, keep_last_run
 from dflash_ipc.data.messages import RowRejected, parse_conversation
-from dflash_ipc.data.tiny import IM_END, IM_START, TINY_VOCAB_WORDS, build_tiny_tokenizer
+from dflash_ipc.builtin.tiny import IM_END, IM_START, TINY_VOCAB_WORDS, build_tiny_tokenizer
 from dflash_ipc.errors import DataError
 
 W = TINY_VOCAB_WORDS

@@ -15,7 +15,7 @@ from dflash_ipc.data.dataset import (
     length_histogram,
     tokenizer_fingerprint,
 )
-from dflash_ipc.data.tiny import build_tiny_tokenizer
+from dflash_ipc.builtin.tiny import build_tiny_tokenizer
 from dflash_ipc.errors import DataError
 
 

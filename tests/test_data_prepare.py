@@ -10,7 +10,7 @@ import pytest
 from dflash_ipc.data import prepare as prepare_mod
 from dflash_ipc.data.dataset import TokenDataset, tokenizer_fingerprint
 from dflash_ipc.data.prepare import prepare_dataset
-from dflash_ipc.data.tiny import IM_END, IM_START, TINY_VOCAB_WORDS, build_tiny_tokenizer
+from dflash_ipc.builtin.tiny import IM_END, IM_START, TINY_VOCAB_WORDS, build_tiny_tokenizer
 from dflash_ipc.errors import ConfigError, DataError
 
 W = TINY_VOCAB_WORDS

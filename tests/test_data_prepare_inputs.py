@@ -8,7 +8,7 @@ import pytest
 
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.data.prepare import prepare_dataset
-from dflash_ipc.data.tiny import IM_END, TINY_VOCAB_WORDS, build_tiny_tokenizer
+from dflash_ipc.builtin.tiny import IM_END, TINY_VOCAB_WORDS, build_tiny_tokenizer
 from dflash_ipc.errors import DataError
 
 from chat_templates import qwen_like_tokenizer

@@ -10,13 +10,13 @@ import torch
 
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.data.held_out import held_out_prompts_of
-from dflash_ipc.data.synthetic import (
+from dflash_ipc.builtin.synthetic import (
     _response,
     build_synthetic_dataset,
     synthetic_cache_key,
     synthetic_params,
 )
-from dflash_ipc.data.tiny import IM_END, build_tiny_target, build_tiny_tokenizer
+from dflash_ipc.builtin.tiny import IM_END, build_tiny_target, build_tiny_tokenizer
 from dflash_ipc.errors import ConfigError, DataError
 
 PARAMS = dict(num_samples=24, min_len=24, max_len=160, seed=1, num_held_out=4)
@@ -123,7 +123,7 @@ def test_cache_key_covers_every_input(built, tmp_path):
 
 
 def test_prompts_answered_with_nothing_are_drawn_again(built, tmp_path, monkeypatch):
-    import dflash_ipc.data.synthetic as synthetic
+    import dflash_ipc.builtin.synthetic as synthetic
 
     target, _ = built
     real, calls = synthetic._replies, []

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_ipc.data.dataset import tokenizer_fingerprint
-from dflash_ipc.data.tiny import (
+from dflash_ipc.builtin.tiny import (
     ENDOFTEXT,
     IM_END,
     IM_START,
@@ -151,7 +151,7 @@ def test_padding_rows_of_the_head_are_zero(target):
 
 
 def test_target_key_changes_with_every_build_parameter(monkeypatch):
-    import dflash_ipc.data.tiny as tiny
+    import dflash_ipc.builtin.tiny as tiny
 
     key = tiny_target_key()
     assert key == tiny_target_key(num_layers=4, hidden_size=128, seed=0)

@@ -10,7 +10,7 @@ import heapq
 import numpy as np
 import pytest
 
-from dflash_ipc import protocol as p
+from dflash_ipc.wire import protocol as p
 from dflash_ipc.dispatch.buckets import BucketSpec, plan_epoch
 from dflash_ipc.dispatch.dispatcher import Dispatcher
 from dflash_ipc.dispatch.ledger import BatchState

@@ -13,10 +13,10 @@ import psutil
 import pytest
 import zmq
 
-from dflash_ipc import protocol as p
-from dflash_ipc.config_load import load_config
-from dflash_ipc.link import DispatcherLink
-from dflash_ipc.wire_security import ensure_keys
+from dflash_ipc.wire import protocol as p
+from dflash_ipc.config.load import load_config
+from dflash_ipc.wire.link import DispatcherLink
+from dflash_ipc.wire.security import ensure_keys
 
 RSS_BOUND_MIB = 100  # the dispatcher may grow by this much through the whole hostile sequence
 

@@ -5,8 +5,8 @@ import threading
 import numpy as np
 import zmq
 
-from dflash_ipc import protocol as p
-from dflash_ipc.config_load import load_config
+from dflash_ipc.wire import protocol as p
+from dflash_ipc.config.load import load_config
 from dflash_ipc.dispatch.buckets import BucketSpec, plan_epoch
 from dflash_ipc.dispatch.dispatcher import Dispatcher
 from dflash_ipc.dispatch.proc import DispatcherProc

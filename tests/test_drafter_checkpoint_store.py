@@ -8,12 +8,12 @@ import pickle
 import pytest
 import torch
 
-from dflash_ipc.config_load import config_from_dict
-from dflash_ipc.drafter.checkpoint_store import (LATEST, MANIFEST, STATE_JSON, STATE_TENSORS, CheckpointStore,
+from dflash_ipc.config.load import config_from_dict
+from dflash_ipc.run.checkpoints import (LATEST, MANIFEST, STATE_JSON, STATE_TENSORS, CheckpointStore,
                                                  sha256_of, verify_dir, write_json_file)
-from dflash_ipc.drafter.export import export_training_checkpoint, load_inference_checkpoint
+from dflash_ipc.drafter.inference_format import export_training_checkpoint, load_inference_checkpoint
 from dflash_ipc.drafter.model import DFlashConfig
-from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.errors import DamagedCheckpointError, DataError
 
@@ -95,7 +95,7 @@ def test_export_reads_the_checksums_of_a_checkpoint_once(store, tmp_path, monkey
     from click.testing import CliRunner
 
     from dflash_ipc.cli import main
-    from dflash_ipc.drafter import export as export_module
+    from dflash_ipc.drafter import inference_format as export_module
     calls = []
     real = export_module.verify_dir
     monkeypatch.setattr(export_module, "verify_dir", lambda d: calls.append(d) or real(d))
@@ -119,7 +119,7 @@ def test_hostile_json_is_refused_cleanly(store):
 
 def _remanifest(step_dir):
     """Rewrites the manifest over the files as they are: a crafted checkpoint, not a damaged one."""
-    from dflash_ipc.drafter.checkpoint_store import sha256_of, write_json_file
+    from dflash_ipc.run.checkpoints import sha256_of, write_json_file
     files = {n: {"bytes": os.path.getsize(os.path.join(step_dir, n)), "sha256": sha256_of(os.path.join(step_dir, n))}
              for n in sorted(os.listdir(step_dir)) if n != MANIFEST}
     write_json_file(os.path.join(step_dir, MANIFEST), {"format": 1, "step": 20, "files": files})
@@ -272,7 +272,7 @@ def test_evaluating_a_damaged_checkpoint_step_is_refused(store):
 def test_the_supervisors_start_sets_aside_what_the_ledger_never_committed(store, tmp_path):
     """A supervisor killed between a checkpoint and its commit: the next start (before any
     child) moves the checkpoints newer than the ledger's last commit aside."""
-    from dflash_ipc.config_load import load_config
+    from dflash_ipc.config.load import load_config
     from dflash_ipc.dispatch.buckets import PlannedBatch
     from dflash_ipc.dispatch.ledger import Ledger, TrainedCopy
     from dflash_ipc.dispatch.ledger_file import save_ledger

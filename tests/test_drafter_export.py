@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config
 
 from dflash_ipc.drafter.attention import build_mask
-from dflash_ipc.drafter.export import (
+from dflash_ipc.drafter.inference_format import (
     CONFIG_KEYS,
     expected_tensor_shapes,
     export_training_checkpoint,
@@ -196,7 +196,7 @@ def test_a_damaged_or_crafted_export_is_one_line_naming_the_file(tmp_path, damag
 def test_export_training_checkpoint_prefers_full_precision_state(tmp_path):
     from safetensors.torch import save_file
 
-    from dflash_ipc.drafter.checkpoint_store import STATE_TENSORS
+    from dflash_ipc.run.checkpoints import STATE_TENSORS
 
     model = tiny_model(seed=3)
     step = tmp_path / "ckpt" / "step_00000007"

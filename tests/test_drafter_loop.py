@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_ipc import protocol as p
-from dflash_ipc.config_load import config_from_dict
-from dflash_ipc.drafter.checkpoint_store import STATE_TENSORS, CheckpointStore
+from dflash_ipc.wire import protocol as p
+from dflash_ipc.config.load import config_from_dict
+from dflash_ipc.run.checkpoints import STATE_TENSORS, CheckpointStore
 from dflash_ipc.drafter.group import SoloGroup
 from dflash_ipc.drafter.loop import DrafterLoop, StopRequested
 from dflash_ipc.drafter.model import DFlashConfig
 from dflash_ipc.drafter.sequence_queue import SequenceQueue
-from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.errors import ProducerGoneError
 

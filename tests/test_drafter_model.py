@@ -15,13 +15,13 @@ from dflash_ipc.drafter.model import (
     DFlashDraftModel,
     RotaryEmbedding,
     apply_rope,
-    default_target_layer_ids,
     rms_norm,
     rms_norm_rope,
     swiglu,
 )
 from dflash_ipc.drafter.objective import build_training_batch, weighted_ce_sum
-from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.hf.layer_ids import default_target_layer_ids
+from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.errors import ConfigError
 
 torch.set_num_threads(1)

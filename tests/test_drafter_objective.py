@@ -16,7 +16,7 @@ from dflash_ipc.drafter.objective import (
     sample_anchors,
     weighted_ce_sum,
 )
-from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.errors import DataError
 
 torch.set_num_threads(1)

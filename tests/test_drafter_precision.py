@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from dflash_ipc.bench import drafter as bd
-from dflash_ipc.config_load import config_from_dict, load_config
+from dflash_ipc.config.load import config_from_dict, load_config
 from dflash_ipc.drafter import precision as prec
 from dflash_ipc.drafter.model import CudaCompiled, DFlashDraftModel
 from dflash_ipc.drafter.objective import _chunk_loss_and_grad_eager, weighted_ce_sum
-from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.errors import ConfigError
 
 torch.set_num_threads(1)
@@ -233,7 +233,7 @@ def _fp8_cfg(**drafter):
 def test_conversion_keeps_parameters_checkpoint_and_export(monkeypatch, tmp_path, recipe):
     from safetensors import safe_open
 
-    from dflash_ipc.drafter.export import save_inference_checkpoint
+    from dflash_ipc.drafter.inference_format import save_inference_checkpoint
 
     monkeypatch.setenv(prec.EMULATE_ENV, "1")
     config = bd.drafter_model_config("tiny")
@@ -291,7 +291,7 @@ def test_fp8_step_follows_the_bf16_step(monkeypatch, recipe):
 
 @needs_torchao
 def test_the_memory_probe_runs_the_steps_fp8_lm_head(monkeypatch):
-    from dflash_ipc import device_fit
+    from dflash_ipc.drafter import fit as drafter_fit
 
     monkeypatch.setenv(prec.EMULATE_ENV, "1")
     config = bd.drafter_model_config("tiny")
@@ -302,7 +302,7 @@ def test_the_memory_probe_runs_the_steps_fp8_lm_head(monkeypatch):
     calls, real = [], trainer.fp8_head.loss_and_input_grad
     monkeypatch.setattr(trainer.fp8_head, "loss_and_input_grad",
                         lambda *a, **kw: calls.append(kw["with_grad"]) or real(*a, **kw))
-    device_fit.forward_backward(trainer, trainer.take(collections.deque(seqs)))
+    drafter_fit.forward_backward(trainer, trainer.take(collections.deque(seqs)))
     assert calls and all(calls)  # the loss and dL/dh of training's float8 head, not the bf16 one
     assert all(p.grad is None for p in trainer.model.parameters())
 

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dflash_ipc.config_load import config_from_dict
-from dflash_ipc.drafter.checkpoint_store import STATE_JSON, STATE_TENSORS, CheckpointStore
+from dflash_ipc.config.load import config_from_dict
+from dflash_ipc.run.checkpoints import STATE_JSON, STATE_TENSORS, CheckpointStore
 from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.drafter.precision import EMULATE_ENV
 from test_drafter_trainer import head, model_config, sequences

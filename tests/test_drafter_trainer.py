@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dflash_ipc.config import JobConfig
-from dflash_ipc.config_load import config_from_dict
+from dflash_ipc.config.schema import JobConfig
+from dflash_ipc.config.load import config_from_dict
 from dflash_ipc.drafter.model import DFlashConfig
-from dflash_ipc.drafter.target_head import FrozenTargetHead
-from dflash_ipc.drafter.checkpoint_store import CheckpointStore
+from dflash_ipc.hf.target_head import FrozenTargetHead
+from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.drafter.trainer import DrafterTrainer, Sequence
 
 torch.set_num_threads(1)

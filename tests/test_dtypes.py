@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from dflash_ipc.config import DTYPE_NAMES
-from dflash_ipc.dtypes import DTYPE_CHOICES, DTYPE_OF_TORCH, TORCH_DTYPES, resolve_dtype
+from dflash_ipc.config.schema import DTYPE_NAMES
+from dflash_ipc.config.dtypes import DTYPE_CHOICES, DTYPE_OF_TORCH, TORCH_DTYPES, resolve_dtype
 from dflash_ipc.errors import ConfigError
 
 

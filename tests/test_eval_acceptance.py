@@ -215,8 +215,9 @@ def test_up_ends_with_the_comparison_for_the_embedded_default_only(monkeypatch, 
     next to an untrained one once the job exits 0; any other job prints nothing of the kind."""
     from click.testing import CliRunner
 
+    import dflash_ipc.builtin.assets as assets
     import dflash_ipc.eval.speculative as speculative
-    import dflash_ipc.resolve as resolve
+    import dflash_ipc.target.resolve as resolve
     import dflash_ipc.supervise.supervisor as supervisor
     from dflash_ipc.cli import main
 
@@ -230,6 +231,7 @@ def test_up_ends_with_the_comparison_for_the_embedded_default_only(monkeypatch, 
     asked = []
     untrained = report("untrained", stats_of([Cycle(num_drafted=3, num_accepted=0, num_committed=1)] * 4,
                                              block_size=4))
+    monkeypatch.setattr(assets, "materialize", lambda cfg: cfg)
     monkeypatch.setattr(resolve, "resolve_job", lambda cfg: cfg)
     monkeypatch.setattr(supervisor, "Supervisor", FinishedJob)
     monkeypatch.setattr(speculative, "untrained_vs_trained",

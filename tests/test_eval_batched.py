@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_ipc.data.dataset import TokenDataset
-from dflash_ipc.data.tiny import build_tiny_tokenizer
+from dflash_ipc.builtin.tiny import build_tiny_tokenizer
 from dflash_ipc.eval.decoding import PlainDecoder, SpeculativeDecoder
 from dflash_ipc.eval.drafter_context import DrafterContext
 from dflash_ipc.eval.unbatched import DFlashProposer, TargetLM, speculative_generate
@@ -105,12 +105,12 @@ def test_sliding_window_layers_equal_transformers(tmp_path):
 def test_attention_sinks_equal_transformers(tmp_path):
     """gpt-oss: learned attention sinks and alternating sliding/full layers, through the explicit
     attention path, reproduce transformers' own forward in prefill and extend."""
-    from dflash_ipc.target.architectures import ARCHITECTURES, build_tiny_target_of, missing_reason
+    from architectures import ARCHITECTURES, build_tiny_target_of, missing_reason
 
     arch = ARCHITECTURES["gpt_oss"]
     if missing_reason(arch):
         pytest.skip(missing_reason(arch))
-    from dflash_ipc.target.text_stack import load_causal_lm
+    from dflash_ipc.hf.text_stack import load_causal_lm
 
     target_dir = build_tiny_target_of(arch, str(tmp_path))
     target = BatchedTarget(target_dir, layer_ids=[1], dtype="float32")
@@ -135,7 +135,7 @@ def test_recurrent_target_truncate_re_runs_the_kept_prefix(tmp_path, caplog):
     from dflash_ipc.errors import ConfigError
     from dflash_ipc.eval.sampling import Sampling
     from dflash_ipc.eval.speculative import EvalOptions, load_target
-    from dflash_ipc.target.architectures import ARCHITECTURES, build_tiny_target_of, missing_reason
+    from architectures import ARCHITECTURES, build_tiny_target_of, missing_reason
 
     arch = ARCHITECTURES["qwen3_next"]
     if missing_reason(arch):

@@ -10,8 +10,8 @@ from click.testing import CliRunner
 from transformers import AutoTokenizer
 
 from dflash_ipc.cli import main
-from dflash_ipc.data.tiny import TINY_CHAT_TEMPLATE
-from dflash_ipc.drafter.export import save_inference_checkpoint
+from dflash_ipc.builtin.tiny import TINY_CHAT_TEMPLATE
+from dflash_ipc.drafter.inference_format import save_inference_checkpoint
 from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.eval.decoding import PlainDecoder, SpeculativeDecoder
 from dflash_ipc.eval.drafter_context import DrafterContext

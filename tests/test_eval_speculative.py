@@ -9,15 +9,15 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from dflash_ipc.config_load import config_from_dict
-from dflash_ipc.drafter.checkpoint_store import CheckpointStore
+from dflash_ipc.config.load import config_from_dict
+from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.data.dataset import TokenDataset
-from dflash_ipc.data.synthetic import build_synthetic_dataset
+from dflash_ipc.builtin.synthetic import build_synthetic_dataset
 from dflash_ipc.drafter.attention import build_mask
-from dflash_ipc.drafter.export import save_inference_checkpoint
+from dflash_ipc.drafter.inference_format import save_inference_checkpoint
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.drafter.objective import build_training_batch
-from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.eval.unbatched import DFlashProposer, TargetLM, greedy_generate, speculative_generate

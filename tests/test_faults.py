@@ -17,10 +17,10 @@ import time
 
 import pytest
 
-from dflash_ipc.config_load import load_config
+from dflash_ipc.config.load import load_config
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.dispatch.ledger_file import load_ledger
-from dflash_ipc.drafter.checkpoint_store import STATE_TENSORS, CheckpointStore
+from dflash_ipc.run.checkpoints import STATE_TENSORS, CheckpointStore
 from dflash_ipc.supervise.status_query import fetch_status
 from supervised_job import SMALL_JOB, SupervisedJob, trained_tokens_by_step
 from supervised_job import alive as _alive

@@ -12,8 +12,8 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 from dflash_ipc.cli import main
 from dflash_ipc.drafter.attention import BlockLayout, build_mask
-from dflash_ipc.drafter.export import save_inference_checkpoint
-from dflash_ipc.drafter.hub_code import add_hub_code
+from dflash_ipc.drafter.inference_format import save_inference_checkpoint
+from dflash_ipc.export.hub_code import add_hub_code
 from test_drafter_export import tiny_model
 
 torch.set_num_threads(1)

@@ -3,9 +3,9 @@
 import pytest
 import zmq
 
-from dflash_ipc import protocol as p
+from dflash_ipc.wire import protocol as p
 from dflash_ipc.errors import DispatcherRestarted, WorkerDeadError
-from dflash_ipc.link import DispatcherLink
+from dflash_ipc.wire.link import DispatcherLink
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dflash_ipc.liveness import BEAT_S, Beacon, beacon_problem, read_beacon
+from dflash_ipc.run.liveness import BEAT_S, Beacon, beacon_problem, read_beacon
 
 LIMITS = {"compile": 100.0, "step": 10.0, "checkpoint": 50.0}
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dflash_ipc.logs import tail_lines
+from dflash_ipc.run.logs import tail_lines
 
 
 def test_the_tail_is_the_last_lines_and_only_the_end_of_the_file_is_read(tmp_path, monkeypatch):

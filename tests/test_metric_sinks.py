@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from dflash_ipc.run_files import RunFiles
-from dflash_ipc.metric_sinks import TensorBoardSink
+from dflash_ipc.run.files import RunFiles
+from dflash_ipc.obs.sinks import TensorBoardSink
 
 
 def _status(elapsed, targets=None, drafters=None, committed=0):
@@ -134,7 +134,7 @@ def test_missing_keys_are_skipped(tmp_path):
 def test_open_without_tensorboard_returns_none(tmp_path, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` raises ImportError
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with caplog.at_level(logging.INFO, logger="dflash_ipc.metric_sinks"):
+    with caplog.at_level(logging.INFO, logger="dflash_ipc.obs.sinks"):
         assert TensorBoardSink.open(RunFiles(str(tmp_path)).tensorboard) is None
     assert [r.levelno for r in caplog.records] == [logging.INFO]
     assert "pip install tensorboard" in caplog.records[0].getMessage()
@@ -144,7 +144,7 @@ def test_open_without_tensorboard_returns_none(tmp_path, monkeypatch, caplog):
 # ---- Weights & Biases (offline), the status history, the sinks of a job ------------------------
 
 def _job(tmp_path, *overrides):
-    from dflash_ipc.config_load import load_config
+    from dflash_ipc.config.load import load_config
     return load_config(None, [f"run.run_dir={tmp_path / 'run'}", *overrides])
 
 
@@ -157,7 +157,7 @@ def wandb_offline(tmp_path, monkeypatch):
 
 
 def test_wandb_offline_run_holds_the_status_scalars_and_a_resumed_job_appends(tmp_path, wandb_offline):
-    from dflash_ipc.wandb_sink import WandbSink, read_run_state
+    from dflash_ipc.obs.wandb_sink import WandbSink, read_run_state
     from wandb_offline import offline_runs
     cfg = _job(tmp_path, "metrics.sinks=[wandb]", "metrics.wandb_mode=offline", "metrics.wandb_project=p",
                "metrics.wandb_run_name=first", "metrics.wandb_tags=[a,b]")
@@ -192,8 +192,8 @@ def test_wandb_offline_run_holds_the_status_scalars_and_a_resumed_job_appends(tm
 
 def test_wandb_missing_or_a_bad_run_record_is_a_clear_error(tmp_path, monkeypatch):
     from dflash_ipc.errors import ConfigError, MissingExtraError
-    from dflash_ipc.job_sinks import open_sinks
-    from dflash_ipc.wandb_sink import WandbSink
+    from dflash_ipc.obs.job_sinks import open_sinks
+    from dflash_ipc.obs.wandb_sink import WandbSink
     cfg = _job(tmp_path, "metrics.sinks=[tensorboard,wandb]")
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(MissingExtraError, match=r"pip install 'dflash-ipc\[wandb\]'"):
@@ -207,8 +207,8 @@ def test_wandb_missing_or_a_bad_run_record_is_a_clear_error(tmp_path, monkeypatc
 
 
 def test_default_sinks_and_the_status_history(tmp_path):
-    from dflash_ipc.job_sinks import open_sinks
-    from dflash_ipc.status_history import StatusHistorySink, load_status_history
+    from dflash_ipc.obs.job_sinks import open_sinks
+    from dflash_ipc.obs.status_history import StatusHistorySink, load_status_history
     cfg = _job(tmp_path)
     sinks = open_sinks(cfg)
     kinds = [type(s).__name__ for s in sinks.sinks]
@@ -230,7 +230,7 @@ def test_default_sinks_and_the_status_history(tmp_path):
 
 
 def test_a_failing_sink_is_dropped_with_one_warning(caplog):
-    from dflash_ipc.metric_sinks import MetricSinks
+    from dflash_ipc.obs.sinks import MetricSinks
 
     class Broken:
         closed = False
@@ -251,7 +251,7 @@ def test_a_failing_sink_is_dropped_with_one_warning(caplog):
             pass
     broken, counting = Broken(), Counting()
     sinks = MetricSinks([broken, counting])
-    with caplog.at_level(logging.WARNING, logger="dflash_ipc.metric_sinks"):
+    with caplog.at_level(logging.WARNING, logger="dflash_ipc.obs.sinks"):
         sinks.write({})
         sinks.write({})
     assert counting.writes == 2 and broken.closed and sinks.sinks == [counting]

@@ -6,9 +6,9 @@ import time
 import numpy as np
 import pytest
 
-from dflash_ipc.metrics import (TimelineWriter, load_timeline, load_timelines, rate_series, state_seconds,
+from dflash_ipc.obs.timelines import (TimelineWriter, load_timeline, load_timelines, rate_series, state_seconds,
                                 summarize)
-from dflash_ipc.run_files import RunFiles
+from dflash_ipc.run.files import RunFiles
 
 
 def _rows(*spec):
@@ -116,7 +116,7 @@ def test_load_skips_torn_line_and_orders_roles(tmp_path):
 def test_process_memory_reports_this_process_rss_and_no_gpu_on_cpu():
     import psutil
 
-    from dflash_ipc.metrics import process_memory
+    from dflash_ipc.obs.timelines import process_memory
     got = process_memory("cpu")
     assert set(got) == {"rss_mib"}
     assert abs(got["rss_mib"] - psutil.Process().memory_info().rss / 2**20) < 64

@@ -12,10 +12,10 @@ from click.testing import CliRunner
 from huggingface_hub import ModelCard
 
 from dflash_ipc.cli import main
-from dflash_ipc.config_load import dump_config, load_config
-from dflash_ipc.drafter.export import CONFIG_KEYS, save_inference_checkpoint
-from dflash_ipc.drafter.model_card import base_model_of
-from dflash_ipc.eval_results import save_eval_results
+from dflash_ipc.config.load import dump_config, load_config
+from dflash_ipc.drafter.inference_format import CONFIG_KEYS, save_inference_checkpoint
+from dflash_ipc.export.model_card import base_model_of
+from dflash_ipc.run.eval_results import save_eval_results
 from test_drafter_export import tiny_model
 
 HUB_TARGET = "models--Qwen--Qwen3-8B/snapshots/0123abcd"
@@ -119,7 +119,7 @@ def test_base_model_of(path, hub_id):
 
 
 def test_a_run_without_a_local_dataset_reads_no_meta_json_of_the_working_directory(tmp_path, monkeypatch):
-    from dflash_ipc.drafter.model_card import _dataset_meta
+    from dflash_ipc.export.model_card import _dataset_meta
     (tmp_path / "meta.json").write_text(json.dumps({"num_samples": 7}))
     monkeypatch.chdir(tmp_path)
     assert _dataset_meta(None) is None and _dataset_meta("") is None and _dataset_meta("builtin:synthetic") is None

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from dflash_ipc.config_load import load_config
+from dflash_ipc.config.load import load_config
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.dispatch.ledger import BatchState
 from dflash_ipc.dispatch.ledger_file import load_ledger

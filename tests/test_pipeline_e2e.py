@@ -12,10 +12,10 @@ import time
 import psutil
 import pytest
 
-from dflash_ipc.config_load import load_config
+from dflash_ipc.config.load import load_config
 from dflash_ipc.dispatch.ledger import BatchState
 from dflash_ipc.dispatch.ledger_file import load_ledger
-from dflash_ipc.drafter.export import load_inference_checkpoint
+from dflash_ipc.drafter.inference_format import load_inference_checkpoint
 from supervised_job import SMALL_JOB, SupervisedJob, trained_tokens_by_step
 
 TIMEOUT_S = 420

@@ -7,9 +7,9 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from dflash_ipc import plan as pl
+from dflash_ipc.config import plan as pl
 from dflash_ipc.cli import main
-from dflash_ipc.config_load import load_config
+from dflash_ipc.config.load import load_config
 from dflash_ipc.errors import ConfigError, DataError
 
 

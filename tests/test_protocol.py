@@ -6,7 +6,7 @@ import typing
 import msgpack
 import pytest
 
-from dflash_ipc import protocol as p
+from dflash_ipc.wire import protocol as p
 from dflash_ipc.errors import ProtocolError
 
 EXAMPLES = [

@@ -7,7 +7,7 @@ import queue
 import pytest
 import torch
 
-from dflash_ipc.data.tiny import TINY_VOCAB_WORDS
+from dflash_ipc.builtin.tiny import TINY_VOCAB_WORDS
 from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.regenerate import devices as regen_devices
 from dflash_ipc.regenerate.generator import Generator, GeneratorSettings
@@ -72,7 +72,7 @@ class _NoWatch:
 
 def _step_device(monkeypatch, usable: bool, num_batches: int) -> tuple[list, queue.Queue]:
     """Runs one device process's loop here, on plain queues: what it answered, and its tasks."""
-    from dflash_ipc.supervise import children
+    from dflash_ipc.run import child_env as children
     monkeypatch.setattr(_FailingGenerator, "usable", usable)
     monkeypatch.setattr(regen_devices, "Generator", _FailingGenerator)
     monkeypatch.setattr(children, "ParentWatch", _NoWatch)

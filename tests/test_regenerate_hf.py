@@ -8,7 +8,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dflash_ipc.data.tiny import TINY_VOCAB_WORDS
+from dflash_ipc.builtin.tiny import TINY_VOCAB_WORDS
 from dflash_ipc.regenerate.generator import Generator, GeneratorSettings
 from dflash_ipc.regenerate.options import GenerationOptions
 from dflash_ipc.regenerate.run import regenerate
@@ -288,7 +288,7 @@ def test_a_batch_that_fails_in_its_device_process_rejects_its_rows(target, model
 
 @pytest.fixture(scope="module")
 def vl_target(tmp_path_factory):
-    from dflash_ipc.target.architectures import ARCHITECTURES, build_tiny_target_of
+    from architectures import ARCHITECTURES, build_tiny_target_of
     return build_tiny_target_of(ARCHITECTURES["qwen3_vl"], str(tmp_path_factory.mktemp("vl") / "t"))
 
 
@@ -308,7 +308,7 @@ def test_a_multimodal_target_generates_through_its_image_text_class(vl_target):
 
 def test_a_checkpoint_missing_a_weight_is_refused_with_its_name(tmp_path):
     from dflash_ipc.errors import DataError
-    from dflash_ipc.target.architectures import ARCHITECTURES, build_tiny_target_of
+    from architectures import ARCHITECTURES, build_tiny_target_of
     from target_helpers import drop_weight
     target = build_tiny_target_of(ARCHITECTURES["qwen3"], str(tmp_path / "t"))
     drop_weight(target, "model.layers.1.mlp.down_proj.weight")

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from dflash_ipc.data.tiny import TINY_VOCAB_WORDS
+from dflash_ipc.builtin.tiny import TINY_VOCAB_WORDS
 from dflash_ipc.regenerate.hf import HFBackend
 from dflash_ipc.regenerate.openai import OpenAIBackend
 from dflash_ipc.regenerate.options import GenerationOptions

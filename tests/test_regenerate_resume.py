@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from dflash_ipc.data.tiny import TINY_VOCAB_WORDS
+from dflash_ipc.builtin.tiny import TINY_VOCAB_WORDS
 from dflash_ipc.regenerate.options import GenerationOptions
 
 from regen_helpers import run_hf

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dflash_ipc.errors import DataError, MissingExtraError
-from dflash_ipc.eval_results import save_eval_results
+from dflash_ipc.run.eval_results import save_eval_results
 from dflash_ipc.report import PANELS, build_report, format_summary
 from dflash_ipc.report.collect import collect
 
@@ -219,7 +219,7 @@ def test_damaged_or_hostile_run_files_are_skipped_and_the_report_is_strict_json(
 
 
 def test_a_line_over_the_cap_is_skipped_without_holding_it(tmp_path):
-    from dflash_ipc.json_lines import read_json_lines
+    from dflash_ipc.run.json_lines import read_json_lines
     path = tmp_path / "big.jsonl"
     path.write_text('{"a": 1}\n' + '{"b": "' + "y" * 5000 + '"}\n{"c": 3}\n')
     assert list(read_json_lines(str(path), max_line_bytes=1000)) == [{"a": 1}, {"c": 3}]

@@ -6,12 +6,12 @@ import os
 import numpy as np
 import pytest
 
-from dflash_ipc.config_load import load_config
+from dflash_ipc.config.load import load_config
 from dflash_ipc.data.dataset import DatasetWriter, TokenDataset
 from dflash_ipc.dispatch.ledger import Ledger
 from dflash_ipc.dispatch.ledger_file import save_ledger
 from dflash_ipc.errors import ConfigError, DataError
-from dflash_ipc.resolve import check_run_dir
+from dflash_ipc.target.resolve import check_run_dir
 
 
 def test_a_run_directory_that_is_a_file_or_under_one_is_refused(tmp_path):
@@ -38,7 +38,7 @@ def test_a_missing_gpu_stops_up_before_any_child_or_file(tmp_path):
 def test_rerunning_a_finished_run_directory_with_another_plan_is_refused(tmp_path):
     """A finished run directory rerun with other data, budget or seed is refused (it exited 0
     with 'holds a finished job'); with the same plan it is recognised as finished."""
-    from dflash_ipc.cli import _finished_before
+    from dflash_ipc.dispatch.proc import finished_before as _finished_before
     from dflash_ipc.dispatch.proc import plan_job
     rng = np.random.default_rng(0)
     with DatasetWriter(str(tmp_path / "data"), tokenizer_fingerprint="sha256:test") as writer:
@@ -66,7 +66,7 @@ def test_a_run_directory_in_use_is_refused_until_the_last_process_of_its_job_exi
     import subprocess
     import sys
 
-    from dflash_ipc.supervise.run_lock import RunLock
+    from dflash_ipc.run.lock import RunLock
     first = RunLock(str(tmp_path))
     first.acquire()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=(first.fd,))
@@ -89,7 +89,7 @@ def test_a_run_directory_in_use_is_refused_until_the_last_process_of_its_job_exi
 def test_up_refuses_a_run_directory_another_job_holds_and_leaves_that_job_alone(tmp_path):
     """Refused by the lock before anything of the run directory is touched: the running job's
     socket, segments and tracker files stay as they are."""
-    from dflash_ipc.supervise.run_lock import RunLock
+    from dflash_ipc.run.lock import RunLock
     from dflash_ipc.supervise.supervisor import Supervisor
     from dflash_ipc.transport.backends import create_pool
     from dflash_ipc.transport.slots import SlotLayout

@@ -3,7 +3,7 @@ StatusLine stepped through a scripted job: monotone progress, a final pair that 
 
 import pytest
 
-from dflash_ipc.supervise.status_line import (StatusLine, estimate_eta_s, format_duration, format_progress,
+from dflash_ipc.obs.status_line import (StatusLine, estimate_eta_s, format_duration, format_progress,
                                               format_status)
 
 
@@ -145,7 +145,7 @@ def test_status_of_an_ended_job_is_its_final_status(tmp_path, monkeypatch):
     import json
 
     from dflash_ipc.errors import WorkerDeadError
-    from dflash_ipc.run_files import RunFiles
+    from dflash_ipc.run.files import RunFiles
     from dflash_ipc.supervise import status_query
 
     def no_dispatcher(run_dir):
@@ -173,7 +173,7 @@ def test_status_json_is_strict_json_whatever_the_status_holds(tmp_path, monkeypa
     """`status --json` prints JSON every parser reads: a NaN or inf anywhere becomes null."""
     import json
 
-    from dflash_ipc.run_files import RunFiles
+    from dflash_ipc.run.files import RunFiles
     from dflash_ipc.supervise import status_query
     open(RunFiles(str(tmp_path)).job_config, "w").close()
     status = {"rates": {"tok_rate": float("nan")}, "targets": {"0": {"metrics": {"loss": float("inf")}}}}

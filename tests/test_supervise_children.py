@@ -8,7 +8,7 @@ import time
 
 _WATCHED = """
 import sys, time
-from dflash_ipc.supervise.children import ParentWatch
+from dflash_ipc.run.child_env import ParentWatch
 ParentWatch(interval_s=0.05, parent=int(sys.argv[1])).start()
 print("watching", flush=True)
 time.sleep(60)
@@ -87,7 +87,7 @@ def test_a_training_drafter_stops_at_a_signal_and_unwinds_once_when_its_supervis
 
 _STUCK = """
 import signal, sys, time
-from dflash_ipc.supervise.children import ParentWatch
+from dflash_ipc.run.child_env import ParentWatch
 from dflash_ipc.transport.backends import create_pool
 from dflash_ipc.transport.shm import unlink_own_segments
 from dflash_ipc.transport.slots import SlotLayout

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dflash_ipc.config_load import load_config
+from dflash_ipc.config.load import load_config
 from dflash_ipc.errors import EXIT_CONFIG_ERROR
 from dflash_ipc.supervise.decisions import (ChildView, Died, Fail, Kill, KillDrafters, Scheduled, Start,
                                             SupervisorLogic, SweepPool)

@@ -13,8 +13,8 @@ import pytest
 import yaml
 import zmq
 
-from dflash_ipc.run_files import RunFiles
-from dflash_ipc import protocol as p
+from dflash_ipc.run.files import RunFiles
+from dflash_ipc.wire import protocol as p
 from dflash_ipc.supervise.health import (format_health, gpu_memory_by_pid,
                                          health_report)
 
@@ -318,7 +318,7 @@ def test_gpu_memory_by_pid_sums_devices_and_skips_unknown():
 
 
 def test_status_and_health_name_the_checkpoints_set_aside_as_never_committed(tmp_path, children, dispatcher):
-    from dflash_ipc.drafter.checkpoint_store import CheckpointStore
+    from dflash_ipc.run.checkpoints import CheckpointStore
     from dflash_ipc.supervise.status_query import query_status
     run_dir = make_run(tmp_path, children, address=dispatcher.address)
     store = CheckpointStore(RunFiles(run_dir).checkpoints)

@@ -1,6 +1,6 @@
 """One test per row of the target support table (docs/targets.md), through the real components.
 
-Each row's tiny random-weight target (dflash_ipc/target/architectures.py) goes through the
+Each row's tiny random-weight target (tests/architectures.py) goes through the
 user's path in one process: `prepare` with its chat template, `resolve_job` (derived layer
 ids and mask token), the target worker's `produce` into a real shared-memory slot pool, the
 features checked against the full model's HF `hidden_states[id + 1]` (the convention SGLang
@@ -19,22 +19,23 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dflash_ipc import protocol as p
+from dflash_ipc.wire import protocol as p
 from dflash_ipc.cli import main
-from dflash_ipc.config_load import config_from_dict
+from dflash_ipc.config.load import config_from_dict
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.data.prepare import prepare_dataset
-from dflash_ipc.data.tiny import TINY_VOCAB_WORDS
-from dflash_ipc.drafter.export import export_training_checkpoint
+from dflash_ipc.builtin.tiny import TINY_VOCAB_WORDS
+from dflash_ipc.drafter.inference_format import export_training_checkpoint
 from dflash_ipc.drafter.model import DFlashConfig
-from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.drafter.trainer import DrafterTrainer
-from dflash_ipc.drafter.checkpoint_store import CheckpointStore
+from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.drafter.sequence_queue import SequenceQueue
-from dflash_ipc.resolve import resolve_job
-from dflash_ipc.target.architectures import ARCHITECTURES, UNSUPPORTED, build_tiny_target_of, missing_reason
-from dflash_ipc.target.capture import FeatureCapture, load_target_config
-from dflash_ipc.target.text_stack import load_causal_lm, text_config
+from dflash_ipc.target.resolve import resolve_job
+from architectures import ARCHITECTURES, UNSUPPORTED, build_tiny_target_of, missing_reason
+from dflash_ipc.hf.target_config import load_target_config
+from dflash_ipc.target.capture import FeatureCapture
+from dflash_ipc.hf.text_stack import load_causal_lm, text_config
 from dflash_ipc.target.worker import TargetWorker
 from dflash_ipc.transport.backends import ReaderCache, create_pool
 from dflash_ipc.transport.slots import SlotLayout

@@ -59,7 +59,7 @@ def test_a_sharpened_random_head_has_logits_of_the_asked_spread(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash_ipc.data.tiny import build_tiny_tokenizer
+    from dflash_ipc.builtin.tiny import build_tiny_tokenizer
     path = build_random_target(str(tmp_path / "t"), shape="tiny", dtype="float32", text_only=True, logit_std=4.0)
     head = AutoModelForCausalLM.from_pretrained(path).get_output_embeddings().weight.detach()
     n = len(build_tiny_tokenizer())

@@ -6,13 +6,13 @@ import logging
 import pytest
 from transformers import Qwen3Config
 
-from dflash_ipc.config import ModelConfig
+from dflash_ipc.config.schema import ModelConfig
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.data.prepare import prepare_dataset
-from dflash_ipc.data.tiny import MASK, build_tiny_tokenizer
+from dflash_ipc.builtin.tiny import MASK, build_tiny_tokenizer
 from dflash_ipc.errors import ConfigError
-from dflash_ipc.target.defaults import (captured_layer_ids, derive_mask_token_id, fill_layer_ids,
-                                        layer_id_warnings, warn_beyond_positions)
+from dflash_ipc.hf.layer_ids import captured_layer_ids, layer_id_warnings
+from dflash_ipc.target.defaults import derive_mask_token_id, fill_layer_ids, warn_beyond_positions
 from test_support_table import write_chats
 
 

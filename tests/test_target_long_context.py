@@ -9,17 +9,20 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_ipc import device_fit
-from dflash_ipc.config_load import config_from_dict, load_config
+from dflash_ipc.config.device_memory import GIB, USABLE
+from dflash_ipc.drafter import fit as drafter_fit
+from dflash_ipc.target import fit as target_fit
+from dflash_ipc.config.load import config_from_dict, load_config
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.data.prepare import prepare_dataset
-from dflash_ipc.data.tiny import TINY_VOCAB_WORDS
+from dflash_ipc.builtin.tiny import TINY_VOCAB_WORDS
 from dflash_ipc.dispatch.proc import plan_job
 from dflash_ipc.drafter.model import DFlashConfig
-from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.drafter.trainer import DrafterTrainer, Sequence, eligible_anchor_count
 from dflash_ipc.errors import ConfigError
-from dflash_ipc.target.capture import FeatureCapture, load_target_config
+from dflash_ipc.hf.target_config import load_target_config
+from dflash_ipc.target.capture import FeatureCapture
 from dflash_ipc.transport.slots import SlotLayout
 
 torch.set_num_threads(1)
@@ -70,8 +73,8 @@ def test_a_32k_sequence_is_planned_alone_and_fits_a_slot(long_data):
     layout = SlotLayout(num_slots=2, max_tokens=SlotLayout.required_max_tokens(cfg.data.token_budget),
                         feature_dim=256, dtype="bfloat16")
     assert layout.max_tokens >= LONG and layout.pool_bytes == 2 * LONG * 256 * 2
-    assert device_fit.heaviest_target_batch(cfg.data) == (1, LONG)
-    assert device_fit.heaviest_target_batch(cfg.data, longest=1001) == (32, 1008)  # the data's longest, padded
+    assert target_fit.heaviest_target_batch(cfg.data) == (1, LONG)
+    assert target_fit.heaviest_target_batch(cfg.data, longest=1001) == (32, 1008)  # the data's longest, padded
 
 
 def test_the_drafter_step_attends_over_32k_context_keys(long_data):
@@ -101,14 +104,14 @@ def test_the_8gpu_config_reaches_8192_tokens_by_default():
     assert cfg.data.max_length == 8192 and cfg.data.token_budget >= 4 * 8192
     # The drafter queue's worst case at that length (Qwen3-8B features: 5 x 4096, bf16) stays
     # well inside an H200 beside the measured ~46 GiB step.
-    worst = device_fit.drafter_queue_bytes(np.full(10_000, 8192), cfg, 5 * 4096 * 2).worst
-    assert worst < 40 * device_fit.GIB
+    worst = drafter_fit.drafter_queue_bytes(np.full(10_000, 8192), cfg, 5 * 4096 * 2).worst
+    assert worst < 40 * GIB
 
 
 def test_queue_bytes_typical_and_worst():
     cfg = config_from_dict({"drafter": {"fifo_sequences": 3, "prefetch": 2}, "data": {"token_budget": 100,
                                                                                     "bucket_boundaries": [64]}})
-    q = device_fit.drafter_queue_bytes(np.array([10, 20, 30, 40, 50]), cfg, feature_bytes=2)
+    q = drafter_fit.drafter_queue_bytes(np.array([10, 20, 30, 40, 50]), cfg, feature_bytes=2)
     assert q.typical == (3 * 30 + 200) * 2 and q.worst == (50 + 40 + 30 + 200) * 2
 
 
@@ -116,7 +119,7 @@ def test_the_heaviest_step_takes_the_longest_samples_first(long_data):
     target, data = long_data
     dataset = TokenDataset(data)
     cfg = long_job(target, data, objective={"max_anchors_per_seq": 16, "anchors_per_step": 24})
-    chosen = device_fit.heaviest_step_samples(dataset, cfg)
+    chosen = drafter_fit.heaviest_step_samples(dataset, cfg)
     order = np.argsort(-dataset.lengths, kind="stable")
     assert [i for i, _ in chosen] == [int(order[0]), int(order[1])] and [a for _, a in chosen] == [16, 8]
 
@@ -133,12 +136,12 @@ class _FakeCuda:
 
 def test_a_pool_that_cannot_fit_beside_the_model_is_a_config_error(monkeypatch):
     layout = SlotLayout(num_slots=4, max_tokens=LONG, feature_dim=5 * 4096, dtype="bfloat16")  # 5 GiB
-    _FakeCuda(monkeypatch, free=4 * device_fit.GIB, reserved=16 * device_fit.GIB, allocated=16 * device_fit.GIB)
+    _FakeCuda(monkeypatch, free=4 * GIB, reserved=16 * GIB, allocated=16 * GIB)
     with pytest.raises(ConfigError, match=r"slot pool needs 5.0 GiB \(target.num_slots=4 x data.token_budget=32768"):
-        device_fit.check_pool_fits(layout, "cuda:0")
-    _FakeCuda(monkeypatch, free=8 * device_fit.GIB, reserved=16 * device_fit.GIB, allocated=16 * device_fit.GIB)
-    device_fit.check_pool_fits(layout, "cuda:0")
-    device_fit.check_pool_fits(layout, "cpu")  # nothing to ask on CPU
+        target_fit.check_pool_fits(layout, "cuda:0")
+    _FakeCuda(monkeypatch, free=8 * GIB, reserved=16 * GIB, allocated=16 * GIB)
+    target_fit.check_pool_fits(layout, "cuda:0")
+    target_fit.check_pool_fits(layout, "cpu")  # nothing to ask on CPU
 
 
 def test_a_batch_that_runs_out_of_memory_is_a_config_error(monkeypatch, tiny_cache, long_data):
@@ -149,10 +152,10 @@ def test_a_batch_that_runs_out_of_memory_is_a_config_error(monkeypatch, tiny_cac
     def out_of_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory")
     monkeypatch.setattr(capture, "forward_into", out_of_memory)
-    _FakeCuda(monkeypatch, free=device_fit.GIB)
+    _FakeCuda(monkeypatch, free=GIB)
     pool = type("Pool", (), {"write_view": lambda self, slot, n: None})()
     with pytest.raises(ConfigError, match=r"a batch of 1 x 32768 tokens .* runs out of memory .*sdpa attention"):
-        device_fit.probe_target_batch(capture, pool, cfg.data, "cuda:0", longest=LONG)
+        target_fit.probe_target_batch(capture, pool, cfg.data, "cuda:0", longest=LONG)
 
 
 def test_a_drafter_whose_queue_cannot_fit_is_a_config_error(monkeypatch, long_data, caplog):
@@ -165,13 +168,13 @@ def test_a_drafter_whose_queue_cannot_fit_is_a_config_error(monkeypatch, long_da
                                                                                  device="cpu"),
                              device="cpu", total_steps=2)
     feature_bytes = 2 * 128 * 2  # two captured layers of 128, bf16
-    queue = device_fit.drafter_queue_bytes(dataset.lengths, cfg, feature_bytes)
+    queue = drafter_fit.drafter_queue_bytes(dataset.lengths, cfg, feature_bytes)
     adam = 2 * 4 * sum(p.numel() for p in trainer.model.parameters())
-    _FakeCuda(monkeypatch, free=int((adam + queue.typical) / device_fit.USABLE) - 1)
+    _FakeCuda(monkeypatch, free=int((adam + queue.typical) / USABLE) - 1)
     with pytest.raises(ConfigError, match=r"drafter on cpu: needs .* AdamW state .*drafter.fifo_sequences=2"):
-        device_fit._check_drafter_total(trainer, dataset, cfg, "the step", feature_bytes)
-    _FakeCuda(monkeypatch, free=int((adam + queue.typical) / device_fit.USABLE) + 1)
-    device_fit._check_drafter_total(trainer, dataset, cfg, "the step", feature_bytes)
+        drafter_fit._check_drafter_total(trainer, dataset, cfg, "the step", feature_bytes)
+    _FakeCuda(monkeypatch, free=int((adam + queue.typical) / USABLE) + 1)
+    drafter_fit._check_drafter_total(trainer, dataset, cfg, "the step", feature_bytes)
     assert "a queue of the data's 2 longest sequences would hold" in caplog.text  # the worst case warned
 
 
@@ -180,16 +183,16 @@ def test_a_drafter_whose_queue_cannot_fit_is_a_config_error(monkeypatch, long_da
 def test_gpu_probes_pass_at_32k_and_refuse_what_cannot_fit(long_data, caplog):
     """The tiny target's 32K batch fits an H200 (sdpa); eager attention over 131,072 tokens
     (scores 4 heads x 131,072^2 x 4 bytes = 256 GiB) cannot: a ConfigError, not a crash."""
-    from dflash_ipc.target.architectures import ARCHITECTURES, build_tiny_target_of
+    from architectures import ARCHITECTURES, build_tiny_target_of
     from dflash_ipc.transport.backends import create_pool
     caplog.set_level(logging.INFO)
     target, data = long_data
     cfg = long_job(target, data)
     capture = FeatureCapture(target, layer_ids=[1, 2], dtype="bfloat16", attn_implementation="sdpa", device="cuda:0")
     layout = SlotLayout(num_slots=1, max_tokens=LONG, feature_dim=capture.feature_dim, dtype="bfloat16")
-    device_fit.check_pool_fits(layout, "cuda:0")
+    target_fit.check_pool_fits(layout, "cuda:0")
     with create_pool(layout, "cuda:0", name="dflash-test-long-t0") as pool:
-        device_fit.probe_target_batch(capture, pool, cfg.data, "cuda:0")
+        target_fit.probe_target_batch(capture, pool, cfg.data, "cuda:0")
     assert "heaviest batch 1 x 32768 tokens fits" in caplog.text
     eager = build_tiny_target_of(ARCHITECTURES["gpt_oss"], os.path.join(os.path.dirname(data), "gpt-oss"))
     huge = config_from_dict({"data": {"bucket_boundaries": [131072], "token_budget": 131072}})
@@ -197,7 +200,7 @@ def test_gpu_probes_pass_at_32k_and_refuse_what_cannot_fit(long_data, caplog):
     layout = SlotLayout(num_slots=1, max_tokens=131072, feature_dim=capture.feature_dim, dtype="bfloat16")
     with create_pool(layout, "cuda:0", name="dflash-test-long-t1") as pool:
         with pytest.raises(ConfigError, match="runs out of memory.*eager attention"):
-            device_fit.probe_target_batch(capture, pool, huge.data, "cuda:0")
+            target_fit.probe_target_batch(capture, pool, huge.data, "cuda:0")
 
 
 def test_the_probe_step_runs_the_trainers_forward_and_backward_and_changes_nothing(long_data):
@@ -210,11 +213,11 @@ def test_the_probe_step_runs_the_trainers_forward_and_backward_and_changes_nothi
                                                                                  device="cpu"),
                              device="cpu", total_steps=2)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    chosen, what = device_fit.heaviest_step(trainer, dataset, cfg, torch.float32)
+    chosen, what = drafter_fit.heaviest_step(trainer, dataset, cfg, torch.float32)
     assert what == "1 sequences of 32768..32768 tokens, 32 anchors"
     grads = []
     trainer.model.fc.weight.register_hook(lambda g: grads.append(g.abs().sum()))
-    device_fit.forward_backward(trainer, chosen)
+    drafter_fit.forward_backward(trainer, chosen)
     assert grads and grads[0] > 0  # the backward reached the first layer
     assert all(p.grad is None for p in trainer.model.parameters())
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
@@ -233,6 +236,6 @@ def test_gpu_drafter_probe_at_32k(long_data, caplog):
     trainer = DrafterTrainer(cfg, model_config, FrozenTargetHead.from_pretrained(target, dtype=torch.bfloat16,
                                                                                  device="cuda:0"),
                              device="cuda:0", total_steps=2)
-    device_fit.probe_drafter_step(trainer, dataset, cfg, torch.bfloat16)
+    drafter_fit.probe_drafter_step(trainer, dataset, cfg, torch.bfloat16)
     assert "drafter on cuda:0: fits" in caplog.text and "1 sequences of 32768..32768 tokens" in caplog.text
     assert all(p.grad is None for p in trainer.model.parameters())

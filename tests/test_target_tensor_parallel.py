@@ -18,15 +18,15 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dflash_ipc import protocol as p
-from dflash_ipc.config_load import config_from_dict, load_config
+from dflash_ipc.wire import protocol as p
+from dflash_ipc.config.load import config_from_dict, load_config
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.data.prepare import prepare_dataset
 from dflash_ipc.dispatch.proc import plan_job
 from dflash_ipc.errors import ConfigError
-from dflash_ipc.machine import check_node_fits
-from dflash_ipc.target.architectures import ARCHITECTURES, build_tiny_target_of
-from dflash_ipc.target.capture import load_target_config
+from dflash_ipc.config.machine import check_node_fits
+from architectures import ARCHITECTURES, build_tiny_target_of
+from dflash_ipc.hf.target_config import load_target_config
 from dflash_ipc.target.tensor_parallel import check_tensor_parallel
 from test_support_table import write_chats
 

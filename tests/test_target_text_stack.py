@@ -9,10 +9,11 @@ import transformers
 from torch import nn
 
 from dflash_ipc.errors import ConfigError, DataError
-from dflash_ipc.target.architectures import ARCHITECTURES, build_tiny_target_of, tiny_config
-from dflash_ipc.data.tiny import build_tiny_tokenizer
-from dflash_ipc.target.capture import FeatureCapture, load_target_config
-from dflash_ipc.target.text_stack import (find_text_stack, has_recurrent_layers, load_causal_lm, num_text_layers,
+from architectures import ARCHITECTURES, build_tiny_target_of, tiny_config
+from dflash_ipc.builtin.tiny import build_tiny_tokenizer
+from dflash_ipc.hf.target_config import load_target_config
+from dflash_ipc.target.capture import FeatureCapture
+from dflash_ipc.hf.text_stack import (find_text_stack, has_recurrent_layers, load_causal_lm, num_text_layers,
                                           text_config, truncated_config)
 
 from target_helpers import drop_weight

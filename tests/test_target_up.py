@@ -12,10 +12,10 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_ipc.cli import main
-from dflash_ipc.config_load import load_config
+from dflash_ipc.config.load import load_config
 from dflash_ipc.data.prepare import prepare_dataset
 from dflash_ipc.dispatch.ledger_file import load_ledger
-from dflash_ipc.target.architectures import ARCHITECTURES, build_tiny_target_of
+from architectures import ARCHITECTURES, build_tiny_target_of
 from supervised_job import SupervisedJob
 from test_support_table import write_chats
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dflash_ipc.token_rate import TokenRate
+from dflash_ipc.obs.token_rate import TokenRate
 
 WINDOW_S = 10.0
 

@@ -231,7 +231,7 @@ def test_segment_sweep_by_prefix():
 def test_node_sweep_leaves_other_nodes_segments(tmp_path):
     # Nodes of one run may share a machine (tests) or /dev/shm: node 1's sweep at its start
     # or stop must not unlink node 10's live pools, whose names also start with "...-n1".
-    from dflash_ipc.config_load import load_config
+    from dflash_ipc.config.load import load_config
 
     def node(rank: int):
         return load_config(None, [f"run.run_dir={tmp_path}", "run.num_nodes=11", f"run.node_rank={rank}",
@@ -275,7 +275,7 @@ def test_a_signal_while_the_segment_is_made_leaves_none_and_a_stale_one_is_not_o
 
 _TWICE_TERMINATED = """
 import os, signal, sys, time
-from dflash_ipc.cli import _exit_on_sigterm
+from dflash_ipc.run.child_env import exit_on_sigterm as _exit_on_sigterm
 from dflash_ipc.transport.backends import create_pool
 from dflash_ipc.transport.slots import SlotLayout
 _exit_on_sigterm()

@@ -6,10 +6,10 @@ import os
 import numpy as np
 import pytest
 
-from dflash_ipc.config_load import load_config
+from dflash_ipc.config.load import load_config
 from dflash_ipc.errors import ConfigError
-from dflash_ipc.run_files import MAX_SOCKET_PATH, shared_socket_dir
-from dflash_ipc.wire_security import curve_required, private_socket_dir
+from dflash_ipc.run.files import MAX_SOCKET_PATH, shared_socket_dir
+from dflash_ipc.wire.security import curve_required, private_socket_dir
 
 
 def test_curve_is_on_by_default_for_every_address_but_loopback():

@@ -26,7 +26,7 @@ import click
 import numpy as np
 import torch
 
-from dflash_ipc.dtypes import torch_dtype
+from dflash_ipc.config.dtypes import torch_dtype
 
 _QWEN3_VOCAB = {"vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1e6,
                 "tie_word_embeddings": False}
@@ -68,7 +68,7 @@ def build_random_target(out_dir: str, *, shape: str, dtype: str = "bfloat16", se
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from dflash_ipc.data.tiny import _silence_padding_rows, build_tiny_tokenizer
+    from dflash_ipc.builtin.tiny import _silence_padding_rows, build_tiny_tokenizer
     config_class, fields = SHAPES[shape]
     depth = fields["num_hidden_layers"]
     if num_layers is not None and not 1 <= num_layers <= depth:

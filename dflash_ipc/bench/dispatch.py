@@ -44,15 +44,15 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from dflash_ipc import protocol as p
-from dflash_ipc.config import POLICIES, DrafterConfig, TargetConfig
-from dflash_ipc.config_load import load_config
+from dflash_ipc.wire import protocol as p
+from dflash_ipc.config.schema import POLICIES, DrafterConfig, TargetConfig
+from dflash_ipc.config.load import load_config
 from dflash_ipc.dispatch.buckets import BucketSpec, PlannedBatch, plan_epoch, plan_stats
 from dflash_ipc.dispatch.dispatcher import Dispatcher
 from dflash_ipc.dispatch.proc import DispatcherProc
 from dflash_ipc.errors import ConfigError, DataError, ProtocolError, WorkerDeadError
-from dflash_ipc.link import DispatcherLink
-from dflash_ipc.run_files import RunFiles
+from dflash_ipc.wire.link import DispatcherLink
+from dflash_ipc.run.files import RunFiles
 
 log = logging.getLogger(__name__)
 

@@ -64,13 +64,13 @@ from dataclasses import dataclass
 import torch
 
 from dflash_ipc.bench.kernel_profile import format_profile, profile_kernels, summarize
-from dflash_ipc.config import Fp8HeadMatmuls, Fp8Recipe, JobConfig, Precision
-from dflash_ipc.config_load import config_from_dict
+from dflash_ipc.config.schema import Fp8HeadMatmuls, Fp8Recipe, JobConfig, Precision
+from dflash_ipc.config.load import config_from_dict
 from dflash_ipc.drafter.attention import FLEX_TILE, build_mask, flex_tile_flags
 from dflash_ipc.drafter.model import DFlashConfig
 from dflash_ipc.drafter.objective import TrainingBatch
 from dflash_ipc.drafter.precision import reset_compiled_layers
-from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.drafter.trainer import DrafterTrainer, Sequence, eligible_anchor_count
 from dflash_ipc.errors import ConfigError
 

@@ -25,10 +25,10 @@ import sys
 import tempfile
 import time
 
-from dflash_ipc.config import JobConfig
+from dflash_ipc.config.schema import JobConfig
 from dflash_ipc.errors import DFlashError
-from dflash_ipc.logs import tail_lines
-from dflash_ipc.supervise.children import SUPERVISOR_ENV
+from dflash_ipc.run.logs import tail_lines
+from dflash_ipc.run.child_env import SUPERVISOR_ENV
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def worker_followers(cfg: JobConfig):
     if k == 1:
         yield None
         return
-    from dflash_ipc.config_load import dump_config
+    from dflash_ipc.config.load import dump_config
     from dflash_ipc.target.worker_group import ADDRESS_ENV, WorkerGroup
 
     folder = tempfile.mkdtemp(prefix="dflash-bench-tp-")

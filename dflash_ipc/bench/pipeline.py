@@ -47,11 +47,11 @@ import time
 
 import torch
 
-from dflash_ipc.config import JobConfig
+from dflash_ipc.config.schema import JobConfig
 from dflash_ipc.errors import ConfigError, DataError, DFlashError
-from dflash_ipc.dtypes import TORCH_DTYPES
-from dflash_ipc.metrics import load_timelines
-from dflash_ipc.run_files import RunFiles
+from dflash_ipc.config.dtypes import TORCH_DTYPES
+from dflash_ipc.obs.timelines import load_timelines
+from dflash_ipc.run.files import RunFiles
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _prepare_device(device: str, key: str) -> torch.device:
-    from dflash_ipc.machine import require_device
+    from dflash_ipc.config.machine import require_device
     require_device(device, key)
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -167,7 +167,7 @@ def target_capacity(cfg: JobConfig, *, seconds: float, warmup_s: float) -> dict:
 
 def _target_capacity(cfg: JobConfig, group, *, seconds: float, warmup_s: float) -> dict:
     from dflash_ipc.data.dataset import TokenDataset
-    from dflash_ipc.device_fit import probe_target_batch
+    from dflash_ipc.target.fit import probe_target_batch
     from dflash_ipc.target.worker import TargetWorker, load_capture
     from dflash_ipc.transport.slots import SlotLayout
 
@@ -216,10 +216,10 @@ def drafter_capacity(cfg: JobConfig, *, seconds: float, warmup_s: float) -> dict
     """Trained tokens/s of the real trainer, world size 1, on ``drafter.devices[0]``."""
     from dflash_ipc.data.dataset import TokenDataset
     from dflash_ipc.drafter.model import DFlashConfig
-    from dflash_ipc.drafter.target_head import FrozenTargetHead
+    from dflash_ipc.hf.target_head import FrozenTargetHead
     from dflash_ipc.drafter.sequence_queue import SequenceQueue
     from dflash_ipc.drafter.trainer import DrafterTrainer, eligible_anchor_count, estimate_total_steps
-    from dflash_ipc.target.capture import load_target_config
+    from dflash_ipc.hf.target_config import load_target_config
 
     device = cfg.drafter.device_of(0)
     dev = _prepare_device(device, "drafter.devices")

@@ -43,17 +43,18 @@ import torch
 from dflash_ipc.bench.assets import build_random_target
 from dflash_ipc.bench.drafter import _resolve_device, bench_job_config, variant_label
 from dflash_ipc.data.dataset import TokenDataset
-from dflash_ipc.data.synthetic import build_synthetic_dataset, synthetic_cache_key, synthetic_params
-from dflash_ipc.drafter.export import load_inference_checkpoint, save_inference_checkpoint
+from dflash_ipc.builtin.synthetic import build_synthetic_dataset, synthetic_cache_key, synthetic_params
+from dflash_ipc.drafter.inference_format import load_inference_checkpoint, save_inference_checkpoint
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.drafter.precision import reset_compiled_layers
-from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.drafter.trainer import DrafterTrainer, Sequence, eligible_anchor_count
 from dflash_ipc.errors import ConfigError
 from dflash_ipc.eval.prompt_sets import held_out_set
 from dflash_ipc.eval.speculative import EvalOptions, run_set
 from dflash_ipc.eval.target_runner import BatchedTarget
-from dflash_ipc.target.capture import FeatureCapture, load_target_config
+from dflash_ipc.hf.target_config import load_target_config
+from dflash_ipc.target.capture import FeatureCapture
 
 logger = logging.getLogger(__name__)
 

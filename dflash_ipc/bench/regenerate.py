@@ -34,7 +34,7 @@ from dflash_ipc.regenerate.scheduler import BatchScheduler
 
 def make_prompts(tokenizer, num: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
     """Chat-template renderings of random-word user turns of log-uniform length."""
-    from dflash_ipc.data.tiny import TINY_VOCAB_WORDS
+    from dflash_ipc.builtin.tiny import TINY_VOCAB_WORDS
 
     rng = np.random.default_rng(seed)
     prompts = []

@@ -25,8 +25,8 @@ import os
 import torch
 
 from dflash_ipc.bench.assets import BENCH_FILE
-from dflash_ipc.config import JobConfig
-from dflash_ipc.json_files import read_json_object
+from dflash_ipc.config.schema import JobConfig
+from dflash_ipc.run.json_files import read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ GIB = 1024**3
 
 
 def _layers_run(num_layers: int, num_draft_layers: int) -> int:
-    from dflash_ipc.target.defaults import captured_layer_ids
+    from dflash_ipc.hf.layer_ids import captured_layer_ids
     return max(captured_layer_ids(num_layers, num_draft_layers)) + 1
 
 
@@ -47,8 +47,8 @@ def _shape_of(target_dir: str) -> dict:
 
 def _describe(cfg: JobConfig) -> dict:
     """What the target is: its class, depth, experts, and what the capture runs of it."""
-    from dflash_ipc.target.capture import load_target_config
-    from dflash_ipc.target.text_stack import num_text_layers, text_config
+    from dflash_ipc.hf.target_config import load_target_config
+    from dflash_ipc.hf.text_stack import num_text_layers, text_config
     config = load_target_config(cfg.target.path)
     text = text_config(config)
     depth = num_text_layers(config)
@@ -66,13 +66,14 @@ def _describe(cfg: JobConfig) -> dict:
 def run_target_bench(cfg: JobConfig, targets: list[str], *, seconds: float, warmup_s: float) -> list[dict]:
     """Target capacity of each of `targets` with `cfg`'s data, budget and `target.devices[0]`."""
     from dflash_ipc.bench.pipeline import target_capacity
-    from dflash_ipc.resolve import resolve_job
+    from dflash_ipc.builtin.assets import materialize
+    from dflash_ipc.target.resolve import resolve_job
     rows = []
     for path in targets:
         one = copy.deepcopy(cfg)
         one.target.path = path
         one.model.target_layer_ids = None  # derived from this target's depth
-        one = resolve_job(one)
+        one = resolve_job(materialize(one))
         row = _describe(one)
         device = torch.device(one.target.device_of(0))
         if device.type == "cuda":

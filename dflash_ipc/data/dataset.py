@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from dflash_ipc.errors import DataError
-from dflash_ipc.json_files import read_json_object
+from dflash_ipc.run.json_files import read_json_object
 
 log = logging.getLogger(__name__)
 

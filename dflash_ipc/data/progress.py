@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 import time
 
-from dflash_ipc.supervise.status_line import format_duration
+from dflash_ipc.obs.status_line import format_duration
 
 TTY_INTERVAL_S = 0.25
 LOG_INTERVAL_S = 10.0

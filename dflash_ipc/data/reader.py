@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 from dflash_ipc.data.messages import RowRejected, parse_json
 from dflash_ipc.errors import DataError
-from dflash_ipc.json_files import read_json_object
-from dflash_ipc.json_lines import capped_lines
+from dflash_ipc.run.json_files import read_json_object
+from dflash_ipc.run.json_lines import capped_lines
 
 log = logging.getLogger(__name__)
 

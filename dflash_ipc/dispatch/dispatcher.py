@@ -24,13 +24,13 @@ import logging
 import os
 import time
 
-from dflash_ipc import protocol as p
+from dflash_ipc.wire import protocol as p
 from dflash_ipc.dispatch.buckets import PlannedBatch
 from dflash_ipc.dispatch.ledger import BatchState, Ledger, TrainedCopy
 from dflash_ipc.dispatch.policy import make_policy
 from dflash_ipc.dispatch.seats import RATE_WINDOW_S, DrafterSeat, Seat, TargetSeat
 from dflash_ipc.errors import ProtocolError, UnregisteredSender
-from dflash_ipc.token_rate import TokenRate
+from dflash_ipc.obs.token_rate import TokenRate
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from dflash_ipc.config import POLICIES
+from dflash_ipc.config.schema import POLICIES
 from dflash_ipc.dispatch.buckets import PlannedBatch
 from dflash_ipc.dispatch.ledger import Ledger
 

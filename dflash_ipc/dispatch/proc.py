@@ -17,16 +17,16 @@ import time
 
 import zmq
 
-from dflash_ipc import protocol as p
-from dflash_ipc.config import JobConfig
+from dflash_ipc.wire import protocol as p
+from dflash_ipc.config.schema import JobConfig
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.dispatch.buckets import BucketSpec, plan_epochs, plan_stats
 from dflash_ipc.dispatch.dispatcher import Dispatcher
 from dflash_ipc.dispatch.ledger import BatchState, Ledger
 from dflash_ipc.dispatch.ledger_file import load_ledger, save_ledger
 from dflash_ipc.errors import DataError, ProtocolError, UnregisteredSender
-from dflash_ipc.json_files import write_json_atomic
-from dflash_ipc.wire_security import private_socket_dir, server_security
+from dflash_ipc.run.json_files import write_json_atomic
+from dflash_ipc.wire.security import private_socket_dir, server_security
 
 log = logging.getLogger(__name__)
 
@@ -267,3 +267,16 @@ def run_dispatcher(cfg: JobConfig) -> None:
     if not dispatcher.finished:
         # Exit 0 means "every batch committed" to the supervisor; a stop is not that.
         raise SystemExit(128 + signal.SIGTERM)
+
+
+def finished_before(cfg) -> bool:
+    """True when the run directory's ledger says this job already committed every batch;
+    DataError when that ledger is of another plan (other data, budget, seed or epochs)."""
+    from dflash_ipc.data.dataset import TokenDataset
+    from dflash_ipc.dispatch.ledger_file import load_ledger
+    path = cfg.files.ledger
+    if not os.path.exists(path):
+        return False
+    ledger = load_ledger(path, recover=False)  # only read: nothing restarts here
+    check_same_plan(ledger, plan_job(cfg, TokenDataset(cfg.data.path).lengths), path)
+    return ledger.all_committed()

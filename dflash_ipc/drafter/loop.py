@@ -27,12 +27,12 @@ import os
 import signal
 import time
 
-from dflash_ipc import protocol as p
-from dflash_ipc.drafter.checkpoint_store import CheckpointStore
+from dflash_ipc.wire import protocol as p
+from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.drafter.sequence_queue import SequenceQueue
 from dflash_ipc.errors import TransportError, WorkerDeadError
-from dflash_ipc.json_files import json_safe
-from dflash_ipc.metrics import process_memory
+from dflash_ipc.run.json_files import json_safe
+from dflash_ipc.obs.timelines import process_memory
 
 log = logging.getLogger(__name__)
 

@@ -32,29 +32,12 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash_ipc.drafter.attention import attention
 from dflash_ipc.errors import ConfigError
-from dflash_ipc.target.text_stack import text_config
+from dflash_ipc.hf.layer_ids import default_target_layer_ids
+from dflash_ipc.hf.text_stack import text_config
 
 logger = logging.getLogger(__name__)
 
 ARCHITECTURE = "DFlashDraftModel"
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Target layers whose outputs feed the drafter: ``round(1 + i*(L-4)/(n-1))``.
-
-    ``[1, 9, 17, 25, 33]`` for L=36, n=5. A single draft layer takes the middle layer
-    (SGLang's rule). Ids are 0-based; the feature is the output AFTER that layer.
-    """
-    if num_target_layers < 1 or num_draft_layers < 1:
-        raise ConfigError(
-            f"num_target_layers={num_target_layers} and num_draft_layers={num_draft_layers} must be >= 1"
-        )
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    if num_target_layers < 4:
-        raise ConfigError(f"num_target_layers={num_target_layers}: the default layer choice needs >= 4")
-    span = num_target_layers - 4
-    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
 def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from dflash_ipc.drafter.attention import BlockLayout
 from dflash_ipc.drafter.model import CudaCompiled, compile_enabled
-from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.errors import DataError
 
 logger = logging.getLogger(__name__)

@@ -52,10 +52,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_ipc.config import DrafterConfig
+from dflash_ipc.config.schema import DrafterConfig
 from dflash_ipc.drafter.model import CudaCompiled, compile_enabled
 from dflash_ipc.drafter.objective import _chunk_loss, _fused_chunk_loss
-from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.errors import ConfigError
 
 logger = logging.getLogger(__name__)

@@ -26,18 +26,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dflash_ipc.config import JobConfig, ObjectiveConfig
+from dflash_ipc.config.schema import JobConfig, ObjectiveConfig
 from dflash_ipc.drafter.attention import build_mask
-from dflash_ipc.drafter.checkpoint_store import CheckpointStore
-from dflash_ipc.drafter.export import write_inference_files
+from dflash_ipc.run.checkpoints import CheckpointStore
+from dflash_ipc.drafter.inference_format import write_inference_files
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.drafter.sharding import full_state, load_full_state, shard_model, total_norm
 from dflash_ipc.drafter.objective import (anchor_generator, build_training_batch, sample_anchors,
                                           weighted_ce_sum)
 from dflash_ipc.drafter.precision import apply_precision, next_step
-from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.drafter.training_state import read_training_state, write_training_state
-from dflash_ipc.dtypes import TORCH_DTYPES
+from dflash_ipc.config.dtypes import TORCH_DTYPES
 from dflash_ipc.errors import DamagedCheckpointError
 
 log = logging.getLogger(__name__)
@@ -212,7 +212,7 @@ class DrafterTrainer:
 
     def loss_sum(self, batch, features: torch.Tensor, mask) -> torch.Tensor:
         """The batch's weighted cross-entropy sum under the drafter's autocast: the step's
-        forward, which the start-up memory probe (device_fit.py) runs too."""
+        forward, which the start-up memory probe (drafter/fit.py) runs too."""
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
             hidden = self._forward(batch, features, mask)
             return weighted_ce_sum(hidden, self.head, batch.labels, batch.weights, fp8_head=self.fp8_head)

@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from dflash_ipc.drafter.checkpoint_store import STATE_JSON, STATE_TENSORS, read_json_file, write_json_file
+from dflash_ipc.run.checkpoints import STATE_JSON, STATE_TENSORS, read_json_file, write_json_file
 from dflash_ipc.errors import DamagedCheckpointError
 
 FORMAT = 1

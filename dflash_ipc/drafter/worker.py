@@ -18,26 +18,26 @@ import time
 
 import torch
 
-from dflash_ipc import protocol as p
-from dflash_ipc.config import JobConfig
+from dflash_ipc.wire import protocol as p
+from dflash_ipc.config.schema import JobConfig
 from dflash_ipc.data.dataset import TokenDataset
-from dflash_ipc.drafter.checkpoint_store import CheckpointStore
+from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.drafter.group import close_group, init_group
 from dflash_ipc.drafter.loop import DrafterLoop
-from dflash_ipc.device_fit import probe_drafter_step
+from dflash_ipc.drafter.fit import probe_drafter_step
 from dflash_ipc.drafter.model import DFlashConfig
 from dflash_ipc.drafter.sequence_queue import SequenceQueue
-from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.drafter.trainer import DrafterTrainer, estimate_total_steps
-from dflash_ipc.dtypes import TORCH_DTYPES
+from dflash_ipc.config.dtypes import TORCH_DTYPES
 from dflash_ipc.errors import WorkerDeadError
-from dflash_ipc.link import DispatcherLink
-from dflash_ipc.liveness import Beacon
-from dflash_ipc.metrics import TimelineWriter
-from dflash_ipc.profiling import IterationProfiler
-from dflash_ipc.machine import require_device
-from dflash_ipc.supervise.children import replaced_pids, supervisor_pid
-from dflash_ipc.target.capture import load_target_config
+from dflash_ipc.wire.link import DispatcherLink
+from dflash_ipc.run.liveness import Beacon
+from dflash_ipc.obs.timelines import TimelineWriter
+from dflash_ipc.obs.profiling import IterationProfiler
+from dflash_ipc.config.machine import require_device
+from dflash_ipc.run.child_env import replaced_pids, supervisor_pid
+from dflash_ipc.hf.target_config import load_target_config
 from dflash_ipc.transport.backends import ReaderCache, check_peer_access
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from dflash_ipc.drafter.model import DFlashAttention, DFlashDraftModel, fused_rms_norm_rope
-from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.eval.ragged_attention import band_mask, gqa_attention
 from dflash_ipc.eval.row_cache import MASK_ALIGN, RowKV, round_up
 

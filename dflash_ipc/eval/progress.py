@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from dflash_ipc.supervise.status_line import format_duration
+from dflash_ipc.obs.status_line import format_duration
 
 PROGRESS_INTERVAL_S = 5.0
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from dflash_ipc.eval.acceptance import AcceptanceStats
 from dflash_ipc.eval.lossless import LosslessCheck
-from dflash_ipc.json_files import json_safe
+from dflash_ipc.run.json_files import json_safe
 
 
 @dataclass(kw_only=True, slots=True)

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_ipc.data.dataset import TokenDataset
-from dflash_ipc.drafter.checkpoint_store import LATEST, MANIFEST, CheckpointStore, verify_dir
-from dflash_ipc.drafter.export import CONFIG_FILE, load_inference_checkpoint
+from dflash_ipc.run.checkpoints import LATEST, MANIFEST, CheckpointStore, verify_dir
+from dflash_ipc.drafter.inference_format import CONFIG_FILE, load_inference_checkpoint
 from dflash_ipc.drafter.model import DFlashDraftModel
 from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.eval.acceptance import AcceptanceStats
@@ -187,8 +187,8 @@ def load_target(target_dir: str, layer_ids: Sequence[int], *, device: str, dtype
                 options: EvalOptions) -> TargetModel:
     """The batched target, or for a target with linear-attention (recurrent) layers, which it does
     not run, the unbatched one (greedy, one prompt at a time)."""
-    from dflash_ipc.target.capture import load_target_config
-    from dflash_ipc.target.text_stack import has_recurrent_layers
+    from dflash_ipc.hf.target_config import load_target_config
+    from dflash_ipc.hf.text_stack import has_recurrent_layers
 
     if not has_recurrent_layers(load_target_config(target_dir)):
         return BatchedTarget(target_dir, layer_ids=layer_ids, device=device, dtype=dtype)

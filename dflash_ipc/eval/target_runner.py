@@ -28,12 +28,12 @@ import torch
 from torch import Tensor
 
 from dflash_ipc.data.stops import stop_token_ids
-from dflash_ipc.drafter.target_head import FrozenTargetHead
-from dflash_ipc.dtypes import resolve_dtype
+from dflash_ipc.hf.target_head import FrozenTargetHead
+from dflash_ipc.config.dtypes import resolve_dtype
 from dflash_ipc.errors import ConfigError
 from dflash_ipc.eval.ragged_attention import layer_masks, register_attention
 from dflash_ipc.eval.row_cache import MASK_ALIGN, RaggedCache, round_up
-from dflash_ipc.target.text_stack import find_text_stack, has_recurrent_layers, load_causal_lm, text_config
+from dflash_ipc.hf.text_stack import find_text_stack, has_recurrent_layers, load_causal_lm, text_config
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class TargetModel:
 
     def __init__(self, target_dir: str, *, layer_ids: Sequence[int], device: str | torch.device, dtype: str,
                  attn_implementation: str | None = None) -> None:
-        from dflash_ipc.target.capture import load_target_config
+        from dflash_ipc.hf.target_config import load_target_config
 
         config = load_target_config(target_dir)  # a clear error for a directory that holds no model
         self.recurrent = has_recurrent_layers(config)

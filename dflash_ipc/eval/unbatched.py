@@ -36,7 +36,7 @@ from torch import Tensor
 
 from dflash_ipc.drafter.attention import BlockLayout, build_mask
 from dflash_ipc.drafter.model import DFlashDraftModel
-from dflash_ipc.drafter.target_head import FrozenTargetHead
+from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.eval.acceptance import AcceptanceStats, verify_block
 from dflash_ipc.eval.decoding import DecodeRun

@@ -36,7 +36,7 @@ _JOIN_S = 5.0
 
 def _device_main(settings, device: str, name: str, tasks, results, throttle_s: float, parent: int) -> None:
     """A device process: build the Generator, then run batches until a None task."""
-    from dflash_ipc.supervise.children import ParentWatch
+    from dflash_ipc.run.child_env import ParentWatch
 
     # Ctrl-C reaches the whole process group: the parent decides, and stops us by pid. A
     # parent killed outright leaves us orphaned: the watch then exits this process. `parent`

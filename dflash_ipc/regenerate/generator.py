@@ -79,8 +79,8 @@ class Generator:
     def __init__(self, settings: GeneratorSettings, device: str, model=None):
         import torch
 
-        from dflash_ipc.dtypes import resolve_dtype
-        from dflash_ipc.target.text_stack import load_causal_lm
+        from dflash_ipc.config.dtypes import resolve_dtype
+        from dflash_ipc.hf.text_stack import load_causal_lm
 
         if settings.num_threads and device.startswith("cpu"):
             torch.set_num_threads(settings.num_threads)

@@ -14,7 +14,7 @@ import os
 from dflash_ipc.data.chat import render
 from dflash_ipc.data.messages import Conversation, RowRejected, check_special_tokens
 from dflash_ipc.errors import ConfigError, DataError
-from dflash_ipc.machine import check_device
+from dflash_ipc.config.machine import check_device
 from dflash_ipc.regenerate.conversation import Reply, Request
 from dflash_ipc.regenerate.devices import DevicePool
 from dflash_ipc.regenerate.generator import CACHES, BatchStats, Generator, GeneratorSettings

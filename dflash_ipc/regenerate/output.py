@@ -26,7 +26,7 @@ import re
 import time
 
 from dflash_ipc.errors import DataError
-from dflash_ipc.json_files import read_json_object, write_json_atomic
+from dflash_ipc.run.json_files import read_json_object, write_json_atomic
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import os
 
 from dflash_ipc.report.collect import PANELS, collect
 from dflash_ipc.report.plot import render
-from dflash_ipc.run_files import RunFiles
-from dflash_ipc.json_files import write_json_atomic
+from dflash_ipc.run.files import RunFiles
+from dflash_ipc.run.json_files import write_json_atomic
 
 __all__ = ["PANELS", "build_report", "format_summary"]
 

@@ -19,11 +19,11 @@ import math
 import numpy as np
 
 from dflash_ipc.errors import DataError
-from dflash_ipc.eval_results import latest_evaluation
-from dflash_ipc.json_lines import read_json_lines
-from dflash_ipc.metrics import STATES, load_timelines, rate_series, summarize
-from dflash_ipc.run_files import RunFiles
-from dflash_ipc.status_history import load_status_history
+from dflash_ipc.run.eval_results import latest_evaluation
+from dflash_ipc.run.json_lines import read_json_lines
+from dflash_ipc.obs.timelines import STATES, load_timelines, rate_series, summarize
+from dflash_ipc.run.files import RunFiles
+from dflash_ipc.obs.status_history import load_status_history
 
 PANELS = ("states", "rates", "memory", "training", "eval")
 MAX_LANE_INTERVALS = 5000  # a lane with more intervals is drawn (and stored) binned

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dflash_ipc.errors import EXIT_CONFIG_ERROR
-from dflash_ipc.liveness import beacon_problem
+from dflash_ipc.run.liveness import beacon_problem
 from dflash_ipc.supervise.restart import RestartPolicy
 from dflash_ipc.supervise.roles import DISPATCHER, Role
 

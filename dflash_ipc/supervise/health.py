@@ -59,11 +59,11 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from dflash_ipc.drafter.checkpoint_store import UNCOMMITTED_NOTE, CheckpointStore
+from dflash_ipc.run.checkpoints import UNCOMMITTED_NOTE, CheckpointStore
 from dflash_ipc.errors import DataError, DFlashError
-from dflash_ipc.json_files import read_json_object, write_json_atomic
-from dflash_ipc.liveness import beacon_problem, read_beacon
-from dflash_ipc.run_files import RunFiles
+from dflash_ipc.run.json_files import read_json_object, write_json_atomic
+from dflash_ipc.run.liveness import beacon_problem, read_beacon
+from dflash_ipc.run.files import RunFiles
 from dflash_ipc.supervise.roles import Role
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ def read_processes(run_dir: str, node_rank: int = 0) -> tuple[dict, float]:
 
 
 def _load_run_config(run_dir: str, node_rank: int):
-    from dflash_ipc.config_load import load_config
+    from dflash_ipc.config.load import load_config
     return load_config(RunFiles(run_dir, node_rank).config)
 
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from dflash_ipc import protocol as p
-
+from dflash_ipc.wire import protocol as p
 log = logging.getLogger(__name__)
 
 STATUS_RETRY_S = 30.0  # ask again if a status request went unanswered this long

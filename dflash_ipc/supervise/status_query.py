@@ -7,14 +7,14 @@ from __future__ import annotations
 import json
 import os
 
-from dflash_ipc import protocol as p
-from dflash_ipc.config_load import load_config
-from dflash_ipc.drafter.checkpoint_store import UNCOMMITTED_NOTE, CheckpointStore
+from dflash_ipc.wire import protocol as p
+from dflash_ipc.config.load import load_config
+from dflash_ipc.run.checkpoints import UNCOMMITTED_NOTE, CheckpointStore
 from dflash_ipc.errors import DataError, WorkerDeadError
-from dflash_ipc.json_files import as_number, json_safe, read_json_object
-from dflash_ipc.link import DispatcherLink
-from dflash_ipc.run_files import RunFiles
-from dflash_ipc.supervise.status_line import format_status
+from dflash_ipc.run.json_files import as_number, json_safe, read_json_object
+from dflash_ipc.wire.link import DispatcherLink
+from dflash_ipc.run.files import RunFiles
+from dflash_ipc.obs.status_line import format_status
 
 
 def fetch_status(run_dir: str, timeout_s: float = 3.0, *, node_rank: int = 0) -> dict:

@@ -26,27 +26,28 @@ import socket
 import sys
 import time
 
-from dflash_ipc.config import JobConfig
-from dflash_ipc.config_load import dump_config
-from dflash_ipc.drafter.checkpoint_store import CheckpointStore
+from dflash_ipc.config.schema import JobConfig
+from dflash_ipc.config.load import dump_config
+from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.errors import DataError
-from dflash_ipc.json_files import read_json_object, write_json_atomic
-from dflash_ipc.link import DispatcherLink
-from dflash_ipc.liveness import read_beacon
-from dflash_ipc.logs import tail_lines
-from dflash_ipc.job_sinks import open_sinks
-from dflash_ipc.metric_sinks import MetricSinks
-from dflash_ipc.machine import check_job_devices
-from dflash_ipc.supervise.children import SUPERVISOR_ENV, Child, stop_children
+from dflash_ipc.run.json_files import read_json_object, write_json_atomic
+from dflash_ipc.wire.link import DispatcherLink
+from dflash_ipc.run.liveness import read_beacon
+from dflash_ipc.run.logs import tail_lines
+from dflash_ipc.obs.job_sinks import open_sinks
+from dflash_ipc.obs.sinks import MetricSinks
+from dflash_ipc.config.machine import check_job_devices
+from dflash_ipc.run.child_env import SUPERVISOR_ENV
+from dflash_ipc.supervise.children import Child, stop_children
 from dflash_ipc.supervise.decisions import (ChildView, Died, Fail, Kill, KillDrafters, KillWorker, Scheduled,
                                             Start, SupervisorLogic, SweepPool)
 from dflash_ipc.supervise.roles import DISPATCHER, Role
-from dflash_ipc.supervise.run_lock import RunLock
-from dflash_ipc.supervise.status_line import StatusLine
+from dflash_ipc.run.lock import RunLock
+from dflash_ipc.obs.status_line import StatusLine
 from dflash_ipc.supervise.status_poller import StatusPoller
 from dflash_ipc.supervise.target_groups import WorkerAddresses
 from dflash_ipc.transport.backends import unlink_segments
-from dflash_ipc.wire_security import curve_required, ensure_keys
+from dflash_ipc.wire.security import curve_required, ensure_keys
 
 log = logging.getLogger(__name__)
 

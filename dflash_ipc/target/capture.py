@@ -18,39 +18,17 @@ the leader writes them.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
-from transformers import AutoConfig, AutoModel
+from transformers import AutoModel
 
-from dflash_ipc.dtypes import TORCH_DTYPES
-from dflash_ipc.errors import ConfigError
+from dflash_ipc.config.dtypes import TORCH_DTYPES
+from dflash_ipc.hf.target_config import check_layer_ids, load_target_config
 from dflash_ipc.target.tensor_parallel import bound_device, load_kwargs
-from dflash_ipc.target.text_stack import (check_load_report, find_text_stack, input_device, load_pretrained,
+from dflash_ipc.hf.text_stack import (check_load_report, find_text_stack, input_device, load_pretrained,
                                           num_text_layers, text_config, truncated_config)
 
 log = logging.getLogger(__name__)
-
-
-def load_target_config(path: str):
-    """The target's HF config; a clear error when `path` is not a model directory that the
-    installed transformers can read (custom code is never run: no trust_remote_code)."""
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"target.path: {path} is not a model directory (no config.json there)")
-    try:
-        return AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError) as exc:
-        import transformers
-        raise ConfigError(f"target.path: {path}/config.json is not a configuration transformers "
-                          f"{transformers.__version__} can read ({str(exc).splitlines()[0]}); "
-                          "architectures that need trust_remote_code are not supported") from None
-
-
-def check_layer_ids(layer_ids: list[int], num_layers: int, key: str = "model.target_layer_ids") -> None:
-    """ConfigError unless every id names a layer of a `num_layers`-layer text stack."""
-    if not layer_ids or min(layer_ids) < 0 or max(layer_ids) >= num_layers:
-        raise ConfigError(f"{key}: {list(layer_ids)} reach beyond the target's {num_layers} layers "
-                          f"(allowed: 0..{num_layers - 1})")
 
 
 class FeatureCapture:

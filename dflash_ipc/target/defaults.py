@@ -18,57 +18,13 @@ import logging
 
 import numpy as np
 
-from dflash_ipc.drafter.model import default_target_layer_ids
+from dflash_ipc.hf.layer_ids import captured_layer_ids, layer_id_warnings
 from dflash_ipc.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 MAX_LISTED = 12  # candidate mask ids named in the error
 _COUNT_CHUNK = 4096  # samples counted per bincount
-
-
-def _spread(low: int, high: int, n: int) -> list[int]:
-    return [int(round(low + i * (high - low) / (n - 1))) for i in range(n)]
-
-
-def captured_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """The paper's layer choice (`default_target_layer_ids`), made distinct for shallow targets.
-
-    The paper spreads n ids over layers 1..L-3; a target with fewer than n+3 layers gives
-    repeated ids there, so the spread widens to 1..L-2, then 0..L-2, then 0..L-1 (the last
-    layer only when nothing else is left: a 4-layer target and a 2-layer drafter: [1, 2]).
-    """
-    if num_draft_layers > num_target_layers:
-        raise ConfigError(f"model.num_layers={num_draft_layers}: cannot choose that many distinct captured layers "
-                          f"from a {num_target_layers}-layer target; set model.target_layer_ids")
-    if num_draft_layers == 1 or num_target_layers >= num_draft_layers + 3:
-        return default_target_layer_ids(num_target_layers, num_draft_layers)
-    for low, high in ((1, num_target_layers - 2), (0, num_target_layers - 2), (0, num_target_layers - 1)):
-        if high - low + 1 >= num_draft_layers:
-            return _spread(low, high, num_draft_layers)
-    raise AssertionError("unreachable: n <= L always fits 0..L-1")
-
-
-def layer_id_warnings(ids: list[int], num_target_layers: int, num_draft_layers: int) -> list[str]:
-    """Why given `model.target_layer_ids` look wrong for an L-layer target (empty: they look fine)."""
-    L = num_target_layers
-    try:
-        paper = captured_layer_ids(L, num_draft_layers)
-        hint = f"the paper's choice for {L} layers and {num_draft_layers} drafter layers is {paper}"
-    except ConfigError:  # more drafter layers than target layers: given ids are the only choice
-        hint = f"the target has {L} layers"
-    out = []
-    if L >= 8 and max(ids) < L // 2:
-        out.append(f"model.target_layer_ids={ids} all lie in the first half of the target's {L} layers "
-                   f"(ids written for a smaller target?); {hint}")
-    if L - 1 in ids:
-        out.append(f"model.target_layer_ids={ids} include the last layer {L - 1}: HF hidden_states[{L}] is taken "
-                   "after the final norm there, while capture (and SGLang / vLLM) take its output before it; "
-                   f"{hint}")
-    if ids != sorted(ids):
-        out.append(f"model.target_layer_ids={ids} are not increasing: features are concatenated in this order, "
-                   "and a server reading them in increasing order would feed the drafter shuffled features")
-    return out
 
 
 def derive_mask_token_id(target_path: str, *, vocab_size: int, dataset=None) -> int:
@@ -132,8 +88,8 @@ def _candidates_text(tokenizer, dataset, vocab_size: int) -> str:
 
 def fill_layer_ids(model_cfg, target_config) -> None:
     """`model.target_layer_ids`: derived when unset, checked against the depth when given."""
-    from dflash_ipc.target.capture import check_layer_ids
-    from dflash_ipc.target.text_stack import num_text_layers
+    from dflash_ipc.hf.target_config import check_layer_ids
+    from dflash_ipc.hf.text_stack import num_text_layers
     num_layers = num_text_layers(target_config)
     if model_cfg.target_layer_ids is None:
         model_cfg.target_layer_ids = captured_layer_ids(num_layers, model_cfg.num_layers)
@@ -147,7 +103,7 @@ def fill_layer_ids(model_cfg, target_config) -> None:
 
 def fill_mask_token_id(model_cfg, target_config, target_path: str, dataset) -> None:
     """`model.mask_token_id`: derived when unset (see derive_mask_token_id), then range-checked."""
-    from dflash_ipc.target.text_stack import text_config
+    from dflash_ipc.hf.text_stack import text_config
     vocab = int(text_config(target_config).vocab_size)
     if model_cfg.mask_token_id is None:
         model_cfg.mask_token_id = derive_mask_token_id(target_path, vocab_size=vocab, dataset=dataset)
@@ -158,7 +114,7 @@ def fill_mask_token_id(model_cfg, target_config, target_path: str, dataset) -> N
 
 def warn_beyond_positions(max_length: int, target_config) -> None:
     """A warning when sequences may be longer than the target was trained for."""
-    from dflash_ipc.target.text_stack import text_config
+    from dflash_ipc.hf.text_stack import text_config
     limit = getattr(text_config(target_config), "max_position_embeddings", None)
     if limit and max_length > int(limit):
         log.warning("data.bucket_boundaries[-1]=%d exceeds the target's max_position_embeddings=%d: features "

@@ -30,7 +30,7 @@ import os
 from typing import Any
 
 from dflash_ipc.errors import ConfigError
-from dflash_ipc.target.text_stack import text_config
+from dflash_ipc.hf.text_stack import text_config
 
 LOCAL_RANK_ENV = "LOCAL_RANK"
 

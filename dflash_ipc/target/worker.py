@@ -27,16 +27,16 @@ import time
 import numpy as np
 import torch
 
-from dflash_ipc import protocol as p
-from dflash_ipc.config import JobConfig
+from dflash_ipc.wire import protocol as p
+from dflash_ipc.config.schema import JobConfig
 from dflash_ipc.data.dataset import TokenDataset
-from dflash_ipc.device_fit import check_pool_fits, probe_target_batch
+from dflash_ipc.target.fit import check_pool_fits, probe_target_batch
 from dflash_ipc.errors import ConfigError, DataError, DispatcherRestarted, WorkerDeadError
-from dflash_ipc.link import DispatcherLink
-from dflash_ipc.metrics import TimelineWriter, process_memory
-from dflash_ipc.profiling import IterationProfiler
-from dflash_ipc.machine import require_device
-from dflash_ipc.supervise.children import replaced_pids
+from dflash_ipc.wire.link import DispatcherLink
+from dflash_ipc.obs.timelines import TimelineWriter, process_memory
+from dflash_ipc.obs.profiling import IterationProfiler
+from dflash_ipc.config.machine import require_device
+from dflash_ipc.run.child_env import replaced_pids
 from dflash_ipc.target.capture import FeatureCapture
 from dflash_ipc.target.worker_group import WorkerGroup
 from dflash_ipc.transport.backends import create_pool

@@ -46,8 +46,8 @@ from typing import Any
 import psutil
 import torch
 
-from dflash_ipc import config
-from dflash_ipc.dtypes import TORCH_DTYPES as DTYPES
+from dflash_ipc.config import schema as config
+from dflash_ipc.config.dtypes import TORCH_DTYPES as DTYPES
 from dflash_ipc.errors import ConfigError, ProducerGoneError, TransportError
 
 logger = logging.getLogger(__name__)

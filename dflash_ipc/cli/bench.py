@@ -1,0 +1,239 @@
+"""`dflash-ipc bench ...`: benchmarks that print figures."""
+
+from __future__ import annotations
+
+
+import click
+
+from dflash_ipc.config.schema import DTYPE_NAMES, POLICIES, PUBLISH_SYNC_MODES
+from dflash_ipc.run.json_files import write_json_atomic
+from dflash_ipc.cli.app import (add_options, checked_device, comma_list, config_option, int_list, load_job_config, main,
+                                override_option, resolved)
+
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks that print figures."""
+
+
+@bench.command("dispatch")
+@click.option("--samples", "num_samples", default=20000, show_default=True, help="Sequences in the epoch plan.")
+@click.option("--targets", "num_targets", default=5, show_default=True)
+@click.option("--drafters", "num_drafters", default=3, show_default=True)
+@click.option("--policy", "policies", multiple=True, type=click.Choice(POLICIES),
+              help="Repeatable; default: both, in the same invocation.")
+@click.option("--target-speeds", default=None, metavar="S0,S1,...",
+              help="Relative speed of each target, e.g. 1,1,1,1,0.5 (default: all 1).")
+@click.option("--time-scale", default=0.018, show_default=True, help="Bench seconds per modelled GPU second.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--out", "out_path", default=None, type=click.Path(dir_okay=False),
+              help="Also write every figure and the targets' busy intervals as JSON.")
+def bench_dispatch(num_samples, num_targets, num_drafters, policies, target_speeds, time_scale, seed,
+                   out_path) -> None:
+    """Pull against round-robin: the real dispatcher and sockets, cost-model fake workers."""
+    from dflash_ipc.bench.dispatch import parse_speeds, run_dispatch_bench
+    result = run_dispatch_bench(num_targets=num_targets, num_drafters=num_drafters, num_samples=num_samples,
+                                policies=policies or POLICIES, seed=seed, time_scale=time_scale,
+                                target_speeds=parse_speeds(target_speeds) if target_speeds else None)
+    if out_path:
+        write_json_atomic(out_path, result)
+
+
+@bench.command("transport")
+@click.option("--pair", "pairs", multiple=True, metavar="SRC,DST",
+              help="Device pair, e.g. cuda:0,cuda:1 (repeatable; default: what this machine has).")
+@click.option("--iters", default=50, show_default=True)
+@click.option("--size-mib", "sizes_mib", multiple=True, type=click.FloatRange(min=0, min_open=True),
+              help="Batch size in MiB (repeatable; default: 1 16 128 512 on GPUs, 1 16 64 on CPU).")
+@click.option("--settle-us", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="Diagnostic: wait this long after each notice before reading.")
+@click.option("--publish-sync", type=click.Choice(PUBLISH_SYNC_MODES), default="ipc_event",
+              show_default=True, help="How the producer orders reads after its writes "
+              "(target.publish_sync).")
+def bench_transport(pairs, iters, sizes_mib, settle_us, publish_sync) -> None:
+    """Slot handoff latency and copy bandwidth against a plain device-to-device copy."""
+    from dflash_ipc.bench.transport import run_transport_bench
+    run_transport_bench(pairs=[tuple(pair.split(",")) for pair in pairs] or None, iters=iters,
+                        sizes_mib=list(sizes_mib) or None, settle_us=settle_us,
+                        publish_sync=publish_sync)
+
+
+def precision_options(default: str):
+    """--precision / --fp8-recipe / --fp8-lm-head: comma lists, compared in one run."""
+    return lambda fn: add_options(fn, [
+        click.option("--precision", "precisions", default=default, show_default=True, callback=comma_list,
+                     metavar="P[,P...]", help="drafter.precision of each run: bf16, fp8 (e.g. bf16,fp8)."),
+        click.option("--fp8-recipe", "recipes", default="tensorwise", show_default=True, callback=comma_list,
+                     metavar="R[,R...]", help="drafter.fp8_recipe of the fp8 runs: tensorwise, rowwise."),
+        click.option("--fp8-lm-head", "lm_heads", default="all", show_default=True, callback=comma_list,
+                     metavar="H[,H...]", help="drafter.fp8_lm_head of the fp8 runs: all, grad, none.")])
+
+
+@bench.command("drafter")
+@click.option("--device", default="cuda:0", show_default=True, callback=checked_device)
+@click.option("--steps", default=10, show_default=True)
+@click.option("--warmup", default=3, show_default=True,
+              help="Untimed steps first (the first compiles; with fp8 the third too: a row count seen twice runs static from the next step).")
+@click.option("--shape", type=click.Choice(["qwen3-8b", "tiny"]), default="qwen3-8b", show_default=True,
+              help="tiny: hidden 64, 2 layers, vocab 512, same step sizes (a quick GPU smoke test).")
+@click.option("--seq-len", "seq_lens", multiple=True, type=int, default=(2048,), show_default=True,
+              help="Tokens per sequence (context keys per sequence); repeatable: one report per length, "
+                   "in one process (the bf16 parts compiled once; fp8 layers per variant).")
+@click.option("--num-seqs", default=4, show_default=True, help="Sequences per step.")
+@click.option("--anchors-per-seq", default=512, show_default=True, help="Anchors (blocks) per sequence.")
+@precision_options(default="bf16")
+@click.option("--profile", "profile_steps", default=0, show_default=True,
+              help="Profile this many more steps (CUDA): kernel time per step by kind (matmul fp8 / "
+                   "matmul / attention / fp8 scaling / fused elementwise / other) and the costliest kernels.")
+def bench_drafter(device, steps, warmup, shape, seq_lens, num_seqs, anchors_per_seq, precisions, recipes,
+                  lm_heads, profile_steps) -> None:
+    """Step time, MFU and peak memory of a drafter step (default: Qwen3-8B shape, 4 x 2,048 tokens,
+    512 anchors each = 32,768 query tokens), for each precision asked (with the speedup against
+    the first) at each --seq-len."""
+    from dflash_ipc.bench.drafter import compare_precisions, precision_variants
+    variants = precision_variants(precisions, recipes, lm_heads)
+    for seq_len in seq_lens:
+        compare_precisions(device=device, steps=steps, shape=shape, variants=variants, warmup=warmup,
+                           anchors_per_seq=anchors_per_seq, num_seqs=num_seqs, seq_len=seq_len,
+                           profile_steps=profile_steps)
+
+
+@bench.command("target")
+@config_option
+@override_option
+@click.option("--target", "targets", multiple=True, required=True, type=click.Path(exists=True, file_okay=False),
+              help="Target model directory (repeatable: measured one after the other, same data and device).")
+@click.option("--seconds", default=30.0, show_default=True, help="Measured seconds per target.")
+@click.option("--warmup-s", default=10.0, show_default=True, help="Seconds of warmup per target.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures.")
+def bench_target(config, overrides, targets, seconds, warmup_s, json_path) -> None:
+    """Target capacity (tok/s of one worker: on target.devices[0], or its first K devices with
+    target.gpus_per_worker K) of each --target, e.g. a MoE next to a dense one."""
+    from dflash_ipc.bench.targets import format_target_table, run_target_bench
+    from dflash_ipc.run.logs import setup_logging
+    cfg = load_job_config(config, overrides)
+    setup_logging("bench", level=cfg.run.log_level)
+    rows = run_target_bench(cfg, list(targets), seconds=seconds, warmup_s=warmup_s)
+    if json_path:
+        write_json_atomic(json_path, rows)
+    click.echo(format_target_table(rows, cfg))
+
+
+# The sizes of `bench precision`, with the defaults of bench/precision.py's RunSizes (a test
+# checks they agree; importing that module here would load torch for every command).
+RUN_SIZE_DEFAULTS = {"samples": 768, "min_len": 128, "max_len": 512, "held_out": 16, "steps": 300,
+                     "anchors_per_step": 1024, "max_anchors_per_seq": 512, "num_layers": 5, "lr": 6e-4,
+                     "eval_prompts": 16, "eval_tokens": 48, "seed": 0}
+
+
+def _run_sizes_options(fn):
+    return add_options(fn, [click.option(f"--{name.replace('_', '-')}", name, type=type(value), default=value,
+                                          show_default=True) for name, value in RUN_SIZE_DEFAULTS.items()])
+
+
+@bench.command("precision")
+@click.option("--device", default="cuda:0", show_default=True, callback=checked_device)
+@click.option("--shape", type=click.Choice(["tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"]), default="qwen3-1.7b",
+              show_default=True, help="Shape of the random-weight target (bench/assets.py).")
+@click.option("--work-dir", default="/tmp/dflash-precision", show_default=True,
+              help="Target, data and exported drafters; the target and data are reused while they match.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write every figure (the per-step losses included) as JSON.")
+@precision_options(default="bf16,fp8")
+@_run_sizes_options
+def bench_precision(device, shape, work_dir, json_path, precisions, recipes, lm_heads, **sizes) -> None:
+    """The same short training run in each precision: loss curves, final-loss gap and tau."""
+    from dflash_ipc.bench.drafter import precision_variants
+    from dflash_ipc.bench.precision import RunSizes, run_precision_comparison
+    from dflash_ipc.run.logs import setup_logging
+    setup_logging("bench")
+    figures = run_precision_comparison(device=device, shape=shape, work_dir=work_dir, sizes=RunSizes(**sizes),
+                                       variants=precision_variants(precisions, recipes, lm_heads))
+    if json_path:
+        write_json_atomic(json_path, figures)
+
+
+@bench.command("pipeline")
+@config_option
+@override_option
+@click.option("--seconds", default=60.0, show_default=True, help="Measured seconds of each phase.")
+@click.option("--warmup-s", default=30.0, show_default=True,
+              help="Seconds of warmup after the first batch / drafter step of each phase (end to end: after "
+                   "the first drafter step), before the measured seconds.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write every figure as JSON (input of dflash-ipc plan --from-bench).")
+@click.option("--run-dir", default=None, type=click.Path(file_okay=False),
+              help="Fresh run directory of the end-to-end job (default: <run.run_dir>-bench-<time>).")
+def bench_pipeline(config, overrides, seconds, warmup_s, json_path, run_dir) -> None:
+    """Target capacity, drafter capacity and end-to-end tok_rate of one job, and their ratio."""
+    from dflash_ipc.bench.pipeline import format_table, run_pipeline_bench
+    from dflash_ipc.run.logs import setup_logging
+    cfg = load_job_config(config, overrides)
+    setup_logging("bench", level=cfg.run.log_level)
+    figures = run_pipeline_bench(resolved(cfg), seconds=seconds, warmup_s=warmup_s, run_dir=run_dir,
+                                 print_status=lambda line: click.echo(line))
+    if json_path:
+        write_json_atomic(json_path, figures)
+    click.echo(format_table(figures))
+
+
+@bench.command("regenerate")
+@click.option("--shape", type=click.Choice(["tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"]), default="qwen3-1.7b",
+              show_default=True, help="Random-weight target of this shape (built in a temporary directory).")
+@click.option("--target", default=None, type=click.Path(exists=True, file_okay=False),
+              help="A model directory instead of --shape.")
+@click.option("--device", default="cuda:0", show_default=True, callback=checked_device)
+@click.option("--prompts", "num_prompts", default=1024, show_default=True, help="Prompts of the batched phase.")
+@click.option("--one-at-a-time", "num_single", default=4, show_default=True, help="Prompts generated alone.")
+@click.option("--min-prompt", default=64, show_default=True)
+@click.option("--max-prompt", default=256, show_default=True)
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--token-budget", type=int, default=None, help="Default 131072 on GPU, 16384 on CPU.")
+@click.option("--max-batch-size", type=int, default=None, help="Default 256 on GPU, 64 on CPU.")
+@click.option("--cache", "caches", multiple=True, type=click.Choice(["static", "dynamic"]),
+              help="KV cache of the batched phase, repeatable (default: static, then dynamic).")
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="bfloat16", show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures as JSON.")
+def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt, max_prompt, max_new_tokens,
+                     token_budget, max_batch_size, caches, dtype, json_path) -> None:
+    """Generated tokens/s of regenerate's batched HF generation against one prompt at a time."""
+    from dflash_ipc.bench.regenerate import format_table, run_regenerate_bench, write_json
+    result = run_regenerate_bench(shape=shape, target=target, device=device, num_prompts=num_prompts,
+                                  num_single=num_single, min_prompt=min_prompt, max_prompt=max_prompt,
+                                  max_new_tokens=max_new_tokens, token_budget=token_budget,
+                                  max_batch_size=max_batch_size, caches=caches or ("static", "dynamic"), dtype=dtype)
+    if json_path:
+        write_json(result, json_path)
+    click.echo(format_table(result))
+
+
+@bench.command("eval")
+@click.option("--device", default="cuda:0", show_default=True, callback=checked_device)
+@click.option("--shape", type=click.Choice(["tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"]), default="qwen3-1.7b",
+              show_default=True, help="Random-weight target shape (bench/assets.py); tiny: a CPU smoke test.")
+@click.option("--batch-sizes", default="1,16,64,256", show_default=True, metavar="B1,B2,...")
+@click.option("--prompts-per-batch", default=2, show_default=True, type=click.IntRange(min=1),
+              help="Prompts per batched row = this x the batch size (at least 2).")
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--prompt-len", default="64,256", show_default=True, metavar="MIN,MAX",
+              help="Prompt lengths, log-uniform.")
+@click.option("--legacy-prompts", default=2, show_default=True, type=click.IntRange(min=1),
+              help="Prompts of the unbatched (legacy) rows.")
+@click.option("--dtype", type=click.Choice(["auto", *DTYPE_NAMES]), default="auto",
+              show_default=True)
+@click.option("--work-dir", default=None, type=click.Path(file_okay=False),
+              help="Keep the random target here (reused next time); default: a temporary directory.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures.")
+def bench_eval(device, shape, batch_sizes, prompts_per_batch, max_new_tokens, prompt_len, legacy_prompts, dtype,
+               work_dir, json_path) -> None:
+    """Tokens/s of batched speculative and plain decoding against the unbatched decoder."""
+    from dflash_ipc.bench.eval import run_eval_bench
+    from dflash_ipc.run.logs import setup_logging
+    setup_logging("bench")
+    figures = run_eval_bench(device=device, shape=shape, batch_sizes=int_list(batch_sizes, "--batch-sizes"),
+                             prompts_per_batch=prompts_per_batch, max_new_tokens=max_new_tokens,
+                             prompt_len=tuple(int_list(prompt_len, "--prompt-len", size=2)),
+                             legacy_prompts=legacy_prompts, dtype=dtype, work_dir=work_dir, emit=click.echo)
+    if json_path:
+        write_json_atomic(json_path, figures)

@@ -1,0 +1,560 @@
+"""Job configuration: one small dataclass per component, filled from YAML and overrides.
+
+Sections, as torchtitan splits them: `run`, `data`, `target` (the target workers), `drafter`
+(the drafter workers: devices, precision, flow control), `model` (the drafter's shape),
+`optimizer`, `schedule`, `objective`, `checkpoint`, `dispatch`, `supervise`, `metrics` (the
+trackers the supervisor writes to). Each section
+checks its fields in `__post_init__`; `JobConfig.check()` adds the checks that span
+sections. Choices are `Literal` types; floats must be finite. YAML reading, overrides and
+the keys of older versions live in `config_load.py`.
+
+    cfg = load_config("configs/default.yaml", ["optimizer.lr=3e-4", "target.num_workers=2"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dflash_ipc.errors import ConfigError
+from dflash_ipc.run.files import RunFiles
+
+DType = Literal["bfloat16", "float16", "float32"]
+DTYPE_NAMES: tuple[str, ...] = typing.get_args(DType)
+Policy = Literal["pull", "round_robin"]
+POLICIES: tuple[str, ...] = typing.get_args(Policy)
+Attention = Literal["auto", "flex", "dense"]
+Precision = Literal["bf16", "fp8"]
+Fp8Recipe = Literal["tensorwise", "rowwise"]
+Fp8HeadMatmuls = Literal["all", "grad", "none"]
+AttnImplementation = Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+Auth = Literal["auto", "curve", "none"]
+# How a GPU target orders a drafter's read after its writes: transport/cuda_ipc.py says why
+# there are two (the transport imports them from here: config stays free of torch).
+PublishMode = Literal["ipc_event", "host_wait"]
+PUBLISH_SYNC_MODES: tuple[str, ...] = typing.get_args(PublishMode)
+PublishSync = Literal["auto", "ipc_event", "host_wait"]
+Sharding = Literal["none", "fsdp"]
+MetricSink = Literal["tensorboard", "wandb"]
+METRIC_SINKS: tuple[str, ...] = typing.get_args(MetricSink)
+WandbMode = Literal["online", "offline", "disabled"]
+WANDB_MODES: tuple[str, ...] = typing.get_args(WandbMode)
+WANDB_NAME_FORBIDDEN = "/\\#?%:"  # characters W&B refuses in project and entity names
+WANDB_MAX_TAG = 64                 # W&B's longest tag
+
+BUILTIN_TINY_TARGET = "builtin:tiny"
+BUILTIN_SYNTHETIC_DATA = "builtin:synthetic"
+MAX_SEED = 2**32 - 1       # numpy and torch seeds
+MAX_TOKENS = 1 << 22       # token budgets, bucket bounds: far above any real batch (4M tokens)
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def gpu_index(device: str) -> int | None:
+    """N of a validated 'cuda:N' device (so 'cuda:01' and 'cuda:1' compare equal), else None."""
+    return int(device[5:]) if device.startswith("cuda:") else None
+
+
+def _check_devices(key: str, devices: list[str], num_workers: int) -> None:
+    _require(len(devices) in (1, num_workers), key,
+             f"give 1 device (shared by all workers) or one per worker ({num_workers}), "
+             f"got {len(devices)}")
+    for device in devices:
+        _require(device == "cpu" or (device.startswith("cuda:") and device[5:].isdigit()),
+                 key, f"'{device}' is not a device; allowed: 'cpu' or 'cuda:N'")
+
+
+def _check_group_devices(devices: list[str], num_workers: int, k: int) -> None:
+    """target.devices of K-process workers: one 'cpu' for all, or K distinct GPUs per worker."""
+    key = "target.devices"
+    want = num_workers * k
+    if len(devices) == 1:
+        _require(devices[0] == "cpu", key,
+                 f"with target.gpus_per_worker={k}, list {num_workers} x {k} = {want} GPUs (worker r on "
+                 f"devices[r*{k}:(r+1)*{k}]); one GPU cannot hold the {k} ranks of a worker, got {devices}")
+        return
+    _require(len(devices) == want, key, f"with target.gpus_per_worker={k} and target.num_workers={num_workers}, "
+             f"list {want} devices (worker r on devices[r*{k}:(r+1)*{k}]), got {len(devices)}")
+    _check_devices(key, devices, want)  # the allowed device names
+    _require(all(d.startswith("cuda:") for d in devices), key,
+             f"with target.gpus_per_worker={k}, all GPUs ('cuda:N') or one 'cpu', got {devices}")
+    seen = {}
+    for i, d in enumerate(devices):
+        _require(gpu_index(d) not in seen, key, f"{d} is listed twice (positions {seen.get(gpu_index(d))} and {i}): "
+                 f"each GPU holds one rank of one target worker")
+        seen[gpu_index(d)] = i
+
+
+def check_field_types(section: object, name: str) -> None:
+    """Choices (`Literal`) and finite floats of a section, whoever built it (YAML or code)."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        value, hint = getattr(section, f.name), hints[f.name]
+        if typing.get_origin(hint) is Literal:
+            allowed = typing.get_args(hint)
+            _require(value in allowed, f"{name}.{f.name}",
+                     f"{value!r} not allowed; allowed: {', '.join(map(str, allowed))}")
+        elif hint is float:
+            _require(isinstance(value, (int, float)) and math.isfinite(value), f"{name}.{f.name}",
+                     f"must be a finite number, got {value!r}")
+
+
+class _Section:
+    """Base of every section: type checks, then the section's own `check()`."""
+    __slots__ = ()
+    NAME: typing.ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        check_field_types(self, self.NAME)
+        self.check()
+
+    def check(self) -> None:
+        """The section's own value checks (ConfigError naming the dotted key)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig(_Section):
+    NAME = "run"
+    run_dir: str = "runs/default"
+    """Where sockets, logs, metrics, ledger and checkpoints of this job live."""
+    seed: int = 0
+    """Seeds batch order, anchors and drafter init; the same seed gives the same run."""
+    log_level: LogLevel = "INFO"
+    """Python logging level for every process."""
+    num_nodes: int = 1
+    """Nodes of the job. Each runs `target.num_workers` targets and `drafter.num_workers`
+    drafters on its own GPUs (`*.devices` are per node); one dispatcher on node 0 serves all."""
+    node_rank: int = 0
+    """This node, 0..num_nodes-1 (`dflash-up --node-rank`); node 0 runs the dispatcher."""
+
+    def check(self) -> None:
+        _require(self.run_dir.strip() != "", "run.run_dir", "must name a directory, got ''")
+        _require(0 <= self.seed <= MAX_SEED, "run.seed", f"must be in [0, {MAX_SEED}], got {self.seed}")
+        _require(1 <= self.num_nodes <= 4096, "run.num_nodes", f"must be in [1, 4096], got {self.num_nodes}")
+        _require(0 <= self.node_rank < self.num_nodes, "run.node_rank",
+                 f"{self.node_rank} outside 0..{self.num_nodes - 1} (run.num_nodes={self.num_nodes})")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig(_Section):
+    NAME = "data"
+    path: str = BUILTIN_SYNTHETIC_DATA
+    """Prepared dataset directory (`dflash-ipc prepare`), or builtin:synthetic."""
+    synthetic_samples: int = 384
+    """builtin:synthetic only: number of conversations generated from the target."""
+    synthetic_min_len: int = 24
+    """builtin:synthetic only: shortest prompt+response in tokens."""
+    synthetic_max_len: int = 384
+    """builtin:synthetic only: longest prompt+response in tokens."""
+    synthetic_words: int = 48
+    """builtin:synthetic only: size of the word vocabulary of the prompts (responses are the
+    target's own greedy decoding over its whole vocabulary)."""
+    num_epochs: int = 1
+    """Passes over the dataset."""
+    bucket_boundaries: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
+    """Upper length bound of each bucket, increasing; the last is the longest sequence allowed."""
+    token_budget: int = 2048
+    """Padded tokens per target batch: batch_size x padded_len <= token_budget."""
+    pad_multiple: int = 8
+    """Padded length of a batch is rounded up to this multiple."""
+    max_batch_size: int = 64
+    """Most sequences in one target batch."""
+
+    def check(self) -> None:
+        _require(1 <= self.num_epochs <= 10_000, "data.num_epochs", f"must be in [1, 10000], got {self.num_epochs}")
+        bounds = self.bucket_boundaries
+        _require(len(bounds) >= 1 and all(0 < b <= MAX_TOKENS for b in bounds), "data.bucket_boundaries",
+                 f"need at least one boundary in [1, {MAX_TOKENS}], got {bounds}")
+        _require(all(a < b for a, b in zip(bounds, bounds[1:])), "data.bucket_boundaries",
+                 f"must be strictly increasing, got {bounds}")
+        _require(bounds[-1] <= self.token_budget <= MAX_TOKENS, "data.token_budget",
+                 f"{self.token_budget} must hold one sequence of the largest bucket ({bounds[-1]}) "
+                 f"and be <= {MAX_TOKENS}")
+        _require(1 <= self.pad_multiple <= 4096, "data.pad_multiple", "must be in [1, 4096]")
+        _require(1 <= self.max_batch_size <= 65536, "data.max_batch_size", "must be in [1, 65536]")
+        _require(2 <= self.synthetic_min_len <= self.synthetic_max_len <= MAX_TOKENS, "data.synthetic_min_len",
+                 "need 2 <= synthetic_min_len <= synthetic_max_len")
+        _require(self.synthetic_samples >= 1, "data.synthetic_samples", "must be >= 1")
+        _require(self.synthetic_words >= 2, "data.synthetic_words", "must be >= 2")
+
+    @property
+    def max_length(self) -> int:
+        return self.bucket_boundaries[-1]
+
+
+@dataclass(kw_only=True, slots=True)
+class TargetConfig(_Section):
+    NAME = "target"
+    path: str = BUILTIN_TINY_TARGET
+    """HF model directory of the frozen target, or builtin:tiny (built on first use)."""
+    dtype: DType = "bfloat16"
+    """Weights and activations of the target; the captured features keep this dtype."""
+    attn_implementation: AttnImplementation = "sdpa"
+    """Passed to from_pretrained."""
+    num_workers: int = 5
+    """Target workers; each is `gpus_per_worker` processes (one seat for the dispatcher)."""
+    gpus_per_worker: int = 1
+    """Processes (devices) of one target worker: K > 1 loads the target with transformers'
+    tensor parallelism over its K devices (target/tensor_parallel.py); one K-process worker
+    is one seat, its rank 0 (the leader) owns the slot pool."""
+    expert_parallel: bool = False
+    """gpus_per_worker > 1 and a MoE target: place whole experts on the ranks (transformers'
+    expert-parallel plan) instead of splitting every expert's matrices."""
+    devices: list[str] = field(default_factory=lambda: ["cpu"])
+    """One device for all workers or one per worker; several workers may share a GPU. With
+    gpus_per_worker K > 1: num_workers x K GPUs, worker r on devices[r*K:(r+1)*K] (each GPU
+    used once), or one 'cpu' for all."""
+    num_slots: int = 4
+    """Hidden-state slots per target; a target stalls when all are waiting for drafters."""
+    prefetch: int = 2
+    """Batches a target asks for ahead of the one it computes (its pull credit)."""
+    publish_sync: PublishSync = "auto"
+    """How a drafter's read is ordered after the target's writes, on GPUs: ipc_event (an
+    interprocess event per slot, recorded at publish), host_wait (the target waits for its
+    writes before it announces the batch; no interprocess event), or auto: host_wait for a
+    target whose GPU also runs drafters, ipc_event otherwise. Why: recording an interprocess
+    event makes the next work of the other processes on that GPU wait, ~214-265 us per read
+    on an H200 (ipc_event against host_wait reads, docs/benchmarks.md). auto looks at
+    drafters only: targets sharing a GPU with each other pay it per batch, not per read
+    (noise against a forward pass)."""
+
+    def check(self) -> None:
+        _require(1 <= self.num_workers <= 1024, "target.num_workers", "must be in [1, 1024]")
+        _require(1 <= self.gpus_per_worker <= 64, "target.gpus_per_worker", "must be in [1, 64]")
+        if self.gpus_per_worker == 1:
+            _check_devices("target.devices", self.devices, self.num_workers)
+        else:
+            _check_group_devices(self.devices, self.num_workers, self.gpus_per_worker)
+        _require(not self.expert_parallel or self.gpus_per_worker > 1, "target.expert_parallel",
+                 "needs target.gpus_per_worker > 1 (experts are placed across the ranks of one worker)")
+        _require(1 <= self.num_slots <= 256, "target.num_slots", "must be in [1, 256]")
+        _require(1 <= self.prefetch <= self.num_slots, "target.prefetch",
+                 f"must be in [1, num_slots={self.num_slots}], got {self.prefetch}")
+
+    def devices_of(self, rank: int) -> list[str]:
+        """The `gpus_per_worker` devices of global target rank `rank`, its leader's first.
+        Devices are per node, ranks count across nodes."""
+        k = self.gpus_per_worker
+        if len(self.devices) == 1:
+            return self.devices * k
+        first = (rank % self.num_workers) * k
+        return self.devices[first:first + k]
+
+    def device_of(self, rank: int) -> str:
+        """The device of target rank `rank`'s leader (its only process when gpus_per_worker
+        is 1): where its slot pool lives."""
+        return self.devices_of(rank)[0]
+
+
+@dataclass(kw_only=True, slots=True)
+class DrafterConfig(_Section):
+    NAME = "drafter"
+    num_workers: int = 3
+    """Drafter processes; they form one torch.distributed group and step in lockstep."""
+    devices: list[str] = field(default_factory=lambda: ["cpu"])
+    """One device for all drafters or one per drafter."""
+    dtype: DType = "bfloat16"
+    """Compute dtype of the drafter (master weights and optimizer state stay float32)."""
+    attention: Attention = "auto"
+    """auto (flex on GPU, dense on CPU), flex or dense."""
+    precision: Precision = "bf16"
+    """Training matmuls: bf16, or fp8 (linear layers and LM head in float8: drafter/precision.py)."""
+    fp8_recipe: Fp8Recipe = "tensorwise"
+    """fp8 only: one scale per tensor (tensorwise, fastest) or one per row (rowwise)."""
+    fp8_lm_head: Fp8HeadMatmuls = "all"
+    """fp8 only: the frozen LM head's matmuls in float8: all (logits, dL/dh), grad (dL/dh) or none."""
+    fifo_sequences: int = 256
+    """A drafter asks for hidden states while fewer sequences than this wait in its queue."""
+    prefetch: int = 2
+    """Assignments a drafter may have outstanding (its pull credit)."""
+    max_group_wait_s: float = 5.0
+    """A full drafter that has waited this long for a short one (its node has no hidden states
+    ready) steps anyway, the short one with what it has: lockstep never stalls the group."""
+    sharding: Sharding = "none"
+    """none (every rank holds the whole model and optimizer state; gradients all-reduced) or
+    fsdp (FSDP2 `fully_shard`: parameters, gradients and optimizer state sharded across the
+    drafter ranks, for drafters whose optimizer state does not fit one GPU). The same step,
+    the same checkpoints, either way (drafter/sharding.py)."""
+
+    def check(self) -> None:
+        _require(1 <= self.num_workers <= 1024, "drafter.num_workers", "must be in [1, 1024]")
+        _require(0 <= self.max_group_wait_s <= 3600, "drafter.max_group_wait_s", "must be in [0, 3600]")
+        _check_devices("drafter.devices", self.devices, self.num_workers)
+        _require(1 <= self.fifo_sequences <= 1 << 20, "drafter.fifo_sequences", "must be in [1, 1048576]")
+        _require(1 <= self.prefetch <= 1024, "drafter.prefetch", "must be in [1, 1024]")
+        _require(self.precision != "fp8" or self.dtype == "bfloat16", "drafter.precision",
+                 f"fp8 needs drafter.dtype=bfloat16 (the compute dtype around the float8 matmuls), "
+                 f"got {self.dtype}")
+
+    def device_of(self, rank: int) -> str:
+        """The device of global rank `rank`: devices are per node, ranks count across nodes."""
+        return self.devices[rank % self.num_workers if len(self.devices) > 1 else 0]
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig(_Section):
+    NAME = "model"
+    num_layers: int = 5
+    """Drafter decoder layers."""
+    target_layer_ids: list[int] | None = None
+    """Target layers whose outputs are captured; default: the paper's spacing."""
+    block_size: int = 16
+    """Tokens drafted per block (anchor token + block_size-1 masks)."""
+    mask_token_id: int | None = None
+    """Id of the mask token; default: the target tokenizer's mask token."""
+
+    def check(self) -> None:
+        _require(1 <= self.num_layers <= 256, "model.num_layers", "must be in [1, 256]")
+        _require(2 <= self.block_size <= 1024, "model.block_size", "must be in [2, 1024]")
+        if self.target_layer_ids is not None:
+            _require(len(self.target_layer_ids) >= 1 and min(self.target_layer_ids) >= 0,
+                     "model.target_layer_ids", "need non-negative layer indices")
+            _require(len(set(self.target_layer_ids)) == len(self.target_layer_ids),
+                     "model.target_layer_ids", f"a layer is named twice: {self.target_layer_ids}")
+        if self.mask_token_id is not None:
+            _require(self.mask_token_id >= 0, "model.mask_token_id", "must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig(_Section):
+    NAME = "optimizer"
+    lr: float = 6e-4
+    """Peak AdamW learning rate."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+
+    def check(self) -> None:
+        _require(0 < self.lr <= 1.0, "optimizer.lr", f"must be in (0, 1], got {self.lr}")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optimizer.beta1/beta2", "must be in [0, 1)")
+        _require(0 <= self.weight_decay <= 1.0, "optimizer.weight_decay", "must be in [0, 1]")
+        _require(self.grad_clip > 0, "optimizer.grad_clip", "must be > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class ScheduleConfig(_Section):
+    NAME = "schedule"
+    warmup_ratio: float = 0.04
+    """Fraction of the planned steps of linear warmup."""
+    min_lr_ratio: float = 0.0
+    """The cosine schedule ends at optimizer.lr * min_lr_ratio."""
+
+    def check(self) -> None:
+        _require(0.0 <= self.warmup_ratio < 1.0, "schedule.warmup_ratio", "must be in [0, 1)")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, "schedule.min_lr_ratio", "must be in [0, 1]")
+
+
+@dataclass(kw_only=True, slots=True)
+class ObjectiveConfig(_Section):
+    NAME = "objective"
+    max_anchors_per_seq: int = 512
+    """Most anchors sampled in one sequence."""
+    anchors_per_step: int = 2048
+    """Anchors (blocks) per optimizer step on each drafter; fixes the step's cost."""
+    gamma: float = 7.0
+    """Loss weight of block position k is exp(-(k-1)/gamma)."""
+
+    def check(self) -> None:
+        _require(1 <= self.max_anchors_per_seq <= MAX_TOKENS, "objective.max_anchors_per_seq",
+                 f"must be in [1, {MAX_TOKENS}]")
+        _require(1 <= self.anchors_per_step <= 1 << 20, "objective.anchors_per_step", "must be in [1, 1048576]")
+        _require(self.gamma > 0, "objective.gamma", "must be > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig(_Section):
+    NAME = "checkpoint"
+    every_steps: int = 200
+    """Steps between checkpoints (drafter rank 0 writes); one is always written at the end."""
+
+    def check(self) -> None:
+        _require(self.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class DispatchConfig(_Section):
+    NAME = "dispatch"
+    policy: Policy = "pull"
+    """pull (workers ask for work) or round_robin (the push baseline, for benchmarks)."""
+    address: str = ""
+    """ZMQ address of the dispatcher; empty: ipc:// socket in the run directory."""
+    status_interval_s: float = 5.0
+    """Seconds between status lines of the supervisor."""
+    heartbeat_interval_s: float = 1.0
+    """Seconds between heartbeats, both ways."""
+    heartbeat_timeout_s: float = 30.0
+    """A worker silent this long is declared dead (hung) and its work requeued."""
+    auth: Auth = "auto"
+    """Who may connect on tcp://: curve (ZMQ CURVE with the job's keys in <run_dir>/keys),
+    none, or auto: curve unless the address is loopback. ipc:// relies on the run
+    directory's permissions (0700)."""
+
+    def check(self) -> None:
+        if self.address:
+            _require(self.address.startswith(("ipc://", "tcp://")), "dispatch.address",
+                     f"'{self.address}' must start with ipc:// or tcp://")
+        _require(0 < self.status_interval_s <= 3600, "dispatch.status_interval_s", "must be in (0, 3600]")
+        _require(0 < self.heartbeat_interval_s <= 600, "dispatch.heartbeat_interval_s", "must be in (0, 600]")
+        _require(2 * self.heartbeat_interval_s < self.heartbeat_timeout_s <= 86400,
+                 "dispatch.heartbeat_timeout_s", "must exceed 2 x heartbeat_interval_s and be <= 86400")
+
+
+@dataclass(kw_only=True, slots=True)
+class SuperviseConfig(_Section):
+    NAME = "supervise"
+    startup_timeout_s: float = 300.0
+    """Each worker must register with the dispatcher within this time."""
+    grace_s: float = 10.0
+    """SIGTERM -> wait this long -> SIGKILL."""
+    max_restarts: int = 3
+    """Restarts allowed per window, per target rank, for the drafter group and for the
+    dispatcher, before the job fails (0: any death fails the job)."""
+    restart_window_s: float = 600.0
+    """Window of the restart count."""
+    drafter_stall_s: float = 30.0
+    """A drafter whose liveness beacon (rewritten every 0.5 s by a thread) is older than this
+    is stopped or frozen (SIGSTOP, a lock held with the GIL): its group restarts."""
+    drafter_step_timeout_s: float = 600.0
+    """A drafter longer than this in one optimizer step (after the first) hangs."""
+    drafter_compile_timeout_s: float = 1800.0
+    """The first step, which compiles kernels, may take this long."""
+    drafter_checkpoint_timeout_s: float = 1800.0
+    """A checkpoint (write, commit) may take this long."""
+    stop_timeout_s: float = 120.0
+    """On SIGINT/SIGTERM the drafters get this long to checkpoint and commit before
+    everything is stopped."""
+
+    def check(self) -> None:
+        day = 86400.0
+        _require(0 < self.startup_timeout_s <= day, "supervise.startup_timeout_s", "must be in (0, 86400]")
+        _require(0 <= self.grace_s <= 3600, "supervise.grace_s", "must be in [0, 3600]")
+        _require(0 <= self.max_restarts <= 1000, "supervise.max_restarts", "must be in [0, 1000]")
+        _require(0 < self.restart_window_s <= 30 * day, "supervise.restart_window_s", "must be in (0, 30 days]")
+        for name in ("drafter_stall_s", "drafter_step_timeout_s", "drafter_compile_timeout_s",
+                     "drafter_checkpoint_timeout_s"):
+            _require(1 <= getattr(self, name) <= day, f"supervise.{name}", "must be in [1, 86400]")
+        _require(0 <= self.stop_timeout_s <= day, "supervise.stop_timeout_s", "must be in [0, 86400]")
+
+    def drafter_phase_limits(self) -> dict[str, float]:
+        """Longest time a drafter may stay in each beacon phase (others: no limit)."""
+        return {"compile": self.drafter_compile_timeout_s, "step": self.drafter_step_timeout_s,
+                "checkpoint": self.drafter_checkpoint_timeout_s}
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsConfig(_Section):
+    NAME = "metrics"
+    sinks: list[MetricSink] = field(default_factory=lambda: ["tensorboard"])
+    """Trackers the supervisor writes the job's scalars to, once per status poll: tensorboard
+    (RUN_DIR/tensorboard), wandb (Weights & Biases, `pip install 'dflash-ipc[wandb]'`); [] for none."""
+    wandb_project: str = "dflash-ipc"
+    """W&B project of the run."""
+    wandb_entity: str = ""
+    """W&B entity (team or user); empty: the account's default entity."""
+    wandb_run_name: str = ""
+    """W&B display name of the run; empty: the run directory's name."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """W&B tags of the run."""
+    wandb_mode: WandbMode | None = None
+    """online, offline (written under RUN_DIR/wandb, uploaded later by `wandb sync`) or
+    disabled; null: WANDB_MODE of the environment, else online."""
+
+    def check(self) -> None:
+        for sink in self.sinks:
+            _require(sink in METRIC_SINKS, "metrics.sinks", f"{sink!r} not allowed; allowed: {', '.join(METRIC_SINKS)}")
+        _require(len(set(self.sinks)) == len(self.sinks), "metrics.sinks", f"a sink is named twice: {self.sinks}")
+        _require(self.wandb_mode is None or self.wandb_mode in WANDB_MODES, "metrics.wandb_mode",
+                 f"{self.wandb_mode!r} not allowed; allowed: {', '.join(WANDB_MODES)} or null")
+        for key, name in (("metrics.wandb_project", self.wandb_project), ("metrics.wandb_entity", self.wandb_entity)):
+            _require(not any(c in name for c in WANDB_NAME_FORBIDDEN) and len(name) <= 128, key,
+                     f"{name!r}: at most 128 characters, none of {WANDB_NAME_FORBIDDEN}")
+        _require(self.wandb_project.strip() != "", "metrics.wandb_project", "must name a project, got ''")
+        for tag in self.wandb_tags:
+            _require(isinstance(tag, str) and 0 < len(tag) <= WANDB_MAX_TAG, "metrics.wandb_tags",
+                     f"{tag!r}: tags are 1 to {WANDB_MAX_TAG} characters")
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+    supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Checks that span sections."""
+        uses_cuda = any(d.startswith("cuda") for d in self.target.devices + self.drafter.devices)
+        _require(not (uses_cuda and any(d == "cpu" for d in self.target.devices + self.drafter.devices)),
+                 "target.devices/drafter.devices",
+                 "mixing cpu and cuda workers is not supported (hidden states move by CUDA IPC "
+                 "between GPUs, by shared memory between CPU processes)")
+        if self.drafter.sharding == "fsdp" and uses_cuda and self.drafter.num_workers > 1:
+            _require(len(set(self.drafter.devices)) == self.drafter.num_workers, "drafter.sharding",
+                     f"fsdp needs one GPU per drafter (drafter.devices={self.drafter.devices} for "
+                     f"{self.drafter.num_workers} drafters); use drafter.sharding: none when drafters share GPUs")
+        if self.run.num_nodes > 1:
+            _require(self.dispatch.address.startswith("tcp://"), "dispatch.address",
+                     f"run.num_nodes={self.run.num_nodes}: the dispatcher must listen on tcp://HOST:PORT "
+                     f"reachable from every node (dflash-up --dispatcher), got '{self.dispatch.address}'")
+
+    @property
+    def files(self) -> RunFiles:
+        """The paths of this job's run directory, as this node sees them."""
+        return RunFiles(self.run.run_dir, self.run.node_rank, self.run.num_nodes)
+
+    # Ranks are global: node k runs targets k*T..k*T+T-1 and drafters k*D..k*D+D-1.
+    @property
+    def total_targets(self) -> int:
+        return self.run.num_nodes * self.target.num_workers
+
+    @property
+    def total_drafters(self) -> int:
+        return self.run.num_nodes * self.drafter.num_workers
+
+    def local_ranks(self, role: str) -> range:
+        """The global ranks of `role` ("target" | "drafter") that this node runs."""
+        per_node = self.target.num_workers if role == "target" else self.drafter.num_workers
+        return range(self.run.node_rank * per_node, (self.run.node_rank + 1) * per_node)
+
+    def publish_sync_of(self, rank: int) -> str:
+        """Target `rank`'s slot publish mode, with `auto` resolved (see TargetConfig)."""
+        if self.target.publish_sync != "auto":
+            return self.target.publish_sync
+        gpu = gpu_index(self.target.device_of(rank))
+        shares_gpu = gpu is not None and gpu in {gpu_index(d) for d in self.drafter.devices}
+        return "host_wait" if shares_gpu else "ipc_event"
+
+    def node_of(self, role: str, rank: int) -> int:
+        return rank // (self.target.num_workers if role == "target" else self.drafter.num_workers)
+
+    @property
+    def dispatcher_address(self) -> str:
+        return self.dispatch.address or f"ipc://{self.files.socket}"
+
+
+def config_to_dict(cfg: object) -> dict:
+    return dataclasses.asdict(cfg)
+

@@ -1,0 +1,76 @@
+"""The job's status over time: `RUN_DIR/status_history.jsonl`, one line per status poll.
+
+Worker timelines (metrics.py) say what each process did; what each process *held* (host RSS,
+GPU memory) reaches the dispatcher only in heartbeats, and so only the status. The supervisor
+appends a compact extract of every status it polls, written by the same hand as the other
+sinks:
+
+    {"time": 1767000000.0, "elapsed_s": 42.0, "instance": "...",
+     "rates": {"tgt_rate": .., "dft_rate": .., "tok_rate": ..},
+     "tokens": {"produced": .., "consumed": .., "trained": .., "committed": .., "total": ..},
+     "batches": {"pending": .., ..., "committed": ..},
+     "workers": {"target/0": {"pid": 123, "rss_mib": .., "gpu_mem_allocated_mib": .., ...}, ...}}
+
+`time` is wall-clock seconds (the timelines' clock), so `dflash-ipc report` lines memory up with
+the state lanes. A resumed job appends to the same file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+from dflash_ipc.run.json_lines import read_json_lines
+from dflash_ipc.obs.sinks import MEMORY_METRICS
+
+MEMORY_KEYS = (*MEMORY_METRICS, "gpu_mem_peak_mib")
+STATUS_GROUPS = ("rates", "tokens", "batches")
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def history_record(status: dict, now: float) -> dict:
+    """The line written for one status."""
+    record = {"time": now, "elapsed_s": status.get("elapsed_s"), "instance": status.get("instance")}
+    for group in STATUS_GROUPS:
+        record[group] = {k: v for k, v in (status.get(group) or {}).items() if _finite(v)}
+    workers = {}
+    for kind in ("targets", "drafters"):
+        for rank, seat in (status.get(kind) or {}).items():
+            metrics = seat.get("metrics") or {}
+            memory = {k: float(metrics[k]) for k in MEMORY_KEYS if _finite(metrics.get(k))}
+            if memory:
+                workers[f"{kind[:-1]}/{rank}"] = {"pid": seat.get("pid"), **memory}
+    record["workers"] = workers
+    return record
+
+
+class StatusHistorySink:
+    """Appends `history_record(status)` lines to `path` (flushed per line: a killed
+    supervisor leaves every poll it made)."""
+
+    def __init__(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")
+        self.writes = 0
+
+    def write(self, status: dict) -> None:
+        self._file.write(json.dumps(history_record(status, time.time())) + "\n")
+        self._file.flush()
+        self.writes += 1
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def load_status_history(path: str) -> list[dict]:
+    """Every readable line of a history file ([] when there is none); a torn last line (a
+    killed supervisor) is skipped."""
+    return list(read_json_lines(path, keep=lambda row: isinstance(row, dict) and _finite(row.get("time"))
+                                and isinstance(row.get("workers", {}), dict),
+                                expected="a status record with a time"))

@@ -1,0 +1,51 @@
+"""One job per run directory (per node): an exclusive `flock` on `<run_dir>/.lock`.
+
+The supervisor takes it before it touches anything of the run directory (the segment sweep,
+the checkpoints it sets aside, the socket) and every child inherits the open file, so the lock
+lasts until the last process of the job has exited, not only the supervisor: a rerun started
+while a killed supervisor's children are still unwinding, or a second `dflash-up` on the same
+directory, is refused instead of sweeping the live job's shared memory and taking over its
+socket. The kernel releases a flock with the last descriptor of its open file, so a job that is
+SIGKILLed whole leaves no stale lock. Node K of a multi-node job locks its own file (a shared
+run directory holds one per node).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+from dflash_ipc.errors import ConfigError
+from dflash_ipc.run.files import node_file
+
+
+class RunLock:
+    """Held from `acquire` to `release`; `fd` is what children inherit (`pass_fds`)."""
+
+    def __init__(self, run_dir: str, node_rank: int = 0) -> None:
+        self.path = node_file(run_dir, ".lock", node_rank)
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+            os.close(fd)
+            raise ConfigError(
+                f"run.run_dir: {os.path.dirname(self.path)} is in use by another job on this node ({self.path} "
+                f"is locked; its supervisor was pid {holder}, and processes of a stopped job hold it until they "
+                "exit): wait for that job to end, or use another run.run_dir") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        """Closes this process's descriptor; children that still run keep the lock."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
