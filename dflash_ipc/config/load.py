@@ -23,26 +23,6 @@ import yaml
 from dflash_ipc.config.schema import JobConfig, config_to_dict
 from dflash_ipc.errors import ConfigError
 
-# Keys of earlier versions and where they live now: refused with the new name, never guessed.
-MOVED_KEYS = {
-    "drafter.num_layers": "model.num_layers",
-    "drafter.target_layer_ids": "model.target_layer_ids",
-    "drafter.block_size": "model.block_size",
-    "drafter.mask_token_id": "model.mask_token_id",
-    "drafter.lr": "optimizer.lr",
-    "drafter.weight_decay": "optimizer.weight_decay",
-    "drafter.grad_clip": "optimizer.grad_clip",
-    "drafter.warmup_ratio": "schedule.warmup_ratio",
-    "drafter.min_lr_ratio": "schedule.min_lr_ratio",
-    "drafter.max_anchors_per_seq": "objective.max_anchors_per_seq",
-    "drafter.anchors_per_step": "objective.anchors_per_step",
-    "drafter.gamma": "objective.gamma",
-    "drafter.checkpoint_every_steps": "checkpoint.every_steps",
-    "supervise.drafter_timeout_s": "supervise.drafter_stall_s (a stopped drafter) and "
-                                   "supervise.drafter_step_timeout_s (a step that hangs)",
-}
-
-
 MAX_CONFIG_BYTES = 1 << 20  # a job config is a few kilobytes
 
 _REPR = reprlib.Repr()
@@ -129,8 +109,6 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
 
 
 def _unknown_key(cls: type, key: str, names: set[str]) -> ConfigError:
-    if key in MOVED_KEYS:
-        return ConfigError(f"{key} moved to {MOVED_KEYS[key]}: write it there")
     section, _, name = key.rpartition(".")
     close = difflib.get_close_matches(name, sorted(names), n=1)
     hint = f" (did you mean {(section + '.') if section else ''}{close[0]}?)" if close else ""
@@ -160,8 +138,6 @@ def _apply_override(tree: dict, override: str) -> None:
     dotted, raw = override.split("=", 1)
     dotted = dotted.strip()
     parts = dotted.split(".")
-    if dotted in MOVED_KEYS:
-        raise ConfigError(f"override {dotted}: moved to {MOVED_KEYS[dotted]}: write -o {MOVED_KEYS[dotted]}=...")
     node = tree
     for part in parts[:-1]:
         node = node.setdefault(part, {})
