@@ -137,9 +137,9 @@ def layering_violations(graph: dict[str, set[str]]) -> list[str]:
 
 def test_the_layering_check_finds_a_planted_knot():
     graph = {"dflash_ipc.drafter.worker": {"dflash_ipc.target.capture"},   # sideways
-             "dflash_ipc.data.progress": {"dflash_ipc.obs.status_line"},  # up
+             "dflash_ipc.data.reader": {"dflash_ipc.supervise.status_query"},  # up
              "dflash_ipc.target.worker": {"dflash_ipc.hf.text_stack", "dflash_ipc.errors"}}  # fine
-    assert layering_violations(graph) == ["dflash_ipc.data.progress -> dflash_ipc.obs.status_line",
+    assert layering_violations(graph) == ["dflash_ipc.data.reader -> dflash_ipc.supervise.status_query",
                                           "dflash_ipc.drafter.worker -> dflash_ipc.target.capture"]
 
 

@@ -3,8 +3,8 @@ StatusLine stepped through a scripted job: monotone progress, a final pair that 
 
 import pytest
 
-from dflash_ipc.obs.status_line import (StatusLine, estimate_eta_s, format_duration, format_progress,
-                                              format_status)
+from dflash_ipc.obs.progress import format_duration
+from dflash_ipc.obs.status_line import StatusLine, estimate_eta_s, format_progress, format_status
 
 
 def _status(epochs, *, tok_rate=0.0, trained=0, committed_tokens=0, consumed_tokens=0, consumed=0,

@@ -47,7 +47,7 @@ from dflash_ipc.data.chat import ChatEncoder, keep_last_run
 from dflash_ipc.data.messages import RowRejected, parse_conversation
 from dflash_ipc.data.dataset import DatasetWriter, tokenizer_fingerprint
 from dflash_ipc.data.held_out import HeldOut
-from dflash_ipc.data.progress import ProgressLine
+from dflash_ipc.obs.progress import ProgressLine
 from dflash_ipc.data.reader import MAX_ROW_BYTES, InputSource, RawRow, decode_row
 from dflash_ipc.errors import ConfigError, DataError
 

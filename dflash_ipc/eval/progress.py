@@ -1,16 +1,16 @@
-"""A progress line for long evaluations: prompts done, tokens/s, ETA, every few seconds."""
+"""A progress line for long evaluations: prompts done, tokens/s, ETA, every few seconds (the ETA\ntext is obs/progress.py's, as everywhere)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
-from dflash_ipc.obs.status_line import format_duration
+from dflash_ipc.obs.progress import eta
 
 PROGRESS_INTERVAL_S = 5.0
 
 
-class ProgressLine:
+class EvalProgress:
     """``emit``s ``label: 37/128 prompts, 4,210 tokens, 512 tok/s, ETA 42s`` at most every
     ``interval_s`` (and always for the last one); ``unit`` "turns" for multi-turn sets."""
 
@@ -23,9 +23,8 @@ class ProgressLine:
 
     def line(self, done: int, tokens: int) -> str:
         elapsed = max(self.clock() - self.started, 1e-9)
-        eta = format_duration(elapsed * (self.total - done) / done) if done else "?"
         return (f"{self.label}: {done}/{self.total} {self.unit}, {tokens:,} tokens, {tokens / elapsed:,.0f} tok/s, "
-                f"ETA {eta}")
+                f"{eta(done, self.total, done / elapsed)}")
 
     def update(self, done: int, tokens: int) -> None:
         now = self.clock()

@@ -41,7 +41,7 @@ from dflash_ipc.eval.acceptance import AcceptanceStats
 from dflash_ipc.eval.decoding import PREFILL_TOKENS, DecodeRun, PlainDecoder, SpeculativeDecoder
 from dflash_ipc.eval.drafter_context import DrafterContext
 from dflash_ipc.eval.lossless import NEAR_TIE_ULPS, compare
-from dflash_ipc.eval.progress import ProgressLine
+from dflash_ipc.eval.progress import EvalProgress
 from dflash_ipc.eval.prompt_sets import (
     ChatRenderer,
     Conversations,
@@ -220,7 +220,7 @@ def run_set(target: TargetModel, drafters: Sequence[tuple[str, DFlashDraftModel]
 
     def decoder_kw(what: str) -> dict:
         unit = "prompts" if prompt_set.num_turns == len(prompt_set.cases) else "turns"
-        progress = (ProgressLine(f"[{prompt_set.name}] {what}", prompt_set.num_turns, options.progress, unit=unit)
+        progress = (EvalProgress(f"[{prompt_set.name}] {what}", prompt_set.num_turns, options.progress, unit=unit)
                     if options.progress else None)
         return dict(batch_size=options.batch_size, sampling=options.sampling, prefill_tokens=options.prefill_tokens,
                     progress=progress)

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from dflash_ipc.obs.progress import format_duration
 from dflash_ipc.run.json_files import as_number
 
 
@@ -38,18 +39,6 @@ def format_status(status: dict, *, final: bool = False) -> str:
     ]
     line = " | ".join(parts)
     return ("done, averages: " + line) if final else line
-
-
-def format_duration(seconds: float) -> str:
-    """e.g. `45s`, `3m12s`, `1h02m`, `2d03h` (rounded down to the shown unit)."""
-    s = max(0, int(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def _job_tokens(status: dict) -> float | None:

@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass, field
 
 from dflash_ipc.data.messages import RowRejected, parse_conversation
-from dflash_ipc.data.progress import ProgressLine, eta
+from dflash_ipc.obs.progress import ProgressLine, eta
 from dflash_ipc.data.reader import MAX_ROW_BYTES, InputSource, RawRow, decode_row
 from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.regenerate.conversation import Reply, RowState, assistant_message

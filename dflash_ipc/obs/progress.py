@@ -1,6 +1,9 @@
-"""A progress line on stderr: rewritten in place on a terminal, every 10 s otherwise.
+"""Progress lines: when one is shown (in place on a terminal, every 10 s in a log), and the
+duration and ETA texts every progress and status line uses.
 
-Shared by `prepare` and `regenerate`; callers format the line, this decides when it is shown.
+`ProgressLine` is shared by `prepare` and `regenerate` (callers format the line, this decides
+when it is shown); eval's per-set line (eval/progress.py) and the supervisor's status line
+(obs/status_line.py) format their durations here.
 """
 
 from __future__ import annotations
@@ -8,10 +11,20 @@ from __future__ import annotations
 import sys
 import time
 
-from dflash_ipc.obs.status_line import format_duration
-
 TTY_INTERVAL_S = 0.25
 LOG_INTERVAL_S = 10.0
+
+
+def format_duration(seconds: float) -> str:
+    """e.g. `45s`, `3m12s`, `1h02m`, `2d03h` (rounded down to the shown unit)."""
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 class ProgressLine:
