@@ -18,8 +18,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from dflash_ipc.builtin.tiny import (ENDOFTEXT, IM_END, TINY_INITIALIZER_RANGE, _silence_padding_rows,
-                                  build_tiny_tokenizer, tiny_vocab_size)
+from dflash_ipc.builtin.tiny import (ENDOFTEXT, IM_END, TINY_INITIALIZER_RANGE, build_tiny_tokenizer, tiny_vocab_size,
+                                  write_random_model)
 
 HIDDEN = 64
 NUM_LAYERS = 4
@@ -139,12 +139,8 @@ def build_tiny_target_of(arch: Architecture, out_dir: str, *, seed: int = 0) -> 
         raise RuntimeError(f"{arch.name}: {reason}")
     tokenizer = build_tiny_tokenizer()
     config = tiny_config(arch, tokenizer)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = getattr(transformers, arch.model_class)(config).to(torch.float32).eval()
-        _silence_padding_rows(model, len(tokenizer))
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    write_random_model(out_dir, lambda: getattr(transformers, arch.model_class)(config).to(torch.float32).eval(),
+                       tokenizer, seed=seed)
     with open(os.path.join(out_dir, "dflash_arch.json"), "w") as f:
         json.dump({"row": arch.name, "model_class": arch.model_class, "seed": seed}, f)
     return out_dir

@@ -68,22 +68,21 @@ def build_random_target(out_dir: str, *, shape: str, dtype: str = "bfloat16", se
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from dflash_ipc.builtin.tiny import _silence_padding_rows, build_tiny_tokenizer
+    from dflash_ipc.builtin.tiny import build_tiny_tokenizer, write_random_model
     config_class, fields = SHAPES[shape]
     depth = fields["num_hidden_layers"]
     if num_layers is not None and not 1 <= num_layers <= depth:
         raise click.BadParameter(f"--num-layers {num_layers}: the shape {shape} has 1..{depth} layers")
     config = getattr(transformers, config_class)(**{**fields, "num_hidden_layers": num_layers or depth})
-    torch.manual_seed(seed)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
     tokenizer = build_tiny_tokenizer()
-    if text_only:
-        _silence_padding_rows(model, len(tokenizer))
-    if logit_std is not None:
-        _sharpen_head(model, len(tokenizer), logit_std)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+
+    def build():
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
+        if logit_std is not None:
+            _sharpen_head(model, len(tokenizer), logit_std)
+        return model
+    model = write_random_model(out_dir, build, tokenizer, seed=seed, text_only=text_only)
     with open(os.path.join(out_dir, BENCH_FILE), "w") as f:
         json.dump({"shape": shape, "num_hidden_layers": num_layers or depth, "shape_num_hidden_layers": depth,
                    "num_parameters": model.num_parameters(), "logit_std": logit_std}, f)

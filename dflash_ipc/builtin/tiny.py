@@ -196,19 +196,31 @@ def _silence_padding_rows(model, num_tokens: int) -> None:
         model.get_output_embeddings().weight[num_tokens:] = 0
 
 
+def write_random_model(out_dir: str, build, tokenizer, *, seed: int, text_only: bool = True):
+    """`build()`'s random-weight model, seeded, saved with `tokenizer` through `save_pretrained`
+    (the one way the tiny target, the test architectures and the bench shapes are written).
+    ``text_only``: the LM-head rows of ids the tokenizer cannot write are zeroed
+    (`_silence_padding_rows`). Returns the model."""
+    import torch
+
+    # fork_rng: building a target inside a test or a worker must not move the caller's RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build()
+        if text_only:
+            _silence_padding_rows(model, len(tokenizer))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return model
+
+
 def _write_target(tmp_dir: str, params: dict, num_layers: int, hidden_size: int, seed: int) -> None:
     import torch
     from transformers import Qwen3ForCausalLM
 
     tokenizer = build_tiny_tokenizer()
     config = _tiny_config(tokenizer, num_layers, hidden_size)
-    # fork_rng: building a target inside a test or a worker must not move the caller's RNG.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config).to(torch.float32).eval()
-        _silence_padding_rows(model, len(tokenizer))
-    model.save_pretrained(tmp_dir, safe_serialization=True)
-    tokenizer.save_pretrained(tmp_dir)
+    write_random_model(tmp_dir, lambda: Qwen3ForCausalLM(config).to(torch.float32).eval(), tokenizer, seed=seed)
     # Written last: its presence is what marks the directory complete.
     with open(os.path.join(tmp_dir, _COMPLETE_MARKER), "w") as f:
         json.dump(params, f, indent=2, sort_keys=True)
