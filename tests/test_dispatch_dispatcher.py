@@ -395,3 +395,21 @@ def test_a_drafter_reporting_negative_trained_tokens_cannot_make_rates_negative(
         d.tick()
         status = d.status()
         assert status["tokens"]["trained"] >= 0 and all(r >= 0 for r in status["rates"].values())
+
+
+def test_with_a_secret_every_seat_needs_it_and_observers_do_not():
+    """A Register for a seat without the job's secret is refused (a free seat, a held one, a
+    successor naming the holder's pid); the secret's holder registers as before."""
+    secret = b"k" * 32
+    d = Dispatcher(_plan(40), policy="pull", num_targets=1, num_drafters=1, secret=secret)
+    for given in (b"", b"k" * 31, b"k" * 31 + b"j", b"k" * 33):
+        with pytest.raises(ProtocolError, match="without the job's secret"):
+            d.handle(b"t0", p.Register(role="target", rank=0, pid=1, pool=POOL, num_slots=1, secret=given))
+    assert not d.targets and not d.holds_seat(b"t0")
+    d.handle(b"t0", p.Register(role="target", rank=0, pid=1, pool=POOL, num_slots=1, secret=secret))
+    assert d.holds_seat(b"t0")
+    with pytest.raises(ProtocolError, match="without the job's secret"):
+        d.handle(b"evil", p.Register(role="target", rank=0, pid=2, pool=POOL, num_slots=1, replaces_pids=[1]))
+    assert d.targets[0].identity == b"t0"
+    d.handle(b"obs", p.Register(role="observer", rank=0, pid=3))  # an observer holds nothing
+    assert not d.holds_seat(b"obs")

@@ -31,10 +31,16 @@ def test_garbage_and_out_of_order_messages_are_refused_and_serving_goes_on(tmp_p
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(cfg.dispatcher_address)
     try:
-        garbage = [[b"\xff", b"x"], [b"\x04", b"\xc1\xc1"], [b"\x04"], [b"", b""], [bytes((p.Kind.READY,)), b"\x91\x01"]]
+        garbage = [[b"\xff", b"x"], [b"\x04"], [b"", b""]]
         for frames in garbage:
             reply = _request(sock, frames)
             assert isinstance(reply, p.Rejected)
+        # A known kind other than Register and StatusRequest from a sender without a seat is
+        # not read at all: it is told to register, whatever its body holds.
+        for frames in ([b"\x04", b"\xc1\xc1"], [bytes((p.Kind.READY,)), b"\x91\x01"]):
+            reply = _request(sock, frames)
+            assert isinstance(reply, p.Unregistered) and "not read" in reply.reason
+        garbage += [None, None]
         # Out of order: work messages before registering, a batch never leased.
         # A sender without a seat is told so, with this dispatcher's instance.
         for early in (p.Ready(credits=1), p.Consumed(batch_id=3)):

@@ -1,6 +1,7 @@
 """Wire codec: every message round-trips; garbage is refused with a ProtocolError."""
 
 import dataclasses
+import time
 import typing
 
 import msgpack
@@ -58,7 +59,8 @@ def _body(msg):
     ([b"\x05\x05", b""], "1 byte"),
     ([b"\xff", msgpack.packb({})], "unknown message kind"),
     ([bytes((p.Kind.READY,)), b"\xc1garbage"], "undecodable"),
-    ([bytes((p.Kind.READY,)), msgpack.packb([1, 2])], "must be a map"),
+    ([bytes((p.Kind.BATCH,)), msgpack.packb([1, 2])], "must be a map"),
+    ([bytes((p.Kind.READY,)), msgpack.packb([1, 2])], "max_array_len"),  # Ready holds no list
     ([bytes((p.Kind.READY,)), msgpack.packb({})], "missing ['credits']"),
     ([bytes((p.Kind.READY,)), msgpack.packb({"credits": 1, "x": 2})], "unknown fields ['x']"),
     ([bytes((p.Kind.READY,)), msgpack.packb({"credits": "1"})], "READY.credits"),
@@ -81,15 +83,17 @@ def test_oversized_body_is_refused():
     (p.Kind.PRODUCED, {"batch_id": 1, "slot": 0, "num_tokens": -10**12, "compute_s": 0.1}, "outside [-1, 2**62]"),
     (p.Kind.PRODUCED, {"batch_id": 1, "slot": 0, "num_tokens": 1, "compute_s": float("nan")}, "not a finite"),
     (p.Kind.REGISTER, {"role": "target", "rank": 0, "pid": 1, "num_slots": 5 * 10**18}, "outside [-1, 2**62]"),
-    (p.Kind.HEARTBEAT, {"metrics": {f"m{i}": 1.0 for i in range(p.MAX_METRICS + 1)}}, "at most 64"),
-    (p.Kind.HEARTBEAT, {"metrics": {"x" * (p.MAX_STR + 1): 1.0}}, "characters"),
-    (p.Kind.REJECTED, {"kind": 1, "reason": "r" * (p.MAX_STR + 1)}, "characters"),
+    (p.Kind.HEARTBEAT, {"metrics": {f"m{i}": 1.0 for i in range(p.MAX_METRICS + 1)}}, "max_map_len(64)"),
+    (p.Kind.HEARTBEAT, {"metrics": {"x" * (p.MAX_METRIC_NAME + 1): 1.0}}, "max_str_len(64)"),
+    (p.Kind.BATCH, {"batch_id": 1, "epoch": 0, "slot": 0, "sample_ids": [], "padded_len": 1,
+                    "x": "x" * (p.MAX_STR + 1)}, "max_str_len"),
+    (p.Kind.REJECTED, {"kind": 1, "reason": "r" * (p.MAX_STR + 1)}, "max_str_len"),
     (p.Kind.PRODUCED, {"batch_id": 1, "slot": 0, "num_tokens": 1, "compute_s": 1e308}, "within 2**62"),
     (p.Kind.HEARTBEAT, {"metrics": {"trained_tokens": -1e300}}, "within 2**62"),
     (p.Kind.REGISTER, {"role": "target", "rank": 0, "pid": 1, "pool": {"h": msgpack.ExtType(5, b"x")}},
-     "ExtType is not a wire value"),
+     "max_ext_len"),
     (p.Kind.REGISTER, {"role": "target", "rank": 0, "pid": 1, "pool": {"t": msgpack.Timestamp(1, 0)}},
-     "Timestamp is not a wire value"),
+     "max_ext_len"),
 ])
 def test_values_outside_the_wire_bounds_are_refused(kind, body, needle):
     """Whatever a peer sends, a decoded message is small and finite: no sender can grow the
@@ -103,6 +107,46 @@ def test_deep_nesting_is_refused_not_a_crash():
     deep = b"\x91" * 100_000 + b"\x01"  # [[[...1...]]] 100k deep
     with pytest.raises(ProtocolError):
         p.decode([bytes((p.Kind.HEARTBEAT,)), msgpack.packb({"metrics": 1})[:-1] + deep])
+
+
+def test_nesting_below_the_recursion_limit_is_refused_at_max_depth():
+    """600 levels fit msgpack's stack (1,024) but used to exhaust Python's recursion limit in
+    the validator (RecursionError: the dispatcher died on one 1,841-byte Register)."""
+    pool: dict = {}
+    for _ in range(600):
+        pool = {"p": pool}
+    body = msgpack.packb({"role": "target", "rank": 0, "pid": 1, "pool": pool}, use_bin_type=True)
+    with pytest.raises(ProtocolError, match=f"nested deeper than {p.MAX_DEPTH}"):
+        p.decode([bytes((p.Kind.REGISTER,)), body])
+    deep_list = [1]
+    for _ in range(600):
+        deep_list = [deep_list]
+    assert "nested deeper" in p.check_value({"x": deep_list}, dict)
+    assert p.check_value({"x": [[1]]}, dict) is None
+
+
+def test_a_body_of_millions_of_empty_lists_is_refused_at_its_header():
+    """~4.2M empty lists in 4 MB: refused when msgpack reads the outer list's length, before
+    it builds one list object (that used to cost ~300 MB and seconds per message)."""
+    n = p.MAX_BODY_BYTES - 64
+    body = msgpack.packb({"step": 1, "batch_ids": [], "ranks": [], "attempts": [], "samples": []})[:-1]
+    body += b"\xdd" + n.to_bytes(4, "big") + b"\x90" * n
+    started = time.perf_counter()
+    with pytest.raises(ProtocolError, match="max_array_len"):
+        p.decode([bytes((p.Kind.COMMITTED,)), body])
+    assert time.perf_counter() - started < 0.05
+
+
+def test_register_bounds_its_body_and_secret_and_hides_the_secret():
+    reg = p.Register(role="target", rank=0, pid=1, secret=b"s" * 32)
+    assert "sss" not in repr(reg) and p.decode(p.encode(reg)).secret == b"s" * 32
+    with pytest.raises(ProtocolError, match="at most 64"):
+        p.decode(p.encode(p.Register(role="target", rank=0, pid=1, secret=b"s" * 65)))
+    big = p.encode(p.Register(role="target", rank=0, pid=1, pool={f"k{i}": "v" * 4000 for i in range(20)}))
+    with pytest.raises(ProtocolError, match=f"exceeds {p.MAX_REGISTER_BYTES}"):
+        p.decode(big)
+    with pytest.raises(ProtocolError, match="exceeds 64"):
+        p.decode([bytes((p.Kind.STATUS_REQUEST,)), msgpack.packb({"x" * 100: 1})])
 
 
 def test_nothing_is_pickled():

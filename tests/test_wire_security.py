@@ -67,3 +67,29 @@ def test_a_shared_socket_folder_open_to_others_or_of_another_user_is_refused(tem
             private_socket_dir(folder)
     private_socket_dir(str(temp_dir / "run"))  # a run directory is the user's own choice
     assert os.path.isdir(temp_dir / "run")
+
+
+def test_the_job_secret_is_made_once_private_and_read_back(tmp_path):
+    from dflash_ipc.wire.security import SECRET_BYTES, ensure_job_secret, read_job_secret, secret_matches
+    path = str(tmp_path / "run" / "keys" / "job_secret")
+    secret = ensure_job_secret(path)
+    assert len(secret) == SECRET_BYTES and ensure_job_secret(path) == secret == read_job_secret(path)
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600" and oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
+    assert secret_matches(secret, read_job_secret(path)) and not secret_matches(secret, secret[:-1])
+    assert ensure_job_secret(str(tmp_path / "other" / "job_secret")) != secret  # another job's
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda path: os.remove(path), "missing"),
+    (lambda path: os.chmod(path, 0o644), "closed to others"),
+    (lambda path: open(path, "w").write("garbage\n"), "not a job secret"),
+    (lambda path: (os.remove(path), os.mkfifo(path, 0o600)), "not a file of this user"),
+    (lambda path: (os.remove(path), os.symlink("/dev/zero", path)), "cannot open"),
+])
+def test_a_damaged_job_secret_is_one_clear_error(tmp_path, damage, needle):
+    from dflash_ipc.wire.security import ensure_job_secret, read_job_secret
+    path = str(tmp_path / "keys" / "job_secret")
+    ensure_job_secret(path)
+    damage(path)
+    with pytest.raises(ConfigError, match=needle):
+        read_job_secret(path)

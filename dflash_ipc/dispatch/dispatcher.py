@@ -8,7 +8,9 @@ registered, with how many credits and free slots) and sends nothing that was not
 a target gets a `Batch` while it has a credit and a free slot, a drafter an `Assign` while
 it has a credit.
 
-Seats: a `Register` for a held seat from another process is a restart when the new process
+Seats: a `Register` for a target or drafter seat carries the job's secret (`secret`: the
+bytes of `<run_dir>/keys/job_secret`, wire/security.py), or is refused whatever it asks;
+a peer that only reached the socket never gets a seat. A `Register` for a held seat from another process is a restart when the new process
 names the old pid in `replaces_pids` (its supervisor knows them), or when the old seat has
 been silent past its timeout; otherwise it is refused (a stray second worker must not take
 over a live seat). A target restart drops the old seat (`drop_target`); a drafter restart
@@ -31,6 +33,7 @@ from dflash_ipc.dispatch.policy import make_policy
 from dflash_ipc.dispatch.seats import RATE_WINDOW_S, DrafterSeat, Seat, TargetSeat
 from dflash_ipc.errors import ProtocolError, UnregisteredSender
 from dflash_ipc.obs.token_rate import TokenRate
+from dflash_ipc.wire.security import secret_matches
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +48,11 @@ class Dispatcher:
 
     def __init__(self, epochs: list[list[PlannedBatch]], *, policy: str, num_targets: int, num_drafters: int,
                  num_nodes: int = 1, heartbeat_timeout_s: float = 30.0, drafter_timeout_s: float | None = None,
-                 ledger: Ledger | None = None, clock=time.monotonic, drafter_generation: int = 0) -> None:
+                 ledger: Ledger | None = None, clock=time.monotonic, drafter_generation: int = 0,
+                 secret: bytes | None = None) -> None:
+        """`secret`: what every seat's Register must carry; None only where no peer can reach
+        the logic (tests and benches stepping it in one process)."""
+        self.secret = secret
         self.ledger = ledger or Ledger()
         if ledger is None:
             for batches in epochs:
@@ -123,6 +130,9 @@ class Dispatcher:
         limit = {"target": self.num_targets, "drafter": self.num_drafters}.get(msg.role)
         if limit is None:
             raise ProtocolError(f"Register: role '{msg.role}' not allowed; allowed: target, drafter, observer")
+        if self.secret is not None and not secret_matches(self.secret, msg.secret):
+            raise ProtocolError(f"Register: {msg.role}/{msg.rank} without the job's secret (a stage of this job "
+                                f"reads it from <run_dir>/keys/job_secret); no seat for pid {msg.pid}")
         if not 0 <= msg.rank < limit:
             raise ProtocolError(f"Register: {msg.role} rank {msg.rank} outside [0, {limit})")
         if not 0 <= msg.node < self.num_nodes:
@@ -163,6 +173,10 @@ class Dispatcher:
         if old.pid not in msg.replaces_pids and silent <= timeout:
             raise ProtocolError(f"Register: {role} is held by live pid {old.pid} (heard {silent:.1f}s ago); "
                                 f"pid {msg.pid} does not replace it")
+
+    def holds_seat(self, sender: bytes) -> bool:
+        """Whether `sender` registered a target or drafter seat (its Register had the secret)."""
+        return self._seat_of(sender) is not None
 
     def _seat_of(self, sender: bytes) -> Seat | None:
         for seats in (self.targets, self.drafters):

@@ -2,9 +2,17 @@
 
 Busy loop, one pass:
   1) poll the socket (up to one heartbeat interval),
-  2) decode and hand each message to the logic; refuse what it rejects, keep serving,
+  2) decode and hand each message to the logic; refuse what it rejects, keep serving;
+     answer the status requests that are due, all from one status,
   3) tick: liveness of workers, rates, periodic ledger save,
   4) drain: once every batch is committed, save the ledger, tell everyone to shut down, exit.
+
+Every frame is hostile until its sender holds a seat: a peer without one spends a budget
+(`PeerBudget`: past it, frames are dropped unread), and only its `Register` and
+`StatusRequest` are decoded (with the small bounds `protocol.LIMITS` gives those kinds);
+anything else it sends is answered `Unregistered` unread. Status replies are bounded per
+peer (`StatusAnswers`) and share one body, so connections that ask and never read queue
+little.
 """
 
 from __future__ import annotations
@@ -24,9 +32,10 @@ from dflash_ipc.dispatch.buckets import BucketSpec, plan_epochs, plan_stats
 from dflash_ipc.dispatch.dispatcher import Dispatcher
 from dflash_ipc.dispatch.ledger import BatchState, Ledger
 from dflash_ipc.dispatch.ledger_file import load_ledger, save_ledger
+from dflash_ipc.dispatch.peer_budget import PeerBudget, StatusAnswers, Verdict
 from dflash_ipc.errors import DataError, ProtocolError, UnregisteredSender
 from dflash_ipc.run.json_files import write_json_atomic
-from dflash_ipc.wire.security import private_socket_dir, server_security
+from dflash_ipc.wire.security import ensure_job_secret, private_socket_dir, server_security
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +45,11 @@ MAX_MESSAGES_PER_PASS = 256  # then the loop ticks (liveness, saves, signals) be
                              # request, 256 at a time, must not hold liveness checks and signals)
 STOP_DRAIN_S = 1.0           # on SIGTERM, what already arrived is answered for at most this long
 SEND_HWM = 1000              # queued replies per peer; past it ZMQ drops them (a peer not reading)
+# A peer without a seat, per second: enough for a worker's messages sent before it learns
+# that its dispatcher restarted, and its Register (at most protocol.MAX_REGISTER_BYTES).
+UNREGISTERED_FRAMES = 200
+UNREGISTERED_BYTES = 1 << 20
+STATUS_INTERVAL_S = 0.2      # a peer hears the status at most this often (the supervisor: every ~1 s)
 
 
 def next_generation(cfg: JobConfig) -> int:
@@ -135,16 +149,47 @@ class DispatcherProc:
         self.stop_requested = False  # set from another thread (tests, benches) to end run()
         self._saved_generation = dispatcher.drafter_generation
         self.refusals = RefusalLog()
+        self.budget = PeerBudget(frames=UNREGISTERED_FRAMES, nbytes=UNREGISTERED_BYTES, window_s=1.0)
+        self.status_answers = StatusAnswers(interval_s=STATUS_INTERVAL_S)
 
     def _send_all(self, outgoing) -> None:
         for identity, msg in outgoing:
             self.socket.send_multipart([identity, *p.encode(msg)])
 
+    def _answer_status(self) -> None:
+        """One status for every peer whose request is due; the replies share its frames."""
+        due = self.status_answers.due()
+        if not due:
+            return
+        kind, body = (zmq.Frame(f) for f in p.encode(p.StatusReply(status=self.dispatcher.status())))
+        for identity in due:
+            self.socket.send_multipart([identity, kind, body], copy=False)
+
+    def _admitted(self, identity: bytes, body: list[bytes]) -> bool:
+        """For a sender without a seat: whether its frames are within its budget."""
+        verdict = self.budget.admit(identity, sum(len(f) for f in body))
+        if verdict is not Verdict.ADMIT:
+            self.dispatcher.refusals += 1  # counted in the status, as every refusal
+        if verdict is Verdict.DROP_FIRST:
+            self.refusals.log(logging.WARNING, "%r without a seat is over its budget of %d frames and %d bytes "
+                              "a second: its frames are dropped unread", identity[:40], UNREGISTERED_FRAMES,
+                              UNREGISTERED_BYTES)
+        return verdict is Verdict.ADMIT
+
     def _on_frames(self, frames: list[bytes]) -> None:
         identity, body = frames[0], frames[1:]
         msg = None
         try:
+            if not self.dispatcher.holds_seat(identity):
+                if not self._admitted(identity, body):
+                    return
+                kind = p.peek_kind(body)
+                if kind is not None and kind not in (p.Kind.REGISTER, p.Kind.STATUS_REQUEST):
+                    raise UnregisteredSender(f"{kind.name} from a sender without a seat (not read)")
             msg = p.decode(body)
+            if isinstance(msg, p.StatusRequest):
+                self.status_answers.ask(identity)  # answered after this pass (_answer_status)
+                return
             outgoing = self.dispatcher.handle(identity, msg)
             if isinstance(msg, (p.Committed, p.Resumed)):
                 self.save_ledger()  # durable before its confirmation, or anything it causes, goes out
@@ -164,7 +209,7 @@ class DispatcherProc:
             self.refusals.log(logging.WARNING, "refused a message from %r: %s", identity[:40], exc)
             # A refused registration gets its own answer, so the worker fails at once with
             # the reason instead of waiting out its start-up timeout.
-            reply = (p.Refused(reason=str(exc)) if isinstance(msg, p.Register)
+            reply = (p.Refused(reason=str(exc)[:p.MAX_STR]) if isinstance(msg, p.Register) or kind == p.Kind.REGISTER
                      else p.Rejected(kind=kind, reason=str(exc)[:p.MAX_STR]))
             self._send_all([(identity, reply)])
 
@@ -192,11 +237,13 @@ class DispatcherProc:
             if self.stop_requested:
                 # SIGTERM: answer what already arrived (a drafter's last Committed), then go.
                 self._handle_waiting(STOP_DRAIN_S)
+                self._answer_status()
                 return
             # 2) handle what is waiting, a bounded number for a bounded time: liveness checks
             #    and signals below run on time whatever arrives
             if events:
                 self._handle_waiting(interval / 4)
+            self._answer_status()
             # 3) tick
             now = time.monotonic()
             if now - self._last_tick >= interval / 2:
@@ -251,7 +298,8 @@ def run_dispatcher(cfg: JobConfig) -> None:
     dispatcher = Dispatcher(epochs, policy=cfg.dispatch.policy, num_targets=cfg.total_targets,
                             num_drafters=cfg.total_drafters, num_nodes=cfg.run.num_nodes,
                             drafter_generation=generation, heartbeat_timeout_s=cfg.dispatch.heartbeat_timeout_s,
-                            drafter_timeout_s=cfg.supervise.drafter_step_timeout_s, ledger=ledger)
+                            drafter_timeout_s=cfg.supervise.drafter_step_timeout_s, ledger=ledger,
+                            secret=ensure_job_secret(cfg.files.job_secret))
     # Until it serves, a SIGTERM exits as in any stage (cli: SystemExit); from then on it ends
     # the loop between two messages, never inside one (the ledger stays whole).
     proc = DispatcherProc(cfg, dispatcher, address=cfg.dispatcher_address)

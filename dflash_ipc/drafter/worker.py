@@ -36,6 +36,7 @@ from dflash_ipc.run.liveness import Beacon
 from dflash_ipc.obs.timelines import TimelineWriter
 from dflash_ipc.obs.profiling import IterationProfiler
 from dflash_ipc.config.machine import require_device
+from dflash_ipc.wire.security import read_job_secret
 from dflash_ipc.run.child_env import replaced_pids, supervisor_pid
 from dflash_ipc.hf.target_config import load_target_config
 from dflash_ipc.transport.backends import ReaderCache, check_peer_access
@@ -91,7 +92,8 @@ def run_drafter(cfg: JobConfig, rank: int) -> None:
         # Register first: the dispatcher says which generation of the group this is (where
         # to meet) and from which committed step it resumes.
         registered = link.request(p.Register(role="drafter", rank=rank, pid=os.getpid(), device=device,
-                                             node=cfg.node_of("drafter", rank), replaces_pids=replaced_pids()),
+                                             node=cfg.node_of("drafter", rank), replaces_pids=replaced_pids(),
+                                             secret=read_job_secret(cfg.files.job_secret)),
                                   timeout_s=cfg.supervise.startup_timeout_s)
         if not isinstance(registered, p.Registered):
             raise WorkerDeadError(f"drafter/{rank}: registration refused: {registered}")

@@ -7,7 +7,9 @@ SIGTERM to each child, which then unwinds normally (closing its slot pool and so
 `ParentWatch` is the second line of defence, and covers a supervisor that died before the
 child set the signal: a thread that exits the child when its parent is no longer the
 supervisor. The supervisor passes its pid (`SUPERVISOR_ENV`) and, to a restarted child, the
-pids it replaces (`REPLACES_ENV`).
+pids it replaces (`REPLACES_ENV`). The job's secret, which every `Register` for a seat must
+carry, is not in the environment: each child reads `<run_dir>/keys/job_secret`
+(`wire.security.read_job_secret`), as a stage started by hand with `--config` does.
 """
 
 from __future__ import annotations

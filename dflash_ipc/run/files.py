@@ -122,6 +122,11 @@ class RunFiles:
         """The job's CURVE key pairs (tcp:// dispatchers), mode 0700."""
         return self._path("keys")
 
+    @property
+    def job_secret(self) -> str:
+        """The job's secret (mode 0600): a Register for a target or drafter seat carries it."""
+        return self._path("keys", "job_secret")
+
     # --- written by the workers ------------------------------------------------------------
     @property
     def checkpoints(self) -> str:

@@ -47,7 +47,7 @@ from dflash_ipc.obs.status_line import StatusLine
 from dflash_ipc.supervise.status_poller import StatusPoller
 from dflash_ipc.supervise.target_groups import WorkerAddresses
 from dflash_ipc.transport.backends import unlink_segments
-from dflash_ipc.wire.security import curve_required, ensure_keys
+from dflash_ipc.wire.security import curve_required, ensure_job_secret, ensure_keys
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +136,7 @@ class Supervisor:
             quarantine_uncommitted_checkpoints(self.cfg)
             if curve_required(self.cfg.dispatch.auth, self.cfg.dispatcher_address):
                 ensure_keys(self.files.curve_keys)
+            ensure_job_secret(self.files.job_secret)  # before any child: each reads it to register
         dump_config(self.cfg, self.files.config)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **{SUPERVISOR_ENV: str(os.getpid())})
         env.update(rendezvous_env(self.cfg, os.environ))

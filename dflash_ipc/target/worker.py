@@ -36,6 +36,7 @@ from dflash_ipc.wire.link import DispatcherLink
 from dflash_ipc.obs.timelines import TimelineWriter, process_memory
 from dflash_ipc.obs.profiling import IterationProfiler
 from dflash_ipc.config.machine import require_device
+from dflash_ipc.wire.security import read_job_secret
 from dflash_ipc.run.child_env import replaced_pids
 from dflash_ipc.target.capture import FeatureCapture
 from dflash_ipc.target.worker_group import WorkerGroup
@@ -167,7 +168,7 @@ def _serve(cfg: JobConfig, rank: int, worker: TargetWorker, link: DispatcherLink
     reply = link.request(p.Register(role="target", rank=rank, pid=os.getpid(), device=str(worker.device),
                                     node=cfg.node_of("target", rank),
                                     pool=worker.pool.descriptor(), num_slots=cfg.target.num_slots,
-                                    replaces_pids=replaced_pids()),
+                                    replaces_pids=replaced_pids(), secret=read_job_secret(cfg.files.job_secret)),
                          timeout_s=cfg.supervise.startup_timeout_s)
     if not isinstance(reply, p.Registered):
         raise WorkerDeadError(f"target/{rank}: registration refused: {reply}")

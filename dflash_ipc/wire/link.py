@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 
 import zmq
@@ -33,7 +34,10 @@ class DispatcherLink:
                  timeout_s: float = 30.0, context: zmq.Context | None = None, secure=None) -> None:
         """`secure(socket)` sets the socket's credentials before it connects (CURVE)."""
         self.address = address
-        self.identity = f"{identity}/{os.getpid()}".encode()
+        # The random tail: a seat is known by its holder's identity, so a peer that could
+        # guess one (role, rank and pid are in every status) could connect under it after
+        # a worker's disconnect and speak for its seat without registering.
+        self.identity = f"{identity}/{os.getpid()}/{secrets.token_hex(8)}".encode()
         self.heartbeat_interval_s = heartbeat_interval_s
         self.timeout_s = timeout_s
         self._context = context or zmq.Context.instance()

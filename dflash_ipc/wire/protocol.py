@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -47,7 +48,11 @@ MAX_LIST = 1 << 20          # list entries (sample ids of a batch, batch ids of 
 MAX_STR = 16 * 1024         # characters of a string
 MAX_MAP = 256               # entries of a map (metrics, pool descriptors)
 MAX_METRICS = 64            # entries of a heartbeat's metrics
+MAX_METRIC_NAME = 64        # characters of a metric's name (a seat's metrics go into every status)
 MAX_INT = 1 << 62           # ints: -1 ("none") .. MAX_INT
+MAX_DEPTH = 8               # nesting of a free-form map (a pool descriptor nests 3 deep)
+MAX_SECRET = 64             # bytes of Register.secret
+MAX_REGISTER_BYTES = 64 * 1024  # a Register's body (a pool descriptor: ~16 KiB at 256 slots)
 
 
 class Kind(enum.IntEnum):
@@ -86,6 +91,8 @@ class Register:
     resume_step: int = -1     # drafter: step of the checkpoint it resumed from (-1: fresh)
     replaces_pids: list[int] = field(default_factory=list)  # the pids this process replaces (its
                               # supervisor says): a seat held by a live process goes only to a successor
+    secret: bytes = field(default=b"", repr=False)  # the job's secret (wire/security.py: job_secret):
+                              # a target or drafter seat goes only to a process that can read it
 
 
 @dataclass(kw_only=True, slots=True)
@@ -241,14 +248,51 @@ _CLASSES: dict[Kind, type] = {cls.KIND: cls for cls in typing.get_args(Message)}
 _HINTS: dict[type, dict[str, Any]] = {cls: typing.get_type_hints(cls) for cls in _CLASSES.values()}
 
 
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What msgpack may build from one kind's body, checked as it reads each header (so a
+    4 MB body of empty lists is refused at its first oversized list, before it allocates)."""
+    body_bytes: int = MAX_BODY_BYTES
+    str_len: int = MAX_STR
+    bin_len: int = MAX_STR
+    array_len: int = MAX_LIST
+    map_len: int = MAX_MAP
+
+
+_SMALL = Limits(body_bytes=4096, str_len=1024, bin_len=0, array_len=0, map_len=8)  # a few scalars
+LIMITS: dict[Kind, Limits] = {
+    # What an unregistered peer may send: these two are decoded before the sender is known.
+    Kind.REGISTER: Limits(body_bytes=MAX_REGISTER_BYTES, str_len=4096, bin_len=4096, array_len=1024),
+    Kind.STATUS_REQUEST: Limits(body_bytes=64, str_len=0, bin_len=0, array_len=0, map_len=0),
+    Kind.HEARTBEAT: Limits(body_bytes=16 * 1024, str_len=MAX_METRIC_NAME, bin_len=0, array_len=0,
+                           map_len=MAX_METRICS),
+    **{kind: _SMALL for kind in (Kind.READY, Kind.WANT_HIDDEN, Kind.CONSUMED, Kind.PRODUCED, Kind.LOST,
+                                 Kind.RESUMED, Kind.COMMIT_DONE)},
+    # The dispatcher's status grows with the job (one map entry per worker).
+    Kind.STATUS_REPLY: Limits(map_len=MAX_LIST),
+}
+
+
 def encode(msg: Message) -> list[bytes]:
     """Frames for `msg`: [kind byte, msgpack body]."""
     body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
     return [bytes((msg.KIND,)), msgpack.packb(body, use_bin_type=True)]
 
 
+def peek_kind(frames: list[bytes]) -> Kind | None:
+    """The kind a message says it is, without reading its body (None: not a message)."""
+    if len(frames) != 2 or len(frames[0]) != 1:
+        return None
+    try:
+        return Kind(frames[0][0])
+    except ValueError:
+        return None
+
+
 def decode(frames: list[bytes]) -> Message:
-    """Inverse of `encode`; raises ProtocolError naming what is wrong."""
+    """Inverse of `encode`; raises ProtocolError naming what is wrong. Never recurses on the
+    input: a body nested 100,000 deep is refused by msgpack at depth 1,024, one nested 600
+    deep by the check below at MAX_DEPTH."""
     if len(frames) != 2:
         raise ProtocolError(f"expected 2 frames (kind, body), got {len(frames)}")
     kind_frame, body_frame = frames
@@ -258,10 +302,13 @@ def decode(frames: list[bytes]) -> Message:
         kind = Kind(kind_frame[0])
     except ValueError:
         raise ProtocolError(f"unknown message kind {kind_frame[0]}") from None
-    if len(body_frame) > MAX_BODY_BYTES:
-        raise ProtocolError(f"{kind.name} body of {len(body_frame)} bytes exceeds {MAX_BODY_BYTES}")
+    limits = LIMITS.get(kind, Limits())
+    if len(body_frame) > limits.body_bytes:
+        raise ProtocolError(f"{kind.name} body of {len(body_frame)} bytes exceeds {limits.body_bytes}")
     try:
-        body = msgpack.unpackb(body_frame, raw=False, strict_map_key=True)
+        body = msgpack.unpackb(body_frame, raw=False, strict_map_key=True, max_str_len=limits.str_len,
+                               max_bin_len=limits.bin_len, max_array_len=limits.array_len,
+                               max_map_len=limits.map_len, max_ext_len=0)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f"{kind.name}: undecodable body ({type(exc).__name__}: {exc})") from None
     cls = _CLASSES[kind]
@@ -273,57 +320,83 @@ def decode(frames: list[bytes]) -> Message:
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
     unknown, missing = set(body) - names, required - set(body)
     if unknown or missing:
-        raise ProtocolError(f"{kind.name}: unknown fields {sorted(unknown)}, missing {sorted(missing)}")
+        raise ProtocolError(f"{kind.name}: unknown fields {sorted(unknown)[:8]!r:.200}, missing {sorted(missing)}")
     for name, value in body.items():
-        if not _matches(value, hints[name]):
-            raise ProtocolError(f"{kind.name}.{name}: {type(value).__name__} {value!r:.80} "
-                                f"does not match {hints[name]}")
         # The bounds guard the dispatcher against its peers; a status comes from the
         # dispatcher and grows with the job (one entry per worker).
-        if cls is not StatusReply and (why := _out_of_bounds(value)) is not None:
+        if (why := check_value(value, hints[name], bounded=cls is not StatusReply)) is not None:
             raise ProtocolError(f"{kind.name}.{name}: {why}")
-    if cls is Heartbeat and len(body.get("metrics", {})) > MAX_METRICS:
-        raise ProtocolError(f"HEARTBEAT.metrics: {len(body['metrics'])} entries, at most {MAX_METRICS}")
+    if cls is Register and len(body.get("secret", b"")) > MAX_SECRET:
+        raise ProtocolError(f"REGISTER.secret: {len(body['secret'])} bytes, at most {MAX_SECRET}")
     return cls(**body)
 
 
-def _out_of_bounds(value: Any) -> str | None:
-    """Why a decoded value is outside the wire's bounds (None: inside)."""
-    if isinstance(value, bool) or value is None:
+_ANY = object()  # the hint of a free-form value (inside a bare `dict` field): any wire value
+
+
+def check_value(value: Any, hint: Any, *, bounded: bool = True) -> str | None:
+    """Why `value` does not match `hint` or lies outside the wire's bounds (None: it fits).
+    Iterative, with an explicit stack: no input can exhaust Python's recursion limit, and a
+    value nested deeper than MAX_DEPTH is refused at that depth."""
+    stack = [(value, hint, 0)]
+    while stack:
+        value, hint, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return f"nested deeper than {MAX_DEPTH} levels"
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            if value is None and type(None) in typing.get_args(hint):
+                continue
+            (hint,) = [h for h in typing.get_args(hint) if h is not type(None)]  # only `T | None` here
+        if hint is _ANY:
+            if isinstance(value, list):
+                hint = list[_ANY]
+            elif isinstance(value, dict):
+                hint = dict
+            elif value is None:
+                continue
+            else:
+                hint = type(value) if isinstance(value, (bool, int, float, str, bytes)) else None
+                if hint is None:
+                    return f"{type(value).__name__} is not a wire value"  # msgpack extension types
+        origin = typing.get_origin(hint)
+        if origin is list or hint is dict or origin is dict:
+            container = list if origin is list else dict
+            if not isinstance(value, container):
+                return f"{type(value).__name__} {value!r:.80} does not match {hint}"
+            limit = MAX_LIST if container is list else MAX_MAP
+            if bounded and len(value) > limit:
+                return f"{len(value)} entries, at most {limit}"
+            if origin is list:
+                (inner,) = typing.get_args(hint)
+                stack.extend((v, inner, depth + 1) for v in value)
+            else:
+                key_hint, value_hint = typing.get_args(hint) if origin is dict else (_ANY, _ANY)
+                for k, v in value.items():
+                    stack.append((k, key_hint, depth + 1))
+                    stack.append((v, value_hint, depth + 1))
+            continue
+        if (why := _scalar(value, hint, bounded)) is not None:
+            return why
+    return None
+
+
+def _scalar(value: Any, hint: Any, bounded: bool) -> str | None:
+    """Why a scalar does not match `hint` (int, float, str, bytes or bool) or its bounds."""
+    if hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, hint)
+    if not ok:
+        return f"{type(value).__name__} {value!r:.80} does not match {getattr(hint, '__name__', hint)}"
+    if not bounded or isinstance(value, bool):
         return None
     if isinstance(value, int):
         return None if -1 <= value <= MAX_INT else f"integer {value:.6g} outside [-1, 2**62]"
     if isinstance(value, float):
         # |x| <= 2**62 as for ints: sums of a million such values stay finite in the status
         return None if math.isfinite(value) and abs(value) <= MAX_INT else f"{value} is not a finite number within 2**62"
-    if isinstance(value, (str, bytes)):
-        return None if len(value) <= MAX_STR else f"{len(value)} characters, at most {MAX_STR}"
-    if isinstance(value, list):
-        if len(value) > MAX_LIST:
-            return f"{len(value)} entries, at most {MAX_LIST}"
-        return next((why for v in value if (why := _out_of_bounds(v)) is not None), None)
-    if isinstance(value, dict):
-        if len(value) > MAX_MAP:
-            return f"{len(value)} entries, at most {MAX_MAP}"
-        return next((why for kv in value.items() for v in kv if (why := _out_of_bounds(v)) is not None), None)
-    return f"{type(value).__name__} is not a wire value"  # msgpack extension types, timestamps
-
-
-def _matches(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
-        return any(_matches(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if origin is list:
-        (inner,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_matches(v, inner) for v in value)
-    if origin is dict:
-        key_hint, value_hint = typing.get_args(hint)
-        return isinstance(value, dict) and all(
-            _matches(k, key_hint) and _matches(v, value_hint) for k, v in value.items())
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
+    if isinstance(value, (str, bytes)) and len(value) > MAX_STR:
+        return f"{len(value)} characters, at most {MAX_STR}"
+    return None

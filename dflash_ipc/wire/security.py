@@ -11,12 +11,21 @@ pair for the dispatcher and one for the job's workers in `<run_dir>/keys/` (mode
 secret files 0600) on the first start; the dispatcher accepts only the workers' public key,
 so processes of other jobs and strangers are refused by the ZAP handshake before any
 message is read. Other nodes need the same `keys/` folder (a shared run directory, or copied).
+
+Seats: on every address (loopback and ipc:// too) a `Register` for a target or drafter seat
+must carry the job's secret, 32 random bytes that node 0's supervisor (or a dispatcher
+started by hand) writes once to `<run_dir>/keys/job_secret` (mode 0600, folder 0700). Every
+stage reads it from there, so a process of the job's own user can take a seat (a restarted
+child, a stage run by hand with `--config`) and a peer that only reached the socket cannot,
+whatever it read from a status reply. The dispatcher compares in constant time.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
+import secrets
 import stat
 
 import zmq
@@ -29,6 +38,7 @@ from dflash_ipc.run.files import shared_socket_dir
 log = logging.getLogger(__name__)
 
 SERVER, CLIENT = "dispatcher", "worker"
+SECRET_BYTES = 32  # the job secret's length; written as 64 hex digits
 LOOPBACK_HOSTS = ("127.", "localhost", "[::1]", "::1")
 
 
@@ -118,3 +128,52 @@ def client_security(cfg, socket: zmq.Socket, address: str) -> None:
     public, secret = _load(os.path.join(keys, f"{CLIENT}.key_secret"), secret=True)
     server_public, _ = _load(os.path.join(keys, f"{SERVER}.key"), secret=False)
     socket.curve_secretkey, socket.curve_publickey, socket.curve_serverkey = secret, public, server_public
+
+
+def ensure_job_secret(path: str) -> bytes:
+    """The job's secret, made once (node 0's supervisor before its children start, or a
+    dispatcher started by hand); an existing one is kept: a restarted supervisor, the other
+    nodes and every stage run by hand read the same file."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    os.chmod(folder, 0o700)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return read_job_secret(path)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(SECRET_BYTES) + "\n")
+    log.info("made the job's secret %s", path)
+    return read_job_secret(path)
+
+
+def read_job_secret(path: str) -> bytes:
+    """The secret in `path`; ConfigError when it is missing, not a regular file of this user
+    closed to others (another user could read or replace it), or not 64 hex digits."""
+    fix = "remove it: the next start of the job (or of its dispatcher) makes a new one"
+    try:
+        # O_NONBLOCK: a FIFO planted there must not block the reader; it is refused below.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: the job's secret is missing; node 0's supervisor (or the dispatcher) makes it "
+                          f"when it starts: start the dispatcher first, and on a node other than node 0 copy "
+                          f"<run_dir>/keys from node 0 (or share the run directory)") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot open the job's secret ({exc}); {fix}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise ConfigError(f"{path}: the job's secret is not a file of this user closed to others (uid "
+                              f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); {fix}")
+        raw = os.read(fd, 4 * SECRET_BYTES)
+    finally:
+        os.close(fd)
+    text = raw.decode("ascii", "replace").strip()
+    if len(text) != 2 * SECRET_BYTES or any(c not in "0123456789abcdef" for c in text):
+        raise ConfigError(f"{path}: not a job secret ({2 * SECRET_BYTES} hex digits); {fix}")
+    return bytes.fromhex(text)
+
+
+def secret_matches(expected: bytes, given: bytes) -> bool:
+    """Constant-time: the time to refuse says nothing about how much of a guess was right."""
+    return hmac.compare_digest(expected, given)
