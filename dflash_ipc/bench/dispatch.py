@@ -45,7 +45,8 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 
 from dflash_ipc.wire import protocol as p
-from dflash_ipc.config.schema import POLICIES, DrafterConfig, TargetConfig
+from dflash_ipc.config.schema import DrafterConfig, TargetConfig
+from dflash_ipc.dispatch.policy import POLICIES
 from dflash_ipc.config.load import load_config
 from dflash_ipc.dispatch.buckets import BucketSpec, PlannedBatch, plan_epoch, plan_stats
 from dflash_ipc.dispatch.dispatcher import Dispatcher
@@ -358,7 +359,7 @@ def _dispatcher_main(run_dir: str, address: str, policy: str, batches: list[Plan
     """Child process: the real DispatcherProc; exits when every batch is committed."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s dispatcher %(levelname)s %(message)s")
     _exit_with_parent()
-    cfg = load_config(None, [f"run.run_dir={run_dir}", f"dispatch.policy={policy}",
+    cfg = load_config(None, [f"run.run_dir={run_dir}",
                              f"target.num_workers={num_targets}", f"drafter.num_workers={num_drafters}"])
     dispatcher = Dispatcher([batches], policy=policy, num_targets=num_targets, num_drafters=num_drafters,
                             heartbeat_timeout_s=cfg.dispatch.heartbeat_timeout_s)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import click
 
-from dflash_ipc.config.schema import DTYPE_NAMES, POLICIES, PUBLISH_SYNC_MODES
+from dflash_ipc.config.schema import DTYPE_NAMES, PUBLISH_SYNC_MODES
+from dflash_ipc.dispatch.policy import POLICIES
 from dflash_ipc.run.json_files import write_json_atomic
 from dflash_ipc.cli.app import (add_options, checked_device, comma_list, config_option, int_list, load_job_config, main,
                                 override_option, resolved)

@@ -24,8 +24,6 @@ from dflash_ipc.run.files import RunFiles
 
 DType = Literal["bfloat16", "float16", "float32"]
 DTYPE_NAMES: tuple[str, ...] = typing.get_args(DType)
-Policy = Literal["pull", "round_robin"]
-POLICIES: tuple[str, ...] = typing.get_args(Policy)
 Attention = Literal["auto", "flex", "dense"]
 Precision = Literal["bf16", "fp8"]
 Fp8Recipe = Literal["tensorwise", "rowwise"]
@@ -386,8 +384,6 @@ class CheckpointConfig(_Section):
 @dataclass(kw_only=True, slots=True)
 class DispatchConfig(_Section):
     NAME = "dispatch"
-    policy: Policy = "pull"
-    """pull (workers ask for work) or round_robin (the push baseline, for benchmarks)."""
     address: str = ""
     """ZMQ address of the dispatcher; empty: ipc:// socket in the run directory."""
     status_interval_s: float = 5.0

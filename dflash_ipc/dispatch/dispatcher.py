@@ -46,7 +46,7 @@ Outgoing = list[tuple[bytes, "p.Message"]]
 class Dispatcher:
     """Plans are fixed at construction; the ledger records every batch's state."""
 
-    def __init__(self, epochs: list[list[PlannedBatch]], *, policy: str, num_targets: int, num_drafters: int,
+    def __init__(self, epochs: list[list[PlannedBatch]], *, policy: str = "pull", num_targets: int, num_drafters: int,
                  num_nodes: int = 1, heartbeat_timeout_s: float = 30.0, drafter_timeout_s: float | None = None,
                  ledger: Ledger | None = None, clock=time.monotonic, drafter_generation: int = 0,
                  secret: bytes | None = None) -> None:

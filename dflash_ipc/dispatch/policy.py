@@ -1,4 +1,4 @@
-"""Whom the dispatcher serves: a small policy object per `dispatch.policy`.
+"""Whom the dispatcher serves: a small policy object (`Dispatcher(policy=...)`).
 
 The dispatcher decides *when* (a worker with credit asked) and the ledger records *what*
 happened; a policy only answers two questions: which pending batch a target that asked
@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from dflash_ipc.config.schema import POLICIES
 from dflash_ipc.dispatch.buckets import PlannedBatch
 from dflash_ipc.dispatch.ledger import Ledger
+
+POLICIES = ("pull", "round_robin")  # round_robin: the push baseline of `bench dispatch` only
 
 
 class DrafterView(Protocol):

@@ -295,7 +295,7 @@ def run_dispatcher(cfg: JobConfig) -> None:
                  cfg.files.ledger, counts[BatchState.COMMITTED], len(ledger))
     generation = next_generation(cfg)
     save_generation(cfg, generation)
-    dispatcher = Dispatcher(epochs, policy=cfg.dispatch.policy, num_targets=cfg.total_targets,
+    dispatcher = Dispatcher(epochs, num_targets=cfg.total_targets,
                             num_drafters=cfg.total_drafters, num_nodes=cfg.run.num_nodes,
                             drafter_generation=generation, heartbeat_timeout_s=cfg.dispatch.heartbeat_timeout_s,
                             drafter_timeout_s=cfg.supervise.drafter_step_timeout_s, ledger=ledger,
