@@ -19,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 120 synthetic samples in 18 batches an epoch, 3 epochs, a 1-layer drafter: the work takes
 # ~10-20 s, and start-up (every process imports torch) is most of a run on 2 cores.
 SMALL_JOB = [
-    "data.synthetic_samples=120", "data.synthetic_min_len=24", "data.synthetic_max_len=200",
+    "builtin.samples=120", "builtin.min_len=24", "builtin.max_len=200",
     "data.bucket_boundaries=[64,128,200]", "data.token_budget=800", "data.num_epochs=3",
     "model.num_layers=1", "model.target_layer_ids=[1,2]", "objective.anchors_per_step=128",
     "objective.max_anchors_per_seq=32", "optimizer.lr=5e-3", "checkpoint.every_steps=10",

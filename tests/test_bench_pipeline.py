@@ -119,7 +119,7 @@ def test_end_to_end_needs_a_fresh_run_dir(tmp_path):
 
 
 SMALL = ["target.num_workers=1", "drafter.num_workers=1",
-         "data.synthetic_samples=120", "data.synthetic_min_len=24", "data.synthetic_max_len=200",
+         "builtin.samples=120", "builtin.min_len=24", "builtin.max_len=200",
          "data.bucket_boundaries=[64,128,200]", "data.token_budget=800", "data.num_epochs=3",
          "model.num_layers=1", "model.target_layer_ids=[1,2]", "objective.anchors_per_step=64",
          "objective.max_anchors_per_seq=32", "checkpoint.every_steps=1000", "dispatch.status_interval_s=2"]

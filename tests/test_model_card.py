@@ -74,7 +74,7 @@ def test_card_of_a_run_parses_and_names_the_base_model(run_dir, tmp_path):
     config_block = text.split("```yaml\n")[1].split("```")[0]
     sections = yaml.safe_load(config_block)
     assert sections["optimizer"]["lr"] == 3e-4 and sections["target"]["path"] == "Qwen/Qwen3-8B"  # no local paths
-    assert sections["data"]["path"] == "data" and "synthetic_samples" not in sections["data"]
+    assert sections["data"]["path"] == "data" and "builtin" not in sections
     assert "run" not in sections and "dispatch" not in sections
     # every prompt set of the latest evaluation, trained results only, no local path
     assert "`dflash-ipc eval` of trained (step_00000042): speculative decoding (greedy, up to 64 new" in text

@@ -33,9 +33,9 @@ def materialize(cfg: JobConfig) -> JobConfig:
         cfg.target.path = build_tiny_target(os.path.join(cache_dir(), f"tiny-target-{tiny_target_key()}"))
     if cfg.data.path == BUILTIN_SYNTHETIC_DATA:
         from dflash_ipc.builtin.synthetic import build_synthetic_dataset, synthetic_cache_key, synthetic_params
-        d = cfg.data
-        kw = dict(num_samples=d.synthetic_samples, min_len=d.synthetic_min_len, max_len=d.synthetic_max_len,
-                  seed=cfg.run.seed, num_words=d.synthetic_words, num_held_out=BUILTIN_HELD_OUT_PROMPTS)
+        b = cfg.builtin
+        kw = dict(num_samples=b.samples, min_len=b.min_len, max_len=b.max_len, seed=cfg.run.seed,
+                  num_words=b.words, num_held_out=BUILTIN_HELD_OUT_PROMPTS)
         # Keyed by everything the data depends on (the target's bytes included), so a stale
         # cache is never reused and a changed target or generator gets its own directory.
         name = f"synthetic-{synthetic_cache_key(synthetic_params(os.path.abspath(cfg.target.path), **kw))}"

@@ -141,19 +141,31 @@ class RunConfig(_Section):
 
 
 @dataclass(kw_only=True, slots=True)
+class BuiltinConfig(_Section):
+    """The embedded default's synthetic data (`data.path: builtin:synthetic`); read by nothing else."""
+    NAME = "builtin"
+    samples: int = 384
+    """Conversations generated from the target."""
+    min_len: int = 24
+    """Shortest prompt+response in tokens."""
+    max_len: int = 384
+    """Longest prompt+response in tokens."""
+    words: int = 48
+    """Size of the word vocabulary of the prompts (responses are the target's own greedy
+    decoding over its whole vocabulary)."""
+
+    def check(self) -> None:
+        _require(2 <= self.min_len <= self.max_len <= MAX_TOKENS, "builtin.min_len",
+                 f"need 2 <= builtin.min_len <= builtin.max_len <= {MAX_TOKENS}")
+        _require(self.samples >= 1, "builtin.samples", "must be >= 1")
+        _require(self.words >= 2, "builtin.words", "must be >= 2")
+
+
+@dataclass(kw_only=True, slots=True)
 class DataConfig(_Section):
     NAME = "data"
     path: str = BUILTIN_SYNTHETIC_DATA
     """Prepared dataset directory (`dflash-ipc prepare`), or builtin:synthetic."""
-    synthetic_samples: int = 384
-    """builtin:synthetic only: number of conversations generated from the target."""
-    synthetic_min_len: int = 24
-    """builtin:synthetic only: shortest prompt+response in tokens."""
-    synthetic_max_len: int = 384
-    """builtin:synthetic only: longest prompt+response in tokens."""
-    synthetic_words: int = 48
-    """builtin:synthetic only: size of the word vocabulary of the prompts (responses are the
-    target's own greedy decoding over its whole vocabulary)."""
     num_epochs: int = 1
     """Passes over the dataset."""
     bucket_boundaries: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
@@ -177,10 +189,6 @@ class DataConfig(_Section):
                  f"and be <= {MAX_TOKENS}")
         _require(1 <= self.pad_multiple <= 4096, "data.pad_multiple", "must be in [1, 4096]")
         _require(1 <= self.max_batch_size <= 65536, "data.max_batch_size", "must be in [1, 65536]")
-        _require(2 <= self.synthetic_min_len <= self.synthetic_max_len <= MAX_TOKENS, "data.synthetic_min_len",
-                 "need 2 <= synthetic_min_len <= synthetic_max_len")
-        _require(self.synthetic_samples >= 1, "data.synthetic_samples", "must be >= 1")
-        _require(self.synthetic_words >= 2, "data.synthetic_words", "must be >= 2")
 
     @property
     def max_length(self) -> int:
@@ -496,6 +504,7 @@ class JobConfig:
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    builtin: BuiltinConfig = field(default_factory=BuiltinConfig)
 
     def __post_init__(self) -> None:
         self.check()

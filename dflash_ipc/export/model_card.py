@@ -26,7 +26,6 @@ import re
 
 import yaml
 
-from dflash_ipc.config.schema import BUILTIN_SYNTHETIC_DATA
 from dflash_ipc.config.load import read_config_file
 from dflash_ipc.data.dataset import META_FILE
 from dflash_ipc.run.checkpoints import step_of_dir_name
@@ -79,9 +78,6 @@ def _training_config(run_dir: str) -> dict:
         value = sections.get(section, {}).get(key)
         if isinstance(value, str) and value.startswith(os.sep):
             sections[section][key] = base_model_of(value) or os.path.basename(os.path.normpath(value))
-    data = sections.get("data", {})
-    if data.get("path") != BUILTIN_SYNTHETIC_DATA:  # the generator's knobs did not shape this data
-        sections["data"] = {k: v for k, v in data.items() if not k.startswith("synthetic_")}
     return {"sections": sections, "target_path": (tree.get("target") or {}).get("path"),
             "data_path": (tree.get("data") or {}).get("path"), "run": tree.get("run") or {}}
 
