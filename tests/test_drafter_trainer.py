@@ -5,6 +5,7 @@ trajectory it left, and the drafter group must take the step one rank would take
 union of their blocks (loss normalised by the all-reduced weight sum, gradients summed).
 """
 
+import functools
 import os
 
 import pytest
@@ -49,20 +50,31 @@ def sequences(n: int, seed: int = 0) -> list[Sequence]:
     return out
 
 
-def trainer_cfg() -> JobConfig:
-    return config_from_dict({"drafter": {"num_workers": 1, "dtype": "float32", "attention": "dense"},
-                             "objective": {"anchors_per_step": 12, "max_anchors_per_seq": 6},
-                             "optimizer": {"lr": 3e-3}, "schedule": {"warmup_ratio": 0.2}})
+def trainer_cfg(recipe: dict | None = None) -> JobConfig:
+    tree = {"drafter": {"num_workers": 1, "dtype": "float32", "attention": "dense"},
+            "objective": {"anchors_per_step": 12, "max_anchors_per_seq": 6},
+            "optimizer": {"lr": 3e-3}, "schedule": {"warmup_ratio": 0.2}}
+    for section, values in (recipe or {}).items():
+        tree[section] = {**tree.get(section, {}), **values}
+    return config_from_dict(tree)
 
 
-def new_trainer() -> DrafterTrainer:
-    return DrafterTrainer(trainer_cfg(), model_config(), head(), device="cpu", total_steps=8)
+def _new_trainer(recipe: dict | None = None) -> DrafterTrainer:
+    return DrafterTrainer(trainer_cfg(recipe), model_config(), head(), device="cpu", total_steps=8)
 
 
-def test_stop_and_resume_continues_the_same_loss_trajectory(tmp_path):
+# Today's recipe, and every other part of the state a checkpoint must carry: Muon's momentum
+# next to AdamW's moments (one state dict over two optimizers), WSD, D-PACE's running estimate.
+RESUME_RECIPES = {"adamw-cosine": None,
+                  "muon-wsd": {"optimizer": {"name": "muon"}, "schedule": {"name": "wsd", "decay_ratio": 0.5}}}
+
+
+@pytest.mark.parametrize("recipe", list(RESUME_RECIPES))
+def test_stop_and_resume_continues_the_same_loss_trajectory(tmp_path, recipe):
     seqs = sequences(24)
     batches = [seqs[i:i + 3] for i in range(0, 24, 3)]  # 8 steps of 3 sequences
     plan = [[(s, s.num_anchors) for s in b] for b in batches]
+    new_trainer = functools.partial(_new_trainer, RESUME_RECIPES[recipe])
 
     straight = new_trainer()
     losses = [straight.step(chosen)["loss"] for chosen in plan]
@@ -86,7 +98,7 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        trainer = new_trainer()
+        trainer = _new_trainer()
         seqs = sequences(18)
         for step in range(2):
             mine = seqs[step * 9:(step + 1) * 9][rank::world]  # this rank's share of the step
@@ -104,7 +116,7 @@ def test_three_ranks_take_the_step_one_rank_takes(tmp_path):
     world = 3
     mp.start_processes(_rank_main, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
                        join=True, start_method="spawn")
-    single = new_trainer()
+    single = _new_trainer()
     seqs = sequences(18)
     for step in range(2):
         union = [s for rank in range(world) for s in seqs[step * 9:(step + 1) * 9][rank::world]

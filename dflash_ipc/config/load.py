@@ -82,8 +82,16 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
         args = typing.get_args(hint)
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(value, inner, key)
+        arms = [a for a in args if a is not type(None)]
+        if len(arms) == 1:
+            return _convert(value, arms[0], key)
+        for arm in arms:  # e.g. list[str] | str: the first form the value has
+            try:
+                return _convert(value, arm, key)
+            except ConfigError:
+                continue
+        names = " or ".join(getattr(a, "__name__", None) or str(a) for a in arms)
+        raise ConfigError(f"{key}: expected {names}, got {type(value).__name__} {_short(value)}")
     if origin is Literal:
         allowed = typing.get_args(hint)
         if value not in allowed:

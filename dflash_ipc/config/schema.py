@@ -37,6 +37,14 @@ PublishMode = Literal["ipc_event", "host_wait"]
 PUBLISH_SYNC_MODES: tuple[str, ...] = typing.get_args(PublishMode)
 PublishSync = Literal["auto", "ipc_event", "host_wait"]
 Sharding = Literal["none", "fsdp"]
+LayerType = Literal["full_attention", "sliding_attention"]
+LAYER_TYPES: tuple[str, ...] = typing.get_args(LayerType)
+LAYER_TYPE_LETTERS = {"F": "full_attention", "S": "sliding_attention"}  # model.layer_types' compact form
+Weighting = Literal["decay", "dpace"]
+OptimizerName = Literal["adamw", "muon"]
+MuonAdjustLr = Literal["match_rms_adamw", "original"]
+ScheduleName = Literal["cosine", "wsd"]
+DecayShape = Literal["linear", "cosine", "sqrt"]
 MetricSink = Literal["tensorboard", "wandb"]
 METRIC_SINKS: tuple[str, ...] = typing.get_args(MetricSink)
 WandbMode = Literal["online", "offline", "disabled"]
@@ -304,6 +312,22 @@ class DrafterConfig(_Section):
         return self.devices[rank % self.num_workers if len(self.devices) > 1 else 0]
 
 
+def normalized_layer_types(value: list[str] | str | None, num_layers: int) -> list[str]:
+    """model.layer_types as a list of ``num_layers`` names (see ModelConfig.layer_types)."""
+    key = "model.layer_types"
+    if value is None:
+        return ["full_attention"] * num_layers
+    if isinstance(value, str):
+        bad = sorted(set(value) - set(LAYER_TYPE_LETTERS))
+        _require(not bad, key, f"{value!r}: the compact form is one letter per layer, "
+                 f"{' or '.join(f'{k} ({v})' for k, v in LAYER_TYPE_LETTERS.items())}; found {bad}")
+        value = [LAYER_TYPE_LETTERS[c] for c in value]
+    _require(isinstance(value, list) and all(t in LAYER_TYPES for t in value), key,
+             f"{value!r}: each entry must be one of {', '.join(LAYER_TYPES)}")
+    _require(len(value) == num_layers, key, f"{len(value)} entries for model.num_layers={num_layers}")
+    return list(value)
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelConfig(_Section):
     NAME = "model"
@@ -315,9 +339,26 @@ class ModelConfig(_Section):
     """Tokens drafted per block (anchor token + block_size-1 masks)."""
     mask_token_id: int | None = None
     """Id of the mask token; default: the target tokenizer's mask token."""
+    layer_types: list[str] | str | None = None
+    """Attention of each drafter layer: a list of full_attention / sliding_attention, one per
+    layer, or one letter per layer (F full, S sliding: "SSSSF" is 4 sliding + 1 full); null:
+    all full_attention. Read back as the list form."""
+    sliding_window: int | None = None
+    """Window of the sliding_attention layers, in tokens: a block query at position i sees a
+    key (context or block) at position j only if i - j < sliding_window (HF's rule); needed
+    when a layer slides, refused otherwise."""
 
     def check(self) -> None:
         _require(1 <= self.num_layers <= 256, "model.num_layers", "must be in [1, 256]")
+        self.layer_types = normalized_layer_types(self.layer_types, self.num_layers)
+        slides = "sliding_attention" in self.layer_types
+        if slides:
+            _require(isinstance(self.sliding_window, int) and not isinstance(self.sliding_window, bool)
+                     and 1 <= self.sliding_window <= MAX_TOKENS, "model.sliding_window",
+                     f"a sliding_attention layer needs a window in [1, {MAX_TOKENS}], got {self.sliding_window!r}")
+        else:
+            _require(self.sliding_window is None, "model.sliding_window",
+                     f"{self.sliding_window!r} given but no layer of model.layer_types is sliding_attention")
         _require(2 <= self.block_size <= 1024, "model.block_size", "must be in [2, 1024]")
         if self.target_layer_ids is not None:
             _require(len(self.target_layer_ids) >= 1 and min(self.target_layer_ids) >= 0,
@@ -331,8 +372,11 @@ class ModelConfig(_Section):
 @dataclass(kw_only=True, slots=True)
 class OptimizerConfig(_Section):
     NAME = "optimizer"
+    name: OptimizerName = "adamw"
+    """adamw (every parameter) or muon (torch.optim.Muon for the 2-D matrices of the decoder
+    layers; AdamW for norms, 1-D parameters and fc: drafter/optimizers.py)."""
     lr: float = 6e-4
-    """Peak AdamW learning rate."""
+    """Peak learning rate (AdamW's; Muon's too, scaled per matrix by muon_adjust_lr)."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.95
@@ -341,9 +385,18 @@ class OptimizerConfig(_Section):
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
+    muon_momentum: float = 0.95
+    """muon only: momentum of the Muon matrices (Nesterov)."""
+    muon_adjust_lr: MuonAdjustLr = "match_rms_adamw"
+    """muon only: torch's per-matrix lr scaling: match_rms_adamw (0.2 * sqrt(max(A, B)), so
+    optimizer.lr is the AdamW-tuned rate) or original (sqrt(max(1, A/B)), Keller Jordan's)."""
+    muon_weight_decay: float = 0.0
+    """muon only: decoupled weight decay of the Muon matrices."""
 
     def check(self) -> None:
         _require(0 < self.lr <= 1.0, "optimizer.lr", f"must be in (0, 1], got {self.lr}")
+        _require(0 <= self.muon_momentum < 1, "optimizer.muon_momentum", "must be in [0, 1)")
+        _require(0 <= self.muon_weight_decay <= 1.0, "optimizer.muon_weight_decay", "must be in [0, 1]")
         _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optimizer.beta1/beta2", "must be in [0, 1)")
         _require(0 <= self.weight_decay <= 1.0, "optimizer.weight_decay", "must be in [0, 1]")
         _require(self.grad_clip > 0, "optimizer.grad_clip", "must be > 0")
@@ -352,14 +405,26 @@ class OptimizerConfig(_Section):
 @dataclass(kw_only=True, slots=True)
 class ScheduleConfig(_Section):
     NAME = "schedule"
+    name: ScheduleName = "cosine"
+    """cosine (warmup, then cosine to the end) or wsd (warmup, stable at the peak, then a
+    decay over the last decay_ratio of the planned steps): drafter/schedule.py."""
     warmup_ratio: float = 0.04
     """Fraction of the planned steps of linear warmup."""
     min_lr_ratio: float = 0.0
-    """The cosine schedule ends at optimizer.lr * min_lr_ratio."""
+    """The schedule ends at optimizer.lr * min_lr_ratio."""
+    decay_ratio: float = 0.2
+    """wsd only: fraction of the planned steps of the final decay."""
+    decay_shape: DecayShape = "linear"
+    """wsd only: the decay's curve from 1 to min_lr_ratio: linear, cosine, or sqrt
+    (1 - sqrt(progress), the "1-sqrt" cooldown)."""
 
     def check(self) -> None:
         _require(0.0 <= self.warmup_ratio < 1.0, "schedule.warmup_ratio", "must be in [0, 1)")
         _require(0.0 <= self.min_lr_ratio <= 1.0, "schedule.min_lr_ratio", "must be in [0, 1]")
+        _require(0.0 < self.decay_ratio <= 1.0, "schedule.decay_ratio", "must be in (0, 1]")
+        _require(self.name != "wsd" or self.warmup_ratio + self.decay_ratio <= 1.0, "schedule.decay_ratio",
+                 f"warmup_ratio + decay_ratio = {self.warmup_ratio + self.decay_ratio:g} exceeds 1 "
+                 f"(the planned steps)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -520,6 +585,9 @@ class JobConfig:
             _require(len(set(self.drafter.devices)) == self.drafter.num_workers, "drafter.sharding",
                      f"fsdp needs one GPU per drafter (drafter.devices={self.drafter.devices} for "
                      f"{self.drafter.num_workers} drafters); use drafter.sharding: none when drafters share GPUs")
+        # Muon orthogonalises whole matrices; under FSDP each rank holds a shard of each.
+        _require(not (self.optimizer.name == "muon" and self.drafter.sharding == "fsdp"), "optimizer.name",
+                 "muon needs whole matrices on every rank: use drafter.sharding: none with it, or optimizer.name: adamw")
         if self.run.num_nodes > 1:
             _require(self.dispatch.address.startswith("tcp://"), "dispatch.address",
                      f"run.num_nodes={self.run.num_nodes}: the dispatcher must listen on tcp://HOST:PORT "

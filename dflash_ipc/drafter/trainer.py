@@ -34,7 +34,9 @@ from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.drafter.sharding import full_state, load_full_state, shard_model, total_norm
 from dflash_ipc.drafter.objective import (anchor_generator, build_training_batch, sample_anchors,
                                           weighted_ce_sum)
+from dflash_ipc.drafter.optimizers import build_optimizer
 from dflash_ipc.drafter.precision import apply_precision, next_step
+from dflash_ipc.drafter.schedule import schedule_lambda
 from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.drafter.training_state import read_training_state, write_training_state
 from dflash_ipc.config.dtypes import TORCH_DTYPES
@@ -83,18 +85,6 @@ def take_anchors(fifo: collections.deque, budget: int) -> list[tuple[Sequence, i
     return chosen
 
 
-def lr_lambda(total_steps: int, warmup_ratio: float, min_lr_ratio: float):
-    """Linear warmup, then cosine from 1 to min_lr_ratio, flat after the last planned step."""
-    warmup = max(1, round(total_steps * warmup_ratio)) if warmup_ratio > 0 else 0
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return factor
-
-
 class DrafterTrainer:
     def __init__(self, cfg: JobConfig, model_config: DFlashConfig, head: FrozenTargetHead, *,
                  device: str, total_steps: int, group=None) -> None:
@@ -118,12 +108,8 @@ class DrafterTrainer:
         self.compute_dtype = TORCH_DTYPES[cfg.drafter.dtype]
         self.backend = cfg.drafter.attention if cfg.drafter.attention != "auto" else (
             "flex" if self.device.type == "cuda" else "dense")
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        opt = cfg.optimizer
-        self.optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=(opt.beta1, opt.beta2),
-                                           weight_decay=opt.weight_decay, fused=self.device.type == "cuda")
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(total_steps, cfg.schedule.warmup_ratio, cfg.schedule.min_lr_ratio))
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule_lambda(cfg.schedule, total_steps))
         self.total_steps = total_steps
         self.step_count = 0
 

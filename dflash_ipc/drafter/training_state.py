@@ -1,7 +1,9 @@
 """A drafter's training state as data: tensors in safetensors, everything else in JSON.
 
     tensors: model.<name>                  float32 master weights
-             optimizer.<param index>.<key>  AdamW moments and step counters
+             optimizer.<param index>.<key>  AdamW moments and step counters, Muon momentum
+                                            (parameters numbered across param groups:
+                                            drafter/optimizers.py for Muon + AdamW)
              rng.torch                      the CPU RNG state
     json:    step, total_steps, scheduler, optimizer param_groups and the non-tensor per-
              parameter state, and `extra` (what the checkpoint commits, sequence by sequence)
@@ -25,7 +27,10 @@ from dflash_ipc.run.checkpoints import STATE_JSON, STATE_TENSORS, read_json_file
 from dflash_ipc.errors import DamagedCheckpointError
 
 FORMAT = 1
-ADAMW_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+# Per-parameter state keys of the optimizers the drafter uses (drafter/optimizers.py).
+OPTIMIZER_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq",  # AdamW
+                        "momentum_buffer")                                   # Muon
+SIGNED_GROUP_KEYS = ("ns_coefficients",)  # Muon's Newton-Schulz polynomial (3.4445, -4.775, 2.0315)
 
 
 def write_training_state(directory: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -142,8 +147,13 @@ def _optimizer_state(path: str, json_path: str, tensors: dict, meta: dict, optim
             [g["params"] for g in live_groups]:
         raise DamagedCheckpointError(f"{json_path}: optimizer parameter groups differ from this drafter's")
     for i, (group, live) in enumerate(zip(groups, live_groups)):
-        _check_like({k: v for k, v in group.items() if k != "params"}, {k: v for k, v in live.items() if k != "params"},
-                    f"{json_path}: param_groups[{i}]", flags=True, low=0.0)
+        if not isinstance(group, dict):
+            raise DamagedCheckpointError(f"{json_path}: param_groups[{i}]: expected an object")
+        for key, value in group.items():  # rates, decays, betas are >= 0; Muon's polynomial is signed
+            if key != "params":
+                _check_like({key: value}, {k: v for k, v in live.items() if k != "params"},
+                            f"{json_path}: param_groups[{i}]", flags=True,
+                            low=-math.inf if key in SIGNED_GROUP_KEYS else 0.0)
     params = {i: p for group, live in zip(optimizer.param_groups, live_groups) for i, p in zip(live["params"], group["params"])}
     state: dict[int, dict] = {}
     for name, t in tensors.items():
@@ -153,27 +163,28 @@ def _optimizer_state(path: str, json_path: str, tensors: dict, meta: dict, optim
         target = params[index]
         want = () if key == "step" else tuple(target.shape)
         if tuple(t.shape) != want or not t.dtype.is_floating_point:
-            raise DamagedCheckpointError(f"{path}: {name} is {t.dtype} {tuple(t.shape)}, AdamW keeps a float "
-                                         f"{want}")
+            raise DamagedCheckpointError(f"{path}: {name} is {t.dtype} {tuple(t.shape)}, the optimizer keeps a "
+                                         f"float {want}")
         state.setdefault(index, {})[key] = t.to(device) if key != "step" else t
     plain_state = meta.get("optimizer_plain_state") or {}
     if not isinstance(plain_state, dict):
         raise DamagedCheckpointError(f"{json_path}: optimizer_plain_state must be an object")
     for index, plain in plain_state.items():
-        _check_like(plain, dict.fromkeys(ADAMW_STATE_KEYS, 0.0), f"{json_path}: optimizer_plain_state.{index:.20}")
+        _check_like(plain, dict.fromkeys(OPTIMIZER_STATE_KEYS, 0.0), f"{json_path}: optimizer_plain_state.{index:.20}")
         state.setdefault(_state_key(json_path, f"optimizer.{index}.step", params)[0], {}).update(plain)
-    for group in groups:
-        if isinstance(group.get("betas"), list):
-            group["betas"] = tuple(group["betas"])
+    for group, live in zip(groups, live_groups):  # JSON has no tuples: betas, ns_coefficients
+        for key, value in live.items():
+            if isinstance(value, tuple) and isinstance(group.get(key), list):
+                group[key] = tuple(group[key])
     return {"state": state, "param_groups": groups}
 
 
 def _state_key(path: str, name: str, params: dict) -> tuple[int, str]:
-    """(parameter index, AdamW state key) of `optimizer.<index>.<key>`."""
+    """(parameter index, optimizer state key) of `optimizer.<index>.<key>`."""
     _, index, key = (name.split(".", 2) + ["", ""])[:3]
-    if not index.isdigit() or int(index) not in params or key not in ADAMW_STATE_KEYS:
-        raise DamagedCheckpointError(f"{path}: {name[:80]!r} names no AdamW state of a parameter "
-                                     f"(optimizer.<0..{len(params) - 1}>.<{'|'.join(ADAMW_STATE_KEYS)}>)")
+    if not index.isdigit() or int(index) not in params or key not in OPTIMIZER_STATE_KEYS:
+        raise DamagedCheckpointError(f"{path}: {name[:80]!r} names no optimizer state of a parameter "
+                                     f"(optimizer.<0..{len(params) - 1}>.<{'|'.join(OPTIMIZER_STATE_KEYS)}>)")
     return int(index), key
 
 

@@ -1,0 +1,142 @@
+"""The drafter's optimizer: AdamW for everything, or Muon for the hidden matrices.
+
+`optimizer.name: muon` uses torch's own ``torch.optim.Muon`` (torch >= 2.9): momentum, then
+the update orthogonalised by a Newton-Schulz iteration, for the 2-D weight matrices of the
+decoder layers (q/k/v/o and gate/up/down projections). Muon is defined for hidden matrices
+only, so AdamW keeps the rest: the RMSNorm weights (1-D) and ``fc``, the input projection
+of the concatenated target features (Keller Jordan's rule: the input and output layers of
+a network stay with AdamW; the LM head and embedding are the target's, frozen).
+
+The two are one :class:`ChainedOptimizer`, a ``torch.optim.Optimizer`` whose param groups
+are its parts' (Muon's first), so the LR scheduler scales both and the checkpoint
+(training_state.py) stores one state dict, numbered as a single optimizer with several
+param groups would number it. With ``muon_adjust_lr: match_rms_adamw`` torch scales each
+matrix's step to AdamW's update RMS (0.2 * sqrt(max(A, B))), so optimizer.lr keeps its
+AdamW meaning for both parts.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from dflash_ipc.config.schema import OptimizerConfig
+from dflash_ipc.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+MUON_MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def muon_class() -> type[torch.optim.Optimizer]:
+    """``torch.optim.Muon``, or a ConfigError naming the torch that has it."""
+    muon = getattr(torch.optim, "Muon", None)
+    if muon is None:
+        raise ConfigError(f"optimizer.name=muon needs torch.optim.Muon (torch >= 2.9); this torch is "
+                          f"{torch.__version__}: upgrade torch or use optimizer.name=adamw")
+    return muon
+
+
+def split_parameters(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+    """(Muon's, AdamW's) trainable (name, parameter) pairs, in ``named_parameters`` order.
+
+    Muon's: the 2-D ``weight`` of every decoder layer's attention and MLP projections.
+    Everything else (norms, fc, any 1-D or other tensor) is AdamW's.
+    """
+    muon, adamw = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        module, _, leaf = name.rpartition(".")
+        hidden = leaf == "weight" and module.startswith("layers.") and module.split(".", 2)[-1] in MUON_MATRICES
+        (muon if hidden and param.ndim == 2 else adamw).append((name, param))
+    return muon, adamw
+
+
+class ChainedOptimizer(torch.optim.Optimizer):
+    """Several optimizers over disjoint parameters, stepped together, seen as one.
+
+    ``param_groups`` is the list of the parts' groups (the same dicts, so a scheduler's
+    writes reach the parts); ``state_dict`` numbers the parameters across the parts in
+    that order, the format of one optimizer with several groups.
+    """
+
+    def __init__(self, parts: list[torch.optim.Optimizer]) -> None:
+        if not parts:
+            raise ValueError("ChainedOptimizer needs at least one optimizer")
+        params = [p for part in parts for group in part.param_groups for p in group["params"]]
+        super().__init__(params, {})  # the base's bookkeeping (hooks, duplicate check)
+        self.parts = parts
+        self._share_groups()
+
+    def _share_groups(self) -> None:
+        self.param_groups = [group for part in self.parts for group in part.param_groups]
+        self.state = self.parts[0].state if len(self.parts) == 1 else _MergedState(self.parts)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D102
+        if closure is not None:
+            raise ValueError("ChainedOptimizer.step takes no closure")
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:  # noqa: D102
+        state, groups, offset = {}, [], 0
+        for part in self.parts:
+            sd = part.state_dict()
+            groups += [{**g, "params": [i + offset for i in g["params"]]} for g in sd["param_groups"]]
+            state.update({i + offset: v for i, v in sd["state"].items()})
+            offset += sum(len(g["params"]) for g in part.param_groups)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:  # noqa: D102
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"state dict has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
+        first_group, offset = 0, 0
+        for part in self.parts:
+            mine = groups[first_group:first_group + len(part.param_groups)]
+            count = sum(len(g["params"]) for g in part.param_groups)
+            part.load_state_dict({
+                "param_groups": [{**g, "params": [i - offset for i in g["params"]]} for g in mine],
+                "state": {i - offset: v for i, v in state_dict["state"].items() if offset <= i < offset + count},
+            })
+            first_group += len(part.param_groups)
+            offset += count
+        self._share_groups()  # load_state_dict gave the parts new group dicts
+
+
+class _MergedState(dict):
+    """Read-only view of the parts' per-parameter state (what ``optimizer.state[p]`` readers see)."""
+
+    def __init__(self, parts: list[torch.optim.Optimizer]) -> None:
+        super().__init__()
+        for part in parts:
+            self.update(part.state)
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer ``cfg.name`` asks for over the model's trainable parameters."""
+    fused = device.type == "cuda"
+    adamw_kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay, fused=fused)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **adamw_kw)
+    if cfg.name != "muon":
+        raise ConfigError(f"optimizer.name: {cfg.name!r} not allowed; allowed: adamw, muon")
+    muon_cls = muon_class()
+    matrices, rest = split_parameters(model)
+    if not matrices:
+        raise ConfigError("optimizer.name=muon: the drafter has no decoder-layer matrices to give Muon")
+    muon = muon_cls([p for _, p in matrices], lr=cfg.lr, weight_decay=cfg.muon_weight_decay,
+                    momentum=cfg.muon_momentum, nesterov=True, adjust_lr_fn=cfg.muon_adjust_lr)
+    parts = [muon] + ([torch.optim.AdamW([p for _, p in rest], **adamw_kw)] if rest else [])
+    logger.info("optimizer: Muon for %d matrices (%.1fM), AdamW for %d other tensors (%.1fM)", len(matrices),
+                sum(p.numel() for _, p in matrices) / 1e6, len(rest), sum(p.numel() for _, p in rest) / 1e6)
+    return ChainedOptimizer(parts)
