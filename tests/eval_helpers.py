@@ -19,10 +19,11 @@ LAYER_IDS = [1, 2]
 BS = 16
 
 
-def drafter_config(target_dir, *, block_size=BS, num_layers=2) -> DFlashConfig:
+def drafter_config(target_dir, *, block_size=BS, num_layers=2, layer_types=None, sliding_window=None) -> DFlashConfig:
     mask_id = AutoTokenizer.from_pretrained(target_dir).mask_token_id
     return DFlashConfig.from_target_config(AutoConfig.from_pretrained(target_dir), num_draft_layers=num_layers,
-                                           block_size=block_size, mask_token_id=mask_id, target_layer_ids=LAYER_IDS)
+                                           block_size=block_size, mask_token_id=mask_id, target_layer_ids=LAYER_IDS,
+                                           layer_types=layer_types, sliding_window=sliding_window)
 
 
 def random_drafter(target_dir, seed=0, **kwargs) -> DFlashDraftModel:

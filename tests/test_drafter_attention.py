@@ -1,5 +1,7 @@
 """Masks of the drafter: dense == brute force, flex BlockMask == dense, kernels agree."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,8 +34,9 @@ def make_layout(lengths: list[int], anchors: list[list[int]], bs: int) -> BlockL
                        ctx_seq=i32(c_seq), ctx_pos=i32(c_pos), cu_seqlens=i32(cu), block_size=bs)
 
 
-def brute_force_mask(lengths: list[int], anchors: list[list[int]], bs: int) -> torch.Tensor:
-    """The rule in words, one (query, key) pair at a time."""
+def brute_force_mask(lengths: list[int], anchors: list[list[int]], bs: int, window: int | None = None) -> torch.Tensor:
+    """The rule in words, one (query, key) pair at a time; ``window``: HF's sliding rule on
+    absolute positions (query i sees key j iff 0 <= i - j < window) on top of it."""
     num_ctx = sum(lengths)
     blocks = [(s, a) for s, seq_anchors in enumerate(anchors) for a in seq_anchors]
     keys = [(s, p) for s, n in enumerate(lengths) for p in range(n)]
@@ -43,11 +46,13 @@ def brute_force_mask(lengths: list[int], anchors: list[list[int]], bs: int) -> t
         b = qi // bs
         s, a = blocks[b]
         for kj in range(num_ctx + q):
+            i = a + qi % bs  # the query's position in its sequence
             if kj < num_ctx:
                 ks, kp = keys[kj]
-                mask[qi, kj] = ks == s and kp < a
+                mask[qi, kj] = ks == s and kp < a and (window is None or 0 <= i - kp < window)
             else:
-                mask[qi, kj] = (kj - num_ctx) // bs == b
+                j = blocks[(kj - num_ctx) // bs][1] + (kj - num_ctx) % bs
+                mask[qi, kj] = (kj - num_ctx) // bs == b and (window is None or 0 <= i - j < window)
     return mask
 
 
@@ -65,6 +70,29 @@ def test_dense_mask_matches_brute_force(lengths, anchors, bs):
     layout = make_layout(lengths, anchors, bs)
     layout.check()
     assert torch.equal(dense_mask(layout), brute_force_mask(lengths, anchors, bs))
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 5, 100])
+@pytest.mark.parametrize("lengths,anchors,bs", CASES)
+def test_sliding_window_dense_mask_matches_brute_force(lengths, anchors, bs, window):
+    layout = make_layout(lengths, anchors, bs)
+    assert torch.equal(dense_mask(layout, window), brute_force_mask(lengths, anchors, bs, window))
+
+
+def test_sliding_window_spot_values():
+    # one sequence of 9, bs 3, anchor 6, window 4: query k=0 (pos 6) sees context 3..5 and
+    # itself, query k=2 (pos 8) context 5 and block slots 0..2: causal, 4 keys each.
+    layout = make_layout([9], [[6]], 3)
+    m = dense_mask(layout, window=4)
+    assert m[0, :9].tolist() == [False] * 3 + [True] * 3 + [False] * 3
+    assert m[2, :9].tolist() == [False] * 5 + [True] + [False] * 3
+    assert m[:, 9:].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    huge = dense_mask(layout, window=10**6)  # a window past the sequence: causal full attention
+    assert torch.equal(huge[:, :9], dense_mask(layout)[:, :9]) and torch.equal(huge[:, 9:], m[:, 9:])
+    m = dense_mask(layout, window=1)  # a query sees itself only
+    assert not m[:, :9].any() and torch.equal(m[:, 9:], torch.eye(3, dtype=torch.bool))
+    with pytest.raises(ConfigError, match="sliding window 0 must be an integer >= 1"):
+        dense_mask(make_layout([9], [[6]], 3), window=0)
 
 
 def test_dense_mask_spot_values():
@@ -129,6 +157,33 @@ def test_flex_tile_flags_match_dense_reduction(bs):
     assert torch.equal(full, want_full)
 
 
+def _mask_mod_dense(bm, q: int, k: int) -> torch.Tensor:
+    """Evaluates a BlockMask's mask_mod on every (query, key) pair."""
+    zero = torch.zeros((), dtype=torch.int32)
+    return bm.mask_mod(zero, zero, torch.arange(q, dtype=torch.int32)[:, None],
+                       torch.arange(k, dtype=torch.int32)[None, :])
+
+
+@pytest.mark.parametrize("window", [1, 9, 130, 300])
+@pytest.mark.parametrize("bs", [16, 128, 10, 7])
+def test_sliding_window_flex_mask_covers_the_dense_mask(bs, window):
+    """Tiles: exact where every block lies in one query tile (bs divides 128), otherwise a
+    superset of the visible pairs (partial | full) with only truly full tiles called full;
+    the mask_mod is the dense mask pair by pair."""
+    layout, _, _ = big_layout(bs=bs, per_seq=37 if bs < 128 else 5)
+    dense = dense_mask(layout, window)
+    partial, full = att.flex_tile_flags(layout, window=window)
+    want_partial, want_full = tile_reduce(dense)
+    if 128 % bs == 0:
+        assert torch.equal(partial, want_partial) and torch.equal(full, want_full)
+    assert not (want_partial & ~(partial | full)).any() and not (full & ~want_full).any()
+    assert not ((want_full & ~full) & ~partial).any()  # a full tile is at least partial
+    bm = flex_block_mask(layout, window=window)
+    assert torch.equal(_mask_mod_dense(bm, layout.num_queries, layout.num_ctx + layout.num_queries), dense)
+    if window < 300:
+        assert not torch.equal(dense, dense_mask(layout))  # the window cuts something here
+
+
 def test_block_mask_to_dense_matches_dense_mask():
     layout, _, _ = big_layout(seed=1)
     bm = flex_block_mask(layout)
@@ -149,6 +204,25 @@ def test_flex_forward_on_cpu_matches_dense():
     with pytest.warns(UserWarning, match="without torch.compile"):
         out_flex = attention(q, k, v, build_mask(layout, "flex"))
     torch.testing.assert_close(out_flex, out_dense, rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_flex_forward_on_cpu_matches_dense_and_layer_masks_per_type():
+    layout, _, _ = big_layout(seed=4, lengths=(300, 90), per_seq=9)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(4, layout.num_queries, 16, generator=gen)
+    k = torch.randn(2, layout.num_ctx + layout.num_queries, 16, generator=gen)
+    v = torch.randn(2, layout.num_ctx + layout.num_queries, 16, generator=gen)
+    out_dense = attention(q, k, v, build_mask(layout, "dense", 40))
+    with warnings.catch_warnings():  # torch warns once per process that eager flex is slow
+        warnings.simplefilter("ignore", UserWarning)
+        out_flex = attention(q, k, v, build_mask(layout, "flex", 40))
+    torch.testing.assert_close(out_flex, out_dense, rtol=1e-5, atol=1e-5)
+    masks = att.build_layer_masks(layout, "dense", ["sliding_attention", "full_attention", "sliding_attention"], 40)
+    assert list(masks) == ["sliding_attention", "full_attention"]
+    assert torch.equal(masks["sliding_attention"], dense_mask(layout, 40))
+    assert torch.equal(masks["full_attention"], dense_mask(layout))
+    with pytest.raises(ConfigError, match="needs a sliding_window"):
+        att.build_layer_masks(layout, "dense", ["sliding_attention"], None)
 
 
 def test_dense_attention_is_masked_softmax_with_gqa():
@@ -174,7 +248,8 @@ def test_build_mask_rejects_unknown_backend_and_mask_type():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_flex_and_dense_agree_on_gpu_outputs_and_grads():
+@pytest.mark.parametrize("window", [None, 100])
+def test_flex_and_dense_agree_on_gpu_outputs_and_grads(window):
     layout, _, _ = big_layout(seed=3)
     layout = layout.to("cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -183,7 +258,7 @@ def test_flex_and_dense_agree_on_gpu_outputs_and_grads():
     results = []
     for backend in ("dense", "flex"):
         q, k, v = (t.clone().requires_grad_(True) for t in base)
-        out = attention(q, k, v, build_mask(layout, backend))
+        out = attention(q, k, v, build_mask(layout, backend, window))
         (out * torch.linspace(-1, 1, out.numel(), device="cuda").view_as(out)).sum().backward()
         results.append((out.detach(), q.grad, k.grad, v.grad))
     for dense_t, flex_t in zip(*results):

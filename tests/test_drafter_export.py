@@ -9,7 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import Qwen3Config
 
-from dflash_ipc.drafter.attention import build_mask
+from dflash_ipc.drafter.attention import build_layer_masks
 from dflash_ipc.drafter.inference_format import (
     CONFIG_KEYS,
     expected_tensor_shapes,
@@ -20,7 +20,7 @@ from dflash_ipc.drafter.inference_format import (
 )
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.drafter.objective import build_training_batch
-from dflash_ipc.errors import DataError
+from dflash_ipc.errors import ConfigError, DataError
 
 torch.set_num_threads(1)
 
@@ -87,12 +87,13 @@ def test_qwen3_8b_tensor_names_and_shapes_on_meta():
     assert not any(t.is_floating_point() and t.device.type != "meta" for t in model.parameters())
 
 
-def tiny_model(seed=0) -> DFlashDraftModel:
+def tiny_model(seed=0, layer_types=None, sliding_window=None) -> DFlashDraftModel:
     torch.manual_seed(seed)
     cfg = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=8, vocab_size=61, mask_token_id=60,
                        target_layer_ids=[0, 2], num_target_layers=3, block_size=4,
-                       rope_scaling={"rope_type": "linear", "factor": 2.0})
+                       rope_scaling={"rope_type": "linear", "factor": 2.0}, layer_types=layer_types,
+                       sliding_window=sliding_window)
     model = DFlashDraftModel(cfg)
     with torch.no_grad():
         for p in model.parameters():
@@ -113,7 +114,7 @@ def forward(model):
     dtype = next(model.parameters()).dtype
     with torch.no_grad():
         return model(features.to(dtype), batch.context_positions, embeds.to(dtype), batch.block_positions,
-                     build_mask(batch.layout, "dense"))
+                     build_layer_masks(batch.layout, "dense", cfg.layer_types, cfg.sliding_window))
 
 
 def test_round_trip_float32_is_exact(tmp_path):
@@ -127,6 +128,29 @@ def test_round_trip_float32_is_exact(tmp_path):
     loaded = load_inference_checkpoint(str(out))
     assert loaded.config == model.config
     torch.testing.assert_close(forward(loaded), forward(model), rtol=0, atol=0)
+
+
+def test_sliding_layers_export_the_fields_servers_read_and_round_trip(tmp_path):
+    """layer_types per layer and sliding_window (SGLang, vLLM), use_sliding_window (without it
+    transformers' Qwen3Config drops the window); the model reads back with its layer types."""
+    model = tiny_model(layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    d = inference_config(model.config)
+    assert d["layer_types"] == ["sliding_attention", "full_attention"]
+    assert (d["use_sliding_window"], d["sliding_window"]) == (True, 5)
+    hf = Qwen3Config.from_dict(d)
+    assert hf.layer_types == ["sliding_attention", "full_attention"] and hf.sliding_window == 5
+    out = tmp_path / "export"
+    save_inference_checkpoint(model, str(out), dtype=torch.float32)
+    loaded = load_inference_checkpoint(str(out))
+    assert loaded.config == model.config and [layer.layer_type for layer in loaded.layers] == d["layer_types"]
+    torch.testing.assert_close(forward(loaded), forward(model), rtol=0, atol=0)
+    assert not torch.equal(forward(model), forward(tiny_model()))  # the window changed the output
+    d["use_sliding_window"] = False
+    with pytest.raises(ConfigError, match="sliding_attention layers but use_sliding_window is false"):
+        DFlashConfig.from_hf_dict(d)
+    with pytest.raises(ConfigError, match="drafter layers of type \\['sliding_attention'\\] got no mask"):
+        model(torch.zeros(2, 64), torch.arange(2), torch.zeros(4, 32), torch.arange(2, 6),
+              torch.ones(4, 6, dtype=torch.bool))
 
 
 def test_round_trip_bfloat16_and_overwrite(tmp_path):

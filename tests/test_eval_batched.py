@@ -166,10 +166,13 @@ def test_band_masks():
     assert sliding.int().tolist() == [[0, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 0]]
 
 
-def test_drafter_context_equals_the_training_forward(target_dir, legacy):
+@pytest.mark.parametrize("window", [None, 6, 11])
+def test_drafter_context_equals_the_training_forward(target_dir, legacy, window):
     """Context appended in pieces (a prefill, then verified blocks), blocks drafted for several
-    rows at once: the block's hidden states are those of the model's own (training) forward."""
-    model = random_drafter(target_dir, seed=3, block_size=8)
+    rows at once: the block's hidden states are those of the model's own (training) forward;
+    also with a sliding_attention layer (windows below and above the block size)."""
+    kinds = None if window is None else ["sliding_attention", "full_attention"]
+    model = random_drafter(target_dir, seed=3, block_size=8, layer_types=kinds, sliding_window=window)
     context = DrafterContext(model, legacy.head)
     proposer = DFlashProposer(model, legacy.head)
     rng = np.random.default_rng(1)

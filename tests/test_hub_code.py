@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from transformers import AutoModel, AutoModelForCausalLM
 
 from dflash_ipc.cli import main
-from dflash_ipc.drafter.attention import BlockLayout, build_mask
+from dflash_ipc.drafter.attention import BlockLayout, build_layer_masks
 from dflash_ipc.drafter.inference_format import save_inference_checkpoint
 from dflash_ipc.export.hub_code import add_hub_code
 from test_drafter_export import tiny_model
@@ -36,12 +36,18 @@ def _one_block(model, features, embeds):
     layout = BlockLayout(query_seq=zeros, query_anchor=zeros + s, query_block=zeros,
                          ctx_seq=torch.zeros(s, dtype=torch.int32), ctx_pos=torch.arange(s, dtype=torch.int32),
                          cu_seqlens=torch.tensor([0, s], dtype=torch.int32), block_size=bs)
-    return model(features, torch.arange(s), embeds, torch.arange(s, s + bs), build_mask(layout, "dense"))
+    masks = build_layer_masks(layout, "dense", model.config.layer_types, model.config.sliding_window)
+    return model(features, torch.arange(s), embeds, torch.arange(s, s + bs), masks)
 
 
+SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5}
+
+
+@pytest.mark.parametrize("layers", ["full", "sliding"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_hub_model_loads_and_matches_the_trainer_drafter_exactly(tmp_path, dtype):
-    model = tiny_model(seed=4).eval()  # linear RoPE scaling, norms away from 1
+def test_hub_model_loads_and_matches_the_trainer_drafter_exactly(tmp_path, dtype, layers):
+    kinds = SLIDING if layers == "sliding" else {}
+    model = tiny_model(seed=4, **kinds).eval()  # linear RoPE scaling, norms away from 1
     out = tmp_path / "export"
     save_inference_checkpoint(model, str(out), dtype=dtype, extras=add_hub_code)
     hub = AutoModel.from_pretrained(str(out), trust_remote_code=True, dtype=dtype).eval()
@@ -56,6 +62,35 @@ def test_hub_model_loads_and_matches_the_trainer_drafter_exactly(tmp_path, dtype
         embeds = torch.randn(4, 32, generator=gen).to(dtype)
         with torch.no_grad():
             torch.testing.assert_close(hub(features, embeds), _one_block(reference, features, embeds), rtol=0, atol=0)
+
+
+def test_a_sliding_window_export_generates_losslessly_through_the_model_card_path(tiny_cache, tmp_path):
+    """The model card's transformers path on an export with a sliding layer (window 6 < the
+    block of 8 and the prompts): spec_generate's tokens are the target's own greedy ones,
+    and its blocks are what the trainer's drafter drafts (eval's unbatched proposer)."""
+    import os
+
+    from eval_helpers import random_drafter, reference_greedy
+    from dflash_ipc.eval.unbatched import DFlashProposer, TargetLM, speculative_generate
+    target_dir = os.path.join(tiny_cache, "tiny-target")
+    model = random_drafter(target_dir, seed=2, block_size=8, layer_types=["sliding_attention", "full_attention"],
+                           sliding_window=6)
+    out = tmp_path / "export"
+    save_inference_checkpoint(model, str(out), dtype=torch.float32, extras=add_hub_code)
+    draft = AutoModel.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32).eval()
+    assert [layer.self_attn.window for layer in draft.layers] == [6, None]
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    legacy = TargetLM(target_dir, layer_ids=model.config.target_layer_ids, device="cpu", dtype="float32")
+    proposer = DFlashProposer(model, legacy.head)
+    gen = torch.Generator().manual_seed(5)
+    for n in (3, 17):
+        prompt = torch.randint(10, 1000, (n,), generator=gen)
+        ids, stats = draft.spec_generate(target, prompt[None], max_new_tokens=20,
+                                         stop_token_ids=sorted(legacy.stop_token_ids), return_stats=True)
+        assert ids[0, n:].tolist() == reference_greedy(legacy, prompt, 20)
+        reference = speculative_generate(legacy, proposer, prompt, max_new_tokens=20)
+        assert len(stats["acceptance_lengths"]) == reference.stats.num_cycles
+        assert sum(stats["acceptance_lengths"]) == reference.stats.num_committed
 
 
 def test_spec_generate_refuses_sampling(tmp_path):

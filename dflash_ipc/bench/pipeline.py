@@ -232,7 +232,8 @@ def drafter_capacity(cfg: JobConfig, *, seconds: float, warmup_s: float) -> dict
                         "the drafter cannot train on it")
     model_config = DFlashConfig.from_target_config(
         load_target_config(cfg.target.path), num_draft_layers=cfg.model.num_layers, block_size=cfg.model.block_size,
-        mask_token_id=cfg.model.mask_token_id, target_layer_ids=cfg.model.target_layer_ids)
+        mask_token_id=cfg.model.mask_token_id, target_layer_ids=cfg.model.target_layer_ids,
+        layer_types=cfg.model.layer_types, sliding_window=cfg.model.sliding_window)
     head = FrozenTargetHead.from_pretrained(cfg.target.path, dtype=TORCH_DTYPES[cfg.drafter.dtype], device=device)
     total = estimate_total_steps(dataset, cfg.objective, num_epochs=cfg.data.num_epochs, world_size=1)
     trainer = DrafterTrainer(cfg, model_config, head, device=device, total_steps=total)

@@ -12,6 +12,18 @@ context key has ``block = -1`` and a block key has ``seq = -1``:
     visible(q, kv) = (key_seq[kv] == q_seq[q] & key_pos[kv] < q_anchor[q])
                    | (key_block[kv] == q_block[q])
 
+A ``sliding_attention`` layer with window ``w`` adds HF transformers' sliding-window rule
+(causal and windowed) on absolute positions, query i = anchor + k (k = its offset in the
+block) and key j (a context key's position, or a block key's anchor + offset):
+
+    visible_w(q, kv) = visible(q, kv) & (0 <= i - j < w)
+
+so block slot k sees its block's slots 0..k and the context ``[i - w + 1, anchor)``: w keys
+at most, the block's included. That is what the servers run for a sliding DFlash layer
+(SGLang: a causal RadixAttention with window w - 1; vLLM: causal iff the layer slides,
+FlashAttention window (w - 1, 0)) and what SpecForge trains; full_attention layers keep the
+bidirectional block. Layers of one type share one mask: :func:`build_layer_masks`.
+
 Two equivalent backends:
 
 * ``dense``: a bool ``[Q, T_ctx + Q]`` mask for ``scaled_dot_product_attention``. Used on
@@ -127,14 +139,36 @@ def _key_tables(layout: BlockLayout) -> tuple[Tensor, Tensor, Tensor]:
     return key_seq, key_pos, key_block
 
 
-def dense_mask(layout: BlockLayout) -> Tensor:
-    """Bool ``[Q, T_ctx + Q]`` mask, True where the query may attend to the key."""
+def query_positions(layout: BlockLayout) -> Tensor:
+    """``[Q]`` int32: absolute position of every query, anchor + offset in its block."""
+    rows = torch.arange(layout.num_queries, device=layout.device, dtype=torch.int32)
+    return layout.query_anchor.int() + rows % layout.block_size
+
+
+def _absolute_key_positions(layout: BlockLayout) -> Tensor:
+    """``[K]`` int32: absolute position of every key (a block key sits where its query does)."""
+    return torch.cat([layout.ctx_pos.int(), query_positions(layout)])
+
+
+def _check_window(window: int | None) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ConfigError(f"sliding window {window!r} must be an integer >= 1 (or None for full attention)")
+
+
+def dense_mask(layout: BlockLayout, window: int | None = None) -> Tensor:
+    """Bool ``[Q, T_ctx + Q]`` mask, True where the query may attend to the key; ``window``:
+    a sliding_attention layer's (see the module docstring), None for full attention."""
+    _check_window(window)
     key_seq, key_pos, key_block = _key_tables(layout)
     qs = layout.query_seq.int()[:, None]  # [Q, 1]
     qa = layout.query_anchor.int()[:, None]
     qb = layout.query_block.int()[:, None]
     ctx_ok = (key_seq[None, :] == qs) & (key_pos[None, :] < qa)  # [Q, K]
-    return ctx_ok | (key_block[None, :] == qb)
+    visible = ctx_ok | (key_block[None, :] == qb)
+    if window is not None:
+        distance = query_positions(layout)[:, None] - _absolute_key_positions(layout)[None, :]  # [Q, K] i - j
+        visible &= (distance >= 0) & (distance < window)
+    return visible
 
 
 def _interval_overlap(lo: Tensor, hi: Tensor, tile_lo: Tensor, tile_hi: Tensor) -> Tensor:
@@ -152,30 +186,48 @@ def _tile_lists(partial: Tensor) -> tuple[Tensor, Tensor]:
     return count[None, None], order[None, None]
 
 
-def flex_tile_flags(layout: BlockLayout, tile: int = FLEX_TILE) -> tuple[Tensor, Tensor]:
+def flex_tile_flags(layout: BlockLayout, tile: int = FLEX_TILE, window: int | None = None) -> tuple[Tensor, Tensor]:
     """(partial, full) bool ``[QT, KT]``: tiles with some / with all pairs visible.
 
-    All queries of a block share one visibility row, so rows are computed per block
-    (``[num_blocks, KT]``), and a query tile reduces over the contiguous run of blocks
-    it intersects with prefix sums; this also covers block sizes that do not divide
-    the tile. ``partial`` excludes ``full``. A ragged last tile (query or key) is never
-    called full, so the kernel always applies the mask_mod at sequence ends.
+    Without a window all queries of a block share one visibility row, so rows are
+    computed per block (``[num_blocks, KT]``), and a query tile reduces over the
+    contiguous run of blocks it intersects with prefix sums; this also covers block sizes
+    that do not divide the tile. With a window, query k of a block (anchor a) sees the
+    context ``[a + k - w + 1, a)`` and block offsets ``k - w + 1 .. k``: a block's "some
+    visible" row takes the union over its queries (context from k = 0, the whole block)
+    and its "all visible" row the intersection (context from k = bs - 1, block offset 0
+    when w >= bs); exact when every block lies inside one query tile (block sizes dividing
+    the tile), conservative otherwise (a tile may be called partial where it is empty or
+    full: the mask_mod still decides every pair). ``partial`` excludes
+    ``full``. A ragged last tile (query or key) is never called full, so the kernel
+    always applies the mask_mod at sequence ends.
     """
+    _check_window(window)
     q, t, bs = layout.num_queries, layout.num_ctx, layout.block_size
     k, nb = t + q, q // bs
     dev = layout.device
     qt, kt = -(-q // tile), -(-k // tile)
     cu = layout.cu_seqlens.long()
-    ctx_lo = cu[layout.query_seq[::bs].long()]  # [B] first context key of the block's sequence
-    ctx_hi = ctx_lo + layout.query_anchor[::bs].long()  # [B] positions < anchor
+    seq_lo = cu[layout.query_seq[::bs].long()]  # [B] first context key of the block's sequence
+    anchor = layout.query_anchor[::bs].long()  # [B]
+    ctx_hi = seq_lo + anchor  # [B] positions < anchor
     blk_lo = t + torch.arange(nb, device=dev) * bs  # [B] the block's own keys
     tile_lo = torch.arange(kt, device=dev) * tile  # [KT]
     tile_hi = (tile_lo + tile).clamp_max(k)
-    seen = _interval_overlap(ctx_lo, ctx_hi, tile_lo, tile_hi)  # [B, KT]
-    seen += _interval_overlap(blk_lo, blk_lo + bs, tile_lo, tile_hi)
+    if window is None:
+        any_lo = all_lo = seq_lo
+        blk_all_hi = blk_lo + bs
+    else:  # the first visible context position of the block's first and of its last query
+        any_lo = seq_lo + (anchor - window + 1).clamp_min(0)
+        all_lo = seq_lo + (anchor + bs - window).clamp_min(0)
+        blk_all_hi = blk_lo + (1 if window >= bs else 0)  # causal: only slot 0 is seen by all
+    seen_any = _interval_overlap(any_lo, ctx_hi, tile_lo, tile_hi)  # [B, KT]
+    seen_any += _interval_overlap(blk_lo, blk_lo + bs, tile_lo, tile_hi)
+    seen_all = _interval_overlap(torch.minimum(all_lo, ctx_hi), ctx_hi, tile_lo, tile_hi)
+    seen_all += _interval_overlap(blk_lo, blk_all_hi, tile_lo, tile_hi)
     zero = torch.zeros(1, kt, dtype=torch.int32, device=dev)
-    any_cum = torch.cat([zero, (seen > 0).int().cumsum(0, dtype=torch.int32)])  # [B+1, KT]
-    all_cum = torch.cat([zero, (seen == (tile_hi - tile_lo)).int().cumsum(0, dtype=torch.int32)])
+    any_cum = torch.cat([zero, (seen_any > 0).int().cumsum(0, dtype=torch.int32)])  # [B+1, KT]
+    all_cum = torch.cat([zero, (seen_all == (tile_hi - tile_lo)).int().cumsum(0, dtype=torch.int32)])
     rows = torch.arange(qt, device=dev) * tile  # [QT] first query row of each tile
     b_lo = rows // bs  # first block touching the tile
     b_hi = ((rows + tile).clamp_max(q) + bs - 1) // bs  # one past the last block touching it
@@ -187,13 +239,15 @@ def flex_tile_flags(layout: BlockLayout, tile: int = FLEX_TILE) -> tuple[Tensor,
     return (n_any > 0) & ~full, full
 
 
-def flex_block_mask(layout: BlockLayout, device: torch.device | str | None = None) -> "BlockMask":
-    """FlexAttention BlockMask of the layout, built from tile overlap counts (no compile)."""
+def flex_block_mask(layout: BlockLayout, device: torch.device | str | None = None,
+                    window: int | None = None) -> "BlockMask":
+    """FlexAttention BlockMask of the layout, built from tile overlap counts (no compile);
+    ``window``: a sliding_attention layer's, None for full attention."""
     if BlockMask is None:  # pragma: no cover
         raise ConfigError("attention backend 'flex' needs torch.nn.attention.flex_attention (torch>=2.5)")
     if device is not None:
         layout = layout.to(device)
-    partial, full = flex_tile_flags(layout)
+    partial, full = flex_tile_flags(layout, window=window)
     kv_num, kv_idx = _tile_lists(partial)
     full_num, full_idx = _tile_lists(full)
     key_seq, key_pos, key_block = _key_tables(layout)
@@ -202,6 +256,13 @@ def flex_block_mask(layout: BlockLayout, device: torch.device | str | None = Non
     def mask_mod(b, h, q_idx, kv_idx):  # noqa: ARG001 - FlexAttention's signature
         ctx_ok = (key_seq[kv_idx] == q_seq[q_idx]) & (key_pos[kv_idx] < q_anchor[q_idx])
         return ctx_ok | (key_block[kv_idx] == q_block[q_idx])
+
+    if window is not None:
+        q_pos, key_abs, full_mod = query_positions(layout), _absolute_key_positions(layout), mask_mod
+
+        def mask_mod(b, h, q_idx, kv_idx):  # noqa: ARG001, F811 - causal and windowed on top of the rule
+            distance = q_pos[q_idx] - key_abs[kv_idx]
+            return full_mod(b, h, q_idx, kv_idx) & (distance >= 0) & (distance < window)
 
     return BlockMask.from_kv_blocks(
         kv_num,
@@ -214,13 +275,31 @@ def flex_block_mask(layout: BlockLayout, device: torch.device | str | None = Non
     )
 
 
-def build_mask(layout: BlockLayout, backend: str) -> Tensor | "BlockMask":
-    """The mask object for :func:`attention`: ``"dense"`` -> bool Tensor, ``"flex"`` -> BlockMask."""
+def build_mask(layout: BlockLayout, backend: str, window: int | None = None) -> Tensor | "BlockMask":
+    """The mask object for :func:`attention`: ``"dense"`` -> bool Tensor, ``"flex"`` -> BlockMask;
+    ``window``: a sliding_attention layer's, None for full attention."""
     if backend == "dense":
-        return dense_mask(layout)
+        return dense_mask(layout, window)
     if backend == "flex":
-        return flex_block_mask(layout)
+        return flex_block_mask(layout, window=window)
     raise ConfigError(f"attention backend {backend!r} is not one of {BACKENDS}")
+
+
+def build_layer_masks(layout: BlockLayout, backend: str, layer_types: list[str],
+                      sliding_window: int | None) -> dict[str, Tensor | "BlockMask"]:
+    """One mask per layer type the drafter has (``DFlashDraftModel.forward`` takes the dict):
+    ``full_attention`` without a window, ``sliding_attention`` with ``sliding_window``."""
+    masks = {}
+    for kind in dict.fromkeys(layer_types):
+        if kind == "full_attention":
+            masks[kind] = build_mask(layout, backend)
+        elif kind == "sliding_attention":
+            if sliding_window is None:
+                raise ConfigError("a sliding_attention layer needs a sliding_window (model.sliding_window)")
+            masks[kind] = build_mask(layout, backend, sliding_window)
+        else:
+            raise ConfigError(f"layer type {kind!r} is not one of full_attention, sliding_attention")
+    return masks
 
 
 def _flex_fn():

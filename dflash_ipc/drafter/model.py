@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from dflash_ipc.drafter.attention import attention
+from dflash_ipc.config import LAYER_TYPES
 from dflash_ipc.errors import ConfigError
 from dflash_ipc.hf.layer_ids import default_target_layer_ids
 from dflash_ipc.hf.text_stack import text_config
@@ -87,6 +88,11 @@ class DFlashConfig:
     """0-based target layers whose outputs are concatenated into the context features."""
     num_target_layers: int
     initializer_range: float = 0.02
+    layer_types: list[str] | None = None
+    """Per layer ``full_attention`` or ``sliding_attention`` (attention.py has the masks);
+    None: all full_attention."""
+    sliding_window: int | None = None
+    """Window of the sliding_attention layers (HF's: query i sees key j iff 0 <= i - j < window)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -114,6 +120,22 @@ class DFlashConfig:
                 f"DFlashConfig.target_layer_ids={self.target_layer_ids} must be non-empty ids in "
                 f"[0, {self.num_target_layers})"
             )
+        self.layer_types = list(self.layer_types or ["full_attention"] * self.num_hidden_layers)
+        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+            raise ConfigError(f"DFlashConfig.layer_types={self.layer_types} must be {self.num_hidden_layers} "
+                              f"entries of {', '.join(LAYER_TYPES)}")
+        if self.slides:
+            if isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or \
+                    self.sliding_window < 1:
+                raise ConfigError(f"DFlashConfig.sliding_window={self.sliding_window!r}: a sliding_attention "
+                                  f"layer needs an integer window >= 1")
+        else:
+            self.sliding_window = None  # a window no layer uses is not part of the model
+
+    @property
+    def slides(self) -> bool:
+        """Whether any layer is sliding_attention."""
+        return "sliding_attention" in self.layer_types
 
     @property
     def num_context_features(self) -> int:
@@ -128,6 +150,8 @@ class DFlashConfig:
         block_size: int = 16,
         mask_token_id: int,
         target_layer_ids: list[int] | None = None,
+        layer_types: list[str] | None = None,
+        sliding_window: int | None = None,
     ) -> "DFlashConfig":
         """A drafter as wide as ``target_config`` (a transformers PretrainedConfig or dict)."""
         cfg = text_config(target_config)  # a multimodal target's text_config
@@ -155,6 +179,8 @@ class DFlashConfig:
             mask_token_id=mask_token_id,
             target_layer_ids=list(target_layer_ids),
             num_target_layers=num_target_layers,
+            layer_types=layer_types,
+            sliding_window=sliding_window,
         )
 
     def rope_parameters(self) -> dict:
@@ -188,9 +214,11 @@ class DFlashConfig:
             "attention_bias": False,
             "attention_dropout": 0.0,
             "tie_word_embeddings": False,
-            "layer_types": ["full_attention"] * n,
-            "use_sliding_window": False,
-            "sliding_window": None,
+            # Serving reads these (export.py): layer_types per layer, sliding_window (SGLang,
+            # vLLM); use_sliding_window gates the window in transformers' Qwen3Config.
+            "layer_types": list(self.layer_types),
+            "use_sliding_window": self.slides,
+            "sliding_window": self.sliding_window,
             "max_window_layers": n,
             "initializer_range": self.initializer_range,
             "use_cache": True,
@@ -228,9 +256,26 @@ class DFlashConfig:
             target_layer_ids=list(need("target_layer_ids", nested=True)),
             num_target_layers=int(need("num_target_layers", nested=True)),
             initializer_range=float(d.get("initializer_range", 0.02)),
+            **_layer_types_from_hf(d, source),
         )
 
 
+
+
+def _layer_types_from_hf(d: dict, source: str) -> dict:
+    """layer_types and sliding_window of a config.json, with transformers' Qwen3Config gate:
+    without use_sliding_window the window is off (a config that names sliding layers and
+    turns the window off is refused rather than read as full attention)."""
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        return {}
+    if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+        raise ConfigError(f"{source}: layer_types must be a list of strings, got {layer_types!r:.80}")
+    window = d.get("sliding_window")
+    if "sliding_attention" in layer_types and not d.get("use_sliding_window", True):
+        raise ConfigError(f"{source}: layer_types has sliding_attention layers but use_sliding_window is false")
+    return {"layer_types": layer_types,
+            "sliding_window": int(window) if "sliding_attention" in layer_types and window is not None else None}
 
 
 def rope_inv_freq(config: DFlashConfig) -> tuple[Tensor, float]:
@@ -426,8 +471,9 @@ class DFlashMLP(nn.Module):
 class DFlashDecoderLayer(nn.Module):
     """Pre-norm block: attention with injected context KV, then SwiGLU, both residual."""
 
-    def __init__(self, config: DFlashConfig) -> None:
+    def __init__(self, config: DFlashConfig, layer_type: str = "full_attention") -> None:
         super().__init__()
+        self.layer_type = layer_type  # which of the step's masks it takes (attention.build_layer_masks)
         self.self_attn = DFlashAttention(config)
         self.mlp = DFlashMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -447,7 +493,7 @@ class DFlashDraftModel(nn.Module):
         h = config.hidden_size
         self.fc = nn.Linear(config.num_context_features * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, kind) for kind in config.layer_types)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         self.gradient_checkpointing = False
@@ -475,18 +521,33 @@ class DFlashDraftModel(nn.Module):
 
         features ``[T_ctx, n_layers*H]`` packed target features; context_positions
         ``[T_ctx]`` long; block_embeds ``[Q, H]`` target embeddings of the block tokens;
-        block_positions ``[Q]`` long; mask from ``attention.build_mask``. Returns ``[Q, H]``
-        after the final norm, ready for the target's LM head.
+        block_positions ``[Q]`` long; mask: ``attention.build_layer_masks``' dict (one mask
+        per layer type), or one ``attention.build_mask`` mask for a drafter whose layers are
+        all full_attention. Returns ``[Q, H]`` after the final norm, ready for the target's
+        LM head.
         """
+        masks = self._masks(mask)
         ctx = self.hidden_norm(self.fc(self._input(features)))  # [T_ctx, H]
         cos, sin = self.rotary(torch.cat([context_positions, block_positions]))  # [T_ctx+Q, D]
         h = self._input(block_embeds)  # [Q, H]
         for layer in self.layers:
+            layer_mask = masks[layer.layer_type]
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                h = checkpoint(layer, h, ctx, cos, sin, mask, use_reentrant=False)
+                h = checkpoint(layer, h, ctx, cos, sin, layer_mask, use_reentrant=False)
             else:
-                h = layer(h, ctx, cos, sin, mask)
+                h = layer(h, ctx, cos, sin, layer_mask)
         return self.norm(h)
+
+    def _masks(self, mask: Any) -> dict[str, Any]:
+        """The mask of each layer type; one plain mask stands for full_attention only, so a
+        sliding layer never runs on a mask without its window."""
+        if not isinstance(mask, dict):
+            mask = {"full_attention": mask}
+        missing = sorted(set(self.config.layer_types) - set(mask))
+        if missing:
+            raise ConfigError(f"drafter layers of type {missing} got no mask (masks for {sorted(mask)}): build "
+                              f"them with attention.build_layer_masks(layout, backend, layer_types, sliding_window)")
+        return mask
 
     def _input(self, x: Tensor) -> Tensor:
         """Inputs in the parameter dtype, except under autocast, which casts per op (and

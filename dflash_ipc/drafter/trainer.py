@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_ipc.config.schema import JobConfig, ObjectiveConfig
-from dflash_ipc.drafter.attention import build_mask
+from dflash_ipc.drafter.attention import build_layer_masks
 from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.drafter.inference_format import write_inference_files
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
@@ -181,7 +181,8 @@ class DrafterTrainer:
                                      mask_token_id=self.model.config.mask_token_id, gamma=self.cfg.objective.gamma)
         batch = batch.to(self.device)
         mask_started = time.perf_counter()
-        mask = build_mask(batch.layout, self.backend)
+        config = self.model.config
+        mask = build_layer_masks(batch.layout, self.backend, config.layer_types, config.sliding_window)
         mask_s = time.perf_counter() - mask_started
         features = torch.cat([s.features for s, _ in chosen])  # [T, F]
         return batch, features, mask, mask_s

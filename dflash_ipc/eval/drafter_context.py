@@ -13,7 +13,9 @@ the features of a committed position, and kept in a :class:`RowKV` per row:
 
 The block's own K/V are written to the cache at s..s+bs-1 (the verified context K/V
 overwrite them after the target's pass), so one mask ``t < s + bs`` covers both parts and
-nothing is concatenated. This is DFlashAttention.forward's math on cached context
+nothing is concatenated. A sliding_attention layer (window w) takes the band
+``i - w < t <= i`` of its query at position i instead: causal and windowed, attention.py's
+rule (cache index = position: a row's cache holds position t at index t). This is DFlashAttention.forward's math on cached context
 (tests/test_eval_batched.py checks the two agree); the module's parameters are used as
 they are, so any drafter checkpoint works.
 """
@@ -73,7 +75,7 @@ class DrafterContext:
         block_ids[:, 0] = anchors
         positions = starts[:, None] + torch.arange(bs, device=anchors.device)  # [B, bs]
         span = round_up(max_start + bs, MASK_ALIGN)
-        mask = band_mask(torch.zeros_like(positions), positions[:, -1:].expand(b, bs) + 1, span)
+        masks = self._layer_masks(positions, span)
         cos, sin = m.rotary(positions.reshape(-1))
         rows = torch.arange(b, device=anchors.device)
         h = self.head.embed(block_ids).reshape(n, -1).to(self.dtype)  # [N, H]
@@ -85,10 +87,20 @@ class DrafterContext:
             k, v = project_kv(attn, x, cos, sin)
             self.kv.write(i, rows, positions, k.view(b, bs, *k.shape[1:]), v.view(b, bs, *v.shape[1:]))
             keys, values = self.kv.view(i, span)
-            out = gqa_attention(q.view(b, bs, *q.shape[1:]).transpose(1, 2), keys, values, mask)  # [B, Hq, bs, D]
+            out = gqa_attention(q.view(b, bs, *q.shape[1:]).transpose(1, 2), keys, values,
+                                masks[layer.layer_type])  # [B, Hq, bs, D]
             h = h + attn.o_proj(out.transpose(1, 2).reshape(n, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return m.norm(h).view(b, bs, -1)
+
+    def _layer_masks(self, positions: Tensor, span: int) -> dict[str, Tensor]:
+        """``[B, 1, bs, span]`` band mask of each layer type; positions ``[B, bs]``."""
+        b, bs = positions.shape
+        masks = {"full_attention": band_mask(torch.zeros_like(positions), positions[:, -1:].expand(b, bs) + 1, span)}
+        window = self.model.config.sliding_window
+        if window is not None:
+            masks["sliding_attention"] = band_mask((positions - window + 1).clamp_min(0), positions + 1, span)
+        return masks
 
     @torch.inference_mode()
     def draft_logits(self, anchors: Tensor, starts: Tensor, max_start: int) -> Tensor:

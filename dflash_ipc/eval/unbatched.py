@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dflash_ipc.drafter.attention import BlockLayout, build_mask
+from dflash_ipc.drafter.attention import BlockLayout, build_layer_masks
 from dflash_ipc.drafter.model import DFlashDraftModel
 from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.errors import ConfigError, DataError
@@ -146,8 +146,10 @@ class DFlashProposer:
                              ctx_seq=torch.zeros(s, dtype=torch.int32, device=dev),
                              ctx_pos=torch.arange(s, dtype=torch.int32, device=dev),
                              cu_seqlens=torch.tensor([0, s], dtype=torch.int32, device=dev), block_size=bs)
+        config = self.model.config
+        masks = build_layer_masks(layout, "dense", config.layer_types, config.sliding_window)
         return self.model(features, torch.arange(s, device=dev), self.head.embed(block_ids),
-                          torch.arange(s, s + bs, device=dev), build_mask(layout, "dense"))
+                          torch.arange(s, s + bs, device=dev), masks)
 
 
 @torch.inference_mode()

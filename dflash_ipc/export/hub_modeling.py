@@ -19,6 +19,11 @@ block, op for op, so it drafts exactly what `dflash-ipc eval` drafts:
                v = v_proj([ctx; norm(h)]); h += o_proj(attention(q, k, v)); h += mlp(norm(h))
     drafts = argmax(target_lm_head(norm(h)[1:]))
 
+A full_attention layer's block sees the whole context and its whole block; a layer that
+config.json's `layer_types` calls sliding_attention sees key j from query i only if
+0 <= i - j < sliding_window (causal and windowed, on absolute positions), as SGLang and vLLM
+run it.
+
 `spec_generate` is greedy speculative decoding: draft a block from the features of every
 committed position, verify it with one target forward, commit the longest matching prefix
 plus the target's own next token. Its output is the target's greedy output (up to
@@ -59,8 +64,14 @@ class DFlashRMSNorm(nn.Module):
 
 
 class DFlashAttention(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, layer_type: str = "full_attention") -> None:
         super().__init__()
+        if layer_type not in ("full_attention", "sliding_attention"):
+            raise ValueError(f"layer type {layer_type!r}: this drafter has full_attention and sliding_attention layers")
+        self.window = int(config.sliding_window) if layer_type == "sliding_attention" else None
+        if layer_type == "sliding_attention" and (self.window is None or self.window < 1):
+            raise ValueError(f"a sliding_attention layer needs sliding_window >= 1 (use_sliding_window: true), "
+                             f"got {config.sliding_window!r}")
         h, d = config.hidden_size, config.head_dim
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
         self.q_proj = nn.Linear(h, self.heads * d, bias=False)
@@ -82,6 +93,9 @@ class DFlashAttention(nn.Module):
         # One block sees every context key and its own keys. The all-true mask is passed on
         # purpose: the same kernel as the trainer's dense path, hence the same numbers.
         visible = torch.ones(nq, nt + nq, dtype=torch.bool, device=x.device)
+        if self.window is not None:  # query i = nt + row, key j = its index: 0 <= i - j < window
+            distance = (nt + torch.arange(nq, device=x.device))[:, None] - torch.arange(nt + nq, device=x.device)
+            visible = (distance >= 0) & (distance < self.window)
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                              v.transpose(0, 1)[None], attn_mask=visible,
                                              scale=self.head_dim ** -0.5, enable_gqa=self.heads != self.kv_heads)
@@ -100,9 +114,9 @@ class DFlashMLP(nn.Module):
 
 
 class DFlashDecoderLayer(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, layer_type: str = "full_attention") -> None:
         super().__init__()
-        self.self_attn = DFlashAttention(config)
+        self.self_attn = DFlashAttention(config, layer_type)
         self.mlp = DFlashMLP(config)
         self.input_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -140,7 +154,8 @@ class DFlashDraftModel(PreTrainedModel):
         h = config.hidden_size
         self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = DFlashRMSNorm(h, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        kinds = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, kind) for kind in kinds[:config.num_hidden_layers])
         self.norm = DFlashRMSNorm(h, config.rms_norm_eps)
         self._inv_freq: dict[torch.device, tuple[Tensor, float]] = {}  # float32 always: not a buffer
         self.last_stats: dict | None = None
