@@ -1,5 +1,7 @@
 """Objective: anchors, hand-checked blocks/labels/weights, chunked weighted CE."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from dflash_ipc.drafter.objective import (
     anchor_generator,
     block_loss_weights,
     build_training_batch,
+    dpace_weights,
     sample_anchors,
     weighted_ce_sum,
 )
@@ -227,3 +230,93 @@ def test_fused_ce_inductor_equals_full_logits_on_gpu(monkeypatch):
             with torch.no_grad():
                 value = weighted_ce_sum(h, head, labels, weights, chunk_size=chunk)
             torch.testing.assert_close(value, want_loss, rtol=1e-4, atol=1e-3)
+
+
+def brute_force_dpace(q: list[float], valid: list[bool], alpha: float) -> list[float]:
+    """D-PACE's Eq. 7/8 written out: w_k = sum over valid m >= k of prod over valid i <= m of q~_i."""
+    smooth = [(1 - alpha) * x + alpha for x in q]
+    out = []
+    for k in range(len(q)):
+        if not valid[k]:
+            out.append(0.0)
+            continue
+        total = 0.0
+        for m in range(k, len(q)):
+            if valid[m]:
+                total += math.prod(smooth[i] for i in range(m + 1) if valid[i])
+        out.append(total)
+    return out
+
+
+def test_dpace_weights_by_hand():
+    # The memo's case: alpha 0.5, slots 1..3 with q = 0.9, 0.5, 0.2 (slot 0, the anchor, untrained):
+    # q~ = 0.95, 0.75, 0.6; C = 0.95, 0.7125, 0.4275; w = C_k + later C = 2.09, 1.14, 0.4275.
+    ce = -torch.log(torch.tensor([[1.0, 0.9, 0.5, 0.2]], dtype=torch.float64))
+    valid = torch.tensor([[False, True, True, True]])
+    w = dpace_weights(ce, valid, alpha=0.5)
+    assert w.tolist()[0] == pytest.approx([0.0, 2.09, 1.14, 0.4275], abs=1e-12)
+    assert float((w * ce).sum()) == pytest.approx(1.6984, abs=1e-4)
+    # A slot without a label in the middle is a factor 1 in the products and no term of the sums.
+    q = [0.3, 0.8, 0.6, 0.1, 0.7]
+    valid = [False, True, False, True, True]
+    got = dpace_weights(-torch.log(torch.tensor([q], dtype=torch.float64)), torch.tensor([valid]), alpha=0.3)
+    assert got.tolist()[0] == pytest.approx(brute_force_dpace(q, valid, 0.3), abs=1e-12)
+    assert got[0, 2] == 0 and got[0, 1] > got[0, 3] > got[0, 4] > 0
+    # alpha 1: every q~ is 1, so w_k counts the valid slots from k on (linear weights).
+    assert dpace_weights(torch.rand(1, 5), torch.tensor([valid]), 1.0).tolist()[0] == [0, 3, 0, 2, 1]
+    with pytest.raises(DataError, match=r"alpha=0.0 must be in \(0, 1\]"):
+        dpace_weights(ce, valid=torch.tensor([[True] * 4]), alpha=0.0)
+
+
+def test_dpace_batch_weights_mark_the_valid_slots():
+    ids, lm, cu = torch.arange(10), torch.ones(10, dtype=torch.bool), torch.tensor([0, 10])
+    lm[8] = False  # a label without loss
+    b = build_training_batch(ids, lm, cu, [torch.tensor([1, 7])], block_size=4, mask_token_id=0, gamma=7.0,
+                             weighting="dpace")
+    assert b.weights.view(2, 4).tolist() == [[0, 1, 1, 1], [0, 0, 1, 0]]  # slot 0; pos 8 masked; 10 outside
+    with pytest.raises(DataError, match="weighting 'uniform' is not one of"):
+        build_training_batch(ids, lm, cu, [torch.tensor([1])], block_size=4, mask_token_id=0, gamma=7.0,
+                             weighting="uniform")
+
+
+@pytest.mark.parametrize("chunk", [3, 64])
+def test_weighted_ce_sum_with_dpace_is_the_formula_and_its_gradient(chunk):
+    """Value: sum of w * CE with w from the brute-force formula on the rows' own CE; gradient:
+    autograd of the same sum with w held constant (w is detached in D-PACE)."""
+    gen = torch.Generator().manual_seed(5)
+    head = FrozenTargetHead(torch.randn(40, 16, generator=gen, dtype=torch.float64))
+    blocks, bs = 5, 4
+    hidden = torch.randn(blocks * bs, 16, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, 40, (blocks * bs,), generator=gen)
+    weights = torch.ones(blocks, bs, dtype=torch.float64)
+    weights[:, 0] = 0
+    weights[2, 2:] = 0  # a block cut by the sequence end
+    weights = weights.reshape(-1)
+    h1, h2 = hidden.clone().requires_grad_(True), hidden.clone().requires_grad_(True)
+    got = weighted_ce_sum(h1, head, labels, weights, chunk_size=chunk, dpace=(0.4, bs))
+    ce = F.cross_entropy(head.logits(h2), labels, reduction="none")
+    w = torch.tensor([x for b in range(blocks) for x in brute_force_dpace(
+        torch.exp(-ce.detach()).view(blocks, bs)[b].tolist(), (weights.view(blocks, bs)[b] > 0).tolist(), 0.4)],
+        dtype=torch.float64)
+    want = (w * ce).sum()
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-6, atol=1e-9)
+    assert h1.grad.view(blocks, bs, -1)[:, 0].abs().max() == 0
+    with torch.no_grad():
+        torch.testing.assert_close(weighted_ce_sum(hidden, head, labels, weights, chunk_size=chunk, dpace=(0.4, bs)),
+                                   want.detach(), rtol=1e-9, atol=1e-9)
+    with pytest.raises(DataError, match="not whole blocks of 3"):
+        weighted_ce_sum(hidden, head, labels, weights, dpace=(0.4, 3))
+
+
+def test_dpace_config_keys_are_checked():
+    from dflash_ipc.config_load import load_config
+    from dflash_ipc.errors import ConfigError
+    assert load_config(None, ["objective.weighting=dpace"]).objective.dpace_alpha == 0.5
+    with pytest.raises(ConfigError, match="objective.dpace_alpha: must be in"):
+        load_config(None, ["objective.dpace_alpha=1.5"])
+    with pytest.raises(ConfigError, match="set drafter.fp8_lm_head=none"):
+        load_config(None, ["objective.weighting=dpace", "drafter.precision=fp8"])
+    assert load_config(None, ["objective.weighting=dpace", "drafter.precision=fp8", "drafter.fp8_lm_head=none"])

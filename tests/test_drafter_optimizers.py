@@ -21,21 +21,27 @@ def tiny_model(layers: int = 2) -> DFlashDraftModel:
                                          mask_token_id=63, target_layer_ids=[0, 1], num_target_layers=2))
 
 
-def test_muon_gets_the_layer_matrices_and_adamw_the_rest():
+MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+            "mlp.up_proj", "mlp.down_proj")
+
+
+def test_muon_gets_every_matrix_and_adamw_the_norms():
     model = tiny_model()
+    model.extra = torch.nn.Parameter(torch.zeros(1, 8))  # a degenerate matrix stays with AdamW
     muon, adamw = optimizers.split_parameters(model)
     names = [n for n, _ in muon]
-    assert names == [f"layers.{i}.{m}.weight" for i in range(2) for m in optimizers.MUON_MATRICES]
-    assert all(p.ndim == 2 for _, p in muon)
+    assert names == ["fc.weight"] + [f"layers.{i}.{m}.weight" for i in range(2) for m in MATRICES]
     rest = [n for n, _ in adamw]
-    assert "fc.weight" in rest and "hidden_norm.weight" in rest and "norm.weight" in rest
-    assert "layers.0.self_attn.q_norm.weight" in rest and "layers.1.input_layernorm.weight" in rest
+    assert rest == ["extra", "hidden_norm.weight"] + [
+        f"layers.{i}.{m}.weight" for i in range(2) for m in ("self_attn.q_norm", "self_attn.k_norm",
+                                                             "input_layernorm", "post_attention_layernorm")
+    ] + ["norm.weight"]
     assert len(names) + len(rest) == len(list(model.parameters()))  # a partition, nothing twice or lost
 
 
 def test_muon_optimizer_is_torchs_with_the_config_and_a_scheduler_reaches_both_parts():
     model = tiny_model(1)
-    cfg = OptimizerConfig(name="muon", lr=1e-3, muon_momentum=0.9, muon_weight_decay=0.01)
+    cfg = OptimizerConfig(name="muon", lr=1e-3, muon_lr=4e-3, muon_momentum=0.9, muon_weight_decay=0.01)
     opt = optimizers.build_optimizer(model, cfg, torch.device("cpu"))
     muon, adamw = opt.parts
     assert type(muon) is torch.optim.Muon and type(adamw) is torch.optim.AdamW
@@ -43,7 +49,7 @@ def test_muon_optimizer_is_torchs_with_the_config_and_a_scheduler_reaches_both_p
     assert (group["momentum"], group["weight_decay"], group["nesterov"], group["adjust_lr_fn"]) == \
         (0.9, 0.01, True, "match_rms_adamw")
     torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.25)
-    assert [g["lr"] for g in muon.param_groups + adamw.param_groups] == [2.5e-4, 2.5e-4]
+    assert [g["lr"] for g in muon.param_groups + adamw.param_groups] == [1e-3, 2.5e-4]
     assert type(optimizers.build_optimizer(model, OptimizerConfig(), torch.device("cpu"))) is torch.optim.AdamW
 
 

@@ -66,7 +66,8 @@ def _new_trainer(recipe: dict | None = None) -> DrafterTrainer:
 # Today's recipe, and every other part of the state a checkpoint must carry: Muon's momentum
 # next to AdamW's moments (one state dict over two optimizers), WSD, D-PACE's running estimate.
 RESUME_RECIPES = {"adamw-cosine": None,
-                  "muon-wsd": {"optimizer": {"name": "muon"}, "schedule": {"name": "wsd", "decay_ratio": 0.5}}}
+                  "muon-wsd-dpace": {"optimizer": {"name": "muon"}, "schedule": {"name": "wsd", "decay_ratio": 0.5},
+                                     "objective": {"weighting": "dpace"}}}
 
 
 @pytest.mark.parametrize("recipe", list(RESUME_RECIPES))

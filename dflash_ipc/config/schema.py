@@ -373,8 +373,8 @@ class ModelConfig(_Section):
 class OptimizerConfig(_Section):
     NAME = "optimizer"
     name: OptimizerName = "adamw"
-    """adamw (every parameter) or muon (torch.optim.Muon for the 2-D matrices of the decoder
-    layers; AdamW for norms, 1-D parameters and fc: drafter/optimizers.py)."""
+    """adamw (every parameter) or muon (torch.optim.Muon for every matrix: the layers'
+    projections and fc; AdamW for the norms: drafter/optimizers.py)."""
     lr: float = 6e-4
     """Peak learning rate (AdamW's; Muon's too, scaled per matrix by muon_adjust_lr)."""
     beta1: float = 0.9
@@ -385,6 +385,8 @@ class OptimizerConfig(_Section):
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
+    muon_lr: float | None = None
+    """muon only: peak learning rate of the Muon matrices; null: optimizer.lr."""
     muon_momentum: float = 0.95
     """muon only: momentum of the Muon matrices (Nesterov)."""
     muon_adjust_lr: MuonAdjustLr = "match_rms_adamw"
@@ -395,6 +397,9 @@ class OptimizerConfig(_Section):
 
     def check(self) -> None:
         _require(0 < self.lr <= 1.0, "optimizer.lr", f"must be in (0, 1], got {self.lr}")
+        _require(self.muon_lr is None or (isinstance(self.muon_lr, (int, float)) and math.isfinite(self.muon_lr)
+                                          and 0 < self.muon_lr <= 1.0), "optimizer.muon_lr",
+                 f"must be null or in (0, 1], got {self.muon_lr!r}")
         _require(0 <= self.muon_momentum < 1, "optimizer.muon_momentum", "must be in [0, 1)")
         _require(0 <= self.muon_weight_decay <= 1.0, "optimizer.muon_weight_decay", "must be in [0, 1]")
         _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optimizer.beta1/beta2", "must be in [0, 1)")
@@ -434,10 +439,17 @@ class ObjectiveConfig(_Section):
     """Most anchors sampled in one sequence."""
     anchors_per_step: int = 2048
     """Anchors (blocks) per optimizer step on each drafter; fixes the step's cost."""
+    weighting: Weighting = "decay"
+    """Loss weight of block position k: decay (exp(-(k-1)/gamma), the DFlash paper's) or dpace
+    (D-PACE: weights from the drafter's own per-slot confidence each step, the gradient of a
+    surrogate of the expected acceptance length: drafter/objective.py)."""
     gamma: float = 7.0
-    """Loss weight of block position k is exp(-(k-1)/gamma)."""
+    """decay only: loss weight of block position k is exp(-(k-1)/gamma)."""
+    dpace_alpha: float = 0.5
+    """dpace only: smoothing of the confidence, q~ = (1 - alpha) q + alpha, in (0, 1]."""
 
     def check(self) -> None:
+        _require(0 < self.dpace_alpha <= 1, "objective.dpace_alpha", f"must be in (0, 1], got {self.dpace_alpha}")
         _require(1 <= self.max_anchors_per_seq <= MAX_TOKENS, "objective.max_anchors_per_seq",
                  f"must be in [1, {MAX_TOKENS}]")
         _require(1 <= self.anchors_per_step <= 1 << 20, "objective.anchors_per_step", "must be in [1, 1048576]")
@@ -585,6 +597,10 @@ class JobConfig:
             _require(len(set(self.drafter.devices)) == self.drafter.num_workers, "drafter.sharding",
                      f"fsdp needs one GPU per drafter (drafter.devices={self.drafter.devices} for "
                      f"{self.drafter.num_workers} drafters); use drafter.sharding: none when drafters share GPUs")
+        _require(not (self.objective.weighting == "dpace" and self.drafter.precision == "fp8"
+                      and self.drafter.fp8_lm_head != "none"), "objective.weighting",
+                 "dpace computes per-row CE in the LM head's own dtype: with drafter.precision=fp8 set "
+                 "drafter.fp8_lm_head=none")
         # Muon orthogonalises whole matrices; under FSDP each rank holds a shard of each.
         _require(not (self.optimizer.name == "muon" and self.drafter.sharding == "fsdp"), "optimizer.name",
                  "muon needs whole matrices on every rank: use drafter.sharding: none with it, or optimizer.name: adamw")

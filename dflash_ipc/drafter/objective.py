@@ -12,6 +12,21 @@ and a label beyond the sequence end or on a ``loss_mask == 0`` token gets weight
 The loss of one rank is ``sum_i w_i * CE_i``; the trainer divides by the weight sum
 all-reduced over ranks, so any number of ranks computes the same loss as one.
 
+``objective.weighting: dpace`` (D-PACE, arXiv 2605.18810; speculators' DFlash default)
+replaces the fixed decay by weights computed every step, per block, from the drafter's own
+confidence ``q_k = exp(-CE_k)`` (detached) at each valid slot k:
+
+    q~_k = (1 - alpha) q_k + alpha                     smoothed (alpha = 0.5), >= alpha
+    C_k  = prod_{i <= k} q~_i                          cumulative confidence (invalid i: factor 1)
+    w_k  = sum_{m >= k, m valid} C_m                   = d E / d log q~_k
+
+where ``E = sum_m prod_{i <= m} q~_i`` is a surrogate of the expected number of accepted
+draft tokens: the weighted CE's gradient is E's gradient in log q. The batch's ``weights``
+then hold 1 at every valid slot (0 elsewhere), so the trainer's denominator is the number of
+valid slots (speculators' normalisation, global over ranks); the loss is sum w * CE / N.
+It is computed in the same pass as the CE: per-row CE and unweighted gradient first, then
+the weights, then the gradient rows scaled by them (``weighted_ce_sum(dpace=...)``).
+
 Anchors depend only on (seed, epoch, sample id): the same sample gets the same anchors
 on any rank and in any batch, and new anchors every epoch.
 """
@@ -33,6 +48,8 @@ from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.errors import DataError
 
 logger = logging.getLogger(__name__)
+
+WEIGHTINGS = ("decay", "dpace")
 
 
 @dataclass
@@ -94,6 +111,18 @@ def block_loss_weights(block_size: int, gamma: float) -> Tensor:
     return w
 
 
+def dpace_weights(ce: Tensor, valid: Tensor, alpha: float) -> Tensor:
+    """D-PACE weights ``[A, bs]`` of per-slot CE ``[A, bs]`` (see the module docstring);
+    ``valid`` ``[A, bs]`` bool marks the slots that carry loss; 0 elsewhere. No gradient."""
+    if not 0 < alpha <= 1:
+        raise DataError(f"dpace alpha={alpha} must be in (0, 1]")
+    with torch.no_grad():
+        q = torch.exp(-ce.double())
+        smooth = torch.where(valid, (1 - alpha) * q + alpha, torch.ones_like(q))  # invalid: no-op in the product
+        cumulative = torch.cumprod(smooth, dim=1) * valid  # C_k, invalid slots left out of the sums
+        return torch.flip(torch.cumsum(torch.flip(cumulative, [1]), dim=1), [1]) * valid  # sum over m >= k
+
+
 def _check_anchors(anchors_per_seq: list[Tensor], lengths: Tensor) -> None:
     if len(anchors_per_seq) != lengths.numel():
         raise DataError(f"anchors_per_seq has {len(anchors_per_seq)} entries for {lengths.numel()} sequences")
@@ -111,13 +140,17 @@ def build_training_batch(
     block_size: int,
     mask_token_id: int,
     gamma: float,
+    weighting: str = "decay",
 ) -> TrainingBatch:
     """Blocks, labels, weights and attention layout of one packed batch.
 
     ``input_ids``/``loss_mask`` are packed ``[T]``; ``cu_seqlens`` ``[S+1]``;
-    ``anchors_per_seq[s]`` holds anchor positions local to sequence ``s``. The result
-    lives on ``input_ids.device``.
+    ``anchors_per_seq[s]`` holds anchor positions local to sequence ``s``. ``weighting``:
+    ``decay`` (exp(-(k-1)/gamma)) or ``dpace`` (1 at every valid slot; the loss computes
+    the weights). The result lives on ``input_ids.device``.
     """
+    if weighting not in WEIGHTINGS:
+        raise DataError(f"weighting {weighting!r} is not one of {WEIGHTINGS}")
     dev = input_ids.device
     cu = cu_seqlens.to(device=dev, dtype=torch.long)
     lengths = cu[1:] - cu[:-1]  # [S]
@@ -134,7 +167,10 @@ def build_training_batch(
     in_seq = pos < lengths[seq_of][:, None]  # [A, bs]
     flat = torch.where(in_seq, start + pos, start)  # [A, bs] packed index, clamped in-sequence
     has_label = in_seq & loss_mask.to(dev).bool()[flat]
-    weights = block_loss_weights(block_size, gamma).to(dev)[None, :] * has_label  # [A, bs]
+    if weighting == "decay":
+        weights = block_loss_weights(block_size, gamma).to(dev)[None, :] * has_label  # [A, bs]
+    else:  # dpace: slot 0 (the anchor itself) is never trained
+        weights = (has_label & (k >= 1)[None, :]).float()
     labels = torch.where(in_seq, input_ids[flat], torch.zeros_like(flat))
     block_ids = torch.full_like(pos, mask_token_id)
     block_ids[:, 0] = input_ids[start[:, 0] + anchors]
@@ -200,6 +236,25 @@ def _chunk_loss_and_grad_eager(logits: Tensor, labels: Tensor, weights: Tensor) 
     return loss, probs.mul_(weights[:, None]).to(logits.dtype)
 
 
+def _chunk_rows(logits: Tensor, labels: Tensor) -> Tensor:
+    """``[C]`` per-row CE ``lse_i - logit_i[y_i]`` (float32 or float64)."""
+    x = logits.to(_acc_dtype(logits.dtype))  # [C, V]
+    return torch.logsumexp(x, dim=-1) - x.gather(1, labels[:, None])[:, 0]
+
+
+def _chunk_rows_and_grad(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """(per-row CE ``[C]``, unweighted ``dCE/dlogits = softmax - onehot`` in the logits' dtype):
+    D-PACE's pass, whose weights exist only once every row's CE does."""
+    acc = _acc_dtype(logits.dtype)
+    x = logits.to(acc)  # [C, V]
+    lse = torch.logsumexp(x, dim=-1)  # [C]
+    y = labels[:, None]  # [C, 1]
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == y  # [C, V]
+    return lse - x.gather(1, y)[:, 0], (torch.exp(x - lse[:, None]) - onehot.to(acc)).to(logits.dtype)
+
+
+_fused_chunk_rows = CudaCompiled(_chunk_rows, dynamic_args=(0, 1))
+_fused_chunk_rows_and_grad = CudaCompiled(_chunk_rows_and_grad, dynamic_args=(0, 1))
 _fused_chunk_loss = CudaCompiled(_chunk_loss, dynamic_args=(0, 1, 2))
 _fused_chunk_loss_and_grad = CudaCompiled(_chunk_loss_and_grad, dynamic_args=(0, 1, 2))
 
@@ -222,8 +277,13 @@ class _ChunkedWeightedCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, chunk_size, fp8_head):  # noqa: D102
+    def forward(ctx, hidden, weight, labels, weights, chunk_size, fp8_head, dpace):  # noqa: D102
         rows = torch.nonzero(weights).squeeze(1)  # [R] rows that carry loss
+        if dpace is not None:
+            total, grad = _dpace_loss_and_grad(hidden, weight, labels, weights, rows, chunk_size, dpace,
+                                               with_grad=ctx.needs_input_grad[0])
+            ctx.save_for_backward(grad if grad is not None else hidden.new_empty(0))
+            return total
         acc = _acc_dtype(weight.dtype)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         grad = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
@@ -252,7 +312,35 @@ class _ChunkedWeightedCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # noqa: D102
         (grad,) = ctx.saved_tensors
-        return grad * grad_out.to(grad.dtype), None, None, None, None, None
+        return grad * grad_out.to(grad.dtype), None, None, None, None, None, None
+
+
+def _dpace_loss_and_grad(hidden: Tensor, weight: Tensor, labels: Tensor, weights: Tensor, rows: Tensor,
+                         chunk_size: int, dpace: tuple[float, int], *, with_grad: bool) -> tuple[Tensor, Tensor | None]:
+    """``sum_i w_i * weights_i * CE_i`` with D-PACE's w, and its gradient, in one LM-head pass:
+    per chunk the rows' CE and unweighted ``dCE/dh``; then w; then the rows scaled by it."""
+    alpha, block_size = dpace
+    if hidden.shape[0] % block_size:
+        raise DataError(f"dpace: {hidden.shape[0]} rows are not whole blocks of {block_size}")
+    acc = _acc_dtype(weight.dtype)
+    ce = torch.zeros(hidden.shape[0], dtype=acc, device=hidden.device)  # [Q]
+    grad = torch.zeros_like(hidden) if with_grad else None
+    for s in range(0, rows.numel(), chunk_size):
+        idx = rows[s : s + chunk_size]
+        logits = F.linear(hidden.index_select(0, idx).to(weight.dtype), weight)  # [C, V]
+        y = labels.index_select(0, idx)
+        if grad is None:
+            ce.index_copy_(0, idx, _fused_chunk_rows(logits, y))
+            continue
+        row_ce, dlogits = _fused_chunk_rows_and_grad(logits, y)
+        del logits
+        ce.index_copy_(0, idx, row_ce)
+        grad.index_copy_(0, idx, (dlogits @ weight).to(hidden.dtype))
+    valid = (weights != 0).view(-1, block_size)
+    w = (dpace_weights(ce.view(-1, block_size), valid, alpha).reshape(-1) * weights.double()).to(acc)  # [Q]
+    if grad is not None:
+        grad.mul_(w[:, None].to(grad.dtype))
+    return (w * ce).sum(), grad
 
 
 def weighted_ce_sum(
@@ -262,6 +350,7 @@ def weighted_ce_sum(
     weights: Tensor,
     chunk_size: int = 8192,
     fp8_head=None,
+    dpace: tuple[float, int] | None = None,
 ) -> Tensor:
     """``sum_i weights[i] * CE(head.logits(hidden[i]), labels[i])`` as a scalar.
 
@@ -279,4 +368,4 @@ def weighted_ce_sum(
             f"hidden {tuple(hidden.shape)}, labels {tuple(labels.shape)} and weights "
             f"{tuple(weights.shape)} disagree on the number of rows"
         )
-    return _ChunkedWeightedCE.apply(hidden, head.lm_head_weight, labels.long(), weights, chunk_size, fp8_head)
+    return _ChunkedWeightedCE.apply(hidden, head.lm_head_weight, labels.long(), weights, chunk_size, fp8_head, dpace)

@@ -1,18 +1,20 @@
 """The drafter's optimizer: AdamW for everything, or Muon for the hidden matrices.
 
 `optimizer.name: muon` uses torch's own ``torch.optim.Muon`` (torch >= 2.9): momentum, then
-the update orthogonalised by a Newton-Schulz iteration, for the 2-D weight matrices of the
-decoder layers (q/k/v/o and gate/up/down projections). Muon is defined for hidden matrices
-only, so AdamW keeps the rest: the RMSNorm weights (1-D) and ``fc``, the input projection
-of the concatenated target features (Keller Jordan's rule: the input and output layers of
-a network stay with AdamW; the LM head and embedding are the target's, frozen).
+the update orthogonalised by a Newton-Schulz iteration, for every trainable matrix of the
+drafter: the decoder layers' q/k/v/o and gate/up/down projections and ``fc`` (the
+projection of the concatenated target features). That is speculators' split (its DFlash
+default optimizer: every 2-D parameter with both sides > 1 except embeddings and LM head,
+which the drafter does not train: they are the target's). Muon is defined for matrices
+only, so AdamW keeps the rest: the RMSNorm weights and anything 1-D or degenerate.
 
 The two are one :class:`ChainedOptimizer`, a ``torch.optim.Optimizer`` whose param groups
 are its parts' (Muon's first), so the LR scheduler scales both and the checkpoint
 (training_state.py) stores one state dict, numbered as a single optimizer with several
 param groups would number it. With ``muon_adjust_lr: match_rms_adamw`` torch scales each
-matrix's step to AdamW's update RMS (0.2 * sqrt(max(A, B))), so optimizer.lr keeps its
-AdamW meaning for both parts.
+matrix's step to AdamW's update RMS (0.2 * sqrt(max(A, B)), Moonshot's rule), so
+optimizer.lr can serve both parts; ``muon_lr`` sets Muon's apart (speculators uses 10x the
+AdamW rate). The scheduler scales both rates by the same factor.
 """
 
 from __future__ import annotations
@@ -27,8 +29,6 @@ from dflash_ipc.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-MUON_MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 def muon_class() -> type[torch.optim.Optimizer]:
@@ -43,16 +43,13 @@ def muon_class() -> type[torch.optim.Optimizer]:
 def split_parameters(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
     """(Muon's, AdamW's) trainable (name, parameter) pairs, in ``named_parameters`` order.
 
-    Muon's: the 2-D ``weight`` of every decoder layer's attention and MLP projections.
-    Everything else (norms, fc, any 1-D or other tensor) is AdamW's.
+    Muon's: every matrix (2-D, both sides > 1: a [1, N] row orthogonalises to nothing useful).
+    Everything else (norms, any 1-D or degenerate tensor) is AdamW's.
     """
     muon, adamw = [], []
     for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        module, _, leaf = name.rpartition(".")
-        hidden = leaf == "weight" and module.startswith("layers.") and module.split(".", 2)[-1] in MUON_MATRICES
-        (muon if hidden and param.ndim == 2 else adamw).append((name, param))
+        if param.requires_grad:
+            (muon if param.ndim == 2 and min(param.shape) > 1 else adamw).append((name, param))
     return muon, adamw
 
 
@@ -133,8 +130,9 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
     muon_cls = muon_class()
     matrices, rest = split_parameters(model)
     if not matrices:
-        raise ConfigError("optimizer.name=muon: the drafter has no decoder-layer matrices to give Muon")
-    muon = muon_cls([p for _, p in matrices], lr=cfg.lr, weight_decay=cfg.muon_weight_decay,
+        raise ConfigError("optimizer.name=muon: the drafter has no matrices to give Muon")
+    lr = cfg.muon_lr if cfg.muon_lr is not None else cfg.lr
+    muon = muon_cls([p for _, p in matrices], lr=lr, weight_decay=cfg.muon_weight_decay,
                     momentum=cfg.muon_momentum, nesterov=True, adjust_lr_fn=cfg.muon_adjust_lr)
     parts = [muon] + ([torch.optim.AdamW([p for _, p in rest], **adamw_kw)] if rest else [])
     logger.info("optimizer: Muon for %d matrices (%.1fM), AdamW for %d other tensors (%.1fM)", len(matrices),

@@ -178,7 +178,8 @@ class DrafterTrainer:
         input_ids = torch.cat([s.input_ids for s, _ in chosen])
         loss_mask = torch.cat([s.loss_mask for s, _ in chosen])
         batch = build_training_batch(input_ids, loss_mask, cu, anchors, block_size=self.model.config.block_size,
-                                     mask_token_id=self.model.config.mask_token_id, gamma=self.cfg.objective.gamma)
+                                     mask_token_id=self.model.config.mask_token_id, gamma=self.cfg.objective.gamma,
+                                     weighting=self.cfg.objective.weighting)
         batch = batch.to(self.device)
         mask_started = time.perf_counter()
         config = self.model.config
@@ -202,7 +203,9 @@ class DrafterTrainer:
         forward, which the start-up memory probe (drafter/fit.py) runs too."""
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
             hidden = self._forward(batch, features, mask)
-            return weighted_ce_sum(hidden, self.head, batch.labels, batch.weights, fp8_head=self.fp8_head)
+            objective = self.cfg.objective
+            dpace = (objective.dpace_alpha, self.model.config.block_size) if objective.weighting == "dpace" else None
+            return weighted_ce_sum(hidden, self.head, batch.labels, batch.weights, fp8_head=self.fp8_head, dpace=dpace)
 
     def _forward(self, batch, features: torch.Tensor, mask) -> torch.Tensor:
         ctx_positions = batch.layout.ctx_pos.to(self.device, torch.long)
