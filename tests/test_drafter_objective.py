@@ -312,7 +312,7 @@ def test_weighted_ce_sum_with_dpace_is_the_formula_and_its_gradient(chunk):
 
 
 def test_dpace_config_keys_are_checked():
-    from dflash_ipc.config_load import load_config
+    from dflash_ipc.config.load import load_config
     from dflash_ipc.errors import ConfigError
     assert load_config(None, ["objective.weighting=dpace"]).objective.dpace_alpha == 0.5
     with pytest.raises(ConfigError, match="objective.dpace_alpha: must be in"):
