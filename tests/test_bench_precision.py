@@ -1,5 +1,6 @@
 """`bench precision`: the whole comparison at the tiny shape on CPU in bf16 (target, greedy data,
-capture, training, export, evaluation); the report's arithmetic; fp8 on a GPU."""
+capture, training under two recipes, export, evaluation with the lossless check), the same on a
+given target and prepared dataset; recipes by name; the report's arithmetic; fp8 on a GPU."""
 
 import dataclasses
 import math
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from dflash_ipc.bench import precision as bp
+from dflash_ipc.bench import recipes
 from dflash_ipc.cli.bench import RUN_SIZE_DEFAULTS
 from dflash_ipc.drafter.inference_format import expected_tensor_shapes, load_inference_checkpoint
 from dflash_ipc.errors import ConfigError
@@ -19,24 +21,78 @@ TINY = bp.RunSizes(samples=8, min_len=32, max_len=48, held_out=1, steps=3, ancho
                    max_anchors_per_seq=8, num_layers=1, eval_prompts=1, eval_tokens=4)
 
 
+ALL = "dpace+muon+swa+wsd"  # every new part of the recipe in one run
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("bench-precision")
-    return work, bp.run_precision_comparison("cpu", "tiny", str(work), [{"precision": "bf16"}], TINY)
+    chosen = recipes.resolve(["today", ALL], num_layers=TINY.num_layers)
+    return work, bp.run_precision_comparison("cpu", "tiny", str(work), sizes=TINY, recipes=chosen)
 
 
-def test_tiny_bf16_comparison_runs_every_stage(tiny_run, capsys):
+def test_tiny_comparison_of_two_recipes_runs_every_stage(tiny_run, capsys):
     work, f = tiny_run
-    run = f["runs"]["bf16"]
-    assert len(run["losses"]) == len(run["step_s"]) == TINY.steps
-    assert all(math.isfinite(x) and x > 0 for x in run["losses"]) and min(run["step_s"]) > 0
-    # The drafter went through the real export and loads back with the export's names.
-    model = load_inference_checkpoint(run["export"])
+    for label in ("today", ALL):
+        run = f["runs"][label]
+        assert len(run["losses"]) == len(run["step_s"]) == TINY.steps
+        assert all(math.isfinite(x) and x > 0 for x in run["losses"]) and min(run["step_s"]) > 0
+    # The drafters went through the real export and load back with the export's names and layers.
+    model = load_inference_checkpoint(f["runs"][ALL]["export"])
     assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == expected_tensor_shapes(model.config)
     assert model.config.num_hidden_layers == 1 and model.config.vocab_size == 2048
-    assert set(f["tau"]) == {"untrained", "bf16"} and all(t >= 1 for t in f["tau"].values())
+    assert model.config.layer_types == ["sliding_attention"] and model.config.sliding_window == 2048
+    assert load_inference_checkpoint(f["runs"]["today"]["export"]).config.layer_types == ["full_attention"]
+    assert f["runs"][ALL]["overrides"][0] == "objective.weighting=dpace"
+    assert set(f["tau"]) == {"untrained", "today", ALL} and all(t >= 1 for t in f["tau"].values())
+    for label, e in f["eval"].items():  # every held-out prompt checked against plain greedy decoding
+        assert e["lossless_checked"] == TINY.eval_prompts and e["mismatches"] == [], label
+        assert len(e["prompt_taus"]) <= TINY.eval_prompts
     assert os.path.isfile(os.path.join(f["target"], bp.TARGET_MARKER))
     assert f["data"].startswith(str(work)) and f["sizes"] == dataclasses.asdict(TINY)
+
+
+def test_a_given_target_and_prepared_dataset_and_a_time_budget(tiny_run, tmp_path):
+    """--target/--data: the held-out prompts the dataset declares; --budget-s: steps from the
+    timed ones. Too few declared prompts is a clear error."""
+    _, f = tiny_run
+    chosen = recipes.resolve(["bf16"], num_layers=1)
+    g = bp.run_precision_comparison("cpu", work_dir=str(tmp_path), sizes=dataclasses.replace(TINY, steps=2),
+                                    recipes=chosen, target_dir=f["target"], data_dir=f["data"], budget_s=0.05)
+    assert g["shape"] is None and g["target"] == f["target"] and g["budget_s"] == 0.05
+    assert len(g["runs"]["bf16"]["losses"]) >= 1 and set(g["tau"]) == {"untrained", "bf16"}
+    with pytest.raises(ConfigError, match="declares 1 held-out prompts, --eval-prompts asks 5"):
+        bp.run_precision_comparison("cpu", work_dir=str(tmp_path), sizes=dataclasses.replace(TINY, eval_prompts=5),
+                                    recipes=chosen, target_dir=f["target"], data_dir=f["data"])
+    with pytest.raises(ConfigError, match="give --target and --data together"):
+        bp.run_precision_comparison("cpu", sizes=TINY, recipes=chosen, target_dir=f["target"])
+
+
+def test_recipes_by_name_combination_and_definition():
+    got = recipes.resolve(["today", "swa", "dpace+wsd", "mine"], {"mine": ["optimizer.name=muon", "optimizer.lr=1e-3"]},
+                          num_layers=5)
+    assert [r.name for r in got] == ["today", "swa", "dpace+wsd", "mine"]
+    assert got[0].overrides == ()
+    assert got[1].overrides == ("model.layer_types=SSSSF", "model.sliding_window=2048")
+    assert got[2].overrides == ("objective.weighting=dpace", "schedule.name=wsd", "schedule.decay_shape=cosine")
+    assert recipes.parse_definition("m10=optimizer.name=muon, optimizer.muon_lr=6e-3") == \
+        ("m10", ["optimizer.name=muon", "optimizer.muon_lr=6e-3"])
+    with pytest.raises(ConfigError, match="recipe 'adam' \\(in 'dpace\\+adam'\\) is unknown; known: bf16, dpace"):
+        recipes.resolve(["dpace+adam"], num_layers=5)
+    with pytest.raises(ConfigError, match="asked twice"):
+        recipes.resolve(["today", "today"], num_layers=5)
+    with pytest.raises(ConfigError, match="is not section.key=value"):
+        recipes.parse_definition("x=lr=3")
+    model_config = bp.DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=5, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=8, vocab_size=64, mask_token_id=63,
+                                   target_layer_ids=[0], num_target_layers=2)
+    cfg = bp.recipe_config(got[1], torch.device("cpu"), TINY, model_config)
+    assert cfg.model.layer_types == ["sliding_attention"] * 4 + ["full_attention"]
+    assert bp.recipe_model_config(cfg, model_config).sliding_window == 2048
+    bad = recipes.Recipe(name="bad", overrides=("optimizer.name=lion",))
+    with pytest.raises(ConfigError, match="recipe bad: .*optimizer.name: 'lion' not allowed"):
+        bp.recipe_config(bad, torch.device("cpu"), TINY, model_config)
+    assert bp.steps_for_budget(10.0, [0.5, 0.2, 0.25, 0.3, 9.0]) == 33  # the median step, 0.3 s
 
 
 def test_assets_are_reused_while_they_match(tiny_run):
@@ -56,11 +112,21 @@ def test_window_means_and_the_final_gap():
     assert bp.window_means([5.0, 1.0], num_windows=10) == [5.0, 1.0]
     runs = {label: {"losses": losses, "step_s": [0.1] * 10, "peak_memory_gib": None, "train_s": 1.0}
             for label, losses in (("bf16", [10.0] * 9 + [2.0]), ("fp8 tensorwise, lm_head all", [10.0] * 9 + [2.04]))}
+    evals = {"bf16": {"prompt_taus": [1.0, 2.0, 3.0], "lossless_checked": 3, "mismatches": [], "near_ties": []},
+             "fp8 tensorwise, lm_head all": {"prompt_taus": [2.5], "lossless_checked": 1, "mismatches": [4],
+                                             "near_ties": []}}
     report = bp.format_report({"shape": "tiny", "device": "cpu", "torch": "x", "sizes": dataclasses.asdict(TINY),
-                               "runs": runs, "tau": {"untrained": 1.0, "bf16": 1.5,
-                                                     "fp8 tensorwise, lm_head all": 1.45}, "wall_s": 1.0})
+                               "data": "d", "runs": runs, "eval": evals,
+                               "tau": {"untrained": 1.0, "bf16": 1.5, "fp8 tensorwise, lm_head all": 1.65},
+                               "wall_s": 1.0})
     fp8_line = [line for line in report.splitlines() if line.startswith("  fp8")][0]
-    assert "+2.00%" in fp8_line and fp8_line.split()[-1] == "1.450"
+    assert fp8_line.split()[-13:-1] == ["10", "2.040", "+2.00%", "100.0", "n/a", "1.650", "+10.0%", "2.500", "0.000",
+                                      "2.50", "2.50", "DIFF"] and fp8_line.endswith("DIFF 1")
+    bf16_line = [line for line in report.splitlines() if line.startswith("  bf16")][0]
+    assert bf16_line.split()[-6:] == ["+0.0%", "2.000", "1.000", "1.00", "3.00", "ok/3"]
+    untrained = [line for line in report.splitlines() if line.startswith("  untrained")][0]
+    assert untrained.split()[1:3] == ["1.000", "-33.3%"]
+    assert bp.tau_spread([1.0, 2.0, 3.0]) == {"mean": 2.0, "std": 1.0, "min": 1.0, "max": 3.0}
 
 
 def test_sizes_are_checked_and_the_cli_shows_their_defaults():
@@ -71,6 +137,8 @@ def test_sizes_are_checked_and_the_cli_shows_their_defaults():
         bp.RunSizes(eval_prompts=17).check()
     with pytest.raises(ConfigError, match="asked twice"):
         bp.run_precision_comparison("cpu", "tiny", "/nonexistent", [{"precision": "bf16"}] * 2, TINY)
+    with pytest.raises(ConfigError, match="budget-s 0 must be in"):
+        bp.run_precision_comparison("cpu", "tiny", "/nonexistent", sizes=TINY, budget_s=0)
 
 
 @pytest.mark.gpu

@@ -1,32 +1,49 @@
-"""``dflash-ipc bench precision``: the same short training run in each precision, on data whose
-loss really falls; the loss curves side by side and the acceptance length (tau) of each drafter.
+"""``dflash-ipc bench precision``: the same drafter trained under several recipes (precisions,
+loss weightings, attention layouts, optimizers, schedules: bench/recipes.py) for the same
+number of steps or the same wall time; the loss curves side by side and the acceptance
+length (tau) of each drafter on held-out prompts, with its spread over the prompts.
 
-Data: the embedded default's recipe at a GPU shape. A random-weight Qwen3-shaped target
-(bench/assets.py, with the tiny target's rule that the LM-head rows of ids no tokenizer can
-write are zero, so its greedy replies are text, and those it can write scaled to logits of
-std 4, so its greedy tokens are predictable: at the default init they are near-flat) answers synthetic prompts with its own greedy
-continuations (data/synthetic.py: the real prepare, plus held-out prompts never trained on).
-Random tokens would teach nothing: their loss does not fall.
+Data, either of:
+* a real target and a prepared dataset (``--target DIR --data DIR``): the dataset must
+  declare held-out prompts (``dflash-ipc prepare --held-out N``), which no training row
+  shares; tau is measured on them. This is the comparison that counts: a random-weight
+  target gives tau ~1 whatever the recipe.
+* by default, the embedded default's recipe at a GPU shape: a random-weight Qwen3-shaped
+  target (bench/assets.py, with the tiny target's rule that the LM-head rows of ids no
+  tokenizer can write are zero, so its greedy replies are text, and those it can write
+  scaled to logits of std 4, so its greedy tokens are predictable) answers synthetic prompts
+  with its own greedy continuations (builtin/synthetic.py: the real prepare, plus held-out
+  prompts never trained on). Random tokens would teach nothing: their loss does not fall.
+  It measures precision (bf16 against fp8), not recipes.
 
-Every variant trains the same fresh drafter (one seed) on the same sequences in the same
-order with the same anchors, through the real DrafterTrainer, so the curves differ by
-precision alone. The target features of every sample are computed once, by the target
-capture (target/capture.py), and kept on the device. After training each drafter goes
-through the real bf16 export and is loaded back for greedy speculative decoding on the
-held-out prompts (eval/speculative.py), next to an untrained drafter.
+Every recipe trains the same fresh drafter (one seed) on the same sequences in the same
+order with the same anchors, through the real DrafterTrainer, so the curves differ by the
+recipe alone. The target features of every sample are computed once, by the target capture
+(target/capture.py), and kept on the device. ``--budget-s``: each recipe first times a few
+steps (after two untimed ones that compile), then trains as many steps as fit its budget
+(cosine and WSD are planned for that many). After training each drafter goes through the
+real bf16 export and is loaded back for batched greedy speculative decoding on the held-out
+prompts (eval/speculative.py), next to an untrained drafter, each output checked against
+plain greedy decoding (lossless).
 
-Reported per variant: the mean loss of each tenth of the run, the final loss (mean of the
-last tenth) and its gap to the first variant in percent, the mean step time, tau.
+Reported per recipe: the mean loss of each tenth of the run (the loss each recipe minimises:
+D-PACE's is a differently weighted sum, so compare curves within a weighting), steps, the
+mean step time, tau (committed tokens per target forward over all prompts), the per-prompt
+tau's mean, standard deviation, min and max, its gain over the first recipe, and the
+lossless verdict.
 
 Run manual::
 
     dflash-ipc bench precision --device cuda:0 --precision bf16,fp8     # Qwen3-1.7B shape, one H200
+    dflash-ipc bench precision --device cuda:0 --target /tmp/smol-hf --data DATA --mask-token-id 16 \
+        --recipes today,dpace,swa,muon,wsd,dpace+muon+wsd --budget-s 40 --eval-prompts 64 --eval-tokens 128
     dflash-ipc bench precision --device cpu --shape tiny --samples 32 --steps 8 --eval-prompts 2
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import json
 import logging
@@ -41,7 +58,10 @@ import numpy as np
 import torch
 
 from dflash_ipc.bench.assets import build_random_target
-from dflash_ipc.bench.drafter import _resolve_device, bench_job_config, variant_label
+from dflash_ipc.bench.drafter import _resolve_device, variant_label
+from dflash_ipc.bench.recipes import Recipe, precision_recipes
+from dflash_ipc.config.load import apply_overrides, config_from_dict
+from dflash_ipc.config.schema import JobConfig
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.builtin.synthetic import build_synthetic_dataset, synthetic_cache_key, synthetic_params
 from dflash_ipc.drafter.inference_format import load_inference_checkpoint, save_inference_checkpoint
@@ -62,6 +82,8 @@ TARGET_MARKER = "bench-target.json"  # the build parameters of a complete target
 NUM_WINDOWS = 10  # the curves are reported as the mean loss of each tenth of the run
 CAPTURE_TOKENS = 32768  # padded tokens per target forward while capturing features
 TARGET_LOGIT_STD = 4.0  # a peaked random target: its greedy tokens can be learned (assets._sharpen_head)
+CALIBRATION_WARMUP = 2  # --budget-s: untimed steps first (the first compiles) ...
+CALIBRATION_STEPS = 5  # ... then timed ones; the median step time sets the step count
 
 
 @dataclass(frozen=True)
@@ -81,14 +103,14 @@ class RunSizes:
     eval_tokens: int = 48
     seed: int = 0
 
-    def check(self) -> None:
+    def check(self, synthetic: bool = True) -> None:
         for name in ("samples", "held_out", "steps", "anchors_per_step", "max_anchors_per_seq", "num_layers",
                      "eval_prompts", "eval_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"bench precision: {name}={getattr(self, name)} must be >= 1")
         if not 0 < self.lr <= 1:
             raise ConfigError(f"bench precision: lr={self.lr} must be in (0, 1]")
-        if self.eval_prompts > self.held_out:
+        if synthetic and self.eval_prompts > self.held_out:
             raise ConfigError(f"bench precision: eval_prompts={self.eval_prompts} exceeds the "
                               f"held_out={self.held_out} prompts the data keeps")
 
@@ -125,13 +147,33 @@ def build_assets(work_dir: str, shape: str, sizes: RunSizes, device: torch.devic
     return target_dir, data_dir
 
 
-def drafter_config(target_dir: str, num_layers: int) -> DFlashConfig:
-    """The drafter of the target, the tokenizer's mask token as the mask id."""
-    from transformers import AutoTokenizer
+def check_real_data(target_dir: str, data_dir: str, eval_prompts: int) -> TokenDataset:
+    """The prepared dataset, refused unless it declares ``eval_prompts`` held-out prompts."""
+    from dflash_ipc.data.held_out import held_out_prompts_of
 
-    mask = AutoTokenizer.from_pretrained(target_dir).mask_token_id
-    return DFlashConfig.from_target_config(load_target_config(target_dir), num_draft_layers=num_layers,
-                                           mask_token_id=int(mask))
+    if not os.path.isfile(os.path.join(target_dir, "config.json")):
+        raise ConfigError(f"bench precision: --target {target_dir} is not a model directory (no config.json)")
+    dataset = TokenDataset(data_dir)
+    declared = held_out_prompts_of(dataset.meta, os.path.join(data_dir, "meta.json"))
+    if len(declared) < eval_prompts:
+        raise ConfigError(f"bench precision: {data_dir} declares {len(declared)} held-out prompts, "
+                          f"--eval-prompts asks {eval_prompts}: prepare it with --held-out {eval_prompts} or more")
+    return dataset
+
+
+def drafter_config(target_dir: str, num_layers: int, mask_token_id: int | None = None,
+                   dataset: TokenDataset | None = None) -> DFlashConfig:
+    """The drafter of the target; the mask id given, else as a job derives it (the tokenizer's
+    mask token, else a spare embedding row, else a ConfigError listing candidates)."""
+    from dflash_ipc.hf.text_stack import text_config
+    from dflash_ipc.target.defaults import derive_mask_token_id
+
+    target_config = load_target_config(target_dir)
+    if mask_token_id is None:
+        mask_token_id = derive_mask_token_id(target_dir, vocab_size=int(text_config(target_config).vocab_size),
+                                             dataset=dataset)
+    return DFlashConfig.from_target_config(target_config, num_draft_layers=num_layers,
+                                           mask_token_id=int(mask_token_id))
 
 
 def capture_samples(target_dir: str, dataset: TokenDataset, layer_ids: list[int],
@@ -163,14 +205,15 @@ def capture_samples(target_dir: str, dataset: TokenDataset, layer_ids: list[int]
     return out
 
 
-def sequence_order(samples: list, sizes: RunSizes) -> list[Sequence]:
-    """Enough epochs of the samples for ``steps`` steps, each epoch in its own seeded order
-    (anchors depend on the epoch: a repeated sample gets new ones)."""
+def sequence_order(samples: list, sizes: RunSizes, steps: int | None = None) -> list[Sequence]:
+    """Enough epochs of the samples for ``steps`` (default ``sizes.steps``) steps, each epoch in
+    its own seeded order (anchors depend on the epoch: a repeated sample gets new ones). The
+    order of a longer run starts with that of a shorter one."""
     anchors = [eligible_anchor_count(mask, sizes.max_anchors_per_seq) for _, _, mask in samples]
     per_epoch = sum(anchors)
     if per_epoch == 0:
         raise ConfigError("bench precision: no sample has a response position to anchor on")
-    epochs = math.ceil(sizes.steps * sizes.anchors_per_step / per_epoch) + 1
+    epochs = math.ceil((steps or sizes.steps) * sizes.anchors_per_step / per_epoch) + 1
     rng = np.random.default_rng(sizes.seed)
     order = []
     for epoch in range(epochs):
@@ -185,41 +228,86 @@ def sequence_order(samples: list, sizes: RunSizes) -> list[Sequence]:
 # --- training and evaluation ----------------------------------------------------------------------
 
 
-def train_variant(variant: dict, model_config: DFlashConfig, head: FrozenTargetHead, order: list[Sequence],
-                  sizes: RunSizes, device: torch.device, export_dir: str) -> dict:
-    """Trains a fresh drafter for ``sizes.steps`` steps on ``order``; exports it to
-    ``export_dir``; returns its per-step losses and step times."""
-    cfg = bench_job_config(device, drafter=variant, run={"seed": sizes.seed}, optimizer={"lr": sizes.lr},
-                           model={"num_layers": model_config.num_hidden_layers,
-                                  "block_size": model_config.block_size},
-                           objective={"max_anchors_per_seq": sizes.max_anchors_per_seq,
-                                      "anchors_per_step": sizes.anchors_per_step})
+def recipe_config(recipe: Recipe, device: torch.device, sizes: RunSizes, model_config: DFlashConfig) -> JobConfig:
+    """The one-drafter job config of ``recipe``: the bench's sizes, then the recipe's overrides."""
+    tree = {"target": {"devices": [str(device)]},
+            "drafter": {"num_workers": 1, "devices": [str(device)], "dtype": "bfloat16", "attention": "auto"},
+            "run": {"seed": sizes.seed}, "optimizer": {"lr": sizes.lr},
+            "model": {"num_layers": model_config.num_hidden_layers, "block_size": model_config.block_size,
+                      "mask_token_id": model_config.mask_token_id},
+            "objective": {"max_anchors_per_seq": sizes.max_anchors_per_seq, "anchors_per_step": sizes.anchors_per_step}}
+    try:
+        cfg = config_from_dict(apply_overrides(tree, list(recipe.overrides)))
+    except ConfigError as exc:
+        raise ConfigError(f"bench precision: recipe {recipe.name}: {exc}") from None
+    if (cfg.model.num_layers, cfg.model.block_size) != (model_config.num_hidden_layers, model_config.block_size):
+        raise ConfigError(f"bench precision: recipe {recipe.name} changes model.num_layers or model.block_size: "
+                          f"every recipe trains the same drafter (--num-layers sets its depth)")
+    return cfg
+
+
+def recipe_model_config(cfg: JobConfig, model_config: DFlashConfig) -> DFlashConfig:
+    """The shared drafter shape with the recipe's layer types."""
+    return dataclasses.replace(model_config, layer_types=cfg.model.layer_types, sliding_window=cfg.model.sliding_window)
+
+
+def steps_for_budget(budget_s: float, step_s: list[float]) -> int:
+    """Steps that fit ``budget_s`` at the median of the timed ``step_s``."""
+    return max(1, int(budget_s / statistics.median(step_s)))
+
+
+def calibrate(recipe: Recipe, cfg: JobConfig, model_config: DFlashConfig, head: FrozenTargetHead,
+              samples: list, sizes: RunSizes, device: torch.device, budget_s: float) -> int:
+    """The step count of ``recipe`` in ``budget_s``: a throwaway trainer times a few steps."""
+    trainer = DrafterTrainer(cfg, model_config, head, device=str(device), total_steps=100)
+    fifo = collections.deque(sequence_order(samples, sizes, CALIBRATION_WARMUP + CALIBRATION_STEPS))
+    timed = [trainer.step(trainer.take(fifo))["step_s"] for _ in range(CALIBRATION_WARMUP + CALIBRATION_STEPS)]
+    steps = steps_for_budget(budget_s, timed[CALIBRATION_WARMUP:])
+    logger.info("%s: %.1f ms a step: %d steps in %.0f s", recipe.name,
+                1e3 * statistics.median(timed[CALIBRATION_WARMUP:]), steps, budget_s)
+    del trainer
+    reset_compiled_layers()
+    _free_memory()
+    return steps
+
+
+def train_recipe(recipe: Recipe, model_config: DFlashConfig, head: FrozenTargetHead, samples: list,
+                 sizes: RunSizes, device: torch.device, export_dir: str, budget_s: float | None = None) -> dict:
+    """Trains a fresh drafter under ``recipe`` for ``sizes.steps`` steps (or as many as fit
+    ``budget_s``) on the shared sequence order; exports it to ``export_dir``; returns its
+    per-step losses and step times."""
+    cfg = recipe_config(recipe, device, sizes, model_config)
+    model_config = recipe_model_config(cfg, model_config)
+    steps = sizes.steps if budget_s is None else calibrate(recipe, cfg, model_config, head, samples, sizes, device,
+                                                           budget_s)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    trainer = DrafterTrainer(cfg, model_config, head, device=str(device), total_steps=sizes.steps)
-    fifo = collections.deque(order)
+    trainer = DrafterTrainer(cfg, model_config, head, device=str(device), total_steps=steps)
+    fifo = collections.deque(sequence_order(samples, sizes, steps))
     losses, step_s = [], []
     started = time.perf_counter()
-    for step in range(sizes.steps):
+    for step in range(steps):
         result = trainer.step(trainer.take(fifo))
         losses.append(result["loss"])
         step_s.append(result["step_s"])
-        if step == 0 or (step + 1) % max(1, sizes.steps // NUM_WINDOWS) == 0:
-            logger.info("%s: step %d, loss %.4f, %.1f ms", variant_label(variant), step + 1, result["loss"],
+        if step == 0 or (step + 1) % max(1, steps // NUM_WINDOWS) == 0:
+            logger.info("%s: step %d/%d, loss %.4f, %.1f ms", recipe.name, step + 1, steps, result["loss"],
                         result["step_s"] * 1e3)
+    train_s = time.perf_counter() - started
     save_inference_checkpoint(trainer.model, export_dir)
     peak = torch.cuda.max_memory_allocated(device) / 1024**3 if device.type == "cuda" else None
     del trainer
     reset_compiled_layers()
     _free_memory()
-    return {"losses": losses, "step_s": step_s, "train_s": time.perf_counter() - started,
+    return {"overrides": list(recipe.overrides), "losses": losses, "step_s": step_s, "train_s": train_s,
             "peak_memory_gib": peak, "export": export_dir}
 
 
 def evaluate_drafters(target_dir: str, data_dir: str, model_config: DFlashConfig, exports: dict[str, str],
-                      sizes: RunSizes, device: torch.device) -> dict[str, float]:
+                      sizes: RunSizes, device: torch.device) -> dict[str, dict]:
     """tau of an untrained drafter and of each export, on the same held-out prompts (batched
-    greedy speculative decoding, all prompts in flight)."""
+    greedy speculative decoding, all prompts in flight, each output checked against plain
+    greedy decoding): per drafter, tau over all prompts, per-prompt taus, lossless verdicts."""
     target = BatchedTarget(target_dir, layer_ids=model_config.target_layer_ids, device=device, dtype="bfloat16")
     prompts = held_out_set(TokenDataset(data_dir), num_prompts=sizes.eval_prompts)
     with torch.random.fork_rng(devices=[]):
@@ -228,12 +316,15 @@ def evaluate_drafters(target_dir: str, data_dir: str, model_config: DFlashConfig
     drafters = {"untrained": untrained}
     drafters.update({label: load_inference_checkpoint(path, device=device, dtype=torch.bfloat16)
                      for label, path in exports.items()})
-    options = EvalOptions(max_new_tokens=sizes.eval_tokens, batch_size=sizes.eval_prompts, plain=False)
+    options = EvalOptions(max_new_tokens=sizes.eval_tokens, batch_size=sizes.eval_prompts, plain=True,
+                          check_lossless=True)
     reports = run_set(target, list(drafters.items()), prompts, renderer=None, options=options)
-    taus = {report.label: report.tau for report in reports}
+    out = {report.label: {"tau": report.tau, "prompt_taus": [s.stats.tau for s in report.samples if s.stats.num_cycles],
+                          "lossless_checked": report.num_lossless_checked, "mismatches": report.lossless_mismatches,
+                          "near_ties": report.near_ties} for report in reports}
     del target, drafters
     _free_memory()
-    return taus
+    return out
 
 
 def _free_memory() -> None:
@@ -243,35 +334,54 @@ def _free_memory() -> None:
 
 
 def run_precision_comparison(device: str = "cuda:0", shape: str = "qwen3-1.7b", work_dir: str = "/tmp/dflash-precision",
-                             variants: list[dict] | None = None, sizes: RunSizes = RunSizes()) -> dict:
-    """Builds the assets, trains every variant, evaluates them; prints and returns the figures."""
-    sizes.check()
-    variants = variants or [{"precision": "bf16"}, {"precision": "fp8"}]
-    labels = [variant_label(v) for v in variants]
-    if len(set(labels)) != len(labels):
-        raise ConfigError(f"bench precision: a variant is asked twice: {labels}")
+                             variants: list[dict] | None = None, sizes: RunSizes = RunSizes(), *,
+                             recipes: list[Recipe] | None = None, target_dir: str | None = None,
+                             data_dir: str | None = None, mask_token_id: int | None = None,
+                             budget_s: float | None = None) -> dict:
+    """Trains the same drafter under every recipe (``recipes``, else the precision ``variants``),
+    evaluates them; prints and returns the figures. ``target_dir`` and ``data_dir`` (both or
+    neither): a real target and a prepared dataset with held-out prompts instead of the
+    random-weight ``shape`` and its synthetic data."""
+    real = target_dir is not None or data_dir is not None
+    if real and (target_dir is None or data_dir is None):
+        raise ConfigError("bench precision: give --target and --data together (a real target and its prepared data)")
+    sizes.check(synthetic=not real)
+    if budget_s is not None and not 0 < budget_s <= 86400:
+        raise ConfigError(f"bench precision: --budget-s {budget_s} must be in (0, 86400]")
+    if recipes is None:
+        recipes = precision_recipes(variants or [{"precision": "bf16"}, {"precision": "fp8"}], variant_label)
+    labels = [r.name for r in recipes]
+    if len(set(labels)) != len(labels) or "untrained" in labels:
+        raise ConfigError(f"bench precision: a recipe is asked twice (or named 'untrained'): {labels}")
     dev = _resolve_device(device)
     started = time.perf_counter()
-    target_dir, data_dir = build_assets(work_dir, shape, sizes, dev)
+    if real:
+        dataset = check_real_data(target_dir, data_dir, sizes.eval_prompts)
+    else:
+        target_dir, data_dir = build_assets(work_dir, shape, sizes, dev)
+        dataset = TokenDataset(data_dir)
     phase_s = {"assets": time.perf_counter() - started}
-    model_config = drafter_config(target_dir, sizes.num_layers)
-    samples = capture_samples(target_dir, TokenDataset(data_dir), model_config.target_layer_ids, dev)
-    order = sequence_order(samples, sizes)
+    model_config = drafter_config(target_dir, sizes.num_layers, mask_token_id, dataset)
+    for recipe in recipes:  # every recipe is a valid job before anything trains
+        recipe_model_config(recipe_config(recipe, dev, sizes, model_config), model_config)
+    samples = capture_samples(target_dir, dataset, model_config.target_layer_ids, dev)
     phase_s["capture"] = time.perf_counter() - started - phase_s["assets"]
     head = FrozenTargetHead.from_pretrained(target_dir, dtype=torch.bfloat16, device=dev)
     runs = {}
-    for variant, label in zip(variants, labels):
-        export = os.path.join(os.path.abspath(work_dir), "drafter-" + label.replace(" ", "").replace(",", "-"))
-        runs[label] = {"variant": variant, **train_variant(variant, model_config, head, order, sizes, dev, export)}
-    del head, samples, order
+    for recipe in recipes:
+        export = os.path.join(os.path.abspath(work_dir), "drafter-" + "".join(
+            c if c.isalnum() or c in "+-_." else "-" for c in recipe.name))
+        runs[recipe.name] = train_recipe(recipe, model_config, head, samples, sizes, dev, export, budget_s)
+    del head, samples
     _free_memory()
     evaluating = time.perf_counter()
-    taus = evaluate_drafters(target_dir, data_dir, model_config, {k: r["export"] for k, r in runs.items()},
-                             sizes, dev)
+    evals = evaluate_drafters(target_dir, data_dir, model_config, {k: r["export"] for k, r in runs.items()},
+                              sizes, dev)
     phase_s["evaluation"] = time.perf_counter() - evaluating
-    figures = {"shape": shape, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-               "torch": torch.__version__, "target": target_dir, "data": data_dir, "sizes": asdict(sizes),
-               "runs": runs, "tau": taus, "phase_s": phase_s, "wall_s": time.perf_counter() - started}
+    figures = {"shape": None if real else shape, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+               "torch": torch.__version__, "target": target_dir, "data": data_dir, "num_samples": len(dataset),
+               "sizes": asdict(sizes), "budget_s": budget_s, "runs": runs, "tau": {k: v["tau"] for k, v in evals.items()},
+               "eval": evals, "phase_s": phase_s, "wall_s": time.perf_counter() - started}
     print(format_report(figures), flush=True)
     return figures
 
@@ -285,28 +395,56 @@ def window_means(losses: list[float], num_windows: int = NUM_WINDOWS) -> list[fl
     return [statistics.fmean(losses[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+def tau_spread(prompt_taus: list[float]) -> dict:
+    """Mean, standard deviation, min and max of the per-prompt taus (nan when none)."""
+    if not prompt_taus:
+        return dict.fromkeys(("mean", "std", "min", "max"), float("nan"))
+    return {"mean": statistics.fmean(prompt_taus),
+            "std": statistics.stdev(prompt_taus) if len(prompt_taus) > 1 else 0.0,
+            "min": min(prompt_taus), "max": max(prompt_taus)}
+
+
+def _lossless(e: dict | None) -> str:
+    if not e or not e.get("lossless_checked"):
+        return "n/a"
+    if e["mismatches"]:
+        return f"DIFF {len(e['mismatches'])}"
+    return f"ok{'~' + str(len(e['near_ties'])) if e['near_ties'] else ''}/{e['lossless_checked']}"
+
+
 def format_report(f: dict) -> str:
     labels = list(f["runs"])
-    base = f["runs"][labels[0]]
     s = f["sizes"]
-    lines = [f"precision training comparison: {f['shape']} target (random weights, greedy replies) on "
-             f"{f['device']}, torch {f['torch']}",
-             f"  data     {s['samples']} samples of {s['min_len']}..{s['max_len']} tokens, {s['held_out']} held-out "
-             f"prompts; {s['steps']} steps of {s['anchors_per_step']} anchors at lr {s['lr']:g}, "
-             f"{s['num_layers']}-layer drafter",
-             f"  loss     mean of each tenth of the run (steps 1..{s['steps']})"]
+    what = (f"{f['shape']} target (random weights, greedy replies)" if f.get("shape") else f"target {f['target']}")
+    samples = f.get("num_samples", s["samples"])
+    budget = f"{f['budget_s']:g} s of training each" if f.get("budget_s") else f"{s['steps']} steps each"
+    lines = [f"recipe comparison: {what} on {f['device']}, torch {f['torch']}",
+             f"  data     {samples} training samples ({f['data']}); {budget} of {s['anchors_per_step']} anchors "
+             f"at lr {s['lr']:g}, {s['num_layers']}-layer drafter; tau on {s['eval_prompts']} held-out prompts, "
+             f"{s['eval_tokens']} new tokens, greedy",
+             "  loss     mean of each tenth of each run"]
     for label in labels:
         lines.append(f"    {label:<30} " + " ".join(f"{v:6.3f}" for v in window_means(f["runs"][label]["losses"])))
-    final_base = window_means(base["losses"])[-1]
-    lines.append(f"  {'':<32} {'first':>7} {'final':>7} {'gap':>8} {'step ms':>8} {'peak GiB':>9} {'tau':>6}")
-    for label in labels:
-        run = f["runs"][label]
-        final = window_means(run["losses"])[-1]
-        steady = run["step_s"][min(5, len(run["step_s"]) - 1):]  # after the compiling first steps
-        peak = f"{run['peak_memory_gib']:.1f}" if run["peak_memory_gib"] is not None else "n/a"
-        lines.append(f"  {label:<32} {run['losses'][0]:7.3f} {final:7.3f} {100 * (final / final_base - 1):+7.2f}% "
-                     f"{statistics.fmean(steady) * 1e3:8.1f} {peak:>9} {f['tau'][label]:6.3f}")
-    lines.append(f"  untrained drafter: tau {f['tau']['untrained']:.3f}; gap = final loss against {labels[0]}'s")
+    base_tau = f["tau"].get(labels[0], float("nan"))
+    final_base = window_means(f["runs"][labels[0]]["losses"])[-1]
+    lines.append(f"  {'':<32} {'steps':>6} {'final':>7} {'gap':>8} {'step ms':>8} {'peak GiB':>9} {'tau':>6} {'gain':>7} "
+                 f"{'mean':>6} {'std':>6} {'min':>5} {'max':>5} {'lossless':>9}")
+    for label in labels + ["untrained"]:
+        run, e = f["runs"].get(label), (f.get("eval") or {}).get(label)
+        spread = tau_spread(e["prompt_taus"] if e else [])
+        tau = f["tau"].get(label, float("nan"))
+        if run is not None:
+            steady = run["step_s"][min(5, len(run["step_s"]) - 1):]  # after the compiling first steps
+            peak = f"{run['peak_memory_gib']:.1f}" if run["peak_memory_gib"] is not None else "n/a"
+            final = window_means(run["losses"])[-1]
+            head = (f"{len(run['losses']):6d} {final:7.3f} {100 * (final / final_base - 1):+7.2f}% "
+                    f"{statistics.fmean(steady) * 1e3:8.1f} {peak:>9}")
+        else:
+            head = f"{'':6} {'':7} {'':8} {'':8} {'':9}"
+        lines.append(f"  {label:<32} {head} {tau:6.3f} {100 * (tau / base_tau - 1):+6.1f}% {spread['mean']:6.3f} "
+                     f"{spread['std']:6.3f} {spread['min']:5.2f} {spread['max']:5.2f} {_lossless(e):>9}")
+    lines.append(f"  gap: final loss (last tenth) against {labels[0]}'s; tau: committed tokens per target forward "
+                 f"over all prompts, gain against {labels[0]}'s, mean/std/min/max over the prompts")
     trained = ", ".join(f"{f['runs'][label]['train_s']:.0f}" for label in labels)
     p = f.get("phase_s", {})
     lines.append(f"  time     {f['wall_s']:.0f} s: assets {p.get('assets', 0):.0f} s, features "

@@ -136,21 +136,49 @@ def _run_sizes_options(fn):
 @bench.command("precision")
 @click.option("--device", default="cuda:0", show_default=True, callback=checked_device)
 @click.option("--shape", type=click.Choice(["tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"]), default="qwen3-1.7b",
-              show_default=True, help="Shape of the random-weight target (bench/assets.py).")
+              show_default=True, help="Shape of the random-weight target (bench/assets.py); not with --target.")
+@click.option("--target", "target_dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="A real target (HF model directory); with --data, instead of the random-weight --shape.")
+@click.option("--data", "data_dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="Its prepared dataset, with held-out prompts (dflash-ipc prepare --held-out N): "
+                   "--samples/--min-len/--max-len/--held-out are then unused.")
+@click.option("--mask-token-id", default=None, type=int,
+              help="model.mask_token_id of the drafter (default: derived as a job derives it).")
+@click.option("--recipes", "recipe_names", default=None, callback=lambda ctx, p, v: comma_list(ctx, p, v) if v else None,
+              metavar="NAME[,NAME...]",
+              help="Recipes to compare, in order (bench/recipes.py): today, dpace, swa, muon, wsd, bf16, fp8, "
+                   "--recipe ones, and '+' combinations (dpace+muon); instead of --precision.")
+@click.option("--recipe", "definitions", multiple=True, metavar="NAME=KEY=VALUE[,KEY=VALUE...]",
+              help="Define a recipe by config overrides, e.g. muon10=optimizer.name=muon,optimizer.muon_lr=6e-3 "
+                   "(repeatable).")
+@click.option("--budget-s", default=None, type=float,
+              help="Equal wall time: each recipe trains as many steps as fit this many seconds (timed on a "
+                   "few steps first); default: --steps each.")
 @click.option("--work-dir", default="/tmp/dflash-precision", show_default=True,
               help="Target, data and exported drafters; the target and data are reused while they match.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write every figure (the per-step losses included) as JSON.")
 @precision_options(default="bf16,fp8")
 @_run_sizes_options
-def bench_precision(device, shape, work_dir, json_path, precisions, recipes, lm_heads, **sizes) -> None:
-    """The same short training run in each precision: loss curves, final-loss gap and tau."""
+def bench_precision(device, shape, target_dir, data_dir, mask_token_id, recipe_names, definitions, budget_s, work_dir,
+                    json_path, precisions, recipes, lm_heads, **sizes) -> None:
+    """The same drafter trained under several recipes (default: each --precision): loss curves,
+    final-loss gap, tau and its spread over held-out prompts, lossless check."""
+    from dflash_ipc.bench import recipes as named
     from dflash_ipc.bench.drafter import precision_variants
     from dflash_ipc.bench.precision import RunSizes, run_precision_comparison
     from dflash_ipc.run.logs import setup_logging
     setup_logging("bench")
+    chosen = None
+    if recipe_names:
+        defined = dict(named.parse_definition(d) for d in definitions)
+        chosen = named.resolve(recipe_names, defined, num_layers=sizes["num_layers"])
+    elif definitions:
+        raise click.UsageError("--recipe defines recipes for --recipes: name them there")
     figures = run_precision_comparison(device=device, shape=shape, work_dir=work_dir, sizes=RunSizes(**sizes),
-                                       variants=precision_variants(precisions, recipes, lm_heads))
+                                       variants=precision_variants(precisions, recipes, lm_heads), recipes=chosen,
+                                       target_dir=target_dir, data_dir=data_dir, mask_token_id=mask_token_id,
+                                       budget_s=budget_s)
     if json_path:
         write_json_atomic(json_path, figures)
 

@@ -156,6 +156,14 @@ def _apply_override(tree: dict, override: str) -> None:
     node[parts[-1]] = _parse_yaml(raw, f"override {dotted}") if raw.strip() else ""
 
 
+def apply_overrides(tree: dict, overrides: list[str] | tuple[str, ...]) -> dict:
+    """``tree`` (a config's YAML tree, changed in place and returned) with ``section.key=value``
+    overrides applied as ``-o`` applies them; validate it with :func:`config_from_dict`."""
+    for override in overrides:
+        _apply_override(tree, override)
+    return tree
+
+
 def config_from_dict(data: dict) -> JobConfig:
     return _build(JobConfig, data, "")
 
