@@ -27,6 +27,18 @@ Sources checked for what the loaders read (public code, read through the search 
   (Qwen3Config-based) reads ``dflash_config.target_layer_ids``/``mask_token_id`` and
   ``block_size``; published configs carry top-level ``block_size`` and
   ``num_target_layers``, ``model_type: qwen3``, safetensors names without prefix.
+
+Sliding-window layers (``model.layer_types``; the research memo of issue 29 read the loaders):
+- SGLang ``models/dflash.py`` reads ``layer_types`` and ``sliding_window`` (text config or
+  top level); a ``sliding_attention`` layer is a causal RadixAttention with window
+  ``sliding_window - 1`` (HF windows count the query itself), a full one non-causal.
+- vLLM ``qwen3_dflash.py``: a layer slides iff ``layer_types[i] == "sliding_attention"``; the
+  window is ``dflash_config.swa_window_size``, else ``sliding_window``; causal iff the layer
+  slides unless ``is_causal``/``dflash_config.causal`` say otherwise (not written: the default
+  is the trainer's rule); a mix of sliding and full layers needs its V2 model runner.
+- transformers' ``Qwen3Config`` keeps ``sliding_window`` only with ``use_sliding_window: true``,
+  so the export sets it whenever a layer slides; ``layer_types`` is written explicitly, which
+  overrides ``max_window_layers`` (kept at the layer count).
 """
 
 from __future__ import annotations
