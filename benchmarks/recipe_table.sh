@@ -13,9 +13,10 @@
 #
 #   TARGET=/tmp/smol-hf OUT=$OUT bash benchmarks/recipe_table.sh
 #
+# Time limits (s): TREGEN (150; the rows written by then are kept), TRECIPES (380): under 10 minutes in all.
 # Knobs (env): TARGET (an HF model directory), DEVICE (cuda:0), MASK_TOKEN_ID (16: SmolLM2's
 # unused <empty_output>; its tokenizer has no mask token and no spare embedding row), ROWS (2400),
-# REPLY_TOKENS (256), HELD_OUT (64), EVAL_TOKENS (128), BUDGET_S (30), ANCHORS (2048),
+# REPLY_TOKENS (256), HELD_OUT (64), EVAL_TOKENS (128), BUDGET_S (25), ANCHORS (2048),
 # RECIPES (today,dpace,swa,muon,wsd,dpace+muon+wsd), RECIPE_DEFS (extra --recipe definitions,
 # space-separated NAME=KEY=VALUE,... items), WORK (/tmp/recipe-work: rebuilt every run).
 set -uo pipefail
@@ -40,18 +41,18 @@ $py -m benchmarks.recipe_prompts "$work/prompts.jsonl" --rows "${ROWS:-2400}" >>
 elapsed prompts $t
 
 stage "regenerate"; t=$(date +%s)
-timeout "${TREGEN:-240}" $py -m dflash_ipc.cli regenerate --model "$target" --input "$work/prompts.jsonl" \
+timeout "${TREGEN:-150}" $py -m dflash_ipc.cli regenerate --model "$target" --input "$work/prompts.jsonl" \
   --out "$work/replies.jsonl" --max-new-tokens "${REPLY_TOKENS:-256}" --devices "$device" \
   > "$out/regenerate.log" 2>&1
 rc=$?; tail -5 "$out/regenerate.log" >> "$log"; elapsed regenerate $t
 if [ $rc -eq 124 ] && [ -s "$work/replies.jsonl" ]; then  # out of time: train on the rows written so far
-  echo "regenerate stopped at TREGEN=${TREGEN:-240} s: $(wc -l < "$work/replies.jsonl") rows kept" | tee -a "$log"
+  echo "regenerate stopped at TREGEN=${TREGEN:-150} s: $(wc -l < "$work/replies.jsonl") rows kept" | tee -a "$log"
 elif [ $rc -ne 0 ]; then
   echo "regenerate failed (exit $rc): see regenerate.log" | tee -a "$log"; exit 1
 fi
 
 stage "prepare"; t=$(date +%s)
-timeout 120 $py -m dflash_ipc.cli prepare --model "$target" --input "$work/replies.jsonl" --out "$work/data" \
+timeout 60 $py -m dflash_ipc.cli prepare --model "$target" --input "$work/replies.jsonl" --out "$work/data" \
   --max-length 1024 --held-out "${HELD_OUT:-64}" --workers 4 > "$out/prepare.log" 2>&1
 rc=$?; tail -5 "$out/prepare.log" >> "$log"; elapsed prepare $t
 [ $rc -eq 0 ] || { echo "prepare failed (exit $rc): see prepare.log" | tee -a "$log"; exit 1; }
@@ -59,10 +60,10 @@ rc=$?; tail -5 "$out/prepare.log" >> "$log"; elapsed prepare $t
 stage "bench precision (recipes)"; t=$(date +%s)
 defs=(); for d in ${RECIPE_DEFS:-}; do defs+=(--recipe "$d"); done
 mask=(); [ -n "${MASK_TOKEN_ID-16}" ] && mask=(--mask-token-id "${MASK_TOKEN_ID-16}")  # MASK_TOKEN_ID= : derive it
-timeout "${TRECIPES:-420}" $py -m dflash_ipc.cli bench precision --device "$device" --target "$target" \
+timeout "${TRECIPES:-380}" $py -m dflash_ipc.cli bench precision --device "$device" --target "$target" \
   --data "$work/data" "${mask[@]}" \
   --recipes "${RECIPES:-today,dpace,swa,muon,wsd,dpace+muon+wsd}" "${defs[@]}" \
-  --budget-s "${BUDGET_S:-30}" --anchors-per-step "${ANCHORS:-2048}" --num-layers "${NUM_LAYERS:-5}" \
+  --budget-s "${BUDGET_S:-25}" --anchors-per-step "${ANCHORS:-2048}" --num-layers "${NUM_LAYERS:-5}" \
   --eval-prompts "${HELD_OUT:-64}" --eval-tokens "${EVAL_TOKENS:-128}" --work-dir "$work/bench" \
   --json "$out/recipe_table.json" >> "$log" 2>&1
 rc=$?; elapsed "bench precision" $t

@@ -445,6 +445,10 @@ def format_report(f: dict) -> str:
                      f"{spread['std']:6.3f} {spread['min']:5.2f} {spread['max']:5.2f} {_lossless(e):>9}")
     lines.append(f"  gap: final loss (last tenth) against {labels[0]}'s; tau: committed tokens per target forward "
                  f"over all prompts, gain against {labels[0]}'s, mean/std/min/max over the prompts")
+    dpace = [label for label in labels if "objective.weighting=dpace" in f["runs"][label].get("overrides", [])]
+    if dpace:
+        lines.append(f"  {', '.join(dpace)}: D-PACE's loss is sum w CE over the labelled slots, another scale than "
+                     f"decay's weighted mean: compare loss within a weighting, tau across all")
     trained = ", ".join(f"{f['runs'][label]['train_s']:.0f}" for label in labels)
     p = f.get("phase_s", {})
     lines.append(f"  time     {f['wall_s']:.0f} s: assets {p.get('assets', 0):.0f} s, features "
