@@ -320,3 +320,26 @@ def test_dpace_config_keys_are_checked():
     with pytest.raises(ConfigError, match="set drafter.fp8_lm_head=none"):
         load_config(None, ["objective.weighting=dpace", "drafter.precision=fp8"])
     assert load_config(None, ["objective.weighting=dpace", "drafter.precision=fp8", "drafter.fp8_lm_head=none"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dpace_compiled_on_gpu_equals_the_eager_pass(monkeypatch):
+    """D-PACE's per-row CE and gradient kernels through inductor (bf16 logits, as the trainer runs
+    them under autocast) against the same pass eager, and against float32 on the CPU."""
+    head, h, labels, _ = _ce_inputs(torch.bfloat16, rows=64 * 16, vocab=5000, hidden=64)
+    weights = torch.ones(64, 16)
+    weights[:, 0] = 0
+    weights[5, 9:] = 0
+    weights = weights.reshape(-1)
+    cpu_h = h.float().clone().requires_grad_(True)
+    want = weighted_ce_sum(cpu_h, FrozenTargetHead(head.lm_head_weight.float()), labels, weights, dpace=(0.5, 16))
+    want.backward()
+    gpu_head = FrozenTargetHead(head.lm_head_weight.cuda())
+    for flag in ("1", "0"):
+        monkeypatch.setenv("DFLASH_COMPILE", flag)
+        hh = h.cuda().clone().requires_grad_(True)
+        got = weighted_ce_sum(hh, gpu_head, labels.cuda(), weights.cuda(), chunk_size=300, dpace=(0.5, 16))
+        got.backward()
+        torch.testing.assert_close(got.cpu(), want.detach(), rtol=2e-2, atol=1e-2)
+        torch.testing.assert_close(hh.grad.float().cpu(), cpu_h.grad, rtol=5e-2, atol=5e-3)
