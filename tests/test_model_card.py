@@ -107,6 +107,17 @@ def test_card_outside_a_run_directory(tmp_path):
     assert card.data.base_model is None  # unknown: left out rather than guessed
     assert "- optimizer steps: 7" in card.text and "no training record" in card.text
     assert "No evaluation was saved" in card.text
+    assert "sliding-window" not in card.text
+
+
+def test_card_of_a_drafter_with_sliding_layers_says_so(tmp_path):
+    step = tmp_path / "somewhere" / "step_00000007"
+    model = tiny_model(layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    save_inference_checkpoint(model, str(step), dtype=torch.float32)
+    out = tmp_path / "export"
+    _export(step, out)
+    text = ModelCard.load(out / "README.md").text
+    assert "Layer(s) 0 use sliding-window attention (window 5, causal in the block" in text
 
 
 @pytest.mark.parametrize("path,hub_id", [

@@ -218,6 +218,11 @@ def render_card(facts: dict, *, repo: str, with_code: bool) -> str:
              f"{d['num_hidden_layers']} layer(s) of width {d['hidden_size']}, blocks of {d['block_size']} "
              f"(up to {d['block_size'] - 1} drafted tokens per target forward), conditioned on target layers "
              f"{dflash.get('target_layer_ids')}. The target's embedding and LM head are used, not stored here.")
+    sliding = [i for i, kind in enumerate(d.get("layer_types") or []) if kind == "sliding_attention"]
+    if sliding:
+        about += (f" Layer(s) {', '.join(map(str, sliding))} use sliding-window attention (window "
+                  f"{d.get('sliding_window')}, causal in the block; `layer_types` and `sliding_window` in config.json, "
+                  f"as SGLang and vLLM read them; vLLM runs a mix of sliding and full layers on its V2 model runner).")
     body = [f"# {os.path.basename(repo.rstrip('/')) or repo}", "", about, "",
             *_usage(facts, repo, with_code=with_code), *_training(facts), *_evaluation(facts)]
     meta = yaml.safe_dump(front_matter(facts, with_code=with_code), sort_keys=False)
