@@ -266,7 +266,7 @@ def calibrate(recipe: Recipe, cfg: JobConfig, model_config: DFlashConfig, head: 
     logger.info("%s: %.1f ms a step: %d steps in %.0f s", recipe.name,
                 1e3 * statistics.median(timed[CALIBRATION_WARMUP:]), steps, budget_s)
     del trainer
-    reset_compiled_layers()
+    _forget_graphs(cfg)
     _free_memory()
     return steps
 
@@ -297,7 +297,7 @@ def train_recipe(recipe: Recipe, model_config: DFlashConfig, head: FrozenTargetH
     save_inference_checkpoint(trainer.model, export_dir)
     peak = torch.cuda.max_memory_allocated(device) / 1024**3 if device.type == "cuda" else None
     del trainer
-    reset_compiled_layers()
+    _forget_graphs(cfg)
     _free_memory()
     return {"overrides": list(recipe.overrides), "losses": losses, "step_s": step_s, "train_s": train_s,
             "peak_memory_gib": peak, "export": export_dir}
@@ -325,6 +325,14 @@ def evaluate_drafters(target_dir: str, data_dir: str, model_config: DFlashConfig
     del target, drafters
     _free_memory()
     return out
+
+
+def _forget_graphs(cfg: JobConfig) -> None:
+    """After an fp8 model: its float8 layers' graphs and static row counts must not carry over
+    (precision.reset_compiled_layers). bf16 models share every compiled function (weights are
+    arguments), so they keep them: a dynamo reset would cost each recipe the ~25 s first compile."""
+    if cfg.drafter.precision == "fp8":
+        reset_compiled_layers()
 
 
 def _free_memory() -> None:
