@@ -3,6 +3,7 @@ capture, training under two recipes, export, evaluation with the lossless check)
 given target and prepared dataset; recipes by name; the report's arithmetic; fp8 on a GPU."""
 
 import dataclasses
+import json
 import math
 import os
 
@@ -58,8 +59,11 @@ def test_a_given_target_and_prepared_dataset_and_a_time_budget(tiny_run, tmp_pat
     _, f = tiny_run
     chosen = recipes.resolve(["bf16"], num_layers=1)
     g = bp.run_precision_comparison("cpu", work_dir=str(tmp_path), sizes=dataclasses.replace(TINY, steps=2),
-                                    recipes=chosen, target_dir=f["target"], data_dir=f["data"], budget_s=0.05)
+                                    recipes=chosen, target_dir=f["target"], data_dir=f["data"], budget_s=0.05,
+                                    json_path=str(tmp_path / "figures.json"))
     assert g["shape"] is None and g["target"] == f["target"] and g["budget_s"] == 0.05
+    written = json.loads((tmp_path / "figures.json").read_text())
+    assert "partial" not in written and written["runs"]["bf16"]["losses"] == g["runs"]["bf16"]["losses"]
     assert len(g["runs"]["bf16"]["losses"]) >= 1 and set(g["tau"]) == {"untrained", "bf16"}
     with pytest.raises(ConfigError, match="declares 1 held-out prompts, --eval-prompts asks 5"):
         bp.run_precision_comparison("cpu", work_dir=str(tmp_path), sizes=dataclasses.replace(TINY, eval_prompts=5),

@@ -74,6 +74,7 @@ from dflash_ipc.eval.prompt_sets import held_out_set
 from dflash_ipc.eval.speculative import EvalOptions, run_set
 from dflash_ipc.eval.target_runner import BatchedTarget
 from dflash_ipc.hf.target_config import load_target_config
+from dflash_ipc.run.json_files import write_json_atomic
 from dflash_ipc.target.capture import FeatureCapture
 
 logger = logging.getLogger(__name__)
@@ -345,11 +346,12 @@ def run_precision_comparison(device: str = "cuda:0", shape: str = "qwen3-1.7b", 
                              variants: list[dict] | None = None, sizes: RunSizes = RunSizes(), *,
                              recipes: list[Recipe] | None = None, target_dir: str | None = None,
                              data_dir: str | None = None, mask_token_id: int | None = None,
-                             budget_s: float | None = None) -> dict:
+                             budget_s: float | None = None, json_path: str | None = None) -> dict:
     """Trains the same drafter under every recipe (``recipes``, else the precision ``variants``),
     evaluates them; prints and returns the figures. ``target_dir`` and ``data_dir`` (both or
     neither): a real target and a prepared dataset with held-out prompts instead of the
-    random-weight ``shape`` and its synthetic data."""
+    random-weight ``shape`` and its synthetic data. ``json_path``: the figures so far after every
+    recipe (``"partial": true``; a later failure keeps the runs already trained), all at the end."""
     real = target_dir is not None or data_dir is not None
     if real and (target_dir is None or data_dir is None):
         raise ConfigError("bench precision: give --target and --data together (a real target and its prepared data)")
@@ -380,6 +382,9 @@ def run_precision_comparison(device: str = "cuda:0", shape: str = "qwen3-1.7b", 
         export = os.path.join(os.path.abspath(work_dir), "drafter-" + "".join(
             c if c.isalnum() or c in "+-_." else "-" for c in recipe.name))
         runs[recipe.name] = train_recipe(recipe, model_config, head, samples, sizes, dev, export, budget_s)
+        if json_path:
+            write_json_atomic(json_path, {"partial": True, "target": target_dir, "data": data_dir,
+                                          "sizes": asdict(sizes), "budget_s": budget_s, "runs": runs})
     del head, samples
     _free_memory()
     evaluating = time.perf_counter()
@@ -390,6 +395,8 @@ def run_precision_comparison(device: str = "cuda:0", shape: str = "qwen3-1.7b", 
                "torch": torch.__version__, "target": target_dir, "data": data_dir, "num_samples": len(dataset),
                "sizes": asdict(sizes), "budget_s": budget_s, "runs": runs, "tau": {k: v["tau"] for k, v in evals.items()},
                "eval": evals, "phase_s": phase_s, "wall_s": time.perf_counter() - started}
+    if json_path:
+        write_json_atomic(json_path, figures)
     print(format_report(figures), flush=True)
     return figures
 

@@ -175,12 +175,10 @@ def bench_precision(device, shape, target_dir, data_dir, mask_token_id, recipe_n
         chosen = named.resolve(recipe_names, defined, num_layers=sizes["num_layers"])
     elif definitions:
         raise click.UsageError("--recipe defines recipes for --recipes: name them there")
-    figures = run_precision_comparison(device=device, shape=shape, work_dir=work_dir, sizes=RunSizes(**sizes),
-                                       variants=precision_variants(precisions, recipes, lm_heads), recipes=chosen,
-                                       target_dir=target_dir, data_dir=data_dir, mask_token_id=mask_token_id,
-                                       budget_s=budget_s)
-    if json_path:
-        write_json_atomic(json_path, figures)
+    run_precision_comparison(device=device, shape=shape, work_dir=work_dir, sizes=RunSizes(**sizes),
+                             variants=precision_variants(precisions, recipes, lm_heads), recipes=chosen,
+                             target_dir=target_dir, data_dir=data_dir, mask_token_id=mask_token_id,
+                             budget_s=budget_s, json_path=json_path)
 
 
 @bench.command("pipeline")
