@@ -1,15 +1,10 @@
 """The target worker: pulls batches, runs the frozen target, fills hidden-state slots.
 
-`TargetWorker` is the logic (one batch in, features in a slot out) and can be stepped in a
-test; `run_target` wraps it with the dispatcher link. Busy loop:
-  1) take every waiting message (batches queue up: the worker asks for `prefetch` at once,
-     so the next batch is already here while the current one computes),
-  2) compute the oldest queued batch into its slot, publish the slot, report `Produced`,
-     and ask for one more (`Ready(1)`),
-  3) on `Shutdown` (or a silent dispatcher) close the pool and exit.
-If the dispatcher restarts (a new process restored from the ledger), the worker registers
-again with the same pool and starts over: the batches it held are pending again there, and
-the supervisor stopped every drafter that could still read its slots before that restart.
+`TargetWorker` computes one batch into its slot; `TargetLoop` (loop.py) is the busy loop
+around it (register, queue, compute, report, shutdown), stepped by tests with fakes;
+`run_target` is the process: it loads the model, creates the pool, connects the link and
+runs the loop until `Shutdown` (`serve`: again on a fresh loop after a dispatcher restart).
+The pool is closed (its segment unlinked) on every way out.
 
 With `target.gpus_per_worker` K > 1 the worker is K processes (`--tp-rank 0..K-1`) holding one
 tensor-parallel model (target/tensor_parallel.py): rank 0, the leader, runs the loop above and
@@ -31,14 +26,15 @@ from dflash_ipc.wire import protocol as p
 from dflash_ipc.config.schema import JobConfig
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.target.fit import check_pool_fits, probe_target_batch
-from dflash_ipc.errors import ConfigError, DataError, DispatcherRestarted, WorkerDeadError
+from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.wire.link import DispatcherLink
-from dflash_ipc.obs.timelines import TimelineWriter, process_memory
+from dflash_ipc.obs.timelines import TimelineWriter
 from dflash_ipc.obs.profiling import IterationProfiler
 from dflash_ipc.config.machine import require_device
 from dflash_ipc.wire.security import read_job_secret
 from dflash_ipc.run.child_env import replaced_pids
 from dflash_ipc.target.capture import FeatureCapture
+from dflash_ipc.target.loop import TargetLoop, serve
 from dflash_ipc.target.worker_group import WorkerGroup
 from dflash_ipc.transport.backends import create_pool
 from dflash_ipc.transport.slots import SlotLayout, SlotPool
@@ -155,59 +151,16 @@ def _lead(cfg: JobConfig, rank: int, capture: FeatureCapture, dataset: TokenData
         worker = TargetWorker(capture, dataset, pool, group)
         timeline = TimelineWriter(cfg.files.timeline(f"target/{rank}"), f"target/{rank}")
         opened.callback(timeline.close)
-        while True:
-            try:
-                _serve(cfg, rank, worker, link, timeline)
-                break
-            except DispatcherRestarted as exc:
-                log.warning("%s: registering again", exc)
 
+        def new_loop() -> TargetLoop:
+            # The secret is read at each registration: a dispatcher restarted meanwhile may have
+            # made the file anew.
+            registration = p.Register(role="target", rank=rank, pid=os.getpid(), device=str(worker.device),
+                                      node=cfg.node_of("target", rank), pool=pool.descriptor(),
+                                      num_slots=cfg.target.num_slots, replaces_pids=replaced_pids(),
+                                      secret=read_job_secret(cfg.files.job_secret))
+            return TargetLoop(worker, link, registration=registration, prefetch=cfg.target.prefetch,
+                              register_timeout_s=cfg.supervise.startup_timeout_s, timeline=timeline,
+                              profiler=IterationProfiler(f"target/{rank}", worker.device))
 
-def _serve(cfg: JobConfig, rank: int, worker: TargetWorker, link: DispatcherLink,
-           timeline: TimelineWriter) -> None:
-    reply = link.request(p.Register(role="target", rank=rank, pid=os.getpid(), device=str(worker.device),
-                                    node=cfg.node_of("target", rank),
-                                    pool=worker.pool.descriptor(), num_slots=cfg.target.num_slots,
-                                    replaces_pids=replaced_pids(), secret=read_job_secret(cfg.files.job_secret)),
-                         timeout_s=cfg.supervise.startup_timeout_s)
-    if not isinstance(reply, p.Registered):
-        raise WorkerDeadError(f"target/{rank}: registration refused: {reply}")
-    link.send(p.Ready(credits=cfg.target.prefetch))
-    profiler = IterationProfiler(f"target/{rank}", worker.device)
-    queue: list[p.Batch] = []
-    busy_s = wait_s = 0.0
-    batches = tokens = 0
-    while True:
-        # 1) take what is waiting; block (bounded) only when there is nothing to compute
-        waited = time.perf_counter()
-        msg = link.recv(0.0 if queue else 1.0)
-        while msg is not None:
-            if isinstance(msg, p.Batch):
-                queue.append(msg)
-            elif isinstance(msg, p.Shutdown):
-                log.info("shutdown: %s", msg.reason)
-                profiler.finish()
-                return
-            elif not isinstance(msg, p.EndOfData):
-                log.warning("ignored unexpected %s", msg.KIND.name)
-            msg = link.recv(0.0)
-        if not queue:
-            worker.idle()
-            wait_s += time.perf_counter() - waited
-            timeline.record("wait_work", waited, time.perf_counter())
-            link.metrics.update(busy_s=busy_s, wait_s=wait_s, batches=batches, tokens=tokens)
-            continue
-        # 2) compute the oldest batch, then ask for the next one
-        started = time.perf_counter()
-        timeline.record("wait_work", waited, started)  # a batch that arrived while blocked
-        produced = worker.produce(queue.pop(0))
-        link.send(produced)
-        link.send(p.Ready(credits=1))
-        busy_s += time.perf_counter() - started
-        timeline.record("busy", started, time.perf_counter(), tokens=produced.num_tokens,
-                        batch=produced.batch_id)
-        profiler.step()
-        batches += 1
-        tokens += produced.num_tokens
-        link.metrics.update(busy_s=busy_s, wait_s=wait_s, batches=batches, tokens=tokens,
-                            **process_memory(worker.device))
+        serve(new_loop)
