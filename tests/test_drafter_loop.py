@@ -78,7 +78,7 @@ class FakeReaders:
         self.dropped.append(pool_id)
 
 
-def build(tmp_path, **sections):
+def build(tmp_path, after_step=None, **sections):
     cfg = config_from_dict({"drafter": {"dtype": "float32", "attention": "dense", "fifo_sequences": 4, "prefetch": 2},
                             "model": {"num_layers": 1, "target_layer_ids": [0, 1], "block_size": 4},
                             "objective": {"anchors_per_step": 12, "max_anchors_per_seq": 6},
@@ -91,7 +91,8 @@ def build(tmp_path, **sections):
     trainer = DrafterTrainer(cfg, config, head, device="cpu", total_steps=20)
     link, readers = FakeLink(), FakeReaders()
     loop = DrafterLoop(cfg, 0, trainer=trainer, queue=SequenceQueue(FakeDataset(), max_anchors_per_seq=6),
-                       readers=readers, link=link, group=SoloGroup(), store=CheckpointStore(str(tmp_path / "ck")))
+                       readers=readers, link=link, group=SoloGroup(), store=CheckpointStore(str(tmp_path / "ck")),
+                       after_step=after_step)
     return loop, link, readers
 
 
@@ -244,3 +245,19 @@ def test_a_loss_that_stops_being_finite_is_not_reported_as_its_last_finite_value
     rows = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in the step log"))
             for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert [r["loss"] is None for r in rows] == [False, True]
+
+
+def test_the_after_step_hook_runs_once_after_each_step_inside_its_timeline_interval(tmp_path):
+    """Where the fault tests slow a step down (drafter/faults.py): after the optimizer step, before
+    the step's interval closes, so the beacon and the timeline show a long step, not a hang."""
+    calls = []
+    loop, link, readers = build(tmp_path, after_step=lambda: calls.append(loop.trainer.step_count))
+    recorded = []
+    loop.timeline = type("Timeline", (), {"record": lambda self, state, t0, t1, **kw: recorded.append(
+        (state, len(calls)))})()
+    readers.pool_of_read = "p0"
+    loop.resume(registered())
+    link.inbox.extend([assign(0, [0, 1, 2], 1), assign(1, [3, 4, 5, 6, 7], 2)])
+    while loop.trainer.step_count < 2:
+        assert loop.pass_once()
+    assert calls == [1, 2] and [n for state, n in recorded if state == "step"] == [1, 2]

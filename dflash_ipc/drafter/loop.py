@@ -23,9 +23,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import signal
 import time
+from typing import Callable
 
 from dflash_ipc.wire import protocol as p
 from dflash_ipc.run.checkpoints import CheckpointStore
@@ -38,10 +38,6 @@ log = logging.getLogger(__name__)
 
 COMMIT_CONFIRM_S = 5.0  # on a stop, how long rank 0 waits for the dispatcher to take its commit
 RESUME_CONFIRM_S = 60.0
-# Fault injection for tests: the first DFLASH_IPC_FAULT_SLOW_STEPS steps (default: all) of
-# every rank take DFLASH_IPC_FAULT_STEP_SLEEP_S seconds longer (a slow but alive step).
-FAULT_STEP_SLEEP_ENV = "DFLASH_IPC_FAULT_STEP_SLEEP_S"
-FAULT_SLOW_STEPS_ENV = "DFLASH_IPC_FAULT_SLOW_STEPS"
 
 
 class StopRequested(SystemExit):
@@ -53,7 +49,10 @@ class StopRequested(SystemExit):
 
 class DrafterLoop:
     def __init__(self, cfg, rank: int, *, trainer, queue: SequenceQueue, readers, link, group,
-                 store: CheckpointStore, beacon=None, timeline=None, step_log=None) -> None:
+                 store: CheckpointStore, beacon=None, timeline=None, step_log=None,
+                 after_step: Callable[[], None] | None = None) -> None:
+        """`after_step` runs after each optimizer step, inside its timed interval (the fault
+        tests slow steps down with it: drafter/faults.py)."""
         self.cfg, self.rank = cfg, rank
         self.trainer, self.queue, self.readers = trainer, queue, readers
         self.link, self.group, self.store = link, group, store
@@ -70,8 +69,7 @@ class DrafterLoop:
         # on cuda_ipc), bytes read; read_s - copy_s is handoff overhead, not bandwidth.
         self.read_s = self.copy_s = 0.0
         self.read_bytes = self.reads = 0
-        self.fault_step_sleep_s = float(os.environ.get(FAULT_STEP_SLEEP_ENV, "0") or 0)
-        self.fault_slow_steps = int(os.environ.get(FAULT_SLOW_STEPS_ENV, "0") or 0) or None
+        self.after_step = after_step
 
     # --- 0) resume ---------------------------------------------------------------------------
 
@@ -212,9 +210,8 @@ class DrafterLoop:
         chosen = self.queue.take(self.cfg.objective.anchors_per_step)
         stats = self.trainer.step(chosen)
         self.queue.record_trained(chosen)
-        if self.fault_step_sleep_s and (self.fault_slow_steps is None or self.fault_slow_steps > 0):
-            time.sleep(self.fault_step_sleep_s)
-            self.fault_slow_steps = None if self.fault_slow_steps is None else self.fault_slow_steps - 1
+        if self.after_step is not None:
+            self.after_step()
         self.compiled = True
         ended = time.perf_counter()
         if self.timeline is not None:

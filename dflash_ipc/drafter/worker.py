@@ -24,6 +24,7 @@ from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.drafter.group import close_group, init_group
 from dflash_ipc.drafter.loop import DrafterLoop
+from dflash_ipc.drafter.faults import SlowSteps
 from dflash_ipc.drafter.fit import probe_drafter_step
 from dflash_ipc.drafter.model import DFlashConfig
 from dflash_ipc.drafter.sequence_queue import SequenceQueue
@@ -86,6 +87,7 @@ def run_drafter(cfg: JobConfig, rank: int) -> None:
         # Fail at start, naming the pair, rather than at the first slot this drafter opens.
         check_peer_access([cfg.target.device_of(r) for r in cfg.local_ranks("target")], [device])
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, cfg.drafter.num_workers)))
+    slow_steps = SlowSteps.from_env()  # a fault test's injection, or None (checked before anything starts)
     beacon = Beacon(cfg.files.beacon(f"drafter/{rank}"))
     link = DispatcherLink.for_job(cfg, f"drafter/{rank}")
     try:
@@ -99,7 +101,7 @@ def run_drafter(cfg: JobConfig, rank: int) -> None:
             raise WorkerDeadError(f"drafter/{rank}: registration refused: {registered}")
         group = init_group(cfg, rank, device, registered.generation)
         try:
-            _build_and_run(cfg, rank, device, link, group, beacon, registered)
+            _build_and_run(cfg, rank, device, link, group, beacon, registered, slow_steps)
         finally:
             close_group(group)
     finally:
@@ -108,7 +110,7 @@ def run_drafter(cfg: JobConfig, rank: int) -> None:
 
 
 def _build_and_run(cfg: JobConfig, rank: int, device: str, link: DispatcherLink, group, beacon: Beacon,
-                   registered: p.Registered) -> None:
+                   registered: p.Registered, slow_steps: SlowSteps | None = None) -> None:
     dataset = TokenDataset(cfg.data.path)
     model_config = DFlashConfig.from_target_config(
         load_target_config(cfg.target.path), num_draft_layers=cfg.model.num_layers, block_size=cfg.model.block_size,
@@ -126,7 +128,7 @@ def _build_and_run(cfg: JobConfig, rank: int, device: str, link: DispatcherLink,
     loop = DrafterLoop(cfg, rank, trainer=trainer, queue=SequenceQueue(dataset,
                        max_anchors_per_seq=cfg.objective.max_anchors_per_seq), readers=readers, link=link,
                        group=group, store=CheckpointStore(cfg.files.checkpoints), beacon=beacon, timeline=timeline,
-                       step_log=step_log)
+                       step_log=step_log, after_step=slow_steps)
     profiler = IterationProfiler(f"drafter/{rank}", trainer.device)
     try:
         loop.resume(registered)
