@@ -70,6 +70,14 @@ class Clock:
         return self.now
 
 
+class Timeline:
+    def __init__(self):
+        self.intervals = []
+
+    def record(self, state, t0, t1, **extra):
+        self.intervals.append((state, t1 - t0, extra))
+
+
 class Group:
     """A tensor-parallel worker's group, as the leader sees it."""
 
@@ -127,7 +135,8 @@ def test_a_refused_registration_is_a_dead_worker(tmp_path, pool):
 
 
 def test_batches_are_computed_oldest_first_one_a_pass_into_their_slots(tmp_path, pool):
-    loop, link, group = build(tmp_path, pool)
+    timeline = Timeline()
+    loop, link, group = build(tmp_path, pool, timeline=timeline)
     loop.register()
     link.sent.clear()
     link.inbox.extend([batch(7, [0, 1], slot=1), p.Heartbeat(metrics={}), batch(8, [2], slot=0)])
@@ -146,8 +155,12 @@ def test_batches_are_computed_oldest_first_one_a_pass_into_their_slots(tmp_path,
         assert reader.read(0, 4).tolist() == [[t, 10 * t] for t in (8, 9, 10, 11)]
     finally:
         reader.close()
-    assert link.metrics["batches"] == 2 and link.metrics["tokens"] == 9 and link.metrics["busy_s"] > 0
+    assert link.metrics["batches"] == 2 and link.metrics["tokens"] == 9
     assert "rss_mib" in link.metrics
+    # Each pass: the wait for work (the fake clock's 0.5 s), then the batch's busy interval.
+    assert timeline.intervals == [("wait_work", 0.5, {}), ("busy", 0.5, {"tokens": 5, "batch": 7}),
+                                  ("wait_work", 0.5, {}), ("busy", 0.5, {"tokens": 4, "batch": 8})]
+    assert loop.busy_s == 1.0 and link.metrics["busy_s"] == 1.0
 
 
 def test_an_idle_pass_blocks_for_work_times_the_wait_and_keeps_followers_alive(tmp_path, pool):

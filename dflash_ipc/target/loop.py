@@ -81,8 +81,9 @@ class TargetLoop:
             return False                                                # 3
         if not self.queue:
             self.worker.idle()
-            self.wait_s += self.clock() - waited
-            self._record("wait_work", waited, self.clock())
+            ended = self.clock()  # one reading: the counter and the timeline agree
+            self.wait_s += ended - waited
+            self._record("wait_work", waited, ended)
             self.link.metrics.update(self._counters())
             return True
         started = self.clock()
@@ -90,8 +91,9 @@ class TargetLoop:
         produced = self.worker.produce(self.queue.popleft())           # 2
         self.link.send(produced)
         self.link.send(p.Ready(credits=1))
-        self.busy_s += self.clock() - started
-        self._record("busy", started, self.clock(), tokens=produced.num_tokens, batch=produced.batch_id)
+        ended = self.clock()
+        self.busy_s += ended - started
+        self._record("busy", started, ended, tokens=produced.num_tokens, batch=produced.batch_id)
         if self.profiler is not None:
             self.profiler.step()
         self.batches += 1
