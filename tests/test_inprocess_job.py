@@ -4,8 +4,10 @@ stepped in turn over real links on an ipc:// socket until the epoch is committed
 
 What it shows that the stepped tests of each part cannot: the three speak one protocol
 (registration, credits, Batch/Produced/Assign/Consumed, Committed/CommitDone, EndOfData,
-Shutdown), every sample of the epoch is committed exactly once, and the hidden states the
-drafter trained on are the ones the target computed, after their trip through the pool.
+Shutdown), every sample of the epoch is committed exactly once, also across a drafter
+restart, and the hidden states the drafter trained on are the ones the target computed, after
+their trip through the pool. About a second of passes each, where a real-process job takes
+minutes: the place for the next whole-protocol test.
 """
 
 import contextlib
@@ -14,7 +16,6 @@ import time
 import uuid
 
 import numpy as np
-import pytest
 import torch
 import zmq
 from transformers import AutoTokenizer
@@ -129,79 +130,143 @@ def job_config(tmp_path, tiny_cache):
         "checkpoint": {"every_steps": 2}}))
 
 
-def test_dispatcher_target_and_drafter_loops_commit_an_epoch_exactly_once(tmp_path, tiny_cache):
-    cfg = job_config(tmp_path, tiny_cache)
-    dataset = TokenDataset(cfg.data.path)
-    epochs = plan_job(cfg, dataset.lengths)
-    # More batches than slots: slots are freed by consumption and leased again.
-    assert len(epochs[0]) > 2 * cfg.target.num_slots
-    address = f"ipc://{tmp_path}/dispatcher.sock"
-    with contextlib.ExitStack() as opened:
-        server = InprocDispatcher(Dispatcher(epochs, num_targets=1, num_drafters=1),
-                                  address)
-        opened.callback(server.close)
+class InprocJob:
+    """The three parts of one job in this process, their resources closed by `opened`."""
+
+    def __init__(self, tmp_path, tiny_cache, opened: contextlib.ExitStack) -> None:
+        self.cfg = cfg = job_config(tmp_path, tiny_cache)
+        self.opened = opened
+        self.dataset = TokenDataset(cfg.data.path)
+        self.epochs = plan_job(cfg, self.dataset.lengths)
+        self.address = f"ipc://{tmp_path}/dispatcher.sock"
+        self.server = InprocDispatcher(Dispatcher(self.epochs, num_targets=1,
+                                                  num_drafters=1), self.address)
+        opened.callback(self.server.close)
         # the target: the tiny model on CPU, its pool in shared memory
-        capture = FeatureCapture(cfg.target.path, layer_ids=cfg.model.target_layer_ids, dtype="float32",
-                                 attn_implementation=cfg.target.attn_implementation, device="cpu")
+        self.capture = FeatureCapture(cfg.target.path, layer_ids=cfg.model.target_layer_ids, dtype="float32",
+                                      attn_implementation=cfg.target.attn_implementation, device="cpu")
         pool = ShmSlotPool(SlotLayout(num_slots=cfg.target.num_slots,
                                       max_tokens=SlotLayout.required_max_tokens(cfg.data.token_budget),
-                                      feature_dim=capture.feature_dim, dtype="float32"),
+                                      feature_dim=self.capture.feature_dim, dtype="float32"),
                            name=f"dflash-test-inproc-{uuid.uuid4().hex[:8]}")
         opened.callback(pool.close)
-        target_link = PumpedLink(address, "target/0", server)
-        opened.callback(target_link.close)
-        target = TargetLoop(TargetWorker(capture, dataset, pool), target_link, idle_wait_s=0.0,
-                            registration=p.Register(role="target", rank=0, pid=os.getpid(), device="cpu",
-                                                    pool=pool.descriptor(), num_slots=cfg.target.num_slots),
-                            prefetch=cfg.target.prefetch, register_timeout_s=10.0)
-        # the drafter: the real trainer on the tiny target's width, a group of one
+        self.target = TargetLoop(TargetWorker(self.capture, self.dataset, pool), self._link("target/0"),
+                                 registration=p.Register(role="target", rank=0, pid=os.getpid(), device="cpu",
+                                                         pool=pool.descriptor(), num_slots=cfg.target.num_slots),
+                                 prefetch=cfg.target.prefetch, register_timeout_s=10.0, idle_wait_s=0.0)
+        self.target.register()
+        self.serving = True
+        self.deadline = time.monotonic() + JOB_BOUND_S
+
+    def _link(self, identity: str) -> PumpedLink:
+        link = PumpedLink(self.address, identity, self.server)
+        self.opened.callback(link.close)
+        return link
+
+    def new_drafter(self, identity: str = "drafter/0", replaces_pids=()) -> DrafterLoop:
+        """Rank 0 of a drafter group of one, the real trainer on the tiny target's width,
+        registered and resumed from the ledger's last commit."""
+        cfg = self.cfg
         model_config = DFlashConfig.from_target_config(
             load_target_config(cfg.target.path), num_draft_layers=cfg.model.num_layers,
             block_size=cfg.model.block_size, mask_token_id=cfg.model.mask_token_id,
             target_layer_ids=cfg.model.target_layer_ids)
         head = FrozenTargetHead.from_pretrained(cfg.target.path, dtype=TORCH_DTYPES["float32"], device="cpu")
-        total = estimate_total_steps(dataset, cfg.objective, num_epochs=1, world_size=1)
+        total = estimate_total_steps(self.dataset, cfg.objective, num_epochs=1, world_size=1)
         trainer = DrafterTrainer(cfg, model_config, head, device="cpu", total_steps=total)
-        drafter_link = PumpedLink(address, "drafter/0", server)
-        opened.callback(drafter_link.close)
         readers = ReaderCache("cpu")
-        opened.callback(readers.close)
-        queue = RecordingQueue(dataset, max_anchors_per_seq=cfg.objective.max_anchors_per_seq)
-        drafter = DrafterLoop(cfg, 0, trainer=trainer, queue=queue, readers=readers, link=drafter_link,
-                              group=SoloGroup(), store=CheckpointStore(cfg.files.checkpoints))
+        self.opened.callback(readers.close)
+        link = self._link(identity)
+        drafter = DrafterLoop(cfg, 0, trainer=trainer, link=link, readers=readers, group=SoloGroup(),
+                              queue=RecordingQueue(self.dataset, max_anchors_per_seq=cfg.objective.max_anchors_per_seq),
+                              store=CheckpointStore(cfg.files.checkpoints))
+        registered = link.request(p.Register(role="drafter", rank=0, pid=os.getpid(), device="cpu",
+                                             replaces_pids=list(replaces_pids)), timeout_s=10.0)
+        assert isinstance(registered, p.Registered), registered
+        drafter.resume(registered)
+        return drafter
 
-        target.register()
-        registered = drafter_link.request(p.Register(role="drafter", rank=0, pid=os.getpid(), device="cpu"),
-                                          timeout_s=10.0)
-        assert isinstance(registered, p.Registered) and drafter.resume(registered) == -1
+    def step(self, drafter: DrafterLoop) -> bool:
+        """One pass of each, in turn; False once the drafter is drained."""
+        assert time.monotonic() < self.deadline, self.server.dispatcher.status()
+        going = drafter.pass_once()
+        self.serving = self.serving and self.target.pass_once()
+        return going
+
+    def finish(self, drafter: DrafterLoop) -> None:
+        """The drafter's closing checkpoint; its commit ends the job, and both get `Shutdown`."""
+        drafter.finish()
+        while self.serving:
+            self.serving = self.target.pass_once()
+            assert time.monotonic() < self.deadline, self.server.dispatcher.status()
+        assert self.target.shutdown_reason == "job finished"
+
+    def check_exactly_once(self) -> None:
+        """The ledger's audit: every sample of the epoch committed once, the job finished."""
+        ledger = self.server.dispatcher.ledger
+        report = ledger.audit({0: range(NUM_SAMPLES)})
+        assert report.ok and report.num_commit_records == NUM_SAMPLES, report.summary()
+        assert self.server.dispatcher.finished
+
+    def check_features(self, drafter: DrafterLoop) -> None:
+        """Each copy the drafter queued holds what the target computes for its samples."""
+        for sample_ids, features in drafter.queue.arrived:
+            padded = int(max(self.dataset.lengths[s] for s in sample_ids))
+            expected = torch.zeros(features.shape)
+            self.capture.forward_into(*self.target.worker.batch_tokens(sample_ids, padded), expected)
+            torch.testing.assert_close(features, expected)
+            assert features.abs().sum() > 0
+
+
+def test_dispatcher_target_and_drafter_loops_commit_an_epoch_exactly_once(tmp_path, tiny_cache):
+    with contextlib.ExitStack() as opened:
+        job = InprocJob(tmp_path, tiny_cache, opened)
+        # More batches than slots: slots are freed by consumption and leased again.
+        assert len(job.epochs[0]) > 2 * job.cfg.target.num_slots
+        drafter = job.new_drafter()
+        assert drafter.resumed_from == -1
         # Turn about, until the drafter is drained and the target told to stop (the commit of
         # the last samples ends the job: it may come in a pass or in the closing checkpoint).
-        deadline = time.monotonic() + JOB_BOUND_S
-        serving = True
-        while drafter.pass_once():
-            serving = serving and target.pass_once()
-            assert time.monotonic() < deadline, server.dispatcher.status()
-        drafter.finish()  # returns on the Shutdown that follows the last commit
-        while serving:
-            serving = target.pass_once()
-            assert time.monotonic() < deadline, server.dispatcher.status()
-        assert target.shutdown_reason == "job finished"
+        while job.step(drafter):
+            pass
+        job.finish(drafter)
 
-    ledger = server.dispatcher.ledger
-    report = ledger.audit({0: range(NUM_SAMPLES)})
-    assert report.ok and report.num_commit_records == NUM_SAMPLES, report.summary()
+    job.check_exactly_once()
+    ledger, step = job.server.dispatcher.ledger, drafter.trainer.step_count
     # Committed sample by sample over several checkpoints, the last one the closing checkpoint's.
-    assert server.dispatcher.finished and ledger.committed_steps()[-1] == trainer.step_count
-    assert len(ledger.committed_steps()) >= 2
-    assert drafter.store.latest() == drafter.store.path(trainer.step_count)
-    assert target.batches == len(epochs[0]) and target.tokens == int(dataset.lengths.sum())
-    # The hidden states arrived: each copy holds what the target computes for its samples.
-    assert sorted(s for ids, _ in queue.arrived for s in ids) == list(range(NUM_SAMPLES))
-    worker = target.worker
-    for sample_ids, features in queue.arrived:
-        padded = int(max(dataset.lengths[s] for s in sample_ids))
-        expected = torch.zeros(features.shape)
-        capture.forward_into(*worker.batch_tokens(sample_ids, padded), expected)
-        torch.testing.assert_close(features, expected)
-        assert features.abs().sum() > 0
-    assert drafter.queue.trained_tokens == int(dataset.lengths.sum())  # every token through a step, once
+    assert len(ledger.committed_steps()) >= 2 and ledger.committed_steps()[-1] == step
+    assert drafter.store.latest() == drafter.store.path(step)
+    lengths = job.dataset.lengths
+    assert job.target.batches == len(job.epochs[0]) and job.target.tokens == int(lengths.sum())
+    # The hidden states arrived, every sample's once, as the target computed them.
+    assert sorted(s for ids, _ in drafter.queue.arrived for s in ids) == list(range(NUM_SAMPLES))
+    job.check_features(drafter)
+    assert drafter.queue.trained_tokens == int(lengths.sum())  # every token through a step, once
+
+
+def test_a_drafter_restarted_after_a_commit_resumes_from_it_and_the_epoch_is_still_committed_once(
+        tmp_path, tiny_cache):
+    """The old drafter trained past its last commit, then died (it is no longer stepped); its
+    successor takes the seat (it names the old pid), resumes from the committed checkpoint, and
+    what the old one had not committed is trained again, once."""
+    with contextlib.ExitStack() as opened:
+        job = InprocJob(tmp_path, tiny_cache, opened)
+        old = job.new_drafter("drafter/0")
+        every = job.cfg.checkpoint.every_steps
+        while old.trainer.step_count < every + 1:  # one commit, and a step after it
+            assert job.step(old)
+        committed = job.server.dispatcher.ledger.last_committed_step()
+        assert committed == every and not job.server.dispatcher.finished
+        new = job.new_drafter("drafter/0-successor", replaces_pids=[os.getpid()])
+        assert new.resumed_from == committed and new.trainer.step_count == committed
+        assert job.server.dispatcher.drafter_generation == 1
+        while job.step(new):
+            pass
+        job.finish(new)
+
+    job.check_exactly_once()
+    # The new drafter received what the old one had not committed, each sample once.
+    old_committed = {s for r in job.server.dispatcher.ledger.history() if r.step == committed for s in r.sample_ids}
+    assert 0 < len(old_committed) < NUM_SAMPLES
+    assert sorted(s for ids, _ in new.queue.arrived for s in ids) == sorted(set(range(NUM_SAMPLES)) - old_committed)
+    job.check_features(new)
