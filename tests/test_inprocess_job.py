@@ -45,7 +45,7 @@ from dflash_ipc.wire.link import DispatcherLink
 
 NUM_SAMPLES = 24
 POLL_S = 0.002     # a waiting link's poll between two pumps of the dispatcher
-JOB_BOUND_S = 60   # the passes take ~0.5 s on a busy 2-core machine
+JOB_BOUND_S = 60   # the passes of one test take ~1 s on a busy 2-core machine
 
 
 class InprocDispatcher:
