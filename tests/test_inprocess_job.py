@@ -42,6 +42,7 @@ from dflash_ipc.transport.shm import ShmSlotPool
 from dflash_ipc.transport.slots import SlotLayout
 from dflash_ipc.wire import protocol as p
 from dflash_ipc.wire.link import DispatcherLink
+from dflash_ipc.wire.security import ensure_job_secret, read_job_secret
 
 NUM_SAMPLES = 24
 POLL_S = 0.002     # a waiting link's poll between two pumps of the dispatcher
@@ -139,8 +140,11 @@ class InprocJob:
         self.dataset = TokenDataset(cfg.data.path)
         self.epochs = plan_job(cfg, self.dataset.lengths)
         self.address = f"ipc://{tmp_path}/dispatcher.sock"
+        # The job's secret as the dispatcher makes it; each seat's Register carries it, as read by
+        # the workers (a Register without it is refused, and a refusal fails the test).
+        self.secret = ensure_job_secret(cfg.files.job_secret)
         self.server = InprocDispatcher(Dispatcher(self.epochs, num_targets=1,
-                                                  num_drafters=1), self.address)
+                                                  num_drafters=1, secret=self.secret), self.address)
         opened.callback(self.server.close)
         # the target: the tiny model on CPU, its pool in shared memory
         self.capture = FeatureCapture(cfg.target.path, layer_ids=cfg.model.target_layer_ids, dtype="float32",
@@ -152,7 +156,8 @@ class InprocJob:
         opened.callback(pool.close)
         self.target = TargetLoop(TargetWorker(self.capture, self.dataset, pool), self._link("target/0"),
                                  registration=p.Register(role="target", rank=0, pid=os.getpid(), device="cpu",
-                                                         pool=pool.descriptor(), num_slots=cfg.target.num_slots),
+                                                         pool=pool.descriptor(), num_slots=cfg.target.num_slots,
+                                                         secret=read_job_secret(cfg.files.job_secret)),
                                  prefetch=cfg.target.prefetch, register_timeout_s=10.0, idle_wait_s=0.0)
         self.target.register()
         self.serving = True
@@ -181,7 +186,8 @@ class InprocJob:
                               queue=RecordingQueue(self.dataset, max_anchors_per_seq=cfg.objective.max_anchors_per_seq),
                               store=CheckpointStore(cfg.files.checkpoints))
         registered = link.request(p.Register(role="drafter", rank=0, pid=os.getpid(), device="cpu",
-                                             replaces_pids=list(replaces_pids)), timeout_s=10.0)
+                                             replaces_pids=list(replaces_pids),
+                                             secret=read_job_secret(cfg.files.job_secret)), timeout_s=10.0)
         assert isinstance(registered, p.Registered), registered
         drafter.resume(registered)
         return drafter

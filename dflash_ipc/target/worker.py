@@ -153,8 +153,8 @@ def _lead(cfg: JobConfig, rank: int, capture: FeatureCapture, dataset: TokenData
         opened.callback(timeline.close)
 
         def new_loop() -> TargetLoop:
-            # The secret is read at each registration: a dispatcher restarted meanwhile may have
-            # made the file anew.
+            # The secret is read at each registration: a dispatcher restarted after the file was
+            # removed made a new one.
             registration = p.Register(role="target", rank=rank, pid=os.getpid(), device=str(worker.device),
                                       node=cfg.node_of("target", rank), pool=pool.descriptor(),
                                       num_slots=cfg.target.num_slots, replaces_pids=replaced_pids(),
