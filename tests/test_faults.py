@@ -20,6 +20,7 @@ import pytest
 from dflash_ipc.config.load import load_config
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.dispatch.ledger_file import load_ledger
+from dflash_ipc.drafter.faults import SLOW_STEPS_ENV, STEP_SLEEP_ENV
 from dflash_ipc.run.checkpoints import STATE_TENSORS, CheckpointStore
 from dflash_ipc.supervise.status_query import fetch_status
 from supervised_job import SMALL_JOB, SupervisedJob, trained_tokens_by_step
@@ -182,7 +183,7 @@ def test_a_stopped_drafter_is_found_within_its_bound_and_a_slow_step_is_not(tmp_
     stall_s = 5.0
     # Every rank's first 2 steps sleep 8 s: longer than the stall bound, alive all along.
     job = Job(tmp_path, tiny_cache, extra=[f"supervise.drafter_stall_s={stall_s:g}"],
-              env={"DFLASH_IPC_FAULT_STEP_SLEEP_S": "8", "DFLASH_IPC_FAULT_SLOW_STEPS": "2"})
+              env={STEP_SLEEP_ENV: "8", SLOW_STEPS_ENV: "2"})  # read by run_drafter: drafter/faults.py
     victim = None
     try:
         job.wait_status(committed_and_open, "a commit")
