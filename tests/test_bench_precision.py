@@ -12,7 +12,6 @@ import torch
 
 from dflash_ipc.bench import precision as bp
 from dflash_ipc.bench import recipes
-from dflash_ipc.cli.bench import RUN_SIZE_DEFAULTS
 from dflash_ipc.drafter.inference_format import expected_tensor_shapes, load_inference_checkpoint
 from dflash_ipc.errors import ConfigError
 
@@ -134,7 +133,12 @@ def test_window_means_and_the_final_gap():
 
 
 def test_sizes_are_checked_and_the_cli_shows_their_defaults():
-    assert RUN_SIZE_DEFAULTS == dataclasses.asdict(bp.RunSizes())
+    from click.testing import CliRunner
+
+    from dflash_ipc.cli import main
+    shown = CliRunner().invoke(main, ["bench", "precision", "--help"]).output
+    for name, value in dataclasses.asdict(bp.RunSizes()).items():
+        assert f"--{name.replace('_', '-')}" in shown and f"[default: {value}]" in shown
     with pytest.raises(ConfigError, match="steps=0 must be >= 1"):
         bp.RunSizes(steps=0).check()
     with pytest.raises(ConfigError, match="eval_prompts=17 exceeds the held_out=16"):

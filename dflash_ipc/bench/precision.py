@@ -52,7 +52,7 @@ import os
 import shutil
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -60,6 +60,7 @@ import torch
 from dflash_ipc.bench.assets import build_random_target
 from dflash_ipc.bench.drafter import _resolve_device, variant_label
 from dflash_ipc.bench.recipes import Recipe, precision_recipes
+from dflash_ipc.bench.run_sizes import RunSizes
 from dflash_ipc.config.load import apply_overrides, config_from_dict
 from dflash_ipc.config.schema import JobConfig
 from dflash_ipc.data.dataset import TokenDataset
@@ -85,35 +86,6 @@ CAPTURE_TOKENS = 32768  # padded tokens per target forward while capturing featu
 TARGET_LOGIT_STD = 4.0  # a peaked random target: its greedy tokens can be learned (assets._sharpen_head)
 CALIBRATION_WARMUP = 2  # --budget-s: untimed steps first (the first compiles) ...
 CALIBRATION_STEPS = 5  # ... then timed ones; the median step time sets the step count
-
-
-@dataclass(frozen=True)
-class RunSizes:
-    """Data, training and evaluation sizes of one comparison (every variant the same)."""
-
-    samples: int = 768
-    min_len: int = 128
-    max_len: int = 512
-    held_out: int = 16
-    steps: int = 300
-    anchors_per_step: int = 1024
-    max_anchors_per_seq: int = 512
-    num_layers: int = 5
-    lr: float = 6e-4
-    eval_prompts: int = 16
-    eval_tokens: int = 48
-    seed: int = 0
-
-    def check(self, synthetic: bool = True) -> None:
-        for name in ("samples", "held_out", "steps", "anchors_per_step", "max_anchors_per_seq", "num_layers",
-                     "eval_prompts", "eval_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"bench precision: {name}={getattr(self, name)} must be >= 1")
-        if not 0 < self.lr <= 1:
-            raise ConfigError(f"bench precision: lr={self.lr} must be in (0, 1]")
-        if synthetic and self.eval_prompts > self.held_out:
-            raise ConfigError(f"bench precision: eval_prompts={self.eval_prompts} exceeds the "
-                              f"held_out={self.held_out} prompts the data keeps")
 
 
 # --- assets -------------------------------------------------------------------------------------

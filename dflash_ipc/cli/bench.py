@@ -121,16 +121,13 @@ def bench_target(config, overrides, targets, seconds, warmup_s, json_path) -> No
     click.echo(format_target_table(rows, cfg))
 
 
-# The sizes of `bench precision`, with the defaults of bench/precision.py's RunSizes (a test
-# checks they agree; importing that module here would load torch for every command).
-RUN_SIZE_DEFAULTS = {"samples": 768, "min_len": 128, "max_len": 512, "held_out": 16, "steps": 300,
-                     "anchors_per_step": 1024, "max_anchors_per_seq": 512, "num_layers": 5, "lr": 6e-4,
-                     "eval_prompts": 16, "eval_tokens": 48, "seed": 0}
-
-
 def _run_sizes_options(fn):
+    """One option per `RunSizes` field, its default the dataclass's."""
+    from dataclasses import asdict
+
+    from dflash_ipc.bench.run_sizes import RunSizes
     return add_options(fn, [click.option(f"--{name.replace('_', '-')}", name, type=type(value), default=value,
-                                          show_default=True) for name, value in RUN_SIZE_DEFAULTS.items()])
+                                          show_default=True) for name, value in asdict(RunSizes()).items()])
 
 
 @bench.command("precision")
@@ -166,7 +163,8 @@ def bench_precision(device, shape, target_dir, data_dir, mask_token_id, recipe_n
     final-loss gap, tau and its spread over held-out prompts, lossless check."""
     from dflash_ipc.bench import recipes as named
     from dflash_ipc.bench.drafter import precision_variants
-    from dflash_ipc.bench.precision import RunSizes, run_precision_comparison
+    from dflash_ipc.bench.precision import run_precision_comparison
+    from dflash_ipc.bench.run_sizes import RunSizes
     from dflash_ipc.run.logs import setup_logging
     setup_logging("bench")
     chosen = None
