@@ -173,6 +173,7 @@ class DecodeEngine:
     @torch.inference_mode()
     def run(self, source: RequestSource, progress=None) -> EngineRun:
         started, self.stats = time.perf_counter(), EngineStats()
+        self._forget_rows()  # rows an interrupted run left behind (an out-of-memory error) are not ours
         self.source, self.progress = source, progress
         self.waiting: collections.deque[Request] = collections.deque()
         self.finished: list[Generation] = []
@@ -191,6 +192,22 @@ class DecodeEngine:
         self.stats.seconds = time.perf_counter() - started
         self.total.add(self.stats)
         return EngineRun(self.finished, self.stats.seconds, self.stats.steps + self.stats.prefills, self.stats)
+
+    def _forget_rows(self) -> None:
+        if self.kv is not None:
+            self.slots = [None] * len(self.slots)
+            self.done.fill_(True)
+            self.upper[:] = self.remaining[:] = 0
+
+    def release(self) -> None:
+        """Free the cache, the row state and the graphs (the next run builds them anew, sized to it)."""
+        if self.graphs is not None:
+            self.graphs.clear()
+        self.graphs = self.kv = self.target.cache = None
+        for name in ("last", "length", "n_out", "budget", "keys", "done", "out", "margins", "tops"):
+            setattr(self, name, None)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _pull(self, n: int) -> None:
         while len(self.waiting) < n:
@@ -212,15 +229,9 @@ class DecodeEngine:
 
     def _rebuild(self, need: int) -> None:
         """A cache for requests of up to ``need`` positions (only with no row in use)."""
-        s = self.settings
-        capacity = -(-max(need, *(self._need(r) for r in list(self.waiting)[: s.max_rows])) // CAPACITY_ALIGN) \
-            * CAPACITY_ALIGN
-        rows = s.max_rows if s.kv_tokens is None else max(1, min(s.max_rows, s.kv_tokens // capacity))
-        if self.graphs is not None:
-            self.graphs.clear()
-        self.kv = self.target.cache = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        capacity = self._capacity(need)
+        rows = self._rows(capacity)
+        self.release()
         cache = static_cache(self.target.num_layers, rows, capacity)
         self.target.cache, self.kv = cache, cache.kv
         dev, long = self.device, torch.long
@@ -233,7 +244,7 @@ class DecodeEngine:
         width = self.kv.capacity + 1  # the last column: where idle rows write
         self.out = torch.zeros(rows, width, dtype=long, device=dev)  # [rows, capacity + 1] tokens
         state = [self.last, self.length, self.n_out, self.done, self.out]
-        if s.keep_margins:
+        if self.settings.keep_margins:
             self.margins = torch.zeros(rows, width, device=dev)
             self.tops = torch.zeros(rows, width, device=dev)
             state += [self.margins, self.tops]
@@ -245,6 +256,23 @@ class DecodeEngine:
         log.info("decode: cache of %d rows x %d positions (%.1f GiB once every layer is written)", rows,
                  self.kv.capacity, rows * (self.kv.capacity + 1) * self.kv_bytes_per_token / 2**30)
 
+    def _capacity(self, need: int) -> int:
+        waiting = [self._need(r) for r in list(self.waiting)[: self.settings.max_rows]]
+        return -(-max(need, *waiting) // CAPACITY_ALIGN) * CAPACITY_ALIGN
+
+    def _rows(self, capacity: int) -> int:
+        """Rows of a cache of ``capacity``: max_rows, within kv_tokens, no more than the requests at hand."""
+        s = self.settings
+        rows = s.max_rows if s.kv_tokens is None else min(s.max_rows, s.kv_tokens // capacity)
+        return max(1, min(rows, len(self.waiting)))
+
+    def _fits(self) -> bool:
+        """Whether the cache serves the waiting requests: the head fits, and rows are not fewer
+        than a new cache would have (a cache built for a small run is rebuilt for a larger one)."""
+        if self.kv is None or self._need(self.waiting[0]) > self.kv.capacity:
+            return False
+        return self.kv.max_rows >= self._rows(self.kv.capacity)
+
     # --- admit -------------------------------------------------------------------------------
 
     def _admit(self) -> None:
@@ -254,10 +282,11 @@ class DecodeEngine:
         if not self.waiting:
             return
         busy = self._busy()
-        if self.kv is None or (not busy and self._need(self.waiting[0]) > self.kv.capacity):
-            if busy:
-                return
+        if not busy and not self._fits():
+            self._pull(self.settings.max_rows)
             self._rebuild(self._need(self.waiting[0]))
+        if self._need(self.waiting[0]) > self.kv.capacity:
+            return  # it waits for the rows to drain
         if busy and not self.settings.continuous:
             return
         free = [r for r, s in enumerate(self.slots) if s is None]
