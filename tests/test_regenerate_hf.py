@@ -174,7 +174,7 @@ def test_ctrl_c_keeps_finished_rows_and_a_rerun_completes(target, model, tmp_pat
     inp = write_rows(tmp_path / "in.jsonl", [{"messages": [user(p)]} for p in PROMPTS])
     ref = run(target, inp, tmp_path / "ref.jsonl", model=model)
     options = GenerationOptions(max_new_tokens=12)
-    backend = HFBackend(target, options, model=model, max_batch_size=3)
+    backend = HFBackend(target, options, model=model, max_batch_size=1)  # the engine's batches: 4 x 1 rows
     real, polls = backend.poll, []
 
     def interrupted(**kw):

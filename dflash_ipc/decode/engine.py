@@ -164,6 +164,7 @@ class DecodeEngine:
         self.stops = torch.as_tensor(sorted(target.stop_token_ids), dtype=torch.long, device=self.device)
         self._stop_set = set(int(s) for s in target.stop_token_ids)
         self.kv: StaticRowKV | None = None
+        self.cache = None
         self.graphs: StepGraphs | None = None
         self.total = EngineStats()
         self.kv_bytes_per_token = kv_bytes_per_token(target.text_config, target.dtype)
@@ -174,6 +175,8 @@ class DecodeEngine:
     def run(self, source: RequestSource, progress=None) -> EngineRun:
         started, self.stats = time.perf_counter(), EngineStats()
         self._forget_rows()  # rows an interrupted run left behind (an out-of-memory error) are not ours
+        if self.kv is not None:
+            self.target.cache = self.cache  # another decoder may have given the target its own since
         self.source, self.progress = source, progress
         self.waiting: collections.deque[Request] = collections.deque()
         self.finished: list[Generation] = []
@@ -203,7 +206,9 @@ class DecodeEngine:
         """Free the cache, the row state and the graphs (the next run builds them anew, sized to it)."""
         if self.graphs is not None:
             self.graphs.clear()
-        self.graphs = self.kv = self.target.cache = None
+        if self.kv is not None and self.target.cache is self.cache:
+            self.target.cache = None
+        self.graphs = self.kv = self.cache = None
         for name in ("last", "length", "n_out", "budget", "keys", "done", "out", "margins", "tops"):
             setattr(self, name, None)
         if self.device.type == "cuda":
@@ -232,8 +237,8 @@ class DecodeEngine:
         capacity = self._capacity(need)
         rows = self._rows(capacity)
         self.release()
-        cache = static_cache(self.target.num_layers, rows, capacity)
-        self.target.cache, self.kv = cache, cache.kv
+        self.cache = static_cache(self.target.num_layers, rows, capacity)
+        self.target.cache, self.kv = self.cache, self.cache.kv
         dev, long = self.device, torch.long
         self.last = torch.zeros(rows, dtype=long, device=dev)  # the newest token: the next step's input
         self.length = torch.zeros(rows, dtype=long, device=dev)  # its position = cached positions

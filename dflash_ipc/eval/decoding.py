@@ -12,7 +12,8 @@ One loop serves both decoders:
              only the busy rows, so the tail of a prompt set does not pay for empty rows
 
 :class:`PlainDecoder` steps one token (the lossless reference and the baseline of the
-speedup). :class:`SpeculativeDecoder` steps one cycle: the drafter drafts a block for every
+speedup) on the decoding core (decode/engine.py), which has its own loop of the same shape
+with a static cache and no per-step sync. :class:`SpeculativeDecoder` steps one cycle: the drafter drafts a block for every
 row from its cached context, the target verifies all blocks in one forward, the verified
 positions' features extend the drafter's context, and the acceptance rule (sampling.py)
 says how many tokens each row commits (acceptance.commit_block: budget and stop tokens).
@@ -222,16 +223,40 @@ class BatchedDecoder:
         raise NotImplementedError
 
 
-class PlainDecoder(BatchedDecoder):
-    """One target forward per token for every row: the reference speculative decoding must equal."""
+class PlainDecoder:
+    """One target forward per token for every row: the reference speculative decoding must equal.
 
-    def _step(self) -> None:
-        last, lengths, max_length = self._inputs()
-        logits, _ = self.target.extend(last[:, None], lengths, max_length, features=False)
-        tokens, margins, tops = self._host(*self._choose(logits[:, 0]))
-        for row, gen in enumerate(self.slots):
-            if gen is not None:
-                self._commit(row, [int(tokens[row])], margins[row: row + 1], tops[row: row + 1], advance=1)
+    It runs on the decoding core (decode/engine.py), which regenerate's hf backend runs on too:
+    a static row cache, rows refilled as sequences finish, the token chosen on the device and
+    read back only every ``check_every`` steps, the step a CUDA graph on GPU. Greedy keeps each
+    token's margin and top-1 logit for the lossless check. ``keep_cache``: the cache (and its
+    graphs) stay for the next run; by default a run frees them, since the speculative decoder
+    builds its own cache on the same target next."""
+
+    def __init__(self, target: BatchedTarget, *, batch_size: int, sampling: Sampling = Sampling(),
+                 prefill_tokens: int = PREFILL_TOKENS, progress=None, check_every: int = 16, graphs: str = "auto",
+                 keep_cache: bool = False) -> None:
+        from dflash_ipc.decode.engine import DecodeEngine, EngineSettings
+        from dflash_ipc.decode.sampler import TokenChoice
+
+        if batch_size < 1:
+            raise ConfigError(f"batch_size={batch_size} must be >= 1")
+        self.target, self.sampling, self.progress, self.keep_cache = target, sampling, progress, keep_cache
+        choice = TokenChoice(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
+        self.engine = DecodeEngine(target, choice, EngineSettings(
+            max_rows=batch_size, prefill_tokens=prefill_tokens, check_every=check_every, graphs=graphs,
+            keep_margins=sampling.greedy))
+
+    def run(self, source: RequestSource) -> DecodeRun:
+        forwards = self.target.num_forwards
+        try:
+            run = self.engine.run(source, self.progress)
+        finally:
+            if not self.keep_cache:
+                self.engine.release()
+        # The engine counts its forwards itself (a graph replay does not pass through the target).
+        self.target.num_forwards = forwards + run.num_target_forwards
+        return DecodeRun(run.generations, run.wall_s, run.num_target_forwards)
 
 
 class SpeculativeDecoder(BatchedDecoder):

@@ -59,6 +59,7 @@ class GeneratorSettings:
     kv_tokens: int | None = None  # engine: cached positions of all rows (None: CPU 16384, GPU from free memory)
     check_every: int = 16  # engine: steps between looks for stop tokens
     graphs: str = "auto"  # engine: CUDA graphs (decode.engine.GRAPHS)
+    continuous: bool = True  # engine: refill rows as they finish (False: static batches, for benchmarks)
 
 
 @dataclass(slots=True)
@@ -72,10 +73,15 @@ class BatchStats:
     new_tokens: int = 0
     new_slots: int = 0
     seconds: float = 0.0
+    steps: int = 0  # decode steps (forwards after the prefills)
+    kv_positions_read: int | None = 0  # engine: rows x key span summed over steps; None: not counted (generate)
     per_device: dict = field(default_factory=dict)
 
     def add(self, other: "BatchStats", device: str = "") -> None:
-        for name in ("batches", "prompts", "prompt_tokens", "prompt_slots", "new_tokens", "new_slots", "seconds"):
+        if self.kv_positions_read is None or other.kv_positions_read is None:
+            self.kv_positions_read = other.kv_positions_read = None
+        for name in ("batches", "prompts", "prompt_tokens", "prompt_slots", "new_tokens", "new_slots", "seconds",
+                     "steps", *(("kv_positions_read",) if self.kv_positions_read is not None else ())):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         if device:
             self.per_device[device] = self.per_device.get(device, 0) + other.batches
@@ -128,11 +134,13 @@ class Generator:
         kv_tokens = s.kv_tokens
         if kv_tokens is None and self.device.startswith("cuda"):
             import torch
+            torch.cuda.empty_cache()  # memory cached by this process's allocator counts as used here
             free, _ = torch.cuda.mem_get_info(torch.device(self.device))
             kv_tokens = max(1, int(_KV_SHARE_OF_FREE * free / kv_bytes_per_token(target.text_config, target.dtype)))
         choice = TokenChoice(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
         return DecodeEngine(target, choice, EngineSettings(max_rows=s.max_rows, kv_tokens=kv_tokens or 16384,
-                                                           check_every=s.check_every, graphs=s.graphs))
+                                                           check_every=s.check_every, graphs=s.graphs,
+                                                           continuous=s.continuous))
 
     def run_batch(self, prompts: list[list[int]], max_new_tokens: list[int],
                   keys: list | None = None) -> tuple[list | None, BatchStats | None, str | None]:
@@ -217,7 +225,8 @@ class Generator:
         s = run.stats
         return [by_key[k] for k in keys], BatchStats(
             batches=1, prompts=s.prompts, prompt_tokens=s.prompt_tokens, prompt_slots=s.prompt_slots,
-            new_tokens=s.new_tokens, new_slots=s.new_slots, seconds=s.seconds)
+            new_tokens=s.new_tokens, new_slots=s.new_slots, seconds=s.seconds, steps=s.steps,
+            kv_positions_read=s.kv_positions_read)
 
     def _generate(self, prompts: list[list[int]], max_new_tokens: list[int]):
         import torch
@@ -239,7 +248,8 @@ class Generator:
         results = [self._cut(new[i], max_new_tokens[i]) for i in range(len(prompts))]
         stats = BatchStats(batches=1, prompts=len(prompts), prompt_tokens=sum(map(len, prompts)),
                            prompt_slots=width * len(prompts), new_tokens=sum(len(r[0]) for r in results),
-                           new_slots=int(new.shape[1]) * len(prompts), seconds=time.perf_counter() - started)
+                           new_slots=int(new.shape[1]) * len(prompts), seconds=time.perf_counter() - started,
+                           steps=max(0, int(new.shape[1]) - 1), kv_positions_read=None)
         return results, stats
 
     def _cut(self, row, limit: int) -> tuple[list[int], bool]:

@@ -57,11 +57,7 @@ class HFBackend:
         cpu = all(d.startswith("cpu") for d in self.devices)
         self.decoder = resolve_decoder(decoder, config)
         max_batch_size = max_batch_size or (64 if cpu else 256)
-        if self.decoder == "engine":  # the engine sizes its rows to token_budget (default: CPU 16384, GPU memory)
-            self.scheduler = BatchScheduler(token_budget=_UNBOUNDED, max_batch_size=_QUEUE_FACTOR * max_batch_size)
-        else:
-            self.scheduler = BatchScheduler(token_budget=token_budget or (16384 if cpu else 131072),
-                                            max_batch_size=max_batch_size)
+        self.scheduler = make_scheduler(self.decoder, token_budget, max_batch_size, cpu=cpu)
         self.settings = GeneratorSettings(model_dir, dtype, cache, options.temperature, options.top_p, options.top_k,
                                           options.seed, tuple(sorted(stops)), int(pad),
                                           num_threads=1 if cpu and len(self.devices) > 1 else 0,
@@ -160,6 +156,16 @@ class HFBackend:
         """Stop the device processes (if any)."""
         if self._pool is not None:
             self._pool.close()
+
+
+def make_scheduler(decoder: str, token_budget: int | None, max_batch_size: int, *, cpu: bool) -> BatchScheduler:
+    """The batches a decoder gets: the engine sizes its rows to token_budget itself (default:
+    CPU 16384, GPU memory) and takes `_QUEUE_FACTOR` x its rows per batch, prompts of every
+    length together (scheduler.py says why); generate takes one
+    `generate` call's worth (token budget: default 131072 GPU, 16384 CPU)."""
+    if decoder == "engine":
+        return BatchScheduler(token_budget=_UNBOUNDED, max_batch_size=_QUEUE_FACTOR * max_batch_size, bucketed=False)
+    return BatchScheduler(token_budget=token_budget or (16384 if cpu else 131072), max_batch_size=max_batch_size)
 
 
 class _ConfigHolder:
