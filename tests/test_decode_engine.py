@@ -11,8 +11,8 @@ import torch
 from dflash_ipc.decode.engine import DecodeEngine, EngineSettings, rows_bucket, span_bucket
 from dflash_ipc.decode.sampler import TokenChoice
 from dflash_ipc.errors import ConfigError
-from dflash_ipc.eval.requests import Request, RequestList
-from dflash_ipc.eval.target_runner import BatchedTarget
+from dflash_ipc.decode.requests import Request, RequestList
+from dflash_ipc.decode.target import BatchedTarget
 
 torch.set_num_threads(1)
 

@@ -43,8 +43,8 @@ from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.eval.decoding import PlainDecoder, SpeculativeDecoder
 from dflash_ipc.eval.drafter_context import DrafterContext
 from dflash_ipc.eval.unbatched import DFlashProposer, TargetLM, greedy_generate, speculative_generate
-from dflash_ipc.eval.requests import Request, RequestList
-from dflash_ipc.eval.target_runner import BatchedTarget, resolve_dtype
+from dflash_ipc.decode.requests import Request, RequestList
+from dflash_ipc.decode.target import BatchedTarget, resolve_dtype
 
 logger = logging.getLogger(__name__)
 

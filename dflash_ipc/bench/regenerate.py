@@ -141,7 +141,7 @@ def run_regenerate_bench(*, shape: str = "qwen3-1.7b", target: str | None = None
     from dflash_ipc.bench.assets import build_random_target
     from dflash_ipc.decode.cache import kv_bytes_per_token
     from dflash_ipc.errors import ConfigError
-    from dflash_ipc.target.text_stack import text_config
+    from dflash_ipc.hf.text_stack import text_config
 
     unknown = sorted(set(phases) - set(PHASES))
     if unknown or not phases:

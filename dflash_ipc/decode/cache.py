@@ -1,6 +1,6 @@
 """A static, pre-sized per-row K/V cache: allocated once, never moved, so CUDA graphs can hold it.
 
-The layout is eval's row cache (``eval/row_cache.py``): per layer ``K, V`` ``[rows, capacity
+The layout is eval's row cache (``decode/row_cache.py``): per layer ``K, V`` ``[rows, capacity
 + 1, heads, head_dim]``, position ``t`` of a row at index ``t``, the last index a scratch slot
 for padding writes. What differs: the storage of every layer is allocated once, for the most
 rows the engine may run (``max_rows``), and a decode step runs over a *prefix* of it,
@@ -19,13 +19,13 @@ import torch
 from torch import Tensor
 
 from dflash_ipc.errors import DataError
-from dflash_ipc.eval.row_cache import MASK_ALIGN, RaggedCache, round_up
+from dflash_ipc.decode.row_cache import MASK_ALIGN, RaggedCache, round_up
 
 
 class StaticRowKV:
     """K/V storage of ``num_layers`` layers for ``max_rows`` rows of ``capacity`` positions.
 
-    The interface :class:`~dflash_ipc.eval.row_cache.RaggedCache` expects of its ``kv``:
+    The interface :class:`~dflash_ipc.decode.row_cache.RaggedCache` expects of its ``kv``:
     ``num_rows`` (rows a step runs over: the prefix bucket), ``capacity``, ``scratch``,
     ``write``, ``view``.
     """

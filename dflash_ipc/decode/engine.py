@@ -48,7 +48,7 @@ from dflash_ipc.decode.cache import StaticRowKV, kv_bytes_per_token, static_cach
 from dflash_ipc.decode.graphs import StepGraphs
 from dflash_ipc.decode.sampler import TokenChoice, choose, top2_margin
 from dflash_ipc.errors import ConfigError
-from dflash_ipc.eval.requests import Generation, Request, RequestSource
+from dflash_ipc.decode.requests import Generation, Request, RequestSource
 
 log = logging.getLogger(__name__)
 

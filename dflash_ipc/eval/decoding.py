@@ -33,7 +33,7 @@ from torch import Tensor
 from dflash_ipc.errors import ConfigError
 from dflash_ipc.eval.acceptance import AcceptanceStats, commit_block
 from dflash_ipc.eval.drafter_context import DrafterContext
-from dflash_ipc.eval.requests import Generation, Request, RequestSource
+from dflash_ipc.decode.requests import Generation, Request, RequestSource
 from dflash_ipc.eval.sampling import (
     Sampling,
     greedy_accept,
@@ -42,7 +42,7 @@ from dflash_ipc.eval.sampling import (
     speculative_accept,
     top2_margin,
 )
-from dflash_ipc.eval.target_runner import BatchedTarget
+from dflash_ipc.decode.target import BatchedTarget
 
 PREFILL_TOKENS = 16384
 """Padded prompt tokens per prefill forward (bounds its activations and captured features)."""
@@ -260,15 +260,37 @@ class PlainDecoder:
 
 
 class SpeculativeDecoder(BatchedDecoder):
-    """Draft a block per row, verify all blocks in one target forward, commit by acceptance."""
+    """Draft a block per row, verify all blocks in one target forward, commit by acceptance.
+
+    Greedy on CUDA (``graphs`` auto or on), the cycle (draft, verify, extend the drafter's
+    context, accept) is a CUDA graph per (rows, key-span bucket), the decoding core's
+    StepGraphs (decode/graphs.py): its inputs are copied into static buffers, its results
+    land in static buffers, and a cache that grows or drops rows drops the graphs. The host
+    still reads each cycle's results once and commits them (acceptance.commit_block), as in
+    the eager cycle, so the lossless check sees the same code path. Sampling steps eagerly
+    (its generator's state is not registered with the graphs)."""
 
     uses_features = True
 
-    def __init__(self, target: BatchedTarget, drafter: DrafterContext, **kwargs) -> None:
+    def __init__(self, target: BatchedTarget, drafter: DrafterContext, *, graphs: str = "auto", **kwargs) -> None:
         super().__init__(target, **kwargs)
+        from dflash_ipc.decode.engine import GRAPHS
+        from dflash_ipc.decode.graphs import StepGraphs
+
+        if graphs not in GRAPHS:
+            raise ConfigError(f"graphs={graphs!r}; allowed: {list(GRAPHS)}")
+        if graphs == "on" and self.device.type != "cuda":
+            raise ConfigError(f"graphs='on' needs a CUDA device; got {self.device}")
         self.drafter = drafter
         self.block_size = drafter.block_size
         self.extra_positions = drafter.block_size
+        on = graphs == "on" or (graphs == "auto" and self.device.type == "cuda")
+        self.graphs = StepGraphs(self._graphed_cycle, [], enabled=on and self.sampling.greedy)
+        self._static: dict[str, Tensor] = {}
+
+    def _forget_graphs(self) -> None:
+        self.graphs.clear()
+        self._static = {}
 
     def _new_stats(self) -> AcceptanceStats:
         stats = AcceptanceStats(block_size=self.block_size)
@@ -278,21 +300,32 @@ class SpeculativeDecoder(BatchedDecoder):
     def _reset(self, num_rows: int, capacity: int) -> None:
         super()._reset(num_rows, capacity)
         self.drafter.reset(num_rows, capacity)
+        self._forget_graphs()
 
     def _grow(self, capacity: int) -> None:
+        before = self._capacities()
         super()._grow(capacity)
         self.drafter.kv.grow(capacity)
+        if self._capacities() != before:
+            self._forget_graphs()  # the caches were reallocated
+
+    def _capacities(self) -> tuple[int, int] | None:
+        return (self.target.capacity, self.drafter.kv.capacity) if self.graphs.enabled else None
 
     def _select_rows(self, keep: Tensor) -> None:
         super()._select_rows(keep)
         self.drafter.kv.select_rows(keep)
+        self._forget_graphs()
 
     def _prefilled(self, rows: Tensor, out) -> None:
         self.drafter.append(rows, out.features, out.write_pos, out.positions)
 
     def _step(self) -> None:
         anchors, starts, max_start = self._inputs()
-        accepted, tokens, margins, tops = self._cycle(anchors, starts, max_start)
+        if self.graphs.enabled:
+            accepted, tokens, margins, tops = self._replay(anchors, starts, max_start)
+        else:
+            accepted, tokens, margins, tops = self._cycle(anchors, starts, max_start)
         host = self._host_block(accepted, tokens, margins, tops)
         for row, gen in enumerate(self.slots):
             if gen is None:
@@ -322,6 +355,33 @@ class SpeculativeDecoder(BatchedDecoder):
         accepted, tokens = speculative_accept(drafted, draft_probs, probabilities(logits, self.sampling),
                                               self.generator)
         return accepted, tokens, None, None
+
+    def _replay(self, anchors: Tensor, starts: Tensor, max_start: int):
+        """The greedy cycle through its graph: inputs into the static buffers, one replay (or,
+        where a capture failed, the same cycle eagerly), the static results."""
+        from dflash_ipc.decode.engine import span_bucket
+
+        bs, rows = self.block_size, len(self.slots)
+        if not self._static:
+            self._static = {"anchors": torch.zeros_like(anchors), "starts": torch.zeros_like(starts)}
+        self._static["anchors"].copy_(anchors)
+        self._static["starts"].copy_(starts)
+        span = span_bucket(max_start + bs, min(self.target.capacity, self.drafter.kv.capacity))
+        forwards = self.target.num_forwards
+        self.graphs.run((rows, span))
+        self.target.num_forwards = forwards + 1  # one verify forward, however many the capture ran
+        s = self._static
+        return s["accepted"], s["tokens"], s["margins"], s["tops"]
+
+    def _graphed_cycle(self, rows: int, span: int) -> None:
+        """The body a graph captures: the greedy cycle over the static inputs (a key span of
+        ``span``), its results copied into static outputs (allocated at the first capture)."""
+        s = self._static
+        results = self._cycle(s["anchors"], s["starts"], span - self.block_size)
+        for name, value in zip(("accepted", "tokens", "margins", "tops"), results):
+            if name not in s:
+                s[name] = torch.empty_like(value)
+            s[name].copy_(value)
 
     def _host_block(self, accepted: Tensor, tokens: Tensor, margins: Tensor | None, tops: Tensor | None):
         """One device -> host copy of a cycle's results: (accepted [B], tokens [B, bs], margins, tops)."""

@@ -126,7 +126,7 @@ class Generator:
         from dflash_ipc.decode.cache import kv_bytes_per_token
         from dflash_ipc.decode.engine import DecodeEngine, EngineSettings
         from dflash_ipc.decode.sampler import TokenChoice
-        from dflash_ipc.eval.target_runner import BatchedTarget
+        from dflash_ipc.decode.target import BatchedTarget
 
         s = self.settings
         target = BatchedTarget(s.model_dir, device=self.device, model=self.model)
@@ -217,7 +217,7 @@ class Generator:
         return a + b, sa
 
     def _run_engine(self, prompts: list[list[int]], max_new_tokens: list[int], keys: list):
-        from dflash_ipc.eval.requests import Request, RequestList
+        from dflash_ipc.decode.requests import Request, RequestList
 
         requests = [Request(key=k, prompt_ids=p, max_new_tokens=m) for k, p, m in zip(keys, prompts, max_new_tokens)]
         run = self.engine.run(RequestList(requests))
@@ -265,7 +265,7 @@ def resolve_decoder(name: str, config) -> str:
     """The decoder `name` (DECODERS) resolves to for a model of `config`; ConfigError for an
     engine it cannot run."""
     from dflash_ipc.errors import ConfigError
-    from dflash_ipc.eval.ragged_attention import MASKED_LAYER_TYPES
+    from dflash_ipc.decode.ragged_attention import MASKED_LAYER_TYPES
     from dflash_ipc.hf.text_stack import has_recurrent_layers, text_config
 
     if name not in DECODERS:

@@ -1,6 +1,6 @@
 """The frozen target for batched decoding: one transformers model, a per-row KV cache, features.
 
-Two kinds of forward, both over rows of a :class:`~dflash_ipc.eval.row_cache.RaggedCache`:
+Two kinds of forward, both over rows of a :class:`~dflash_ipc.decode.row_cache.RaggedCache`:
 
     prefill(rows, prompts)  new sequences in the given rows, left-padded to one length so
                             the logits of every row's last prompt token are the last column
@@ -31,8 +31,8 @@ from dflash_ipc.data.stops import stop_token_ids
 from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.config.dtypes import resolve_dtype
 from dflash_ipc.errors import ConfigError
-from dflash_ipc.eval.ragged_attention import layer_masks, register_attention
-from dflash_ipc.eval.row_cache import MASK_ALIGN, RaggedCache, round_up
+from dflash_ipc.decode.ragged_attention import layer_masks, register_attention
+from dflash_ipc.decode.row_cache import MASK_ALIGN, RaggedCache, round_up
 from dflash_ipc.hf.text_stack import find_text_stack, has_recurrent_layers, load_causal_lm, text_config
 
 logger = logging.getLogger(__name__)
