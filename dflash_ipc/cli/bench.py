@@ -265,9 +265,11 @@ def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt,
               show_default=True)
 @click.option("--work-dir", default=None, type=click.Path(file_okay=False),
               help="Keep the random target here (reused next time); default: a temporary directory.")
+@click.option("--hbm-tbps", default=4.8, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Memory bandwidth of the bound, TB/s (H200: 4.8).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures.")
 def bench_eval(device, shape, batch_sizes, prompts_per_batch, max_new_tokens, prompt_len, legacy_prompts, dtype,
-               work_dir, json_path) -> None:
+               work_dir, hbm_tbps, json_path) -> None:
     """Tokens/s of batched speculative and plain decoding against the unbatched decoder."""
     from dflash_ipc.bench.eval import run_eval_bench
     from dflash_ipc.run.logs import setup_logging
@@ -275,6 +277,7 @@ def bench_eval(device, shape, batch_sizes, prompts_per_batch, max_new_tokens, pr
     figures = run_eval_bench(device=device, shape=shape, batch_sizes=int_list(batch_sizes, "--batch-sizes"),
                              prompts_per_batch=prompts_per_batch, max_new_tokens=max_new_tokens,
                              prompt_len=tuple(int_list(prompt_len, "--prompt-len", size=2)),
-                             legacy_prompts=legacy_prompts, dtype=dtype, work_dir=work_dir, emit=click.echo)
+                             legacy_prompts=legacy_prompts, dtype=dtype, work_dir=work_dir, hbm_tbps=hbm_tbps,
+                             emit=click.echo)
     if json_path:
         write_json_atomic(json_path, figures)

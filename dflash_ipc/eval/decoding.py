@@ -115,10 +115,13 @@ class BatchedDecoder:
         return int(request.prompt_ids.size) + request.max_new_tokens + self.extra_positions
 
     def _reset(self, num_rows: int, capacity: int) -> None:
+        self._reset_rows(num_rows)
+        self.target.reset(num_rows, capacity)
+
+    def _reset_rows(self, num_rows: int) -> None:
         self.slots: list[Generation | None] = [None] * num_rows
         self.length = np.zeros(num_rows, dtype=np.int64)  # cache length = position of the newest token
         self.last = np.zeros(num_rows, dtype=np.int64)  # the newest token: the next step's input
-        self.target.reset(num_rows, capacity)
 
     def _grow(self, capacity: int) -> None:
         self.target.cache.kv.grow(capacity)
@@ -287,6 +290,7 @@ class SpeculativeDecoder(BatchedDecoder):
         on = graphs == "on" or (graphs == "auto" and self.device.type == "cuda")
         self.graphs = StepGraphs(self._graphed_cycle, [], enabled=on and self.sampling.greedy)
         self._static: dict[str, Tensor] = {}
+        self._caches = None  # (target cache, drafter cache) of the last run, which the next may reuse
 
     def _forget_graphs(self) -> None:
         self.graphs.clear()
@@ -298,16 +302,29 @@ class SpeculativeDecoder(BatchedDecoder):
         return stats
 
     def _reset(self, num_rows: int, capacity: int) -> None:
+        if self._reusable(num_rows, capacity):
+            # The last run's caches, still the target's and the drafter's: their graphs stay valid
+            # (stale K/V past every row's length is masked, and each prefill overwrites its rows).
+            self._reset_rows(num_rows)
+            return
         super()._reset(num_rows, capacity)
         self.drafter.reset(num_rows, capacity)
         self._forget_graphs()
+        self._caches = (self.target.cache, self.drafter.kv)
+
+    def _reusable(self, num_rows: int, capacity: int) -> bool:
+        caches = self._caches
+        return (self.graphs.enabled and caches is not None and caches[0] is self.target.cache
+                and caches[1] is self.drafter.kv
+                and self.target.cache.kv.num_rows == num_rows and self.target.capacity >= capacity
+                and self.drafter.kv.num_rows == num_rows and self.drafter.kv.capacity >= capacity)
 
     def _grow(self, capacity: int) -> None:
         before = self._capacities()
         super()._grow(capacity)
         self.drafter.kv.grow(capacity)
         if self._capacities() != before:
-            self._forget_graphs()  # the caches were reallocated
+            self._forget_graphs()  # the caches were reallocated (still the ones _reset may reuse)
 
     def _capacities(self) -> tuple[int, int] | None:
         return (self.target.capacity, self.drafter.kv.capacity) if self.graphs.enabled else None
@@ -316,6 +333,7 @@ class SpeculativeDecoder(BatchedDecoder):
         super()._select_rows(keep)
         self.drafter.kv.select_rows(keep)
         self._forget_graphs()
+        self._caches = None
 
     def _prefilled(self, rows: Tensor, out) -> None:
         self.drafter.append(rows, out.features, out.write_pos, out.positions)
