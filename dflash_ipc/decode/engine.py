@@ -57,6 +57,8 @@ GRAPHS = ("auto", "on", "off")
 CAPACITY_ALIGN = 256
 """Cache capacity is rounded up to this: a later request a little longer still fits."""
 _MIN_SPAN = 128
+_LOOK_AHEAD = 8
+"""Requests pulled ahead, in rows: the ones the cache is sized for when it is built."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -181,7 +183,9 @@ class DecodeEngine:
         self.waiting: collections.deque[Request] = collections.deque()
         self.finished: list[Generation] = []
         self._num_done_tokens = 0
-        self._pull(self.settings.max_rows)
+        # Every ready request (a bounded look ahead): the cache is sized for the longest of them,
+        # so one a little longer than the first rows does not drain the rows and rebuild later.
+        self._pull(_LOOK_AHEAD * self.settings.max_rows)
         while True:
             self._harvest()
             self._admit()
@@ -262,8 +266,7 @@ class DecodeEngine:
                  self.kv.capacity, rows * (self.kv.capacity + 1) * self.kv_bytes_per_token / 2**30)
 
     def _capacity(self, need: int) -> int:
-        waiting = [self._need(r) for r in list(self.waiting)[: self.settings.max_rows]]
-        return -(-max(need, *waiting) // CAPACITY_ALIGN) * CAPACITY_ALIGN
+        return -(-max(need, *map(self._need, self.waiting)) // CAPACITY_ALIGN) * CAPACITY_ALIGN
 
     def _rows(self, capacity: int) -> int:
         """Rows of a cache of ``capacity``: max_rows, within kv_tokens, no more than the requests at hand."""
@@ -288,7 +291,7 @@ class DecodeEngine:
             return
         busy = self._busy()
         if not busy and not self._fits():
-            self._pull(self.settings.max_rows)
+            self._pull(_LOOK_AHEAD * self.settings.max_rows)
             self._rebuild(self._need(self.waiting[0]))
         if self._need(self.waiting[0]) > self.kv.capacity:
             return  # it waits for the rows to drain
