@@ -68,7 +68,7 @@ class StaticRowKV:
             for t in store:
                 if t is not None:
                     # The gather makes a copy first, so overlapping source and target rows are safe.
-                    t[:n, :length] = t.index_select(0, keep.to(t.device))[:, :length]
+                    t[:n, :length] = t[:, :length].index_select(0, keep.to(t.device))
 
     def nbytes(self) -> int:
         """Bytes allocated so far."""

@@ -107,6 +107,7 @@ class EngineStats:
     kv_positions_read: int = 0
     """Sum over steps of rows x key span: the cached positions attention read."""
     rebuilds: int = 0
+    compactions: int = 0
     seconds: float = 0.0
 
     def add(self, other: "EngineStats") -> None:
@@ -438,5 +439,6 @@ class DecodeEngine:
             t[:n] = t.index_select(0, keep)
         self.done[n:] = True
         self.slots = [self.slots[r] for r in busy] + [None] * (total - n)
+        self.stats.compactions += 1
         for a in (self.upper, self.remaining):
             a[:n] = a[busy]
