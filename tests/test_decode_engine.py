@@ -136,8 +136,10 @@ def test_buckets_and_settings():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_cuda_graphs_replay_the_eager_step(target_dir, temperature):
-    """float32 on CUDA: graph and eager steps give the same tokens (greedy and sampled), and the
-    graphs were really used (captures counted, none failed)."""
+    """float32 on CUDA: graph and eager steps give the same tokens (greedy and sampled: the same
+    kernels on the same shapes), and the graphs were really used (captures counted, none failed).
+    Against transformers' generate the engine is checked on CPU (above), where no GPU
+    reduction order can split a near-tie."""
     target = BatchedTarget(target_dir, device="cuda:0", dtype="float32")
     choice = TokenChoice(temperature=temperature, top_p=0.9, seed=3)
     runs = {}
@@ -147,6 +149,3 @@ def test_cuda_graphs_replay_the_eager_step(target_dir, temperature):
         if graphs == "on":
             assert engine.graphs.enabled and engine.graphs.num_captures >= 2
     assert runs["on"] == runs["off"]
-    if temperature == 0:
-        cpu = BatchedTarget(target_dir, device="cpu", dtype="float32")
-        assert runs["on"] == {r.key: hf_generate(cpu, r) for r in make_requests()}

@@ -268,7 +268,8 @@ class SpeculativeDecoder(BatchedDecoder):
     Greedy on CUDA (``graphs`` auto or on), the cycle (draft, verify, extend the drafter's
     context, accept) is a CUDA graph per (rows, key-span bucket), the decoding core's
     StepGraphs (decode/graphs.py): its inputs are copied into static buffers, its results
-    land in static buffers, and a cache that grows or drops rows drops the graphs. The host
+    land in static buffers, a cache that grows drops the graphs, and the tail of a run is not
+    compacted (that would reallocate the caches, and drop them too). The host
     still reads each cycle's results once and commits them (acceptance.commit_block), as in
     the eager cycle, so the lossless check sees the same code path. Sampling steps eagerly
     (its generator's state is not registered with the graphs)."""
@@ -334,6 +335,12 @@ class SpeculativeDecoder(BatchedDecoder):
         self.drafter.kv.select_rows(keep)
         self._forget_graphs()
         self._caches = None
+
+    def _compact_if_sparse(self) -> None:
+        # Compaction reallocates both caches, which drops every graph; a graphed tail is cheaper
+        # over idle rows (a verify of a few more rows) than recaptured for each smaller row count.
+        if not self.graphs.enabled:
+            super()._compact_if_sparse()
 
     def _prefilled(self, rows: Tensor, out) -> None:
         self.drafter.append(rows, out.features, out.write_pos, out.positions)
