@@ -17,6 +17,7 @@ def test_bench_regenerate_tiny_on_cpu():
         assert 0 <= p["prompt_padding_share"] < 0.5 and p["tokens_per_s"] > 0
         assert 0 < p["bound_ratio"] < 1
         assert p["bound_tokens_per_s"] * p["bound_ratio"] == pytest.approx(p["new_tokens"] / p["seconds"])
+    assert batches["warmup_seconds"] > 0 and continuous["captures"] == 0  # CPU: eager, nothing to capture
     assert static["bound_ratio_with_kv"] is None and continuous["bound_ratio_with_kv"] > continuous["bound_ratio"]
     # Mixed budgets: refilling rows runs fewer steps, each over more busy rows, than static batches.
     assert continuous["steps"] < batches["steps"] and continuous["padding_share"] < batches["padding_share"]
@@ -24,4 +25,4 @@ def test_bench_regenerate_tiny_on_cpu():
         continuous["tokens_per_s"] / static["tokens_per_s"]
     table = format_table(result)
     assert "random tiny on cpu (float32), 12 prompts of 16..40 tokens, replies of 2..12 tokens" in table
-    assert "engine-continuous / engine-batches (continuous batching)" in table and len(table.splitlines()) == 2 + 5 + 6
+    assert "engine-continuous / engine-batches (continuous batching)" in table and len(table.splitlines()) == 2 + 5 + 2 + 6

@@ -19,6 +19,8 @@ model to its attention function):
   engine-batches      the decoding core with static batching: a batch's rows are refilled only
                       once all of them are done
   engine-continuous   the decoding core as regenerate runs it: rows refilled as replies finish
+The engine phases run once untimed first (the same batches: every CUDA graph is captured
+there, as a long regenerate run captures them once), and the table says what that cost.
 Printed per phase: prompts, new tokens, seconds, generated tokens/s, decode steps, rows per
 step, the padding share (token slots computed for no real token: prompt padding and idle
 rows), the weight-bandwidth bound in tokens/s at --hbm-tbps (decode/bound.py) and the
@@ -76,7 +78,8 @@ def _phase(name: str, stats: BatchStats, seconds: float, weights: int, kv_bytes:
             "rows_per_step": (stats.new_slots - stats.prompts) / stats.steps if stats.steps else 0.0,
             "padding_share": stats.padding_share,
             "prompt_padding_share": 1 - stats.prompt_tokens / max(stats.prompt_slots, 1),
-            "bound_tokens_per_s": b.bound_tokens_per_s, "bound_ratio": b.ratio, "bound_ratio_with_kv": b.ratio_with_kv}
+            "bound_tokens_per_s": b.bound_tokens_per_s, "bound_ratio": b.ratio, "bound_ratio_with_kv": b.ratio_with_kv,
+            "captures": stats.captures}
 
 
 def _sync(device: str) -> None:
@@ -125,6 +128,10 @@ def format_table(result: dict) -> str:
                      f"{p['tokens_per_s']:>10,.0f}{p['steps']:>7}{p['rows_per_step']:>10.1f}"
                      f"{100 * p['padding_share']:>8.1f}%{p['bound_tokens_per_s']:>12,.0f}"
                      f"{100 * p['bound_ratio']:>8.1f}%{kv:>7}")
+    for p in result["phases"]:
+        if "warmup_seconds" in p:
+            lines.append(f"{p['phase']}: untimed warm-up run {p['warmup_seconds']:.1f} s, {p['warmup_captures']} CUDA "
+                         f"graphs captured; the timed run captured {p['captures']}")
     for name, x in result["speedup"].items():
         lines.append(f"speedup {name}: {x:.1f}x")
     return "\n".join(lines)
@@ -170,6 +177,7 @@ def run_regenerate_bench(*, shape: str = "qwen3-1.7b", target: str | None = None
         single.generate(prompts[:2], [8, 8])  # warm-up: kernels, allocator
         results = []
         for name in phases:
+            warm = None
             if name == "one-at-a-time":
                 stats, seconds = one_at_a_time(single, prompts[:num_single], budgets[:num_single])
             else:
@@ -177,11 +185,16 @@ def run_regenerate_bench(*, shape: str = "qwen3-1.7b", target: str | None = None
                 gen = Generator(dataclasses.replace(settings, decoder=kind if kind == "engine" else "generate",
                                                     cache=mode if kind == "generate" else "static",
                                                     continuous=mode == "continuous"), device, model=model)
+                warm = None
+                if gen.engine is not None:  # an untimed run first: the same batches, every graph captured
+                    warm = batched(gen, prompts, budgets, token_budget=token_budget, max_batch_size=max_batch_size)
                 stats, seconds = batched(gen, prompts, budgets, token_budget=token_budget,
                                          max_batch_size=max_batch_size)
                 if gen.engine is not None:
                     gen.engine.release()
             results.append(_phase(name, stats, seconds, weights, kv_bytes, hbm))
+            if warm is not None:
+                results[-1] |= {"warmup_seconds": warm[1], "warmup_captures": warm[0].captures}
     rate = {p["phase"]: p["tokens_per_s"] for p in results}
     speedup = {f"{p} / one-at-a-time": rate[p] / rate["one-at-a-time"] for p in rate if p != "one-at-a-time"
                and "one-at-a-time" in rate}

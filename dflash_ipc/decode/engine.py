@@ -108,6 +108,8 @@ class EngineStats:
     """Sum over steps of rows x key span: the cached positions attention read."""
     rebuilds: int = 0
     compactions: int = 0
+    captures: int = 0
+    """CUDA graphs captured (each costs an eager warm-up step and the capture)."""
     seconds: float = 0.0
 
     def add(self, other: "EngineStats") -> None:
@@ -363,7 +365,9 @@ class DecodeEngine:
         for _ in range(k):
             span = span_bucket(int(self.upper[:rows].max()) + 1, self.kv.capacity)
             self.kv.num_rows = rows
+            captured = self.graphs.num_captures
             self.graphs.run((rows, span))
+            self.stats.captures += self.graphs.num_captures - captured
             self.upper[busy] = np.minimum(self.upper[busy] + 1, self.upper[busy] + self.remaining[busy])
             self.remaining[busy] = np.maximum(self.remaining[busy] - 1, 0)
             self.stats.steps += 1
