@@ -69,5 +69,7 @@ def bound(*, tokens: int, seconds: float, steps: int, weight_bytes: int, hbm_byt
           kv_positions_read: int | None = None, kv_bytes_per_token: int = 0) -> Bound:
     """See the module docstring."""
     weights_s = steps * weight_bytes / hbm_bytes_per_s
-    with_kv = None if kv_positions_read is None else weights_s + kv_positions_read * kv_bytes_per_token / hbm_bytes_per_s
+    with_kv = None
+    if kv_positions_read is not None:
+        with_kv = weights_s + kv_positions_read * kv_bytes_per_token / hbm_bytes_per_s
     return Bound(tokens=tokens, seconds=seconds, weights_s=weights_s, with_kv_s=with_kv)

@@ -1,8 +1,8 @@
 """A static, pre-sized per-row K/V cache: allocated once, never moved, so CUDA graphs can hold it.
 
-The layout is eval's row cache (``decode/row_cache.py``): per layer ``K, V`` ``[rows, capacity
-+ 1, heads, head_dim]``, position ``t`` of a row at index ``t``, the last index a scratch slot
-for padding writes. What differs: the storage of every layer is allocated once, for the most
+The layout is the growable row cache's (``decode/row_cache.py``): per layer ``K, V``
+``[rows, capacity + 1, heads, head_dim]``, position ``t`` of a row at index ``t``, the last
+index a scratch slot for padding writes. What differs: the storage of every layer is allocated once, for the most
 rows the engine may run (``max_rows``), and a decode step runs over a *prefix* of it,
 ``[:num_rows]`` (the batch-size bucket). A step captured as a CUDA graph records the
 addresses of that prefix, so nothing here may ever reallocate: ``compact`` moves busy rows
@@ -76,7 +76,7 @@ class StaticRowKV:
 
 
 def static_cache(num_layers: int, max_rows: int, capacity: int) -> RaggedCache:
-    """A transformers ``Cache`` (eval's RaggedCache: plan_fresh / plan_extend) over static storage."""
+    """A transformers ``Cache`` (row_cache.RaggedCache: plan_fresh / plan_extend) over static storage."""
     cache = RaggedCache(num_layers, 1, 1)
     cache.kv = StaticRowKV(num_layers, max_rows, capacity)
     return cache
@@ -86,4 +86,5 @@ def kv_bytes_per_token(text_config, dtype: torch.dtype) -> int:
     """K and V bytes of one position over all layers (what a step reads per cached token)."""
     heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    return 2 * int(text_config.num_hidden_layers) * int(heads) * int(head_dim) * torch.empty((), dtype=dtype).element_size()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * int(text_config.num_hidden_layers) * int(heads) * int(head_dim) * itemsize

@@ -3,7 +3,7 @@
 Run manual:
     target = BatchedTarget("models/Qwen3-8B", device="cuda:0", dtype="bfloat16")
     engine = DecodeEngine(target, TokenChoice(temperature=0.7, top_p=0.9), EngineSettings(max_rows=256))
-    run = engine.run(RequestList(requests))      # eval's Request / Generation / RequestSource
+    run = engine.run(RequestList(requests))      # requests.py: Request / Generation / RequestSource
     for g in run.generations: ...                 # in finishing order
 
 The loop (host side), one round:
@@ -29,8 +29,9 @@ keys up to there and no further.
 
 ``continuous=False`` admits only into an empty cache: static batching, the same engine
 otherwise (what bench regenerate compares against). The cache is built for the requests at
-hand (capacity: the longest prompt + budget, rounded up) and kept across runs; a request
-that does not fit waits until the rows drain, then the cache is rebuilt bigger.
+hand (capacity: the longest prompt + budget among those pulled ahead, rounded up; rows:
+max_rows within kv_tokens, no more than the requests) and kept across runs; a request that
+does not fit waits until the rows drain, then the cache is rebuilt bigger.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ from torch import Tensor
 
 from dflash_ipc.decode.cache import StaticRowKV, kv_bytes_per_token, static_cache
 from dflash_ipc.decode.graphs import StepGraphs
+from dflash_ipc.decode.requests import Generation, Request, RequestSource
 from dflash_ipc.decode.sampler import TokenChoice, choose, top2_margin
 from dflash_ipc.errors import ConfigError
-from dflash_ipc.decode.requests import Generation, Request, RequestSource
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ def rows_bucket(n: int, max_rows: int) -> int:
 
 
 class DecodeEngine:
-    """See the module docstring. ``target`` is an eval BatchedTarget (prefill / extend over a cache)."""
+    """See the module docstring. ``target`` is a BatchedTarget (target.py: prefill / extend over a cache)."""
 
     def __init__(self, target, choice: TokenChoice = TokenChoice(), settings: EngineSettings = EngineSettings()):
         self.target, self.choice, self.settings = target, choice, settings

@@ -13,10 +13,11 @@ One loop serves both decoders:
 
 :class:`PlainDecoder` steps one token (the lossless reference and the baseline of the
 speedup) on the decoding core (decode/engine.py), which has its own loop of the same shape
-with a static cache and no per-step sync. :class:`SpeculativeDecoder` steps one cycle: the drafter drafts a block for every
-row from its cached context, the target verifies all blocks in one forward, the verified
-positions' features extend the drafter's context, and the acceptance rule (sampling.py)
-says how many tokens each row commits (acceptance.commit_block: budget and stop tokens).
+with a static cache and no per-step sync. :class:`SpeculativeDecoder` steps one cycle:
+the drafter drafts a block for every row from its cached context, the target verifies all
+blocks in one forward, the verified positions' features extend the drafter's context, and
+the acceptance rule (sampling.py) says how many tokens each row commits
+(acceptance.commit_block: budget and stop tokens).
 A row's cache length is the position of its newest token, which the next step feeds in.
 """
 
