@@ -131,7 +131,7 @@ def _set_attention(model, attn_implementation: str | None) -> None:
         return
     try:
         setter(attn_implementation)
-    except (ValueError, KeyError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever a transformers version raises, the model keeps working
         logger.warning("attn_implementation=%s refused by the loaded model (%s); keeping %s", attn_implementation,
                        exc, getattr(model.config, "_attn_implementation", "its own"))
 
