@@ -1,6 +1,7 @@
 """Batched decoding: many sequences in flight, each in a cache row, rows refilled as they finish.
 
-One loop serves both decoders:
+The speculative decoder's loop (BatchedDecoder; the plain decoder runs the decoding core's
+loop, decode/engine.py, of the same shape):
 
     admit    free rows take the next ready requests: one left-padded prefill per chunk of
              prompts (``prefill_tokens`` padded tokens at most), the first token chosen
@@ -68,7 +69,8 @@ class DecodeRun:
 
 
 class BatchedDecoder:
-    """The row bookkeeping both decoders share; subclasses define ``_step``."""
+    """The row bookkeeping of the speculative decoder (a growable row cache, a host commit per
+    step); subclasses define ``_step``."""
 
     extra_positions = 1
     """Cache positions past prompt + budget that a step may write."""
