@@ -41,8 +41,17 @@ def test_every_row_runs_on_cpu(work_dir):
     best = max((rows[("batched", "speculative", b)] for b in (1, 3)), key=lambda r: r["tokens_per_s"])
     assert s["best_batch_size"] == best["batch_size"]
     assert s["vs_legacy"] == pytest.approx(best["tokens_per_s"] / rows[("legacy", "speculative", 1)]["tokens_per_s"])
+    one, plain1, spec1 = f["summary"]["batch1"], rows[("batched", "plain", 1)], rows[("batched", "speculative", 1)]
+    for r in rows.values():  # every target forward counted: a plain one commits a token per row, a cycle <= 16
+        per_forward = r["batch_size"] * (1 if r["mode"] == "plain" else 16)
+        assert r["num_forwards"] >= r["num_tokens"] / per_forward
+        assert r["ms_per_forward"] == pytest.approx(1e3 * r["wall_s"] / r["num_forwards"])
+    assert one["plain_ms_per_step"] == plain1["ms_per_forward"] and one["spec_ms_per_cycle"] == spec1["ms_per_forward"]
+    assert one["bound_ms_per_step"] == pytest.approx(1e3 * f["weight_gib"] * 2**30 / 4.8e12)
+    assert one["plain_of_bound"] == pytest.approx(one["bound_ms_per_step"] / one["plain_ms_per_step"])
     text = lines[0]
     assert "tiny-shaped random target" in text and "goal >= 20x" in text and text.count("\n  legacy ") == 2
+    assert "batch 1: plain step" in text and "plain steps (speedup = tau / " in text
     assert os.path.isfile(os.path.join(work_dir, "target-tiny", "config.json"))  # kept for the next run
 
 

@@ -1,19 +1,29 @@
 """bench regenerate on CPU at the tiny shape: the figures it prints are the ones it measured."""
 
-from dflash_ipc.bench.regenerate import format_table, run_regenerate_bench
+import pytest
+
+from dflash_ipc.bench.regenerate import PHASES, format_table, run_regenerate_bench
 
 
 def test_bench_regenerate_tiny_on_cpu():
     result = run_regenerate_bench(shape="tiny", device="cpu", num_prompts=12, num_single=2, min_prompt=16,
-                                  max_prompt=40, max_new_tokens=6, caches=("static", "dynamic"), dtype="float32",
-                                  token_budget=200, max_batch_size=4)
-    single, static, dynamic = result["phases"]
-    assert (single["prompts"], single["new_tokens"], single["batches"]) == (2, 12, 2)
-    for p in (static, dynamic):
-        assert p["prompts"] == 12 and p["new_tokens"] == 12 * 6  # no stop token: every prompt runs to the end
-        assert 12 / 4 <= p["batches"] <= 12 and 0 <= p["prompt_padding_share"] < 0.5
-        assert p["padding_share"] <= p["prompt_padding_share"] and p["tokens_per_s"] > 0
-    assert result["speedup"]["batched static"] == static["tokens_per_s"] / single["tokens_per_s"]
+                                  max_prompt=40, min_new_tokens=2, max_new_tokens=12, phases=PHASES,
+                                  dtype="float32", max_batch_size=4, check_every=4)
+    single, static, dynamic, batches, continuous = result["phases"]
+    budgets = static["new_tokens"]
+    assert (single["prompts"], single["batches"]) == (2, 2) and single["rows_per_step"] == 1
+    for p in (static, dynamic, batches, continuous):
+        assert p["prompts"] == 12 and p["new_tokens"] == budgets  # no stop token: every reply runs to its budget
+        assert 0 <= p["prompt_padding_share"] < 0.5 and p["tokens_per_s"] > 0
+        assert 0 < p["bound_ratio"] < 1
+        assert p["bound_tokens_per_s"] * p["bound_ratio"] == pytest.approx(p["new_tokens"] / p["seconds"])
+    assert batches["warmup_seconds"] > 0 and continuous["captures"] == 0  # CPU: eager, nothing to capture
+    assert static["bound_ratio_with_kv"] is None and continuous["bound_ratio_with_kv"] > continuous["bound_ratio"]
+    # Mixed budgets: refilling rows runs fewer steps, each over more busy rows, than static batches.
+    assert continuous["steps"] < batches["steps"] and continuous["padding_share"] < batches["padding_share"]
+    assert result["speedup"]["engine-continuous / generate-static"] == \
+        continuous["tokens_per_s"] / static["tokens_per_s"]
     table = format_table(result)
-    assert "random tiny on cpu (float32), 12 prompts of 16..40 tokens" in table
-    assert "speedup batched dynamic / one at a time" in table and len(table.splitlines()) == 7
+    assert "random tiny on cpu (float32), 12 prompts of 16..40 tokens, replies of 2..12 tokens" in table
+    assert "engine-continuous / engine-batches (continuous batching)" in table
+    assert len(table.splitlines()) == 2 + 5 + 2 + 6  # head, phases, warm-ups, speedups

@@ -15,9 +15,9 @@ from dflash_ipc.eval.decoding import PlainDecoder, SpeculativeDecoder
 from dflash_ipc.eval.drafter_context import DrafterContext
 from dflash_ipc.eval.unbatched import DFlashProposer, TargetLM, speculative_generate
 from dflash_ipc.eval.prompt_sets import held_out_prompts
-from dflash_ipc.eval.ragged_attention import band_mask, layer_masks
-from dflash_ipc.eval.requests import Request, RequestList
-from dflash_ipc.eval.target_runner import BatchedTarget
+from dflash_ipc.decode.ragged_attention import band_mask, layer_masks
+from dflash_ipc.decode.requests import Request, RequestList
+from dflash_ipc.decode.target import BatchedTarget
 from eval_helpers import LAYER_IDS, eval_data, memorising_drafter, random_drafter, reference_greedy
 
 torch.set_num_threads(1)
@@ -272,3 +272,33 @@ def test_oracle_blocks_commit_in_a_batch(target, requests, num_correct):
             assert s.num_cycles == math.ceil((len(gen.tokens) - 1) / (num_correct + 1))
             drafted = [k for k, d in enumerate(s.drafted_at) if d]
             assert all(s.acceptance_per_position[k] == (1.0 if k < num_correct else 0.0) for k in drafted)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_speculative_cycles_equal_eager_ones_and_plain_decoding(target_dir, requests):
+    """float32 on CUDA: the speculative cycle as CUDA graphs gives the tokens and acceptance
+    counters of the eager cycle, batch 1 and batched, and the tokens of plain decoding. The
+    graphs read a bucketed key span (the eager cycle: the span rounded up to 16), so a GPU
+    reduction may split a near-tie; the lossless rule (lossless.compare) tells one apart."""
+    from dflash_ipc.eval.lossless import compare
+
+    cuda = BatchedTarget(target_dir, layer_ids=LAYER_IDS, device="cuda:0", dtype="float32")
+    model = random_drafter(target_dir, seed=1, num_layers=1).to("cuda:0")
+    plain = by_key(PlainDecoder(cuda, batch_size=4).run(RequestList(requests)))
+    for batch_size in (1, 3):
+        runs = {}
+        for graphs in ("off", "on"):
+            decoder = SpeculativeDecoder(cuda, DrafterContext(model, cuda.head), batch_size=batch_size, graphs=graphs)
+            runs[graphs] = by_key(decoder.run(RequestList(requests)))
+            if graphs == "on":
+                assert decoder.graphs.enabled and decoder.graphs.num_captures >= 1
+        identical = 0
+        for r in requests:
+            on, off = runs["on"][r.key], runs["off"][r.key]
+            for other in (off, plain[r.key]):
+                assert compare(on, other, dtype=torch.float32).verdict in ("identical", "near_tie"), (batch_size, r.key)
+            if on.tokens == off.tokens:
+                identical += 1
+                assert on.stats == off.stats, (batch_size, r.key)
+        assert identical >= len(requests) - 1

@@ -11,9 +11,9 @@ from dflash_ipc.eval.acceptance import AcceptanceStats
 from dflash_ipc.eval.decoding import DecodeRun, PlainDecoder
 from dflash_ipc.eval.lossless import LosslessCheck, compare, ulp
 from dflash_ipc.eval.prompt_sets import PromptCase, PromptSet
-from dflash_ipc.eval.requests import Generation, Request, RequestList
+from dflash_ipc.decode.requests import Generation, Request, RequestList
 from dflash_ipc.eval.speculative import EvalOptions, build_report, evaluate
-from dflash_ipc.eval.target_runner import BatchedTarget
+from dflash_ipc.decode.target import BatchedTarget
 from dflash_ipc.eval.unbatched import DFlashProposer, TargetLM, UnbatchedDecoder
 from eval_helpers import LAYER_IDS, eval_data, random_drafter
 

@@ -16,7 +16,7 @@ from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.eval.decoding import PlainDecoder, SpeculativeDecoder
 from dflash_ipc.eval.drafter_context import DrafterContext
 from dflash_ipc.eval.prompt_sets import ChatRenderer, Conversations, prompt_set_arg, read_prompt_file
-from dflash_ipc.eval.target_runner import BatchedTarget
+from dflash_ipc.decode.target import BatchedTarget
 from eval_helpers import LAYER_IDS, random_drafter
 
 torch.set_num_threads(1)

@@ -16,7 +16,7 @@ from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.errors import ConfigError
 from dflash_ipc.eval.decoding import SpeculativeDecoder
 from dflash_ipc.eval.drafter_context import DrafterContext
-from dflash_ipc.eval.requests import Request, RequestList
+from dflash_ipc.decode.requests import Request, RequestList
 from dflash_ipc.eval.sampling import Sampling, greedy_accept, probabilities, sample, speculative_accept
 
 torch.set_num_threads(1)
@@ -88,7 +88,7 @@ def test_rejection_sampling_of_one_block_gives_the_target_distribution():
 def small_target(tmp_path_factory):
     """A 16-token target with peaked distributions (large init): few categories, so a few
     thousand draws test the exact distribution."""
-    from dflash_ipc.eval.target_runner import BatchedTarget
+    from dflash_ipc.decode.target import BatchedTarget
 
     path = tmp_path_factory.mktemp("small-target")
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -2,7 +2,7 @@
 floors, deferred imports (inside functions) included, so no package knot can grow back.
 
     errors < run < config < {wire, obs} < {hf, transport, data} < {dispatch, target, drafter}
-           < export < {eval, regenerate} < {builtin, supervise, report} < bench < cli
+           < export < decode < {eval, regenerate} < {builtin, supervise, report} < bench < cli
 
 Packages on one floor never import each other (the target and the drafter share only what
 lies below them, in hf/); the only loose modules at the top are the package's entry and its
@@ -102,6 +102,7 @@ FLOORS = [
     {"hf", "transport", "data"},        # an HF checkpoint's anatomy; slot pools; datasets
     {"dispatch", "target", "drafter"},  # the three kinds of worker
     {"export"},                         # publishing: model card, Hub code
+    {"decode"},                         # the decoding core: a target over a static row cache, batched steps
     {"eval", "regenerate"},             # decoding with a target (and a drafter)
     {"builtin", "supervise", "report"},  # the embedded default's assets; the supervisor; reports
     {"bench"},

@@ -16,7 +16,7 @@ def run(messages, *, max_turns=None, tools=None):
     seen = []
     while not state.done:
         request = state.request(16)
-        assert request.key == (7, len(seen))
+        assert request.key == (7, len(seen), 0)  # (index, turn, sample)
         seen.append([m["content"] for m in request.messages])
         state.add_reply({"role": "assistant", "content": f"reply{len(seen)}"})
     return state.result(), seen

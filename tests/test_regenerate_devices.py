@@ -29,8 +29,10 @@ def test_two_device_processes_pull_work_and_match_one_device(tiny_cache, tmp_pat
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"messages": [{"role": "user", "content": " ".join(W[i:i + 1 + i % 9])}]}) + "\n"
                            for i in range(24)))
-    one = run(target, str(inp), str(tmp_path / "one.jsonl"), "cpu")
-    two = run(target, str(inp), str(tmp_path / "two.jsonl"), "cpu,cpu", _throttle_s={1: 0.3})
+    # generate's batches (2 prompts): enough of them for the pull to show; the pool does not
+    # depend on the decoder (the engine's batches are 4 x its rows, so there would be few).
+    one = run(target, str(inp), str(tmp_path / "one.jsonl"), "cpu", decoder="generate")
+    two = run(target, str(inp), str(tmp_path / "two.jsonl"), "cpu,cpu", _throttle_s={1: 0.3}, decoder="generate")
     assert one.complete and two.complete
     assert (tmp_path / "two.jsonl").read_bytes() == (tmp_path / "one.jsonl").read_bytes()
     fast, slow = two.batches_per_device["cpu#0"], two.batches_per_device["cpu#1"]
@@ -55,7 +57,7 @@ class _FailingGenerator(Generator):
     def __init__(self, settings, device):
         self.device = device
 
-    def generate(self, prompts, max_new_tokens):
+    def generate(self, prompts, max_new_tokens, keys=None):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     def device_usable(self) -> bool:
@@ -79,7 +81,7 @@ def _step_device(monkeypatch, usable: bool, num_batches: int) -> tuple[list, que
     monkeypatch.setattr(regen_devices.signal, "signal", lambda *args: None)  # pytest keeps its Ctrl-C
     tasks, results = queue.Queue(), queue.Queue()
     for i in range(num_batches):
-        tasks.put((i, [[5, 6, 7]], [4]))
+        tasks.put((i, [(i, 0, 0)], [[5, 6, 7]], [4]))  # batch id, keys, prompts, max new tokens
     tasks.put(None)
     regen_devices._device_main(GeneratorSettings("unused"), "cuda:7", "cuda:7", tasks, results, 0.0, os.getppid())
     answers = []

@@ -174,7 +174,7 @@ def test_ctrl_c_keeps_finished_rows_and_a_rerun_completes(target, model, tmp_pat
     inp = write_rows(tmp_path / "in.jsonl", [{"messages": [user(p)]} for p in PROMPTS])
     ref = run(target, inp, tmp_path / "ref.jsonl", model=model)
     options = GenerationOptions(max_new_tokens=12)
-    backend = HFBackend(target, options, model=model, max_batch_size=3)
+    backend = HFBackend(target, options, model=model, max_batch_size=1)  # the engine's batches: 4 x 1 rows
     real, polls = backend.poll, []
 
     def interrupted(**kw):
@@ -230,7 +230,9 @@ def test_a_reply_gets_what_is_left_of_the_context(target, tmp_path):
     assert backend.describe()["model_dir"] == str(small) and backend.max_positions == 40
 
 
-def test_out_of_memory_splits_the_batch_and_rejects_only_a_prompt_too_big_alone(target, model, tmp_path, caplog):
+@pytest.mark.parametrize("decoder", ["engine", "generate"])
+def test_out_of_memory_splits_the_batch_and_rejects_only_a_prompt_too_big_alone(target, model, tmp_path, caplog,
+                                                                                decoder):
     """A batch that runs out of memory is split in halves until it fits; a prompt that does not
     fit even alone rejects its own row, and every other row gets the reply it gets unsplit."""
     from dflash_ipc.regenerate.hf import HFBackend
@@ -239,19 +241,20 @@ def test_out_of_memory_splits_the_batch_and_rejects_only_a_prompt_too_big_alone(
     inp = write_rows(tmp_path / "in.jsonl", [{"messages": [user(p)]} for p in prompts])
     ref = run(target, inp, tmp_path / "ref.jsonl", model=model)
     options = GenerationOptions(max_new_tokens=12)
-    backend = HFBackend(target, options, model=model, token_budget=1 << 14)
-    real = backend._local._generate
+    backend = HFBackend(target, options, model=model, token_budget=1 << 14, decoder=decoder)
+    name = "_run_engine" if decoder == "engine" else "_generate"
+    real = getattr(backend._local, name)
 
-    def small_gpu(batch, max_new):  # fits 2 prompts at most, and none longer than 50 tokens
+    def small_gpu(batch, max_new, *keys):  # fits 2 prompts at most, and none longer than 50 tokens
         import sys
         # A retry runs with no exception being handled: its traceback would hold the failed
         # attempt's frames, and on a GPU their tensors.
         assert sys.exc_info()[0] is None
         if len(batch) > 2 or max(map(len, batch)) > 50:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-        return real(batch, max_new)
+        return real(batch, max_new, *keys)
 
-    backend._local._generate = small_gpu
+    setattr(backend._local, name, small_gpu)
     report = regenerate(inp, str(tmp_path / "o.jsonl"), backend, options, progress=False)
     assert report.complete and report.num_written == 6 and report.rejects_by_reason == {"generation_error": 2}
     rejects = [json.loads(line) for line in (tmp_path / "o.rejects.jsonl").read_text().splitlines()]
@@ -314,3 +317,45 @@ def test_a_checkpoint_missing_a_weight_is_refused_with_its_name(tmp_path):
     drop_weight(target, "model.layers.1.mlp.down_proj.weight")
     with pytest.raises(DataError, match=r"1 weights are missing.*model\.layers\.1\.mlp\.down_proj\.weight"):
         Generator(GeneratorSettings(target), "cpu")
+
+
+def test_samples_per_prompt_are_numbered_lines_that_resume_exactly(target, model, tmp_path):
+    """N sampled replies per row from one pass, each line numbered; a sample's reply depends on
+    (seed, row, turn, sample) only, so a run resumed from a partial file writes the same lines."""
+    from dflash_ipc.errors import ConfigError, DataError
+
+    multi = [user(W[1]), {"role": "assistant", "content": W[2]}, user(W[3])]
+    inp = write_rows(tmp_path / "in.jsonl", [{"messages": [user(p)]} for p in PROMPTS[:3]] + [{"messages": multi}])
+    opts = {"max_new_tokens": 8, "temperature": 1.0, "seed": 5, "samples_per_prompt": 3}
+    report = run(target, inp, tmp_path / "a.jsonl", model=model, **opts)
+    lines = (tmp_path / "a.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert report.complete and report.num_written == 12 and report.num_replies == 3 * 3 + 3 * 2
+    assert [(r["index"], r["sample"]) for r in rows] == [(i, k) for i in range(4) for k in range(3)]
+    assert all(lines[i].startswith(f'{{"index": {r["index"]}, "sample": {r["sample"]}, "messages"')
+               for i, r in enumerate(rows))
+    assert all(len({r["messages"][-1]["content"] for r in rows[3 * i: 3 * i + 3]}) > 1 for i in range(4))
+    assert all([m["role"] for m in r["messages"]] == ["user", "assistant", "user", "assistant"] for r in rows[9:])
+    # a partial output: row 1 and sample 2 of rows 0 and 2 missing
+    dropped = [r["index"] == 1 or (r["sample"] == 2 and r["index"] != 3) for r in rows]
+    (tmp_path / "b.jsonl").write_text("".join(line + "\n" for line, drop in zip(lines, dropped) if not drop))
+    state = json.loads((tmp_path / "a.state.json").read_text())
+    (tmp_path / "b.state.json").write_text(json.dumps(state | {"complete": False}))
+    again = run(target, inp, tmp_path / "b.jsonl", model=model, **opts)
+    assert again.complete and again.num_skipped == 1 and again.num_written == sum(dropped) == 5
+    assert (tmp_path / "b.jsonl").read_text() == (tmp_path / "a.jsonl").read_text()
+    with pytest.raises(DataError, match="other settings"):
+        run(target, inp, tmp_path / "b.jsonl", model=model, **(opts | {"samples_per_prompt": 2}))
+    with pytest.raises(ConfigError, match="--samples-per-prompt"):
+        GenerationOptions(samples_per_prompt=2)
+
+
+def test_the_decoder_is_the_engine_where_the_target_allows(target, model, vl_target):
+    from dflash_ipc.errors import ConfigError
+    from dflash_ipc.regenerate.hf import HFBackend
+
+    assert HFBackend(target, GenerationOptions(), model=model).decoder == "engine"
+    assert HFBackend(target, GenerationOptions(), model=model, decoder="generate").decoder == "generate"
+    assert Generator(GeneratorSettings(vl_target, pad_id=0), "cpu").decoder == "generate"  # multimodal
+    with pytest.raises(ConfigError, match="--decoder engine: .* multimodal"):
+        Generator(GeneratorSettings(vl_target, pad_id=0, decoder="engine"), "cpu")

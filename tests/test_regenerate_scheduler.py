@@ -35,3 +35,12 @@ def test_max_batch_size_and_an_oversized_prompt():
     s.add("big", 500, 10)
     s.add("small", 500, 10)
     assert s.next_batch(flush=False) == ["big"]  # alone, over budget, still served
+
+
+def test_one_queue_for_every_length_when_not_bucketed():
+    """The engine's queue: lengths mixed, oldest first, full at max_batch_size."""
+    s = BatchScheduler(token_budget=1 << 62, max_batch_size=3, bucketed=False)
+    for key, length in enumerate([10, 900, 40, 3000, 17]):
+        s.add(key, length, 64)
+    assert s.next_batch(flush=False) == [0, 1, 2]
+    assert s.next_batch(flush=False) is None and s.next_batch(flush=True) == [3, 4] and len(s) == 0

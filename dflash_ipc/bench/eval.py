@@ -9,13 +9,23 @@ prompts (ids < 1000, log-uniform lengths). With random weights nothing is accept
 drafter's quality; a trained drafter multiplies the speculative rows by its tau.
 
 Rows (greedy; wall time of the whole run, prefills included, after one untimed warm-up
-run of each path, which also compiles the drafter's fused kernels on CUDA):
+run of each path, which also compiles the drafter's fused kernels on CUDA; a batched row's
+warm-up is the same decoder on the same prompts, so its CUDA graphs are captured before the
+timed run):
 
     legacy   speculative, plain     batch 1: ``speculative_generate`` / ``greedy_generate``,
                                     one prompt after another (the implementation batched
                                     decoding replaces), on ``legacy_prompts`` prompts
     batched  speculative, plain     each batch size, on max(2, prompts_per_batch x batch)
-                                    prompts, rows refilled as sequences finish
+                                    prompts, rows refilled as sequences finish; plain runs
+                                    on the decoding core (decode/engine.py), speculative
+                                    cycles as CUDA graphs (eval/decoding.py)
+
+Each row also gives its time per target forward (a plain step, a speculative cycle's verify
+with its draft) and, for plain rows, the weight-bandwidth bound (decode/bound.py): a step
+reads the target's weights once, so at ``hbm_tbps`` it takes at least weights / bandwidth;
+the summary prints the batch-1 plain step against it and the batch-1 cycle in plain steps
+(the speedup is tau over that).
 
 Run manual (one H200, about 3 minutes with the target build)::
 
@@ -39,12 +49,13 @@ import numpy as np
 import torch
 
 from dflash_ipc.bench.assets import build_random_target
+from dflash_ipc.decode.bound import H200_HBM_BYTES_PER_S, weight_bytes
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.eval.decoding import PlainDecoder, SpeculativeDecoder
 from dflash_ipc.eval.drafter_context import DrafterContext
 from dflash_ipc.eval.unbatched import DFlashProposer, TargetLM, greedy_generate, speculative_generate
-from dflash_ipc.eval.requests import Request, RequestList
-from dflash_ipc.eval.target_runner import BatchedTarget, resolve_dtype
+from dflash_ipc.decode.requests import Request, RequestList
+from dflash_ipc.decode.target import BatchedTarget, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +77,17 @@ class Row:
     tau: float = math.nan
     peak_gib: float = math.nan
     """Peak GPU memory allocated during the row (CUDA only)."""
+    num_forwards: int = 0
+    """Target forwards (prefills, plain steps, verify passes)."""
     error: str | None = None
 
     @property
     def tokens_per_s(self) -> float:
         return self.num_tokens / self.wall_s if self.wall_s > 0 else math.nan
+
+    @property
+    def ms_per_forward(self) -> float:
+        return 1e3 * self.wall_s / self.num_forwards if self.num_forwards else math.nan
 
 
 def random_prompts(n: int, lengths: tuple[int, int], seed: int) -> list[np.ndarray]:
@@ -92,8 +109,8 @@ def bench_drafter(target_dir: str, shape: str, *, device: torch.device, dtype: t
     return model.to(device=device, dtype=dtype).eval()
 
 
-def _measure(row: Row, device: torch.device, fn: Callable[[], tuple[int, float]]) -> Row:
-    """Run ``fn`` (-> tokens, tau) and time it; out of GPU memory is recorded, not raised.
+def _measure(row: Row, device: torch.device, fn: Callable[[], tuple]) -> Row:
+    """Run ``fn`` (-> tokens, tau[, target forwards]) and time it; out of GPU memory is recorded, not raised.
     Each row is logged as it is measured (a long run shows its progress)."""
     row = _time(row, device, fn)
     if row.error:
@@ -104,13 +121,14 @@ def _measure(row: Row, device: torch.device, fn: Callable[[], tuple[int, float]]
     return row
 
 
-def _time(row: Row, device: torch.device, fn: Callable[[], tuple[int, float]]) -> Row:
+def _time(row: Row, device: torch.device, fn: Callable[[], tuple]) -> Row:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
     try:
-        row.num_tokens, row.tau = fn()
+        row.num_tokens, row.tau, *forwards = fn()
+        row.num_forwards = forwards[0] if forwards else 0
     except torch.cuda.OutOfMemoryError as exc:
         row.error = f"out of GPU memory ({str(exc).splitlines()[0][:80]})"
         torch.cuda.empty_cache()
@@ -132,11 +150,15 @@ def legacy_rows(target_dir: str, model: DFlashDraftModel, prompts: Sequence[np.n
     greedy_generate(target, prompts[0][:16], max_new_tokens=8)
 
     def speculative():
+        before = target.num_forwards
         results = [speculative_generate(target, proposer, p, max_new_tokens=max_new_tokens) for p in prompts]
-        return sum(len(r.output_ids) for r in results), _pooled_tau([r.stats for r in results])
+        return (sum(len(r.output_ids) for r in results), _pooled_tau([r.stats for r in results]),
+                target.num_forwards - before)
 
     def plain():
-        return sum(len(greedy_generate(target, p, max_new_tokens=max_new_tokens)) for p in prompts), math.nan
+        before = target.num_forwards
+        tokens = sum(len(greedy_generate(target, p, max_new_tokens=max_new_tokens)) for p in prompts)
+        return tokens, math.nan, target.num_forwards - before
 
     rows = [_measure(Row(impl="legacy", mode=mode, batch_size=1, num_prompts=len(prompts)), device, fn)
             for mode, fn in (("speculative", speculative), ("plain", plain))]
@@ -153,7 +175,7 @@ def batched_rows(target: BatchedTarget, model: DFlashDraftModel, prompts: Sequen
 
     def decoders(batch_size: int):
         return (("speculative", SpeculativeDecoder(target, drafter, batch_size=batch_size)),
-                ("plain", PlainDecoder(target, batch_size=batch_size)))
+                ("plain", PlainDecoder(target, batch_size=batch_size, keep_cache=True)))
 
     def requests(n: int) -> RequestList:
         return RequestList(Request(key=(i, 0), prompt_ids=prompts[i], max_new_tokens=max_new_tokens)
@@ -168,17 +190,35 @@ def batched_rows(target: BatchedTarget, model: DFlashDraftModel, prompts: Sequen
         for mode, decoder in decoders(batch_size):
             def run(decoder=decoder):
                 result = decoder.run(requests(n))
-                return result.num_generated, _pooled_tau([g.stats for g in result.generations if g.stats is not None])
+                return (result.num_generated, _pooled_tau([g.stats for g in result.generations if g.stats is not None]),
+                        result.num_target_forwards)
+            try:
+                decoder.run(requests(n))  # warm-up: the same shapes, so every CUDA graph is captured
+            except torch.cuda.OutOfMemoryError:
+                torch.cuda.empty_cache()
             rows.append(_measure(Row(impl="batched", mode=mode, batch_size=batch_size, num_prompts=n),
                                  target.device, run))
+            if mode == "plain":
+                decoder.engine.release()  # its cache stayed for the timed run; the next decoder builds its own
         if any(r.error for r in rows[-2:]):
             break
     return rows
 
 
-def summary(rows: Sequence[Row]) -> dict:
-    """Best batched row per mode and its ratio to the legacy row of that mode."""
+def summary(rows: Sequence[Row], bound_ms: float = math.nan) -> dict:
+    """Best batched row per mode and its ratio to the legacy row of that mode; at batch 1, the
+    plain step against the weight-bandwidth bound (``bound_ms`` per step) and the speculative
+    cycle in plain steps."""
     out = {}
+    plain1 = next((r for r in rows if r.impl == "batched" and r.mode == "plain" and r.batch_size == 1
+                   and not r.error), None)
+    spec1 = next((r for r in rows if r.impl == "batched" and r.mode == "speculative" and r.batch_size == 1
+                  and not r.error), None)
+    if plain1 is not None:
+        out["batch1"] = {"plain_ms_per_step": plain1.ms_per_forward, "bound_ms_per_step": bound_ms,
+                         "plain_of_bound": bound_ms / plain1.ms_per_forward,
+                         "spec_ms_per_cycle": spec1.ms_per_forward if spec1 else math.nan,
+                         "cycle_in_plain_steps": spec1.ms_per_forward / plain1.ms_per_forward if spec1 else math.nan}
     for mode in ("speculative", "plain"):
         legacy = next((r for r in rows if r.impl == "legacy" and r.mode == mode and not r.error), None)
         batched = [r for r in rows if r.impl == "batched" and r.mode == mode and not r.error]
@@ -196,7 +236,7 @@ def summary(rows: Sequence[Row]) -> dict:
 def run_eval_bench(*, device: str = "cuda:0", shape: str = "qwen3-1.7b", batch_sizes: Sequence[int] = (1, 16, 64, 256),
                    prompts_per_batch: int = 2, max_new_tokens: int = 128, prompt_len: tuple[int, int] = (64, 256),
                    legacy_prompts: int = 2, dtype: str = "auto", work_dir: str | None = None, seed: int = 0,
-                   emit: Callable[[str], None] = print) -> dict:
+                   hbm_tbps: float = H200_HBM_BYTES_PER_S / 1e12, emit: Callable[[str], None] = print) -> dict:
     """Build (or reuse, in ``work_dir``) the assets, measure every row, ``emit`` the table; the figures."""
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev)
@@ -216,6 +256,7 @@ def run_eval_bench(*, device: str = "cuda:0", shape: str = "qwen3-1.7b", batch_s
         target = BatchedTarget(target_dir, layer_ids=model.config.target_layer_ids, device=dev, dtype=dtype)
         rows += batched_rows(target, model, prompts, batch_sizes=batch_sizes, prompts_per_batch=prompts_per_batch,
                              max_new_tokens=max_new_tokens)
+        weights = weight_bytes(target.model)
     finally:
         if owned:
             shutil.rmtree(work_dir, ignore_errors=True)
@@ -224,7 +265,10 @@ def run_eval_bench(*, device: str = "cuda:0", shape: str = "qwen3-1.7b", batch_s
                "vocab_size": target.head.vocab_size, "drafter_layers": model.config.num_hidden_layers,
                "block_size": model.config.block_size, "max_new_tokens": max_new_tokens, "prompt_len": list(prompt_len),
                "build_s": build_s, "total_s": time.perf_counter() - started, "goal": GOAL,
-               "rows": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in rows], "summary": summary(rows)}
+               "hbm_tbps": hbm_tbps, "weight_gib": weights / 2**30,
+               "rows": [asdict(r) | {"tokens_per_s": r.tokens_per_s, "ms_per_forward": r.ms_per_forward}
+                        for r in rows],
+               "summary": summary(rows, bound_ms=1e3 * weights / (hbm_tbps * 1e12))}
     emit(format_table(figures))
     return figures
 
@@ -237,16 +281,26 @@ def format_table(f: dict) -> str:
              f"  prompts of {f['prompt_len'][0]}-{f['prompt_len'][1]} random tokens, {f['max_new_tokens']} new "
              "tokens each, greedy (random weights: tau ~1; the rows measure decoding, not drafting)",
              f"  {'impl':<8} {'mode':<12} {'batch':>5} {'prompts':>7} {'tokens':>8} {'wall s':>8} {'tok/s':>10} "
-             f"{'tau':>5} {'peak GiB':>8}"]
+             f"{'tau':>5} {'peak GiB':>8} {'ms/fwd':>7}"]
     for r in f["rows"]:
         if r["error"]:
             lines.append(f"  {r['impl']:<8} {r['mode']:<12} {r['batch_size']:>5} {r['num_prompts']:>7}  {r['error']}")
             continue
         tau = "-" if r["tau"] != r["tau"] else f"{r['tau']:.2f}"
         peak = "-" if r["peak_gib"] != r["peak_gib"] else f"{r['peak_gib']:.1f}"
+        ms = "-" if r["ms_per_forward"] != r["ms_per_forward"] else f"{r['ms_per_forward']:.2f}"
         lines.append(f"  {r['impl']:<8} {r['mode']:<12} {r['batch_size']:>5} {r['num_prompts']:>7} "
-                     f"{r['num_tokens']:>8} {r['wall_s']:>8.2f} {r['tokens_per_s']:>10,.1f} {tau:>5} {peak:>8}")
+                     f"{r['num_tokens']:>8} {r['wall_s']:>8.2f} {r['tokens_per_s']:>10,.1f} {tau:>5} {peak:>8} {ms:>7}")
+    one = f["summary"].get("batch1")
+    if one:
+        lines.append(f"  batch 1: plain step {one['plain_ms_per_step']:.2f} ms against the weight-bandwidth bound "
+                     f"{one['bound_ms_per_step']:.3f} ms ({f['weight_gib']:.2f} GiB at {f['hbm_tbps']:g} TB/s) = "
+                     f"{100 * one['plain_of_bound']:.0f}% of the bound; speculative cycle (draft + verify) "
+                     f"{one['spec_ms_per_cycle']:.2f} ms = {one['cycle_in_plain_steps']:.2f} plain steps "
+                     f"(speedup = tau / {one['cycle_in_plain_steps']:.2f})")
     for mode, s in f["summary"].items():
+        if mode == "batch1":
+            continue
         goal = f" (goal >= {f['goal']:g}x: {'met' if s['vs_legacy'] >= f['goal'] else 'not met'})" \
             if mode == "speculative" else ""
         one = "" if math.isnan(s["batch1_tokens_per_s"]) else f"{s['batch1_tokens_per_s']:,.1f} tok/s at batch 1, "

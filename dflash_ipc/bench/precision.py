@@ -73,7 +73,7 @@ from dflash_ipc.drafter.trainer import DrafterTrainer, Sequence, eligible_anchor
 from dflash_ipc.errors import ConfigError
 from dflash_ipc.eval.prompt_sets import held_out_set
 from dflash_ipc.eval.speculative import EvalOptions, run_set
-from dflash_ipc.eval.target_runner import BatchedTarget
+from dflash_ipc.decode.target import BatchedTarget
 from dflash_ipc.hf.target_config import load_target_config
 from dflash_ipc.run.json_files import write_json_atomic
 from dflash_ipc.target.capture import FeatureCapture

@@ -1,5 +1,5 @@
-"""`dflash-ipc bench regenerate`: batched generation as `regenerate` runs it against one
-prompt at a time, on one device, the same model and prompts, in the same run.
+"""`dflash-ipc bench regenerate`: regenerate's decoders against one prompt at a time, on one
+device, the same model and prompts, in the same run, each against the weight-bandwidth bound.
 
     dflash-ipc bench regenerate --shape qwen3-1.7b --device cuda:0
     dflash-ipc bench regenerate --shape qwen3-8b --device cuda:0 --json /tmp/regen-8b.json
@@ -7,14 +7,24 @@ prompt at a time, on one device, the same model and prompts, in the same run.
 The target is a random-weight model of the named shape (bench/assets.py), saved and loaded
 back through `from_pretrained`, or `--target DIR`. Prompts are random words of the tiny
 tokenizer, rendered through the chat template, lengths log-uniform in [--min-prompt,
---max-prompt]. Phases:
-  one at a time  the first --one-at-a-time prompts, each alone (batch 1, dynamic cache)
-  batched        every prompt through regenerate's hf path: length buckets, token-budget
-                 batches, left padding, once per --cache
-A random model's stop tokens are luck, so none is used: every prompt generates exactly
---max-new-tokens in both phases, and tokens/s compare like with like. Printed per phase:
-prompts, new tokens, seconds, generated tokens/s, batches, mean batch size and the padding
-share (token slots computed for no real token: prompt padding here); then the speedup.
+--max-prompt]; reply lengths are mixed: each prompt's budget is log-uniform in [--min-new-tokens,
+--max-new-tokens] (a random model's stop tokens are luck, so none is used and every reply runs
+to its budget, the same in every phase; the engine knows budgets and frees such a row without
+waiting for its next look, where a stop token would cost up to --check-every idle steps).
+Phases (PHASES; in this order, so that generate runs before the engine switches the shared
+model to its attention function):
+  one-at-a-time       the first --one-at-a-time prompts, each alone (generate, batch 1, dynamic cache)
+  generate-static     regenerate's generate decoder: length buckets, token-budget batches, left
+  generate-dynamic    padding, transformers' generate per batch with that cache
+  engine-batches      the decoding core with static batching: a batch's rows are refilled only
+                      once all of them are done
+  engine-continuous   the decoding core as regenerate runs it: rows refilled as replies finish
+The engine phases run once untimed first (the same batches: every CUDA graph is captured
+there, as a long regenerate run captures them once), and the table says what that cost.
+Printed per phase: prompts, new tokens, seconds, generated tokens/s, decode steps, rows per
+step, the padding share (token slots computed for no real token: prompt padding and idle
+rows), the weight-bandwidth bound in tokens/s at --hbm-tbps (decode/bound.py) and the
+measured share of it, and for the engine the share of the bound that counts the K/V read too.
 """
 
 from __future__ import annotations
@@ -28,8 +38,12 @@ import time
 
 import numpy as np
 
+from dflash_ipc.decode.bound import H200_HBM_BYTES_PER_S, bound, weight_bytes
 from dflash_ipc.regenerate.generator import BatchStats, Generator, GeneratorSettings
-from dflash_ipc.regenerate.scheduler import BatchScheduler
+from dflash_ipc.regenerate.hf import make_scheduler
+
+PHASES = ("one-at-a-time", "generate-static", "generate-dynamic", "engine-batches", "engine-continuous")
+DEFAULT_PHASES = ("one-at-a-time", "generate-static", "engine-batches", "engine-continuous")
 
 
 def make_prompts(tokenizer, num: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
@@ -50,11 +64,22 @@ def make_prompts(tokenizer, num: int, min_len: int, max_len: int, seed: int) -> 
     return prompts
 
 
-def _phase(name: str, stats: BatchStats, seconds: float) -> dict:
+def reply_budgets(num: int, min_new: int, max_new: int, seed: int) -> list[int]:
+    """Log-uniform reply budgets in [min_new, max_new] (mixed reply lengths)."""
+    rng = np.random.default_rng(seed + 1)
+    return [int(min(max_new, math.exp(rng.uniform(math.log(min_new), math.log(max_new + 1))))) for _ in range(num)]
+
+
+def _phase(name: str, stats: BatchStats, seconds: float, weights: int, kv_bytes: int, hbm: float) -> dict:
+    b = bound(tokens=stats.new_tokens, seconds=seconds, steps=stats.steps, weight_bytes=weights,
+              hbm_bytes_per_s=hbm, kv_positions_read=stats.kv_positions_read, kv_bytes_per_token=kv_bytes)
     return {"phase": name, "prompts": stats.prompts, "new_tokens": stats.new_tokens, "seconds": seconds,
-            "tokens_per_s": stats.new_tokens / max(seconds, 1e-9), "batches": stats.batches,
-            "mean_batch": stats.prompts / max(stats.batches, 1), "padding_share": stats.padding_share,
-            "prompt_padding_share": 1 - stats.prompt_tokens / max(stats.prompt_slots, 1)}
+            "tokens_per_s": stats.new_tokens / max(seconds, 1e-9), "batches": stats.batches, "steps": stats.steps,
+            "rows_per_step": (stats.new_slots - stats.prompts) / stats.steps if stats.steps else 0.0,
+            "padding_share": stats.padding_share,
+            "prompt_padding_share": 1 - stats.prompt_tokens / max(stats.prompt_slots, 1),
+            "bound_tokens_per_s": b.bound_tokens_per_s, "bound_ratio": b.ratio, "bound_ratio_with_kv": b.ratio_with_kv,
+            "captures": stats.captures}
 
 
 def _sync(device: str) -> None:
@@ -63,59 +88,76 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def one_at_a_time(gen: Generator, prompts: list[list[int]], max_new_tokens: int) -> dict:
+def one_at_a_time(gen: Generator, prompts: list[list[int]], budgets: list[int]) -> tuple[BatchStats, float]:
     """Each prompt alone."""
     stats = BatchStats()
     _sync(gen.device)
     started = time.perf_counter()
-    for p in prompts:
-        stats.add(gen.generate([p], [max_new_tokens])[1])
+    for p, n in zip(prompts, budgets):
+        stats.add(gen.generate([p], [n])[1])
     _sync(gen.device)
-    return _phase("one at a time", stats, time.perf_counter() - started)
+    return stats, time.perf_counter() - started
 
 
-def batched(gen: Generator, prompts: list[list[int]], max_new_tokens: int, *, token_budget: int,
-            max_batch_size: int, name: str) -> dict:
-    """Every prompt through regenerate's scheduler and generator."""
-    scheduler = BatchScheduler(token_budget=token_budget, max_batch_size=max_batch_size)
-    for i, p in enumerate(prompts):
-        scheduler.add(i, len(p), max_new_tokens)
+def batched(gen: Generator, prompts: list[list[int]], budgets: list[int], *, token_budget: int | None,
+            max_batch_size: int) -> tuple[BatchStats, float]:
+    """Every prompt through regenerate's scheduler (as the hf backend makes it) and the generator."""
+    scheduler = make_scheduler(gen.decoder, token_budget, max_batch_size, cpu=gen.device.startswith("cpu"))
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        scheduler.add(i, len(p), n)
     stats = BatchStats()
     _sync(gen.device)
     started = time.perf_counter()
     while (keys := scheduler.next_batch(flush=True)) is not None:
-        stats.add(gen.generate([prompts[k] for k in keys], [max_new_tokens] * len(keys))[1])
+        stats.add(gen.generate([prompts[k] for k in keys], [budgets[k] for k in keys], [(k, 0, 0) for k in keys])[1])
     _sync(gen.device)
-    return _phase(name, stats, time.perf_counter() - started)
+    return stats, time.perf_counter() - started
 
 
 def format_table(result: dict) -> str:
     """The figures as the bench prints them."""
     head = (f"bench regenerate: {result['target']} on {result['device']} ({result['dtype']}), {result['num_prompts']} "
-            f"prompts of {result['min_prompt']}..{result['max_prompt']} tokens, {result['max_new_tokens']} new each, "
-            f"token budget {result['token_budget']}, max batch {result['max_batch_size']}")
-    lines = [head, f"{'phase':<17}{'prompts':>8}{'new tokens':>12}{'seconds':>9}{'tokens/s':>10}{'batches':>9}"
-                   f"{'mean batch':>11}{'padding':>9}"]
+            f"prompts of {result['min_prompt']}..{result['max_prompt']} tokens, replies of {result['min_new_tokens']}.."
+            f"{result['max_new_tokens']} tokens (mixed), max batch {result['max_batch_size']}; bound: weights "
+            f"{result['weight_gib']:.2f} GiB read per step at {result['hbm_tbps']:g} TB/s")
+    lines = [head, f"{'phase':<19}{'prompts':>8}{'new tokens':>11}{'seconds':>9}{'tokens/s':>10}{'steps':>7}"
+                   f"{'rows/step':>10}{'padding':>9}{'bound tok/s':>12}{'of bound':>9}{'w/ KV':>7}"]
     for p in result["phases"]:
-        lines.append(f"{p['phase']:<17}{p['prompts']:>8}{p['new_tokens']:>12,}{p['seconds']:>9.1f}"
-                     f"{p['tokens_per_s']:>10,.0f}{p['batches']:>9}{p['mean_batch']:>11.1f}{100 * p['padding_share']:>8.1f}%")
+        kv = "-" if p["bound_ratio_with_kv"] is None else f"{100 * p['bound_ratio_with_kv']:.0f}%"
+        lines.append(f"{p['phase']:<19}{p['prompts']:>8}{p['new_tokens']:>11,}{p['seconds']:>9.1f}"
+                     f"{p['tokens_per_s']:>10,.0f}{p['steps']:>7}{p['rows_per_step']:>10.1f}"
+                     f"{100 * p['padding_share']:>8.1f}%{p['bound_tokens_per_s']:>12,.0f}"
+                     f"{100 * p['bound_ratio']:>8.1f}%{kv:>7}")
+    for p in result["phases"]:
+        if "warmup_seconds" in p:
+            lines.append(f"{p['phase']}: untimed warm-up run {p['warmup_seconds']:.1f} s, {p['warmup_captures']} CUDA "
+                         f"graphs captured; the timed run captured {p['captures']}")
     for name, x in result["speedup"].items():
-        lines.append(f"speedup {name} / one at a time: {x:.1f}x")
+        lines.append(f"speedup {name}: {x:.1f}x")
     return "\n".join(lines)
 
 
 def run_regenerate_bench(*, shape: str = "qwen3-1.7b", target: str | None = None, device: str = "cuda:0",
-                         num_prompts: int = 1024, num_single: int = 4, min_prompt: int = 64, max_prompt: int = 256,
-                         max_new_tokens: int = 128, token_budget: int | None = None, max_batch_size: int | None = None,
-                         caches=("static", "dynamic"), dtype: str = "bfloat16", seed: int = 0) -> dict:
+                         num_prompts: int = 512, num_single: int = 4, min_prompt: int = 64, max_prompt: int = 256,
+                         min_new_tokens: int | None = None, max_new_tokens: int = 256, token_budget: int | None = None,
+                         max_batch_size: int | None = None, phases=DEFAULT_PHASES, dtype: str = "bfloat16",
+                         check_every: int = 16, hbm_tbps: float = H200_HBM_BYTES_PER_S / 1e12, seed: int = 0) -> dict:
     """Build (or take) the target, run the phases, return every figure (see the module docstring)."""
     from transformers import AutoTokenizer
 
     from dflash_ipc.bench.assets import build_random_target
+    from dflash_ipc.decode.cache import kv_bytes_per_token
+    from dflash_ipc.errors import ConfigError
+    from dflash_ipc.hf.text_stack import text_config
 
+    unknown = sorted(set(phases) - set(PHASES))
+    if unknown or not phases:
+        raise ConfigError(f"bench regenerate phases {unknown or '(none)'}; allowed: {list(PHASES)}")
+    phases = [p for p in PHASES if p in phases]
     cpu = device.startswith("cpu")
-    token_budget = token_budget or (16384 if cpu else 131072)
     max_batch_size = max_batch_size or (64 if cpu else 256)
+    min_new_tokens = min_new_tokens or max(1, max_new_tokens // 8)
+    hbm = hbm_tbps * 1e12
     with tempfile.TemporaryDirectory(prefix="bench-regenerate-") as tmp:
         if target is None:
             target = build_random_target(os.path.join(tmp, shape), shape=shape, dtype=dtype, seed=seed)
@@ -124,19 +166,48 @@ def run_regenerate_bench(*, shape: str = "qwen3-1.7b", target: str | None = None
             label = target
         tokenizer = AutoTokenizer.from_pretrained(target)
         prompts = make_prompts(tokenizer, num_prompts, min_prompt, max_prompt, seed)
-        settings = GeneratorSettings(target, dtype=dtype, cache="dynamic", pad_id=int(tokenizer.pad_token_id or 0))
+        budgets = reply_budgets(num_prompts, min_new_tokens, max_new_tokens, seed)
+        settings = GeneratorSettings(target, dtype=dtype, cache="dynamic", pad_id=int(tokenizer.pad_token_id or 0),
+                                     decoder="generate", max_rows=max_batch_size, kv_tokens=token_budget,
+                                     check_every=check_every)
         single = Generator(settings, device)
+        model = single.model
+        weights = weight_bytes(model)
+        kv_bytes = kv_bytes_per_token(text_config(model.config), next(model.parameters()).dtype)
         single.generate(prompts[:2], [8, 8])  # warm-up: kernels, allocator
-        phases = [one_at_a_time(single, prompts[:num_single], max_new_tokens)]
-        for cache in caches:
-            gen = Generator(dataclasses.replace(settings, cache=cache), device, model=single.model)
-            phases.append(batched(gen, prompts, max_new_tokens, token_budget=token_budget,
-                                  max_batch_size=max_batch_size, name=f"batched {cache}"))
-    base = phases[0]["tokens_per_s"]
+        results = []
+        for name in phases:
+            warm = None
+            if name == "one-at-a-time":
+                stats, seconds = one_at_a_time(single, prompts[:num_single], budgets[:num_single])
+            else:
+                kind, mode = name.split("-")
+                gen = Generator(dataclasses.replace(settings, decoder=kind if kind == "engine" else "generate",
+                                                    cache=mode if kind == "generate" else "static",
+                                                    continuous=mode == "continuous"), device, model=model)
+                warm = None
+                if gen.engine is not None:  # an untimed run first: the same batches, every graph captured
+                    warm = batched(gen, prompts, budgets, token_budget=token_budget, max_batch_size=max_batch_size)
+                stats, seconds = batched(gen, prompts, budgets, token_budget=token_budget,
+                                         max_batch_size=max_batch_size)
+                if gen.engine is not None:
+                    gen.engine.release()
+            results.append(_phase(name, stats, seconds, weights, kv_bytes, hbm))
+            if warm is not None:
+                results[-1] |= {"warmup_seconds": warm[1], "warmup_captures": warm[0].captures}
+    rate = {p["phase"]: p["tokens_per_s"] for p in results}
+    speedup = {f"{p} / one-at-a-time": rate[p] / rate["one-at-a-time"] for p in rate if p != "one-at-a-time"
+               and "one-at-a-time" in rate}
+    if "engine-continuous" in rate and "generate-static" in rate:
+        speedup["engine-continuous / generate-static"] = rate["engine-continuous"] / rate["generate-static"]
+    if "engine-continuous" in rate and "engine-batches" in rate:
+        speedup["engine-continuous / engine-batches (continuous batching)"] = \
+            rate["engine-continuous"] / rate["engine-batches"]
     return {"target": label, "device": device, "dtype": dtype, "num_prompts": num_prompts, "min_prompt": min_prompt,
-            "max_prompt": max_prompt, "max_new_tokens": max_new_tokens, "token_budget": token_budget,
-            "max_batch_size": max_batch_size, "phases": phases,
-            "speedup": {p["phase"]: p["tokens_per_s"] / base for p in phases[1:]}}
+            "max_prompt": max_prompt, "min_new_tokens": min_new_tokens, "max_new_tokens": max_new_tokens,
+            "token_budget": token_budget, "max_batch_size": max_batch_size, "check_every": check_every,
+            "hbm_tbps": hbm_tbps, "weight_gib": weights / 2**30, "kv_bytes_per_token": kv_bytes,
+            "phases": results, "speedup": speedup}
 
 
 def write_json(result: dict, path: str) -> None:

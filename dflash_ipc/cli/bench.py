@@ -209,25 +209,39 @@ def bench_pipeline(config, overrides, seconds, warmup_s, json_path, run_dir) -> 
 @click.option("--target", default=None, type=click.Path(exists=True, file_okay=False),
               help="A model directory instead of --shape.")
 @click.option("--device", default="cuda:0", show_default=True, callback=checked_device)
-@click.option("--prompts", "num_prompts", default=1024, show_default=True, help="Prompts of the batched phase.")
+@click.option("--prompts", "num_prompts", default=512, show_default=True, help="Prompts of the batched phases.")
 @click.option("--one-at-a-time", "num_single", default=4, show_default=True, help="Prompts generated alone.")
 @click.option("--min-prompt", default=64, show_default=True)
 @click.option("--max-prompt", default=256, show_default=True)
-@click.option("--max-new-tokens", default=128, show_default=True)
-@click.option("--token-budget", type=int, default=None, help="Default 131072 on GPU, 16384 on CPU.")
+@click.option("--min-new-tokens", type=click.IntRange(min=1), default=None,
+              help="Shortest reply budget (default: --max-new-tokens / 8); budgets are log-uniform.")
+@click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=1))
+@click.option("--token-budget", type=int, default=None,
+              help="generate: per batch (default 131072 GPU, 16384 CPU); engine: cached positions in all "
+                   "(default 60%% of the free GPU memory, 16384 CPU).")
 @click.option("--max-batch-size", type=int, default=None, help="Default 256 on GPU, 64 on CPU.")
-@click.option("--cache", "caches", multiple=True, type=click.Choice(["static", "dynamic"]),
-              help="KV cache of the batched phase, repeatable (default: static, then dynamic).")
+@click.option("--phase", "phases", multiple=True, type=click.Choice(["one-at-a-time", "generate-static",
+              "generate-dynamic", "engine-batches", "engine-continuous"]),
+              help="Repeatable (default: one-at-a-time, generate-static, engine-batches, engine-continuous).")
+@click.option("--check-every", default=16, show_default=True, type=click.IntRange(min=1),
+              help="engine: decode steps between looks for stop tokens.")
+@click.option("--hbm-tbps", default=4.8, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Memory bandwidth of the bound, TB/s (H200: 4.8).")
 @click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="bfloat16", show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures as JSON.")
-def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt, max_prompt, max_new_tokens,
-                     token_budget, max_batch_size, caches, dtype, json_path) -> None:
-    """Generated tokens/s of regenerate's batched HF generation against one prompt at a time."""
-    from dflash_ipc.bench.regenerate import format_table, run_regenerate_bench, write_json
+def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt, max_prompt, min_new_tokens,
+                     max_new_tokens, token_budget, max_batch_size, phases, check_every, hbm_tbps, dtype,
+                     json_path) -> None:
+    """Generated tokens/s of regenerate's decoders against one prompt at a time and the bandwidth bound."""
+    from dflash_ipc.bench.regenerate import DEFAULT_PHASES, format_table, run_regenerate_bench, write_json
+    from dflash_ipc.run.logs import setup_logging
+    setup_logging("bench")
     result = run_regenerate_bench(shape=shape, target=target, device=device, num_prompts=num_prompts,
                                   num_single=num_single, min_prompt=min_prompt, max_prompt=max_prompt,
-                                  max_new_tokens=max_new_tokens, token_budget=token_budget,
-                                  max_batch_size=max_batch_size, caches=caches or ("static", "dynamic"), dtype=dtype)
+                                  min_new_tokens=min_new_tokens, max_new_tokens=max_new_tokens,
+                                  token_budget=token_budget, max_batch_size=max_batch_size,
+                                  phases=phases or DEFAULT_PHASES, check_every=check_every, hbm_tbps=hbm_tbps,
+                                  dtype=dtype)
     if json_path:
         write_json(result, json_path)
     click.echo(format_table(result))
@@ -249,9 +263,11 @@ def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt,
               show_default=True)
 @click.option("--work-dir", default=None, type=click.Path(file_okay=False),
               help="Keep the random target here (reused next time); default: a temporary directory.")
+@click.option("--hbm-tbps", default=4.8, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Memory bandwidth of the bound, TB/s (H200: 4.8).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures.")
 def bench_eval(device, shape, batch_sizes, prompts_per_batch, max_new_tokens, prompt_len, legacy_prompts, dtype,
-               work_dir, json_path) -> None:
+               work_dir, hbm_tbps, json_path) -> None:
     """Tokens/s of batched speculative and plain decoding against the unbatched decoder."""
     from dflash_ipc.bench.eval import run_eval_bench
     from dflash_ipc.run.logs import setup_logging
@@ -259,6 +275,7 @@ def bench_eval(device, shape, batch_sizes, prompts_per_batch, max_new_tokens, pr
     figures = run_eval_bench(device=device, shape=shape, batch_sizes=int_list(batch_sizes, "--batch-sizes"),
                              prompts_per_batch=prompts_per_batch, max_new_tokens=max_new_tokens,
                              prompt_len=tuple(int_list(prompt_len, "--prompt-len", size=2)),
-                             legacy_prompts=legacy_prompts, dtype=dtype, work_dir=work_dir, emit=click.echo)
+                             legacy_prompts=legacy_prompts, dtype=dtype, work_dir=work_dir, hbm_tbps=hbm_tbps,
+                             emit=click.echo)
     if json_path:
         write_json_atomic(json_path, figures)

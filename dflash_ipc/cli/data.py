@@ -59,11 +59,20 @@ def prepare(model_dir, input_path, out_dir, split, max_length, on_long, last_tur
               help="hf: cpu, cuda:0 or cuda:0,cuda:1,... (one process per device); auto: every GPU, else cpu.")
 @click.option("--dtype", type=click.Choice(["auto", *DTYPE_NAMES]), default="auto",
               show_default=True, help="hf: auto = bfloat16 on GPU, float32 on CPU.")
+@click.option("--decoder", type=click.Choice(["auto", "engine", "generate"]), default="auto", show_default=True,
+              help="hf: engine = static row cache, continuous batching, CUDA graphs; generate = transformers' "
+                   "generate per batch; auto: engine where the target allows.")
+@click.option("--samples-per-prompt", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Sampled replies per conversation (needs --temperature > 0); each an output line with its "
+                   "\"sample\" number.")
 @click.option("--cache", type=click.Choice(["auto", "static", "dynamic"]), default="auto", show_default=True,
-              help="hf: KV cache (auto: static on GPU, dynamic on CPU).")
+              help="hf, generate decoder: KV cache (auto: static on GPU, dynamic on CPU).")
 @click.option("--token-budget", type=click.IntRange(min=1), default=None,
-              help="hf: batch size x (longest prompt + max new tokens) per batch (default 131072 GPU, 16384 CPU).")
-@click.option("--max-batch-size", type=click.IntRange(min=1), default=None, help="hf: default 256 GPU, 64 CPU.")
+              help="hf: cached positions in all (engine: rows x (longest prompt + max new tokens), default 16384 "
+                   "on CPU, 60%% of the GPU memory left by the model; generate: per batch, default 131072 GPU, "
+                   "16384 CPU).")
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=None,
+              help="hf: rows in flight (engine) or prompts per batch (generate); default 256 GPU, 64 CPU.")
 @click.option("--url", default=None, help="openai: the server's base URL, e.g. http://127.0.0.1:8000/v1.")
 @click.option("--served-model", default=None, help="openai: model name (default: the first the server lists).")
 @click.option("--concurrency", default=16, show_default=True, help="openai: requests in flight at most.")
@@ -74,8 +83,8 @@ def prepare(model_dir, input_path, out_dir, split, max_length, on_long, last_tur
 @max_line_option
 @click.option("--overwrite", is_flag=True, help="Start over instead of resuming an existing --out.")
 def regenerate(model_dir, input_path, out_path, split, kind, max_new_tokens, temperature, top_p, top_k, seed,
-               max_turns, template_kwargs, reasoning, devices, dtype, cache, token_budget, max_batch_size, url,
-               served_model, concurrency, timeout_s, retries, api_key, window, max_line_bytes, overwrite) -> None:
+               max_turns, template_kwargs, reasoning, devices, dtype, decoder, samples_per_prompt, cache, token_budget,
+               max_batch_size, url, served_model, concurrency, timeout_s, retries, api_key, window, max_line_bytes, overwrite) -> None:
     """Replace every assistant turn with the target's own reply (resumable: rerun to continue)."""
     from dflash_ipc.data.messages import parse_template_kwargs
     from dflash_ipc.run.logs import setup_logging
@@ -84,10 +93,11 @@ def regenerate(model_dir, input_path, out_path, split, kind, max_new_tokens, tem
     setup_logging("regenerate")
     options = GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, max_turns=max_turns, reasoning=reasoning,
-                                template_kwargs=parse_template_kwargs(template_kwargs))
+                                template_kwargs=parse_template_kwargs(template_kwargs),
+                                samples_per_prompt=samples_per_prompt)
     backend = make_backend(kind, options, model_dir=model_dir, devices=auto_devices(devices), dtype=dtype,
-                           cache=cache, token_budget=token_budget, max_batch_size=max_batch_size, url=url,
-                           served_model=served_model, concurrency=concurrency, timeout_s=timeout_s,
+                           decoder=decoder, cache=cache, token_budget=token_budget, max_batch_size=max_batch_size,
+                           url=url, served_model=served_model, concurrency=concurrency, timeout_s=timeout_s,
                            retries=retries, api_key=api_key)
     try:
         report = run_regenerate(input_path, out_path, backend, options, split=split, max_line_bytes=max_line_bytes,

@@ -1,6 +1,7 @@
 """Batched decoding: many sequences in flight, each in a cache row, rows refilled as they finish.
 
-One loop serves both decoders:
+The speculative decoder's loop (BatchedDecoder; the plain decoder runs the decoding core's
+loop, decode/engine.py, of the same shape):
 
     admit    free rows take the next ready requests: one left-padded prefill per chunk of
              prompts (``prefill_tokens`` padded tokens at most), the first token chosen
@@ -12,10 +13,12 @@ One loop serves both decoders:
              only the busy rows, so the tail of a prompt set does not pay for empty rows
 
 :class:`PlainDecoder` steps one token (the lossless reference and the baseline of the
-speedup). :class:`SpeculativeDecoder` steps one cycle: the drafter drafts a block for every
-row from its cached context, the target verifies all blocks in one forward, the verified
-positions' features extend the drafter's context, and the acceptance rule (sampling.py)
-says how many tokens each row commits (acceptance.commit_block: budget and stop tokens).
+speedup) on the decoding core (decode/engine.py), which has its own loop of the same shape
+with a static cache and no per-step sync. :class:`SpeculativeDecoder` steps one cycle:
+the drafter drafts a block for every row from its cached context, the target verifies all
+blocks in one forward, the verified positions' features extend the drafter's context, and
+the acceptance rule (sampling.py) says how many tokens each row commits
+(acceptance.commit_block: budget and stop tokens).
 A row's cache length is the position of its newest token, which the next step feeds in.
 """
 
@@ -32,7 +35,7 @@ from torch import Tensor
 from dflash_ipc.errors import ConfigError
 from dflash_ipc.eval.acceptance import AcceptanceStats, commit_block
 from dflash_ipc.eval.drafter_context import DrafterContext
-from dflash_ipc.eval.requests import Generation, Request, RequestSource
+from dflash_ipc.decode.requests import Generation, Request, RequestSource
 from dflash_ipc.eval.sampling import (
     Sampling,
     greedy_accept,
@@ -41,7 +44,7 @@ from dflash_ipc.eval.sampling import (
     speculative_accept,
     top2_margin,
 )
-from dflash_ipc.eval.target_runner import BatchedTarget
+from dflash_ipc.decode.target import BatchedTarget
 
 PREFILL_TOKENS = 16384
 """Padded prompt tokens per prefill forward (bounds its activations and captured features)."""
@@ -66,7 +69,8 @@ class DecodeRun:
 
 
 class BatchedDecoder:
-    """The row bookkeeping both decoders share; subclasses define ``_step``."""
+    """The row bookkeeping of the speculative decoder (a growable row cache, a host commit per
+    step); subclasses define ``_step``."""
 
     extra_positions = 1
     """Cache positions past prompt + budget that a step may write."""
@@ -114,10 +118,13 @@ class BatchedDecoder:
         return int(request.prompt_ids.size) + request.max_new_tokens + self.extra_positions
 
     def _reset(self, num_rows: int, capacity: int) -> None:
+        self._reset_rows(num_rows)
+        self.target.reset(num_rows, capacity)
+
+    def _reset_rows(self, num_rows: int) -> None:
         self.slots: list[Generation | None] = [None] * num_rows
         self.length = np.zeros(num_rows, dtype=np.int64)  # cache length = position of the newest token
         self.last = np.zeros(num_rows, dtype=np.int64)  # the newest token: the next step's input
-        self.target.reset(num_rows, capacity)
 
     def _grow(self, capacity: int) -> None:
         self.target.cache.kv.grow(capacity)
@@ -222,28 +229,76 @@ class BatchedDecoder:
         raise NotImplementedError
 
 
-class PlainDecoder(BatchedDecoder):
-    """One target forward per token for every row: the reference speculative decoding must equal."""
+class PlainDecoder:
+    """One target forward per token for every row: the reference speculative decoding must equal.
 
-    def _step(self) -> None:
-        last, lengths, max_length = self._inputs()
-        logits, _ = self.target.extend(last[:, None], lengths, max_length, features=False)
-        tokens, margins, tops = self._host(*self._choose(logits[:, 0]))
-        for row, gen in enumerate(self.slots):
-            if gen is not None:
-                self._commit(row, [int(tokens[row])], margins[row: row + 1], tops[row: row + 1], advance=1)
+    It runs on the decoding core (decode/engine.py), which regenerate's hf backend runs on too:
+    a static row cache, rows refilled as sequences finish, the token chosen on the device and
+    read back only every ``check_every`` steps, the step a CUDA graph on GPU. Greedy keeps each
+    token's margin and top-1 logit for the lossless check. ``keep_cache``: the cache (and its
+    graphs) stay for the next run; by default a run frees them, since the speculative decoder
+    builds its own cache on the same target next."""
+
+    def __init__(self, target: BatchedTarget, *, batch_size: int, sampling: Sampling = Sampling(),
+                 prefill_tokens: int = PREFILL_TOKENS, progress=None, check_every: int = 16, graphs: str = "auto",
+                 keep_cache: bool = False) -> None:
+        from dflash_ipc.decode.engine import DecodeEngine, EngineSettings
+        from dflash_ipc.decode.sampler import TokenChoice
+
+        if batch_size < 1:
+            raise ConfigError(f"batch_size={batch_size} must be >= 1")
+        self.target, self.sampling, self.progress, self.keep_cache = target, sampling, progress, keep_cache
+        choice = TokenChoice(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
+        self.engine = DecodeEngine(target, choice, EngineSettings(
+            max_rows=batch_size, prefill_tokens=prefill_tokens, check_every=check_every, graphs=graphs,
+            keep_margins=sampling.greedy))
+
+    def run(self, source: RequestSource) -> DecodeRun:
+        forwards = self.target.num_forwards
+        try:
+            run = self.engine.run(source, self.progress)
+        finally:
+            if not self.keep_cache:
+                self.engine.release()
+        # The engine counts its forwards itself (a graph replay does not pass through the target).
+        self.target.num_forwards = forwards + run.num_target_forwards
+        return DecodeRun(run.generations, run.wall_s, run.num_target_forwards)
 
 
 class SpeculativeDecoder(BatchedDecoder):
-    """Draft a block per row, verify all blocks in one target forward, commit by acceptance."""
+    """Draft a block per row, verify all blocks in one target forward, commit by acceptance.
+
+    Greedy on CUDA (``graphs`` auto or on), the cycle (draft, verify, extend the drafter's
+    context, accept) is a CUDA graph per (rows, key-span bucket), the decoding core's
+    StepGraphs (decode/graphs.py): its inputs are copied into static buffers, its results
+    land in static buffers, a cache that grows drops the graphs, and the tail of a run is not
+    compacted (that would reallocate the caches, and drop them too). The host
+    still reads each cycle's results once and commits them (acceptance.commit_block), as in
+    the eager cycle, so the lossless check sees the same code path. Sampling steps eagerly
+    (its generator's state is not registered with the graphs)."""
 
     uses_features = True
 
-    def __init__(self, target: BatchedTarget, drafter: DrafterContext, **kwargs) -> None:
+    def __init__(self, target: BatchedTarget, drafter: DrafterContext, *, graphs: str = "auto", **kwargs) -> None:
         super().__init__(target, **kwargs)
+        from dflash_ipc.decode.engine import GRAPHS
+        from dflash_ipc.decode.graphs import StepGraphs
+
+        if graphs not in GRAPHS:
+            raise ConfigError(f"graphs={graphs!r}; allowed: {list(GRAPHS)}")
+        if graphs == "on" and self.device.type != "cuda":
+            raise ConfigError(f"graphs='on' needs a CUDA device; got {self.device}")
         self.drafter = drafter
         self.block_size = drafter.block_size
         self.extra_positions = drafter.block_size
+        on = graphs == "on" or (graphs == "auto" and self.device.type == "cuda")
+        self.graphs = StepGraphs(self._graphed_cycle, [], enabled=on and self.sampling.greedy)
+        self._static: dict[str, Tensor] = {}
+        self._caches = None  # (target cache, drafter cache) of the last run, which the next may reuse
+
+    def _forget_graphs(self) -> None:
+        self.graphs.clear()
+        self._static = {}
 
     def _new_stats(self) -> AcceptanceStats:
         stats = AcceptanceStats(block_size=self.block_size)
@@ -251,23 +306,54 @@ class SpeculativeDecoder(BatchedDecoder):
         return stats
 
     def _reset(self, num_rows: int, capacity: int) -> None:
+        if self._reusable(num_rows, capacity):
+            # The last run's caches, still the target's and the drafter's: their graphs stay valid
+            # (stale K/V past every row's length is masked, and each prefill overwrites its rows).
+            self._reset_rows(num_rows)
+            return
         super()._reset(num_rows, capacity)
         self.drafter.reset(num_rows, capacity)
+        self._forget_graphs()
+        self._caches = (self.target.cache, self.drafter.kv)
+
+    def _reusable(self, num_rows: int, capacity: int) -> bool:
+        caches = self._caches
+        return (self.graphs.enabled and caches is not None and caches[0] is self.target.cache
+                and caches[1] is self.drafter.kv
+                and self.target.cache.kv.num_rows == num_rows and self.target.capacity >= capacity
+                and self.drafter.kv.num_rows == num_rows and self.drafter.kv.capacity >= capacity)
 
     def _grow(self, capacity: int) -> None:
+        before = self._capacities()
         super()._grow(capacity)
         self.drafter.kv.grow(capacity)
+        if self._capacities() != before:
+            self._forget_graphs()  # the caches were reallocated (still the ones _reset may reuse)
+
+    def _capacities(self) -> tuple[int, int] | None:
+        return (self.target.capacity, self.drafter.kv.capacity) if self.graphs.enabled else None
 
     def _select_rows(self, keep: Tensor) -> None:
         super()._select_rows(keep)
         self.drafter.kv.select_rows(keep)
+        self._forget_graphs()
+        self._caches = None
+
+    def _compact_if_sparse(self) -> None:
+        # Compaction reallocates both caches, which drops every graph; a graphed tail is cheaper
+        # over idle rows (a verify of a few more rows) than recaptured for each smaller row count.
+        if not self.graphs.enabled:
+            super()._compact_if_sparse()
 
     def _prefilled(self, rows: Tensor, out) -> None:
         self.drafter.append(rows, out.features, out.write_pos, out.positions)
 
     def _step(self) -> None:
         anchors, starts, max_start = self._inputs()
-        accepted, tokens, margins, tops = self._cycle(anchors, starts, max_start)
+        if self.graphs.enabled:
+            accepted, tokens, margins, tops = self._replay(anchors, starts, max_start)
+        else:
+            accepted, tokens, margins, tops = self._cycle(anchors, starts, max_start)
         host = self._host_block(accepted, tokens, margins, tops)
         for row, gen in enumerate(self.slots):
             if gen is None:
@@ -297,6 +383,33 @@ class SpeculativeDecoder(BatchedDecoder):
         accepted, tokens = speculative_accept(drafted, draft_probs, probabilities(logits, self.sampling),
                                               self.generator)
         return accepted, tokens, None, None
+
+    def _replay(self, anchors: Tensor, starts: Tensor, max_start: int):
+        """The greedy cycle through its graph: inputs into the static buffers, one replay (or,
+        where a capture failed, the same cycle eagerly), the static results."""
+        from dflash_ipc.decode.engine import span_bucket
+
+        bs, rows = self.block_size, len(self.slots)
+        if not self._static:
+            self._static = {"anchors": torch.zeros_like(anchors), "starts": torch.zeros_like(starts)}
+        self._static["anchors"].copy_(anchors)
+        self._static["starts"].copy_(starts)
+        span = span_bucket(max_start + bs, min(self.target.capacity, self.drafter.kv.capacity))
+        forwards = self.target.num_forwards
+        self.graphs.run((rows, span))
+        self.target.num_forwards = forwards + 1  # one verify forward, however many the capture ran
+        s = self._static
+        return s["accepted"], s["tokens"], s["margins"], s["tops"]
+
+    def _graphed_cycle(self, rows: int, span: int) -> None:
+        """The body a graph captures: the greedy cycle over the static inputs (a key span of
+        ``span``), its results copied into static outputs (allocated at the first capture)."""
+        s = self._static
+        results = self._cycle(s["anchors"], s["starts"], span - self.block_size)
+        for name, value in zip(("accepted", "tokens", "margins", "tops"), results):
+            if name not in s:
+                s[name] = torch.empty_like(value)
+            s[name].copy_(value)
 
     def _host_block(self, accepted: Tensor, tokens: Tensor, margins: Tensor | None, tops: Tensor | None):
         """One device -> host copy of a cycle's results: (accepted [B], tokens [B, bs], margins, tops)."""

@@ -27,8 +27,8 @@ from torch import Tensor
 
 from dflash_ipc.drafter.model import DFlashAttention, DFlashDraftModel, fused_rms_norm_rope
 from dflash_ipc.hf.target_head import FrozenTargetHead
-from dflash_ipc.eval.ragged_attention import band_mask, gqa_attention
-from dflash_ipc.eval.row_cache import MASK_ALIGN, RowKV, round_up
+from dflash_ipc.decode.ragged_attention import band_mask, gqa_attention
+from dflash_ipc.decode.row_cache import MASK_ALIGN, RowKV, round_up
 
 
 def project_kv(attn: DFlashAttention, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:

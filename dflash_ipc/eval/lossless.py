@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from dflash_ipc.eval.requests import Generation
+from dflash_ipc.decode.requests import Generation
 
 VERDICTS = ("identical", "near_tie", "mismatch")
 NEAR_TIE_ULPS = 4.0

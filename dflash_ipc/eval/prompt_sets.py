@@ -38,7 +38,7 @@ import numpy as np
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.data.messages import RowRejected, parse_conversation
 from dflash_ipc.errors import ConfigError, DataError
-from dflash_ipc.eval.requests import Generation, Request
+from dflash_ipc.decode.requests import Generation, Request
 from dflash_ipc.run.json_lines import MAX_LINE_BYTES, capped_lines
 
 logger = logging.getLogger(__name__)

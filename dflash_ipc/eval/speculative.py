@@ -52,10 +52,10 @@ from dflash_ipc.eval.prompt_sets import (
     read_prompt_file,
 )
 from dflash_ipc.eval.report import EvalReport, PlainFigures, SampleResult
-from dflash_ipc.eval.requests import Request, RequestList
+from dflash_ipc.decode.requests import Request, RequestList
 from dflash_ipc.eval.sampling import Sampling
 from dflash_ipc.data.stops import stop_token_ids
-from dflash_ipc.eval.target_runner import BatchedTarget, TargetModel, resolve_dtype
+from dflash_ipc.decode.target import BatchedTarget, TargetModel, resolve_dtype
 from dflash_ipc.eval.unbatched import DFlashProposer, TargetLM, UnbatchedDecoder
 
 __all__ = ["EvalOptions", "evaluate", "evaluate_sets", "held_out_prompts", "load_drafter", "resolve_dtype",

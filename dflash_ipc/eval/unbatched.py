@@ -1,7 +1,7 @@
 """The unbatched speculative decoder: one prompt at a time, the drafter over its whole context.
 
 Three uses: ``dflash-ipc eval`` on targets with linear-attention (recurrent) layers, which the
-batched target (target_runner.py) does not run; the baseline ``dflash-ipc bench eval``
+batched target (decode/target.py) does not run; the baseline ``dflash-ipc bench eval``
 measures the batched decoders against (``legacy`` rows); an independent reference in tests. The loop, for one prompt of P
 tokens (x = committed tokens, F = the captured target layers of each position):
 
@@ -41,9 +41,9 @@ from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.eval.acceptance import AcceptanceStats, verify_block
 from dflash_ipc.eval.decoding import DecodeRun
 from dflash_ipc.eval.report import SampleResult
-from dflash_ipc.eval.requests import Generation, RequestSource
+from dflash_ipc.decode.requests import Generation, RequestSource
 from dflash_ipc.eval.sampling import Sampling, top2_margin
-from dflash_ipc.eval.target_runner import TargetModel
+from dflash_ipc.decode.target import TargetModel
 
 
 class TargetLM(TargetModel):

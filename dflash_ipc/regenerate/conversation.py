@@ -28,7 +28,7 @@ THINK_START, THINK_END = "<think>", "</think>"
 class Reply:
     """What a backend returns for one request."""
 
-    key: tuple[int, int]  # (row index, turn)
+    key: tuple[int, int, int]  # (row index, turn, sample)
     text: str = ""
     reasoning: str | None = None  # a server's parsed reasoning (vLLM's reasoning parsers)
     tool_calls: list | None = None  # a server's parsed tool calls
@@ -41,7 +41,7 @@ class Reply:
 class Request:
     """One reply to generate: the history before it, and (hf) its rendered token ids."""
 
-    key: tuple[int, int]
+    key: tuple[int, int, int]  # (row index, turn, sample)
     messages: list[dict]
     tools: list | None
     max_new_tokens: int
@@ -77,8 +77,9 @@ def assistant_message(reply: Reply, reasoning_mode: str) -> dict:
 class RowState:
     """The turns of one row: `history` is what the next reply is generated on."""
 
-    def __init__(self, index: int, conv: Conversation, *, max_turns: int | None = None):
+    def __init__(self, index: int, conv: Conversation, *, max_turns: int | None = None, sample: int | None = None):
         self.index = index
+        self.sample = sample  # None: the one reply of a run without --samples-per-prompt
         self.tools = conv.tools
         self._source = conv.messages
         self._max_turns = max_turns
@@ -117,11 +118,12 @@ class RowState:
 
     def request(self, max_new_tokens: int) -> Request:
         """The request for the next reply."""
-        return Request((self.index, self.turn), list(self.history), self.tools, max_new_tokens)
+        return Request((self.index, self.turn, self.sample or 0), list(self.history), self.tools, max_new_tokens)
 
     def result(self) -> dict:
         """The regenerated row: its source index first (resume reads it from the line's head)."""
-        row = {"index": self.index, "messages": self.history}
+        row = {"index": self.index} | ({"sample": self.sample} if self.sample is not None else {})
+        row["messages"] = self.history
         if self.tools:
             row["tools"] = self.tools
         return row

@@ -53,9 +53,9 @@ def _device_main(settings, device: str, name: str, tasks, results, throttle_s: f
         task = tasks.get()
         if task is None:
             return
-        batch_id, prompts, max_new = task
+        batch_id, keys, prompts, max_new = task
         try:
-            outputs, stats, error = gen.run_batch(prompts, max_new)
+            outputs, stats, error = gen.run_batch(prompts, max_new, keys)
         except DeviceUnusable as e:
             results.put(("broken", name, str(e)))
             return  # its rows stay in flight: not rejected, a rerun generates them
@@ -108,7 +108,7 @@ class DevicePool:
         """Queue one batch for whichever device is free first."""
         batch_id = next(self._ids)
         self._out[batch_id] = keys
-        self._tasks.put((batch_id, prompts, max_new))
+        self._tasks.put((batch_id, keys, prompts, max_new))
 
     def get(self, timeout_s: float):
         """(keys, outputs, stats, device, error) of a finished batch, or None after timeout_s."""

@@ -1,14 +1,23 @@
 """The target on one device, generating one batch: what the hf backend runs in this process or
 in each device process (`devices.py`).
 
-`Generator` runs one batch (left padding, an attention mask, a static KV cache sized to the
-batch where transformers offers one) and returns each prompt's new tokens up to its first
-stop token. A batch that runs out of GPU memory is split in halves and retried; a prompt that
-fails alone is reported as that row's error.
+`Generator` runs one batch and returns each prompt's new tokens up to its first stop token,
+through one of two decoders (DECODERS):
 
-Greedy means the argmax of the target's logits: the generation config is built here, so a
-model's own generation_config.json (Qwen3 ships do_sample, temperature 0.6, top_k 20) does
-not change it. Sampling is seeded per batch: reproducible for the same batches.
+  engine    the decoding core (decode/engine.py): a static row cache, rows refilled as
+            replies finish (continuous batching within the batch, which hf.py makes several
+            times the engine's rows), token choice on the device, CUDA graphs on GPU
+  generate  transformers' `generate` on the whole batch (left padding, an attention mask, a
+            static KV cache sized to the batch where transformers offers one): every
+            architecture transformers generates with (multimodal, linear attention)
+
+A batch that runs out of GPU memory is split in halves and retried; a prompt that fails
+alone is reported as that row's error.
+
+Greedy means the argmax of the target's logits: the choice is made here, so a model's own
+generation_config.json (Qwen3 ships do_sample, temperature 0.6, top_k 20) does not change
+it. Sampling: the engine seeds each request by (seed, row index, turn, sample), so a reply
+does not depend on its batch; generate seeds per batch (reproducible for the same batches).
 """
 
 from __future__ import annotations
@@ -23,7 +32,12 @@ from dflash_ipc.errors import DataError
 log = logging.getLogger(__name__)
 
 CACHES = ("auto", "static", "dynamic")
-"""auto: static on CUDA (pre-sized, no re-allocation as the cache grows), dynamic on CPU."""
+"""The generate decoder's cache. auto: static on CUDA (pre-sized, no re-allocation as the
+cache grows), dynamic on CPU. The engine's cache is always static."""
+DECODERS = ("auto", "engine", "generate")
+"""auto: the engine where the target allows (attention layers only, a text-only causal LM), else generate."""
+_KV_SHARE_OF_FREE = 0.6
+"""Share of the GPU memory free after loading the model that the engine's cache may take by default."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +54,12 @@ class GeneratorSettings:
     stop_ids: tuple = ()
     pad_id: int = 0
     num_threads: int = 0  # CPU: torch threads of this process (0: leave as is)
+    decoder: str = "auto"  # DECODERS
+    max_rows: int = 64  # engine: rows in flight at most
+    kv_tokens: int | None = None  # engine: cached positions of all rows (None: CPU 16384, GPU from free memory)
+    check_every: int = 16  # engine: steps between looks for stop tokens
+    graphs: str = "auto"  # engine: CUDA graphs (decode.engine.GRAPHS)
+    continuous: bool = True  # engine: refill rows as they finish (False: static batches, for benchmarks)
 
 
 @dataclass(slots=True)
@@ -53,10 +73,16 @@ class BatchStats:
     new_tokens: int = 0
     new_slots: int = 0
     seconds: float = 0.0
+    steps: int = 0  # decode steps (forwards after the prefills)
+    kv_positions_read: int | None = 0  # engine: rows x key span summed over steps; None: not counted (generate)
+    captures: int = 0  # engine: CUDA graphs captured
     per_device: dict = field(default_factory=dict)
 
     def add(self, other: "BatchStats", device: str = "") -> None:
-        for name in ("batches", "prompts", "prompt_tokens", "prompt_slots", "new_tokens", "new_slots", "seconds"):
+        if self.kv_positions_read is None or other.kv_positions_read is None:
+            self.kv_positions_read = other.kv_positions_read = None
+        for name in ("batches", "prompts", "prompt_tokens", "prompt_slots", "new_tokens", "new_slots", "seconds",
+                     "steps", "captures", *(("kv_positions_read",) if self.kv_positions_read is not None else ())):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         if device:
             self.per_device[device] = self.per_device.get(device, 0) + other.batches
@@ -94,14 +120,36 @@ class Generator:
         self._stops = torch.as_tensor(sorted(settings.stop_ids), dtype=torch.long, device=device)
         cache = settings.cache if settings.cache != "auto" else ("static" if device.startswith("cuda") else "dynamic")
         self._cache = cache
+        self.decoder = resolve_decoder(settings.decoder, self.model.config)
+        self.engine = self._engine() if self.decoder == "engine" else None
 
-    def run_batch(self, prompts: list[list[int]], max_new_tokens: list[int]) -> tuple[list | None, BatchStats | None,
-                                                                                    str | None]:
+    def _engine(self):
+        from dflash_ipc.decode.cache import kv_bytes_per_token
+        from dflash_ipc.decode.engine import DecodeEngine, EngineSettings
+        from dflash_ipc.decode.sampler import TokenChoice
+        from dflash_ipc.decode.target import BatchedTarget
+
+        s = self.settings
+        target = BatchedTarget(s.model_dir, device=self.device, model=self.model)
+        target.stop_token_ids = frozenset(s.stop_ids)  # the backend's (tokenizer's included), not the model's alone
+        kv_tokens = s.kv_tokens
+        if kv_tokens is None and self.device.startswith("cuda"):
+            import torch
+            torch.cuda.empty_cache()  # memory cached by this process's allocator counts as used here
+            free, _ = torch.cuda.mem_get_info(torch.device(self.device))
+            kv_tokens = max(1, int(_KV_SHARE_OF_FREE * free / kv_bytes_per_token(target.text_config, target.dtype)))
+        choice = TokenChoice(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
+        return DecodeEngine(target, choice, EngineSettings(max_rows=s.max_rows, kv_tokens=kv_tokens or 16384,
+                                                           check_every=s.check_every, graphs=s.graphs,
+                                                           continuous=s.continuous))
+
+    def run_batch(self, prompts: list[list[int]], max_new_tokens: list[int],
+                  keys: list | None = None) -> tuple[list | None, BatchStats | None, str | None]:
         """(outputs, stats, None) of `generate`; for a batch that fails on a device that still
         works, (None, None, error): its rows are rejected, the run goes on. A batch that leaves
         the device unusable raises DeviceUnusable: the run stops (rows written are kept)."""
         try:
-            outputs, stats = self.generate(prompts, max_new_tokens)
+            outputs, stats = self.generate(prompts, max_new_tokens, keys)
             return outputs, stats, None
         except Exception as e:  # noqa: BLE001 - a model error of any kind is this batch's
             error = f"{type(e).__name__}: {e}"[:500]
@@ -138,17 +186,24 @@ class Generator:
             cache_implementation="static" if self._cache == "static" else None, disable_compile=True,
         )
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> tuple[list, BatchStats]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: list[int],
+                 keys: list | None = None) -> tuple[list, BatchStats]:
         """Per prompt, in order: (new tokens up to and including the first stop token, whether one
         was hit), or an error string for a prompt that runs out of memory even alone (only its
-        row is rejected); and the batch's stats. Splits the batch in halves on out-of-memory."""
+        row is rejected); and the batch's stats. Splits the batch in halves on out-of-memory.
+        ``keys``: each prompt's request key (the engine seeds sampling with it; default: its place)."""
         import torch
+        keys = list(keys) if keys is not None else list(range(len(prompts)))
         try:
+            if self.engine is not None:
+                return self._run_engine(prompts, max_new_tokens, keys)
             return self._generate(prompts, max_new_tokens)
         except torch.OutOfMemoryError as e:
             message = str(e).splitlines()[0] if str(e) else "OutOfMemoryError"
         # Retried only here, past the except block: inside it the exception's traceback keeps
         # the failed attempt's frames, and their GPU tensors, alive.
+        if self.engine is not None:
+            self.engine.release()  # the retry builds a cache sized to its half
         torch.cuda.empty_cache()
         if len(prompts) == 1:
             log.warning("%s: out of memory on one prompt of %d tokens (+%d new); its row is rejected",
@@ -157,10 +212,22 @@ class Generator:
                     f"tokens): {message}"[:500]], BatchStats()
         half = len(prompts) // 2
         log.warning("%s: out of memory on a batch of %d; splitting it", self.device, len(prompts))
-        a, sa = self.generate(prompts[:half], max_new_tokens[:half])
-        b, sb = self.generate(prompts[half:], max_new_tokens[half:])
+        a, sa = self.generate(prompts[:half], max_new_tokens[:half], keys[:half])
+        b, sb = self.generate(prompts[half:], max_new_tokens[half:], keys[half:])
         sa.add(sb)
         return a + b, sa
+
+    def _run_engine(self, prompts: list[list[int]], max_new_tokens: list[int], keys: list):
+        from dflash_ipc.decode.requests import Request, RequestList
+
+        requests = [Request(key=k, prompt_ids=p, max_new_tokens=m) for k, p, m in zip(keys, prompts, max_new_tokens)]
+        run = self.engine.run(RequestList(requests))
+        by_key = {g.request.key: (g.tokens, g.stopped) for g in run.generations}
+        s = run.stats
+        return [by_key[k] for k in keys], BatchStats(
+            batches=1, prompts=s.prompts, prompt_tokens=s.prompt_tokens, prompt_slots=s.prompt_slots,
+            new_tokens=s.new_tokens, new_slots=s.new_slots, seconds=s.seconds, steps=s.steps,
+            kv_positions_read=s.kv_positions_read, captures=s.captures)
 
     def _generate(self, prompts: list[list[int]], max_new_tokens: list[int]):
         import torch
@@ -182,7 +249,8 @@ class Generator:
         results = [self._cut(new[i], max_new_tokens[i]) for i in range(len(prompts))]
         stats = BatchStats(batches=1, prompts=len(prompts), prompt_tokens=sum(map(len, prompts)),
                            prompt_slots=width * len(prompts), new_tokens=sum(len(r[0]) for r in results),
-                           new_slots=int(new.shape[1]) * len(prompts), seconds=time.perf_counter() - started)
+                           new_slots=int(new.shape[1]) * len(prompts), seconds=time.perf_counter() - started,
+                           steps=max(0, int(new.shape[1]) - 1), kv_positions_read=None)
         return results, stats
 
     def _cut(self, row, limit: int) -> tuple[list[int], bool]:
@@ -192,6 +260,30 @@ class Generator:
         if hits.numel():
             return row[: int(hits[0, 0]) + 1].tolist(), True
         return row.tolist(), False
+
+
+def resolve_decoder(name: str, config) -> str:
+    """The decoder `name` (DECODERS) resolves to for a model of `config`; ConfigError for an
+    engine it cannot run."""
+    from dflash_ipc.errors import ConfigError
+    from dflash_ipc.decode.ragged_attention import MASKED_LAYER_TYPES
+    from dflash_ipc.hf.text_stack import has_recurrent_layers, text_config
+
+    if name not in DECODERS:
+        raise ConfigError(f"--decoder {name!r}; allowed: {list(DECODERS)}")
+    if name == "generate":
+        return name
+    text = text_config(config)
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+    why = ("it has linear-attention (recurrent) layers" if has_recurrent_layers(config)
+           else "it is multimodal (its text config is nested)" if text is not config
+           else f"its layer types {sorted(kinds)} are not all of {list(MASKED_LAYER_TYPES)}"
+           if not kinds <= set(MASKED_LAYER_TYPES) else None)
+    if why is None:
+        return "engine"
+    if name == "engine":
+        raise ConfigError(f"--decoder engine: {type(config).__name__} is not supported ({why}); use --decoder generate")
+    return "generate"
 
 
 def _batch_seed(seed: int, prompts: list[list[int]]) -> int:

@@ -1,9 +1,12 @@
-"""The hf backend: transformers `generate` on batches of length-bucketed, left-padded prompts.
+"""The hf backend: the target itself on batches of length-bucketed prompts.
 
 `HFBackend` renders each request with the target's chat template, queues it in a
 `BatchScheduler`, runs the batches on one device in this process (`generator.Generator`), or
 on several through `devices.DevicePool` (one process per device, each pulling the next batch
-when it is free), and decodes the replies.
+when it is free), and decodes the replies. With the engine decoder a batch holds
+`_QUEUE_FACTOR` x the engine's rows, so rows freed by short replies are refilled from it
+(continuous batching) and only the batch's tail runs short of rows; with generate a batch is
+what one `generate` call holds (token budget x max batch size).
 """
 
 from __future__ import annotations
@@ -17,11 +20,15 @@ from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.config.machine import check_device
 from dflash_ipc.regenerate.conversation import Reply, Request
 from dflash_ipc.regenerate.devices import DevicePool
-from dflash_ipc.regenerate.generator import CACHES, BatchStats, Generator, GeneratorSettings
+from dflash_ipc.regenerate.generator import CACHES, BatchStats, Generator, GeneratorSettings, resolve_decoder
 from dflash_ipc.regenerate.options import GenerationOptions
 from dflash_ipc.regenerate.scheduler import BatchScheduler
 
 log = logging.getLogger(__name__)
+
+_QUEUE_FACTOR = 4
+"""Engine decoder: prompts per batch over the engine's rows (the queue rows are refilled from)."""
+_UNBOUNDED = 1 << 62
 
 class HFBackend:
     """Renders, batches, generates and decodes (see the module docstring)."""
@@ -30,7 +37,8 @@ class HFBackend:
 
     def __init__(self, model_dir: str, options: GenerationOptions, *, devices=("cpu",), dtype: str = "auto",
                  cache: str = "auto", token_budget: int | None = None, max_batch_size: int | None = None,
-                 model=None, _throttle_s: dict | None = None):
+                 decoder: str = "auto", check_every: int = 16, graphs: str = "auto", model=None,
+                 _throttle_s: dict | None = None):
         from dflash_ipc.data.prepare import load_tokenizer
         from dflash_ipc.data.stops import stop_token_ids
 
@@ -47,11 +55,15 @@ class HFBackend:
         self.max_positions = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
                                      "max_position_embeddings", None)
         cpu = all(d.startswith("cpu") for d in self.devices)
-        self.scheduler = BatchScheduler(token_budget=token_budget or (16384 if cpu else 131072),
-                                        max_batch_size=max_batch_size or (64 if cpu else 256))
+        self.decoder = resolve_decoder(decoder, config)
+        max_batch_size = max_batch_size or (64 if cpu else 256)
+        self.scheduler = make_scheduler(self.decoder, token_budget, max_batch_size, cpu=cpu)
         self.settings = GeneratorSettings(model_dir, dtype, cache, options.temperature, options.top_p, options.top_k,
                                           options.seed, tuple(sorted(stops)), int(pad),
-                                          num_threads=1 if cpu and len(self.devices) > 1 else 0)
+                                          num_threads=1 if cpu and len(self.devices) > 1 else 0,
+                                          decoder=self.decoder, max_rows=max_batch_size,
+                                          kv_tokens=token_budget if token_budget or not cpu else 16384,
+                                          check_every=check_every, graphs=graphs)
         self.stats = BatchStats()
         self._specials = sorted(set(self.tokenizer.all_special_tokens), key=len, reverse=True)
         self._requests: dict = {}
@@ -62,8 +74,11 @@ class HFBackend:
 
     def describe(self) -> dict:
         """Settings the replies depend on, for the output's state file."""
-        return {"backend": "hf", "model_dir": self.settings.model_dir, "dtype": self.settings.dtype,
-                "stop_ids": list(self.settings.stop_ids)}
+        described = {"backend": "hf", "model_dir": self.settings.model_dir, "dtype": self.settings.dtype,
+                     "stop_ids": list(self.settings.stop_ids)}
+        if self.settings.temperature > 0:  # the decoders seed sampling differently (greedy is the same argmax)
+            described["decoder"] = self.decoder
+        return described
 
     def prepare(self, request: Request) -> None:
         """Render the request's prompt; RowRejected when it cannot be (template, length)."""
@@ -113,7 +128,8 @@ class HFBackend:
     def _run_local(self, keys: list) -> list[Reply]:
         reqs = [self._requests[k] for k in keys]
         # The device processes' rule (Generator.run_batch): rows rejected, or DeviceUnusable.
-        outputs, stats, error = self._local.run_batch([r.prompt_ids for r in reqs], [r.max_new_tokens for r in reqs])
+        outputs, stats, error = self._local.run_batch([r.prompt_ids for r in reqs], [r.max_new_tokens for r in reqs],
+                                                      keys)
         if stats is not None:
             self.stats.add(stats, self._local.device)
         return self._replies(keys, outputs, error)
@@ -140,6 +156,16 @@ class HFBackend:
         """Stop the device processes (if any)."""
         if self._pool is not None:
             self._pool.close()
+
+
+def make_scheduler(decoder: str, token_budget: int | None, max_batch_size: int, *, cpu: bool) -> BatchScheduler:
+    """The batches a decoder gets: the engine sizes its rows to token_budget itself (default:
+    CPU 16384, GPU memory) and takes `_QUEUE_FACTOR` x its rows per batch, prompts of every
+    length together (scheduler.py says why); generate takes one
+    `generate` call's worth (token budget: default 131072 GPU, 16384 CPU)."""
+    if decoder == "engine":
+        return BatchScheduler(token_budget=_UNBOUNDED, max_batch_size=_QUEUE_FACTOR * max_batch_size, bucketed=False)
+    return BatchScheduler(token_budget=token_budget or (16384 if cpu else 131072), max_batch_size=max_batch_size)
 
 
 class _ConfigHolder:

@@ -209,5 +209,7 @@ def _reply(request: Request, answer: dict) -> Reply:
 
 def _row_seed(seed: int, key: tuple[int, int]) -> int:
     """A seed per (row, turn): sampled replies do not depend on the order requests are served in."""
-    h = hashlib.blake2b(f"{seed}/{key[0]}/{key[1]}".encode(), digest_size=4)
+    # Sample 0 keeps the seed of the (index, turn) keys before --samples-per-prompt existed.
+    sample = f"/{key[2]}" if len(key) > 2 and key[2] else ""
+    h = hashlib.blake2b(f"{seed}/{key[0]}/{key[1]}{sample}".encode(), digest_size=4)
     return int.from_bytes(h.digest(), "little") >> 1

@@ -32,6 +32,9 @@ class GenerationOptions:
     """Chat-template variables, e.g. {"enable_thinking": False} (Qwen3)."""
     reasoning: str = "keep"
     """What to do with reasoning in a reply (REASONING)."""
+    samples_per_prompt: int = 1
+    """Sampled replies per conversation (with temperature > 0), each its own output line with a
+    "sample" number; every turn of sample k follows sample k's earlier replies."""
 
     def __post_init__(self) -> None:
         _require(self.max_new_tokens >= 1, "--max-new-tokens", self.max_new_tokens, "must be >= 1")
@@ -42,6 +45,9 @@ class GenerationOptions:
         _require(0 <= self.seed < 2**63, "--seed", self.seed, "must be in [0, 2**63)")
         _require(self.max_turns is None or self.max_turns >= 1, "--max-turns", self.max_turns, "must be >= 1")
         _require(self.reasoning in REASONING, "--reasoning", self.reasoning, f"allowed: {list(REASONING)}")
+        _require(self.samples_per_prompt >= 1, "--samples-per-prompt", self.samples_per_prompt, "must be >= 1")
+        _require(self.samples_per_prompt == 1 or self.temperature > 0, "--samples-per-prompt",
+                 self.samples_per_prompt, "more than 1 needs --temperature > 0 (greedy replies are all the same)")
 
     @property
     def greedy(self) -> bool:
@@ -49,8 +55,12 @@ class GenerationOptions:
         return self.temperature == 0
 
     def settings(self) -> dict:
-        """What the replies depend on, for the output's state file (JSON)."""
-        return asdict(self)
+        """What the replies depend on, for the output's state file (JSON). samples_per_prompt only
+        when not 1, so outputs made before it existed still resume."""
+        settings = asdict(self)
+        if self.samples_per_prompt == 1:
+            del settings["samples_per_prompt"]
+        return settings
 
 
 def _require(ok: bool, name: str, value, allowed: str) -> None:

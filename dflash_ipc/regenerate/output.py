@@ -3,14 +3,16 @@
 Three files side by side:
   OUT.jsonl          one regenerated row a line, `{"index": i, "messages": [...]}`, the index
                      (the row's position in the input) first; appended as rows finish, in
-                     any order; sorted by index when the run is complete
+                     any order; sorted by index when the run is complete. With N samples per
+                     prompt (`--samples-per-prompt`) each row has N lines,
+                     `{"index": i, "sample": k, "messages": [...]}`, k = 0..N-1
   OUT.rejects.jsonl  the rows this run could not regenerate (index, place, reason, detail)
   OUT.state.json     the settings the replies depend on, and whether the file is complete
 
 Each row is one `os.write` of a whole line to a file opened for appending, and the file is
 fsynced every few seconds and at the end. A run killed mid-write leaves at most one partial
 last line; the next run cuts it off before appending (and says so). A rerun with the same
-settings skips every row already in the file and retries the others (last run's rejects
+settings skips every row (every sample of it) already in the file and retries the others (last run's rejects
 included: their errors may have been transient). A rerun with other settings is refused,
 since one file would then mix replies of two configurations. Complete means every input row
 is in the output or in the rejects file; the file is then rewritten in index order
@@ -32,7 +34,8 @@ log = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
 FSYNC_INTERVAL_S = 5.0
-_INDEX_HEAD = re.compile(rb'^\{"index": (\d{1,18})[,}]')  # 18 digits: any row index, and int() stays cheap
+# 18 digits: any row index, and int() stays cheap
+_INDEX_HEAD = re.compile(rb'^\{"index": (\d{1,18})(?:, "sample": (\d{1,9}))?[,}]')
 
 
 def sidecar_paths(out_path: str) -> tuple[str, str]:
@@ -41,29 +44,40 @@ def sidecar_paths(out_path: str) -> tuple[str, str]:
     return f"{stem}.rejects.jsonl", f"{stem}.state.json"
 
 
-def line_index(line: bytes) -> int | None:
-    """The index a written line starts with, or None when it is not one of ours."""
+def line_key(line: bytes) -> tuple[int, int] | None:
+    """(index, sample) of a written line (sample 0 when it has none), or None when it is not one of ours."""
     m = _INDEX_HEAD.match(line)
     if m:
-        return int(m.group(1))
+        return int(m.group(1)), int(m.group(2) or 0)
     try:
         value = json.loads(line)
     except (ValueError, RecursionError):  # bad JSON or UTF-8, huge integers, deep nesting
         return None
-    index = value.get("index") if isinstance(value, dict) else None
-    return index if isinstance(index, int) and index >= 0 else None
+    if not isinstance(value, dict):
+        return None
+    index, sample = value.get("index"), value.get("sample", 0)
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (index, sample))
+    return (index, sample) if ok else None
+
+
+def line_index(line: bytes) -> int | None:
+    """The index a written line starts with, or None when it is not one of ours."""
+    key = line_key(line)
+    return None if key is None else key[0]
 
 
 class RegenOutput:
     """The output file of one run (see the module docstring). `done` holds the indices
-    already written (before this run and during it)."""
+    already written (before this run and during it), every sample of them."""
 
-    def __init__(self, path: str, settings: dict, *, overwrite: bool = False):
+    def __init__(self, path: str, settings: dict, *, overwrite: bool = False, samples_per_prompt: int = 1):
         self.path = os.path.abspath(path)
         self.rejects_path, self.state_path = sidecar_paths(self.path)
         self.settings = settings
+        self.samples_per_prompt = samples_per_prompt
         self.done: set[int] = set()
-        self.rejected: set[int] = set()  # this run's rejects
+        self._samples: dict[int, set[int]] = {}  # index -> samples written, for rows not yet done
+        self.rejected: set[tuple[int, int]] = set()  # this run's rejects: (index, sample)
         self.num_written = 0
         self.num_rejected = 0
         self.num_torn = 0
@@ -107,29 +121,50 @@ class RegenOutput:
                 log.warning("%s: cut off a torn last line (%d bytes) left by an interrupted run", self.path, size - keep)
             f.seek(0)
             for n, line in enumerate(f, start=1):
-                index = line_index(line)
-                if index is None:
-                    raise DataError(f"{self.path}:{n}: not a regenerated row (no leading \"index\"); "
-                                    "this file was not written by regenerate, or was edited")
-                self.done.add(index)
+                key = line_key(line)
+                if key is None or key[1] >= self.samples_per_prompt:
+                    raise DataError(f"{self.path}:{n}: not a regenerated row (no leading \"index\", or a \"sample\" "
+                                    f"not below {self.samples_per_prompt}); this file was not written by regenerate "
+                                    "with these settings, or was edited")
+                self._add(*key)
+
+    def _add(self, index: int, sample: int) -> None:
+        if index in self.done:
+            return
+        written = self._samples.setdefault(index, set())
+        written.add(sample)
+        if len(written) == self.samples_per_prompt:
+            self.done.add(index)
+            del self._samples[index]
+
+    def missing_samples(self, index: int) -> list[int]:
+        """The samples of row `index` not written yet (all of them for a new row, none for a done one)."""
+        if index in self.done:
+            return []
+        written = self._samples.get(index, ())
+        return [k for k in range(self.samples_per_prompt) if k not in written]
 
     def write(self, row: dict) -> None:
-        """Append one finished row (its dict starts with "index") as one line."""
+        """Append one finished row (its dict starts with "index", then "sample" if it has one) as one line."""
         line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
         view = memoryview(line)
         while view:
             view = view[os.write(self._fd, view):]
-        self.done.add(row["index"])
+        self._add(row["index"], row.get("sample", 0))
         self.num_written += 1
         if time.monotonic() - self._synced > FSYNC_INTERVAL_S:
             os.fsync(self._fd)
             self._synced = time.monotonic()
 
-    def reject(self, index: int, where: str, reason: str, detail: str, raw: str = "") -> None:
-        """Record a row this run could not regenerate."""
+    def reject(self, index: int, where: str, reason: str, detail: str, raw: str = "",
+               samples: list[int] | None = None) -> None:
+        """Record a row this run could not regenerate: `samples` of it (default: every one not written)."""
+        samples = self.missing_samples(index) if samples is None else samples
         record = {"index": index, "where": where, "reason": reason, "detail": detail[:500], "raw": raw[:2000]}
+        if self.samples_per_prompt > 1:
+            record = {"index": index, "samples": samples} | record
         self._rejects.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self.rejected.add(index)
+        self.rejected.update((index, k) for k in samples)
         self.num_rejected += 1
 
     def finish(self, num_rows: int | None) -> bool:
@@ -138,7 +173,8 @@ class RegenOutput:
         os.fsync(self._fd)
         os.close(self._fd)
         self._rejects.close()
-        complete = num_rows is not None and all(i in self.done or i in self.rejected for i in range(num_rows))
+        complete = num_rows is not None and all(
+            i in self.done or all((i, k) in self.rejected for k in self.missing_samples(i)) for i in range(num_rows))
         if complete:
             sort_by_index(self.path)
         self._write_state(complete=complete, num_rows=num_rows)
@@ -165,22 +201,22 @@ def _complete_prefix(f, size: int) -> int:
 
 
 def sort_by_index(path: str) -> int:
-    """Rewrite path in index order (a later copy of an index is dropped); returns the rows.
-    Memory: one (index, offset, length) per row, never the rows themselves."""
+    """Rewrite path in (index, sample) order (a later copy of one is dropped); returns the lines
+    kept. Memory: one (key, offset, length) per line, never the rows themselves."""
     spans = []
     with open(path, "rb") as f:
         offset = 0
         for line in f:
-            spans.append((line_index(line), offset, len(line)))
+            spans.append((line_key(line), offset, len(line)))
             offset += len(line)
         spans.sort(key=lambda s: (s[0], s[1]))
         tmp = f"{path}.sorting-{os.getpid()}"
         seen = None
         with open(tmp, "wb") as out:
-            for index, start, length in spans:
-                if index == seen:
+            for key, start, length in spans:
+                if key == seen:
                     continue
-                seen = index
+                seen = key
                 f.seek(start)
                 out.write(f.read(length))
             out.flush()

@@ -76,7 +76,7 @@ class _Loop:
         self.source, self.out, self.backend, self.options = source, out, backend, options
         self.window, self.bar = window, bar
         self.rows = rows  # the source's rows
-        self.active: dict[int, tuple[RowState, RawRow]] = {}
+        self.active: dict[tuple[int, int], tuple[RowState, RawRow]] = {}  # (index, sample) ->
         self.input_done = False
         self.reasons: collections.Counter = collections.Counter()
         self.skipped = self.replies = self.truncated = self.tokens = 0
@@ -98,18 +98,32 @@ class _Loop:
             if raw is None:
                 self.input_done = True
                 return
-            if raw.index in self.out.done:
+            samples = self.out.missing_samples(raw.index)
+            if not samples:
                 self.skipped += 1
                 continue
+            numbered = self.options.samples_per_prompt > 1
             try:
                 conv = parse_conversation(decode_row(raw, self.source.max_row_bytes), need_assistant=False)
-                state = RowState(raw.index, conv, max_turns=self.options.max_turns)
-                self.active[raw.index] = (state, raw)
-                self._submit(state)
+                states = [RowState(raw.index, conv, max_turns=self.options.max_turns, sample=k if numbered else None)
+                          for k in samples]
             except RowRejected as e:
-                self._reject(raw, e.reason, e.detail)
+                self._reject(raw, e.reason, e.detail, samples)
+                continue
             except Exception as e:  # one row's problem, never the run's
-                self._reject(raw, "row_error", f"{type(e).__name__}: {e}")
+                self._reject(raw, "row_error", f"{type(e).__name__}: {e}", samples)
+                continue
+            for k, state in zip(samples, states):
+                self.active[(raw.index, k)] = (state, raw)
+                self._submit_or_reject(state, raw, k)
+
+    def _submit_or_reject(self, state: RowState, raw: RawRow, sample: int) -> None:
+        try:
+            self._submit(state)
+        except RowRejected as e:
+            self._reject(raw, e.reason, e.detail, [sample])
+        except Exception as e:  # one row's problem, never the run's
+            self._reject(raw, "row_error", f"{type(e).__name__}: {e}", [sample])
 
     def _submit(self, state: RowState) -> None:
         request = state.request(self.options.max_new_tokens)
@@ -117,7 +131,8 @@ class _Loop:
         self.backend.submit(request)
 
     def _on_reply(self, reply: Reply) -> None:
-        state, raw = self.active[reply.key[0]]
+        unit = (reply.key[0], reply.key[2])
+        state, raw = self.active[unit]
         self.replies += 1
         self.tokens += reply.num_tokens
         self.truncated += int(reply.truncated)
@@ -130,15 +145,16 @@ class _Loop:
                 return
             self.out.write(state.result())
         except RowRejected as e:
-            self._reject(raw, e.reason, e.detail)
+            self._reject(raw, e.reason, e.detail, [unit[1]])
         except Exception as e:
-            self._reject(raw, "row_error", f"{type(e).__name__}: {e}")
-        self.active.pop(reply.key[0], None)
+            self._reject(raw, "row_error", f"{type(e).__name__}: {e}", [unit[1]])
+        self.active.pop(unit, None)
 
-    def _reject(self, raw: RawRow, reason: str, detail: str) -> None:
-        self.active.pop(raw.index, None)
+    def _reject(self, raw: RawRow, reason: str, detail: str, samples: list[int]) -> None:
+        for k in samples:
+            self.active.pop((raw.index, k), None)
         self.reasons[reason] += 1
-        self.out.reject(raw.index, raw.where, reason, detail, raw.text())
+        self.out.reject(raw.index, raw.where, reason, detail, raw.text(), samples)
 
     def progress(self) -> str:
         """`regenerate: 1200/5000 rows (300 before), 3.1 rows/s, 4,210 tokens/s, 12 rejected, ETA 20m31s`."""
@@ -166,7 +182,7 @@ def regenerate(input_path: str, out_path: str, backend, options: GenerationOptio
         # Before the output exists: an empty input writes nothing (prepare refuses it alike).
         raise DataError(f"{input_path}: the input is empty (no rows)")
     settings = {"input": os.path.abspath(input_path), "split": split, **options.settings(), **backend.describe()}
-    out = RegenOutput(out_path, settings, overwrite=overwrite)
+    out = RegenOutput(out_path, settings, overwrite=overwrite, samples_per_prompt=options.samples_per_prompt)
     if out.num_torn:
         log.warning("%s: the last run was interrupted mid-line; that row is generated again", out_path)
     loop = _Loop(source, itertools.chain([first], rows), out, backend, options, window, ProgressLine(progress))
@@ -193,7 +209,7 @@ def regenerate(input_path: str, out_path: str, backend, options: GenerationOptio
 
 
 def make_backend(kind: str, options: GenerationOptions, *, model_dir: str | None = None, devices="cpu",
-                 dtype: str = "auto", cache: str = "auto", token_budget: int | None = None,
+                 dtype: str = "auto", decoder: str = "auto", cache: str = "auto", token_budget: int | None = None,
                  max_batch_size: int | None = None, url: str | None = None, served_model: str | None = None,
                  concurrency: int = 16, timeout_s: float = 600.0, retries: int = 5, api_key: str | None = None):
     """The backend a command line asks for: "hf" (needs model_dir) or "openai" (needs url)."""
@@ -202,7 +218,7 @@ def make_backend(kind: str, options: GenerationOptions, *, model_dir: str | None
             raise ConfigError("--backend hf needs --model DIR (the target's local directory)")
         from dflash_ipc.regenerate.hf import HFBackend
         return HFBackend(model_dir, options, devices=devices, dtype=dtype, cache=cache, token_budget=token_budget,
-                         max_batch_size=max_batch_size)
+                         max_batch_size=max_batch_size, decoder=decoder)
     if kind == "openai":
         if not url:
             raise ConfigError("--backend openai needs --url http://HOST:PORT/v1 (the server's base URL)")

@@ -10,6 +10,10 @@ Which batch next: the bucket holding the oldest waiting prompt, when it fills a 
 else the oldest full bucket; when `flush` is set (no more prompts are coming soon: the input
 is read, or the window of rows in flight is full), the oldest bucket even if not full. So
 rows do not wait long (their output is written as they finish) and batches stay full.
+
+`bucketed=False` keeps one queue for every length: the engine decoder pads only its prefills
+(a decode step has no padding whatever the rows' lengths), so buckets would only split its
+queue into batches too small to fill its rows.
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ def bucket_edges(longest: int) -> list[int]:
 class BatchScheduler:
     """Waiting prompts by bucket; `next_batch` takes one batch out."""
 
-    def __init__(self, *, token_budget: int, max_batch_size: int, longest_prompt: int = 1 << 20):
+    def __init__(self, *, token_budget: int, max_batch_size: int, longest_prompt: int = 1 << 20,
+                 bucketed: bool = True):
         self.token_budget = token_budget
+        self.bucketed = bucketed
         self.max_batch_size = max_batch_size
         self._edges = bucket_edges(longest_prompt)
         self._buckets: dict[int, OrderedDict] = {}  # bucket -> seq -> (key, prompt_len, max_new)
@@ -51,7 +57,7 @@ class BatchScheduler:
 
     def add(self, key, prompt_len: int, max_new_tokens: int) -> None:
         """A prompt waits for a batch."""
-        b = bisect.bisect_left(self._edges, prompt_len)
+        b = bisect.bisect_left(self._edges, prompt_len) if self.bucketed else 0
         self._buckets.setdefault(b, OrderedDict())[next(self._seq)] = (key, prompt_len, max_new_tokens)
         self._size += 1
 

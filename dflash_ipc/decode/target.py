@@ -1,6 +1,6 @@
 """The frozen target for batched decoding: one transformers model, a per-row KV cache, features.
 
-Two kinds of forward, both over rows of a :class:`~dflash_ipc.eval.row_cache.RaggedCache`:
+Two kinds of forward, both over rows of a :class:`~dflash_ipc.decode.row_cache.RaggedCache`:
 
     prefill(rows, prompts)  new sequences in the given rows, left-padded to one length so
                             the logits of every row's last prompt token are the last column
@@ -31,8 +31,8 @@ from dflash_ipc.data.stops import stop_token_ids
 from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.config.dtypes import resolve_dtype
 from dflash_ipc.errors import ConfigError
-from dflash_ipc.eval.ragged_attention import layer_masks, register_attention
-from dflash_ipc.eval.row_cache import MASK_ALIGN, RaggedCache, round_up
+from dflash_ipc.decode.ragged_attention import layer_masks, register_attention
+from dflash_ipc.decode.row_cache import MASK_ALIGN, RaggedCache, round_up
 from dflash_ipc.hf.text_stack import find_text_stack, has_recurrent_layers, load_causal_lm, text_config
 
 logger = logging.getLogger(__name__)
@@ -85,20 +85,25 @@ class TargetModel:
     """A frozen HF causal LM on one device: its text stack, captured layers, head and stop tokens."""
 
     def __init__(self, target_dir: str, *, layer_ids: Sequence[int], device: str | torch.device, dtype: str,
-                 attn_implementation: str | None = None) -> None:
+                 attn_implementation: str | None = None, model=None) -> None:
         from dflash_ipc.hf.target_config import load_target_config
 
-        config = load_target_config(target_dir)  # a clear error for a directory that holds no model
+        config = load_target_config(target_dir) if model is None else model.config  # a clear error for no model
         self.recurrent = has_recurrent_layers(config)
-        self.device, self.dtype = torch.device(device), resolve_dtype(dtype, device)
-        try:
-            self.model = load_causal_lm(target_dir, dtype=self.dtype, attn_implementation=attn_implementation)
-        except (ValueError, KeyError) as exc:  # a transformers that refuses registered attention functions
-            if not attn_implementation:
-                raise
-            logger.warning("%s: attn_implementation=%s refused (%s); using sdpa (it copies K/V per query head)",
-                           target_dir, attn_implementation, exc)
-            self.model = load_causal_lm(target_dir, dtype=self.dtype, attn_implementation="sdpa")
+        self.device = torch.device(device)
+        if model is not None:  # loaded by the caller (regenerate's hf backend): its dtype, our attention
+            self.model, self.dtype = model, next(model.parameters()).dtype
+            _set_attention(model, attn_implementation)
+        else:
+            self.dtype = resolve_dtype(dtype, device)
+            try:
+                self.model = load_causal_lm(target_dir, dtype=self.dtype, attn_implementation=attn_implementation)
+            except (ValueError, KeyError) as exc:  # a transformers that refuses registered attention functions
+                if not attn_implementation:
+                    raise
+                logger.warning("%s: attn_implementation=%s refused (%s); using sdpa (it copies K/V per query head)",
+                               target_dir, attn_implementation, exc)
+                self.model = load_causal_lm(target_dir, dtype=self.dtype, attn_implementation="sdpa")
         self.model.to(self.device).eval().requires_grad_(False)
         stack = find_text_stack(self.model)
         if stack.lm_head is None:
@@ -118,13 +123,26 @@ class TargetModel:
         """Target forwards run so far: the cost that tau amortises."""
 
 
+def _set_attention(model, attn_implementation: str | None) -> None:
+    """Switch a loaded model to ``attn_implementation`` where transformers lets us; else it keeps
+    its own (sdpa takes our boolean band masks too, copying K/V per query head)."""
+    setter = getattr(model, "set_attn_implementation", None)
+    if not attn_implementation or not callable(setter):
+        return
+    try:
+        setter(attn_implementation)
+    except Exception as exc:  # noqa: BLE001 - whatever a transformers version raises, the model keeps working
+        logger.warning("attn_implementation=%s refused by the loaded model (%s); keeping %s", attn_implementation,
+                       exc, getattr(model.config, "_attn_implementation", "its own"))
+
+
 class BatchedTarget(TargetModel):
     """A :class:`TargetModel` with a :class:`RaggedCache` of ``num_rows`` sequences."""
 
     def __init__(self, target_dir: str, *, layer_ids: Sequence[int] = (), device: str | torch.device = "cpu",
-                 dtype: str = "auto") -> None:
+                 dtype: str = "auto", model=None) -> None:
         super().__init__(target_dir, layer_ids=layer_ids, device=device, dtype=dtype,
-                         attn_implementation=register_attention())
+                         attn_implementation=register_attention(), model=model)
         if self.recurrent:
             # A row's cache is cut back after every rejected draft; a linear-attention state
             # cannot be (it would have to be recomputed from the kept prefix).

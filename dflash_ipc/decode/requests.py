@@ -16,7 +16,6 @@ from typing import Protocol
 import numpy as np
 
 from dflash_ipc.errors import ConfigError
-from dflash_ipc.eval.acceptance import AcceptanceStats
 
 
 @dataclass(slots=True)
@@ -46,7 +45,7 @@ class Generation:
     """Generated tokens only, stop token included if one came."""
     stopped: bool = False
     """Ended on a stop token (else on the budget)."""
-    stats: AcceptanceStats | None = None
+    stats: "AcceptanceStats | None" = None  # eval/acceptance.py's (a floor above: not imported here)
     """Speculative decoding's counters (None for plain decoding)."""
     margins: list[float] = field(default_factory=list)
     """Greedy only: the target's top-1 minus top-2 logit where it chose each token."""

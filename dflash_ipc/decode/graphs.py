@@ -1,0 +1,82 @@
+"""CUDA graphs of a step function, one per shape bucket, captured on first use; eager elsewhere.
+
+A decode step of a small batch is hundreds of kernel launches whose GPU time is far below
+the Python time that issues them; a graph replays them all for one launch. The step
+(engine.py) reads and writes only tensors allocated before capture (the static cache, the
+row state), so a replay is the step. Each shape (rows bucket, key-span bucket) is its own
+graph; all share one memory pool, which is safe because graphs never run concurrently and
+nothing reads a graph's intermediates after its replay.
+
+Capture: one eager warm-up on a side stream first (cuBLAS handles, kernel selection; the
+PyTorch recipe), with the row state saved and restored around it, since the warm-up is a
+real step (its K/V writes are the ones the replay repeats, at the same positions). A capture
+that fails (an op that syncs with the host, an unsupported kernel) logs one warning and
+turns graphs off for the rest of the run: the eager step is the same computation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+
+class StepGraphs:
+    """``run(shape)`` = ``step(*shape)``, through a graph per shape when ``enabled``."""
+
+    def __init__(self, step: Callable[..., None], state: Sequence[Tensor], *, enabled: bool) -> None:
+        self.step = step
+        self.state = list(state)
+        self.enabled = enabled
+        self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self.num_captures = 0
+        self._pool = None
+
+    def run(self, shape: tuple) -> None:
+        if not self.enabled:
+            self.step(*shape)
+            return
+        graph = self.graphs.get(shape)
+        if graph is None:
+            graph = self._capture(shape)
+            if graph is None:
+                self.step(*shape)
+                return
+        graph.replay()
+
+    def _capture(self, shape: tuple) -> torch.cuda.CUDAGraph | None:
+        saved = [t.clone() for t in self.state]
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.step(*shape)
+            torch.cuda.current_stream().wait_stream(side)
+            for t, v in zip(self.state, saved):
+                t.copy_(v)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self.step(*shape)
+        except Exception as e:  # noqa: BLE001 - any capture failure: the eager step is the same math
+            torch.cuda.synchronize()
+            for t, v in zip(self.state, saved):
+                t.copy_(v)
+            log.warning("decode: capturing the step %s as a CUDA graph failed (%s: %s); stepping eagerly",
+                        shape, type(e).__name__, str(e)[:300])
+            self.enabled = False
+            self.graphs.clear()
+            return None
+        if self._pool is None:
+            self._pool = graph.pool()
+        self.graphs[shape] = graph
+        self.num_captures += 1
+        return graph
+
+    def clear(self) -> None:
+        """Forget every graph (the tensors they hold are about to be replaced)."""
+        self.graphs.clear()
+        self._pool = None
