@@ -413,3 +413,52 @@ def test_with_a_secret_every_seat_needs_it_and_observers_do_not():
     assert d.targets[0].identity == b"t0"
     d.handle(b"obs", p.Register(role="observer", rank=0, pid=3))  # an observer holds nothing
     assert not d.holds_seat(b"obs")
+
+
+# --- committed tokens: the ledger's, through rollbacks and restarts ---------------------------
+
+
+def _committed_sum(d):
+    return sum(d.ledger.committed_tokens_by_epoch().values())
+
+
+def _run_one(d, drafter, step):
+    """One batch leased, produced, assigned, consumed and committed at `step`; its tokens."""
+    (_, b), = [m for m in d.handle(b"t0", p.Ready(credits=1)) if isinstance(m[1], p.Batch)]
+    produce(d, b"t0", b)
+    (_, a), = d.handle(drafter, p.WantHidden(credits=1))
+    d.handle(drafter, p.Consumed(batch_id=a.batch_id, attempt=a.attempt))
+    d.handle(drafter, p.Committed(step=step, batch_ids=[a.batch_id], ranks=[0], attempts=[a.attempt],
+                                  samples=[a.sample_ids]))
+    return a.num_tokens
+
+
+def test_a_rollback_takes_the_undone_commits_out_of_the_status_tokens():
+    """Resumed from step 5 undoes step 9's commit: status and ledger say the same."""
+    from dflash_ipc.obs.status_line import estimate_eta_s
+    d = _group(num_drafters=1)
+    first = _run_one(d, b"d0/1", 5)
+    _run_one(d, b"d0/1", 9)
+    d.handle(b"d0/2", p.Register(role="drafter", rank=0, pid=2, replaces_pids=[100]))
+    d.handle(b"d0/2", p.Resumed(step=5))
+    status = d.status()
+    assert status["tokens"]["committed"] == _committed_sum(d) == first
+    # The ETA counts from what the checkpoints hold: the rest of the job at the trained rate.
+    status["rates"]["tok_rate"] = 100.0
+    assert estimate_eta_s(status) == pytest.approx((d.tokens_planned - first) / 100.0)
+
+
+def test_a_restarted_dispatcher_counts_on_from_the_ledger(tmp_path):
+    """A dispatcher started on the saved ledger (a dispatcher restart, or a rerun of the
+    job): tokens.committed and the status line's trained share start from the ledger's."""
+    from dflash_ipc.dispatch.ledger_file import load_ledger, save_ledger
+    from dflash_ipc.obs.status_line import StatusLine
+    d = _group(num_drafters=1)
+    committed = sum(_run_one(d, b"d0/1", step) for step in (1, 2, 3))
+    save_ledger(d.ledger, tmp_path / "ledger.npz")
+    again = Dispatcher(_plan(), policy="pull", num_targets=1, num_drafters=1, clock=Clock(),
+                       ledger=load_ledger(tmp_path / "ledger.npz"))
+    status = again.status()
+    assert status["tokens"]["committed"] == _committed_sum(again) == committed > 0
+    share = int(100 * committed / again.tokens_planned)
+    assert f"trained {share}% of tokens" in StatusLine().lines(status)[1]

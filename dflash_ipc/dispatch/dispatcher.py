@@ -75,7 +75,11 @@ class Dispatcher:
         # joins the store of the dead one.
         self.drafter_generation = drafter_generation
         self.started = clock()
-        self.tokens_produced = self.tokens_consumed = self.tokens_committed = 0
+        # Tokens this process moved (throughput; a restarted dispatcher counts from 0). The
+        # committed tokens are the ledger's (it alone knows rollbacks and earlier runs); the
+        # count at start splits them into this process' share for its average rate.
+        self.tokens_produced = self.tokens_consumed = 0
+        self.committed_at_start = self.ledger.committed_tokens()
         self.rates = {name: TokenRate(RATE_WINDOW_S) for name in ("tgt_rate", "dft_rate", "tok_rate")}
         self.end_sent = False
         self.refusals = 0
@@ -330,7 +334,6 @@ class Dispatcher:
         result = self.ledger.commit(msg.step, copies)
         for freed in result.freed_slots:
             self._free_slot(freed)
-        self.tokens_committed += result.tokens
         done = [(seat.identity, p.CommitDone(step=msg.step))]
         return self._serve_targets() + done + self._maybe_end()
 
@@ -384,6 +387,15 @@ class Dispatcher:
         # A drafter's own count, never below zero whatever it sends (no negative rates).
         return sum(max(0.0, s.metrics.get("trained_tokens", 0.0)) for s in self.drafters.values())
 
+    def average_rates(self) -> dict[str, float]:
+        """Whole-life averages of this process (tokens/s since it started): produced,
+        consumed, and committed by it. Committed, not the drafters' trained counts: those
+        restart from 0 with every drafter group, while elapsed time does not."""
+        elapsed = max(1e-9, self.clock() - self.started)
+        committed = max(0, self.ledger.committed_tokens() - self.committed_at_start)
+        return {"tgt_rate": self.tokens_produced / elapsed, "dft_rate": self.tokens_consumed / elapsed,
+                "tok_rate": committed / elapsed}
+
     def status(self) -> dict:
         """Everything the supervisor's status line and `dflash-ipc status` show."""
         counts = self.ledger.counts()
@@ -396,7 +408,7 @@ class Dispatcher:
             "epochs": self.ledger.epoch_progress(),
             "tokens": {"total": self.tokens_planned, "produced": self.tokens_produced,
                        "consumed": self.tokens_consumed, "trained": self._trained_tokens(),
-                       "committed": self.tokens_committed},
+                       "committed": self.ledger.committed_tokens()},
             "committed_tokens_by_epoch": {str(e): n for e, n in self.ledger.committed_tokens_by_epoch().items()},
             "last_committed_step": self.ledger.last_committed_step(),
             "rates": {name: rate.value() for name, rate in self.rates.items()},

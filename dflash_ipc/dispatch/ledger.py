@@ -287,6 +287,11 @@ class Ledger:
         """Tokens of the committed samples, per epoch: what the checkpoints trained."""
         return dict(self._committed_tokens)
 
+    def committed_tokens(self) -> int:
+        """Tokens of every committed sample: the job's trained-and-kept total, whichever
+        dispatcher committed them (the one owner of this count)."""
+        return sum(self._committed_tokens.values())
+
     def _record_tokens(self, record: CommitRecord) -> int:
         batch = self._entries[record.batch_id].batch
         samples = set(record.sample_ids)
