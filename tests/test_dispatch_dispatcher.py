@@ -58,7 +58,7 @@ class Sim:
     def check_nobody_idles(self):
         pending = self.d.ledger.counts()[BatchState.PENDING]
         for seat in self.d.targets.values():
-            if seat.credits > 0 and seat.free_slots and pending:
+            if seat.credits > 0 and self.d.ledger.free_slots(seat.rank) and pending:
                 self.idle_with_pending += 1
 
     def run(self):
@@ -128,9 +128,12 @@ def test_refuses_what_a_sender_may_not_do():
         d.handle(b"t0", p.Produced(batch_id=batch.batch_id + 1, slot=0, num_tokens=1, compute_s=0))
     with pytest.raises(ProtocolError, match="was not given"):
         d.handle(b"t0", p.Produced(batch_id=batch.batch_id, slot=7, num_tokens=tokens, compute_s=0))
-    with pytest.raises(ProtocolError, match=f"has {tokens} tokens"):  # and the slot is free again
+    with pytest.raises(ProtocolError, match=f"has {tokens} tokens"):
         d.handle(b"t0", p.Produced(batch_id=batch.batch_id, slot=0, num_tokens=tokens + 1, compute_s=0))
-    assert list(d.targets[0].free_slots) == [0]
+    with pytest.raises(ProtocolError, match="compute_s"):
+        d.handle(b"t0", p.Produced(batch_id=batch.batch_id, slot=0, num_tokens=tokens, compute_s=-1.0))
+    assert d.ledger.entry(batch.batch_id).state is BatchState.LEASED
+    assert d.ledger.free_slots(0) == 0  # the lease keeps its slot: nothing changed
     d.handle(b"d0", p.Register(role="drafter", rank=0, pid=1))
     with pytest.raises(ProtocolError, match="may not report consumed"):
         d.handle(b"d0", p.Consumed(batch_id=batch.batch_id))
@@ -188,9 +191,9 @@ def test_a_restarted_target_takes_its_seat_and_the_drafters_copy_still_counts():
     again = [m for _, m in d.handle(b"t0/11", p.Ready(credits=4))]
     assert [m.batch_id for m in again][:3] == sorted(b.batch_id for b in leased[1:])  # requeued first
     # The drafter had copied the slot before the old target died: it counts, freeing nothing.
-    free = len(d.targets[0].free_slots)
+    free = d.ledger.free_slots(0)
     d.handle(b"d0/30", p.Consumed(batch_id=assign.batch_id, attempt=assign.attempt))
-    assert d.ledger.entry(assign.batch_id).state is BatchState.CONSUMED and len(d.targets[0].free_slots) == free
+    assert d.ledger.entry(assign.batch_id).state is BatchState.CONSUMED and d.ledger.free_slots(0) == free
     with pytest.raises(ProtocolError, match="unregistered"):  # the old process, resumed
         d.handle(b"t0/10", p.Heartbeat(metrics={}))
 
@@ -247,15 +250,15 @@ def test_a_group_commit_that_overtakes_the_drafters_consumed_counts():
     (_, b), = d.handle(b"t0", p.Ready(credits=1))
     produce(d, b"t0", b)
     (_, assign), = d.handle(b"d1", p.WantHidden(credits=1))
-    free_before = len(d.targets[0].free_slots)
+    free_before = d.ledger.free_slots(0)
     out = d.handle(b"d0", p.Committed(step=1, batch_ids=[b.batch_id], ranks=[1], attempts=[assign.attempt],
                                       samples=[assign.sample_ids]))
     assert (b"d0", p.CommitDone(step=1)) in out
     assert d.ledger.entry(b.batch_id).state is BatchState.COMMITTED
-    assert len(d.targets[0].free_slots) == free_before + 1
+    assert d.ledger.free_slots(0) == free_before + 1
     refusals = d.refusals
     assert d.handle(b"d1", p.Consumed(batch_id=b.batch_id, attempt=assign.attempt)) == []
-    assert d.refusals == refusals and len(d.targets[0].free_slots) == free_before + 1
+    assert d.refusals == refusals and d.ledger.free_slots(0) == free_before + 1
 
 
 def test_a_commit_that_frees_several_slots_serves_every_one():
@@ -341,14 +344,18 @@ def test_a_lease_taken_back_by_a_rollback_frees_its_slot_when_produced():
     (_, rest), = d.handle(b"t0", p.Ready(credits=1))  # its rest, leased before the group resumed
     assert rest.batch_id == a.batch_id
     d.handle(b"d0/2", p.Resumed(step=-1))  # no checkpoint readable: everything is undone
-    free = len(d.targets[0].free_slots)
-    leased_tokens = d.targets[0].leases[rest.batch_id][1]
-    d.handle(b"t0", p.Produced(batch_id=rest.batch_id, slot=rest.slot, num_tokens=leased_tokens, compute_s=0.0))
-    # ... that Produced of the old lease: its slot comes back, the batch is pending
-    assert len(d.targets[0].free_slots) >= free
-    assert d.ledger.entry(a.batch_id).state in (BatchState.PENDING, BatchState.LEASED)
-    (_, whole), = d.handle(b"t0", p.Ready(credits=1))
-    assert whole.sample_ids == list(a.sample_ids)
+    assert d.ledger.entry(a.batch_id).state is BatchState.PENDING
+    assert d.ledger.free_slots(0) == 1  # the old lease's slot: its target still writes into it
+    out = d.handle(b"t0", p.Ready(credits=2))
+    (_, whole), = out  # the whole batch again, in the one free slot
+    assert whole.sample_ids == list(a.sample_ids) and whole.slot != rest.slot
+    # ... then the Produced of the old lease: its slot comes back and serves the waiting credit
+    out = d.handle(b"t0", p.Produced(batch_id=rest.batch_id, slot=rest.slot, num_tokens=len(rest.sample_ids),
+                                     compute_s=0.0))
+    assert d.ledger.entry(a.batch_id).state is BatchState.LEASED and d.ledger.entry(a.batch_id).slot == whole.slot
+    (_, next_batch), = out
+    assert next_batch.slot == rest.slot and next_batch.batch_id != a.batch_id
+    assert d.targets[0].batches_done == 1  # the stale report counted nothing
 
 
 def test_group_commit_is_checked_as_a_whole():

@@ -282,8 +282,8 @@ def test_the_supervisors_start_sets_aside_what_the_ledger_never_committed(store,
     assert quarantine_uncommitted_checkpoints(cfg) == []  # no ledger yet: nothing is judged
     led = Ledger()
     led.add_epoch([PlannedBatch(batch_id=0, epoch=0, bucket=0, sample_ids=(0, 1), lengths=(4, 4), padded_len=8)])
-    led.lease(0, 0)
-    led.produced(0, 0, 0)
+    led.open_pool(0, 1)
+    led.produced(0, 0, led.lease(0, 0).slot)
     attempt = led.assign(0, 0)
     led.consumed(0, 0, attempt)
     led.commit(20, [TrainedCopy(0, 0, attempt, (0,))])
