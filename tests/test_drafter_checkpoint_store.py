@@ -149,8 +149,15 @@ def test_checkpoints_newer_than_the_last_commit_are_set_aside_and_never_resumed(
     moved = store.quarantine_after(10)
     assert [os.path.basename(m).split("-")[0] for m in moved] == ["step_00000020", "step_00000030"]
     assert store.steps_on_disk() == [10] and store.uncommitted() == sorted(moved)
+    # latest.json still names step 30 until the group resumes: read, it is a clear error,
+    # never the set-aside checkpoint
+    with pytest.raises(DamagedCheckpointError, match=r"names step_00000030, which is not in .* \(set aside"):
+        store.latest()
+    store.mark_latest(10)  # what rank 0 writes once the dispatcher confirms the resume
     assert store.latest() == store.path(10)
-    assert store.quarantine_after(None) and store.steps_on_disk() == [] and store.latest() is None
+    assert store.quarantine_after(None) and store.steps_on_disk() == []
+    store.mark_latest(None)  # a resume from no checkpoint
+    assert store.latest() is None
 
 
 def test_what_a_writer_killed_mid_write_left_is_cleared_and_a_cut_swap_undone(store, tmp_path):
