@@ -138,7 +138,8 @@ def test_refuses_what_a_sender_may_not_do():
     with pytest.raises(ProtocolError, match="may not report consumed"):
         d.handle(b"d0", p.Consumed(batch_id=batch.batch_id))
     status = d.status()
-    assert all(v >= 0 for v in status["tokens"].values()) and all(v >= 0 for v in status["rates"].values())
+    plain = status.to_json()
+    assert all(v >= 0 for v in plain["tokens"].values()) and all(v >= 0 for v in plain["rates"].values())
 
 
 def produce(d, tid, batch):
@@ -184,8 +185,8 @@ def test_a_restarted_target_takes_its_seat_and_the_drafters_copy_still_counts():
     d, leased, assign = _faulty_setup()
     out = d.handle(b"t0/11", p.Register(role="target", rank=0, pid=11, pool={"pool_id": "new"}, num_slots=4,
                                         replaces_pids=[10]))
-    assert isinstance(out[-1][1], p.Registered) and d.status()["targets"]["0"]["pid"] == 11
-    assert d.status()["dropped_targets"] == {"10": "replaced by pid 11"}
+    assert isinstance(out[-1][1], p.Registered) and d.status().targets["0"].pid == 11
+    assert d.status().dropped_targets == {"10": "replaced by pid 11"}
     states = [d.ledger.entry(b.batch_id).state for b in leased]
     assert states == [BatchState.ASSIGNED] + [BatchState.PENDING] * 3
     again = [m for _, m in d.handle(b"t0/11", p.Ready(credits=4))]
@@ -233,11 +234,11 @@ def test_silent_target_is_dropped_and_its_late_produced_refused():
     assert d.tick() == [] and 0 in d.targets  # 4 s of silence: still within the timeout
     clock.now = 5.5
     d.tick()
-    assert 0 not in d.targets and d.status()["dropped_targets"] == {"10": "silent for 5.5s"}
+    assert 0 not in d.targets and d.status().dropped_targets == {"10": "silent for 5.5s"}
     with pytest.raises(ProtocolError, match="unregistered"):  # SIGCONT: it wakes up and reports
         produce(d, b"t0/10", leased[2])
     d.handle(b"t0/10", p.Register(role="target", rank=0, pid=10, pool=POOL, num_slots=1))
-    assert d.status()["dropped_targets"] == {}
+    assert d.status().dropped_targets == {}
 
 
 def test_a_group_commit_that_overtakes_the_drafters_consumed_counts():
@@ -401,7 +402,7 @@ def test_a_drafter_reporting_negative_trained_tokens_cannot_make_rates_negative(
         d.clock.now += 5.0
         d.tick()
         status = d.status()
-        assert status["tokens"]["trained"] >= 0 and all(r >= 0 for r in status["rates"].values())
+        assert status.tokens.trained >= 0 and all(r >= 0 for r in status.to_json()["rates"].values())
 
 
 def test_with_a_secret_every_seat_needs_it_and_observers_do_not():
@@ -449,9 +450,9 @@ def test_a_rollback_takes_the_undone_commits_out_of_the_status_tokens():
     d.handle(b"d0/2", p.Register(role="drafter", rank=0, pid=2, replaces_pids=[100]))
     d.handle(b"d0/2", p.Resumed(step=5))
     status = d.status()
-    assert status["tokens"]["committed"] == _committed_sum(d) == first
+    assert status.tokens.committed == _committed_sum(d) == first
     # The ETA counts from what the checkpoints hold: the rest of the job at the trained rate.
-    status["rates"]["tok_rate"] = 100.0
+    status.rates.tok_rate = 100.0
     assert estimate_eta_s(status) == pytest.approx((d.tokens_planned - first) / 100.0)
 
 
@@ -466,6 +467,6 @@ def test_a_restarted_dispatcher_counts_on_from_the_ledger(tmp_path):
     again = Dispatcher(_plan(), policy="pull", num_targets=1, num_drafters=1, clock=Clock(),
                        ledger=load_ledger(tmp_path / "ledger.npz"))
     status = again.status()
-    assert status["tokens"]["committed"] == _committed_sum(again) == committed > 0
+    assert status.tokens.committed == _committed_sum(again) == committed > 0
     share = int(100 * committed / again.tokens_planned)
     assert f"trained {share}% of tokens" in StatusLine().lines(status)[1]

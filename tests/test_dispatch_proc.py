@@ -58,7 +58,7 @@ def test_garbage_and_out_of_order_messages_are_refused_and_serving_goes_on(tmp_p
         bogus = p.Produced(batch_id=batch.batch_id + 1, slot=batch.slot, num_tokens=1, compute_s=0.0)
         assert isinstance(_request(sock, p.encode(bogus)), p.Rejected)  # a batch it does not own
         status = _request(sock, p.encode(p.StatusRequest()))
-        assert isinstance(status, p.StatusReply) and status.status["refusals"] == len(garbage) + 4
+        assert isinstance(status, p.StatusReply) and status.status.refusals == len(garbage) + 4
     finally:
         sock.close(linger=0)
         proc.stop_requested = True

@@ -22,11 +22,13 @@ one: `Ledger.rollback_to`). A target silent for `heartbeat_timeout_s` is dropped
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import time
 
 from dflash_ipc.wire import protocol as p
+from dflash_ipc.wire import status as st
 from dflash_ipc.dispatch.buckets import PlannedBatch
 from dflash_ipc.dispatch.ledger import BatchState, Ledger, TrainedCopy
 from dflash_ipc.dispatch.policy import make_policy
@@ -366,42 +368,49 @@ class Dispatcher:
         # A drafter's own count, never below zero whatever it sends (no negative rates).
         return sum(max(0.0, s.metrics.get("trained_tokens", 0.0)) for s in self.drafters.values())
 
-    def average_rates(self) -> dict[str, float]:
+    def average_rates(self) -> st.Rates:
         """Whole-life averages of this process (tokens/s since it started): produced,
         consumed, and committed by it. Committed, not the drafters' trained counts: those
         restart from 0 with every drafter group, while elapsed time does not."""
         elapsed = max(1e-9, self.clock() - self.started)
         committed = max(0, self.ledger.committed_tokens() - self.committed_at_start)
-        return {"tgt_rate": self.tokens_produced / elapsed, "dft_rate": self.tokens_consumed / elapsed,
-                "tok_rate": committed / elapsed}
+        return st.Rates(tgt_rate=self.tokens_produced / elapsed, dft_rate=self.tokens_consumed / elapsed,
+                        tok_rate=committed / elapsed)
 
-    def status(self) -> dict:
+    def status(self) -> st.JobStatus:
         """Everything the supervisor's status line and `dflash-ipc status` show."""
         counts = self.ledger.counts()
         now = self.clock()
-        return {
-            "elapsed_s": now - self.started,
-            "policy": self.policy.name,
-            "num_batches": self.num_batches,
-            "batches": {state.name.lower(): counts.get(state, 0) for state in BatchState},
-            "epochs": self.ledger.epoch_progress(),
-            "tokens": {"total": self.tokens_planned, "produced": self.tokens_produced,
-                       "consumed": self.tokens_consumed, "trained": self._trained_tokens(),
-                       "committed": self.ledger.committed_tokens()},
-            "committed_tokens_by_epoch": {str(e): n for e, n in self.ledger.committed_tokens_by_epoch().items()},
-            "last_committed_step": self.ledger.last_committed_step(),
-            "rates": {name: rate.value() for name, rate in self.rates.items()},
-            "produced_waiting": counts[BatchState.PRODUCED],
-            "targets": {str(r): {"pid": s.pid, "credits": s.credits, "free_slots": self.ledger.free_slots(r),
-                                 "batches": s.batches_done, "tokens": s.tokens_done, "compute_s": s.compute_s,
-                                 "metrics": s.metrics, "heartbeat_age_s": now - s.last_seen}
-                        for r, s in sorted(self.targets.items())},
-            "drafters": {str(r): {"pid": s.pid, "credits": s.credits, "batches": s.batches_done,
-                                  "tokens": s.tokens_done, "metrics": s.metrics, "heartbeat_age_s": now - s.last_seen}
-                         for r, s in sorted(self.drafters.items())},
-            "refusals": self.refusals,
-            "instance": self.instance,
-            "drafter_generation": self.drafter_generation,
-            "dropped_targets": {str(pid): why for pid, why in self.dropped_targets.items()},
-            "finished": self.finished,
-        }
+        return st.JobStatus(
+            elapsed_s=now - self.started,
+            policy=self.policy.name,
+            num_batches=self.num_batches,
+            batches=st.BatchCounts(**{state.name.lower(): counts[state] for state in BatchState}),
+            epochs=[st.EpochProgress(**e) for e in self.ledger.epoch_progress()],
+            tokens=st.TokenCounts(total=self.tokens_planned, produced=self.tokens_produced,
+                                  consumed=self.tokens_consumed, trained=self._trained_tokens(),
+                                  committed=self.ledger.committed_tokens()),
+            committed_tokens_by_epoch={str(e): n for e, n in self.ledger.committed_tokens_by_epoch().items()},
+            last_committed_step=self.ledger.last_committed_step(),
+            rates=st.Rates(**{name: rate.value() for name, rate in self.rates.items()}),
+            produced_waiting=counts[BatchState.PRODUCED],
+            targets={str(r): st.TargetStatus(pid=s.pid, credits=s.credits, free_slots=self.ledger.free_slots(r),
+                                             batches=s.batches_done, tokens=s.tokens_done, compute_s=s.compute_s,
+                                             metrics=dict(s.metrics), heartbeat_age_s=now - s.last_seen)
+                     for r, s in sorted(self.targets.items())},
+            drafters={str(r): st.DrafterStatus(pid=s.pid, credits=s.credits, batches=s.batches_done,
+                                               tokens=s.tokens_done, metrics=dict(s.metrics),
+                                               heartbeat_age_s=now - s.last_seen)
+                      for r, s in sorted(self.drafters.items())},
+            refusals=self.refusals,
+            instance=self.instance,
+            drafter_generation=self.drafter_generation,
+            dropped_targets={str(pid): why for pid, why in self.dropped_targets.items()},
+            finished=self.finished,
+        )
+
+    def final_status(self) -> st.JobStatus:
+        """The status at the end of the job: with this process' averages and the ledger's
+        exactly-once audit against the plan."""
+        return dataclasses.replace(self.status(), average_rates=self.average_rates(),
+                                   audit=st.AuditSummary(**self.ledger.audit().summary()))
