@@ -24,9 +24,9 @@ def commit_every_batch(ledger: Ledger, per_step: int = 50) -> int:
     """Drive every pending batch through lease, produce, assign, consume and commit (``per_step``
     commits per checkpoint step), as one target and one drafter would; returns the commits."""
     commits = 0
+    ledger.open_pool("t", 1)
     while (batch := ledger.next_pending()) is not None:
-        ledger.lease(batch.batch_id, "t")
-        ledger.produced(batch.batch_id, "t", 0)
+        ledger.produced(batch.batch_id, "t", ledger.lease(batch.batch_id, "t").slot)
         attempt = ledger.assign(batch.batch_id, "d")
         ledger.consumed(batch.batch_id, "d", attempt)
         commits += 1

@@ -58,7 +58,7 @@ class Sim:
     def check_nobody_idles(self):
         pending = self.d.ledger.counts()[BatchState.PENDING]
         for seat in self.d.targets.values():
-            if seat.credits > 0 and seat.free_slots and pending:
+            if seat.credits > 0 and self.d.ledger.free_slots(seat.rank) and pending:
                 self.idle_with_pending += 1
 
     def run(self):
@@ -128,14 +128,18 @@ def test_refuses_what_a_sender_may_not_do():
         d.handle(b"t0", p.Produced(batch_id=batch.batch_id + 1, slot=0, num_tokens=1, compute_s=0))
     with pytest.raises(ProtocolError, match="was not given"):
         d.handle(b"t0", p.Produced(batch_id=batch.batch_id, slot=7, num_tokens=tokens, compute_s=0))
-    with pytest.raises(ProtocolError, match=f"has {tokens} tokens"):  # and the slot is free again
+    with pytest.raises(ProtocolError, match=f"has {tokens} tokens"):
         d.handle(b"t0", p.Produced(batch_id=batch.batch_id, slot=0, num_tokens=tokens + 1, compute_s=0))
-    assert list(d.targets[0].free_slots) == [0]
+    with pytest.raises(ProtocolError, match="compute_s"):
+        d.handle(b"t0", p.Produced(batch_id=batch.batch_id, slot=0, num_tokens=tokens, compute_s=-1.0))
+    assert d.ledger.entry(batch.batch_id).state is BatchState.LEASED
+    assert d.ledger.free_slots(0) == 0  # the lease keeps its slot: nothing changed
     d.handle(b"d0", p.Register(role="drafter", rank=0, pid=1))
     with pytest.raises(ProtocolError, match="may not report consumed"):
         d.handle(b"d0", p.Consumed(batch_id=batch.batch_id))
     status = d.status()
-    assert all(v >= 0 for v in status["tokens"].values()) and all(v >= 0 for v in status["rates"].values())
+    plain = status.to_json()
+    assert all(v >= 0 for v in plain["tokens"].values()) and all(v >= 0 for v in plain["rates"].values())
 
 
 def produce(d, tid, batch):
@@ -181,16 +185,16 @@ def test_a_restarted_target_takes_its_seat_and_the_drafters_copy_still_counts():
     d, leased, assign = _faulty_setup()
     out = d.handle(b"t0/11", p.Register(role="target", rank=0, pid=11, pool={"pool_id": "new"}, num_slots=4,
                                         replaces_pids=[10]))
-    assert isinstance(out[-1][1], p.Registered) and d.status()["targets"]["0"]["pid"] == 11
-    assert d.status()["dropped_targets"] == {"10": "replaced by pid 11"}
+    assert isinstance(out[-1][1], p.Registered) and d.status().targets["0"].pid == 11
+    assert d.status().dropped_targets == {"10": "replaced by pid 11"}
     states = [d.ledger.entry(b.batch_id).state for b in leased]
     assert states == [BatchState.ASSIGNED] + [BatchState.PENDING] * 3
     again = [m for _, m in d.handle(b"t0/11", p.Ready(credits=4))]
     assert [m.batch_id for m in again][:3] == sorted(b.batch_id for b in leased[1:])  # requeued first
     # The drafter had copied the slot before the old target died: it counts, freeing nothing.
-    free = len(d.targets[0].free_slots)
+    free = d.ledger.free_slots(0)
     d.handle(b"d0/30", p.Consumed(batch_id=assign.batch_id, attempt=assign.attempt))
-    assert d.ledger.entry(assign.batch_id).state is BatchState.CONSUMED and len(d.targets[0].free_slots) == free
+    assert d.ledger.entry(assign.batch_id).state is BatchState.CONSUMED and d.ledger.free_slots(0) == free
     with pytest.raises(ProtocolError, match="unregistered"):  # the old process, resumed
         d.handle(b"t0/10", p.Heartbeat(metrics={}))
 
@@ -230,11 +234,11 @@ def test_silent_target_is_dropped_and_its_late_produced_refused():
     assert d.tick() == [] and 0 in d.targets  # 4 s of silence: still within the timeout
     clock.now = 5.5
     d.tick()
-    assert 0 not in d.targets and d.status()["dropped_targets"] == {"10": "silent for 5.5s"}
+    assert 0 not in d.targets and d.status().dropped_targets == {"10": "silent for 5.5s"}
     with pytest.raises(ProtocolError, match="unregistered"):  # SIGCONT: it wakes up and reports
         produce(d, b"t0/10", leased[2])
     d.handle(b"t0/10", p.Register(role="target", rank=0, pid=10, pool=POOL, num_slots=1))
-    assert d.status()["dropped_targets"] == {}
+    assert d.status().dropped_targets == {}
 
 
 def test_a_group_commit_that_overtakes_the_drafters_consumed_counts():
@@ -247,15 +251,15 @@ def test_a_group_commit_that_overtakes_the_drafters_consumed_counts():
     (_, b), = d.handle(b"t0", p.Ready(credits=1))
     produce(d, b"t0", b)
     (_, assign), = d.handle(b"d1", p.WantHidden(credits=1))
-    free_before = len(d.targets[0].free_slots)
+    free_before = d.ledger.free_slots(0)
     out = d.handle(b"d0", p.Committed(step=1, batch_ids=[b.batch_id], ranks=[1], attempts=[assign.attempt],
                                       samples=[assign.sample_ids]))
     assert (b"d0", p.CommitDone(step=1)) in out
     assert d.ledger.entry(b.batch_id).state is BatchState.COMMITTED
-    assert len(d.targets[0].free_slots) == free_before + 1
+    assert d.ledger.free_slots(0) == free_before + 1
     refusals = d.refusals
     assert d.handle(b"d1", p.Consumed(batch_id=b.batch_id, attempt=assign.attempt)) == []
-    assert d.refusals == refusals and len(d.targets[0].free_slots) == free_before + 1
+    assert d.refusals == refusals and d.ledger.free_slots(0) == free_before + 1
 
 
 def test_a_commit_that_frees_several_slots_serves_every_one():
@@ -341,14 +345,18 @@ def test_a_lease_taken_back_by_a_rollback_frees_its_slot_when_produced():
     (_, rest), = d.handle(b"t0", p.Ready(credits=1))  # its rest, leased before the group resumed
     assert rest.batch_id == a.batch_id
     d.handle(b"d0/2", p.Resumed(step=-1))  # no checkpoint readable: everything is undone
-    free = len(d.targets[0].free_slots)
-    leased_tokens = d.targets[0].leases[rest.batch_id][1]
-    d.handle(b"t0", p.Produced(batch_id=rest.batch_id, slot=rest.slot, num_tokens=leased_tokens, compute_s=0.0))
-    # ... that Produced of the old lease: its slot comes back, the batch is pending
-    assert len(d.targets[0].free_slots) >= free
-    assert d.ledger.entry(a.batch_id).state in (BatchState.PENDING, BatchState.LEASED)
-    (_, whole), = d.handle(b"t0", p.Ready(credits=1))
-    assert whole.sample_ids == list(a.sample_ids)
+    assert d.ledger.entry(a.batch_id).state is BatchState.PENDING
+    assert d.ledger.free_slots(0) == 1  # the old lease's slot: its target still writes into it
+    out = d.handle(b"t0", p.Ready(credits=2))
+    (_, whole), = out  # the whole batch again, in the one free slot
+    assert whole.sample_ids == list(a.sample_ids) and whole.slot != rest.slot
+    # ... then the Produced of the old lease: its slot comes back and serves the waiting credit
+    out = d.handle(b"t0", p.Produced(batch_id=rest.batch_id, slot=rest.slot, num_tokens=len(rest.sample_ids),
+                                     compute_s=0.0))
+    assert d.ledger.entry(a.batch_id).state is BatchState.LEASED and d.ledger.entry(a.batch_id).slot == whole.slot
+    (_, next_batch), = out
+    assert next_batch.slot == rest.slot and next_batch.batch_id != a.batch_id
+    assert d.targets[0].batches_done == 1  # the stale report counted nothing
 
 
 def test_group_commit_is_checked_as_a_whole():
@@ -394,7 +402,7 @@ def test_a_drafter_reporting_negative_trained_tokens_cannot_make_rates_negative(
         d.clock.now += 5.0
         d.tick()
         status = d.status()
-        assert status["tokens"]["trained"] >= 0 and all(r >= 0 for r in status["rates"].values())
+        assert status.tokens.trained >= 0 and all(r >= 0 for r in status.to_json()["rates"].values())
 
 
 def test_with_a_secret_every_seat_needs_it_and_observers_do_not():
@@ -413,3 +421,52 @@ def test_with_a_secret_every_seat_needs_it_and_observers_do_not():
     assert d.targets[0].identity == b"t0"
     d.handle(b"obs", p.Register(role="observer", rank=0, pid=3))  # an observer holds nothing
     assert not d.holds_seat(b"obs")
+
+
+# --- committed tokens: the ledger's, through rollbacks and restarts ---------------------------
+
+
+def _committed_sum(d):
+    return sum(d.ledger.committed_tokens_by_epoch().values())
+
+
+def _run_one(d, drafter, step):
+    """One batch leased, produced, assigned, consumed and committed at `step`; its tokens."""
+    (_, b), = [m for m in d.handle(b"t0", p.Ready(credits=1)) if isinstance(m[1], p.Batch)]
+    produce(d, b"t0", b)
+    (_, a), = d.handle(drafter, p.WantHidden(credits=1))
+    d.handle(drafter, p.Consumed(batch_id=a.batch_id, attempt=a.attempt))
+    d.handle(drafter, p.Committed(step=step, batch_ids=[a.batch_id], ranks=[0], attempts=[a.attempt],
+                                  samples=[a.sample_ids]))
+    return a.num_tokens
+
+
+def test_a_rollback_takes_the_undone_commits_out_of_the_status_tokens():
+    """Resumed from step 5 undoes step 9's commit: status and ledger say the same."""
+    from dflash_ipc.obs.status_line import estimate_eta_s
+    d = _group(num_drafters=1)
+    first = _run_one(d, b"d0/1", 5)
+    _run_one(d, b"d0/1", 9)
+    d.handle(b"d0/2", p.Register(role="drafter", rank=0, pid=2, replaces_pids=[100]))
+    d.handle(b"d0/2", p.Resumed(step=5))
+    status = d.status()
+    assert status.tokens.committed == _committed_sum(d) == first
+    # The ETA counts from what the checkpoints hold: the rest of the job at the trained rate.
+    status.rates.tok_rate = 100.0
+    assert estimate_eta_s(status) == pytest.approx((d.tokens_planned - first) / 100.0)
+
+
+def test_a_restarted_dispatcher_counts_on_from_the_ledger(tmp_path):
+    """A dispatcher started on the saved ledger (a dispatcher restart, or a rerun of the
+    job): tokens.committed and the status line's trained share start from the ledger's."""
+    from dflash_ipc.dispatch.ledger_file import load_ledger, save_ledger
+    from dflash_ipc.obs.status_line import StatusLine
+    d = _group(num_drafters=1)
+    committed = sum(_run_one(d, b"d0/1", step) for step in (1, 2, 3))
+    save_ledger(d.ledger, tmp_path / "ledger.npz")
+    again = Dispatcher(_plan(), policy="pull", num_targets=1, num_drafters=1, clock=Clock(),
+                       ledger=load_ledger(tmp_path / "ledger.npz"))
+    status = again.status()
+    assert status.tokens.committed == _committed_sum(again) == committed > 0
+    share = int(100 * committed / again.tokens_planned)
+    assert f"trained {share}% of tokens" in StatusLine().lines(status)[1]

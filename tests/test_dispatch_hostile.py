@@ -121,11 +121,11 @@ def test_a_hostile_wire_sequence_leaves_the_dispatcher_small_on_time_and_serving
         assert isinstance(status, p.StatusReply) and time.monotonic() - started < 5.0
         assert rss_mib(child) - base < RSS_BOUND_MIB, (base, rss_mib(child))
         # The silent target was dropped on time (timeout 3 s, checked every 0.25 s), not after the flood.
-        why = status.status["dropped_targets"].get("1", "")
-        assert why.startswith("silent for "), status.status["dropped_targets"]
+        why = status.status.dropped_targets.get("1", "")
+        assert why.startswith("silent for "), status.status.dropped_targets
         assert float(why.split()[2].rstrip("s")) < 3.0 + 1.0
         assert time.monotonic() - silent_from > 4.0
-        assert all(v >= 0 for v in status.status["tokens"].values())
+        assert all(v >= 0 for v in status.status.to_json()["tokens"].values())
         # The log holds a bounded number of refusals, not one line per garbage message.
         lines = (tmp_path / "dispatcher.log").read_text().count("refused a message")
         assert lines < 200, lines

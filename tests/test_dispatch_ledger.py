@@ -26,10 +26,21 @@ def make_batches(num: int, *, epoch: int = 0, first_id: int = 0, per_batch: int 
             for i in range(num)]
 
 
+POOL_SLOTS = 64
+OWNERS = (0, 1, 2, 4, 5, 7, "t", "t0", "t1", "t-x")
+
+
 def snapshot(led: Ledger):
     """Everything observable about a ledger, for 'nothing changed' checks."""
     return (led.counts(), [led.entry(b) for b in range(len(led))], [b.batch_id for b in led.pending_batches()],
-            led.history(), led.produced_batches(), led.next_attempt)
+            led.history(), led.produced_batches(), led.next_attempt,
+            {t: led.free_slots(t) for t in OWNERS if led.has_pool(t)})
+
+
+def pooled(led: Ledger, *targets, num_slots: int = POOL_SLOTS) -> Ledger:
+    for t in targets:
+        led.open_pool(t, num_slots)
+    return led
 
 
 def whole(led: Ledger, b: int, drafter=0, attempt=None) -> TrainedCopy:
@@ -37,14 +48,17 @@ def whole(led: Ledger, b: int, drafter=0, attempt=None) -> TrainedCopy:
     return TrainedCopy(b, drafter, entry.attempt if attempt is None else attempt, entry.remaining()[0])
 
 
-def run_to(led: Ledger, b: int, state: BatchState, *, target=0, slot=None, drafter=0, step=1) -> int:
-    """Drive a PENDING batch forward to ``state``; returns its attempt (0 before ASSIGNED)."""
+def run_to(led: Ledger, b: int, state: BatchState, *, target=0, drafter=0, step=1) -> int:
+    """Drive a PENDING batch forward to ``state`` (opening ``target``'s pool if need be);
+    returns its attempt (0 before ASSIGNED)."""
     if state is S.PENDING:
         return 0
-    led.lease(b, target)
+    if not led.has_pool(target):
+        led.open_pool(target, POOL_SLOTS)
+    work = led.lease(b, target)
     if state is S.LEASED:
         return 0
-    led.produced(b, target, b if slot is None else slot)
+    assert led.produced(b, target, work.slot)
     if state is S.PRODUCED:
         return 0
     attempt = led.assign(b, drafter)
@@ -57,19 +71,23 @@ def run_to(led: Ledger, b: int, state: BatchState, *, target=0, slot=None, draft
 
 
 def test_happy_path_two_epochs_and_the_audit():
-    led = Ledger()
+    led = pooled(Ledger(), "t0", num_slots=1)
     led.add_epoch(make_batches(4, epoch=0))
     led.add_epoch(make_batches(3, epoch=1, first_id=4))
     step = 0
     while (batch := led.next_pending()) is not None:
         work = led.lease(batch.batch_id, "t0")
-        assert work.sample_ids == batch.sample_ids and work.num_tokens == 10
-        led.produced(batch.batch_id, "t0", slot=0)
+        assert work.sample_ids == batch.sample_ids and work.num_tokens == 10 and work.slot == 0
+        assert led.free_slots("t0") == 0 and led.entry(batch.batch_id).slot == 0
+        if (other := led.next_pending()) is not None:
+            with pytest.raises(ProtocolError, match="no free slot"):
+                led.lease(other.batch_id, "t0")
+        assert led.produced(batch.batch_id, "t0", 0, num_tokens=10)
         assert led.produced_batches() == [batch.batch_id]
         attempt = led.assign(batch.batch_id, "d1")
-        assert led.entry(batch.batch_id).state is S.ASSIGNED
+        assert led.entry(batch.batch_id).state is S.ASSIGNED and led.free_slots("t0") == 0
         consumption = led.consumed(batch.batch_id, "d1", attempt)
-        assert consumption.freed_slot == ("t0", 0) and consumption.tokens == 10
+        assert consumption.tokens == 10 and led.free_slots("t0") == 1  # the copy is out: slot free
         step += 1
         result = led.commit(step, [whole(led, batch.batch_id, "d1")])
         assert result.completed == [batch.batch_id] and result.tokens == 10
@@ -109,9 +127,9 @@ def test_a_partly_committed_batch_that_returns_to_pending_is_leased_with_its_res
     led.commit(5, [TrainedCopy(0, 0, attempt, (1, 2))])
     requeued, again = led.restart_drafters()  # the group resumes from step 5: the rest is lost
     assert requeued == [0] and again == []
-    work = led.lease(0, "t1")
+    work = pooled(led, "t1").lease(0, "t1")
     assert work.sample_ids == (0, 3) and work.lengths == (5, 5) and work.padded_len == 8
-    led.produced(0, "t1", 0)
+    led.produced(0, "t1", work.slot)
     attempt = led.assign(0, 2)
     assert led.consumed(0, 2, attempt).tokens == 10
     assert led.commit(6, [TrainedCopy(0, 2, attempt, (0, 3))]).completed == [0]
@@ -119,12 +137,13 @@ def test_a_partly_committed_batch_that_returns_to_pending_is_leased_with_its_res
 
 
 def test_a_group_commit_that_overtakes_its_consumed_frees_the_slot_and_the_late_consumed_is_a_no_op():
-    led = Ledger()
+    led = pooled(Ledger(), "t", num_slots=4)
     led.add_epoch(make_batches(2))
-    attempt = run_to(led, 0, S.ASSIGNED, target="t", slot=3, drafter=1)
+    attempt = run_to(led, 0, S.ASSIGNED, target="t", drafter=1)
+    assert led.free_slots("t") == 3
     result = led.commit(4, [whole(led, 0, 1)])
-    assert result.completed == [0] and result.freed_slots == [("t", 3)]
-    assert led.consumed(0, 1, attempt) is None
+    assert result.completed == [0] and led.free_slots("t") == 4
+    assert led.consumed(0, 1, attempt) is None and led.free_slots("t") == 4
     with pytest.raises(ProtocolError):  # another attempt number is not that copy
         led.consumed(0, 1, attempt + 1)
 
@@ -132,34 +151,42 @@ def test_a_group_commit_that_overtakes_its_consumed_frees_the_slot_and_the_late_
 def test_a_dropped_target_keeps_its_assigned_batches_with_their_drafters():
     """The drafter may have copied the slot before the target died: its Consumed makes the
     copy count (no slot is freed: the pool is gone), its Lost sends the batch back."""
-    led = Ledger()
+    led = pooled(Ledger(), 0, 1, num_slots=4)
     led.add_epoch(make_batches(6))
     run_to(led, 0, S.LEASED, target=0)
-    run_to(led, 1, S.PRODUCED, target=0, slot=1)
-    a2 = run_to(led, 2, S.ASSIGNED, target=0, slot=2, drafter=5)
-    a3 = run_to(led, 3, S.ASSIGNED, target=0, slot=3, drafter=5)
-    run_to(led, 4, S.PRODUCED, target=1, slot=1)
-    assert led.drop_target(0) == [0, 1]
+    run_to(led, 1, S.PRODUCED, target=0)
+    a2 = run_to(led, 2, S.ASSIGNED, target=0, drafter=5)
+    a3 = run_to(led, 3, S.ASSIGNED, target=0, drafter=5)
+    run_to(led, 4, S.PRODUCED, target=1)
+    slot2 = led.entry(2).slot
+    assert led.drop_target(0) == [0, 1] and not led.has_pool(0) and led.free_slots(0) == 0
     assert led.entry(2).state is S.ASSIGNED and led.entry(2).orphaned
+    with pytest.raises(ProtocolError, match="no slot pool"):
+        led.lease(0, 0)
+    led.open_pool(0, 4)  # its successor's pool: all four slots free, slot2 too
     led.lease(0, 0)
-    led.produced(0, 0, 2)  # the new pool may use slot 2 again
-    assert led.consumed(2, 5, a2).freed_slot is None
-    assert led.lost(3, 5, a3) is None and led.entry(3).state is S.PENDING
-    assert led.entry(0).slot == 2 and led.entry(4).state is S.PRODUCED
-    assert [b.batch_id for b in led.pending_batches()] == [1, 3, 5]
+    led.lease(5, 0)
+    led.lease(1, 0)
+    assert led.entry(1).slot == slot2 and led.free_slots(0) == 1
+    led.consumed(2, 5, a2)  # the old pool's slot: it frees nothing in the new one
+    assert led.lost(3, 5, a3) is None and led.entry(3).state is S.PENDING and led.free_slots(0) == 1
+    assert led.entry(4).state is S.PRODUCED
+    assert [b.batch_id for b in led.pending_batches()] == [3]
 
 
 def test_a_drafter_group_restart_requeues_consumed_and_reassigns_assigned():
     led = Ledger()
     led.add_epoch(make_batches(6))
     run_to(led, 0, S.COMMITTED)
-    run_to(led, 1, S.CONSUMED, slot=1)
-    a2 = run_to(led, 2, S.ASSIGNED, slot=2, drafter=1)
-    run_to(led, 3, S.ASSIGNED, target=7, slot=3)
+    run_to(led, 1, S.CONSUMED)
+    a2 = run_to(led, 2, S.ASSIGNED, drafter=1)
+    slot2 = led.entry(2).slot
+    run_to(led, 3, S.ASSIGNED, target=7)
     led.drop_target(7)  # 3's pool is gone: it cannot be assigned again
+    free = led.free_slots(0)
     requeued, again = led.restart_drafters()
-    assert requeued == [1, 3] and again == [2]
-    assert led.entry(2).state is S.PRODUCED and led.entry(2).slot == 2 and led.produced_batches() == [2]
+    assert requeued == [1, 3] and again == [2] and led.free_slots(0) == free  # 2 still holds its slot
+    assert led.entry(2).state is S.PRODUCED and led.entry(2).slot == slot2 and led.produced_batches() == [2]
     with pytest.raises(ProtocolError):  # the old group's late Consumed
         led.consumed(2, 1, a2)
     assert led.assign(2, 0) > a2
@@ -169,17 +196,19 @@ def test_rollback_undoes_the_commits_after_an_older_checkpoint():
     led = Ledger()
     led.add_epoch(make_batches(4, per_batch=2))
     run_to(led, 0, S.COMMITTED, step=10)
-    a1 = run_to(led, 1, S.CONSUMED, slot=1)
+    a1 = run_to(led, 1, S.CONSUMED)
     led.commit(20, [TrainedCopy(1, 0, a1, (2,))])
-    run_to(led, 2, S.COMMITTED, slot=2, step=30)
+    run_to(led, 2, S.COMMITTED, step=30)
     led.restart_drafters()
-    run_to(led, 1, S.PRODUCED, target=4, slot=0)  # its rest, leased again before the rollback
+    run_to(led, 1, S.PRODUCED, target=4)  # its rest, leased again before the rollback
     with pytest.raises(ProtocolError, match="hold copies"):
         bad = Ledger()
         bad.add_epoch(make_batches(1))
         run_to(bad, 0, S.CONSUMED)
         bad.rollback_to(-1)
-    assert led.rollback_to(10) == [(4, 0)]
+    assert led.free_slots(4) == POOL_SLOTS - 1
+    assert led.rollback_to(10) == [1, 2]
+    assert led.free_slots(4) == POOL_SLOTS  # the produced rest's slot is free again
     assert led.last_committed_step() == 10 and led.committed_steps() == [10]
     assert led.entry(2).state is S.PENDING and led.entry(2).step is None and not led.entry(2).done
     assert led.entry(1).state is S.PENDING and led.lease(1, 0).sample_ids == (2, 3)
@@ -187,16 +216,43 @@ def test_rollback_undoes_the_commits_after_an_older_checkpoint():
     assert led.audit({0: range(8)}).missing == {0: [2, 3, 4, 5, 6, 7]}
 
 
+def test_a_lease_taken_back_by_a_rollback_keeps_its_slot_until_its_target_reports_it():
+    """The target computes into the slot whatever the ledger decides: the slot is free only
+    once it reports the batch produced, and that report moves nothing else."""
+    led = pooled(Ledger(), "t", num_slots=2)
+    led.add_epoch(make_batches(3))
+    a0 = run_to(led, 0, S.CONSUMED, target="t")
+    led.commit(3, [TrainedCopy(0, 0, a0, (0,))])
+    led.restart_drafters()
+    rest = led.lease(0, "t")  # sample 1 only
+    led.rollback_to(-1)
+    assert led.entry(0).state is S.PENDING and led.free_slots("t") == 1
+    again = led.lease(0, "t")  # the whole batch, in the other slot
+    assert again.sample_ids == (0, 1) and again.slot != rest.slot and led.free_slots("t") == 0
+    before = snapshot(led)
+    with pytest.raises(ProtocolError, match="was not given"):  # another batch in that slot
+        led.produced(1, "t", rest.slot)
+    assert snapshot(led) == before
+    assert led.produced(0, "t", rest.slot) is False  # the old lease's report
+    assert led.free_slots("t") == 1 and led.entry(0).state is S.LEASED and led.entry(0).slot == again.slot
+    with pytest.raises(ProtocolError, match="was not given"):  # only once
+        led.produced(0, "t", rest.slot)
+    assert led.produced(0, "t", again.slot, num_tokens=10) is True
+
+
 ILLEGAL = [
     # (setup: batch id -> state to drive to, operation, expected message fragment)
     ({}, lambda l, a: l.lease(99, 0), "unknown batch id 99"),
     ({0: S.LEASED}, lambda l, a: l.lease(0, 1), "batch 0: it is LEASED"),
     ({0: S.COMMITTED}, lambda l, a: l.lease(0, 0), "it is COMMITTED"),
-    ({}, lambda l, a: l.produced(0, 0, 0), "it is PENDING"),
-    ({0: S.LEASED}, lambda l, a: l.produced(0, 1, 0), "leased to 0"),
-    ({0: S.LEASED}, lambda l, a: l.produced(0, 0, -1), "invalid slot"),
-    ({0: S.PRODUCED, 1: S.LEASED}, lambda l, a: l.produced(1, 0, 0), "slot 0, which still holds"),
-    ({0: S.ASSIGNED, 1: S.LEASED}, lambda l, a: l.produced(1, 0, 0), "slot 0, which still holds"),
+    ({}, lambda l, a: l.produced(0, 0, 0), "batch PENDING"),
+    ({0: S.LEASED}, lambda l, a: l.produced(0, 1, 0), "target=0"),
+    ({0: S.LEASED}, lambda l, a: l.produced(0, 0, -1), "slot -1: that lease was not given"),
+    ({0: S.LEASED}, lambda l, a: l.produced(0, 0, 0, num_tokens=11), "batch 0 has 10 tokens, reported 11"),
+    ({0: S.PRODUCED, 1: S.LEASED}, lambda l, a: l.produced(1, 0, 0), "slot 0: that lease was not given"),
+    ({0: S.PRODUCED}, lambda l, a: l.produced(0, 0, 0), "batch PRODUCED"),
+    ({0: S.LEASED}, lambda l, a: l.lease(1, 9), "no slot pool"),
+    ({0: S.LEASED}, lambda l, a: l.open_pool(0, 2), "already has an open slot pool"),
     ({0: S.LEASED}, lambda l, a: l.assign(0, 0), "it is LEASED"),
     ({0: S.PRODUCED}, lambda l, a: l.consumed(0, 0, 1), "it is PRODUCED"),
     ({0: S.ASSIGNED}, lambda l, a: l.consumed(0, 1, a[0]), "drafter=0"),
@@ -220,7 +276,7 @@ ILLEGAL = [
 def test_illegal_transitions_are_refused_without_change(setup, op, fragment):
     led = Ledger()
     led.add_epoch(make_batches(4))
-    attempts = {b: run_to(led, b, state, slot=0 if b == 0 else 1) for b, state in setup.items()}
+    attempts = {b: run_to(led, b, state) for b, state in setup.items()}
     before = snapshot(led)
     with pytest.raises(ProtocolError, match=fragment):
         op(led, attempts)
@@ -238,13 +294,14 @@ def test_add_epoch_refuses_duplicate_ids_atomically():
 
 
 def test_lease_out_of_order_then_requeue_keeps_queue_consistent():
-    led = Ledger()
+    led = pooled(Ledger(), 0, 1)
     led.add_epoch(make_batches(5))
     led.lease(3, 0)  # not the head (round robin does this)
     assert led.next_pending().batch_id == 0
     led.drop_target(0)
     led.lease(3, 1)
     led.drop_target(1)
+    led.open_pool(0, 8)
     served = []
     while (b := led.next_pending()) is not None:
         served.append(led.lease(b.batch_id, 0).batch_id)
@@ -260,13 +317,13 @@ def populated_ledger() -> Ledger:
     spec = BucketSpec(boundaries=(64, 128, 256, 512), token_budget=1024)
     for batches in plan_epochs(lengths, spec, seed=1, num_epochs=2):
         led.add_epoch(batches)
-    attempts = {b: run_to(led, b, S.CONSUMED, target=b % 2, slot=b, drafter="d0" if b % 3 else 1) for b in range(12)}
+    attempts = {b: run_to(led, b, S.CONSUMED, target=b % 2, drafter="d0" if b % 3 else 1) for b in range(12)}
     led.commit(4, [whole(led, b, 1) for b in (0, 3, 6, 9)])
     part = led.entry(1).batch.sample_ids[:1]
     led.commit(5, [whole(led, 2, "d0"), TrainedCopy(1, "d0", attempts[1], part)])
     run_to(led, 20, S.LEASED, target="t-x")
-    run_to(led, 21, S.PRODUCED, target=1, slot=40)
-    run_to(led, 22, S.ASSIGNED, target=0, slot=41)
+    run_to(led, 21, S.PRODUCED, target=1)
+    run_to(led, 22, S.ASSIGNED, target=0)
     led.drop_target(0)
     return led
 
@@ -276,17 +333,20 @@ def test_save_load_round_trip_exact(tmp_path):
     path = tmp_path / "ledger.npz"
     save_ledger(led, path)
     back = load_ledger(path, recover=False)
-    assert snapshot(back) == snapshot(led)
+    # Pools are live processes' and do not persist; the batches' slots do.
+    assert snapshot(back)[:-1] == snapshot(led)[:-1] and snapshot(back)[-1] == {}
     assert back.last_committed_step() == 5 and back.history() == led.history()
-    with pytest.raises(ProtocolError, match="still holds"):  # the slot bookkeeping came back too
-        back.produced(back.lease(back.next_pending().batch_id, 1).batch_id, 1, 40)
+    back.open_pool("t-x", 1)
+    with pytest.raises(ProtocolError, match="was not given"):  # the slot bookkeeping came back too
+        back.produced(21, "t-x", back.entry(20).slot)
+    assert back.produced(20, "t-x", back.entry(20).slot)
     assert os.listdir(tmp_path) == ["ledger.npz"]
 
 
 def test_load_with_recover_keeps_only_commits(tmp_path):
     led = populated_ledger()
     save_ledger(led, tmp_path / "l")
-    back = load_ledger(tmp_path / "l")
+    back = pooled(load_ledger(tmp_path / "l"), 0)
     counts = back.counts()
     assert counts[S.COMMITTED] == 5 and counts[S.PENDING] == len(back) - 5
     assert back.history() == led.history() and back.entry(1).done == set(led.entry(1).batch.sample_ids[:1])
@@ -459,6 +519,8 @@ class Model:
                                       leases=0, done=set(), orphaned=False) for b in batches}
         self.history: list[tuple[int, int, tuple]] = []
         self.next_attempt = 1
+        self.pools: dict = {}  # target -> free slots, in the order they came free
+        self.holds: dict = {}  # (target, slot) -> batch
 
     def rest(self, b):
         return tuple(s for s in self.batches[b].sample_ids if s not in self.rows[b]["done"])
@@ -468,9 +530,13 @@ class Model:
         fresh = [b for b in pend if self.rows[b]["leases"] == 0 and not self.rows[b]["done"]]
         return [b for b in pend if b not in fresh] + fresh
 
-    def busy(self, t, slot):
-        return any(r["state"] in (S.PRODUCED, S.ASSIGNED) and not r["orphaned"] and (r["target"], r["slot"]) == (t, slot)
-                   for r in self.rows.values())
+    def release(self, b, r):
+        key = (r["target"], r["slot"])
+        if r["slot"] is not None and self.holds.get(key) == b:
+            del self.holds[key]
+            if key[0] in self.pools:
+                self.pools[key[0]].append(key[1])
+        r["slot"] = None
 
     def to_pending(self, r):
         r.update(state=S.PENDING, target=None, slot=None, drafter=None, orphaned=False)
@@ -480,19 +546,31 @@ class Model:
         rows = self.rows
         if op in ("lease", "produced", "assign", "consumed", "lost") and args[0] not in rows:
             return ProtocolError
+        if op == "open_pool":
+            t, n = args
+            if t in self.pools:
+                return ProtocolError
+            self.pools[t] = list(range(n))
+            return None
         if op == "lease":
             b, t = args
-            if rows[b]["state"] is not S.PENDING:
+            if rows[b]["state"] is not S.PENDING or not self.pools.get(t):
                 return ProtocolError
-            rows[b].update(state=S.LEASED, target=t, slot=None, drafter=None, leases=rows[b]["leases"] + 1)
-            return self.rest(b)
+            slot = self.pools[t].pop(0)
+            self.holds[(t, slot)] = b
+            rows[b].update(state=S.LEASED, target=t, slot=slot, drafter=None, leases=rows[b]["leases"] + 1)
+            return self.rest(b), slot
         if op == "produced":
             b, t, slot = args
             r = rows[b]
-            if r["state"] is not S.LEASED or r["target"] != t or slot < 0 or self.busy(t, slot):
-                return ProtocolError
-            r.update(state=S.PRODUCED, slot=slot)
-            return None
+            if r["state"] is S.LEASED and (r["target"], r["slot"]) == (t, slot):
+                r["state"] = S.PRODUCED
+                return True
+            if self.holds.get((t, slot)) == b and (r["target"], r["slot"]) != (t, slot) and t in self.pools:
+                del self.holds[(t, slot)]  # a lease taken back: its slot only
+                self.pools[t].append(slot)
+                return False
+            return ProtocolError
         if op == "assign":
             b, d = args
             if rows[b]["state"] is not S.PRODUCED:
@@ -507,13 +585,13 @@ class Model:
                 return None
             if r["state"] is not S.ASSIGNED or (r["drafter"], r["attempt"]) != (d, a):
                 return ProtocolError
-            freed = None if r["orphaned"] else (r["target"], r["slot"])
+            self.release(b, r)
             if op == "lost":
                 self.to_pending(r)
-                return freed
+                return None
             tokens = sum(n for s, n in zip(self.batches[b].sample_ids, self.batches[b].lengths) if s not in r["done"])
-            r.update(state=S.CONSUMED, slot=None, orphaned=False)
-            return freed, tokens
+            r.update(state=S.CONSUMED, orphaned=False)
+            return tokens
         if op == "commit":
             step, copies = args
             ids = [c.batch_id for c in copies]
@@ -530,7 +608,8 @@ class Model:
             for c in copies:
                 r = rows[c.batch_id]
                 if r["state"] is S.ASSIGNED:
-                    r.update(state=S.CONSUMED, slot=None)
+                    self.release(c.batch_id, r)
+                    r["state"] = S.CONSUMED
                 r["done"] = r["done"] | set(c.sample_ids)
                 self.history.append((c.batch_id, step, tuple(c.sample_ids)))
                 if r["done"] == set(self.batches[c.batch_id].sample_ids):
@@ -539,6 +618,8 @@ class Model:
             return completed
         if op == "drop_target":
             (t,) = args
+            self.pools.pop(t, None)
+            self.holds = {k: b for k, b in self.holds.items() if k[0] != t}
             moved = []
             for b, r in sorted(rows.items()):
                 if r["target"] == t and r["state"] in (S.LEASED, S.PRODUCED):
@@ -551,6 +632,7 @@ class Model:
             requeued, again = [], []
             for b, r in sorted(rows.items()):
                 if r["state"] is S.CONSUMED or (r["state"] is S.ASSIGNED and r["orphaned"]):
+                    self.release(b, r)
                     self.to_pending(r)
                     requeued.append(b)
                 elif r["state"] is S.ASSIGNED:
@@ -560,22 +642,24 @@ class Model:
         if op == "requeue_uncommitted":
             moved = [b for b, r in sorted(rows.items()) if r["state"] not in (S.PENDING, S.COMMITTED)]
             for b in moved:
+                self.release(b, rows[b])
                 self.to_pending(rows[b])
             return moved
         if op == "rollback_to":
             (step,) = args
             if any(r["state"] in (S.ASSIGNED, S.CONSUMED) for r in rows.values()):
                 return ProtocolError
-            freed = []
+            touched = set()
             for b, st, samples in [h for h in self.history if h[1] > step]:
                 r = rows[b]
-                if r["state"] is not S.PENDING:
-                    if r["state"] is S.PRODUCED and not r["orphaned"]:
-                        freed.append((r["target"], r["slot"]))
+                touched.add(b)
+                if r["state"] is S.PRODUCED:
+                    self.release(b, r)
+                if r["state"] is not S.PENDING:  # a leased one keeps its slot held
                     self.to_pending(r)
                 r["done"] = r["done"] - set(samples)
             self.history = [h for h in self.history if h[1] <= step]
-            return freed
+            return sorted(touched)
         raise AssertionError(op)
 
 
@@ -585,14 +669,20 @@ def random_op(rng: random.Random, model: Model, num: int):
     in_state = lambda s: [b for b, r in model.rows.items() if r["state"] is s]  # noqa: E731
     plausible = rng.random() < 0.85
     roll = rng.random()
+    if roll < 0.04:
+        return "open_pool", (rng.randrange(3), rng.randrange(1, 5))
     if roll < 0.2:
         pending = model.pending_order()
         return "lease", (pending[0] if pending and plausible else pick(), rng.randrange(3))
     if roll < 0.38:
         leased = in_state(S.LEASED)
+        stale = [(k, b) for k, b in model.holds.items() if (model.rows[b]["target"], model.rows[b]["slot"]) != k]
+        if stale and rng.random() < 0.3:
+            (t, slot), b = rng.choice(stale)
+            return "produced", (b, t, slot)
         if leased and plausible:
             b = rng.choice(leased)
-            return "produced", (b, model.rows[b]["target"], rng.randrange(4))
+            return "produced", (b, model.rows[b]["target"], model.rows[b]["slot"])
         return "produced", (pick(), rng.randrange(3), rng.randrange(-1, 4))
     if roll < 0.5:
         produced = in_state(S.PRODUCED)
@@ -622,9 +712,9 @@ def random_op(rng: random.Random, model: Model, num: int):
 
 def _normalise(op, result):
     if op == "lease":
-        return result.sample_ids
+        return result.sample_ids, result.slot
     if op == "consumed" and result is not None:
-        return result.freed_slot, result.tokens
+        return result.tokens
     if op == "commit":
         return result.completed
     return result
@@ -637,6 +727,9 @@ def test_state_machine_matches_the_model_under_random_operations(seed, tmp_path)
     batches = make_batches(num, per_batch=3)
     led, model = Ledger(), Model(batches)
     led.add_epoch(batches)
+    for t in range(3):
+        led.open_pool(t, 4)
+        model.apply("open_pool", (t, 4))
     lengths = {b.batch_id: dict(zip(b.sample_ids, b.lengths)) for b in batches}
     for i in range(1500):
         op, args = random_op(rng, model, num)
@@ -660,15 +753,20 @@ def test_state_machine_matches_the_model_under_random_operations(seed, tmp_path)
                                                           for s in samples)}
         assert led.committed_steps() == sorted({h[1] for h in model.history})
         assert led.last_committed_step() == max((h[1] for h in model.history), default=None)
-        if i % 300 == 299:  # persistence must not perturb anything
+        assert {t: led.free_slots(t) for t in range(3)} == {t: len(model.pools.get(t, ())) for t in range(3)}
+        if i % 300 == 299:  # persistence must not perturb anything (pools are the live targets')
             save_ledger(led, tmp_path / "l.npz")
             led = load_ledger(tmp_path / "l.npz", recover=False)
+            for t in model.pools:  # the same targets register again: their free slots in order
+                led.open_pool(t, 4)
+                model.pools[t] = [slot for slot in range(4) if (t, slot) not in model.holds]
     # Finish the run through the failures: exactly once, sample by sample.
     led.requeue_uncommitted()
+    led.open_pool("t", 1)
     step = (led.last_committed_step() or 0) + 1
     while (b := led.next_pending()) is not None:
-        led.lease(b.batch_id, "t")
-        led.produced(b.batch_id, "t", 0)
+        work = led.lease(b.batch_id, "t")
+        led.produced(b.batch_id, "t", work.slot)
         attempt = led.assign(b.batch_id, "d")
         led.consumed(b.batch_id, "d", attempt)
         led.commit(step, [whole(led, b.batch_id, "d")])

@@ -22,6 +22,7 @@ def ledger_of(num: int) -> Ledger:
     led = Ledger()
     led.add_epoch([PlannedBatch(batch_id=b, epoch=0, bucket=0, sample_ids=(b,), lengths=(4,), padded_len=8)
                    for b in range(num)])
+    led.open_pool(0, num)
     return led
 
 

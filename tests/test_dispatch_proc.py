@@ -3,6 +3,7 @@
 import threading
 
 import numpy as np
+import pytest
 import zmq
 
 from dflash_ipc.wire import protocol as p
@@ -57,7 +58,7 @@ def test_garbage_and_out_of_order_messages_are_refused_and_serving_goes_on(tmp_p
         bogus = p.Produced(batch_id=batch.batch_id + 1, slot=batch.slot, num_tokens=1, compute_s=0.0)
         assert isinstance(_request(sock, p.encode(bogus)), p.Rejected)  # a batch it does not own
         status = _request(sock, p.encode(p.StatusRequest()))
-        assert isinstance(status, p.StatusReply) and status.status["refusals"] == len(garbage) + 4
+        assert isinstance(status, p.StatusReply) and status.status.refusals == len(garbage) + 4
     finally:
         sock.close(linger=0)
         proc.stop_requested = True
@@ -134,5 +135,95 @@ def test_the_final_status_carries_the_audit_of_the_ledger_against_the_plan(tmp_p
         final = json.loads(open(cfg.files.final_status).read())
         assert final["audit"]["ok"] and final["audit"]["committed_samples"] == 12
         assert final["committed_tokens_by_epoch"] == {"0": 6 * 32, "1": 6 * 32}
+    finally:
+        proc.close()
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _drive(dispatcher, clock, drafter, step, *, seconds=10.0, trained=None):
+    """One batch through a target and drafter 0 of the current group, committed at `step`;
+    `seconds` pass, and drafter 0's heartbeat reports `trained` tokens (its own count)."""
+    (_, batch), = [m for m in dispatcher.handle(b"t", p.Ready(credits=1)) if isinstance(m[1], p.Batch)]
+    dispatcher.handle(b"t", p.Produced(batch_id=batch.batch_id, slot=batch.slot,
+                                       num_tokens=dispatcher.ledger.entry(batch.batch_id).remaining_tokens,
+                                       compute_s=0.0))
+    (_, a), = dispatcher.handle(drafter, p.WantHidden(credits=1))
+    dispatcher.handle(drafter, p.Consumed(batch_id=a.batch_id, attempt=a.attempt))
+    clock.now += seconds
+    if trained is not None:
+        dispatcher.handle(drafter, p.Heartbeat(metrics={"trained_tokens": float(trained)}))
+    dispatcher.handle(drafter, p.Committed(step=step, batch_ids=[a.batch_id], ranks=[0], attempts=[a.attempt],
+                                           samples=[a.sample_ids]))
+    dispatcher.tick()
+    return a.num_tokens
+
+
+def _final(proc, cfg):
+    import json
+    proc.write_final_status()
+    with open(cfg.files.final_status) as f:
+        return json.load(f)
+
+
+def test_after_a_drafter_group_restart_the_average_tok_rate_counts_the_whole_run(tmp_path):
+    """The new group's drafters count their trained tokens from 0: the whole-run average
+    must not divide that reset count by the whole elapsed time."""
+    cfg = load_config(None, [f"run.run_dir={tmp_path}", "target.num_workers=1", "drafter.num_workers=1"])
+    epochs = [plan_epoch(np.full(8, 32), BucketSpec(boundaries=(64,), token_budget=64), seed=0, epoch=0)]
+    clock = _Clock()
+    dispatcher = Dispatcher(epochs, policy="pull", num_targets=1, num_drafters=1, clock=clock)
+    proc = DispatcherProc(cfg, dispatcher, address=cfg.dispatcher_address)
+    try:
+        dispatcher.handle(b"t", p.Register(role="target", rank=0, pid=1, pool={"b": 1}, num_slots=1))
+        dispatcher.handle(b"d/1", p.Register(role="drafter", rank=0, pid=2))
+        tokens = trained = 0
+        for step in (1, 2):
+            trained += _drive(dispatcher, clock, b"d/1", step, trained=trained + 64)
+        tokens = trained
+        dispatcher.handle(b"d/2", p.Register(role="drafter", rank=0, pid=3, replaces_pids=[2]))
+        dispatcher.handle(b"d/2", p.Resumed(step=2))
+        fresh = 0
+        for step in (3, 4):
+            fresh += _drive(dispatcher, clock, b"d/2", step, trained=fresh + 64)
+        tokens += fresh
+        final = _final(proc, cfg)
+        assert final["tokens"]["committed"] == tokens == 4 * 64
+        assert final["average_rates"]["tok_rate"] == pytest.approx(tokens / clock.now)
+    finally:
+        proc.close()
+
+
+def test_a_rerun_final_status_covers_the_whole_run(tmp_path):
+    """A second dispatcher finishes the job from the first one's ledger: final_status.json's
+    tokens are the whole run's, its average tok_rate this dispatcher's commits over its time."""
+    from dflash_ipc.dispatch.ledger_file import load_ledger, save_ledger
+    cfg = load_config(None, [f"run.run_dir={tmp_path}", "target.num_workers=1", "drafter.num_workers=1"])
+    epochs = [plan_epoch(np.full(8, 32), BucketSpec(boundaries=(64,), token_budget=64), seed=0, epoch=0)]
+    clock = _Clock()
+    first = Dispatcher(epochs, policy="pull", num_targets=1, num_drafters=1, clock=clock)
+    first.handle(b"t", p.Register(role="target", rank=0, pid=1, pool={"b": 1}, num_slots=1))
+    first.handle(b"d", p.Register(role="drafter", rank=0, pid=2))
+    before = sum(_drive(first, clock, b"d", step) for step in (1, 2))
+    save_ledger(first.ledger, cfg.files.ledger)
+    clock2 = _Clock()
+    second = Dispatcher(epochs, policy="pull", num_targets=1, num_drafters=1, clock=clock2,
+                        ledger=load_ledger(cfg.files.ledger))
+    proc = DispatcherProc(cfg, second, address=cfg.dispatcher_address)
+    try:
+        second.handle(b"t", p.Register(role="target", rank=0, pid=3, pool={"b": 1}, num_slots=1))
+        second.handle(b"d", p.Register(role="drafter", rank=0, pid=4))
+        after = sum(_drive(second, clock2, b"d", step, trained=64 * (step - 2)) for step in (3, 4))
+        assert second.finished
+        final = _final(proc, cfg)
+        assert final["tokens"]["committed"] == final["tokens"]["total"] == before + after
+        assert final["committed_tokens_by_epoch"] == {"0": before + after}
+        assert final["average_rates"]["tok_rate"] == pytest.approx(after / clock2.now)
     finally:
         proc.close()

@@ -78,7 +78,7 @@ class Job:
         sock = self.socket()
         try:
             reply = ask(sock, p.StatusRequest(), timeout_ms)
-            return reply.status if isinstance(reply, p.StatusReply) else None
+            return reply.status.to_json() if isinstance(reply, p.StatusReply) else None  # as on disk
         finally:
             sock.close(linger=0)
 

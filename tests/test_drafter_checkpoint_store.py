@@ -149,8 +149,15 @@ def test_checkpoints_newer_than_the_last_commit_are_set_aside_and_never_resumed(
     moved = store.quarantine_after(10)
     assert [os.path.basename(m).split("-")[0] for m in moved] == ["step_00000020", "step_00000030"]
     assert store.steps_on_disk() == [10] and store.uncommitted() == sorted(moved)
+    # latest.json still names step 30 until the group resumes: read, it is a clear error,
+    # never the set-aside checkpoint
+    with pytest.raises(DamagedCheckpointError, match=r"names step_00000030, which is not in .* \(set aside"):
+        store.latest()
+    store.mark_latest(10)  # what rank 0 writes once the dispatcher confirms the resume
     assert store.latest() == store.path(10)
-    assert store.quarantine_after(None) and store.steps_on_disk() == [] and store.latest() is None
+    assert store.quarantine_after(None) and store.steps_on_disk() == []
+    store.mark_latest(None)  # a resume from no checkpoint
+    assert store.latest() is None
 
 
 def test_what_a_writer_killed_mid_write_left_is_cleared_and_a_cut_swap_undone(store, tmp_path):
@@ -282,8 +289,8 @@ def test_the_supervisors_start_sets_aside_what_the_ledger_never_committed(store,
     assert quarantine_uncommitted_checkpoints(cfg) == []  # no ledger yet: nothing is judged
     led = Ledger()
     led.add_epoch([PlannedBatch(batch_id=0, epoch=0, bucket=0, sample_ids=(0, 1), lengths=(4, 4), padded_len=8)])
-    led.lease(0, 0)
-    led.produced(0, 0, 0)
+    led.open_pool(0, 1)
+    led.produced(0, 0, led.lease(0, 0).slot)
     attempt = led.assign(0, 0)
     led.consumed(0, 0, attempt)
     led.commit(20, [TrainedCopy(0, 0, attempt, (0,))])

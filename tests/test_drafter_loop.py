@@ -125,8 +125,9 @@ def test_a_fresh_rank_asks_copies_steps_and_commits_sample_by_sample(tmp_path):
     assert commit.attempts == [1, 2] and commit.samples == [[0, 1, 2], [3]]
     loop.intake(0.0)  # the CommitDone: latest.json names the committed checkpoint
     assert loop.store.latest() == loop.store.path(2)
-    extra = loop.trainer.resume(loop.store, 2)
-    assert extra["untrained"] == [[1, 0, 2, [4, 5, 6, 7]]] and extra["committed"][1] == [1, 0, 2, [3]]
+    # The rest of batch 1 is queued, not committed: a restart from step 2 gets it again.
+    assert [(s.batch_id, s.attempt, s.sample_id) for s in loop.queue.fifo] == [(1, 2, s) for s in (4, 5, 6, 7)]
+    assert loop.trainer.resume(loop.store, 2) == {"resumed_from": -1}  # the commit is the ledger's, not here
     assert link.metrics["trained_tokens"] == sum(LENGTHS[:4])
 
 

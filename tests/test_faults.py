@@ -53,7 +53,7 @@ class Job(SupervisedJob):
             status = None
             if (self.run_dir / "config.yaml").exists():
                 try:
-                    status = fetch_status(str(self.run_dir), timeout_s=2.0)
+                    status = fetch_status(str(self.run_dir), timeout_s=2.0).to_json()  # as JSON, as on disk
                 except Exception:  # not serving yet
                     pass
             if status and predicate(status):

@@ -1,7 +1,7 @@
 """The package is a house of floors: a module imports only from its own package and from lower
 floors, deferred imports (inside functions) included, so no package knot can grow back.
 
-    errors < run < config < {wire, obs} < {hf, transport, data} < {dispatch, target, drafter}
+    errors < run < config < wire < obs < {hf, transport, data} < {dispatch, target, drafter}
            < export < decode < {eval, regenerate} < {builtin, supervise, report} < bench < cli
 
 Packages on one floor never import each other (the target and the drafter share only what
@@ -98,7 +98,8 @@ FLOORS = [
     {"errors"},
     {"run"},                            # the run directory: files, checkpoints, child contract, logs
     {"config"},                         # the job config, its loading, dtypes, machine checks
-    {"wire", "obs"},                    # messages and links; timelines, sinks, progress lines
+    {"wire"},                           # messages (the typed job status among them) and links
+    {"obs"},                            # timelines, sinks, progress lines: they read the job status
     {"hf", "transport", "data"},        # an HF checkpoint's anatomy; slot pools; datasets
     {"dispatch", "target", "drafter"},  # the three kinds of worker
     {"export"},                         # publishing: model card, Hub code

@@ -83,7 +83,7 @@ def test_two_nodes_one_dispatcher_exactly_once_and_a_killed_target(tmp_path, tin
 
         def node1_target_produced():
             try:
-                status = fetch_status(str(run_dir), timeout_s=2.0)
+                status = fetch_status(str(run_dir), timeout_s=2.0).to_json()  # as JSON, as on disk
             except Exception:  # not serving yet
                 return False
             target = status.get("targets", {}).get("3")

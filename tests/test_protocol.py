@@ -9,6 +9,8 @@ import pytest
 
 from dflash_ipc.wire import protocol as p
 from dflash_ipc.errors import ProtocolError
+from dflash_ipc.wire import status as st
+from statuses import drafter, make_status, target
 
 EXAMPLES = [
     p.Register(role="target", rank=3, pid=123, node=0, device="cuda:3", pool={"backend": "shm", "h": b"\x00\x01"},
@@ -27,7 +29,7 @@ EXAMPLES = [
     p.Resumed(step=-1),
     p.Heartbeat(metrics={"loss": 1.5, "step": 3}),
     p.StatusRequest(),
-    p.StatusReply(status={"a": [1, 2], "b": {"c": 1.0}}),
+    p.StatusReply(status=make_status([(3, 1), (3, 0)], tok_rate=12.5, trained=30, committed_tokens=20)),
     p.EndOfData(),
     p.Shutdown(reason="done"),
     p.Rejected(kind=5, reason="bad"),
@@ -154,3 +156,47 @@ def test_nothing_is_pickled():
     ext = msgpack.packb({"credits": msgpack.ExtType(1, b"\x80\x04")})
     with pytest.raises(ProtocolError):
         p.decode([bytes((p.Kind.READY,)), ext])
+
+
+def _status_reply(change) -> list[bytes]:
+    """A StatusReply's frames with its status map changed by `change` (as a hostile or broken
+    dispatcher might send it)."""
+    status = make_status([(3, 1)])
+    status.targets = {"0": target(metrics={"loss": 1.0})}
+    status.drafters = {"0": drafter()}
+    plain = status.to_json()
+    change(plain)
+    return [bytes((p.Kind.STATUS_REPLY,)), msgpack.packb({"status": plain}, use_bin_type=True)]
+
+
+def test_a_status_reply_is_typed_and_read_by_attribute():
+    status = make_status([(3, 1)])
+    status.targets = {"0": target(free_slots=2, metrics={"busy_s": 1.5})}
+    reply = p.decode(p.encode(p.StatusReply(status=status)))
+    assert isinstance(reply.status, st.JobStatus) and isinstance(reply.status.targets["0"], st.TargetStatus)
+    assert reply.status.targets["0"].free_slots == 2 and reply.status.batches.committed == 1
+    assert reply.status.epochs[0] == st.EpochProgress(epoch=0, batches=3, committed=1)
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda s: s.pop("tokens"), r"status: unknown fields \[\], missing \['tokens'\]"),
+    (lambda s: s["batches"].update(committed=True), r"status.batches.committed: bool True is not int"),
+    (lambda s: s["targets"]["0"].update(extra=1), r"status.targets\['0'\]: unknown fields \['extra'\]"),
+    (lambda s: s["rates"].update(tok_rate=float("inf")), r"status.rates.tok_rate: inf is not a finite number"),
+    (lambda s: s.update(policy="x" * (st.MAX_STR + 1)), r"16385"),  # msgpack's own string limit, first
+    (lambda s: s["targets"]["0"]["metrics"].update({f"m{i}": 1.0 for i in range(st.MAX_METRICS)}),
+     r"status.targets\['0'\].metrics: 65 entries, at most 64"),
+    (lambda s: s.update(dropped_targets={str(i): "x" for i in range(st.MAX_MAP + 1)}),
+     r"status.dropped_targets: 257 entries, at most 256"),
+    (lambda s: s["epochs"].append({"epoch": [[[[1]]]], "batches": 1, "committed": 0}),
+     r"status.epochs\[1\].epoch: list .* is not int"),
+    (lambda s: s.update(last_committed_step=-5), r"status.last_committed_step: integer -5 outside"),
+])
+def test_a_status_reply_out_of_shape_or_bounds_is_refused(change, needle):
+    with pytest.raises(ProtocolError, match=needle):
+        p.decode(_status_reply(change))
+
+
+def test_the_status_bounds_are_the_wires():
+    assert (st.MAX_STR, st.MAX_INT, st.MAX_MAP, st.MAX_LIST, st.MAX_METRICS) == (
+        p.MAX_STR, p.MAX_INT, p.MAX_MAP, p.MAX_LIST, p.MAX_METRICS)

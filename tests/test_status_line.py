@@ -5,23 +5,15 @@ import pytest
 
 from dflash_ipc.obs.progress import format_duration
 from dflash_ipc.obs.status_line import StatusLine, estimate_eta_s, format_progress, format_status
+from dflash_ipc.wire import status as st
+from statuses import drafter, make_status, target
 
 
 def _status(epochs, *, tok_rate=0.0, trained=0, committed_tokens=0, consumed_tokens=0, consumed=0,
-            total_tokens=None, finished=False):
-    committed = sum(c for _, c in epochs)
-    status = {
-        "elapsed_s": 42.0, "num_batches": sum(b for b, _ in epochs),
-        "batches": {"pending": 0, "leased": 0, "produced": 0, "consumed": consumed, "committed": committed},
-        "epochs": [{"epoch": e, "batches": b, "committed": c} for e, (b, c) in enumerate(epochs)],
-        "tokens": {"produced": consumed_tokens, "consumed": consumed_tokens, "trained": trained,
-                   "committed": committed_tokens},
-        "rates": {"tgt_rate": 0.0, "dft_rate": 0.0, "tok_rate": tok_rate},
-        "produced_waiting": 0, "targets": {}, "drafters": {}, "finished": finished,
-    }
-    if total_tokens is not None:
-        status["tokens"]["total"] = total_tokens
-    return status
+            total_tokens=0, finished=False):
+    return make_status(epochs, tok_rate=tok_rate, trained=trained, committed_tokens=committed_tokens,
+                       consumed_tokens=consumed_tokens, consumed=consumed, total_tokens=total_tokens,
+                       finished=finished)
 
 
 def test_start_of_job_has_an_empty_bar_and_no_eta():
@@ -50,15 +42,13 @@ def test_eta_counts_trained_tokens_ahead_of_commits():
 def test_eta_before_any_commit_uses_consumed_batches_then_total_when_present():
     status = _status([(10, 0)], tok_rate=10.0, trained=0, consumed_tokens=300, consumed=3)
     assert estimate_eta_s(status) == pytest.approx(100.0)  # 10 batches x 100 tokens, nothing trained
-    status["tokens"]["total"] = 5_000
+    status.tokens.total = 5_000
     assert estimate_eta_s(status) == pytest.approx(500.0)
 
 
-@pytest.mark.parametrize("rate", [0.0, None, float("nan")])
+@pytest.mark.parametrize("rate", [0.0, -1.0, float("nan")])
 def test_zero_or_unknown_rate_prints_no_eta(rate):
     status = _status([(10, 5), (10, 0)], tok_rate=rate, trained=500, committed_tokens=500)
-    if rate is None:
-        del status["rates"]["tok_rate"]
     assert estimate_eta_s(status) is None
     assert format_progress(status).endswith("ETA --")
 
@@ -71,7 +61,7 @@ def test_done():
 
 def test_without_epochs_falls_back_to_the_whole_job():
     status = _status([(8, 2)], tok_rate=100.0, committed_tokens=200, trained=200)
-    del status["epochs"]
+    status.epochs = []
     assert format_progress(status, width=8) == "[##......]  25% 2/8 batches  ETA 6s"
 
 
@@ -90,14 +80,15 @@ def test_format_duration(seconds, text):
 
 def test_format_status_unchanged():
     status = _status([(20, 12), (10, 6)], tok_rate=4980.0)
-    status["rates"].update(tgt_rate=5210.0, dft_rate=5050.0)
-    status["batches"].update(pending=8, leased=5, produced=2, consumed=3)
-    status["targets"] = {"0": {"free_slots": 6}, "1": {"free_slots": 8}}
-    status["drafters"] = {"0": {"metrics": {"step": 12, "loss": 4.812}}, "1": {"metrics": {}}}
+    status.rates.tgt_rate, status.rates.dft_rate = 5210.0, 5050.0
+    b = status.batches
+    b.pending, b.leased, b.produced, b.consumed = 8, 5, 2, 3
+    status.targets = {"0": target(free_slots=6), "1": target(free_slots=8)}
+    status.drafters = {"0": drafter(metrics={"step": 12.0, "loss": 4.812}), "1": drafter()}
     assert format_status(status) == (
         "[   42s]  60% 18/30 batches | tgt_rate 5,210 dft_rate 5,050 tok_rate 4,980 tok/s | "
         "step 12 loss 4.812 | pending 8 leased 5 produced 2 consumed 3 | free slots 14")
-    status["average_rates"] = {"tgt_rate": 1.0, "dft_rate": 2.0, "tok_rate": 3.0}
+    status.average_rates = st.Rates(tgt_rate=1.0, dft_rate=2.0, tok_rate=3.0)
     assert format_status(status, final=True).startswith("done, averages: [   42s]  60% 18/30 batches | tgt_rate 1 ")
 
 
@@ -133,7 +124,7 @@ def test_stepped_job_progress_never_goes_back_and_ends_final():
     # the share holds; the ETA counts what is left now: (1000 - 850) / 50 = 3 s
     assert shown[4] == "epoch 1/1 [########..]  80% 8/10 batches  trained 98% of tokens  ETA 3s"
     final = _status([(10, 10)], trained=1000, committed_tokens=1000, total_tokens=1000, finished=True)
-    final["average_rates"] = {"tgt_rate": 30.0, "dft_rate": 25.0, "tok_rate": 20.0}
+    final.average_rates = st.Rates(tgt_rate=30.0, dft_rate=25.0, tok_rate=20.0)
     done, bar = line.final_lines(final)
     assert done.startswith("done, averages: [   42s] 100% 10/10 batches | tgt_rate 30 dft_rate 25 tok_rate 20 ")
     assert bar == "epoch 1/1 [##########] 100% 10/10 batches  ETA done"
@@ -156,12 +147,12 @@ def test_status_of_an_ended_job_is_its_final_status(tmp_path, monkeypatch):
     with pytest.raises(WorkerDeadError, match="silent"):
         status_query.query_status(str(tmp_path))
     status = _status([(4, 4)], finished=True)
-    status["average_rates"] = {"tgt_rate": 10.0, "dft_rate": 9.0, "tok_rate": 8.0}
-    status["targets"] = {"0": {"free_slots": 2, "batches": 4, "tokens": 512, "credits": 0, "heartbeat_age_s": 0.5}}
+    status.average_rates = st.Rates(tgt_rate=10.0, dft_rate=9.0, tok_rate=8.0)
+    status.targets = {"0": target(free_slots=2, batches=4, tokens=512, heartbeat_age_s=0.5)}
     # A NaN loss is written as null (strict JSON): shown as nan, not a crash.
-    status["drafters"] = {"0": {"metrics": {"step": 7.0, "loss": None}, "batches": 4, "heartbeat_age_s": 0.2}}
+    status.drafters = {"0": drafter(metrics={"step": 7.0, "loss": float("nan")}, batches=4, heartbeat_age_s=0.2)}
     with open(files.final_status, "w") as f:
-        json.dump(status, f)
+        json.dump(status.to_json(), f)
     lines = status_query.query_status(str(tmp_path)).splitlines()
     assert lines[0].startswith("no dispatcher answers (dispatcher silent for 3.0s); the job's final status")
     assert lines[1].startswith("done, averages: [   42s] 100% 4/4 batches | tgt_rate 10 ")
@@ -176,9 +167,33 @@ def test_status_json_is_strict_json_whatever_the_status_holds(tmp_path, monkeypa
     from dflash_ipc.run.files import RunFiles
     from dflash_ipc.supervise import status_query
     open(RunFiles(str(tmp_path)).job_config, "w").close()
-    status = {"rates": {"tok_rate": float("nan")}, "targets": {"0": {"metrics": {"loss": float("inf")}}}}
+    status = _status([(4, 1)], tok_rate=float("nan"))
+    status.targets = {"0": target(metrics={"loss": float("inf")})}
     monkeypatch.setattr(status_query, "fetch_status", lambda run_dir: status)
     text = status_query.query_status(str(tmp_path), as_json=True)
     assert "NaN" not in text and "Infinity" not in text
-    assert json.loads(text) == {"rates": {"tok_rate": None}, "targets": {"0": {"metrics": {"loss": None}}},
-                                "uncommitted_checkpoints": []}
+    got = json.loads(text)
+    assert got["rates"]["tok_rate"] is None and got["targets"]["0"]["metrics"] == {"loss": None}
+    assert got["uncommitted_checkpoints"] == [] and got["batches"]["committed"] == 1
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda d: d.pop("batches"), r"missing \['batches'\]"),
+    (lambda d: d["tokens"].update(committed="12"), r"status.tokens.committed: str '12' is not int"),
+    (lambda d: d["targets"].update({"0": {"pid": 1}}), r"status.targets\['0'\]: unknown fields \[\], missing"),
+    (lambda d: d.update(epochs={}), r"status.epochs: dict is not a list"),
+    (lambda d: d.update(renamed=1), r"unknown fields \['renamed'\]"),
+])
+def test_a_final_status_of_another_shape_is_one_clear_error(tmp_path, change, needle):
+    """A final_status.json with a field missing, renamed or of another type: one DataError naming
+    the file and the field, never a KeyError where it is read."""
+    import json
+
+    from dflash_ipc.errors import DataError
+    data = _status([(4, 4)], finished=True).to_json()
+    change(data)
+    path = tmp_path / "final_status.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(DataError, match=needle) as info:
+        st.read_status_file(str(path))
+    assert str(path) in str(info.value) and "\n" not in str(info.value)

@@ -7,6 +7,7 @@ from dflash_ipc.errors import EXIT_CONFIG_ERROR
 from dflash_ipc.supervise.decisions import (ChildView, Died, Fail, Kill, KillDrafters, Scheduled, Start,
                                             SupervisorLogic, SweepPool)
 from dflash_ipc.supervise.roles import DISPATCHER, Role
+from statuses import drafter, make_status, target
 
 T0, T1, D0, D1 = Role("target", 0), Role("target", 1), Role("drafter", 0), Role("drafter", 1)
 ROLES = [DISPATCHER, T0, T1, D0, D1]
@@ -97,11 +98,11 @@ def test_a_configuration_error_is_never_restarted():
 
 
 def seated(w, **ages):
-    status = {"targets": {}, "drafters": {}, "dropped_targets": {}}
+    status = make_status([(10, 0)])
     for role in (T0, T1):
-        status["targets"][str(role.rank)] = {"pid": w.children[role].pid, "heartbeat_age_s": ages.get(str(role), 0.1)}
+        status.targets[str(role.rank)] = target(pid=w.children[role].pid, heartbeat_age_s=ages.get(str(role), 0.1))
     for role in (D0, D1):
-        status["drafters"][str(role.rank)] = {"pid": w.children[role].pid, "heartbeat_age_s": 0.1}
+        status.drafters[str(role.rank)] = drafter(pid=w.children[role].pid, heartbeat_age_s=0.1)
     return status
 
 
@@ -112,8 +113,8 @@ def test_a_hung_target_is_killed_then_restarted_and_a_dropped_one_too():
     assert actions == [Kill(T0, "no heartbeat for 5.5s (dispatch.heartbeat_timeout_s=5)")]
     assert kinds(w.step()) == ["Died", "SweepPool", "Scheduled"]
     status = seated(w)
-    del status["targets"]["1"]
-    status["dropped_targets"] = {str(w.children[T1].pid): "silent for 6.0s"}
+    del status.targets["1"]
+    status.dropped_targets = {str(w.children[T1].pid): "silent for 6.0s"}
     assert w.step(status=status, dispatcher_replied_at=w.now) == [Kill(T1, "the dispatcher dropped it (silent for 6.0s)")]
 
 
@@ -162,7 +163,7 @@ def test_a_beacon_of_an_earlier_process_or_none_yet_is_no_hang_but_never_registe
     wall = 5000.0
     old = {D0: beacon(999, time=wall - 100)}  # the predecessor's file, not yet rewritten
     status = seated(w)
-    del status["drafters"]["0"]
+    del status.drafters["0"]
     assert w.step(status=status, beacons=old, wall_now=wall, dispatcher_replied_at=w.now) == []
     w.now += 61
     actions = w.step(status=status, beacons=old, wall_now=wall, dispatcher_replied_at=w.now)
@@ -212,7 +213,8 @@ def test_a_two_process_target_worker_is_one_restart_key():
     # Only the leader holds a seat: a follower is never "not registered", its leader is.
     children = {r: ChildView(r, 20 + i, None, started_at=now[0]) for i, r in enumerate(roles)}
     now[0] += 61
-    status = {"targets": {}, "drafters": {"0": {"pid": 23, "heartbeat_age_s": 0.0}}, "dropped_targets": {}}
+    status = make_status([(10, 0)])
+    status.drafters = {"0": drafter(pid=23)}
     hangs = logic.step(now[0], list(children.values()), status=status, beacons={D0: None}, wall_now=0.0,
                        dispatcher_replied_at=now[0])
     assert [a.role for a in hangs if isinstance(a, Kill)] == [leader]

@@ -15,6 +15,7 @@ import zmq
 
 from dflash_ipc.run.files import RunFiles
 from dflash_ipc.wire import protocol as p
+from dflash_ipc.wire.status import JobStatus
 from dflash_ipc.supervise.health import (format_health, gpu_memory_by_pid,
                                          health_report)
 
@@ -44,7 +45,7 @@ class FakeDispatcher:
             sender, *frames = self.socket.recv_multipart()
             msg = p.decode(frames)
             if isinstance(msg, p.StatusRequest):
-                reply = p.StatusReply(status=json.loads(json.dumps(self.status)))
+                reply = p.StatusReply(status=self.status)
             else:
                 reply = p.Heartbeat(metrics={})
             self.socket.send_multipart([sender, *p.encode(reply)])
@@ -57,20 +58,22 @@ class FakeDispatcher:
 
 
 def canned_status(*, target_batches=3, drafter_step=2, hb_age_s=0.3, pending=5, finished=False,
-                  targets=("0",), drafters=("0",)) -> dict:
-    return {
+                  targets=("0",), drafters=("0",)) -> JobStatus:
+    return JobStatus.from_json({
         "elapsed_s": 12.0, "policy": "pull", "num_batches": 10,
-        "batches": {"pending": pending, "leased": 1, "produced": 1, "consumed": 1, "committed": 2},
-        "tokens": {"produced": 900, "consumed": 600, "trained": 500, "committed": 400},
+        "batches": {"pending": pending, "leased": 1, "produced": 1, "consumed": 1, "committed": 2, "assigned": 0},
+        "epochs": [{"epoch": 0, "batches": 10, "committed": 2}],
+        "tokens": {"total": 3000, "produced": 900, "consumed": 600, "trained": 500, "committed": 400},
+        "committed_tokens_by_epoch": {"0": 400}, "last_committed_step": 4,
         "rates": {"tgt_rate": 80.0, "dft_rate": 60.0, "tok_rate": 50.0}, "produced_waiting": 1,
-        "targets": {r: {"credits": 1, "free_slots": 2, "batches": target_batches, "tokens": 900,
+        "targets": {r: {"pid": 10, "credits": 1, "free_slots": 2, "batches": target_batches, "tokens": 900,
                         "compute_s": 1.0, "metrics": {"busy_s": 1.0, "wait_s": 0.5},
                         "heartbeat_age_s": hb_age_s} for r in targets},
-        "drafters": {r: {"credits": 2, "batches": 2, "tokens": 600,
+        "drafters": {r: {"pid": 20, "credits": 2, "batches": 2, "tokens": 600,
                          "metrics": {"step": float(drafter_step), "loss": 5.0, "trained_tokens": 500.0},
                          "heartbeat_age_s": hb_age_s} for r in drafters},
-        "refusals": 0, "finished": finished,
-    }
+        "refusals": 0, "instance": "i", "drafter_generation": 0, "dropped_targets": {}, "finished": finished,
+    }, "canned")
 
 
 @pytest.fixture
@@ -338,8 +341,8 @@ def test_status_and_health_name_the_checkpoints_set_aside_as_never_committed(tmp
 def test_a_follower_of_a_target_worker_is_judged_by_its_leaders_seat():
     from dflash_ipc.supervise.health import _worker_status
     status = canned_status(targets=("0", "1"), drafters=("0",))
-    assert _worker_status(status, "target/1.1") is status["targets"]["1"]
-    assert _worker_status(status, "drafter/0") is status["drafters"]["0"]
+    assert _worker_status(status, "target/1.1") is status.targets["1"]
+    assert _worker_status(status, "drafter/0") is status.drafters["0"]
     assert _worker_status(status, "target/7") is None
     assert _worker_status(status, "supervisor") is None and _worker_status(status, "dispatcher") is None
 
@@ -351,7 +354,7 @@ def test_a_drafters_beacon_shows_its_phase_and_tells_a_long_step_from_a_stopped_
     run_dir = make_run(tmp_path, children, address=dispatcher.address)
     pid = children["drafter/0"].pid
     dispatcher.status = canned_status()
-    dispatcher.status["drafters"]["0"]["heartbeat_age_s"] = 40.0
+    dispatcher.status.drafters["0"].heartbeat_age_s = 40.0
     path = RunFiles(run_dir).beacon("drafter/0")
     os.makedirs(os.path.dirname(path))
     now = time.time()

@@ -29,7 +29,6 @@ Run manual::
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -53,6 +52,7 @@ from dflash_ipc.dispatch.dispatcher import Dispatcher
 from dflash_ipc.dispatch.proc import DispatcherProc
 from dflash_ipc.errors import ConfigError, DataError, ProtocolError, WorkerDeadError
 from dflash_ipc.wire.link import DispatcherLink
+from dflash_ipc.wire.status import read_status_file, to_plain
 from dflash_ipc.run.files import RunFiles
 
 log = logging.getLogger(__name__)
@@ -426,8 +426,7 @@ def run_policy(policy: str, batches: list[PlannedBatch], lengths: np.ndarray, *,
             thread.join(max(0.1, deadline - time.monotonic()))
         if shared.errors:
             raise WorkerDeadError(f"bench {policy}: fake workers failed: {'; '.join(shared.errors)}")
-        with open(RunFiles(run_dir).final_status, encoding="utf-8") as f:
-            final = json.load(f)
+        final = read_status_file(RunFiles(run_dir).final_status)
     finally:
         shared.stop.set()
         shared.barrier.abort()
@@ -438,8 +437,8 @@ def run_policy(policy: str, batches: list[PlannedBatch], lengths: np.ndarray, *,
     intervals = sorted(shared.intervals, key=lambda iv: (iv.start, iv.worker))
     result = summarize(intervals, num_targets, start=t0[0], speeds=speeds)
     result["intervals"] = [[iv.worker, iv.start - t0[0], iv.end - t0[0], iv.batch_id] for iv in intervals]
-    result["dispatcher"] = {"batches": final["batches"], "refusals": final["refusals"],
-                            "elapsed_s": final["elapsed_s"]}
+    result["dispatcher"] = {"batches": to_plain(final.batches), "refusals": final.refusals,
+                            "elapsed_s": final.elapsed_s}
     return result
 
 

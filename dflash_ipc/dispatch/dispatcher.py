@@ -3,10 +3,10 @@
 `Dispatcher.handle(sender, msg)` and `Dispatcher.tick()` return the messages to send, as
 `(identity, message)` pairs, so tests step the whole job in one process;
 `dflash_ipc.dispatch.proc` wraps it with a ZMQ ROUTER socket. Every fact about a batch is
-in the `Ledger`; whom to serve is the `Policy`'s answer; this class keeps the seats (who is
-registered, with how many credits and free slots) and sends nothing that was not asked for:
-a target gets a `Batch` while it has a credit and a free slot, a drafter an `Assign` while
-it has a credit.
+in the `Ledger`, its slot and the committed tokens included; whom to serve is the `Policy`'s
+answer; this class keeps the seats (who is registered, with how many credits, and what it
+reports) and sends nothing that was not asked for: a target gets a `Batch` while it has a
+credit and the ledger a free slot of its pool, a drafter an `Assign` while it has a credit.
 
 Seats: a `Register` for a target or drafter seat carries the job's secret (`secret`: the
 bytes of `<run_dir>/keys/job_secret`, wire/security.py), or is refused whatever it asks;
@@ -22,11 +22,13 @@ one: `Ledger.rollback_to`). A target silent for `heartbeat_timeout_s` is dropped
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import time
 
 from dflash_ipc.wire import protocol as p
+from dflash_ipc.wire import status as st
 from dflash_ipc.dispatch.buckets import PlannedBatch
 from dflash_ipc.dispatch.ledger import BatchState, Ledger, TrainedCopy
 from dflash_ipc.dispatch.policy import make_policy
@@ -75,7 +77,11 @@ class Dispatcher:
         # joins the store of the dead one.
         self.drafter_generation = drafter_generation
         self.started = clock()
-        self.tokens_produced = self.tokens_consumed = self.tokens_committed = 0
+        # Tokens this process moved (throughput; a restarted dispatcher counts from 0). The
+        # committed tokens are the ledger's (it alone knows rollbacks and earlier runs); the
+        # count at start splits them into this process' share for its average rate.
+        self.tokens_produced = self.tokens_consumed = 0
+        self.committed_at_start = self.ledger.committed_tokens()
         self.rates = {name: TokenRate(RATE_WINDOW_S) for name in ("tgt_rate", "dft_rate", "tok_rate")}
         self.end_sent = False
         self.refusals = 0
@@ -150,9 +156,9 @@ class Dispatcher:
                 out += self.restart_drafter_group(f"drafter/{msg.rank} registered again as pid {msg.pid}")
         if msg.role == "target":
             self.dropped_targets.pop(msg.pid, None)  # a reused pid is a new process
+            self.ledger.open_pool(msg.rank, msg.num_slots)
             seats[msg.rank] = TargetSeat(rank=msg.rank, identity=sender, node=msg.node, pid=msg.pid, last_seen=now,
-                                         pool=msg.pool, num_slots=msg.num_slots,
-                                         free_slots=collections.deque(range(msg.num_slots)))
+                                         pool=msg.pool, num_slots=msg.num_slots)
         else:
             seats[msg.rank] = DrafterSeat(rank=msg.rank, identity=sender, node=msg.node, pid=msg.pid, last_seen=now)
         log.info("%s/%d registered (pid %d, %s)", msg.role, msg.rank, msg.pid, msg.device)
@@ -188,9 +194,10 @@ class Dispatcher:
     # --- failures ---------------------------------------------------------------------
 
     def drop_target(self, rank: int, reason: str = "dropped") -> Outgoing:
-        """A target died, hung or was replaced: its leased and produced batches go back to
-        pending (assigned ones stay with their drafters, whose copy may be under way). Its
-        identity is forgotten, so a late message from it is answered Unregistered."""
+        """A target died, hung or was replaced: its pool closes, its leased and produced
+        batches go back to pending (assigned ones stay with their drafters, whose copy may be
+        under way). Its identity is forgotten, so a late message from it is answered
+        Unregistered."""
         seat = self.targets.pop(rank, None)
         if seat is None:
             return []
@@ -239,49 +246,31 @@ class Dispatcher:
         raise ProtocolError(f"{msg.KIND.name} is not a message a target may send")
 
     def _produced(self, seat: TargetSeat, msg: p.Produced) -> Outgoing:
-        lease = seat.leases.get(msg.batch_id)
-        if lease is None or lease[0] != msg.slot:
-            raise ProtocolError(f"Produced: batch {msg.batch_id} in slot {msg.slot} was not given to "
-                                f"target/{seat.rank} in that slot")
-        slot, tokens = seat.leases.pop(msg.batch_id)
-        if msg.num_tokens != tokens or msg.compute_s < 0:
-            seat.free_slots.append(slot)
-            raise ProtocolError(f"Produced: batch {msg.batch_id} has {tokens} tokens, reported {msg.num_tokens} "
-                                f"(compute_s {msg.compute_s})")
-        entry = self.ledger.entry(msg.batch_id)
-        if entry.state is not BatchState.LEASED or entry.target != seat.rank:
-            # Taken back meanwhile (a rollback): the slot was written for nothing; reuse it.
-            seat.free_slots.append(slot)
-            return self._serve_targets()
-        self.ledger.produced(msg.batch_id, seat.rank, slot)
+        if msg.compute_s < 0:
+            raise ProtocolError(f"Produced: batch {msg.batch_id}: compute_s {msg.compute_s} < 0")
+        if not self.ledger.produced(msg.batch_id, seat.rank, msg.slot, num_tokens=msg.num_tokens):
+            return self._serve_targets()  # a lease taken back meanwhile: only its slot came free
         seat.batches_done += 1
-        seat.tokens_done += tokens
+        seat.tokens_done += msg.num_tokens
         seat.compute_s += msg.compute_s
-        self.tokens_produced += tokens
+        self.tokens_produced += msg.num_tokens
         return self._serve_drafters()
 
     def _serve_targets(self) -> Outgoing:
         out: Outgoing = []
         for rank in list(self.target_waiters):
             seat = self.targets[rank]
-            while seat.credits > 0 and seat.free_slots:
+            while seat.credits > 0 and self.ledger.free_slots(rank):
                 batch = self.policy.next_batch(rank, self.ledger)
                 if batch is None:
                     break
-                slot = seat.free_slots.popleft()
                 work = self.ledger.lease(batch.batch_id, rank)
-                seat.leases[work.batch_id] = (slot, work.num_tokens)
                 seat.credits -= 1
-                out.append((seat.identity, p.Batch(batch_id=work.batch_id, epoch=work.epoch, slot=slot,
+                out.append((seat.identity, p.Batch(batch_id=work.batch_id, epoch=work.epoch, slot=work.slot,
                                                    sample_ids=list(work.sample_ids), padded_len=work.padded_len)))
             if seat.credits == 0:
                 self.target_waiters.remove(rank)
         return out
-
-    def _free_slot(self, freed) -> None:
-        """A slot came free: back to its target if that target's pool still lives."""
-        if freed is not None and (seat := self.targets.get(freed[0])) is not None:
-            seat.free_slots.append(freed[1])
 
     # --- drafters ---------------------------------------------------------------------
 
@@ -298,10 +287,9 @@ class Dispatcher:
             if consumption is None:
                 return []  # its group commit came first and did this already
             self._count_consumed(seat, consumption.tokens)
-            self._free_slot(consumption.freed_slot)
             return self._serve_targets()
         if isinstance(msg, p.Lost):
-            self._free_slot(self.ledger.lost(msg.batch_id, seat.rank, msg.attempt))
+            self.ledger.lost(msg.batch_id, seat.rank, msg.attempt)
             log.warning("drafter/%d lost batch %d (attempt %d): %s; back to pending", seat.rank, msg.batch_id,
                         msg.attempt, msg.reason)
             return self._serve_targets()
@@ -327,10 +315,7 @@ class Dispatcher:
             raise ProtocolError(f"Committed: ranks {sorted(set(msg.ranks))} include one not registered")
         copies = [TrainedCopy(batch_id=b, drafter=r, attempt=a, sample_ids=tuple(s))
                   for b, r, a, s in zip(msg.batch_ids, msg.ranks, msg.attempts, msg.samples)]
-        result = self.ledger.commit(msg.step, copies)
-        for freed in result.freed_slots:
-            self._free_slot(freed)
-        self.tokens_committed += result.tokens
+        self.ledger.commit(msg.step, copies)
         done = [(seat.identity, p.CommitDone(step=msg.step))]
         return self._serve_targets() + done + self._maybe_end()
 
@@ -344,8 +329,7 @@ class Dispatcher:
         if last is not None and msg.step < last:
             log.warning("the drafter group resumed from step %d, older than the last commit (step %d, "
                         "unreadable): the commits after it are undone", msg.step, last)
-            for freed in self.ledger.rollback_to(msg.step):
-                self._free_slot(freed)
+            self.ledger.rollback_to(msg.step)
             self._reopen()
         return [(seat.identity, p.Resumed(step=msg.step))] + self._serve_targets()
 
@@ -384,33 +368,49 @@ class Dispatcher:
         # A drafter's own count, never below zero whatever it sends (no negative rates).
         return sum(max(0.0, s.metrics.get("trained_tokens", 0.0)) for s in self.drafters.values())
 
-    def status(self) -> dict:
+    def average_rates(self) -> st.Rates:
+        """Whole-life averages of this process (tokens/s since it started): produced,
+        consumed, and committed by it. Committed, not the drafters' trained counts: those
+        restart from 0 with every drafter group, while elapsed time does not."""
+        elapsed = max(1e-9, self.clock() - self.started)
+        committed = max(0, self.ledger.committed_tokens() - self.committed_at_start)
+        return st.Rates(tgt_rate=self.tokens_produced / elapsed, dft_rate=self.tokens_consumed / elapsed,
+                        tok_rate=committed / elapsed)
+
+    def status(self) -> st.JobStatus:
         """Everything the supervisor's status line and `dflash-ipc status` show."""
         counts = self.ledger.counts()
         now = self.clock()
-        return {
-            "elapsed_s": now - self.started,
-            "policy": self.policy.name,
-            "num_batches": self.num_batches,
-            "batches": {state.name.lower(): counts.get(state, 0) for state in BatchState},
-            "epochs": self.ledger.epoch_progress(),
-            "tokens": {"total": self.tokens_planned, "produced": self.tokens_produced,
-                       "consumed": self.tokens_consumed, "trained": self._trained_tokens(),
-                       "committed": self.tokens_committed},
-            "committed_tokens_by_epoch": {str(e): n for e, n in self.ledger.committed_tokens_by_epoch().items()},
-            "last_committed_step": self.ledger.last_committed_step(),
-            "rates": {name: rate.value() for name, rate in self.rates.items()},
-            "produced_waiting": counts[BatchState.PRODUCED],
-            "targets": {str(r): {"pid": s.pid, "credits": s.credits, "free_slots": len(s.free_slots),
-                                 "batches": s.batches_done, "tokens": s.tokens_done, "compute_s": s.compute_s,
-                                 "metrics": s.metrics, "heartbeat_age_s": now - s.last_seen}
-                        for r, s in sorted(self.targets.items())},
-            "drafters": {str(r): {"pid": s.pid, "credits": s.credits, "batches": s.batches_done,
-                                  "tokens": s.tokens_done, "metrics": s.metrics, "heartbeat_age_s": now - s.last_seen}
-                         for r, s in sorted(self.drafters.items())},
-            "refusals": self.refusals,
-            "instance": self.instance,
-            "drafter_generation": self.drafter_generation,
-            "dropped_targets": {str(pid): why for pid, why in self.dropped_targets.items()},
-            "finished": self.finished,
-        }
+        return st.JobStatus(
+            elapsed_s=now - self.started,
+            policy=self.policy.name,
+            num_batches=self.num_batches,
+            batches=st.BatchCounts(**{state.name.lower(): counts[state] for state in BatchState}),
+            epochs=[st.EpochProgress(**e) for e in self.ledger.epoch_progress()],
+            tokens=st.TokenCounts(total=self.tokens_planned, produced=self.tokens_produced,
+                                  consumed=self.tokens_consumed, trained=self._trained_tokens(),
+                                  committed=self.ledger.committed_tokens()),
+            committed_tokens_by_epoch={str(e): n for e, n in self.ledger.committed_tokens_by_epoch().items()},
+            last_committed_step=self.ledger.last_committed_step(),
+            rates=st.Rates(**{name: rate.value() for name, rate in self.rates.items()}),
+            produced_waiting=counts[BatchState.PRODUCED],
+            targets={str(r): st.TargetStatus(pid=s.pid, credits=s.credits, free_slots=self.ledger.free_slots(r),
+                                             batches=s.batches_done, tokens=s.tokens_done, compute_s=s.compute_s,
+                                             metrics=dict(s.metrics), heartbeat_age_s=now - s.last_seen)
+                     for r, s in sorted(self.targets.items())},
+            drafters={str(r): st.DrafterStatus(pid=s.pid, credits=s.credits, batches=s.batches_done,
+                                               tokens=s.tokens_done, metrics=dict(s.metrics),
+                                               heartbeat_age_s=now - s.last_seen)
+                      for r, s in sorted(self.drafters.items())},
+            refusals=self.refusals,
+            instance=self.instance,
+            drafter_generation=self.drafter_generation,
+            dropped_targets={str(pid): why for pid, why in self.dropped_targets.items()},
+            finished=self.finished,
+        )
+
+    def final_status(self) -> st.JobStatus:
+        """The status at the end of the job: with this process' averages and the ledger's
+        exactly-once audit against the plan."""
+        return dataclasses.replace(self.status(), average_rates=self.average_rates(),
+                                   audit=st.AuditSummary(**self.ledger.audit().summary()))

@@ -3,7 +3,7 @@
 States, and the message that moves a batch (the dispatcher calls the method of the same
 name when the message arrives)::
 
-    PENDING --lease(t)--> LEASED --produced(t, slot)--> PRODUCED --assign(d)--> ASSIGNED(d, attempt)
+    PENDING --lease(t)--> LEASED(t, slot) --produced--> PRODUCED --assign(d)--> ASSIGNED(d, attempt)
        ^                    |                             ^    |                  |    |
        |  drop_target(t) ---+-----------------------------|----+   lost(d, a) ----+    |
        |                                   restart_drafters: ASSIGNED back to PRODUCED   |
@@ -13,6 +13,14 @@ name when the message arrives)::
                                              commit(step, copies): every sample committed
                                                                               v
                                                                           COMMITTED
+
+Slots are the ledger's too: each target's pool (`open_pool`, closed by `drop_target`) has
+free slots, `lease` takes one and every transition that ends the slot's use (consumed,
+lost, a commit that consumes, a requeue) puts it back, so the dispatcher only asks how many
+are free (`free_slots`). A slot holds its batch from the lease until a drafter's copy is
+out of it. A lease taken back while its target computes (`rollback_to`) keeps the slot
+until the target reports it produced (the target writes it whatever we decide): that late
+`produced` frees the slot and moves nothing.
 
 Commits are per sample: a checkpoint commits the samples of each copy that went through an
 optimizer step before it (`CommitRecord`), so a batch whose sequences straddle a checkpoint
@@ -25,8 +33,8 @@ Rules:
   drafter that holds an assignment under its attempt number consumes it, loses it or
   commits it. Anything else raises ``ProtocolError`` naming the batch, its state and the
   sender, and changes nothing; ``commit`` checks every copy first and applies all or none.
-* A target that dies loses its LEASED and PRODUCED batches (back to PENDING). An ASSIGNED
-  batch stays with its drafter, which may have copied it before the target died: its
+* A target that dies loses its pool, its LEASED and PRODUCED batches (back to PENDING). An
+  ASSIGNED batch stays with its drafter, which may have copied it before the target died: its
   `consumed` or `lost` decides (a copy that completed is valid data).
 * A drafter-group restart resumes from the last committed checkpoint: CONSUMED batches go
   back to PENDING (their committed samples stay committed), ASSIGNED ones go back to
@@ -44,6 +52,8 @@ import heapq
 import logging
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, Mapping, Union
+
+import collections
 
 from dflash_ipc.dispatch.audit import AuditReport, audit_samples
 from dflash_ipc.dispatch.buckets import PlannedBatch
@@ -112,6 +122,8 @@ class LeasedWork:
     sample_ids: tuple[int, ...]
     lengths: tuple[int, ...]
     padded_len: int
+    slot: int
+    """The target's slot the ledger gave this lease."""
 
     @property
     def num_tokens(self) -> int:
@@ -139,10 +151,8 @@ class TrainedCopy:
 
 @dataclass(frozen=True, slots=True)
 class Consumption:
-    """What a Consumed did: the slot free again (None: it belonged to a dropped target's
-    pool) and the tokens the copy holds."""
+    """What a Consumed did: the tokens the copy holds (its slot is free again)."""
 
-    freed_slot: tuple[Owner, int] | None
     tokens: int
 
 
@@ -152,8 +162,6 @@ class CommitResult:
 
     completed: list[int] = field(default_factory=list)
     """Batches now fully committed."""
-    freed_slots: list[tuple[Owner, int]] = field(default_factory=list)
-    """(target, slot) of copies the commit consumed before their Consumed came."""
     tokens: int = 0
     """Tokens of the samples committed."""
 
@@ -173,7 +181,10 @@ class Ledger:
         self._counts = {s: 0 for s in BatchState}
         self._epoch_total: dict[int, int] = {}
         self._epoch_committed: dict[int, int] = {}
-        self._slots: dict[tuple[Owner, int], int] = {}  # (target, slot) -> batch holding it
+        self._pools: dict[Owner, collections.deque[int]] = {}  # open pools: target -> its free slots
+        # (target, slot) -> the batch holding it: LEASED, PRODUCED, ASSIGNED, or a lease taken
+        # back whose target still computes into it
+        self._slots: dict[tuple[Owner, int], int] = {}
         self._produced: dict[int, None] = {}  # PRODUCED ids, insertion = produce order
         self._history: list[CommitRecord] = []
         # Kept with the history, so a status (read several times a second) costs
@@ -248,6 +259,14 @@ class Ledger:
             if self._is_fresh(entries[bid]):
                 yield entries[bid].batch
 
+    def has_pool(self, target: Owner) -> bool:
+        """True while `target`'s slot pool is open (from `open_pool` to `drop_target`)."""
+        return target in self._pools
+
+    def free_slots(self, target: Owner) -> int:
+        """Slots of `target`'s pool no batch holds (0 without a pool)."""
+        return len(self._pools.get(target, ()))
+
     def produced_batches(self) -> list[int]:
         """PRODUCED batch ids, oldest produced first (waiting for a drafter)."""
         return list(self._produced)
@@ -287,6 +306,11 @@ class Ledger:
         """Tokens of the committed samples, per epoch: what the checkpoints trained."""
         return dict(self._committed_tokens)
 
+    def committed_tokens(self) -> int:
+        """Tokens of every committed sample: the job's trained-and-kept total, whichever
+        dispatcher committed them (the one owner of this count)."""
+        return sum(self._committed_tokens.values())
+
     def _record_tokens(self, record: CommitRecord) -> int:
         batch = self._entries[record.batch_id].batch
         samples = set(record.sample_ids)
@@ -316,34 +340,53 @@ class Ledger:
 
     # ---- transitions ----------------------------------------------------------------
 
+    def open_pool(self, target: Owner, num_slots: int) -> None:
+        """A target registered its slot pool: slots 0 .. num_slots-1, free but for those a
+        restored batch holds (none after a dispatcher restart: `requeue_uncommitted`)."""
+        if target in self._pools:
+            raise ProtocolError(f"target {target!r} already has an open slot pool (drop_target first)")
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+            raise ProtocolError(f"target {target!r}: a slot pool of {num_slots!r} slots")
+        self._pools[target] = collections.deque(s for s in range(num_slots) if (target, s) not in self._slots)
+
     def lease(self, batch_id: int, target: Owner) -> LeasedWork:
-        """PENDING -> LEASED(target). Any pending batch may be leased, not only the head."""
+        """PENDING -> LEASED(target, slot), in a free slot of the target's pool. Any pending
+        batch may be leased, not only the head."""
         who = f"target {target!r}"
         entry = self._get(batch_id, who, "lease")
         self._expect(entry, BatchState.PENDING, who, "lease")
+        if not self._pools.get(target):
+            raise ProtocolError(f"{who} may not lease batch {batch_id}: "
+                                f"{'no free slot in its pool' if target in self._pools else 'it has no slot pool'}")
+        slot = self._pools[target].popleft()
         self._move(entry, BatchState.LEASED)
-        entry.target, entry.slot, entry.drafter = target, None, None
+        entry.target, entry.slot, entry.drafter = target, slot, None
+        self._slots[(target, slot)] = batch_id
         entry.leases += 1
         sample_ids, lengths = entry.remaining()
         return LeasedWork(batch_id=batch_id, epoch=entry.batch.epoch, sample_ids=sample_ids, lengths=lengths,
-                          padded_len=entry.batch.padded_len)
+                          padded_len=entry.batch.padded_len, slot=slot)
 
-    def produced(self, batch_id: int, target: Owner, slot: int) -> None:
-        """LEASED(target) -> PRODUCED(target, slot); the slot must not hold another batch."""
+    def produced(self, batch_id: int, target: Owner, slot: int, num_tokens: int | None = None) -> bool:
+        """LEASED(target, slot) -> PRODUCED; True. `num_tokens` (when given) must be the
+        lease's. False for the report of a lease taken back meanwhile (`rollback_to`): its
+        slot is free again and nothing else changes."""
         who = f"target {target!r}"
         entry = self._get(batch_id, who, "report produced")
-        self._expect(entry, BatchState.LEASED, who, "report produced")
-        if entry.target != target:
-            raise ProtocolError(f"{who} may not report batch {batch_id} produced: it is leased to {entry.target!r}")
-        if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
-            raise ProtocolError(f"batch {batch_id}: {who} reported invalid slot {slot!r}")
-        holder = self._slots.get((target, slot))
-        if holder is not None:
-            raise ProtocolError(f"batch {batch_id}: {who} reported slot {slot}, which still holds batch {holder}")
-        self._move(entry, BatchState.PRODUCED)
-        entry.slot = slot
-        self._slots[(target, slot)] = batch_id
-        self._produced[batch_id] = None
+        if entry.state is BatchState.LEASED and (entry.target, entry.slot) == (target, slot):
+            if num_tokens is not None and num_tokens != entry.remaining_tokens:
+                raise ProtocolError(f"{who}: batch {batch_id} has {entry.remaining_tokens} tokens, "
+                                    f"reported {num_tokens}")
+            self._move(entry, BatchState.PRODUCED)
+            self._produced[batch_id] = None
+            return True
+        if (self._slots.get((target, slot)) == batch_id and (entry.target, entry.slot) != (target, slot)
+                and target in self._pools):
+            del self._slots[(target, slot)]
+            self._pools[target].append(slot)
+            return False
+        raise ProtocolError(f"{who} may not report batch {batch_id} produced in slot {slot!r}: that lease was not "
+                            f"given to it (batch {entry.state.name}, target={entry.target!r}, slot={entry.slot!r})")
 
     def assign(self, batch_id: int, drafter: Owner) -> int:
         """PRODUCED -> ASSIGNED(drafter, attempt); returns the new attempt number."""
@@ -367,19 +410,18 @@ class Ledger:
                 BatchState.CONSUMED, BatchState.COMMITTED):
             return None
         self._expect_copy(entry, drafter, attempt, "report consumed")
-        freed = self._release_slot(entry)
+        self._release_slot(entry)
         self._move(entry, BatchState.CONSUMED)
         entry.orphaned = False
-        return Consumption(freed_slot=freed, tokens=entry.remaining_tokens)
+        return Consumption(tokens=entry.remaining_tokens)
 
-    def lost(self, batch_id: int, drafter: Owner, attempt: int) -> tuple[Owner, int] | None:
+    def lost(self, batch_id: int, drafter: Owner, attempt: int) -> None:
         """ASSIGNED(drafter, attempt) -> PENDING: the drafter could not copy it (its target
-        died first). Returns the freed (target, slot) if its pool still lives."""
+        died first). Its slot is free again if its pool still lives."""
         entry = self._get(batch_id, f"drafter {drafter!r}", "report lost")
         self._expect_copy(entry, drafter, attempt, "report lost")
-        freed = self._release_slot(entry)
+        self._release_slot(entry)
         self._to_pending(entry)
-        return freed
 
     def commit(self, step: int, copies: Iterable[TrainedCopy]) -> CommitResult:
         """Commits the trained samples of each copy at checkpoint `step`, all or none.
@@ -406,8 +448,7 @@ class Ledger:
         for copy in copies:
             entry = self._entries[copy.batch_id]
             if entry.state is BatchState.ASSIGNED:
-                if (freed := self._release_slot(entry)) is not None:
-                    result.freed_slots.append(freed)
+                self._release_slot(entry)
                 self._move(entry, BatchState.CONSUMED)
             entry.done = entry.done | frozenset(copy.sample_ids)
             record = CommitRecord(batch_id=copy.batch_id, step=step, sample_ids=tuple(copy.sample_ids))
@@ -423,8 +464,11 @@ class Ledger:
     # ---- failures -------------------------------------------------------------------
 
     def drop_target(self, target: Owner) -> list[int]:
-        """A target died: its LEASED and PRODUCED batches go back to PENDING; its ASSIGNED
-        ones stay with their drafters (a copy may be under way) but free no slot later."""
+        """A target died: its pool closes, its LEASED and PRODUCED batches go back to PENDING;
+        its ASSIGNED ones stay with their drafters (a copy may be under way)."""
+        self._pools.pop(target, None)
+        for key in [k for k in self._slots if k[0] == target]:
+            del self._slots[key]
         moved = []
         for entry in self.entries():
             if entry.target != target:
@@ -466,16 +510,18 @@ class Ledger:
                 moved.append(entry.batch.batch_id)
         return self._logged(moved, "dispatcher restart")
 
-    def rollback_to(self, step: int) -> list[tuple[Owner, int]]:
+    def rollback_to(self, step: int) -> list[int]:
         """Un-commits every commit after checkpoint `step` (-1: all): the group resumed from
         it because the newer ones are unreadable. A touched batch that is leased or produced
-        again (its uncommitted rest only) goes back to pending with all its rest. No drafter
-        may hold a copy (call it when the new group starts). Returns the slots freed."""
+        again (its uncommitted rest only) goes back to pending with all its rest: a produced
+        one frees its slot, a leased one keeps it until its target reports it (`produced`).
+        No drafter may hold a copy (call it when the new group starts). Returns the batches
+        touched."""
         if self._counts[BatchState.ASSIGNED] or self._counts[BatchState.CONSUMED]:
             raise ProtocolError(f"rollback to step {step} while drafters hold copies")
         undone = [r for r in self._history if r.step > step]
         self._history = [r for r in self._history if r.step <= step]
-        freed, touched = [], set()
+        touched = set()
         for record in undone:
             self._count_record(record, -1)
             entry = self._entries[record.batch_id]
@@ -483,13 +529,12 @@ class Ledger:
             if entry.state is BatchState.COMMITTED:
                 self._epoch_committed[entry.batch.epoch] -= 1
                 entry.step = None
+            if entry.state is BatchState.PRODUCED:
+                self._release_slot(entry)
             if entry.state is not BatchState.PENDING:
-                if (slot := self._release_slot(entry)) is not None:
-                    freed.append(slot)
                 self._to_pending(entry)
             entry.done = entry.done - frozenset(record.sample_ids)
-        self._logged(sorted(touched), f"rollback to step {step}")
-        return freed
+        return self._logged(sorted(touched), f"rollback to step {step}")
 
     # ---- restoring a saved ledger (ledger_file) --------------------------------------
 
@@ -503,7 +548,7 @@ class Ledger:
         if state is BatchState.PENDING and leases:
             entry.token += 1
             heapq.heappush(self._requeued, (entry.seq, entry.token, batch_id))
-        elif state in (BatchState.PRODUCED, BatchState.ASSIGNED) and not orphaned:
+        elif state in (BatchState.LEASED, BatchState.PRODUCED, BatchState.ASSIGNED) and not orphaned:
             self._slots[(target, slot)] = batch_id
             if state is BatchState.PRODUCED:
                 self._produced[batch_id] = None
@@ -571,15 +616,16 @@ class Ledger:
         entry = self._entries[batch_id]
         return entry.state is BatchState.PENDING and entry.token == token
 
-    def _release_slot(self, entry: LedgerEntry) -> tuple[Owner, int] | None:
-        """Frees the entry's slot; returns (target, slot) when it belonged to a live pool."""
+    def _release_slot(self, entry: LedgerEntry) -> None:
+        """The entry's slot goes back to its pool (when it still holds this batch and its
+        pool lives: a dropped target's slots went with its pool)."""
         self._produced.pop(entry.batch.batch_id, None)
         key = (entry.target, entry.slot)
-        freed = key if entry.slot is not None and self._slots.get(key) == entry.batch.batch_id else None
-        if freed is not None:
+        if entry.slot is not None and self._slots.get(key) == entry.batch.batch_id:
             del self._slots[key]
+            if (pool := self._pools.get(entry.target)) is not None:
+                pool.append(entry.slot)
         entry.slot = None
-        return freed
 
     @staticmethod
     def _logged(moved: list[int], why: str) -> list[int]:

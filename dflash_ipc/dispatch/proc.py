@@ -219,13 +219,7 @@ class DispatcherProc:
 
     def write_final_status(self) -> None:
         """The status at the end of the job, for the supervisor's last line and for reports."""
-        status = self.dispatcher.status()
-        elapsed = max(1e-9, status["elapsed_s"])
-        status["average_rates"] = {"tgt_rate": status["tokens"]["produced"] / elapsed,
-                                   "dft_rate": status["tokens"]["consumed"] / elapsed,
-                                   "tok_rate": status["tokens"]["trained"] / elapsed}
-        status["audit"] = self.dispatcher.ledger.audit().summary()  # every planned sample once?
-        write_json_atomic(self.cfg.files.final_status, status, sort_keys=True)
+        write_json_atomic(self.cfg.files.final_status, self.dispatcher.final_status().to_json(), sort_keys=True)
 
     def run(self) -> None:
         interval = self.cfg.dispatch.heartbeat_interval_s

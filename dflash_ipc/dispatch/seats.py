@@ -1,12 +1,12 @@
 """What the dispatcher knows of each registered worker: its seat, credits and counters.
 
-Batch facts never live here (the ledger holds them); a seat holds what flow control
-needs: credits, the target's free slots and the slots it was given for its leases.
+Batch facts never live here: the ledger holds them, the slots of a target's pool and the
+committed tokens included. A seat holds who the worker is, its credits (flow control) and
+what it reports (counters, metrics).
 """
 
 from __future__ import annotations
 
-import collections
 from dataclasses import dataclass, field
 
 RATE_WINDOW_S = 10.0  # status rates span at least this long (token_rate.py: and whole batches)
@@ -28,10 +28,8 @@ class Seat:
 
 @dataclass
 class TargetSeat(Seat):
-    pool: dict = field(default_factory=dict)
-    num_slots: int = 0
-    free_slots: collections.deque = field(default_factory=collections.deque)
-    leases: dict = field(default_factory=dict)  # batch id -> (slot, tokens) given with its Batch
+    pool: dict = field(default_factory=dict)  # its slot-pool descriptor, sent with each Assign
+    num_slots: int = 0                        # bounds its credits (the ledger has the slots)
     compute_s: float = 0.0
 
 

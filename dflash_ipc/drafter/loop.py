@@ -10,7 +10,8 @@
   4) step together when all are full; every `checkpoint.every_steps`, checkpoint: the ranks
      gather which samples of which copies went through a step since the last commit, rank 0
      writes the checkpoint and sends one `Committed` for the group (a commit is all of a
-     checkpoint's samples or none), then marks it `latest` when `CommitDone` comes back.
+     checkpoint's samples or none), then marks it `latest` when `CommitDone` comes back
+     (`confirmed`: the one writer of latest.json; the ledger owns which steps are committed).
 Before the first pass `resume()` loads the newest intact committed checkpoint and tells the
 dispatcher which one (`Resumed`); after the last, `finish()` checkpoints what is left and
 waits for `Shutdown`. A stop (SIGTERM/SIGINT on any rank, or `Shutdown` before the end of
@@ -98,8 +99,7 @@ class DrafterLoop:
                     raise WorkerDeadError(f"drafter/0: the dispatcher did not confirm resuming from step {step} "
                                           f"within {RESUME_CONFIRM_S:.0f}s")
                 self._handle(reply)
-            if step >= 0:
-                self.store.mark_latest(step)
+            self.confirmed(step)
         self.group.agree([0.0])  # nobody asks for work before the dispatcher knows the step
         self.resumed_from = step
         return step
@@ -152,11 +152,16 @@ class DrafterLoop:
             self.end_of_data = True
         elif isinstance(msg, p.CommitDone):
             if self.rank == 0:
-                self.store.mark_latest(msg.step)
+                self.confirmed(msg.step)
         elif isinstance(msg, p.Shutdown):
             self.shutdown = True
         else:
             log.warning("drafter/%d: ignored unexpected %s", self.rank, msg.KIND.name)
+
+    def confirmed(self, step: int) -> None:
+        """Rank 0: the dispatcher confirmed `step` as the ledger's last commit (`CommitDone`,
+        or `Resumed`; -1: none), so latest.json names it. The only writer of latest.json."""
+        self.store.mark_latest(step if step >= 0 else None)
 
     def accept(self, msg: p.Assign) -> None:
         """Copies an assigned slot into local memory and queues its sequences; a copy that
@@ -236,18 +241,16 @@ class DrafterLoop:
         """Collective: rank 0 writes the checkpoint, then commits what every rank trained
         since the last commit, sample by sample, in one `Committed`."""
         self._phase("checkpoint", self.trainer.step_count)
-        rows = [(0, t.batch_id, t.attempt, s) for t in self.queue.take_trained() for s in t.sample_ids]
-        rows += [(1, t.batch_id, t.attempt, s) for t in self.queue.untrained() for s in t.sample_ids]
-        per_rank = self.group.gather_rows(rows, 4)
+        rows = [(t.batch_id, t.attempt, s) for t in self.queue.take_trained() for s in t.sample_ids]
+        per_rank = self.group.gather_rows(rows, 3)
         self.last_checkpoint_step = self.trainer.step_count
         self.trainer.prepare_checkpoint()  # every rank: a sharded model's state is gathered on rank 0
         if self.rank != 0:
             return
-        trained = _by_copy(per_rank, kind=0)
-        extra = {"resumed_from": self.resumed_from,
-                 "committed": [[b, r, a, list(s)] for (b, r, a), s in trained.items()],
-                 "untrained": [[b, r, a, list(s)] for (b, r, a), s in _by_copy(per_rank, kind=1).items()]}
-        path = self.trainer.save_checkpoint(self.store, extra)
+        trained = _by_copy(per_rank)
+        # What the checkpoint commits is the ledger's to keep (the Committed below); the
+        # checkpoint notes only where this run resumed from, for a reader of the file.
+        path = self.trainer.save_checkpoint(self.store, {"resumed_from": self.resumed_from})
         log.info("checkpoint %s: %d copies, %d samples committed", path, len(trained),
                  sum(len(s) for s in trained.values()))
         self.link.send(p.Committed(step=self.trainer.step_count, batch_ids=[b for b, _, _ in trained],
@@ -293,7 +296,7 @@ class DrafterLoop:
             while time.monotonic() < deadline:
                 msg = self.link.recv(max(0.0, deadline - time.monotonic()))
                 if isinstance(msg, p.CommitDone):
-                    self.store.mark_latest(msg.step)
+                    self.confirmed(msg.step)
                     if msg.step == self.trainer.step_count:
                         return
         except WorkerDeadError as exc:
@@ -307,11 +310,10 @@ class DrafterLoop:
             self.beacon.phase(name, step)
 
 
-def _by_copy(per_rank: list[list[tuple[int, ...]]], *, kind: int) -> dict[tuple[int, int, int], list[int]]:
-    """(batch, rank, attempt) -> sample ids, from the gathered (kind, batch, attempt, sample) rows."""
+def _by_copy(per_rank: list[list[tuple[int, ...]]]) -> dict[tuple[int, int, int], list[int]]:
+    """(batch, rank, attempt) -> sample ids, from the gathered (batch, attempt, sample) rows."""
     out: dict[tuple[int, int, int], list[int]] = {}
     for rank, rows in enumerate(per_rank):
-        for k, batch, attempt, sample in rows:
-            if k == kind:
-                out.setdefault((batch, rank, attempt), []).append(sample)
+        for batch, attempt, sample in rows:
+            out.setdefault((batch, rank, attempt), []).append(sample)
     return out

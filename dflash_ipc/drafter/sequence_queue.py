@@ -5,8 +5,8 @@ queued. A step takes sequences until its anchor budget is full; a sequence is tr
 exactly one step. What a checkpoint commits is known sequence by sequence: the samples of
 each copy that went through a step since the previous commit (`take_trained`), so a copy
 that straddles a checkpoint commits in parts and nothing is ever trained twice into the
-model. Sequences still queued at a checkpoint (`untrained`) are the checkpoint's pending
-remainder: after a restart from it the ledger hands out exactly those again.
+model. Sequences still queued at a checkpoint are the checkpoint's pending remainder: the
+ledger never saw them committed, so after a restart from it hands out exactly those again.
 """
 
 from __future__ import annotations
@@ -78,9 +78,3 @@ class SequenceQueue:
         self._trained = {}
         return out
 
-    def untrained(self) -> list[TrainedSamples]:
-        """Copies' sequences queued but not trained yet, by copy."""
-        pending: dict[CopyKey, list[int]] = {}
-        for seq in self.fifo:
-            pending.setdefault((seq.batch_id, seq.attempt), []).append(seq.sample_id)
-        return [TrainedSamples(b, a, tuple(s)) for (b, a), s in pending.items()]

@@ -6,7 +6,8 @@
                                             drafter/optimizers.py for Muon + AdamW)
              rng.torch                      the CPU RNG state
     json:    step, total_steps, scheduler, optimizer param_groups and the non-tensor per-
-             parameter state, and `extra` (what the checkpoint commits, sequence by sequence)
+             parameter state, and `extra` (the caller's notes: the step the run resumed from;
+             what a checkpoint commits is the dispatcher's ledger's)
 
 Loading checks every name, dtype and shape against the live model and optimizer, and the
 JSON part against what this process would write (the same keys or fewer, the same kinds of

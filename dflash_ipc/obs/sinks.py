@@ -1,4 +1,4 @@
-"""Metric sinks fed from the dispatcher's status dict (`Dispatcher.status()`).
+"""Metric sinks fed from the dispatcher's status (`Dispatcher.status()`, a `JobStatus`).
 
 `StatusScalars` turns each status the supervisor polls into one set of named scalars;
 `TensorBoardSink` writes them to `<run_dir>/tensorboard/` when the `tensorboard` package is
@@ -7,7 +7,7 @@ installed (`pip install tensorboard`; view with `tensorboard --logdir RUN_DIR/te
 the sinks a job's `metrics` section names, plus the status history that `dflash-ipc report`
 reads; the supervisor is their only writer.
 
-Tags written (each only when its inputs are present in the status):
+Tags written (the per-worker ones only when the worker's heartbeats carry their inputs):
 
   rates/{tgt_rate,dft_rate,tok_rate}       the status rates (tokens/s, token_rate.py)
   batches/{pending,leased,...,committed}   batch counts by ledger state
@@ -34,6 +34,7 @@ status' `elapsed_s`.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import math
@@ -41,6 +42,7 @@ import os
 import time
 
 from dflash_ipc.run.json_files import as_number
+from dflash_ipc.wire.status import DrafterStatus, JobStatus, TargetStatus
 
 log = logging.getLogger(__name__)
 
@@ -72,54 +74,47 @@ class StatusScalars:
         # last cumulative counters per worker: key -> (pid or None, {name: value})
         self._last: dict[str, tuple[object, dict]] = {}
 
-    def __call__(self, status: dict) -> tuple[int, float, dict[str, float]]:
-        elapsed = as_number(status.get("elapsed_s"))
+    def __call__(self, status: JobStatus) -> tuple[int, float, dict[str, float]]:
+        elapsed = status.elapsed_s
         if self._wall0 is None:
-            self._wall0 = time.time() - (elapsed or 0.0)
-        wall = self._wall0 + elapsed if elapsed is not None else time.time()
+            self._wall0 = time.time() - elapsed
+        wall = self._wall0 + elapsed
         step = self._global_step(status)
         scalars: dict[str, float] = {}
         self._job_scalars(status, scalars)
-        self._target_scalars(status.get("targets") or {}, scalars)
-        self._drafter_scalars(status.get("drafters") or {}, scalars)
+        self._target_scalars(status.targets, scalars)
+        self._drafter_scalars(status.drafters, scalars)
         return step, wall, scalars
 
     # ---- pieces -------------------------------------------------------------------------
 
-    def _global_step(self, status: dict) -> int:
-        steps = [v for d in (status.get("drafters") or {}).values()
-                 if (v := as_number((d.get("metrics") or {}).get("step"))) is not None and math.isfinite(v)]
+    def _global_step(self, status: JobStatus) -> int:
+        steps = [v for d in status.drafters.values()
+                 if (v := as_number(d.metrics.get("step"))) is not None and math.isfinite(v)]
         self.step_reported = bool(steps)
         if steps:
             self._step = max(self._step, int(round(sum(steps) / len(steps))))
         return self._step
 
     @staticmethod
-    def _job_scalars(status: dict, out: dict) -> None:
-        if (elapsed := as_number(status.get("elapsed_s"))) is not None:
-            out["time/elapsed_s"] = elapsed
+    def _job_scalars(status: JobStatus, out: dict) -> None:
+        out["time/elapsed_s"] = status.elapsed_s
         for group in ("rates", "batches", "tokens"):
-            for name, value in (status.get(group) or {}).items():
-                if (v := as_number(value)) is not None:
-                    out[f"{group}/{name}"] = v
-        committed = as_number((status.get("batches") or {}).get("committed"))
-        total = as_number(status.get("num_batches"))
-        if committed is not None and total:
-            out["progress/committed_fraction"] = committed / total
-        epochs = status.get("epochs") or []
+            values = getattr(status, group)
+            for f in dataclasses.fields(values):
+                out[f"{group}/{f.name}"] = float(getattr(values, f.name))
+        if status.num_batches:
+            out["progress/committed_fraction"] = status.batches.committed / status.num_batches
+        epochs = status.epochs
         if epochs:
-            current = next((i for i, e in enumerate(epochs) if e.get("committed", 0) < e.get("batches", 0)),
-                           len(epochs) - 1)
+            current = next((i for i, e in enumerate(epochs) if e.committed < e.batches), len(epochs) - 1)
             out["progress/epoch"] = float(current + 1)
-        if (v := as_number(status.get("produced_waiting"))) is not None:
-            out["queue/produced_waiting"] = v
-        if (v := as_number(status.get("refusals"))) is not None:
-            out["health/refusals"] = v
-        if "dropped_targets" in status:
-            out["health/dropped_targets"] = float(len(status["dropped_targets"] or {}))
-        out["health/targets"] = float(len(status.get("targets") or {}))
-        out["health/drafters"] = float(len(status.get("drafters") or {}))
-        drafters = [d.get("metrics") or {} for d in (status.get("drafters") or {}).values()]
+        out["queue/produced_waiting"] = float(status.produced_waiting)
+        out["health/refusals"] = float(status.refusals)
+        out["health/dropped_targets"] = float(len(status.dropped_targets))
+        out["health/targets"] = float(len(status.targets))
+        out["health/drafters"] = float(len(status.drafters))
+        drafters = [d.metrics for d in status.drafters.values()]
         for name in TRAIN_MEANS:
             values = [v for m in drafters if (v := as_number(m.get(name))) is not None]
             if values:
@@ -137,18 +132,18 @@ class StatusScalars:
             return None
         return delta
 
-    def _target_scalars(self, targets: dict, out: dict) -> None:
+    def _target_scalars(self, targets: dict[str, TargetStatus], out: dict) -> None:
         for rank, t in targets.items():
             prefix = f"target/{rank}"
-            for name in ("credits", "free_slots", "heartbeat_age_s"):
-                if (v := as_number(t.get(name))) is not None:
-                    out[f"{prefix}/{name}"] = v
-            metrics = t.get("metrics") or {}
+            out[f"{prefix}/credits"] = float(t.credits)
+            out[f"{prefix}/free_slots"] = float(t.free_slots)
+            out[f"{prefix}/heartbeat_age_s"] = t.heartbeat_age_s
+            metrics = t.metrics
             _memory(metrics, prefix, out)
             counters = {n: v for n in ("busy_s", "wait_s", "tokens") if (v := as_number(metrics.get(n))) is not None}
             if "busy_s" not in counters:
                 continue  # registered, no heartbeat with metrics yet
-            delta = self._deltas(f"target/{rank}", t.get("pid"), counters)
+            delta = self._deltas(f"target/{rank}", t.pid, counters)
             span = (delta or {}).get("busy_s", 0.0) + (delta or {}).get("wait_s", 0.0)
             if delta is None or span <= 0:
                 continue  # first sight, a new process, or no heartbeat since the last write
@@ -156,13 +151,12 @@ class StatusScalars:
             if "tokens" in delta:
                 out[f"{prefix}/tokens_per_s"] = delta["tokens"] / span
 
-    def _drafter_scalars(self, drafters: dict, out: dict) -> None:
+    def _drafter_scalars(self, drafters: dict[str, DrafterStatus], out: dict) -> None:
         for rank, d in drafters.items():
             prefix = f"drafter/{rank}"
-            for name in ("credits", "heartbeat_age_s"):
-                if (v := as_number(d.get(name))) is not None:
-                    out[f"{prefix}/{name}"] = v
-            metrics = d.get("metrics") or {}
+            out[f"{prefix}/credits"] = float(d.credits)
+            out[f"{prefix}/heartbeat_age_s"] = d.heartbeat_age_s
+            metrics = d.metrics
             for name, value in metrics.items():
                 if name not in DRAFTER_SKIPPED and (v := as_number(value)) is not None:
                     out[f"{prefix}/{name}"] = v
@@ -211,8 +205,8 @@ class TensorBoardSink:
         os.makedirs(log_dir, exist_ok=True)
         return cls(writer_class(log_dir=log_dir, flush_secs=FLUSH_S), log_dir)
 
-    def write(self, status: dict) -> None:
-        """Write the scalars of one status dict (missing keys are skipped)."""
+    def write(self, status: JobStatus) -> None:
+        """Write the scalars of one status."""
         self.writes += 1
         step, wall, scalars = self.scalars(status)
         for tag, value in scalars.items():
@@ -238,7 +232,7 @@ class MetricSinks:
     def __init__(self, sinks: list) -> None:
         self.sinks = list(sinks)
 
-    def write(self, status: dict) -> None:
+    def write(self, status: JobStatus) -> None:
         for sink in list(self.sinks):
             try:
                 sink.write(status)

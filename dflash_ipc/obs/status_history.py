@@ -17,6 +17,7 @@ the state lanes. A resumed job appends to the same file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -24,6 +25,7 @@ import time
 
 from dflash_ipc.run.json_lines import read_json_lines
 from dflash_ipc.obs.sinks import MEMORY_METRICS
+from dflash_ipc.wire.status import JobStatus
 
 MEMORY_KEYS = (*MEMORY_METRICS, "gpu_mem_peak_mib")
 STATUS_GROUPS = ("rates", "tokens", "batches")
@@ -33,18 +35,18 @@ def _finite(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def history_record(status: dict, now: float) -> dict:
+def history_record(status: JobStatus, now: float) -> dict:
     """The line written for one status."""
-    record = {"time": now, "elapsed_s": status.get("elapsed_s"), "instance": status.get("instance")}
+    record = {"time": now, "elapsed_s": status.elapsed_s, "instance": status.instance}
     for group in STATUS_GROUPS:
-        record[group] = {k: v for k, v in (status.get(group) or {}).items() if _finite(v)}
+        values = getattr(status, group)
+        record[group] = {f.name: v for f in dataclasses.fields(values) if _finite(v := getattr(values, f.name))}
     workers = {}
-    for kind in ("targets", "drafters"):
-        for rank, seat in (status.get(kind) or {}).items():
-            metrics = seat.get("metrics") or {}
-            memory = {k: float(metrics[k]) for k in MEMORY_KEYS if _finite(metrics.get(k))}
+    for kind, seats in (("target", status.targets), ("drafter", status.drafters)):
+        for rank, seat in seats.items():
+            memory = {k: float(seat.metrics[k]) for k in MEMORY_KEYS if _finite(seat.metrics.get(k))}
             if memory:
-                workers[f"{kind[:-1]}/{rank}"] = {"pid": seat.get("pid"), **memory}
+                workers[f"{kind}/{rank}"] = {"pid": seat.pid, **memory}
     record["workers"] = workers
     return record
 
@@ -59,7 +61,7 @@ class StatusHistorySink:
         self._file = open(path, "a", encoding="utf-8")
         self.writes = 0
 
-    def write(self, status: dict) -> None:
+    def write(self, status: JobStatus) -> None:
         self._file.write(json.dumps(history_record(status, time.time())) + "\n")
         self._file.flush()
         self.writes += 1

@@ -1,4 +1,4 @@
-"""The supervisor's status line and epoch progress bar, from the dispatcher's `StatusReply`.
+"""The supervisor's status line and epoch progress bar, from the dispatcher's `JobStatus`.
 
 `StatusLine` prints both for each poll and the closing pair at the end of a job; the
 `format_*` functions draw one status each. Rates come smoothed from the dispatcher
@@ -8,69 +8,67 @@
 from __future__ import annotations
 
 from dflash_ipc.obs.progress import format_duration
-from dflash_ipc.run.json_files import as_number
+from dflash_ipc.wire.status import JobStatus
 
 
 def _mean_metric(workers: dict, name: str) -> float | None:
-    """The workers' mean of a metric; numbers only (a final status writes a NaN as null)."""
-    values = [v for w in workers.values() if (v := as_number(w.get("metrics", {}).get(name))) is not None]
+    """The workers' mean of a metric (a seat's metrics are what its heartbeats named)."""
+    values = [v for w in workers.values() if (v := w.metrics.get(name)) is not None]
     return sum(values) / len(values) if values else None
 
 
-def format_status(status: dict, *, final: bool = False) -> str:
+def format_status(status: JobStatus, *, final: bool = False) -> str:
     """e.g. `[   42s]  61% 18/30 batches | tgt_rate 5,210 dft_rate 5,050 tok_rate 4,980 tok/s |
     step 12 loss 4.812 | pending 8 leased 5 produced 2 consumed 3 | free slots 14`."""
-    b = status["batches"]
+    b = status.batches
     # The last line of a job shows whole-run averages; live lines a trailing window.
-    rates = status["average_rates"] if final and "average_rates" in status else status["rates"]
-    done = b.get("committed", 0)
-    total = max(1, status["num_batches"])
-    loss = _mean_metric(status["drafters"], "loss")
-    step = _mean_metric(status["drafters"], "step")
-    free = sum(t["free_slots"] for t in status["targets"].values())
+    rates = status.average_rates if final and status.average_rates is not None else status.rates
+    done = b.committed
+    total = max(1, status.num_batches)
+    loss = _mean_metric(status.drafters, "loss")
+    step = _mean_metric(status.drafters, "step")
+    free = sum(t.free_slots for t in status.targets.values())
     parts = [
         # floor: 100% only once every batch is committed
-        f"[{status['elapsed_s']:5.0f}s] {100 * done // total:3d}% {done}/{status['num_batches']} batches",
-        f"tgt_rate {rates['tgt_rate']:,.0f} dft_rate {rates['dft_rate']:,.0f} tok_rate {rates['tok_rate']:,.0f} tok/s",
+        f"[{status.elapsed_s:5.0f}s] {100 * done // total:3d}% {done}/{status.num_batches} batches",
+        f"tgt_rate {rates.tgt_rate:,.0f} dft_rate {rates.dft_rate:,.0f} tok_rate {rates.tok_rate:,.0f} tok/s",
         (f"step {step:.0f} loss {loss:.3f}" if loss is not None else "step - loss -"),
-        f"pending {b.get('pending', 0)} leased {b.get('leased', 0)} produced {b.get('produced', 0)} "
-        f"consumed {b.get('consumed', 0)}",
+        f"pending {b.pending} leased {b.leased} produced {b.produced} consumed {b.consumed}",
         f"free slots {free}",
     ]
     line = " | ".join(parts)
     return ("done, averages: " + line) if final else line
 
 
-def _job_tokens(status: dict) -> float | None:
-    """Tokens of the whole job: `tokens.total` when the status carries it, else the planned
-    batches times the mean tokens per batch seen so far (committed, else consumed batches)."""
-    tokens, batches = status.get("tokens") or {}, status.get("batches") or {}
-    if tokens.get("total"):
-        return float(tokens["total"])
-    num_batches = status.get("num_batches") or 0
-    committed = batches.get("committed", 0)
-    if committed and tokens.get("committed"):
-        return num_batches * tokens["committed"] / committed
-    consumed = committed + batches.get("consumed", 0)
-    if consumed and tokens.get("consumed"):
-        return num_batches * tokens["consumed"] / consumed
+def _job_tokens(status: JobStatus) -> float | None:
+    """Tokens of the whole job: `tokens.total` when known, else the planned batches times the
+    mean tokens per batch seen so far (committed, else consumed batches)."""
+    tokens, batches = status.tokens, status.batches
+    if tokens.total:
+        return float(tokens.total)
+    if batches.committed and tokens.committed:
+        return status.num_batches * tokens.committed / batches.committed
+    consumed = batches.committed + batches.consumed
+    if consumed and tokens.consumed:
+        return status.num_batches * tokens.consumed / consumed
     return None
 
 
-def estimate_eta_s(status: dict) -> float | None:
+def estimate_eta_s(status: JobStatus) -> float | None:
     """Seconds left: the job's remaining tokens over the trailing trained-token rate
-    (`rates.tok_rate`); None when the rate is 0 or unknown or no batch size is known yet."""
-    rate = (status.get("rates") or {}).get("tok_rate")
+    (`rates.tok_rate`); None when the rate is 0 or unknown or no batch size is known yet.
+    Done is the ledger's committed tokens, or the drafters' trained ones where they run
+    ahead (commits come only with checkpoints): after a rollback or a restart the ledger's
+    count is right at once, a restarted drafter group's counts start from 0."""
+    rate = status.rates.tok_rate
     total = _job_tokens(status)
-    if not rate or rate <= 0 or rate != rate or total is None:
+    if not rate > 0 or total is None:  # 0, negative or NaN
         return None
-    tokens = status.get("tokens") or {}
-    # trained tokens run ahead of committed ones; a restarted drafter restarts its count
-    done = max(tokens.get("trained", 0.0), tokens.get("committed", 0.0))
+    done = max(status.tokens.trained, status.tokens.committed)
     return max(0.0, total - done) / rate
 
 
-def format_progress(status: dict, width: int = 30, *, trained_tokens: float | None = None) -> str:
+def format_progress(status: JobStatus, width: int = 30, *, trained_tokens: float | None = None) -> str:
     """The epoch progress bar, e.g.
     `epoch 2/3 [############..................]  41% 120/290 batches  job 47%  ETA 3m12s`.
     The current epoch is the first not fully committed; `job` (several epochs only) is the
@@ -78,15 +76,13 @@ def format_progress(status: dict, width: int = 30, *, trained_tokens: float | No
     far (commits come only with checkpoints); the ETA is `--` while the trained-token rate is 0
     or unknown, and `done` once every batch is committed. `trained_tokens` replaces the
     status' own count in the trained share (not in the ETA): `StatusLine` keeps it monotone."""
-    batches = status.get("batches") or {}
-    num_batches = status.get("num_batches") or 0
-    job_done = batches.get("committed", 0)
-    epochs = status.get("epochs") or []
-    finished = bool(status.get("finished")) or (num_batches > 0 and job_done >= num_batches)
+    num_batches = status.num_batches
+    job_done = status.batches.committed
+    epochs = status.epochs
+    finished = status.finished or (num_batches > 0 and job_done >= num_batches)
     if epochs:
-        index = next((i for i, e in enumerate(epochs) if e.get("committed", 0) < e.get("batches", 0)),
-                     len(epochs) - 1)
-        done, total = epochs[index].get("committed", 0), epochs[index].get("batches", 0)
+        index = next((i for i, e in enumerate(epochs) if e.committed < e.batches), len(epochs) - 1)
+        done, total = epochs[index].committed, epochs[index].batches
         label = f"epoch {index + 1}/{len(epochs)} "
     else:
         done, total, label = job_done, num_batches, ""
@@ -96,11 +92,11 @@ def format_progress(status: dict, width: int = 30, *, trained_tokens: float | No
              f"{done}/{total} batches"]
     if len(epochs) > 1 and num_batches > 0:
         parts.append(f"job {int(100 * min(1.0, job_done / num_batches))}%")
-    tokens = status.get("tokens") or {}
-    trained = tokens.get("trained") if trained_tokens is None else trained_tokens
-    if not finished and tokens.get("total") and trained:
+    tokens = status.tokens
+    trained = tokens.trained if trained_tokens is None else trained_tokens
+    if not finished and tokens.total and trained:
         # Batches count as committed only at a checkpoint; this moves with every step.
-        parts.append(f"trained {int(100 * min(1.0, trained / tokens['total']))}% of tokens")
+        parts.append(f"trained {int(100 * min(1.0, trained / tokens.total))}% of tokens")
     if finished:
         parts.append("ETA done")
     else:
@@ -123,13 +119,11 @@ class StatusLine:
         self.width = width
         self._trained_mark = 0.0
 
-    def lines(self, status: dict) -> list[str]:
+    def lines(self, status: JobStatus) -> list[str]:
         """The status line and the progress bar of one live status."""
-        tokens = status.get("tokens") or {}
-        self._trained_mark = max(self._trained_mark, float(tokens.get("trained") or 0.0),
-                                 float(tokens.get("committed") or 0.0))
+        self._trained_mark = max(self._trained_mark, status.tokens.trained, float(status.tokens.committed))
         return [format_status(status), format_progress(status, self.width, trained_tokens=self._trained_mark)]
 
-    def final_lines(self, status: dict) -> list[str]:
+    def final_lines(self, status: JobStatus) -> list[str]:
         """The closing pair, from the dispatcher's final status (every batch committed)."""
         return [format_status(status, final=True), format_progress(status, self.width)]

@@ -22,6 +22,11 @@ when the run is synced.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dflash_ipc.wire.status import JobStatus
+
 import json
 import logging
 import os
@@ -111,7 +116,7 @@ class WandbSink:
                  f", resumed at history step {next_step}" if state else "")
         return cls(run, files.wandb_run, next_step)
 
-    def write(self, status: dict) -> None:
+    def write(self, status: JobStatus) -> None:
         """One history row: every scalar of the status, and `train/step` when a drafter reported
         its step (a resumed job's first polls, before its drafters register, have none)."""
         step, _, scalars = self.scalars(status)

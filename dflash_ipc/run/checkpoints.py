@@ -5,7 +5,9 @@
         training_state.safetensors       master weights, optimizer moments, RNG (tensors)
         training_state.json              step, schedule, optimizer groups, commit bookkeeping
         manifest.json                    size and sha256 of every file above; written last
-    checkpoints/latest.json             {"step", "path"} of the newest *committed* checkpoint
+    checkpoints/latest.json             {"step", "path"} of the newest *committed* checkpoint: written by
+                                        drafter rank 0 alone, at the step the dispatcher confirmed
+                                        (`DrafterLoop.confirmed`), for export and eval to find
     checkpoints/uncommitted/step_N/      written but never committed: moved aside, never resumed
 
 Nothing here can execute code: tensors are safetensors, the rest is JSON. A checkpoint is
@@ -102,9 +104,16 @@ class CheckpointStore:
             raise
         return final
 
-    def mark_latest(self, step: int) -> None:
-        """`latest.json` names checkpoint `step`: called once its commit is durable."""
-        write_json_file(os.path.join(self.root, LATEST), {"step": step, "path": step_dir_name(step)})
+    def mark_latest(self, step: int | None) -> None:
+        """`latest.json` names checkpoint `step` (None: no committed checkpoint, no file).
+        One caller: drafter rank 0, once the dispatcher confirmed that step is the ledger's
+        last commit."""
+        path = os.path.join(self.root, LATEST)
+        if step is None:
+            if os.path.exists(path):
+                os.unlink(path)
+            return
+        write_json_file(path, {"step": step, "path": step_dir_name(step)})
 
     # --- reading ---------------------------------------------------------------------------
 
@@ -121,6 +130,12 @@ class CheckpointStore:
         name = record.get("path")
         if not isinstance(name, str) or not _STEP_DIR.match(name):
             raise DamagedCheckpointError(f"{path}: 'path' must name a step_NNNNNNNN directory, got {name!r:.60}")
+        if not os.path.isdir(os.path.join(self.root, name)):
+            # Set aside as never committed (quarantine_after) before the group resumed and
+            # pointed latest.json at its last commit.
+            raise DamagedCheckpointError(f"{path}: names {name}, which is not in {self.root} (set aside under "
+                                         f"{UNCOMMITTED}/, or removed); resuming the job points it at the last "
+                                         f"committed checkpoint, or name a step directory instead")
         return os.path.join(self.root, name)
 
     def steps_on_disk(self) -> list[int]:
@@ -169,7 +184,8 @@ class CheckpointStore:
     def quarantine_after(self, step: int | None) -> list[str]:
         """Moves every checkpoint newer than committed `step` (None: all) to `uncommitted/`:
         written, but its commit never reached the ledger. Returns the new paths. Partial
-        writes of killed writers go first (`remove_partial_writes`)."""
+        writes of killed writers go first (`remove_partial_writes`). latest.json is left to
+        its one writer (drafter rank 0, when the group resumes)."""
         self.remove_partial_writes()
         moved = []
         for s in self.steps_on_disk():
@@ -180,12 +196,6 @@ class CheckpointStore:
                 os.replace(self.path(s), dst)
                 moved.append(dst)
                 log.warning("checkpoint of step %d was never committed: moved to %s (never resumed from)", s, dst)
-        latest = os.path.join(self.root, LATEST)
-        if moved and os.path.exists(latest):
-            if step is None:
-                os.unlink(latest)
-            else:
-                self.mark_latest(step)
         return moved
 
     def uncommitted(self) -> list[str]:

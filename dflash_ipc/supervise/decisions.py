@@ -33,6 +33,7 @@ from dflash_ipc.errors import EXIT_CONFIG_ERROR
 from dflash_ipc.run.liveness import beacon_problem
 from dflash_ipc.supervise.restart import RestartPolicy
 from dflash_ipc.supervise.roles import DISPATCHER, Role
+from dflash_ipc.wire.status import JobStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +113,7 @@ class SupervisorLogic:
     def busy_restarting(self, key: str) -> bool:
         return key in self.restart_due
 
-    def step(self, now: float, children: list[ChildView], *, status: dict | None = None,
+    def step(self, now: float, children: list[ChildView], *, status: JobStatus | None = None,
              beacons: dict[Role, dict | None] | None = None, wall_now: float | None = None,
              dispatcher_replied_at: float | None = None, dispatcher_changed_at: float = 0.0) -> list[Action]:
         """Deaths, then due restarts, then hangs. `now` is monotonic; beacons carry wall-clock
@@ -186,7 +187,7 @@ class SupervisorLogic:
 
     # --- hangs -----------------------------------------------------------------------------
 
-    def _hung_targets(self, children, status: dict, now: float, changed_at: float) -> list[Action]:
+    def _hung_targets(self, children, status: JobStatus, now: float, changed_at: float) -> list[Action]:
         actions: list[Action] = []
         for child in children:
             # A follower has no seat: its hang stalls its leader's next forward, which is seen.
@@ -197,18 +198,18 @@ class SupervisorLogic:
                     actions.append(Kill(child.role, why))
         return actions
 
-    def _target_hang(self, child: ChildView, status: dict, now: float, changed_at: float) -> str | None:
-        seat = status.get("targets", {}).get(str(child.role.rank))
-        seated = seat is not None and seat.get("pid", child.pid) == child.pid
+    def _target_hang(self, child: ChildView, status: JobStatus, now: float, changed_at: float) -> str | None:
+        seat = status.targets.get(str(child.role.rank))
+        seated = seat is not None and seat.pid == child.pid
         timeout = self.cfg.dispatch.heartbeat_timeout_s
-        if seated and seat["heartbeat_age_s"] > timeout:
-            return f"no heartbeat for {seat['heartbeat_age_s']:.1f}s (dispatch.heartbeat_timeout_s={timeout:g})"
-        dropped = status.get("dropped_targets", {}).get(str(child.pid))
+        if seated and seat.heartbeat_age_s > timeout:
+            return f"no heartbeat for {seat.heartbeat_age_s:.1f}s (dispatch.heartbeat_timeout_s={timeout:g})"
+        dropped = status.dropped_targets.get(str(child.pid))
         if not seated and dropped is not None:
             return f"the dispatcher dropped it ({dropped})"
         return self._unregistered(child, seated, now, since=max(child.started_at, changed_at))
 
-    def _hung_drafters(self, children, status: dict | None, beacons: dict, now: float,
+    def _hung_drafters(self, children, status: JobStatus | None, beacons: dict, now: float,
                        wall_now: float) -> list[Action]:
         if "drafters" in self.restart_due or "dispatcher" in self.restart_due:
             return []
@@ -219,8 +220,8 @@ class SupervisorLogic:
             why = beacon_problem(beacons.get(child.role), pid=child.pid, now=wall_now, stall_s=sup.drafter_stall_s,
                                  limits=sup.drafter_phase_limits())
             if why is None and status is not None:
-                seat = status.get("drafters", {}).get(str(child.role.rank))
-                seated = seat is not None and seat.get("pid") == child.pid
+                seat = status.drafters.get(str(child.role.rank))
+                seated = seat is not None and seat.pid == child.pid
                 why = self._unregistered(child, seated, now, since=child.started_at)
             if why:
                 return self._schedule("drafters", f"{child.role} (pid {child.pid}) hangs: {why}", now)

@@ -65,6 +65,7 @@ from dflash_ipc.run.json_files import read_json_object, write_json_atomic
 from dflash_ipc.run.liveness import beacon_problem, read_beacon
 from dflash_ipc.run.files import RunFiles
 from dflash_ipc.supervise.roles import Role
+from dflash_ipc.wire.status import DrafterStatus, JobStatus, TargetStatus, to_plain
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,9 @@ def health_report(run_dir: str, *, node_rank: int = 0, stale_after_s: float | No
     report = HealthReport(run_dir=run_dir, node_rank=node_rank, level=HEALTHY, processes=rows,
                           thresholds=thresholds)
     if status is not None:
-        report.job = {k: status.get(k) for k in ("elapsed_s", "num_batches", "batches", "finished", "rates")}
+        report.job = {"elapsed_s": status.elapsed_s, "num_batches": status.num_batches,
+                      "batches": to_plain(status.batches), "finished": status.finished,
+                      "rates": to_plain(status.rates)}
         _apply_status(rows, status)
     _apply_progress(RunFiles(run_dir, node_rank).health_state, rows, status, thresholds["stall_after_s"])
     _apply_beacons(rows, cfg)
@@ -214,7 +217,7 @@ def _load_run_config(run_dir: str, node_rank: int):
 
 
 def _sample(roles: list[tuple[str, int]], written_at: float, run_dir: str, node_rank: int,
-            timeout_s: float, cpu_window_s: float) -> tuple[list[ProcessHealth], dict | None, str | None]:
+            timeout_s: float, cpu_window_s: float) -> tuple[list[ProcessHealth], JobStatus | None, str | None]:
     """psutil rows for every process and the dispatcher's status, in one CPU% window."""
     rows = [ProcessHealth(role=role, pid=pid) for role, pid in roles]
     procs: list[psutil.Process | None] = []
@@ -285,7 +288,7 @@ def _fill_row(row: ProcessHealth, proc: psutil.Process) -> None:
         pass
 
 
-def _fetch(run_dir: str, node_rank: int, timeout_s: float) -> tuple[dict | None, str | None]:
+def _fetch(run_dir: str, node_rank: int, timeout_s: float) -> tuple[JobStatus | None, str | None]:
     import zmq
 
     from dflash_ipc.supervise.status_query import fetch_status
@@ -341,43 +344,43 @@ def _kind(role: str) -> str:
         return role
 
 
-def _worker_status(status: dict, role: str) -> dict | None:
+def _worker_status(status: JobStatus, role: str) -> TargetStatus | DrafterStatus | None:
     """The dispatcher's seat of a worker (a follower of a multi-process target: its leader's)."""
-    group = {"target": "targets", "drafter": "drafters"}.get(_kind(role))
-    return status.get(group, {}).get(str(Role.parse(role).rank)) if group else None
+    seats = {"target": status.targets, "drafter": status.drafters}.get(_kind(role))
+    return seats.get(str(Role.parse(role).rank)) if seats is not None else None
 
 
-def _apply_status(rows: list[ProcessHealth], status: dict) -> None:
+def _apply_status(rows: list[ProcessHealth], status: JobStatus) -> None:
     for row in rows:
         if row.role == "dispatcher":
-            row.batches = status.get("batches", {}).get("committed")
+            row.batches = status.batches.committed
             continue
         seen = _worker_status(status, row.role)
         if seen is not None:
-            row.heartbeat_age_s = float(seen.get("heartbeat_age_s", 0.0))
-            row.batches = seen.get("batches")
+            row.heartbeat_age_s = seen.heartbeat_age_s
+            row.batches = seen.batches
 
 
-def _progress_counter(row: ProcessHealth, status: dict) -> list | None:
+def _progress_counter(row: ProcessHealth, status: JobStatus) -> list | None:
     if row.role == "dispatcher":
-        return sorted(status.get("batches", {}).items())
+        return sorted(to_plain(status.batches).items())
     seen = _worker_status(status, row.role)
     if seen is None:
         return None
     if _kind(row.role) == "drafter":
-        return [seen.get("batches"), seen.get("metrics", {}).get("step")]
-    return [seen.get("batches")]
+        return [seen.batches, seen.metrics.get("step")]
+    return [seen.batches]
 
 
-def _progress_expected(row: ProcessHealth, status: dict) -> bool:
-    if status.get("finished"):
+def _progress_expected(row: ProcessHealth, status: JobStatus) -> bool:
+    if status.finished:
         return False
     if _kind(row.role) == "target":
-        return status.get("batches", {}).get("pending", 0) > 0
+        return status.batches.pending > 0
     return True
 
 
-def _apply_progress(path: str, rows: list[ProcessHealth], status: dict | None, stall_after_s: float) -> None:
+def _apply_progress(path: str, rows: list[ProcessHealth], status: JobStatus | None, stall_after_s: float) -> None:
     """Updates the state file at `path` with this check's counters and sets each row's progress age."""
     if status is None:
         return  # nothing to compare; keep the previous state for the next check
@@ -421,7 +424,7 @@ def _write_state(path: str, state: dict) -> None:
 # --- verdict ----------------------------------------------------------------------------------
 
 
-def _judge(report: HealthReport, status: dict | None, status_error: str | None, address: str) -> None:
+def _judge(report: HealthReport, status: JobStatus | None, status_error: str | None, address: str) -> None:
     """Fills `report.level` and `report.reasons` from the rows (rules in the module docstring)."""
     rows = {row.role: row for row in report.processes}
     down: list[str] = []
@@ -447,7 +450,7 @@ def _judge(report: HealthReport, status: dict | None, status_error: str | None, 
             continue
         if not row.alive:
             row.problems.append(f"process {row.state}")
-        elif status is not None and _worker_status(status, row.role) is None and not status.get("finished"):
+        elif status is not None and _worker_status(status, row.role) is None and not status.finished:
             if not starting:
                 row.problems.append("not registered with the dispatcher")
         elif row.beacon_problem is not None:

@@ -13,6 +13,8 @@ import logging
 import time
 
 from dflash_ipc.wire import protocol as p
+from dflash_ipc.wire.status import JobStatus
+
 log = logging.getLogger(__name__)
 
 STATUS_RETRY_S = 30.0  # ask again if a status request went unanswered this long
@@ -31,7 +33,7 @@ class StatusPoller:
         """The dispatcher restarts: the old one's request died with it."""
         self.asked_at = self.replied_at = None
 
-    def poll(self, wait_s: float = 1.0) -> dict | None:
+    def poll(self, wait_s: float = 1.0) -> JobStatus | None:
         """The latest status, or None when no answer came within `wait_s`."""
         now = self.clock()
         reply = None
@@ -43,7 +45,7 @@ class StatusPoller:
             while msg is not None:
                 if isinstance(msg, p.StatusReply):
                     reply = msg.status
-                    self._replied(reply.get("instance"))
+                    self._replied(reply.instance)
                 msg = self.link.recv(0.0)
         except Exception as exc:  # the dispatcher may be starting or gone; status is best effort
             log.debug("status request failed: %s", exc)

@@ -11,14 +11,14 @@ from dflash_ipc.wire import protocol as p
 from dflash_ipc.config.load import load_config
 from dflash_ipc.run.checkpoints import UNCOMMITTED_NOTE, CheckpointStore
 from dflash_ipc.errors import DataError, WorkerDeadError
-from dflash_ipc.run.json_files import as_number, json_safe, read_json_object
 from dflash_ipc.wire.link import DispatcherLink
+from dflash_ipc.wire.status import JobStatus, read_status_file
 from dflash_ipc.run.files import RunFiles
 from dflash_ipc.obs.status_line import format_status
 
 
-def fetch_status(run_dir: str, timeout_s: float = 3.0, *, node_rank: int = 0) -> dict:
-    """The dispatcher's status dict; WorkerDeadError when no dispatcher answers. Any node's
+def fetch_status(run_dir: str, timeout_s: float = 3.0, *, node_rank: int = 0) -> JobStatus:
+    """The dispatcher's status; WorkerDeadError when no dispatcher answers. Any node's
     config names the job's one dispatcher."""
     cfg = load_config(RunFiles(run_dir, node_rank).config)
     link = DispatcherLink.for_job(cfg, "observer/status", heartbeat_interval_s=3600, timeout_s=timeout_s)
@@ -38,9 +38,13 @@ def query_status(run_dir: str, *, as_json: bool = False) -> str:
     try:
         status, heading = fetch_status(run_dir), None
     except WorkerDeadError as live_error:
-        status = _final_status(files.final_status)
-        if status is None:
+        if not os.path.exists(files.final_status):
             raise
+        try:
+            status = read_status_file(files.final_status)
+        except DataError as exc:
+            raise DataError(f"no dispatcher answers ({live_error}), and its final status is unreadable: {exc}") \
+                from None
         heading = f"no dispatcher answers ({live_error}); the job's final status, {files.final_status}:"
     listing_error = None
     try:
@@ -51,32 +55,21 @@ def query_status(run_dir: str, *, as_json: bool = False) -> str:
         extra = {"uncommitted_checkpoints": uncommitted}
         if listing_error:
             extra["uncommitted_checkpoints_error"] = listing_error
-        return json.dumps(json_safe({**status, **extra}), indent=1, sort_keys=True,
-                          allow_nan=False)  # strict JSON: no NaN
+        return json.dumps({**status.to_json(), **extra}, indent=1, sort_keys=True,
+                          allow_nan=False)  # strict JSON: no NaN (to_json writes them as null)
     lines = ([heading] if heading else []) + [format_status(status, final=heading is not None)]
-    for rank, t in status["targets"].items():
-        lines.append(f"  target/{rank}: {t['batches']} batches {t['tokens']:,} tokens, credits {t['credits']}, "
-                     f"free slots {t['free_slots']}, heartbeat {t['heartbeat_age_s']:.1f}s ago")
-    for rank, d in status["drafters"].items():
-        m = d["metrics"]
+    for rank, t in status.targets.items():
+        lines.append(f"  target/{rank}: {t.batches} batches {t.tokens:,} tokens, credits {t.credits}, "
+                     f"free slots {t.free_slots}, heartbeat {t.heartbeat_age_s:.1f}s ago")
+    for rank, d in status.drafters.items():
+        m = d.metrics
         lines.append(f"  drafter/{rank}: step {_number(m.get('step'), 0):.0f} loss {_number(m.get('loss')):.3f}, "
-                     f"{d['batches']} batches, heartbeat {d['heartbeat_age_s']:.1f}s ago")
+                     f"{d.batches} batches, heartbeat {d.heartbeat_age_s:.1f}s ago")
     lines += [f"  {UNCOMMITTED_NOTE}: {path}" for path in uncommitted]
     lines += [f"  ({listing_error})"] if listing_error else []
     return "\n".join(lines)
 
 
-def _final_status(path: str) -> dict | None:
-    """The status the dispatcher wrote when it ended, or None (no such file, or not a status)."""
-    try:
-        status = read_json_object(path, "final status")
-    except DataError:  # absent, torn, or not JSON a status is made of
-        return None
-    shaped = all(isinstance(status.get(k), dict) for k in ("targets", "drafters"))
-    return status if shaped else None
-
-
-def _number(value, default: float = float("nan")) -> float:
+def _number(value: float | None, default: float = float("nan")) -> float:
     """A metric as a number: the final status writes a NaN as null (strict JSON)."""
-    number = as_number(value)
-    return default if number is None else number
+    return default if value is None else value

@@ -30,7 +30,7 @@ from dflash_ipc.config.schema import JobConfig
 from dflash_ipc.config.load import dump_config
 from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.errors import DataError
-from dflash_ipc.run.json_files import read_json_object, write_json_atomic
+from dflash_ipc.run.json_files import write_json_atomic
 from dflash_ipc.wire.link import DispatcherLink
 from dflash_ipc.run.liveness import read_beacon
 from dflash_ipc.run.logs import tail_lines
@@ -45,6 +45,7 @@ from dflash_ipc.supervise.roles import DISPATCHER, Role
 from dflash_ipc.run.lock import RunLock
 from dflash_ipc.obs.status_line import StatusLine
 from dflash_ipc.supervise.status_poller import StatusPoller
+from dflash_ipc.wire.status import JobStatus, read_status_file
 from dflash_ipc.supervise.target_groups import WorkerAddresses
 from dflash_ipc.transport.backends import unlink_segments
 from dflash_ipc.wire.security import curve_required, ensure_job_secret, ensure_keys
@@ -92,7 +93,7 @@ class Supervisor:
         self.children: dict[Role, Child] = {}
         self.logic: SupervisorLogic | None = None
         self._stop_reason: str | None = None
-        self.last_status: dict | None = None
+        self.last_status: JobStatus | None = None
         self._signals = 0
         self._checkpoint_on_stop = True
         self.sinks = MetricSinks([])
@@ -295,11 +296,11 @@ class Supervisor:
     def _finished_on_disk(self) -> bool:
         """The dispatcher's final status says every batch is committed (shared run dir)."""
         try:
-            return read_json_object(self.files.final_status, "final status").get("finished") is True
-        except DataError:  # not there yet, or torn
+            return read_status_file(self.files.final_status).finished
+        except DataError:  # not there yet, torn, or not a status
             return False
 
-    def _report_status(self, poller: StatusPoller) -> dict | None:
+    def _report_status(self, poller: StatusPoller) -> JobStatus | None:
         """Prints the status lines and feeds the sinks; returns the live status (None: no answer)."""
         status = poller.poll()
         if status is None:
@@ -312,17 +313,17 @@ class Supervisor:
 
     def _final_status(self) -> None:
         try:
-            self.last_status = read_json_object(self.files.final_status, "final status")
+            self.last_status = read_status_file(self.files.final_status)
             for line in self.status_line.final_lines(self.last_status):
                 self.print_status(line)
             self.sinks.write(self.last_status)  # the trackers end where the job did
-        except (DataError, KeyError, TypeError) as exc:  # missing, damaged, or not a status
+        except DataError as exc:  # missing, damaged, or not a status
             log.warning("no final status: %s", exc)
 
     def _wait_workers(self) -> None:
         """After the dispatcher's Shutdown the workers exit by themselves; give them time.
         A restarted target that had not registered yet got no Shutdown: stop it now."""
-        seated = {t.get("pid") for t in (self.last_status or {}).get("targets", {}).values()}
+        seated = {t.pid for t in self.last_status.targets.values()} if self.last_status else set()
         unseated = [c for c in self.children.values() if c.role.kind == "target" and c.restarts
                     and c.poll() is None and c.pid not in seated]
         for child in unseated:

@@ -20,7 +20,7 @@ Conversation (all requests come from the worker; the dispatcher never sends work
     drafter 0 -> Committed(step, batch_ids, ranks, attempts, samples)
                                                 dispatcher -> CommitDone(step)  (durable)
     worker  -> Heartbeat(metrics)               dispatcher -> Heartbeat
-    any     -> StatusRequest                    dispatcher -> StatusReply(status)
+    any     -> StatusRequest                    dispatcher -> StatusReply(status: JobStatus, wire/status.py)
     dispatcher -> EndOfData                     (no work will come; drain and finish)
     dispatcher -> Shutdown(reason)              (stop now)
     dispatcher -> Unregistered(instance, reason) (to a sender it does not know: a worker whose
@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from dflash_ipc.errors import ProtocolError
+from dflash_ipc.wire.status import JobStatus, from_plain
 
 # Bounds of what a message may hold: far above any real message, low enough that no sender
 # can grow a receiver's memory (the socket also refuses larger frames: zmq.MAXMSGSIZE).
@@ -211,7 +212,7 @@ class StatusRequest:
 @dataclass(kw_only=True, slots=True)
 class StatusReply:
     KIND: ClassVar[Kind] = Kind.STATUS_REPLY
-    status: dict
+    status: JobStatus  # typed and bounded by its own schema (wire/status.py)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -276,7 +277,15 @@ LIMITS: dict[Kind, Limits] = {
 def encode(msg: Message) -> list[bytes]:
     """Frames for `msg`: [kind byte, msgpack body]."""
     body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
-    return [bytes((msg.KIND,)), msgpack.packb(body, use_bin_type=True)]
+    return [bytes((msg.KIND,)), msgpack.packb(body, use_bin_type=True, default=_fields_of)]
+
+
+def _fields_of(value: Any) -> dict:
+    """msgpack's hook for what it cannot pack itself: a dataclass (the status types) as the
+    map of its fields."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    raise TypeError(f"{type(value).__name__} is not a wire value")
 
 
 def peek_kind(frames: list[bytes]) -> Kind | None:
@@ -321,10 +330,13 @@ def decode(frames: list[bytes]) -> Message:
     unknown, missing = set(body) - names, required - set(body)
     if unknown or missing:
         raise ProtocolError(f"{kind.name}: unknown fields {sorted(unknown)[:8]!r:.200}, missing {sorted(missing)}")
+    if cls is StatusReply:  # typed: checked against its own schema and bounds (wire/status.py)
+        try:
+            return StatusReply(status=from_plain(JobStatus, body["status"]))
+        except ValueError as exc:
+            raise ProtocolError(f"{kind.name}: {exc}") from None
     for name, value in body.items():
-        # The bounds guard the dispatcher against its peers; a status comes from the
-        # dispatcher and grows with the job (one entry per worker).
-        if (why := check_value(value, hints[name], bounded=cls is not StatusReply)) is not None:
+        if (why := check_value(value, hints[name])) is not None:
             raise ProtocolError(f"{kind.name}.{name}: {why}")
     if cls is Register and len(body.get("secret", b"")) > MAX_SECRET:
         raise ProtocolError(f"REGISTER.secret: {len(body['secret'])} bytes, at most {MAX_SECRET}")
@@ -334,7 +346,7 @@ def decode(frames: list[bytes]) -> Message:
 _ANY = object()  # the hint of a free-form value (inside a bare `dict` field): any wire value
 
 
-def check_value(value: Any, hint: Any, *, bounded: bool = True) -> str | None:
+def check_value(value: Any, hint: Any) -> str | None:
     """Why `value` does not match `hint` or lies outside the wire's bounds (None: it fits).
     Iterative, with an explicit stack: no input can exhaust Python's recursion limit, and a
     value nested deeper than MAX_DEPTH is refused at that depth."""
@@ -364,7 +376,7 @@ def check_value(value: Any, hint: Any, *, bounded: bool = True) -> str | None:
             if not isinstance(value, container):
                 return f"{type(value).__name__} {value!r:.80} does not match {hint}"
             limit = MAX_LIST if container is list else MAX_MAP
-            if bounded and len(value) > limit:
+            if len(value) > limit:
                 return f"{len(value)} entries, at most {limit}"
             if origin is list:
                 (inner,) = typing.get_args(hint)
@@ -375,12 +387,12 @@ def check_value(value: Any, hint: Any, *, bounded: bool = True) -> str | None:
                     stack.append((k, key_hint, depth + 1))
                     stack.append((v, value_hint, depth + 1))
             continue
-        if (why := _scalar(value, hint, bounded)) is not None:
+        if (why := _scalar(value, hint)) is not None:
             return why
     return None
 
 
-def _scalar(value: Any, hint: Any, bounded: bool) -> str | None:
+def _scalar(value: Any, hint: Any) -> str | None:
     """Why a scalar does not match `hint` (int, float, str, bytes or bool) or its bounds."""
     if hint is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -390,7 +402,7 @@ def _scalar(value: Any, hint: Any, bounded: bool) -> str | None:
         ok = isinstance(value, hint)
     if not ok:
         return f"{type(value).__name__} {value!r:.80} does not match {getattr(hint, '__name__', hint)}"
-    if not bounded or isinstance(value, bool):
+    if isinstance(value, bool):
         return None
     if isinstance(value, int):
         return None if -1 <= value <= MAX_INT else f"integer {value:.6g} outside [-1, 2**62]"
