@@ -181,7 +181,7 @@ def test_bench_runs_on_gpu_with_flex_and_memory_figures():
 
 def test_precision_variants_in_order_and_bad_names_refused():
     variants = bd.precision_variants(["bf16", "fp8"], ["tensorwise", "rowwise"], ["all", "grad"])
-    assert variants[0] == {"precision": "bf16"} and len(variants) == 5
+    assert variants[0] == {"precision": "bf16", "compile": "off"} and len(variants) == 5
     assert [bd.variant_label(v) for v in variants[1:3]] == ["fp8 tensorwise, lm_head all",
                                                            "fp8 tensorwise, lm_head grad"]
     with pytest.raises(ConfigError, match="precision fp16 not allowed; allowed: bf16, fp8"):
@@ -201,12 +201,16 @@ def test_bench_config_holds_on_a_gpu_device():
 
 def test_comparison_table_gives_the_speedup_against_the_first():
     base = {"shape": "tiny", "device": "cpu", "precision": "bf16", "step_s_mean": 0.5, "query_tokens_per_s": 2000.0,
-            "context_tokens_per_s": 1000.0, "peak_memory_gib": 10.0}
+            "context_tokens_per_s": 1000.0, "peak_memory_gib": 10.0, "mfu": 0.2, "timed_steps_compiling": []}
     fast = {**base, "precision": "fp8 tensorwise, lm_head all", "step_s_mean": 0.25, "query_tokens_per_s": 4000.0,
-            "context_tokens_per_s": 2000.0, "peak_memory_gib": None}
-    lines = bd.format_comparison([base, fast]).splitlines()
-    assert "speedup" in lines[1] and lines[2].split()[-1] == "1.00x"
-    assert lines[3].split()[-1] == "2.00x" and "4,000" in lines[3] and "n/a" in lines[3]
+            "context_tokens_per_s": 2000.0, "peak_memory_gib": None, "mfu": 0.4, "timed_steps_compiling": [3]}
+    broken = {**base, "precision": "bf16, compile default", "compile_mode": "default", "compile_active": False,
+              "compile_failure": "BackendCompilerFailed: ..."}
+    on_cpu = {**broken, "compile_failure": None}
+    lines = bd.format_comparison([base, fast, broken, on_cpu]).splitlines()
+    assert "speedup" in lines[1] and lines[2].split()[-2:] == ["1.00x", "none"] and "20.0%" in lines[2]
+    assert lines[3].split()[-2:] == ["2.00x", "[3]"] and "4,000" in lines[3] and "n/a" in lines[3]
+    assert "40.0%" in lines[3] and "(fell back to eager)" in lines[4] and "(eager: CUDA only)" in lines[5]
 
 
 def test_bench_compares_precisions_in_one_run_on_cpu(monkeypatch, capsys):
@@ -215,9 +219,9 @@ def test_bench_compares_precisions_in_one_run_on_cpu(monkeypatch, capsys):
     results = bd.compare_precisions("cpu", steps=1, shape="tiny", variants=bd.precision_variants(["bf16", "fp8"]),
                                     anchors_per_seq=8, num_seqs=2, seq_len=64, warmup=0)
     assert [f["precision"] for f in results] == ["bf16", "fp8 tensorwise, lm_head all"]
-    assert results[1]["variant"] == {"precision": "fp8", "fp8_recipe": "tensorwise", "fp8_lm_head": "all"}
+    assert results[1]["variant"] == {"precision": "fp8", "fp8_recipe": "tensorwise", "fp8_lm_head": "all", "compile": "off"}
     out = capsys.readouterr().out
-    assert "precision comparison: tiny on cpu" in out and out.count("drafter step benchmark") == 2
+    assert "comparison: tiny on cpu" in out and out.count("drafter step benchmark") == 2
     assert abs(results[1]["loss_last"] - results[0]["loss_last"]) < 0.05  # same init, same data
 
 
@@ -274,3 +278,52 @@ def test_kernel_kinds_and_the_summary_per_step():
         summarize([], steps=0)
     with pytest.raises(ConfigError, match="needs a count >= 0 and a CUDA --device"):
         bd.run_drafter_bench("cpu", steps=1, shape="tiny", profile_steps=1)
+
+
+def test_cli_shapes_are_the_bench_shapes():
+    from dflash_ipc.cli.bench import BENCH_DRAFTER_SHAPES
+    assert sorted(BENCH_DRAFTER_SHAPES) == sorted(bd.SHAPES)
+
+
+def test_small_target_shapes():
+    small = bd.drafter_model_config("smollm2-135m")
+    assert (small.hidden_size, small.vocab_size, small.num_hidden_layers) == (576, 49152, 3)
+    assert (small.num_attention_heads, small.num_key_value_heads, small.head_dim) == (9, 3, 64)
+    assert small.intermediate_size == 1536 and small.target_layer_ids == [1, 14, 27]
+    mid = bd.drafter_model_config("qwen3-1.7b")
+    assert (mid.hidden_size, mid.vocab_size, mid.num_hidden_layers, mid.intermediate_size) == (2048, 151936, 5, 6144)
+    assert mid.target_layer_ids == [1, 7, 13, 19, 25]
+    with pytest.raises(ConfigError, match="smollm2-135m"):
+        bd.drafter_model_config("nope")
+
+
+def test_compile_specs_make_variants_of_every_precision():
+    variants = bd.precision_variants(["bf16", "fp8"], compiles=["off@1.5", "off", "reduce-overhead"])
+    assert variants == [{"precision": "bf16", "compile": "off", "lm_head_chunk_gib": 1.5},
+                        {"precision": "bf16", "compile": "off"},
+                        {"precision": "bf16", "compile": "reduce-overhead"},
+                        {"precision": "fp8", "fp8_recipe": "tensorwise", "fp8_lm_head": "all", "compile": "off",
+                         "lm_head_chunk_gib": 1.5},
+                        {"precision": "fp8", "fp8_recipe": "tensorwise", "fp8_lm_head": "all", "compile": "off"},
+                        {"precision": "fp8", "fp8_recipe": "tensorwise", "fp8_lm_head": "all",
+                         "compile": "reduce-overhead"}]
+    assert [bd.variant_label(v) for v in variants[:3]] == ["bf16, chunks 1.5 GiB", "bf16",
+                                                           "bf16, compile reduce-overhead"]
+    with pytest.raises(ConfigError, match="mode 'fast' not allowed; allowed: off, default"):
+        bd.precision_variants(["bf16"], compiles=["fast"])
+    with pytest.raises(ConfigError, match="'x' after '@' is not a number"):
+        bd.precision_variants(["bf16"], compiles=["off@x"])
+
+
+def test_ragged_bench_reports_its_setup_and_compile_counts(capsys):
+    f = bd.run_drafter_bench("cpu", steps=2, shape="tiny", anchors_per_seq=16, num_seqs=2, seq_len=128, warmup=1,
+                             variant={"precision": "bf16", "compile": "reduce-overhead", "lm_head_chunk_gib": 1 / 1024},
+                             ragged=True)
+    report = capsys.readouterr().out
+    assert f["compile_mode"] == "reduce-overhead" and not f["compile_active"]  # CPU: eager, said in the log
+    assert f["lm_head_chunk_rows"] == (1 << 20) // (512 * 4)
+    assert "drafter.compile=reduce-overhead (FELL BACK TO EAGER: None)" not in report
+    assert "LM head + CE in chunks of <= 512 rows" in report and "torch.compile warmup" in report
+    assert 32 <= f["num_ctx_min"] <= f["num_ctx_max"] <= 256 and "32..128 (ragged)" in report
+    assert f["compiles_timed"]["frames"] == 0 and f["timed_steps_compiling"] == []
+    assert f["step_s_mean_no_compile"] == pytest.approx(f["step_s_mean"])

@@ -15,7 +15,9 @@ from dflash_ipc.drafter.objective import (
     anchor_generator,
     block_loss_weights,
     build_training_batch,
+    chunk_bounds,
     dpace_weights,
+    lm_head_chunk_rows,
     sample_anchors,
     weighted_ce_sum,
 )
@@ -128,6 +130,73 @@ def test_weighted_ce_sum_matches_full_logits(chunk):
     (want / 3.0).backward()
     torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-6, atol=1e-9)
     assert h1.grad[[0, 4, 5, 22]].abs().max() == 0
+
+
+@pytest.mark.parametrize("chunk", [4, 7, 100])
+def test_given_rows_a_superset_of_the_weighted_ones_give_the_same_loss_and_grad(chunk):
+    gen = torch.Generator().manual_seed(1)
+    head = FrozenTargetHead(torch.randn(40, 8, generator=gen, dtype=torch.float64))
+    hidden = torch.randn(19, 8, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, 40, (19,), generator=gen)
+    weights = torch.rand(19, generator=gen, dtype=torch.float64)
+    weights[[0, 3, 4, 18]] = 0
+    runs = []
+    for rows in (None, torch.nonzero(weights).squeeze(1), torch.arange(19), torch.arange(1, 19)):
+        h = hidden.clone().requires_grad_(True)
+        loss = weighted_ce_sum(h, head, labels, weights, chunk_size=chunk, rows=rows)
+        loss.backward()
+        runs.append((loss.detach(), h.grad))
+    for loss, grad in runs[1:]:
+        torch.testing.assert_close(loss, runs[0][0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grad, runs[0][1], rtol=1e-12, atol=1e-12)
+    with pytest.raises(DataError, match="1-D"):
+        weighted_ce_sum(hidden, head, labels, weights, rows=torch.zeros(2, 2, dtype=torch.long))
+
+
+def test_given_rows_leave_dpace_unchanged():
+    gen = torch.Generator().manual_seed(2)
+    head = FrozenTargetHead(torch.randn(40, 8, generator=gen, dtype=torch.float64))
+    hidden = torch.randn(20, 8, generator=gen, dtype=torch.float64)  # 5 blocks of 4
+    labels = torch.randint(0, 40, (20,), generator=gen)
+    weights = torch.ones(20, dtype=torch.float64)
+    weights[[0, 4, 8, 12, 16, 19]] = 0  # slot 0 of every block, one past a sequence end
+    runs = []
+    for rows in (None, torch.nonzero(weights).squeeze(1)):
+        h = hidden.clone().requires_grad_(True)
+        loss = weighted_ce_sum(h, head, labels, weights, chunk_size=6, dpace=(0.5, 4), rows=rows)
+        loss.backward()
+        runs.append((loss.detach(), h.grad))
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=1e-12, atol=1e-12)
+
+
+def test_chunks_are_equal_and_as_few_as_the_budget_allows():
+    assert chunk_bounds(0, 8) == []
+    assert chunk_bounds(30720, 8192) == [(0, 7680), (7680, 15360), (15360, 23040), (23040, 30720)]
+    assert chunk_bounds(30720, 30720) == [(0, 30720)]
+    for n, m in ((1, 1), (17, 4), (100, 33), (30719, 8834)):
+        bounds = chunk_bounds(n, m)
+        sizes = [e - s for s, e in bounds]
+        assert bounds[0][0] == 0 and bounds[-1][1] == n and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        assert max(sizes) <= m and len(bounds) == -(-n // m) and max(sizes) - min(sizes) < len(bounds)
+    with pytest.raises(DataError):
+        chunk_bounds(4, 0)
+    gib = 1 << 30
+    # a small vocabulary gets larger chunks from the same memory: 4 bytes per logit entry
+    assert lm_head_chunk_rows(151936, 5 * gib) == 8833 and lm_head_chunk_rows(49152, 5 * gib) == 27306
+    assert lm_head_chunk_rows(49152, 1.5 * gib) == 8192 and lm_head_chunk_rows(10**9, 1) == 16
+    with pytest.raises(DataError):
+        lm_head_chunk_rows(0, gib)
+
+
+def test_training_batch_loss_rows_are_the_weighted_rows():
+    ids, lm = torch.arange(20), torch.ones(20, dtype=torch.bool)
+    lm[12:15] = False
+    b = build_training_batch(ids, lm, torch.tensor([0, 11, 20]), [torch.tensor([1, 8]), torch.tensor([0, 5])],
+                             block_size=4, mask_token_id=0, gamma=7.0)
+    assert torch.equal(b.loss_rows, torch.nonzero(b.weights).squeeze(1))
+    assert 0 not in b.loss_rows.tolist() and b.loss_rows.numel() < 12  # position 0, past the end, no loss
+    assert torch.equal(b.to("cpu").loss_rows, b.loss_rows)
 
 
 def test_weighted_ce_sum_all_zero_weights_and_no_grad():

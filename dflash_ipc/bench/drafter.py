@@ -8,6 +8,9 @@ mask is built inside the step; its time is also reported on its own.
 Shapes (``shape=``): ``"qwen3-8b"`` is the issue's drafter (hidden 4096, 5 layers over
 target layers [1, 9, 17, 25, 33] of a 36-layer Qwen3-8B, vocab 151,936); with the
 defaults 4 sequences of 2,048 tokens, 512 anchors each, block 16 = 32,768 query tokens.
+``"qwen3-1.7b"`` (hidden 2048, 5 layers, vocab 151,936) and ``"smollm2-135m"`` (a
+135M-class target: hidden 576, 9/3 heads of 64, intermediate 1536, vocab 49,152, 3 layers
+over a 30-layer target) are the small targets, at the same step sizes (2,048 anchors).
 ``"tiny"`` (hidden 64, 2 layers, vocab 512) runs the same code path on a CPU.
 
 FLOP count (model FLOPs, matmuls only, 2*m*n*k each; norms, RoPE, softmax, SiLU, CE and
@@ -40,14 +43,16 @@ The matmul rate is measured in the same run: ``matmul_size``^3 bf16 matmuls (819
 qwen3-8b), 3 warmups, mean of 10. MFU = model FLOPs / step time / that rate, for every
 precision (an fp8 run also reports the float8 ``torch._scaled_mm`` rate of the same size).
 
-Precisions (``drafter.precision``, drafter/precision.py): several variants in one run are
+Precisions (``drafter.precision``, drafter/precision.py) and compile modes (``drafter.compile``
+with an optional ``drafter.lm_head_chunk_gib``, ``MODE@GIB``): several variants in one run are
 timed one after the other in the same process, each on a fresh trainer, and compared:
-step time, tokens/s, peak memory and the speedup against the first.
+step time, tokens/s, peak memory, MFU and the speedup against the first.
 
 Run manual::
 
     dflash-ipc bench drafter --device cuda:0 --steps 10
     dflash-ipc bench drafter --device cuda:0 --steps 10 --precision bf16,fp8
+    dflash-ipc bench drafter --device cuda:0 --shape smollm2-135m --compile off@1.5,off,reduce-overhead
     python -c "from dflash_ipc.bench.drafter import run_drafter_bench; run_drafter_bench('cpu', 2, 'tiny', 16, 2, 128)"
 """
 
@@ -64,7 +69,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_ipc.bench.kernel_profile import format_profile, profile_kernels, summarize
-from dflash_ipc.config.schema import Fp8HeadMatmuls, Fp8Recipe, JobConfig, Precision
+from dflash_ipc.config.schema import Compile, Fp8HeadMatmuls, Fp8Recipe, JobConfig, Precision
 from dflash_ipc.config.load import config_from_dict
 from dflash_ipc.drafter.attention import FLEX_TILE, build_mask, flex_tile_flags
 from dflash_ipc.drafter.model import DFlashConfig
@@ -99,6 +104,18 @@ SHAPES = {
                     head_dim=128, intermediate_size=12288, vocab_size=151936, rope_theta=1e6,
                     max_position_embeddings=40960),
         num_draft_layers=5, matmul_size=8192),
+    "qwen3-1.7b": BenchShape(
+        target=dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                    head_dim=128, intermediate_size=6144, vocab_size=151936, rope_theta=1e6,
+                    max_position_embeddings=40960),
+        num_draft_layers=5, matmul_size=8192),
+    # A 135M-class target (SmolLM2-135M's widths as Qwen3 fields: the drafter is Qwen3-style
+    # whatever the target): hidden 576, vocab 49,152, 3 drafter layers.
+    "smollm2-135m": BenchShape(
+        target=dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    head_dim=64, intermediate_size=1536, vocab_size=49152, rope_theta=1e5,
+                    max_position_embeddings=8192),
+        num_draft_layers=3, matmul_size=8192),
     "tiny": BenchShape(
         target=dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=16, intermediate_size=128, vocab_size=512, rope_theta=1e6,
@@ -222,16 +239,21 @@ def random_head(config: DFlashConfig, device: torch.device, gen: torch.Generator
 
 
 def random_sequences(config: DFlashConfig, *, step: int, num_seqs: int, seq_len: int, max_anchors: int,
-                     device: torch.device, gen: torch.Generator, cpu_gen: torch.Generator) -> list[Sequence]:
-    """Fresh sequences as a drafter worker holds them: features on the device, ids on the host."""
+                     device: torch.device, gen: torch.Generator, cpu_gen: torch.Generator,
+                     ragged: bool = False) -> list[Sequence]:
+    """Fresh sequences as a drafter worker holds them: features on the device, ids on the host.
+    ``ragged``: each of its own length, uniform in [seq_len/4, seq_len] (the context length then
+    changes every step, as in training; the anchors stay ``max_anchors`` while it fits)."""
     width = config.num_context_features * config.hidden_size
     out = []
-    for i in range(num_seqs):
-        loss_mask = torch.ones(seq_len, dtype=torch.bool)
+    lengths = (torch.randint(max(2, seq_len // 4), seq_len + 1, (num_seqs,), generator=cpu_gen).tolist() if ragged
+               else [seq_len] * num_seqs)
+    for i, length in enumerate(lengths):
+        loss_mask = torch.ones(length, dtype=torch.bool)
         out.append(Sequence(
             batch_id=step, epoch=0, sample_id=step * num_seqs + i,  # new ids: new anchors each step
-            features=torch.randn(seq_len, width, device=device, dtype=torch.bfloat16, generator=gen),  # [L, F]
-            input_ids=torch.randint(0, config.vocab_size, (seq_len,), generator=cpu_gen),  # [L]
+            features=torch.randn(length, width, device=device, dtype=torch.bfloat16, generator=gen),  # [L, F]
+            input_ids=torch.randint(0, config.vocab_size, (length,), generator=cpu_gen),  # [L]
             loss_mask=loss_mask,
             num_anchors=eligible_anchor_count(loss_mask.numpy(), max_anchors)))
     return out
@@ -246,6 +268,20 @@ class _RecordingTrainer(DrafterTrainer):
         built = super()._build(chosen)
         self.last_batch = built[0]
         return built
+
+
+def compile_counts() -> dict[str, int]:
+    """torch.compile's process-wide counters (torch._dynamo.utils.counters): frames compiled
+    (each recompile is one), graphs, graph breaks, and CUDA graphs inductor skipped."""
+    from torch._dynamo.utils import counters
+    return {"frames": int(counters["frames"]["ok"]), "graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+            "cudagraph_skips": int(sum(counters["inductor"][k] for k in counters["inductor"] if "cudagraph_skip" in k))}
+
+
+def _counts_since(before: dict[str, int]) -> dict[str, int]:
+    now = compile_counts()
+    return {k: now[k] - before[k] for k in now}
 
 
 def _mask_seconds(layout, backend: str, device: torch.device) -> float:
@@ -300,30 +336,54 @@ def _one_step(trainer: _RecordingTrainer, seqs: list[Sequence], device: torch.de
 # --- precision variants -------------------------------------------------------------------------
 
 
+def parse_compile_spec(spec: str) -> dict:
+    """``MODE[@GIB]`` -> drafter fields: ``drafter.compile`` MODE, and ``lm_head_chunk_gib`` GIB
+    when given (e.g. ``off@1.5``: compile off, 1.5 GiB LM-head chunks). ConfigError if bad."""
+    mode, _, gib = spec.partition("@")
+    allowed = typing.get_args(Compile)
+    if mode not in allowed:
+        raise ConfigError(f"bench: compile {spec!r}: mode {mode!r} not allowed; allowed: {', '.join(allowed)} "
+                          f"(optionally @GIB, the LM-head chunk memory)")
+    out: dict = {"compile": mode}
+    if gib:
+        try:
+            out["lm_head_chunk_gib"] = float(gib)
+        except ValueError:
+            raise ConfigError(f"bench: compile {spec!r}: {gib!r} after '@' is not a number of GiB") from None
+    return out
+
+
 def precision_variants(precisions: typing.Sequence[str], recipes: typing.Sequence[str] = ("tensorwise",),
-                       lm_heads: typing.Sequence[str] = ("all",)) -> list[dict]:
-    """The ``drafter`` config fields of each variant to compare, in order: bf16 once, fp8 once
-    per (recipe, LM-head choice). ConfigError for a name not allowed."""
+                       lm_heads: typing.Sequence[str] = ("all",), compiles: typing.Sequence[str] = ("off",)) -> list[dict]:
+    """The ``drafter`` config fields of each variant to compare, in order: bf16 once per
+    ``compiles`` spec (``parse_compile_spec``), fp8 once per (recipe, LM-head choice, spec).
+    ConfigError for a name not allowed."""
     for name, given, hint in (("precision", precisions, Precision), ("fp8 recipe", recipes, Fp8Recipe),
                               ("fp8 LM head", lm_heads, Fp8HeadMatmuls)):
         allowed = typing.get_args(hint)
         bad = [g for g in given if g not in allowed]
         if bad or not given:
             raise ConfigError(f"bench: {name} {', '.join(bad) or '(none)'} not allowed; allowed: {', '.join(allowed)}")
+    specs = [parse_compile_spec(c) for c in compiles]
+    if not specs:
+        raise ConfigError("bench: compile (none) not allowed; give at least one mode, e.g. off")
     out = []
     for precision in precisions:
         if precision == "bf16":
-            out.append({"precision": "bf16"})
+            out += [{"precision": "bf16", **spec} for spec in specs]
         else:
-            out += [{"precision": precision, "fp8_recipe": r, "fp8_lm_head": h} for r in recipes for h in lm_heads]
+            out += [{"precision": precision, "fp8_recipe": r, "fp8_lm_head": h, **spec}
+                    for spec in specs for r in recipes for h in lm_heads]
     return out
 
 
 def variant_label(variant: dict) -> str:
+    extra = "".join([f", compile {variant['compile']}" if variant.get("compile", "off") != "off" else "",
+                     f", chunks {variant['lm_head_chunk_gib']:g} GiB" if variant.get("lm_head_chunk_gib") else ""])
     if variant["precision"] == "bf16":
-        return "bf16"
+        return "bf16" + extra
     recipe, lm_head = variant.get("fp8_recipe", "tensorwise"), variant.get("fp8_lm_head", "all")
-    return f"{variant['precision']} {recipe}, lm_head {lm_head}"
+    return f"{variant['precision']} {recipe}, lm_head {lm_head}{extra}"
 
 
 def bench_job_config(device: torch.device, *, drafter: dict | None = None, **sections: dict) -> JobConfig:
@@ -336,14 +396,16 @@ def bench_job_config(device: torch.device, *, drafter: dict | None = None, **sec
 
 def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwen3-8b", anchors_per_seq: int = 512,
                       num_seqs: int = 4, seq_len: int = 2048, warmup: int = 3,
-                      variant: dict | None = None, profile_steps: int = 0) -> dict:
+                      variant: dict | None = None, profile_steps: int = 0, ragged: bool = False) -> dict:
     """Time ``steps`` real drafter training steps after ``warmup`` untimed ones; print and return figures.
 
     Every step trains on ``num_seqs`` fresh random sequences of ``seq_len`` tokens with
     ``anchors_per_seq`` anchors each (``num_seqs * anchors_per_seq * block_size`` queries).
     ``variant``: ``drafter`` config fields of the precision (default bf16; precision_variants).
     ``profile_steps``: that many more steps under the torch profiler, then the kernel time per
-    step by kind (bench/kernel_profile.py; CUDA only).
+    step by kind (bench/kernel_profile.py; CUDA only). ``ragged``: sequence lengths vary
+    (``random_sequences``). Each step's torch.compile work is counted (``compile_counts``): a
+    timed step that compiled is named in the report, and the mean without such steps given.
     """
     _check_sizes(steps, warmup, anchors_per_seq, num_seqs, seq_len)
     variant = variant or {"precision": "bf16"}
@@ -368,33 +430,39 @@ def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwe
     warm, timed = [], []
     for i in range(warmup + steps):
         seqs = random_sequences(config, step=i, num_seqs=num_seqs, seq_len=seq_len, max_anchors=anchors_per_seq,
-                                device=dev, gen=gen, cpu_gen=cpu_gen)
+                                device=dev, gen=gen, cpu_gen=cpu_gen, ragged=ragged)
         if i == warmup and dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
+        before = compile_counts()
         record = _one_step(trainer, seqs, dev)
+        record["compiled"] = _counts_since(before)
         del seqs
         (warm if i < warmup else timed).append(record)
-        logger.info("step %d%s: %.1f ms, loss %.3f", i, " (warmup)" if i < warmup else "",
-                    record["step_s"] * 1e3, record["loss"])
+        logger.info("step %d%s: %.1f ms, %d context tokens, loss %.3f%s", i, " (warmup)" if i < warmup else "",
+                    record["step_s"] * 1e3, record["counts"].num_ctx, record["loss"],
+                    f", compiled {record['compiled']['frames']} frame(s)" if record["compiled"]["frames"] else "")
     peak = torch.cuda.max_memory_allocated(dev) / GIB if dev.type == "cuda" else None
     figures = _figures(trainer, config, shape, dev, rate, warm, timed, peak,
                        num_seqs=num_seqs, seq_len=seq_len, anchors_per_seq=anchors_per_seq)
-    figures.update(precision=variant_label(variant), variant=dict(variant), fp8_matmul_tflops=fp8_rate)
+    figures.update(precision=variant_label(variant), variant=dict(variant), fp8_matmul_tflops=fp8_rate,
+                   ragged=ragged, compile_mode=cfg.drafter.compile, compile_active=trainer.drafter_forward.enabled,
+                   compile_failure=trainer.drafter_forward.failure, lm_head_chunk_rows=trainer.ce_chunk_rows)
     print(format_report(figures), flush=True)
     if profile_steps:
         figures["kernel_profile"] = _profile(trainer, config, dev, gen, cpu_gen, profile_steps, first=warmup + steps,
-                                             num_seqs=num_seqs, seq_len=seq_len, anchors_per_seq=anchors_per_seq)
+                                             num_seqs=num_seqs, seq_len=seq_len, anchors_per_seq=anchors_per_seq,
+                                             ragged=ragged)
         print(format_profile(figures["kernel_profile"], label=variant_label(variant),
                              wall_ms=figures["step_s_mean"] * 1e3), flush=True)
     return figures
 
 
 def _profile(trainer, config, dev, gen, cpu_gen, steps: int, *, first: int, num_seqs: int, seq_len: int,
-             anchors_per_seq: int) -> dict:
+             anchors_per_seq: int, ragged: bool = False) -> dict:
     """Kernel time per step by kind over ``steps`` more steps (their inputs made beforehand, so
     only the steps' own kernels are profiled)."""
     inputs = [random_sequences(config, step=first + i, num_seqs=num_seqs, seq_len=seq_len,
-                               max_anchors=anchors_per_seq, device=dev, gen=gen, cpu_gen=cpu_gen)
+                               max_anchors=anchors_per_seq, device=dev, gen=gen, cpu_gen=cpu_gen, ragged=ragged)
               for i in range(steps)]
 
     def run_step() -> None:
@@ -412,6 +480,10 @@ def compare_precisions(device: str = "cuda:0", steps: int = 10, shape: str = "qw
         results.append(run_drafter_bench(device, steps, shape, variant=variant, **sizes))
         if variant["precision"] == "fp8":  # its float8 graphs are no use to the next model
             reset_compiled_layers()
+        elif variant.get("compile", "off") != "off":
+            # the graphs guard on this model: the next model would recompile them, counting
+            # against dynamo's recompile limit, and CUDA graphs keep their memory pool
+            torch._dynamo.reset()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -423,20 +495,35 @@ def compare_precisions(device: str = "cuda:0", steps: int = 10, shape: str = "qw
 def format_comparison(results: list[dict]) -> str:
     """One line per variant: step time, tokens/s, peak memory, speedup against the first."""
     base = results[0]
-    lines = [f"precision comparison: {base['shape']} on {base['device']}, one run, speedup = step time of "
+    lines = [f"comparison: {base['shape']} on {base['device']}, one run, speedup = step time of "
              f"{base['precision']} / step time",
-             f"  {'precision':<30} {'step ms':>8} {'query tok/s':>12} {'context tok/s':>14} {'peak GiB':>9} "
-             f"{'speedup':>8}"]
+             f"  {'variant':<46} {'step ms':>8} {'query tok/s':>12} {'context tok/s':>14} {'peak GiB':>9} "
+             f"{'MFU':>6} {'speedup':>8}  compiled in timed steps"]
     for f in results:
         peak = f"{f['peak_memory_gib']:.1f}" if f["peak_memory_gib"] is not None else "n/a"
-        lines.append(f"  {f['precision']:<30} {f['step_s_mean'] * 1e3:>8.1f} {f['query_tokens_per_s']:>12,.0f} "
-                     f"{f['context_tokens_per_s']:>14,.0f} {peak:>9} {base['step_s_mean'] / f['step_s_mean']:>7.2f}x")
+        label = f["precision"] + ("" if f.get("compile_active", True) or f.get("compile_mode", "off") == "off"
+                                  else " (fell back to eager)" if f.get("compile_failure") else " (eager: CUDA only)")
+        compiled = f.get("timed_steps_compiling") or "none"  # a compile in a timed step inflates its mean
+        lines.append(f"  {label:<46} {f['step_s_mean'] * 1e3:>8.1f} {f['query_tokens_per_s']:>12,.0f} "
+                     f"{f['context_tokens_per_s']:>14,.0f} {peak:>9} {f.get('mfu', float('nan')) * 100:>5.1f}% "
+                     f"{base['step_s_mean'] / f['step_s_mean']:>7.2f}x  {compiled}")
     return "\n".join(lines)
 
 
 def _mean_flops(config: DFlashConfig, timed: list[dict], pairs: str) -> dict[str, float]:
     per_step = [training_flops(config, r["counts"], pairs=pairs) for r in timed]
     return {name: statistics.fmean(f[name] for f in per_step) for name in per_step[0]}
+
+
+def _compile_figures(warm: list[dict], timed: list[dict]) -> dict:
+    """torch.compile's work in the warmup and in the timed steps, and the timed mean without
+    the steps that compiled (None when every timed step compiled)."""
+    def total(records):
+        return {k: sum(r["compiled"][k] for r in records) for k in compile_counts()}
+    clean = [r["step_s"] for r in timed if not r["compiled"]["frames"]]
+    return {"compiles_warmup": total(warm), "compiles_timed": total(timed),
+            "timed_steps_compiling": [i for i, r in enumerate(timed) if r["compiled"]["frames"]],
+            "step_s_mean_no_compile": statistics.fmean(clean) if clean else None}
 
 
 def _figures(trainer, config, shape, dev, rate, warm, timed, peak, *, num_seqs, seq_len, anchors_per_seq) -> dict:
@@ -467,6 +554,8 @@ def _figures(trainer, config, shape, dev, rate, warm, timed, peak, *, num_seqs, 
         "flops_per_step": flops["total"], "flops_breakdown": {k: v for k, v in flops.items() if k != "total"},
         "flops_dense_per_step": dense, "flops_tile_per_step": tile,
         "tflops": achieved, "mfu": achieved / rate, "mfu_dense": dense / mean_s / 1e12 / rate,
+        "num_ctx_min": min(r["counts"].num_ctx for r in timed), "num_ctx_max": max(r["counts"].num_ctx for r in timed),
+        **_compile_figures(warm, timed),
     }
 
 
@@ -479,6 +568,33 @@ def _flop_str(value: float) -> str:
 
 def _count_str(n: int) -> str:
     return f"{n / 1e9:.3f} B" if n >= 1e9 else f"{n / 1e6:.3f} M"
+
+
+def _lengths_str(f: dict) -> str:
+    return f"{f['seq_len'] // 4}..{f['seq_len']} (ragged)" if f.get("ragged") else str(f["seq_len"])
+
+
+def _ctx_str(f: dict) -> str:
+    lo, hi = f.get("num_ctx_min", f["num_ctx"]), f.get("num_ctx_max", f["num_ctx"])
+    return f"{lo:,}" if lo == hi else f"{lo:,}..{hi:,}"
+
+
+def _setup_lines(f: dict) -> list[str]:
+    """drafter.compile (and whether it still runs), the LM-head chunking, torch.compile's work."""
+    if "compiles_timed" not in f:
+        return []
+    mode = f["compile_mode"]
+    state = "" if mode == "off" else " (active)" if f["compile_active"] else (
+        f" (FELL BACK TO EAGER: {f['compile_failure']})" if f["compile_failure"] else " (eager: CUDA only)")
+    warm, timed = f["compiles_warmup"], f["compiles_timed"]
+    clean = f["step_s_mean_no_compile"]
+    without = "" if not f["timed_steps_compiling"] else (
+        f"; timed steps {f['timed_steps_compiling']} compiled, mean without them "
+        + (f"{clean * 1e3:.1f} ms" if clean is not None else "n/a"))
+    return [f"  setup         drafter.compile={mode}{state}; LM head + CE in chunks of <= {f['lm_head_chunk_rows']:,} rows",
+            f"  torch.compile warmup {warm['frames']} frames / {warm['graphs']} graphs compiled, timed steps "
+            f"{timed['frames']} frames / {timed['graphs']} graphs; graph breaks {warm['graph_breaks'] + timed['graph_breaks']}, "
+            f"cudagraph skips {warm['cudagraph_skips'] + timed['cudagraph_skips']}{without}"]
 
 
 def format_report(f: dict) -> str:
@@ -494,10 +610,11 @@ def format_report(f: dict) -> str:
     return "\n".join([
         f"drafter step benchmark: {f['shape']} on {f['device']}, torch {f['torch']}, {f['attention']} attention, "
         f"{f.get('precision', 'bf16')}",
+        *_setup_lines(f),
         f"  drafter       {f['num_layers']} layers, hidden {f['hidden_size']}, vocab {f['vocab_size']}, "
         f"{_count_str(f['trainable_params'])} trainable params, target layers {f['target_layer_ids']}",
-        f"  step          {f['num_seqs']} seqs x {f['seq_len']} tokens, {f['anchors_per_seq']} anchors/seq, "
-        f"block {f['block_size']}: {f['num_queries']:,} query tokens, {f['num_ctx']:,} context tokens",
+        f"  step          {f['num_seqs']} seqs x {_lengths_str(f)} tokens, {f['anchors_per_seq']} anchors/seq, "
+        f"block {f['block_size']}: {f['num_queries']:,} query tokens, {_ctx_str(f)} context tokens",
         f"  step time     mean {f['step_s_mean'] * ms:.1f} ms, min {f['step_s_min'] * ms:.1f} ms, "
         f"max {f['step_s_max'] * ms:.1f} ms over {f['steps']} steps (warmup steps: {warm})",
         f"  mask build    {f['mask_s_mean'] * ms:.2f} ms (synchronized re-build of each step's mask); "

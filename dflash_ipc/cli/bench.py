@@ -71,33 +71,46 @@ def precision_options(default: str):
                      metavar="H[,H...]", help="drafter.fp8_lm_head of the fp8 runs: all, grad, none.")])
 
 
+# bench/drafter.py's SHAPES (a test checks they agree; importing it here would load torch).
+BENCH_DRAFTER_SHAPES = ["qwen3-8b", "qwen3-1.7b", "smollm2-135m", "tiny"]
+
+
 @bench.command("drafter")
 @click.option("--device", default="cuda:0", show_default=True, callback=checked_device)
 @click.option("--steps", default=10, show_default=True)
 @click.option("--warmup", default=3, show_default=True,
               help="Untimed steps first (the first compiles; with fp8 the third too: a row count seen twice runs static from the next step).")
-@click.option("--shape", type=click.Choice(["qwen3-8b", "tiny"]), default="qwen3-8b", show_default=True,
-              help="tiny: hidden 64, 2 layers, vocab 512, same step sizes (a quick GPU smoke test).")
+@click.option("--shape", type=click.Choice(BENCH_DRAFTER_SHAPES), default="qwen3-8b", show_default=True,
+              help="Target shape of the drafter: qwen3-8b (5 layers), qwen3-1.7b (5 layers), smollm2-135m "
+                   "(hidden 576, vocab 49,152, 3 layers); tiny: hidden 64, 2 layers, vocab 512, same step "
+                   "sizes (a quick GPU smoke test).")
 @click.option("--seq-len", "seq_lens", multiple=True, type=int, default=(2048,), show_default=True,
               help="Tokens per sequence (context keys per sequence); repeatable: one report per length, "
                    "in one process (the bf16 parts compiled once; fp8 layers per variant).")
 @click.option("--num-seqs", default=4, show_default=True, help="Sequences per step.")
 @click.option("--anchors-per-seq", default=512, show_default=True, help="Anchors (blocks) per sequence.")
 @precision_options(default="bf16")
+@click.option("--compile", "compiles", default="off", show_default=True, callback=comma_list, metavar="M[@G][,...]",
+              help="drafter.compile of each run: off, default, max-autotune-no-cudagraphs, reduce-overhead; "
+                   "@G sets drafter.lm_head_chunk_gib (e.g. off@1.5,off,reduce-overhead). Every precision "
+                   "runs with each.")
+@click.option("--ragged", is_flag=True,
+              help="Sequence lengths vary, uniform in [seq-len/4, seq-len]: the context changes every step, as in "
+                   "training (the anchors stay --anchors-per-seq).")
 @click.option("--profile", "profile_steps", default=0, show_default=True,
               help="Profile this many more steps (CUDA): kernel time per step by kind (matmul fp8 / "
                    "matmul / attention / fp8 scaling / fused elementwise / other) and the costliest kernels.")
 def bench_drafter(device, steps, warmup, shape, seq_lens, num_seqs, anchors_per_seq, precisions, recipes,
-                  lm_heads, profile_steps) -> None:
+                  lm_heads, compiles, ragged, profile_steps) -> None:
     """Step time, MFU and peak memory of a drafter step (default: Qwen3-8B shape, 4 x 2,048 tokens,
     512 anchors each = 32,768 query tokens), for each precision asked (with the speedup against
     the first) at each --seq-len."""
     from dflash_ipc.bench.drafter import compare_precisions, precision_variants
-    variants = precision_variants(precisions, recipes, lm_heads)
+    variants = precision_variants(precisions, recipes, lm_heads, compiles)
     for seq_len in seq_lens:
         compare_precisions(device=device, steps=steps, shape=shape, variants=variants, warmup=warmup,
                            anchors_per_seq=anchors_per_seq, num_seqs=num_seqs, seq_len=seq_len,
-                           profile_steps=profile_steps)
+                           profile_steps=profile_steps, ragged=ragged)
 
 
 @bench.command("target")

@@ -45,6 +45,7 @@ OptimizerName = Literal["adamw", "muon"]
 MuonAdjustLr = Literal["match_rms_adamw", "original"]
 ScheduleName = Literal["cosine", "wsd"]
 DecayShape = Literal["linear", "cosine", "sqrt"]
+Compile = Literal["off", "default", "max-autotune-no-cudagraphs", "reduce-overhead"]
 MetricSink = Literal["tensorboard", "wandb"]
 METRIC_SINKS: tuple[str, ...] = typing.get_args(MetricSink)
 WandbMode = Literal["online", "offline", "disabled"]
@@ -296,9 +297,23 @@ class DrafterConfig(_Section):
     fsdp (FSDP2 `fully_shard`: parameters, gradients and optimizer state sharded across the
     drafter ranks, for drafters whose optimizer state does not fit one GPU). The same step,
     the same checkpoints, either way (drafter/sharding.py)."""
+    compile: Compile = "off"
+    """The drafter's forward as one torch.compile graph, with this torch.compile mode, on CUDA
+    (drafter/compiled_forward.py): off (default: only the element-wise parts, attention and CE
+    chunks are compiled), default, max-autotune-no-cudagraphs, or reduce-overhead (CUDA graphs,
+    the context padded to a few lengths). sharding none only; with fp8 the float8 layers are
+    traced into the graph instead of compiled one by one."""
+    lm_head_chunk_gib: float = 0.0
+    """Memory of one chunk of the chunked LM head + CE (its [rows, vocab] logits and their
+    gradient, 4 bytes an entry); rows per chunk follow from it and the vocabulary. 0: 1/20 of
+    the GPU's memory (about 7 GiB of a 139 GiB H200), 1 GiB on CPU."""
 
     def check(self) -> None:
         _require(1 <= self.num_workers <= 1024, "drafter.num_workers", "must be in [1, 1024]")
+        _require(self.lm_head_chunk_gib == 0 or 1 / 1024 <= self.lm_head_chunk_gib <= 1024,
+                 "drafter.lm_head_chunk_gib", f"must be 0 (auto) or in [1/1024, 1024], got {self.lm_head_chunk_gib}")
+        _require(self.compile == "off" or self.sharding == "none", "drafter.compile",
+                 f"{self.compile} needs drafter.sharding=none (not measured under FSDP), got {self.sharding}")
         _require(0 <= self.max_group_wait_s <= 3600, "drafter.max_group_wait_s", "must be in [0, 3600]")
         _check_devices("drafter.devices", self.devices, self.num_workers)
         _require(1 <= self.fifo_sequences <= 1 << 20, "drafter.fifo_sequences", "must be in [1, 1048576]")

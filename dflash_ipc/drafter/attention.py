@@ -324,6 +324,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | "BlockMask") -> Te
         )  # [1, Hq, Q, D]
         return out[0]
     if BlockMask is not None and isinstance(mask, BlockMask):
-        fn = _flex_fn() if q.is_cuda else flex_attention
+        # inside the drafter's one graph (drafter.compile) dynamo traces flex_attention itself
+        fn = _flex_fn() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
         return fn(q[None], k[None], v[None], block_mask=mask, scale=scale, enable_gqa=gqa)[0]
     raise ConfigError(f"attention mask must be a bool Tensor or a BlockMask, got {type(mask).__name__}")

@@ -101,7 +101,8 @@ def probe_drafter_step(trainer, dataset, cfg, feature_dtype: torch.dtype) -> Non
         torch.cuda.synchronize(dev)
     except torch.OutOfMemoryError:
         raise ConfigError(f"drafter on {dev}: the heaviest step of the data ({what}) runs out of memory; lower "
-                          "objective.anchors_per_step or the largest bucket (data.bucket_boundaries)") from None
+                          "objective.anchors_per_step, the largest bucket (data.bucket_boundaries) or the LM-head "
+                          f"chunk (drafter.lm_head_chunk_gib: {trainer.ce_chunk_rows} rows now)") from None
     finally:
         del chosen
     _check_drafter_total(trainer, dataset, cfg, what, width_bytes)
@@ -121,7 +122,8 @@ def _check_drafter_total(trainer, dataset, cfg, what: str, feature_bytes: int) -
              f"{float(np.mean(dataset.lengths)):,.0f} tokens)")
     if need > usable:
         raise ConfigError(f"drafter on {dev}: needs {gib(need)} but {gib(usable)} are usable: {parts}; lower "
-                          "drafter.fifo_sequences, objective.anchors_per_step or the largest bucket")
+                          "drafter.fifo_sequences, objective.anchors_per_step, the largest bucket or "
+                          f"drafter.lm_head_chunk_gib ({trainer.ce_chunk_rows} rows per LM-head chunk now)")
     if peak + adam + queue.worst > usable:
         log.warning("drafter on %s: %s; a queue of the data's %d longest sequences would hold %s and not fit: "
                     "lower drafter.fifo_sequences if the drafter runs out of memory", dev, parts,

@@ -370,6 +370,8 @@ class CudaCompiled:
         self._compiled: Callable | None = None
 
     def __call__(self, *args: Any) -> Any:
+        if torch.compiler.is_compiling():  # inside the drafter's one graph (drafter.compile): inlined
+            return self.fn(*args)
         if args[0].is_cuda and compile_enabled():
             return self.compiled(*args)
         return self.fn(*args)

@@ -62,6 +62,9 @@ class TrainingBatch:
     weights: Tensor  # [Q] float32: loss weight, 0 where no loss
     layout: BlockLayout  # query/key membership for attention.build_mask
     num_anchors: int
+    loss_rows: Tensor | None = None
+    """``[R]`` long: the rows with a nonzero weight, found where the batch was built (the
+    host, in the trainer), so the chunked CE needs no device-to-host sync to count them."""
 
     @property
     def context_positions(self) -> Tensor:
@@ -76,6 +79,7 @@ class TrainingBatch:
             weights=self.weights.to(device),
             layout=self.layout.to(device),
             num_anchors=self.num_anchors,
+            loss_rows=None if self.loss_rows is None else self.loss_rows.to(device),
         )
 
 
@@ -185,13 +189,15 @@ def build_training_batch(
         cu_seqlens=cu.int(),
         block_size=block_size,
     )
+    flat_weights = weights.reshape(-1).float()
     return TrainingBatch(
         block_ids=block_ids.reshape(-1),
         block_positions=pos.reshape(-1),
         labels=labels.reshape(-1).long(),
-        weights=weights.reshape(-1).float(),
+        weights=flat_weights,
         layout=layout,
         num_anchors=num_anchors,
+        loss_rows=torch.nonzero(flat_weights).squeeze(1),
     )
 
 
@@ -265,6 +271,45 @@ def _loss_and_grad(logits: Tensor, labels: Tensor, weights: Tensor) -> tuple[Ten
     return _chunk_loss_and_grad_eager(logits, labels, weights)
 
 
+LOGIT_BYTES = 4
+"""Bytes per (row, vocab entry) that one CE chunk holds at once on CUDA: its bf16 logits and
+their bf16 gradient (the compiled kernel makes no float32 copy; the eager path, on CPU or
+with DFLASH_COMPILE=0, holds float32 temporaries too, about twice that)."""
+DEFAULT_CHUNK_ROWS = 8192  # the CE's chunk when its caller gives no memory budget
+CHUNK_MEMORY_SHARE = 20  # the trainer's default budget: 1/20 of the device (about 7 GiB of an H200)
+
+
+def lm_head_chunk_rows(vocab_size: int, budget_bytes: float) -> int:
+    """Most rows per CE chunk whose ``[rows, vocab]`` logits and gradient fit ``budget_bytes``
+    (at least 16). A small vocabulary gets fewer, larger chunks: 27,000+ rows of 49,152 entries
+    where 151,936 entries get 8,833, in 5 GiB."""
+    if vocab_size < 1 or not budget_bytes > 0:
+        raise DataError(f"lm_head_chunk_rows: vocab_size={vocab_size} and budget_bytes={budget_bytes} "
+                        f"must be positive")
+    return max(16, int(budget_bytes // (vocab_size * LOGIT_BYTES)))
+
+
+def default_chunk_budget(device: torch.device) -> float:
+    """The CE's memory budget when ``drafter.lm_head_chunk_gib`` is unset: 1/20 of a GPU's
+    memory, sized for the GPU; 1 GiB elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / CHUNK_MEMORY_SHARE
+    return float(1 << 30)
+
+
+def chunk_bounds(num_rows: int, max_rows: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of the chunks covering ``num_rows`` rows: as few as hold at most
+    ``max_rows`` each, of equal size (the last a few rows shorter at most), so no chunk is a
+    small ragged tail that costs a launch sequence for a sliver of work."""
+    if max_rows < 1:
+        raise DataError(f"chunk_size={max_rows} must be >= 1")
+    if num_rows <= 0:
+        return []
+    count = -(-num_rows // max_rows)
+    size = -(-num_rows // count)
+    return [(s, min(s + size, num_rows)) for s in range(0, num_rows, size)]
+
+
 class _ChunkedWeightedCE(torch.autograd.Function):
     """sum_i w_i * CE(hidden_i @ W^T, label_i), with the gradient computed in forward.
 
@@ -277,8 +322,9 @@ class _ChunkedWeightedCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, chunk_size, fp8_head, dpace):  # noqa: D102
-        rows = torch.nonzero(weights).squeeze(1)  # [R] rows that carry loss
+    def forward(ctx, hidden, weight, labels, weights, chunk_size, fp8_head, dpace, rows):  # noqa: D102
+        if rows is None:  # counting them on the device syncs the host with it
+            rows = torch.nonzero(weights).squeeze(1)  # [R] rows that carry loss
         if dpace is not None:
             total, grad = _dpace_loss_and_grad(hidden, weight, labels, weights, rows, chunk_size, dpace,
                                                with_grad=ctx.needs_input_grad[0])
@@ -287,8 +333,8 @@ class _ChunkedWeightedCE(torch.autograd.Function):
         acc = _acc_dtype(weight.dtype)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         grad = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        for s in range(0, rows.numel(), chunk_size):
-            idx = rows[s : s + chunk_size]
+        for start, end in chunk_bounds(rows.numel(), chunk_size):
+            idx = rows[start:end]
             h = hidden.index_select(0, idx).to(weight.dtype)  # [C, H]
             y = labels.index_select(0, idx)  # [C]
             w = weights.index_select(0, idx).to(acc)  # [C]
@@ -312,7 +358,7 @@ class _ChunkedWeightedCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # noqa: D102
         (grad,) = ctx.saved_tensors
-        return grad * grad_out.to(grad.dtype), None, None, None, None, None, None
+        return grad * grad_out.to(grad.dtype), None, None, None, None, None, None, None
 
 
 def _dpace_loss_and_grad(hidden: Tensor, weight: Tensor, labels: Tensor, weights: Tensor, rows: Tensor,
@@ -325,8 +371,8 @@ def _dpace_loss_and_grad(hidden: Tensor, weight: Tensor, labels: Tensor, weights
     acc = _acc_dtype(weight.dtype)
     ce = torch.zeros(hidden.shape[0], dtype=acc, device=hidden.device)  # [Q]
     grad = torch.zeros_like(hidden) if with_grad else None
-    for s in range(0, rows.numel(), chunk_size):
-        idx = rows[s : s + chunk_size]
+    for start, end in chunk_bounds(rows.numel(), chunk_size):
+        idx = rows[start:end]
         logits = F.linear(hidden.index_select(0, idx).to(weight.dtype), weight)  # [C, V]
         y = labels.index_select(0, idx)
         if grad is None:
@@ -348,18 +394,24 @@ def weighted_ce_sum(
     head: FrozenTargetHead,
     labels: Tensor,
     weights: Tensor,
-    chunk_size: int = 8192,
+    chunk_size: int = DEFAULT_CHUNK_ROWS,
     fp8_head=None,
     dpace: tuple[float, int] | None = None,
+    rows: Tensor | None = None,
 ) -> Tensor:
     """``sum_i weights[i] * CE(head.logits(hidden[i]), labels[i])`` as a scalar.
 
     Softmax and the sum run in float32 (float64 for a float64 head), the result's dtype.
 
     hidden ``[Q, H]``, labels ``[Q]`` long, weights ``[Q]``. Chunked over Q so the
-    ``[Q, vocab]`` logits never exist at once, in forward or backward. ``fp8_head``
+    ``[Q, vocab]`` logits never exist at once, in forward or backward: equal chunks of at
+    most ``chunk_size`` rows (see :func:`lm_head_chunk_rows`). ``rows`` ``[R]`` long, on
+    hidden's device: the rows to compute, a superset of those with a nonzero weight (a zero
+    weight adds exactly 0 to the loss and its gradient); None finds them on the device,
+    which syncs the host (``TrainingBatch.loss_rows`` comes from the host). ``fp8_head``
     (``precision.Fp8LMHead``, for ``drafter.precision: fp8``) computes each chunk's logits
-    and ``dL/dh`` with float8 matmuls; None keeps the head's own dtype.
+    and ``dL/dh`` with float8 matmuls; None keeps the head's own dtype. ``dpace``
+    (``(alpha, block_size)``, ``objective.weighting: dpace``) weights the rows by D-PACE.
     """
     if chunk_size < 1:
         raise DataError(f"chunk_size={chunk_size} must be >= 1")
@@ -368,4 +420,7 @@ def weighted_ce_sum(
             f"hidden {tuple(hidden.shape)}, labels {tuple(labels.shape)} and weights "
             f"{tuple(weights.shape)} disagree on the number of rows"
         )
-    return _ChunkedWeightedCE.apply(hidden, head.lm_head_weight, labels.long(), weights, chunk_size, fp8_head, dpace)
+    if rows is not None and (rows.dim() != 1 or rows.device != hidden.device):
+        raise DataError(f"rows must be 1-D on {hidden.device}, got {tuple(rows.shape)} on {rows.device}")
+    return _ChunkedWeightedCE.apply(hidden, head.lm_head_weight, labels.long(), weights, chunk_size, fp8_head, dpace,
+                                    None if rows is None else rows.long())

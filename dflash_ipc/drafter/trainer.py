@@ -30,10 +30,11 @@ from dflash_ipc.config.schema import JobConfig, ObjectiveConfig
 from dflash_ipc.drafter.attention import build_layer_masks
 from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.drafter.inference_format import write_inference_files
+from dflash_ipc.drafter.compiled_forward import DrafterForward, falls_back, pad_layout, pad_rows
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.drafter.sharding import full_state, load_full_state, shard_model, total_norm
-from dflash_ipc.drafter.objective import (anchor_generator, build_training_batch, sample_anchors,
-                                          weighted_ce_sum)
+from dflash_ipc.drafter.objective import (anchor_generator, build_training_batch, default_chunk_budget,
+                                          lm_head_chunk_rows, sample_anchors, weighted_ce_sum)
 from dflash_ipc.drafter.optimizers import build_optimizer
 from dflash_ipc.drafter.precision import apply_precision, next_step
 from dflash_ipc.drafter.schedule import schedule_lambda
@@ -108,6 +109,10 @@ class DrafterTrainer:
         self.compute_dtype = TORCH_DTYPES[cfg.drafter.dtype]
         self.backend = cfg.drafter.attention if cfg.drafter.attention != "auto" else (
             "flex" if self.device.type == "cuda" else "dense")
+        self.drafter_forward = DrafterForward(self.model, cfg.drafter.compile, self.device,
+                                              row_multiple=16 if cfg.drafter.precision == "fp8" else 1)
+        budget = cfg.drafter.lm_head_chunk_gib * (1 << 30) or default_chunk_budget(self.device)
+        self.ce_chunk_rows = lm_head_chunk_rows(head.vocab_size, budget)  # rows per LM-head chunk
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule_lambda(cfg.schedule, total_steps))
         self.total_steps = total_steps
@@ -143,9 +148,7 @@ class DrafterTrainer:
         # Every anchor has a weighted label (block position 1: sample_anchors only picks p
         # with loss at p+1), so a batch means a positive weight sum here and everywhere.
         if batch is not None:
-            loss_sum = self.loss_sum(batch, features, mask)
-            # The clamp only guards hand-made batches with all weights 0: loss and gradient 0.
-            (loss_sum / weight_sum.float().clamp_min(torch.finfo(torch.float32).tiny)).backward()
+            loss_sum = self._loss_and_backward(batch, features, mask, weight_sum)
         grad_norm = self._reduce_and_clip()  # synchronizes (the norm is read on the host)
         weight_total = float(weight_sum)
         if weight_total > 0:
@@ -165,6 +168,26 @@ class DrafterTrainer:
                 "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                 "step_s": time.perf_counter() - started, "mask_s": mask_s}
 
+    def _loss_and_backward(self, batch, features: torch.Tensor, mask, weight_sum: torch.Tensor) -> torch.Tensor:
+        """The loss sum, its gradient accumulated. A compile that fails (the forward's is
+        caught in DrafterForward; a backward compiled lazily fails here) turns compiling off,
+        and the step is recomputed eagerly from zero gradients: never a wrong step."""
+        def forward_backward() -> torch.Tensor:
+            loss_sum = self.loss_sum(batch, features, mask)
+            # The clamp only guards hand-made batches with all weights 0: loss and gradient 0.
+            (loss_sum / weight_sum.float().clamp_min(torch.finfo(torch.float32).tiny)).backward()
+            return loss_sum
+
+        self.drafter_forward.step_begin()
+        try:
+            return forward_backward()
+        except Exception as exc:  # noqa: BLE001 - narrowed by falls_back, else re-raised
+            if not (self.drafter_forward.enabled and falls_back(exc)):
+                raise
+            self.drafter_forward.disable(exc)
+            self.optimizer.zero_grad(set_to_none=True)
+            return forward_backward()
+
     def _build(self, chosen):
         if not any(n for _, n in chosen):
             return None, None, None, 0.0
@@ -181,11 +204,15 @@ class DrafterTrainer:
                                      mask_token_id=self.model.config.mask_token_id, gamma=self.cfg.objective.gamma,
                                      weighting=self.cfg.objective.weighting)
         batch = batch.to(self.device)
+        # drafter.compile may pad the context (CUDA graphs: a few lengths; fp8: 16-row multiples)
+        # with keys that no query sees (compiled_forward.py); otherwise the layout as it is
+        num_ctx = self.drafter_forward.context_rows(batch.layout.num_ctx)
         mask_started = time.perf_counter()
         config = self.model.config
-        mask = build_layer_masks(batch.layout, self.backend, config.layer_types, config.sliding_window)
+        mask = build_layer_masks(pad_layout(batch.layout, num_ctx), self.backend, config.layer_types,
+                                 config.sliding_window)
         mask_s = time.perf_counter() - mask_started
-        features = torch.cat([s.features for s, _ in chosen])  # [T, F]
+        features = pad_rows(torch.cat([s.features for s, _ in chosen]), num_ctx)  # [T (padded), F]
         return batch, features, mask, mask_s
 
     def _idle_batch(self):
@@ -205,12 +232,14 @@ class DrafterTrainer:
             hidden = self._forward(batch, features, mask)
             objective = self.cfg.objective
             dpace = (objective.dpace_alpha, self.model.config.block_size) if objective.weighting == "dpace" else None
-            return weighted_ce_sum(hidden, self.head, batch.labels, batch.weights, fp8_head=self.fp8_head, dpace=dpace)
+            return weighted_ce_sum(hidden, self.head, batch.labels, batch.weights, chunk_size=self.ce_chunk_rows,
+                                   fp8_head=self.fp8_head, dpace=dpace, rows=batch.loss_rows)
 
     def _forward(self, batch, features: torch.Tensor, mask) -> torch.Tensor:
-        ctx_positions = batch.layout.ctx_pos.to(self.device, torch.long)
+        # features may carry padding context rows (_build): their positions are 0
+        ctx_positions = pad_rows(batch.layout.ctx_pos.to(self.device, torch.long), features.shape[0])
         block_embeds = self.head.embed(batch.block_ids)
-        return self.model(features, ctx_positions, block_embeds, batch.block_positions, mask)
+        return self.drafter_forward(features, ctx_positions, block_embeds, batch.block_positions, mask)
 
     def _reduce_and_clip(self) -> float:
         """Sums gradients over ranks (bucketed, in place), then clips the global norm."""
