@@ -90,7 +90,8 @@ def test_the_drafter_step_attends_over_32k_context_keys(long_data):
     seq = Sequence(batch_id=0, epoch=0, sample_id=0, input_ids=torch.from_numpy(ids.astype("int64")),
                    features=torch.randn(len(ids), model_config.num_context_features * model_config.hidden_size),
                    loss_mask=torch.from_numpy(mask), num_anchors=eligible_anchor_count(mask, 32))
-    batch, _, dense, _ = trainer._build([(seq, 32)])
+    batch, _, masks, _ = trainer._build([(seq, 32)])
+    dense = masks["full_attention"]  # one mask per layer type; this drafter has full layers only
     anchors = batch.layout.query_anchor[::16].long()
     assert int(anchors.max()) > LONG - 2048  # anchors spread over the whole reply
     visible_ctx = dense[::16, :LONG].sum(1)  # [blocks] context keys each block sees

@@ -231,7 +231,7 @@ def bench_pipeline(config, overrides, seconds, warmup_s, json_path, run_dir) -> 
 @click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--token-budget", type=int, default=None,
               help="generate: per batch (default 131072 GPU, 16384 CPU); engine: cached positions in all "
-                   "(default 60%% of the free GPU memory, 16384 CPU).")
+                   "(default 60% of the free GPU memory, 16384 CPU).")
 @click.option("--max-batch-size", type=int, default=None, help="Default 256 on GPU, 64 on CPU.")
 @click.option("--phase", "phases", multiple=True, type=click.Choice(["one-at-a-time", "generate-static",
               "generate-dynamic", "engine-batches", "engine-continuous"]),

@@ -69,7 +69,7 @@ def prepare(model_dir, input_path, out_dir, split, max_length, on_long, last_tur
               help="hf, generate decoder: KV cache (auto: static on GPU, dynamic on CPU).")
 @click.option("--token-budget", type=click.IntRange(min=1), default=None,
               help="hf: cached positions in all (engine: rows x (longest prompt + max new tokens), default 16384 "
-                   "on CPU, 60%% of the GPU memory left by the model; generate: per batch, default 131072 GPU, "
+                   "on CPU, 60% of the GPU memory left by the model; generate: per batch, default 131072 GPU, "
                    "16384 CPU).")
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=None,
               help="hf: rows in flight (engine) or prompts per batch (generate); default 256 GPU, 64 CPU.")
