@@ -63,13 +63,16 @@ def export(checkpoint, out_dir, with_code, base_model, repo_id) -> None:
 @click.option("--near-tie-ulps", default=4.0, show_default=True, type=click.FloatRange(min=0),
               help="A difference is a near-tie when both margins are within this many ulps of the top logit.")
 @click.option("--skip-plain", is_flag=True, help="Do not decode plainly (no speedup, no lossless check).")
+@click.option("--timing-repeats", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Timed (plain, speculative) pairs per drafter, each pair run back to back: the speedup is "
+                   "their median, printed with its range.")
 @click.option("--vs-untrained", is_flag=True, help="Also evaluate an untrained drafter of the same shape.")
 @click.option("--json", "as_json", is_flag=True, help="Print the reports as JSON.")
 @click.option("--save-to", "save_to", type=click.Path(exists=True, file_okay=False), default=None, metavar="RUN_DIR",
               help="Also append the results to RUN_DIR/eval_results.jsonl (read by report and export).")
 def eval_cmd(target_dir, drafter, data_dir, prompt_files, num_prompts, max_new_tokens, batch_size, temperature,
-             top_p, seed, template_kwargs, device, dtype, check_lossless, near_tie_ulps, skip_plain, vs_untrained,
-             as_json, save_to) -> None:
+             top_p, seed, template_kwargs, device, dtype, check_lossless, near_tie_ulps, skip_plain, timing_repeats,
+             vs_untrained, as_json, save_to) -> None:
     """Batched speculative decoding of prompt sets: tau, acceptance per position, tokens/s, speedup."""
     import json
     from dflash_ipc.eval.report import format_comparison
@@ -79,6 +82,7 @@ def eval_cmd(target_dir, drafter, data_dir, prompt_files, num_prompts, max_new_t
     from dflash_ipc.run.logs import setup_logging
     setup_logging("eval")
     options = EvalOptions(max_new_tokens=max_new_tokens, batch_size=batch_size, plain=not skip_plain,
+                          timing_repeats=timing_repeats,
                           sampling=Sampling(temperature=temperature, top_p=top_p, seed=seed),
                           check_lossless=check_lossless, near_tie_ulps=near_tie_ulps,
                           progress=lambda line: click.echo(line, err=True))

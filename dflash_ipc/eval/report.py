@@ -14,6 +14,7 @@ Figures (acceptance.py defines tau and the per-position rates):
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -72,7 +73,11 @@ class EvalReport:
     batch_size: int = 1
     sampling: dict = field(default_factory=lambda: {"temperature": 0.0, "top_p": 1.0, "seed": 0})
     dtype: str = ""
+    device: str = ""
+    """The hardware the timings are of, e.g. 'NVIDIA H200' or 'cpu (x86_64, 2 threads)'."""
     plain: PlainFigures | None = None
+    speedups: list[float] = field(default_factory=list)
+    """One speedup per interleaved (plain, speculative) pair of timed runs; `speedup` is their median."""
 
     @property
     def tau(self) -> float:
@@ -88,6 +93,11 @@ class EvalReport:
 
     @property
     def speedup(self) -> float:
+        """The median speedup of the interleaved pairs (the first pair alone when nothing repeated):
+        plain and speculative runs timed next to each other, so that a change of clocks or load
+        between them is not read as a speedup."""
+        if self.speedups:
+            return statistics.median(self.speedups)
         return self.tokens_per_s / self.plain.tokens_per_s if self.plain and self.plain.tokens_per_s else math.nan
 
     @property
@@ -114,7 +124,7 @@ class EvalReport:
             "label": self.label, "prompt_set": self.prompt_set, "block_size": s.block_size,
             "num_prompts": len(self.sample_ids), "num_turns": len(self.samples), "sample_ids": self.sample_ids,
             "max_new_tokens": self.max_new_tokens, "batch_size": self.batch_size, "sampling": dict(self.sampling),
-            "dtype": self.dtype, "tau": s.tau, "acceptance_per_position": s.acceptance_per_position,
+            "dtype": self.dtype, "device": self.device, "tau": s.tau, "acceptance_per_position": s.acceptance_per_position,
             "target_forwards_per_token": s.target_forwards_per_token,
             "decode_forwards_per_token": s.decode_forwards_per_token, "num_generated_tokens": s.num_generated,
             "num_target_forwards": s.num_target_forwards, "num_cycles": s.num_cycles,
@@ -122,7 +132,7 @@ class EvalReport:
             "plain": None if self.plain is None else {"num_generated_tokens": self.plain.num_generated,
                                                       "wall_s": self.plain.wall_s,
                                                       "tokens_per_s": self.plain.tokens_per_s},
-            "speedup": self.speedup, "num_lossless_checked": self.num_lossless_checked,
+            "speedup": self.speedup, "speedups": list(self.speedups), "num_lossless_checked": self.num_lossless_checked,
             "lossless_mismatches": self.lossless_mismatches, "near_ties": self.near_ties,
             "lossless": [dict(sample_id=r.sample_id, turn=r.turn, **r.check.to_dict())
                          for r in self.samples if r.check is not None and r.check.verdict != "identical"],
@@ -147,10 +157,13 @@ class EvalReport:
         how = "greedy" if not self.sampling.get("temperature") else \
             f"temperature {self.sampling['temperature']:g}, top-p {self.sampling.get('top_p', 1.0):g}"
         line = f"speculative {self.tokens_per_s:,.1f} tok/s (batch {self.batch_size}, {how}"
-        line += f", {self.dtype})" if self.dtype else ")"
+        line += "".join(f", {x}" for x in (self.dtype, self.device) if x) + ")"
         if self.plain is not None:
             line += (f"; plain {self.plain.tokens_per_s:,.1f} tok/s ({self.plain.num_generated} tokens, "
                      f"{self.plain.wall_s:.1f}s); speedup {self.speedup:.2f}x")
+            if len(self.speedups) > 1:
+                line += (f" (median of {len(self.speedups)} interleaved pairs, "
+                         f"{min(self.speedups):.2f}-{max(self.speedups):.2f}x)")
         return line
 
     def _lossless_line(self) -> str:

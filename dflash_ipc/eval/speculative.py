@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
+import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -84,8 +86,13 @@ class EvalOptions:
     progress: Callable[[str], None] | None = None
     """Where progress lines go (None: nowhere)."""
     prefill_tokens: int = PREFILL_TOKENS
+    timing_repeats: int = 1
+    """Timed (plain, speculative) pairs per drafter, run next to each other: the speedup is their
+    median and its spread is printed (the first pair is the one whose outputs are reported)."""
 
     def __post_init__(self) -> None:
+        if self.timing_repeats < 1:
+            raise ConfigError(f"timing_repeats={self.timing_repeats} must be >= 1")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
         if self.check_lossless and not self.sampling.greedy:
@@ -230,9 +237,29 @@ def run_set(target: TargetModel, drafters: Sequence[tuple[str, DFlashDraftModel]
     reports = []
     for label, model in drafters:
         run = speculative_decoder(target, model, **decoder_kw(label)).run(source())
-        reports.append(build_report(label, prompt_set, run, plain, options, dtype=target.dtype,
-                                    block_size=model.config.block_size))
+        report = build_report(label, prompt_set, run, plain, options, dtype=target.dtype,
+                              block_size=model.config.block_size, device=device_name(target.device))
+        if plain is not None:
+            report.speedups = [_speedup(plain, run)] + [
+                _speedup(plain_decoder(target, **decoder_kw("plain (timing)")).run(source()),
+                         speculative_decoder(target, model, **decoder_kw(f"{label} (timing)")).run(source()))
+                for _ in range(options.timing_repeats - 1)]
+        reports.append(report)
     return reports
+
+
+def _speedup(plain: DecodeRun, spec: DecodeRun) -> float:
+    """Speculative over plain tokens/s of two runs of the same prompts."""
+    if plain.wall_s <= 0 or spec.wall_s <= 0 or not plain.num_generated:
+        return math.nan
+    return (spec.num_generated / spec.wall_s) / (plain.num_generated / plain.wall_s)
+
+
+def device_name(device: torch.device) -> str:
+    """What a speedup was measured on: the GPU's name, or the CPU's architecture and threads."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 def _warm_up(target: TargetModel, drafters, request: Request, options: EvalOptions) -> None:
@@ -247,7 +274,7 @@ def _warm_up(target: TargetModel, drafters, request: Request, options: EvalOptio
 
 
 def build_report(label: str, prompt_set: PromptSet, run: DecodeRun, plain: DecodeRun | None, options: EvalOptions,
-                 *, dtype: torch.dtype, block_size: int) -> EvalReport:
+                 *, dtype: torch.dtype, block_size: int, device: str = "") -> EvalReport:
     """The report of one speculative run; lossless verdicts per turn until a case's first difference
     (its later turns had other prompts)."""
     plain_by_key: dict = {g.request.key: g for g in plain.generations} if plain else {}
@@ -267,7 +294,7 @@ def build_report(label: str, prompt_set: PromptSet, run: DecodeRun, plain: Decod
                                     stats=gen.stats, stopped=gen.stopped, check=check))
     report = EvalReport(label=label, stats=stats, samples=samples, max_new_tokens=options.max_new_tokens,
                         wall_s=run.wall_s, prompt_set=prompt_set.name, batch_size=options.batch_size,
-                        sampling=options.sampling.to_dict(), dtype=str(dtype).removeprefix("torch."),
+                        sampling=options.sampling.to_dict(), dtype=str(dtype).removeprefix("torch."), device=device,
                         plain=PlainFigures(num_generated=plain.num_generated, wall_s=plain.wall_s) if plain else None)
     logger.info("%s [%s]: tau %.3f on %d prompts, %d tokens, %.1fs, %.1f tok/s", label, prompt_set.name, report.tau,
                 len(report.sample_ids), stats.num_generated, report.wall_s, report.tokens_per_s)

@@ -194,12 +194,15 @@ def _evaluation(facts: dict) -> list[str]:
     lines = ["## Evaluation", "",
              f"`dflash-ipc eval` of {_public_label(first.get('label', 'the drafter'))}: speculative decoding "
              f"({_decoding(first)}); tau is the acceptance length, committed tokens per target forward; the "
-             f"speedup is over plain decoding of the same prompts in the same run.", "",
-             "| prompt set | prompts | tau | tokens/s | speedup |", "|---|---|---|---|---|"]
+             f"speedup is over plain decoding of the same prompts in the same run (the median of interleaved "
+             f"timed pairs), on the device named.", "",
+             "| prompt set | prompts | tau | tokens/s | speedup | device |", "|---|---|---|---|---|---|"]
     for r in results:
         speedup = _fmt(r.get("speedup"))
+        device = r.get("device") if isinstance(r.get("device"), str) and r.get("device") else "-"
         lines.append(f"| {r.get('prompt_set') or '-'} | {r.get('num_prompts', '-')} | **{_fmt(r.get('tau'))}** | "
-                     f"{_fmt(r.get('tokens_per_s'), ',.0f')} | {speedup + 'x' if speedup != '-' else '-'} |")
+                     f"{_fmt(r.get('tokens_per_s'), ',.0f')} | {speedup + 'x' if speedup != '-' else '-'} | "
+                     f"{device} |")
     longest = max(len(r["acceptance_per_position"]) for r in results)
     lines += ["", "Acceptance by block position:", "",
               "| prompt set | " + " | ".join(str(k) for k in range(1, longest + 1)) + " |",
