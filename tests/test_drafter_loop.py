@@ -262,3 +262,16 @@ def test_the_after_step_hook_runs_once_after_each_step_inside_its_timeline_inter
     while loop.trainer.step_count < 2:
         assert loop.pass_once()
     assert calls == [1, 2] and [n for state, n in recorded if state == "step"] == [1, 2]
+
+
+def test_keep_last_deletes_older_checkpoints_once_their_successor_is_committed(tmp_path):
+    loop, link, readers = build(tmp_path, checkpoint={"every_steps": 1, "keep_last": 1})
+    readers.pool_of_read = "p0"
+    loop.resume(registered())
+    link.inbox.clear()
+    link.inbox.extend([assign(0, [0, 1, 2], 1), assign(1, [3, 4, 5, 6, 7], 2)])
+    while loop.trainer.step_count < 3:
+        assert loop.pass_once()
+    loop.intake(0.0)  # the last CommitDone
+    assert [m.step for m in link.of(p.Committed)] == [1, 2, 3]
+    assert loop.store.steps_on_disk() == [3] and loop.store.latest() == loop.store.path(3)

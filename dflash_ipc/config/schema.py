@@ -476,9 +476,14 @@ class CheckpointConfig(_Section):
     NAME = "checkpoint"
     every_steps: int = 200
     """Steps between checkpoints (drafter rank 0 writes); one is always written at the end."""
+    keep_last: int | None = None
+    """Committed checkpoints kept, the newest ones; 0 or null keeps all. The one a resume needs
+    (the last commit, latest.json's) and the best by validation are never deleted."""
 
     def check(self) -> None:
         _require(self.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
+        _require(self.keep_last is None or (isinstance(self.keep_last, int) and 0 <= self.keep_last <= 1 << 20),
+                 "checkpoint.keep_last", f"must be null or in [0, 1048576] (0: keep all), got {self.keep_last!r}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -64,6 +64,7 @@ class DrafterLoop:
         self.stop_reason: str | None = None  # set by a signal handler, or a Shutdown too early
         self.resumed_from = -1
         self.last_checkpoint_step = trainer.step_count
+        self.best_step: int | None = None  # the checkpoint best by validation: retention keeps it
         self.compiled = False
         self.wait_s = 0.0
         # Transport cost, cumulative: wall time inside reads, the copies' own time (GPU-timed
@@ -160,8 +161,12 @@ class DrafterLoop:
 
     def confirmed(self, step: int) -> None:
         """Rank 0: the dispatcher confirmed `step` as the ledger's last commit (`CommitDone`,
-        or `Resumed`; -1: none), so latest.json names it. The only writer of latest.json."""
+        or `Resumed`; -1: none), so latest.json names it. The only writer of latest.json. Then
+        retention (`checkpoint.keep_last`, the best by validation kept) deletes what no resume
+        needs: only once the commit is durable."""
         self.store.mark_latest(step if step >= 0 else None)
+        if step >= 0:
+            self.store.retain(step, keep_last=self.cfg.checkpoint.keep_last, best_step=self.best_step)
 
     def accept(self, msg: p.Assign) -> None:
         """Copies an assigned slot into local memory and queues its sequences; a copy that
