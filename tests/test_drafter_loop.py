@@ -275,3 +275,48 @@ def test_keep_last_deletes_older_checkpoints_once_their_successor_is_committed(t
     loop.intake(0.0)  # the last CommitDone
     assert [m.step for m in link.of(p.Committed)] == [1, 2, 3]
     assert loop.store.steps_on_disk() == [3] and loop.store.latest() == loop.store.path(3)
+
+
+def _export(tmp_path, name="export", **changes):
+    """An exported drafter of the shape `build` makes (or changed), its weights seeded apart."""
+    import dataclasses
+    from dflash_ipc.drafter.inference_format import save_inference_checkpoint
+    from dflash_ipc.drafter.model import DFlashDraftModel
+    loop, _, _ = build(tmp_path / f"{name}-run")
+    torch.manual_seed(99)
+    model = DFlashDraftModel(dataclasses.replace(loop.trainer.model.config, **changes))
+    save_inference_checkpoint(model, str(tmp_path / name), dtype=torch.float32)
+    return str(tmp_path / name), model.state_dict()
+
+
+def test_init_from_loads_an_export_at_step_0_with_a_fresh_optimizer(tmp_path):
+    path, weights = _export(tmp_path)
+    loop, link, _ = build(tmp_path, drafter={"dtype": "float32", "attention": "dense", "init_from": path})
+    assert loop.resume(registered()) == -1
+    state = loop.trainer.model.state_dict()
+    assert all(torch.equal(state[n], weights[n]) for n in weights)
+    assert loop.trainer.step_count == 0 and not loop.trainer.optimizer.state
+
+
+def test_init_from_of_another_shape_is_one_error_naming_each_difference(tmp_path):
+    from dflash_ipc.errors import ConfigError
+    path, _ = _export(tmp_path, block_size=8, target_layer_ids=[1, 2])
+    loop, _, _ = build(tmp_path, drafter={"dtype": "float32", "attention": "dense", "init_from": path})
+    with pytest.raises(ConfigError) as err:
+        loop.resume(registered())
+    message = str(err.value)
+    assert "dflash_config.target_layer_ids: export [1, 2], job [0, 1] (model.target_layer_ids)" in message
+    assert "block_size: export 8, job 4 (model.block_size)" in message and message.count("; ") == 1
+
+
+def test_a_resumed_job_ignores_init_from_the_checkpoint_wins(tmp_path, caplog):
+    path, weights = _export(tmp_path)
+    first, _, _ = build(tmp_path)
+    first.trainer.step_count = 2
+    first.trainer.save_checkpoint(first.store, extra={})
+    saved = {n: t.clone() for n, t in first.trainer.model.state_dict().items()}
+    loop, _, _ = build(tmp_path, drafter={"dtype": "float32", "attention": "dense", "init_from": path})
+    with caplog.at_level("INFO", logger="dflash_ipc.drafter.loop"):
+        assert loop.resume(registered(resume_step=2, committed=[2])) == 2
+    assert all(torch.equal(t, saved[n]) for n, t in loop.trainer.model.state_dict().items())
+    assert f"drafter.init_from={path} ignored: the job resumes from its checkpoint of step 2" in caplog.text

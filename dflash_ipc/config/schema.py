@@ -307,6 +307,10 @@ class DrafterConfig(_Section):
     """Memory of one chunk of the chunked LM head + CE (its [rows, vocab] logits and their
     gradient, 4 bytes an entry); rows per chunk follow from it and the vocabulary. 0: 1/20 of
     the GPU's memory (about 7 GiB of a 139 GiB H200), 1 GiB on CPU."""
+    init_from: str | None = None
+    """An exported drafter (config.json + model.safetensors, a directory or a Hub id) whose
+    weights a fresh job starts from (drafter/warm_start.py); the optimizer starts fresh. A
+    resumed job ignores it: the checkpoint wins."""
 
     def check(self) -> None:
         _require(1 <= self.num_workers <= 1024, "drafter.num_workers", "must be in [1, 1024]")
@@ -318,6 +322,8 @@ class DrafterConfig(_Section):
         _check_devices("drafter.devices", self.devices, self.num_workers)
         _require(1 <= self.fifo_sequences <= 1 << 20, "drafter.fifo_sequences", "must be in [1, 1048576]")
         _require(1 <= self.prefetch <= 1024, "drafter.prefetch", "must be in [1, 1024]")
+        _require(self.init_from is None or self.init_from.strip() != "", "drafter.init_from",
+                 "must name an exported drafter directory or a Hub id (or be null), got ''")
         _require(self.precision != "fp8" or self.dtype == "bfloat16", "drafter.precision",
                  f"fp8 needs drafter.dtype=bfloat16 (the compute dtype around the float8 matmuls), "
                  f"got {self.dtype}")

@@ -12,8 +12,9 @@
      writes the checkpoint and sends one `Committed` for the group (a commit is all of a
      checkpoint's samples or none), then marks it `latest` when `CommitDone` comes back
      (`confirmed`: the one writer of latest.json; the ledger owns which steps are committed).
-Before the first pass `resume()` loads the newest intact committed checkpoint and tells the
-dispatcher which one (`Resumed`); after the last, `finish()` checkpoints what is left and
+Before the first pass `resume()` loads the newest intact committed checkpoint (none: a fresh
+job, started from `drafter.init_from`'s weights when set) and tells the dispatcher which one
+(`Resumed`); after the last, `finish()` checkpoints what is left and
 waits for `Shutdown`. A stop (SIGTERM/SIGINT on any rank, or `Shutdown` before the end of
 the data) travels in step 3, so all ranks leave together after a closing checkpoint.
 Tests drive it with a fake link and `SoloGroup` (tests/test_drafter_loop.py).
@@ -89,9 +90,15 @@ class DrafterLoop:
                           "dispatcher returns what was committed after step %d to pending", step,
                           registered.resume_step, step)
         step = self.group.broadcast_int(step)
+        init_from = self.cfg.drafter.init_from
         if step >= 0:
             self.trainer.resume(self.store, step)
             self.last_checkpoint_step = step
+            if init_from and self.rank == 0:
+                log.info("drafter.init_from=%s ignored: the job resumes from its checkpoint of step %d", init_from,
+                         step)
+        elif init_from:
+            self.trainer.warm_start(init_from)  # every rank: identical weights, as after the seeded init
         if self.rank == 0:
             self.link.send(p.Resumed(step=step))
             deadline = time.monotonic() + RESUME_CONFIRM_S

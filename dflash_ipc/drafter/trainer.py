@@ -32,7 +32,7 @@ from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.drafter.inference_format import write_inference_files
 from dflash_ipc.drafter.compiled_forward import DrafterForward, falls_back, pad_layout, pad_rows
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
-from dflash_ipc.drafter.sharding import full_state, load_full_state, shard_model, total_norm
+from dflash_ipc.drafter.sharding import full_state, load_full_model, load_full_state, shard_model, total_norm
 from dflash_ipc.drafter.objective import (anchor_generator, build_training_batch, default_chunk_budget,
                                           lm_head_chunk_rows, sample_anchors, weighted_ce_sum)
 from dflash_ipc.drafter.optimizers import build_optimizer
@@ -40,6 +40,7 @@ from dflash_ipc.drafter.precision import apply_precision, next_step
 from dflash_ipc.drafter.schedule import schedule_lambda
 from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.drafter.training_state import read_training_state, write_training_state
+from dflash_ipc.drafter.warm_start import read_init_weights
 from dflash_ipc.config.dtypes import TORCH_DTYPES
 from dflash_ipc.errors import DamagedCheckpointError
 
@@ -289,6 +290,18 @@ class DrafterTrainer:
                                  step=self.step_count, total_steps=self.total_steps, extra=extra,
                                  model_state=model_state, optimizer_state=optimizer_state)
         return store.write(self.step_count, write)
+
+    def warm_start(self, path: str) -> None:
+        """Step 0 of a fresh job: the weights of the exported drafter at `path` (checked
+        against this job's drafter, drafter/warm_start.py); the optimizer state stays empty."""
+        if self.step_count != 0:
+            raise RuntimeError(f"warm_start at step {self.step_count}: only a fresh job starts from drafter.init_from")
+        state = read_init_weights(path, self.model.config)
+        if self.sharded:
+            load_full_model(self.model, state)
+        else:
+            self.model.load_state_dict(state)
+        log.info("drafter weights from %s (drafter.init_from), optimizer fresh", path)
 
     def resume(self, store: CheckpointStore, step: int) -> dict:
         """Loads checkpoint `step` (verified against its manifest); returns its `extra`."""

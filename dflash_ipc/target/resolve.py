@@ -47,7 +47,30 @@ def resolve_job(cfg: JobConfig) -> JobConfig:
                         f"prepare the data with --max-length {cfg.data.max_length}")
     cfg.run.run_dir = os.path.abspath(cfg.run.run_dir)
     check_run_dir(cfg.run.run_dir)
+    if cfg.drafter.init_from:
+        resolve_init_from(cfg, target_config)
     return cfg
+
+
+def resolve_init_from(cfg: JobConfig, target_config) -> None:
+    """`drafter.init_from` as an absolute path, checked against the job's drafter before any
+    child starts, unless the run directory holds checkpoints (a resume ignores it)."""
+    from dflash_ipc.drafter.model import DFlashConfig
+    from dflash_ipc.drafter.warm_start import check_fits
+    from dflash_ipc.run.checkpoints import CheckpointStore
+
+    if CheckpointStore(cfg.files.checkpoints).steps_on_disk():
+        log.info("drafter.init_from=%s: %s holds checkpoints, the job resumes from them (init_from ignored)",
+                 cfg.drafter.init_from, cfg.files.checkpoints)
+        return
+    path = os.path.abspath(cfg.drafter.init_from)
+    if not os.path.isdir(path):
+        raise ConfigError(f"drafter.init_from: {path} is not a directory (an exported drafter: "
+                          f"`dflash-ipc export CHECKPOINT DIR` writes one)")
+    cfg.drafter.init_from = path
+    check_fits(path, DFlashConfig.from_target_config(
+        target_config, num_draft_layers=cfg.model.num_layers, block_size=cfg.model.block_size,
+        mask_token_id=cfg.model.mask_token_id, target_layer_ids=cfg.model.target_layer_ids))
 
 
 def check_run_dir(run_dir: str) -> None:
