@@ -112,13 +112,13 @@ def test_up_refuses_a_run_directory_another_job_holds_and_leaves_that_job_alone(
 
 
 def test_init_from_of_another_shape_stops_up_before_any_child(tmp_path):
-    """`resolve_job`'s check of drafter.init_from against the job's drafter: one error at
+    """`up`'s check of drafter.init_from against the job's drafter: one error at
     start, naming the difference; a run directory with checkpoints (a resume) skips it."""
     import torch
 
     from dflash_ipc.drafter.inference_format import save_inference_checkpoint
     from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
-    from dflash_ipc.target.resolve import resolve_init_from
+    from dflash_ipc.drafter.warm_start import resolve_init_from
     target = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 2,
               "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 64}
     job = DFlashConfig.from_target_config(target, num_draft_layers=1, block_size=4, mask_token_id=63,

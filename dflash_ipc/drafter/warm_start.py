@@ -17,9 +17,12 @@ import os
 
 import torch
 
+from dflash_ipc.config.schema import JobConfig
 from dflash_ipc.drafter.inference_format import CONFIG_FILE, load_inference_checkpoint
 from dflash_ipc.drafter.model import DFlashConfig
 from dflash_ipc.errors import ConfigError, DataError
+from dflash_ipc.hf.hub import resolve_model
+from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.run.json_files import read_json_object
 
 log = logging.getLogger(__name__)
@@ -71,7 +74,26 @@ def check_fits(path: str, job: DFlashConfig) -> None:
 
 
 def read_init_weights(path: str, job: DFlashConfig) -> dict[str, torch.Tensor]:
-    """The export's weights (float32, on the host), after `check_fits`."""
+    """The export's weights (float32, on the host), after `check_fits`; `path` may be a Hub id."""
+    path = resolve_model(path, what="drafter.init_from")
     check_fits(path, job)
     model = load_inference_checkpoint(path, dtype=torch.float32)  # names, shapes, dtypes checked
     return {name: t.detach() for name, t in model.state_dict().items()}
+
+
+def resolve_init_from(cfg: JobConfig, target_config) -> None:
+    """At start (cli `resolved`, every stage): `drafter.init_from` as an absolute path (a Hub id:
+    its snapshot in the cache), checked against the job's drafter before any child starts.
+    Skipped when the run directory holds checkpoints: a resume ignores it."""
+    if CheckpointStore(cfg.files.checkpoints).steps_on_disk():
+        log.info("drafter.init_from=%s: %s holds checkpoints, the job resumes from them (init_from ignored)",
+                 cfg.drafter.init_from, cfg.files.checkpoints)
+        return
+    path = os.path.abspath(resolve_model(cfg.drafter.init_from, what="drafter.init_from"))
+    if not os.path.isdir(path):
+        raise ConfigError(f"drafter.init_from: {path} is not a directory (an exported drafter: "
+                          f"`dflash-ipc export CHECKPOINT DIR` writes one; or a Hub id ORG/NAME)")
+    cfg.drafter.init_from = path
+    check_fits(path, DFlashConfig.from_target_config(
+        target_config, num_draft_layers=cfg.model.num_layers, block_size=cfg.model.block_size,
+        mask_token_id=cfg.model.mask_token_id, target_layer_ids=cfg.model.target_layer_ids))

@@ -16,6 +16,7 @@ import os
 
 from dflash_ipc.config.schema import BUILTIN_SYNTHETIC_DATA, BUILTIN_TINY_TARGET, JobConfig
 from dflash_ipc.errors import ConfigError, DataError
+from dflash_ipc.hf.hub import resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ def resolve_job(cfg: JobConfig) -> JobConfig:
             raise ConfigError(f"{key}: {path} names an embedded asset, which builtin.assets.materialize "
                               "builds before the job is resolved")
     cfg = copy.deepcopy(cfg)
-    cfg.target.path = os.path.abspath(cfg.target.path)
+    cfg.target.path = os.path.abspath(resolve_model(cfg.target.path, what="target.path"))
     target_config = load_target_config(cfg.target.path)
     check_tensor_parallel(cfg.target, target_config, cfg.target.path)  # target.gpus_per_worker > 1
     fill_layer_ids(cfg.model, target_config)
@@ -47,30 +48,7 @@ def resolve_job(cfg: JobConfig) -> JobConfig:
                         f"prepare the data with --max-length {cfg.data.max_length}")
     cfg.run.run_dir = os.path.abspath(cfg.run.run_dir)
     check_run_dir(cfg.run.run_dir)
-    if cfg.drafter.init_from:
-        resolve_init_from(cfg, target_config)
     return cfg
-
-
-def resolve_init_from(cfg: JobConfig, target_config) -> None:
-    """`drafter.init_from` as an absolute path, checked against the job's drafter before any
-    child starts, unless the run directory holds checkpoints (a resume ignores it)."""
-    from dflash_ipc.drafter.model import DFlashConfig
-    from dflash_ipc.drafter.warm_start import check_fits
-    from dflash_ipc.run.checkpoints import CheckpointStore
-
-    if CheckpointStore(cfg.files.checkpoints).steps_on_disk():
-        log.info("drafter.init_from=%s: %s holds checkpoints, the job resumes from them (init_from ignored)",
-                 cfg.drafter.init_from, cfg.files.checkpoints)
-        return
-    path = os.path.abspath(cfg.drafter.init_from)
-    if not os.path.isdir(path):
-        raise ConfigError(f"drafter.init_from: {path} is not a directory (an exported drafter: "
-                          f"`dflash-ipc export CHECKPOINT DIR` writes one)")
-    cfg.drafter.init_from = path
-    check_fits(path, DFlashConfig.from_target_config(
-        target_config, num_draft_layers=cfg.model.num_layers, block_size=cfg.model.block_size,
-        mask_token_id=cfg.model.mask_token_id, target_layer_ids=cfg.model.target_layer_ids))
 
 
 def check_run_dir(run_dir: str) -> None:
