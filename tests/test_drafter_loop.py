@@ -229,8 +229,8 @@ def test_a_loss_that_stops_being_finite_is_not_reported_as_its_last_finite_value
     loop.step_log = open(tmp_path / "steps.jsonl", "w")
     real_step = loop.trainer.step
 
-    def diverging(chosen):
-        stats = real_step(chosen)
+    def diverging(chosen, **options):
+        stats = real_step(chosen, **options)
         return {**stats, "loss": float("inf")} if loop.trainer.step_count >= 2 else stats
 
     loop.trainer.step = diverging
@@ -320,3 +320,36 @@ def test_a_resumed_job_ignores_init_from_the_checkpoint_wins(tmp_path, caplog):
         assert loop.resume(registered(resume_step=2, committed=[2])) == 2
     assert all(torch.equal(t, saved[n]) for n, t in loop.trainer.model.state_dict().items())
     assert f"drafter.init_from={path} ignored: the job resumes from its checkpoint of step 2" in caplog.text
+
+
+def test_validation_scores_the_weights_before_a_step_and_retention_keeps_the_best(tmp_path, monkeypatch, caplog):
+    """validation.every_steps=1: each step's record carries the proxy of the weights before it;
+    with keep_last=1 the best checkpoint by it stays next to the newest."""
+    import json
+
+    from dflash_ipc.drafter import trainer as trainer_mod
+    loop, link, readers = build(tmp_path, checkpoint={"every_steps": 1, "keep_last": 1},
+                                validation={"every_steps": 1})
+    step_log = tmp_path / "steps.jsonl"
+    loop.step_log = open(step_log, "w")
+    readers.pool_of_read = "p0"
+    real = trainer_mod.acceptance_summary
+    scores = iter([1.5, 3.0, 2.0, 1.0])  # the weights of steps 0, 1, 2, 3: step 1 is the best
+    monkeypatch.setattr(trainer_mod, "acceptance_summary",
+                        lambda totals: {**real(totals), "acceptance_length": next(scores)})
+    loop.resume(registered())
+    link.inbox.clear()
+    link.inbox.extend([assign(0, [0, 1, 2], 1), assign(1, [3, 4, 5, 6, 7], 2)])
+    with caplog.at_level("INFO", logger="dflash_ipc.drafter.loop"):
+        while loop.trainer.step_count < 3:
+            assert loop.pass_once()
+        loop.intake(0.0)
+    records = [json.loads(line) for line in open(step_log)]
+    assert [(r["step"], r["validated_step"], r["acceptance_length"]) for r in records] == [(1, 0, 1.5), (2, 1, 3.0),
+                                                                                            (3, 2, 2.0)]
+    assert records[0]["acceptance_blocks"] > 0 and len(records[0]["acceptance_at"]) == 3
+    assert loop.best == (1, 3.0) and loop.store.steps_on_disk() == [1, 3]
+    assert "validation at step 1: expected acceptance length 3.000" in caplog.text
+    # The best survives a resume: it is in the checkpoint's training state.
+    fresh, _, _ = build(tmp_path, checkpoint={"every_steps": 1, "keep_last": 1}, validation={"every_steps": 1})
+    assert fresh.resume(registered(resume_step=3, committed=[1, 2, 3])) == 3 and fresh.best == (1, 3.0)

@@ -2,8 +2,8 @@
 
 Sections, as torchtitan splits them: `run`, `data`, `target` (the target workers), `drafter`
 (the drafter workers: devices, precision, flow control), `model` (the drafter's shape),
-`optimizer`, `schedule`, `objective`, `checkpoint`, `dispatch`, `supervise`, `metrics` (the
-trackers the supervisor writes to). Each section
+`optimizer`, `schedule`, `objective`, `checkpoint`, `validation` (scoring during training),
+`dispatch`, `supervise`, `metrics` (the trackers the supervisor writes to). Each section
 checks its fields in `__post_init__`; `JobConfig.check()` adds the checks that span
 sections. Choices are `Literal` types; floats must be finite. YAML reading, overrides and
 the keys of older versions live in `config_load.py`.
@@ -493,6 +493,19 @@ class CheckpointConfig(_Section):
 
 
 @dataclass(kw_only=True, slots=True)
+class ValidationConfig(_Section):
+    NAME = "validation"
+    every_steps: int | None = None
+    """Steps between validations (null: none): the drafter's expected acceptance length on the
+    step's blocks, scored before it trains on them (drafter/acceptance_proxy.py); logged, sent
+    to the trackers, and the best checkpoint by it is kept (checkpoint.keep_last)."""
+
+    def check(self) -> None:
+        _require(self.every_steps is None or (isinstance(self.every_steps, int) and self.every_steps >= 1),
+                 "validation.every_steps", f"must be null or >= 1, got {self.every_steps!r}")
+
+
+@dataclass(kw_only=True, slots=True)
 class DispatchConfig(_Section):
     NAME = "dispatch"
     address: str = ""
@@ -604,6 +617,7 @@ class JobConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

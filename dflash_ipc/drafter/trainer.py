@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_ipc.config.schema import JobConfig, ObjectiveConfig
+from dflash_ipc.drafter.acceptance_proxy import acceptance_summary, block_acceptance_totals
 from dflash_ipc.drafter.attention import build_layer_masks
 from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.drafter.inference_format import write_inference_files
@@ -132,8 +133,10 @@ class DrafterTrainer:
             dist.all_reduce(tensor, group=self.group)
         return tensor
 
-    def step(self, chosen: list[tuple[Sequence, int]]) -> dict:
-        """One collective optimizer step over this rank's chosen sequences (may be empty)."""
+    def step(self, chosen: list[tuple[Sequence, int]], *, validate: bool = False) -> dict:
+        """One collective optimizer step over this rank's chosen sequences (may be empty).
+        `validate` (the same on every rank: a collective): also the acceptance proxy of the
+        weights before this step, on the step's blocks of all ranks (drafter/acceptance_proxy.py)."""
         started = time.perf_counter()
         next_step()  # fp8: row counts promoted in the last step run static graphs from this one
         batch, features, mask, mask_s = self._build(chosen)
@@ -146,10 +149,13 @@ class DrafterTrainer:
             batch, features, mask, _ = self._idle_batch()
         weight_sum = self._all_reduce(local.reshape(1))[0]  # [] float64, all ranks
         loss_sum = torch.zeros((), device=self.device)
+        acceptance = torch.zeros(self.model.config.block_size + 1, dtype=torch.float64, device=self.device)
         # Every anchor has a weighted label (block position 1: sample_anchors only picks p
         # with loss at p+1), so a batch means a positive weight sum here and everywhere.
         if batch is not None:
-            loss_sum = self._loss_and_backward(batch, features, mask, weight_sum)
+            loss_sum, totals = self._loss_and_backward(batch, features, mask, weight_sum, acceptance=validate)
+            if totals is not None:
+                acceptance = totals
         grad_norm = self._reduce_and_clip()  # synchronizes (the norm is read on the host)
         weight_total = float(weight_sum)
         if weight_total > 0:
@@ -162,22 +168,26 @@ class DrafterTrainer:
                               torch.tensor(float(num_anchors), dtype=torch.float64, device=self.device),
                               torch.tensor(float(num_tokens), dtype=torch.float64, device=self.device)])
         totals = self._all_reduce(totals).tolist()
+        validation = acceptance_summary(self._all_reduce(acceptance)) if validate else {}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return {"step": self.step_count, "loss": totals[0] / weight_total if weight_total else float("nan"),
+        return {**validation, "step": self.step_count, "loss": totals[0] / weight_total if weight_total else float("nan"),
                 "anchors": int(totals[1]), "tokens": int(totals[2]),
                 "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                 "step_s": time.perf_counter() - started, "mask_s": mask_s}
 
-    def _loss_and_backward(self, batch, features: torch.Tensor, mask, weight_sum: torch.Tensor) -> torch.Tensor:
-        """The loss sum, its gradient accumulated. A compile that fails (the forward's is
-        caught in DrafterForward; a backward compiled lazily fails here) turns compiling off,
-        and the step is recomputed eagerly from zero gradients: never a wrong step."""
-        def forward_backward() -> torch.Tensor:
-            loss_sum = self.loss_sum(batch, features, mask)
+    def _loss_and_backward(self, batch, features: torch.Tensor, mask, weight_sum: torch.Tensor, *,
+                           acceptance: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the loss sum, the acceptance totals when `acceptance`, else None), the loss's gradient
+        accumulated. A compile that fails (the forward's is caught in DrafterForward; a backward
+        compiled lazily fails here) turns compiling off, and the step is recomputed eagerly from
+        zero gradients: never a wrong step."""
+        def forward_backward() -> tuple[torch.Tensor, torch.Tensor | None]:
+            loss_sum, totals = (self.loss_sum(batch, features, mask, acceptance=True) if acceptance
+                                else (self.loss_sum(batch, features, mask), None))
             # The clamp only guards hand-made batches with all weights 0: loss and gradient 0.
             (loss_sum / weight_sum.float().clamp_min(torch.finfo(torch.float32).tiny)).backward()
-            return loss_sum
+            return loss_sum, totals
 
         self.drafter_forward.step_begin()
         try:
@@ -226,15 +236,20 @@ class DrafterTrainer:
         batch, features, mask, mask_s = self._build([(seq, 1)])
         return dataclasses.replace(batch, weights=torch.zeros_like(batch.weights)), features, mask, mask_s
 
-    def loss_sum(self, batch, features: torch.Tensor, mask) -> torch.Tensor:
+    def loss_sum(self, batch, features: torch.Tensor, mask, *, acceptance: bool = False):
         """The batch's weighted cross-entropy sum under the drafter's autocast: the step's
-        forward, which the start-up memory probe (drafter/fit.py) runs too."""
+        forward, which the start-up memory probe (drafter/fit.py) runs too. `acceptance`:
+        (loss sum, the batch's acceptance totals), scored on the same hidden states."""
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
             hidden = self._forward(batch, features, mask)
             objective = self.cfg.objective
             dpace = (objective.dpace_alpha, self.model.config.block_size) if objective.weighting == "dpace" else None
-            return weighted_ce_sum(hidden, self.head, batch.labels, batch.weights, chunk_size=self.ce_chunk_rows,
+            loss = weighted_ce_sum(hidden, self.head, batch.labels, batch.weights, chunk_size=self.ce_chunk_rows,
                                    fp8_head=self.fp8_head, dpace=dpace, rows=batch.loss_rows)
+        if not acceptance:
+            return loss
+        return loss, block_acceptance_totals(hidden.detach(), self.head.lm_head_weight, batch.labels, batch.weights,
+                                             self.model.config.block_size)
 
     def _forward(self, batch, features: torch.Tensor, mask) -> torch.Tensor:
         # features may carry padding context rows (_build): their positions are 0
