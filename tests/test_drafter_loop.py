@@ -353,3 +353,18 @@ def test_validation_scores_the_weights_before_a_step_and_retention_keeps_the_bes
     # The best survives a resume: it is in the checkpoint's training state.
     fresh, _, _ = build(tmp_path, checkpoint={"every_steps": 1, "keep_last": 1}, validation={"every_steps": 1})
     assert fresh.resume(registered(resume_step=3, committed=[1, 2, 3])) == 3 and fresh.best == (1, 3.0)
+
+
+def test_a_validation_step_trains_exactly_as_any_other_step(tmp_path):
+    def run(**sections):
+        loop, link, readers = build(tmp_path / str(len(sections)), **sections)
+        readers.pool_of_read = "p0"
+        loop.resume(registered())
+        link.inbox.extend([assign(0, [0, 1, 2], 1), assign(1, [3, 4, 5, 6, 7], 2)])
+        while loop.trainer.step_count < 2:
+            assert loop.pass_once()
+        return loop.trainer.model.state_dict(), link.metrics
+    plain, _ = run()
+    validated, metrics = run(validation={"every_steps": 1})
+    assert metrics["acceptance_blocks"] > 0 and metrics["validated_step"] == 1
+    assert all(torch.equal(plain[n], validated[n]) for n in plain)
