@@ -120,3 +120,15 @@ def test_init_from_a_hub_id(hub, tmp_path):
     assert cfg.drafter.init_from == snapshot
     weights = read_init_weights("org/drafter", job)
     assert all(torch.equal(weights[n], t) for n, t in model.state_dict().items())
+
+
+def test_regenerate_reads_a_hub_dataset_and_names_one_not_cached(hub, tmp_path):
+    from dflash_ipc.errors import DataError
+    from dflash_ipc.regenerate.options import GenerationOptions
+    from dflash_ipc.regenerate.run import regenerate
+    options = GenerationOptions(max_new_tokens=4)
+    with pytest.raises(ConfigError, match=r"--input: org/none is not a local path and not in the Hugging Face cache"):
+        regenerate("org/none", str(tmp_path / "out.jsonl"), None, options)
+    snapshot = cache_repo(hub, "org/empty", _files(tmp_path / "e", {"train.jsonl": "\n"}), repo_type="dataset")
+    with pytest.raises(DataError, match=f"{snapshot}: the input is empty"):  # read from the snapshot: no backend needed
+        regenerate("org/empty", str(tmp_path / "out.jsonl"), None, options)
