@@ -285,8 +285,10 @@ class DrafterLoop:
         # What the checkpoint commits is the ledger's to keep (the Committed below); the
         # checkpoint notes where this run resumed from, for a reader of the file, and the best
         # checkpoint by validation so far, which a resume keeps (retention never deletes it).
-        best = None if self.best is None else {"step": self.best[0], "acceptance_length": self.best[1]}
-        path = self.trainer.save_checkpoint(self.store, {"resumed_from": self.resumed_from, "best": best})
+        extra = {"resumed_from": self.resumed_from}
+        if self.best is not None:
+            extra["best"] = {"step": self.best[0], "acceptance_length": self.best[1]}
+        path = self.trainer.save_checkpoint(self.store, extra)
         log.info("checkpoint %s: %d copies, %d samples committed", path, len(trained),
                  sum(len(s) for s in trained.values()))
         self.link.send(p.Committed(step=self.trainer.step_count, batch_ids=[b for b, _, _ in trained],
