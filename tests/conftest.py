@@ -6,6 +6,9 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+# No test reaches the network: a name that reads ORG/NAME and is not a local path is looked up
+# in the Hugging Face cache only (dflash_ipc/hf/hub.py), never downloaded.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")

@@ -298,3 +298,36 @@ def test_the_supervisors_start_sets_aside_what_the_ledger_never_committed(store,
     moved = quarantine_uncommitted_checkpoints(cfg)
     assert [os.path.basename(m).split("-")[0] for m in moved] == ["step_00000030"]
     assert store.steps_on_disk() == [10, 20] and store.uncommitted() == moved
+
+
+def _step_dirs(root, steps):
+    store = CheckpointStore(str(root))
+    for step in steps:
+        os.makedirs(store.path(step))
+    return store
+
+
+def test_keep_last_deletes_only_checkpoints_no_resume_needs(tmp_path):
+    store = _step_dirs(tmp_path / "ck", (10, 20, 30, 40, 50, 60))
+    store.mark_latest(20)  # latest.json not yet moved on: its step stays
+    assert store.retain(40, keep_last=0) == [] and store.retain(40, keep_last=None) == []
+    # 40 is the last commit; 50 and 60 are written, their commits not answered; 10 is the best.
+    assert store.retain(40, keep_last=1, best_step=10) == [30]
+    assert store.steps_on_disk() == [10, 20, 40, 50, 60]
+    store.mark_latest(40)
+    assert store.retain(40, keep_last=2) == [10] and store.steps_on_disk() == [20, 40, 50, 60]
+    # Retention never moves latest.json: the step it names stays until it is marked past it.
+    assert store.retain(60, keep_last=1) == [20, 50] and store.steps_on_disk() == [40, 60]
+    store.mark_latest(60)
+    assert store.retain(60, keep_last=1) == [40] and store.steps_on_disk() == [60]
+
+
+def test_a_deletion_cut_short_is_cleared_never_restored(tmp_path):
+    import subprocess
+    import sys
+    store = _step_dirs(tmp_path / "ck", (10, 20))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    os.replace(store.path(10), os.path.join(store.root, f"step_00000010.deleted-{gone.pid}"))
+    assert len(store.remove_partial_writes()) == 1
+    assert sorted(os.listdir(store.root)) == ["step_00000020"]

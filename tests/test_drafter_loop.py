@@ -229,8 +229,8 @@ def test_a_loss_that_stops_being_finite_is_not_reported_as_its_last_finite_value
     loop.step_log = open(tmp_path / "steps.jsonl", "w")
     real_step = loop.trainer.step
 
-    def diverging(chosen):
-        stats = real_step(chosen)
+    def diverging(chosen, **options):
+        stats = real_step(chosen, **options)
         return {**stats, "loss": float("inf")} if loop.trainer.step_count >= 2 else stats
 
     loop.trainer.step = diverging
@@ -262,3 +262,109 @@ def test_the_after_step_hook_runs_once_after_each_step_inside_its_timeline_inter
     while loop.trainer.step_count < 2:
         assert loop.pass_once()
     assert calls == [1, 2] and [n for state, n in recorded if state == "step"] == [1, 2]
+
+
+def test_keep_last_deletes_older_checkpoints_once_their_successor_is_committed(tmp_path):
+    loop, link, readers = build(tmp_path, checkpoint={"every_steps": 1, "keep_last": 1})
+    readers.pool_of_read = "p0"
+    loop.resume(registered())
+    link.inbox.clear()
+    link.inbox.extend([assign(0, [0, 1, 2], 1), assign(1, [3, 4, 5, 6, 7], 2)])
+    while loop.trainer.step_count < 3:
+        assert loop.pass_once()
+    loop.intake(0.0)  # the last CommitDone
+    assert [m.step for m in link.of(p.Committed)] == [1, 2, 3]
+    assert loop.store.steps_on_disk() == [3] and loop.store.latest() == loop.store.path(3)
+
+
+def _export(tmp_path, name="export", **changes):
+    """An exported drafter of the shape `build` makes (or changed), its weights seeded apart."""
+    import dataclasses
+    from dflash_ipc.drafter.inference_format import save_inference_checkpoint
+    from dflash_ipc.drafter.model import DFlashDraftModel
+    loop, _, _ = build(tmp_path / f"{name}-run")
+    torch.manual_seed(99)
+    model = DFlashDraftModel(dataclasses.replace(loop.trainer.model.config, **changes))
+    save_inference_checkpoint(model, str(tmp_path / name), dtype=torch.float32)
+    return str(tmp_path / name), model.state_dict()
+
+
+def test_init_from_loads_an_export_at_step_0_with_a_fresh_optimizer(tmp_path):
+    path, weights = _export(tmp_path)
+    loop, link, _ = build(tmp_path, drafter={"dtype": "float32", "attention": "dense", "init_from": path})
+    assert loop.resume(registered()) == -1
+    state = loop.trainer.model.state_dict()
+    assert all(torch.equal(state[n], weights[n]) for n in weights)
+    assert loop.trainer.step_count == 0 and not loop.trainer.optimizer.state
+
+
+def test_init_from_of_another_shape_is_one_error_naming_each_difference(tmp_path):
+    from dflash_ipc.errors import ConfigError
+    path, _ = _export(tmp_path, block_size=8, target_layer_ids=[1, 2])
+    loop, _, _ = build(tmp_path, drafter={"dtype": "float32", "attention": "dense", "init_from": path})
+    with pytest.raises(ConfigError) as err:
+        loop.resume(registered())
+    message = str(err.value)
+    assert "dflash_config.target_layer_ids: export [1, 2], job [0, 1] (model.target_layer_ids)" in message
+    assert "block_size: export 8, job 4 (model.block_size)" in message and message.count("; ") == 1
+
+
+def test_a_resumed_job_ignores_init_from_the_checkpoint_wins(tmp_path, caplog):
+    path, weights = _export(tmp_path)
+    first, _, _ = build(tmp_path)
+    first.trainer.step_count = 2
+    first.trainer.save_checkpoint(first.store, extra={})
+    saved = {n: t.clone() for n, t in first.trainer.model.state_dict().items()}
+    loop, _, _ = build(tmp_path, drafter={"dtype": "float32", "attention": "dense", "init_from": path})
+    with caplog.at_level("INFO", logger="dflash_ipc.drafter.loop"):
+        assert loop.resume(registered(resume_step=2, committed=[2])) == 2
+    assert all(torch.equal(t, saved[n]) for n, t in loop.trainer.model.state_dict().items())
+    assert f"drafter.init_from={path} ignored: the job resumes from its checkpoint of step 2" in caplog.text
+
+
+def test_validation_scores_the_weights_before_a_step_and_retention_keeps_the_best(tmp_path, monkeypatch, caplog):
+    """validation.every_steps=1: each step's record carries the proxy of the weights before it;
+    with keep_last=1 the best checkpoint by it stays next to the newest."""
+    import json
+
+    from dflash_ipc.drafter import trainer as trainer_mod
+    loop, link, readers = build(tmp_path, checkpoint={"every_steps": 1, "keep_last": 1},
+                                validation={"every_steps": 1})
+    step_log = tmp_path / "steps.jsonl"
+    loop.step_log = open(step_log, "w")
+    readers.pool_of_read = "p0"
+    real = trainer_mod.acceptance_summary
+    scores = iter([1.5, 3.0, 2.0, 1.0])  # the weights of steps 0, 1, 2, 3: step 1 is the best
+    monkeypatch.setattr(trainer_mod, "acceptance_summary",
+                        lambda totals: {**real(totals), "acceptance_length": next(scores)})
+    loop.resume(registered())
+    link.inbox.clear()
+    link.inbox.extend([assign(0, [0, 1, 2], 1), assign(1, [3, 4, 5, 6, 7], 2)])
+    with caplog.at_level("INFO", logger="dflash_ipc.drafter.loop"):
+        while loop.trainer.step_count < 3:
+            assert loop.pass_once()
+        loop.intake(0.0)
+    records = [json.loads(line) for line in open(step_log)]
+    assert [(r["step"], r["validated_step"], r["acceptance_length"]) for r in records] == [(1, 0, 1.5), (2, 1, 3.0),
+                                                                                            (3, 2, 2.0)]
+    assert records[0]["acceptance_blocks"] > 0 and len(records[0]["acceptance_at"]) == 3
+    assert loop.best == (1, 3.0) and loop.store.steps_on_disk() == [1, 3]
+    assert "validation at step 1: expected acceptance length 3.000" in caplog.text
+    # The best survives a resume: it is in the checkpoint's training state.
+    fresh, _, _ = build(tmp_path, checkpoint={"every_steps": 1, "keep_last": 1}, validation={"every_steps": 1})
+    assert fresh.resume(registered(resume_step=3, committed=[1, 2, 3])) == 3 and fresh.best == (1, 3.0)
+
+
+def test_a_validation_step_trains_exactly_as_any_other_step(tmp_path):
+    def run(**sections):
+        loop, link, readers = build(tmp_path / str(len(sections)), **sections)
+        readers.pool_of_read = "p0"
+        loop.resume(registered())
+        link.inbox.extend([assign(0, [0, 1, 2], 1), assign(1, [3, 4, 5, 6, 7], 2)])
+        while loop.trainer.step_count < 2:
+            assert loop.pass_once()
+        return loop.trainer.model.state_dict(), link.metrics
+    plain, _ = run()
+    validated, metrics = run(validation={"every_steps": 1})
+    assert metrics["acceptance_blocks"] > 0 and metrics["validated_step"] == 1
+    assert all(torch.equal(plain[n], validated[n]) for n in plain)

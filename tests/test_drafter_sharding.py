@@ -16,6 +16,8 @@ import torch.multiprocessing as mp
 
 from dflash_ipc.config.load import config_from_dict
 from dflash_ipc.run.checkpoints import STATE_JSON, STATE_TENSORS, CheckpointStore
+from dflash_ipc.drafter.inference_format import save_inference_checkpoint
+from dflash_ipc.drafter.sharding import full_state
 from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.drafter.precision import EMULATE_ENV
 from test_drafter_trainer import head, model_config, sequences
@@ -102,6 +104,18 @@ def _rank_main(rank: int, init_file: str, out_dir: str, device_type: str) -> Non
         crossed = trainer("none")  # the FSDP checkpoint, resumed without sharding
         crossed.resume(stop_store, STOP_AT)
         out["crossed"] = out["resumed"][:STOP_AT] + [crossed.step(chosen)["loss"] for chosen in plan[STOP_AT:]]
+        # A warm start (drafter.init_from) under FSDP: each rank keeps its shards of the export's
+        # weights; then a validation step with an idle rank scores as the plain group does.
+        export_dir = os.path.join(out_dir, "export")
+        if rank == 0:
+            save_inference_checkpoint(plain.model, export_dir, dtype=torch.float32)
+        dist.barrier()
+        warm = trainer("fsdp")
+        warm.warm_start(export_dir)
+        gathered = full_state(warm.model, warm.optimizer)
+        if rank == 0:
+            out["warm_equal"] = all(torch.equal(gathered[0][n].cpu(), v) for n, v in out["plain_params"].items())
+        out["validation"] = [t.step(plan[2], validate=True) for t in (trainer("none"), trainer("fsdp"))]
         if HAVE_TORCHAO and device_type == "cpu":  # float8 layers (emulated) under FSDP: the same steps
             os.environ[EMULATE_ENV] = "1"
             out["fp8_plain"] = [trainer("none", "fp8").step(c)["loss"] for c in plan[:STOP_AT]]
@@ -156,6 +170,11 @@ def _run_and_compare(tmp_path, device_type: str) -> None:
             assert r["resumed"] == fsdp  # exact: the resumed group continues the uninterrupted trajectory
         torch.testing.assert_close(torch.tensor(r["resumed"]), torch.tensor(fsdp), rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(torch.tensor(r["crossed"]), torch.tensor(fsdp), rtol=1e-5, atol=1e-6)
+    assert ranks[0]["warm_equal"]
+    for r in ranks:  # the acceptance proxy of one step (the last rank idle): the group's, either mode
+        plain_v, fsdp_v = r["validation"]
+        assert plain_v["acceptance_blocks"] == fsdp_v["acceptance_blocks"] == ranks[0]["validation"][0]["acceptance_blocks"] > 0
+        assert plain_v["acceptance_length"] == pytest.approx(fsdp_v["acceptance_length"])
     if HAVE_TORCHAO and device_type == "cpu":  # fp8 (emulated) sharded: the unsharded fp8 steps
         assert ranks[0]["fp8_fsdp"][-1] < ranks[0]["fp8_fsdp"][0]
         torch.testing.assert_close(torch.tensor(ranks[0]["fp8_fsdp"]), torch.tensor(ranks[0]["fp8_plain"]),

@@ -1,5 +1,6 @@
 """TensorBoardSink: scalars from scripted statuses, read back from the event files."""
 
+import json
 import logging
 import os
 import sys
@@ -105,7 +106,8 @@ def test_drafter_metrics_and_rates(events):
     assert events("drafter/0/anchors") == [(3, 64.0), (5, 32.0)]
     assert events("drafter/0/wait_fraction") == [(5, 0.25)]
     assert events("drafter/0/tokens_per_s") == [(5, 100.0)]
-    assert events("train/loss") == [(3, 2.5), (5, 2.0)]
+    # train/* come per optimizer step from the drafter's step records, never per poll
+    assert not any(tag.startswith("train/") for tag in events.tags)
     assert "drafter/0/rank" not in events.tags and "drafter/0/time" not in events.tags
 
 
@@ -284,3 +286,59 @@ def test_a_real_job_writes_its_wandb_run(cpu_run):
     assert any("train/loss" in r for r in history) and "target/1/rss_mib" in last
     with open(os.path.join(cpu_run.run_dir, "wandb_run.json")) as f:
         assert json.load(f) == {"id": run["id"], "next_step": len(history)}
+
+
+def test_tracker_scalars_per_optimizer_step_from_the_drafters_step_records(tmp_path):
+    """The supervisor's tail of drafter_metrics.jsonl: the steps since the last poll, each at
+    its own step, validation at the step it scores; a line still being written waits."""
+    from dflash_ipc.obs.sinks import MetricSinks
+    from dflash_ipc.obs.step_log import StepLogTail
+
+    path = tmp_path / "drafter_metrics.jsonl"
+    path.write_text(json.dumps({"step": 1, "loss": 9.0, "time": 1.0}) + "\n")  # a previous supervisor's
+    tail = StepLogTail(str(path))
+    records = [{"step": s, "loss": 5.0 - s, "lr": 1e-4 * s, "grad_norm": 0.5, "time": 100.0 + s} for s in (2, 3, 4)]
+    records[1].update(validated_step=2, acceptance_length=2.5, acceptance_blocks=96, acceptance_at=[0.75, 0.5])
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records) + "not json\n" + '{"step": 5, "loss"')
+    writer = RecordingWriter()
+    sink = TensorBoardSink(writer, str(tmp_path))
+    sinks = MetricSinks([sink])
+    sinks.write_steps(tail.read())
+    assert writer.points("train/loss") == [(2, 3.0, 102.0), (3, 2.0, 103.0), (4, 1.0, 104.0)]
+    assert writer.points("validation/acceptance_length") == [(2, 2.5, 103.0)]
+    assert writer.points("validation/acceptance_at_2") == [(2, 0.5, 103.0)]
+    assert writer.points("validation/acceptance_blocks") == [(2, 96.0, 103.0)]
+    assert tail.read() == []  # nothing new; the partial line waits
+    with open(path, "a") as f:
+        f.write(': 0.5, "time": 105.0}\n')
+    assert tail.read() == [{"step": 5, "loss": 0.5, "time": 105.0}]
+
+
+class RecordingWriter:
+    def __init__(self):
+        self.calls = []
+
+    def add_scalar(self, tag, value, global_step, walltime):
+        self.calls.append((tag, global_step, value, walltime))
+
+    def points(self, tag):
+        return [(s, v, w) for t, s, v, w in self.calls if t == tag]
+
+
+def test_wandb_rows_per_optimizer_step_carry_the_step_they_belong_to(tmp_path):
+    from dflash_ipc.obs.wandb_sink import WandbSink, read_run_state
+
+    class FakeRun:
+        id = "abc123"
+        rows = []
+
+        def log(self, row, step):
+            self.rows.append((step, row))
+
+    run = FakeRun()
+    sink = WandbSink(run, str(tmp_path / "wandb_run.json"), next_step=7)
+    sink.write_step({"step": 3, "loss": 1.5, "validated_step": 2, "acceptance_length": 2.25})
+    assert run.rows == [(7, {"train/loss": 1.5, "train/step": 3}),
+                        (8, {"validation/acceptance_length": 2.25, "train/step": 2})]
+    assert read_run_state(str(tmp_path / "wandb_run.json")) == {"id": "abc123", "next_step": 9}

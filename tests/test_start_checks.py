@@ -109,3 +109,37 @@ def test_up_refuses_a_run_directory_another_job_holds_and_leaves_that_job_alone(
     finally:
         pool.close()
         held.release()
+
+
+def test_init_from_of_another_shape_stops_up_before_any_child(tmp_path):
+    """`up`'s check of drafter.init_from against the job's drafter: one error at
+    start, naming the difference; a run directory with checkpoints (a resume) skips it."""
+    import torch
+
+    from dflash_ipc.drafter.inference_format import save_inference_checkpoint
+    from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
+    from dflash_ipc.drafter.warm_start import resolve_init_from
+    target = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 64}
+    job = DFlashConfig.from_target_config(target, num_draft_layers=1, block_size=4, mask_token_id=63,
+                                          target_layer_ids=[0, 1])
+    save_inference_checkpoint(DFlashDraftModel(job), str(tmp_path / "same"), dtype=torch.float32)
+    save_inference_checkpoint(DFlashDraftModel(DFlashConfig.from_target_config(
+        target, num_draft_layers=2, block_size=4, mask_token_id=63, target_layer_ids=[0, 1])),
+        str(tmp_path / "deeper"), dtype=torch.float32)
+
+    def cfg(init_from):
+        return load_config(None, [f"run.run_dir={tmp_path / 'run'}", f"drafter.init_from={init_from}",
+                                  "model.num_layers=1", "model.block_size=4", "model.mask_token_id=63",
+                                  "model.target_layer_ids=[0,1]"])
+    ok = cfg(tmp_path / "same")
+    resolve_init_from(ok, target)
+    assert ok.drafter.init_from == str(tmp_path / "same")
+    with pytest.raises(ConfigError, match=r"is not a drafter of this job's shape: num_hidden_layers: export 2, "
+                                          r"job 1 \(model.num_layers\)\. Set"):
+        resolve_init_from(cfg(tmp_path / "deeper"), target)
+    with pytest.raises(ConfigError, match="drafter.init_from: .*missing is not a directory"):
+        resolve_init_from(cfg(tmp_path / "missing"), target)
+    os.makedirs(tmp_path / "run" / "checkpoints" / "step_00000002")
+    resumed = cfg(tmp_path / "deeper")
+    resolve_init_from(resumed, target)  # the resume wins: nothing checked

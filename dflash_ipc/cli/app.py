@@ -46,8 +46,8 @@ def echo_report(report) -> None:
 
 
 input_option = click.option("--input", "input_path", required=True, type=click.Path(),
-                            help="JSONL, JSON array, Parquet, a datasets save_to_disk directory or a directory "
-                                 "of Parquet/JSON shards.")
+                            help="JSONL, JSON array, Parquet, a datasets save_to_disk directory, a directory "
+                                 "of Parquet/JSON shards, or a Hub dataset id ORG/NAME.")
 split_option = click.option("--split", default=None, help="Split of a directory input (default: train, or the only one).")
 max_line_option = click.option("--max-line-bytes", type=click.IntRange(min=1), default=32 << 20, show_default=True,
                                help="Rows longer than this are rejected without being parsed.")
@@ -81,4 +81,9 @@ def resolved(cfg):
     """The job every process runs: the embedded default's assets built, then `resolve_job`."""
     from dflash_ipc.builtin.assets import materialize
     from dflash_ipc.target.resolve import resolve_job
-    return resolve_job(materialize(cfg))
+    cfg = resolve_job(materialize(cfg))
+    if cfg.drafter.init_from:  # checked against the job before any child starts
+        from dflash_ipc.drafter.warm_start import resolve_init_from
+        from dflash_ipc.hf.target_config import load_target_config
+        resolve_init_from(cfg, load_target_config(cfg.target.path))
+    return cfg

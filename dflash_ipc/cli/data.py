@@ -12,7 +12,7 @@ from dflash_ipc.cli.app import echo_report, input_option, main, max_line_option,
 
 @main.command()
 @click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
-              help="Target model directory (its tokenizer and chat template are used).")
+              help="Target model directory or Hub id ORG/NAME (its tokenizer and chat template are used).")
 @input_option
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output dataset directory.")
 @split_option
@@ -32,6 +32,9 @@ def prepare(model_dir, input_path, out_dir, split, max_length, on_long, last_tur
     """Tokenize chat data into a memory-mapped training dataset."""
     from dflash_ipc.data.messages import parse_template_kwargs
     from dflash_ipc.data.prepare import prepare_dataset
+    from dflash_ipc.hf.hub import resolve_dataset, resolve_model
+    model_dir = resolve_model(model_dir, what="--model")
+    input_path = resolve_dataset(input_path, what="--input")
     report = prepare_dataset(model_dir, input_path, out_dir, max_length=max_length, last_turn_only=last_turn_only,
                              num_workers=num_workers, strict=strict, on_long=on_long, overwrite=overwrite,
                              split=split, max_line_bytes=max_line_bytes, held_out=held_out, dedup=dedup,
@@ -41,7 +44,7 @@ def prepare(model_dir, input_path, out_dir, split, max_length, on_long, last_tur
 
 @main.command()
 @click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
-              help="Target model directory (hf backend).")
+              help="Target model directory or Hub id ORG/NAME (hf backend).")
 @input_option
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Output JSONL file.")
 @split_option

@@ -32,7 +32,9 @@ def _stage_setup(role: str, cfg) -> None:
 @click.option("--node-rank", type=int, default=None, help="This node, 0..nnodes-1 (run.node_rank); 0 runs the dispatcher.")
 @click.option("--dispatcher", "dispatcher_address", default=None, metavar="tcp://HOST:PORT",
               help="The job's dispatcher (dispatch.address): node 0 listens there, every node connects.")
-def up(config, overrides, nnodes, node_rank, dispatcher_address) -> None:
+@click.option("--init-from", "init_from", default=None, metavar="DIR|ORG/NAME",
+              help="Start the drafter from an exported one's weights (drafter.init_from); a resumed job ignores it.")
+def up(config, overrides, nnodes, node_rank, dispatcher_address, init_from) -> None:
     """Run the whole job: dispatcher, targets and drafters, supervised.
 
     Several nodes: on each, `dflash-up --nnodes N --node-rank K --dispatcher tcp://NODE0:PORT`
@@ -45,6 +47,7 @@ def up(config, overrides, nnodes, node_rank, dispatcher_address) -> None:
     flags = [f"run.num_nodes={nnodes}"] if nnodes is not None else []
     flags += [f"run.node_rank={node_rank}"] if node_rank is not None else []
     flags += [f"dispatch.address={dispatcher_address}"] if dispatcher_address is not None else []
+    flags += [f"drafter.init_from={init_from}"] if init_from is not None else []
     cfg = load_job_config(config, overrides + tuple(flags))
     setup_logging("supervisor" if cfg.run.num_nodes == 1 else f"supervisor/{cfg.run.node_rank}",
                   level=cfg.run.log_level)

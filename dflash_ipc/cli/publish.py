@@ -35,14 +35,15 @@ def export(checkpoint, out_dir, with_code, base_model, repo_id) -> None:
 
 
 @main.command("eval")
-@click.option("--target", "target_dir", required=True, type=click.Path(exists=True, file_okay=False),
-              help="HF target model directory.")
-@click.option("--drafter", required=True, type=click.Path(exists=True, file_okay=False),
-              help="Export, checkpoint step dir, or checkpoints root (latest).")
+@click.option("--target", "target_dir", required=True, type=click.Path(file_okay=False),
+              help="HF target model directory, or its Hub id ORG/NAME.")
+@click.option("--drafter", required=True, type=click.Path(file_okay=False),
+              help="Export, checkpoint step dir, checkpoints root (latest), or an exported drafter's Hub id.")
 @click.option("--data", "data_dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="Prepared dataset: its declared held-out prompts, else its last --num-prompts samples.")
-@click.option("--prompts", "prompt_files", multiple=True, metavar="[NAME=]FILE.jsonl",
-              help="Prompt set (repeatable): rows with turns (MT-Bench), question, problem, prompt or messages.")
+@click.option("--prompts", "prompt_files", multiple=True, metavar="[NAME=]FILE.jsonl|ORG/NAME",
+              help="Prompt set (repeatable), a JSONL file or a Hub dataset id: rows with turns (MT-Bench), "
+                   "question, problem, prompt or messages.")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=None,
               help="Prompts per set [default: 16 of --data, every row of a --prompts file].")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1), help="Per turn.")

@@ -2,8 +2,8 @@
 
 Sections, as torchtitan splits them: `run`, `data`, `target` (the target workers), `drafter`
 (the drafter workers: devices, precision, flow control), `model` (the drafter's shape),
-`optimizer`, `schedule`, `objective`, `checkpoint`, `dispatch`, `supervise`, `metrics` (the
-trackers the supervisor writes to). Each section
+`optimizer`, `schedule`, `objective`, `checkpoint`, `validation` (scoring during training),
+`dispatch`, `supervise`, `metrics` (the trackers the supervisor writes to). Each section
 checks its fields in `__post_init__`; `JobConfig.check()` adds the checks that span
 sections. Choices are `Literal` types; floats must be finite. YAML reading, overrides and
 the keys of older versions live in `config_load.py`.
@@ -307,6 +307,10 @@ class DrafterConfig(_Section):
     """Memory of one chunk of the chunked LM head + CE (its [rows, vocab] logits and their
     gradient, 4 bytes an entry); rows per chunk follow from it and the vocabulary. 0: 1/20 of
     the GPU's memory (about 7 GiB of a 139 GiB H200), 1 GiB on CPU."""
+    init_from: str | None = None
+    """An exported drafter (config.json + model.safetensors, a directory or a Hub id) whose
+    weights a fresh job starts from (drafter/warm_start.py); the optimizer starts fresh. A
+    resumed job ignores it: the checkpoint wins."""
 
     def check(self) -> None:
         _require(1 <= self.num_workers <= 1024, "drafter.num_workers", "must be in [1, 1024]")
@@ -318,6 +322,8 @@ class DrafterConfig(_Section):
         _check_devices("drafter.devices", self.devices, self.num_workers)
         _require(1 <= self.fifo_sequences <= 1 << 20, "drafter.fifo_sequences", "must be in [1, 1048576]")
         _require(1 <= self.prefetch <= 1024, "drafter.prefetch", "must be in [1, 1024]")
+        _require(self.init_from is None or self.init_from.strip() != "", "drafter.init_from",
+                 "must name an exported drafter directory or a Hub id (or be null), got ''")
         _require(self.precision != "fp8" or self.dtype == "bfloat16", "drafter.precision",
                  f"fp8 needs drafter.dtype=bfloat16 (the compute dtype around the float8 matmuls), "
                  f"got {self.dtype}")
@@ -476,9 +482,27 @@ class CheckpointConfig(_Section):
     NAME = "checkpoint"
     every_steps: int = 200
     """Steps between checkpoints (drafter rank 0 writes); one is always written at the end."""
+    keep_last: int | None = None
+    """Committed checkpoints kept, the newest ones; 0 or null keeps all. The one a resume needs
+    (the last commit, latest.json's) and the best by validation are never deleted."""
 
     def check(self) -> None:
         _require(self.every_steps >= 1, "checkpoint.every_steps", "must be >= 1")
+        _require(self.keep_last is None or (isinstance(self.keep_last, int) and 0 <= self.keep_last <= 1 << 20),
+                 "checkpoint.keep_last", f"must be null or in [0, 1048576] (0: keep all), got {self.keep_last!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ValidationConfig(_Section):
+    NAME = "validation"
+    every_steps: int | None = None
+    """Steps between validations (null: none): the drafter's expected acceptance length on the
+    step's blocks, scored before it trains on them (drafter/acceptance_proxy.py); logged, sent
+    to the trackers, and the best checkpoint by it is kept (checkpoint.keep_last)."""
+
+    def check(self) -> None:
+        _require(self.every_steps is None or (isinstance(self.every_steps, int) and self.every_steps >= 1),
+                 "validation.every_steps", f"must be null or >= 1, got {self.every_steps!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -593,6 +617,7 @@ class JobConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

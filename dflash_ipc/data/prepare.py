@@ -192,12 +192,12 @@ def _encode_chunk(chunk: list[RawRow]) -> list[_RowResult]:
 
 def load_tokenizer(model_dir: str):
     """The target's tokenizer from its local directory; DataError naming the directory when
-    it is missing or holds no tokenizer (nothing is downloaded: a hub id is not a path)."""
+    it is missing or holds no tokenizer (`prepare` resolves a Hub id first: hf/hub.py)."""
     from transformers import AutoTokenizer
 
     if not os.path.isdir(model_dir):
         raise DataError(f"{model_dir}: no such model directory (give the local directory of the target's "
-                        "tokenizer and chat template; nothing is downloaded)")
+                        "tokenizer and chat template, or its Hub id ORG/NAME)")
     try:
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except Exception as e:  # OSError, ValueError, and whatever a broken tokenizer file raises

@@ -77,10 +77,15 @@ def heaviest_step(trainer, dataset, cfg, feature_dtype: torch.dtype) -> tuple[li
 
 def forward_backward(trainer, chosen) -> None:
     """The step's forward and backward as `DrafterTrainer.step` runs them, without its
-    collectives and its optimizer step; the gradients are dropped, the weights unchanged."""
+    collectives and its optimizer step; the gradients are dropped, the weights unchanged. With
+    `validation.every_steps`, as a validation step (its acceptance scoring holds a chunk of
+    logits while the forward's activations are alive: the heavier step)."""
     try:
         batch, features, mask, _ = trainer._build(chosen)
-        trainer.loss_sum(batch, features, mask).backward()
+        if trainer.cfg.validation.every_steps:
+            trainer.loss_sum(batch, features, mask, acceptance=True)[0].backward()
+        else:
+            trainer.loss_sum(batch, features, mask).backward()
     finally:
         trainer.model.zero_grad(set_to_none=True)
 

@@ -12,8 +12,9 @@
      writes the checkpoint and sends one `Committed` for the group (a commit is all of a
      checkpoint's samples or none), then marks it `latest` when `CommitDone` comes back
      (`confirmed`: the one writer of latest.json; the ledger owns which steps are committed).
-Before the first pass `resume()` loads the newest intact committed checkpoint and tells the
-dispatcher which one (`Resumed`); after the last, `finish()` checkpoints what is left and
+Before the first pass `resume()` loads the newest intact committed checkpoint (none: a fresh
+job, started from `drafter.init_from`'s weights when set) and tells the dispatcher which one
+(`Resumed`); after the last, `finish()` checkpoints what is left and
 waits for `Shutdown`. A stop (SIGTERM/SIGINT on any rank, or `Shutdown` before the end of
 the data) travels in step 3, so all ranks leave together after a closing checkpoint.
 Tests drive it with a fake link and `SoloGroup` (tests/test_drafter_loop.py).
@@ -64,6 +65,7 @@ class DrafterLoop:
         self.stop_reason: str | None = None  # set by a signal handler, or a Shutdown too early
         self.resumed_from = -1
         self.last_checkpoint_step = trainer.step_count
+        self.best: tuple[int, float] | None = None  # (step, acceptance length) of the best checkpoint so far
         self.compiled = False
         self.wait_s = 0.0
         # Transport cost, cumulative: wall time inside reads, the copies' own time (GPU-timed
@@ -88,9 +90,15 @@ class DrafterLoop:
                           "dispatcher returns what was committed after step %d to pending", step,
                           registered.resume_step, step)
         step = self.group.broadcast_int(step)
+        init_from = self.cfg.drafter.init_from
         if step >= 0:
-            self.trainer.resume(self.store, step)
+            self.best = _best_of(self.trainer.resume(self.store, step))
             self.last_checkpoint_step = step
+            if init_from and self.rank == 0:
+                log.info("drafter.init_from=%s ignored: the job resumes from its checkpoint of step %d", init_from,
+                         step)
+        elif init_from:
+            self.trainer.warm_start(init_from)  # every rank: identical weights, as after the seeded init
         if self.rank == 0:
             self.link.send(p.Resumed(step=step))
             deadline = time.monotonic() + RESUME_CONFIRM_S
@@ -160,8 +168,12 @@ class DrafterLoop:
 
     def confirmed(self, step: int) -> None:
         """Rank 0: the dispatcher confirmed `step` as the ledger's last commit (`CommitDone`,
-        or `Resumed`; -1: none), so latest.json names it. The only writer of latest.json."""
+        or `Resumed`; -1: none), so latest.json names it. The only writer of latest.json. Then
+        retention (`checkpoint.keep_last`, the best by validation kept) deletes what no resume
+        needs: only once the commit is durable."""
         self.store.mark_latest(step if step >= 0 else None)
+        if step >= 0:
+            self.store.retain(step, keep_last=self.cfg.checkpoint.keep_last, best_step=self.best_step)
 
     def accept(self, msg: p.Assign) -> None:
         """Copies an assigned slot into local memory and queues its sequences; a copy that
@@ -213,7 +225,9 @@ class DrafterLoop:
         self._phase("step" if self.compiled else "compile", self.trainer.step_count)
         before = (len(self.queue), self.queue.anchors, self.queue.trained_tokens)
         chosen = self.queue.take(self.cfg.objective.anchors_per_step)
-        stats = self.trainer.step(chosen)
+        every = self.cfg.validation.every_steps
+        validated = self.trainer.step_count  # the proxy scores the weights before this step
+        stats = self.trainer.step(chosen, validate=bool(every) and validated % every == 0)
         self.queue.record_trained(chosen)
         if self.after_step is not None:
             self.after_step()
@@ -222,6 +236,9 @@ class DrafterLoop:
         if self.timeline is not None:
             self.timeline.record("step", started, ended, loss=float(stats["loss"]), sequences=len(chosen),
                                  anchors=before[1] - self.queue.anchors, tokens=self.queue.trained_tokens - before[2])
+        if "acceptance_length" in stats:
+            stats["validated_step"] = validated
+            self.validated(validated, stats)
         stats.update(wait_s=self.wait_s, fifo=len(self.queue), rank=self.rank, time=time.time(),
                      trained_tokens=self.queue.trained_tokens, read_s=self.read_s, copy_s=self.copy_s,
                      read_bytes=self.read_bytes, reads=self.reads, resumed_from=self.resumed_from)
@@ -237,6 +254,23 @@ class DrafterLoop:
             self.step_log.write(json.dumps(json_safe(stats), allow_nan=False) + "\n")
             self.step_log.flush()
 
+    def validated(self, step: int, stats: dict) -> None:
+        """The acceptance proxy of the weights of `step`: logged (rank 0), and the best kept when
+        a checkpoint holds those weights (retention never deletes it)."""
+        value = stats["acceptance_length"]
+        if not math.isfinite(value):
+            return
+        if step == self.last_checkpoint_step and step > 0 and (self.best is None or value > self.best[1]):
+            self.best = (step, value)
+        if self.rank == 0:
+            best = f"; best {self.best[1]:.3f} at checkpoint {self.best[0]}" if self.best else ""
+            log.info("validation at step %d: expected acceptance length %.3f over %d blocks (scored before "
+                     "training on them)%s", step, value, stats["acceptance_blocks"], best)
+
+    @property
+    def best_step(self) -> int | None:
+        return self.best[0] if self.best else None
+
     def checkpoint(self) -> None:
         """Collective: rank 0 writes the checkpoint, then commits what every rank trained
         since the last commit, sample by sample, in one `Committed`."""
@@ -249,8 +283,12 @@ class DrafterLoop:
             return
         trained = _by_copy(per_rank)
         # What the checkpoint commits is the ledger's to keep (the Committed below); the
-        # checkpoint notes only where this run resumed from, for a reader of the file.
-        path = self.trainer.save_checkpoint(self.store, {"resumed_from": self.resumed_from})
+        # checkpoint notes where this run resumed from, for a reader of the file, and the best
+        # checkpoint by validation so far, which a resume keeps (retention never deletes it).
+        extra = {"resumed_from": self.resumed_from}
+        if self.best is not None:
+            extra["best"] = {"step": self.best[0], "acceptance_length": self.best[1]}
+        path = self.trainer.save_checkpoint(self.store, extra)
         log.info("checkpoint %s: %d copies, %d samples committed", path, len(trained),
                  sum(len(s) for s in trained.values()))
         self.link.send(p.Committed(step=self.trainer.step_count, batch_ids=[b for b, _, _ in trained],
@@ -317,3 +355,15 @@ def _by_copy(per_rank: list[list[tuple[int, ...]]]) -> dict[tuple[int, int, int]
         for batch, attempt, sample in rows:
             out.setdefault((batch, rank, attempt), []).append(sample)
     return out
+
+
+def _best_of(extra: dict) -> tuple[int, float] | None:
+    """The best checkpoint a checkpoint's `extra` recorded, or None (absent or malformed)."""
+    best = extra.get("best")
+    if not isinstance(best, dict):
+        return None
+    step, value = best.get("step"), best.get("acceptance_length")
+    if isinstance(step, int) and not isinstance(step, bool) and step > 0 and isinstance(value, (int, float)) \
+            and math.isfinite(value):
+        return step, float(value)
+    return None

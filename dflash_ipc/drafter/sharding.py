@@ -89,6 +89,11 @@ def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mo
     set_optimizer_state_dict(model, optimizer, optim, options=_SCATTER)
 
 
+def load_full_model(model: torch.nn.Module, model_state: dict) -> None:
+    """Every rank, with a full model state (a warm start): keeps its own shards of it."""
+    set_model_state_dict(model, model_state, options=_SCATTER)
+
+
 def local_numel(param: torch.Tensor) -> int:
     """Elements this rank holds of `param` (its shard, for a sharded parameter)."""
     return param.to_local().numel() if hasattr(param, "to_local") else param.numel()

@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 
 from dflash_ipc.config.schema import JobConfig, ObjectiveConfig
+from dflash_ipc.drafter.acceptance_proxy import acceptance_summary, block_acceptance_totals
 from dflash_ipc.drafter.attention import build_layer_masks
 from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.drafter.inference_format import write_inference_files
 from dflash_ipc.drafter.compiled_forward import DrafterForward, falls_back, pad_layout, pad_rows
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
-from dflash_ipc.drafter.sharding import full_state, load_full_state, shard_model, total_norm
+from dflash_ipc.drafter.sharding import full_state, load_full_model, load_full_state, shard_model, total_norm
 from dflash_ipc.drafter.objective import (anchor_generator, build_training_batch, default_chunk_budget,
                                           lm_head_chunk_rows, sample_anchors, weighted_ce_sum)
 from dflash_ipc.drafter.optimizers import build_optimizer
@@ -40,6 +41,7 @@ from dflash_ipc.drafter.precision import apply_precision, next_step
 from dflash_ipc.drafter.schedule import schedule_lambda
 from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.drafter.training_state import read_training_state, write_training_state
+from dflash_ipc.drafter.warm_start import read_init_weights
 from dflash_ipc.config.dtypes import TORCH_DTYPES
 from dflash_ipc.errors import DamagedCheckpointError
 
@@ -131,8 +133,10 @@ class DrafterTrainer:
             dist.all_reduce(tensor, group=self.group)
         return tensor
 
-    def step(self, chosen: list[tuple[Sequence, int]]) -> dict:
-        """One collective optimizer step over this rank's chosen sequences (may be empty)."""
+    def step(self, chosen: list[tuple[Sequence, int]], *, validate: bool = False) -> dict:
+        """One collective optimizer step over this rank's chosen sequences (may be empty).
+        `validate` (the same on every rank: a collective): also the acceptance proxy of the
+        weights before this step, on the step's blocks of all ranks (drafter/acceptance_proxy.py)."""
         started = time.perf_counter()
         next_step()  # fp8: row counts promoted in the last step run static graphs from this one
         batch, features, mask, mask_s = self._build(chosen)
@@ -145,10 +149,13 @@ class DrafterTrainer:
             batch, features, mask, _ = self._idle_batch()
         weight_sum = self._all_reduce(local.reshape(1))[0]  # [] float64, all ranks
         loss_sum = torch.zeros((), device=self.device)
+        acceptance = torch.zeros(self.model.config.block_size + 1, dtype=torch.float64, device=self.device)
         # Every anchor has a weighted label (block position 1: sample_anchors only picks p
         # with loss at p+1), so a batch means a positive weight sum here and everywhere.
         if batch is not None:
-            loss_sum = self._loss_and_backward(batch, features, mask, weight_sum)
+            loss_sum, totals = self._loss_and_backward(batch, features, mask, weight_sum, acceptance=validate)
+            if totals is not None:
+                acceptance = totals
         grad_norm = self._reduce_and_clip()  # synchronizes (the norm is read on the host)
         weight_total = float(weight_sum)
         if weight_total > 0:
@@ -161,22 +168,26 @@ class DrafterTrainer:
                               torch.tensor(float(num_anchors), dtype=torch.float64, device=self.device),
                               torch.tensor(float(num_tokens), dtype=torch.float64, device=self.device)])
         totals = self._all_reduce(totals).tolist()
+        validation = acceptance_summary(self._all_reduce(acceptance)) if validate else {}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return {"step": self.step_count, "loss": totals[0] / weight_total if weight_total else float("nan"),
+        return {**validation, "step": self.step_count, "loss": totals[0] / weight_total if weight_total else float("nan"),
                 "anchors": int(totals[1]), "tokens": int(totals[2]),
                 "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                 "step_s": time.perf_counter() - started, "mask_s": mask_s}
 
-    def _loss_and_backward(self, batch, features: torch.Tensor, mask, weight_sum: torch.Tensor) -> torch.Tensor:
-        """The loss sum, its gradient accumulated. A compile that fails (the forward's is
-        caught in DrafterForward; a backward compiled lazily fails here) turns compiling off,
-        and the step is recomputed eagerly from zero gradients: never a wrong step."""
-        def forward_backward() -> torch.Tensor:
-            loss_sum = self.loss_sum(batch, features, mask)
+    def _loss_and_backward(self, batch, features: torch.Tensor, mask, weight_sum: torch.Tensor, *,
+                           acceptance: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the loss sum, the acceptance totals when `acceptance`, else None), the loss's gradient
+        accumulated. A compile that fails (the forward's is caught in DrafterForward; a backward
+        compiled lazily fails here) turns compiling off, and the step is recomputed eagerly from
+        zero gradients: never a wrong step."""
+        def forward_backward() -> tuple[torch.Tensor, torch.Tensor | None]:
+            loss_sum, totals = (self.loss_sum(batch, features, mask, acceptance=True) if acceptance
+                                else (self.loss_sum(batch, features, mask), None))
             # The clamp only guards hand-made batches with all weights 0: loss and gradient 0.
             (loss_sum / weight_sum.float().clamp_min(torch.finfo(torch.float32).tiny)).backward()
-            return loss_sum
+            return loss_sum, totals
 
         self.drafter_forward.step_begin()
         try:
@@ -225,15 +236,20 @@ class DrafterTrainer:
         batch, features, mask, mask_s = self._build([(seq, 1)])
         return dataclasses.replace(batch, weights=torch.zeros_like(batch.weights)), features, mask, mask_s
 
-    def loss_sum(self, batch, features: torch.Tensor, mask) -> torch.Tensor:
+    def loss_sum(self, batch, features: torch.Tensor, mask, *, acceptance: bool = False):
         """The batch's weighted cross-entropy sum under the drafter's autocast: the step's
-        forward, which the start-up memory probe (drafter/fit.py) runs too."""
+        forward, which the start-up memory probe (drafter/fit.py) runs too. `acceptance`:
+        (loss sum, the batch's acceptance totals), scored on the same hidden states."""
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
             hidden = self._forward(batch, features, mask)
             objective = self.cfg.objective
             dpace = (objective.dpace_alpha, self.model.config.block_size) if objective.weighting == "dpace" else None
-            return weighted_ce_sum(hidden, self.head, batch.labels, batch.weights, chunk_size=self.ce_chunk_rows,
+            loss = weighted_ce_sum(hidden, self.head, batch.labels, batch.weights, chunk_size=self.ce_chunk_rows,
                                    fp8_head=self.fp8_head, dpace=dpace, rows=batch.loss_rows)
+        if not acceptance:
+            return loss
+        return loss, block_acceptance_totals(hidden.detach(), self.head.lm_head_weight, batch.labels, batch.weights,
+                                             self.model.config.block_size)
 
     def _forward(self, batch, features: torch.Tensor, mask) -> torch.Tensor:
         # features may carry padding context rows (_build): their positions are 0
@@ -289,6 +305,18 @@ class DrafterTrainer:
                                  step=self.step_count, total_steps=self.total_steps, extra=extra,
                                  model_state=model_state, optimizer_state=optimizer_state)
         return store.write(self.step_count, write)
+
+    def warm_start(self, path: str) -> None:
+        """Step 0 of a fresh job: the weights of the exported drafter at `path` (checked
+        against this job's drafter, drafter/warm_start.py); the optimizer state stays empty."""
+        if self.step_count != 0:
+            raise RuntimeError(f"warm_start at step {self.step_count}: only a fresh job starts from drafter.init_from")
+        state = read_init_weights(path, self.model.config)
+        if self.sharded:
+            load_full_model(self.model, state)
+        else:
+            self.model.load_state_dict(state)
+        log.info("drafter weights from %s (drafter.init_from), optimizer fresh", path)
 
     def resume(self, store: CheckpointStore, step: int) -> dict:
         """Loads checkpoint `step` (verified against its manifest); returns its `extra`."""

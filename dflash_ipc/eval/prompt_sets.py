@@ -13,6 +13,9 @@ that a row has decides its form:
     {"problem": "..."}                                 MATH
     {"prompt": "..."}                                  any single prompt
 
+A directory (a Hub dataset id resolved to its snapshot: hf/hub.py) is read as `prepare` reads
+one (data/reader.py: its Parquet/JSON(L) shards, the train split), its rows in these forms.
+
 Rows of the last four forms may add ``"system": "..."``. Turn k of a row is the chat
 template (with the generation prompt and the caller's template kwargs, e.g.
 ``enable_thinking``) applied to the system message, the user turns 1..k and the model's
@@ -37,6 +40,7 @@ import numpy as np
 
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.data.messages import RowRejected, parse_conversation
+from dflash_ipc.data.reader import InputSource, decode_row
 from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.decode.requests import Generation, Request
 from dflash_ipc.run.json_lines import MAX_LINE_BYTES, capped_lines
@@ -80,7 +84,11 @@ def prompt_set_arg(arg: str) -> tuple[str, str]:
 
 
 def read_prompt_file(path: str, *, name: str | None = None, limit: int | None = None) -> PromptSet:
-    """The first ``limit`` (None: all) prompts of a JSONL file; DataError naming file:line on a bad row."""
+    """The first ``limit`` (None: all) prompts of a JSONL file, or of a dataset directory (a Hub
+    dataset's snapshot: its Parquet/JSON(L) shards, data/reader.py); DataError naming file:line
+    on a bad row."""
+    if os.path.isdir(path):
+        return _read_prompt_dir(path, name=name, limit=limit)
     if not os.path.isfile(path):
         raise DataError(f"prompt file {path}: not found")
     cases: list[PromptCase] = []
@@ -104,6 +112,23 @@ def read_prompt_file(path: str, *, name: str | None = None, limit: int | None = 
     if not cases:
         raise DataError(f"prompt file {path}: no prompts")
     return PromptSet(name=name or os.path.splitext(os.path.basename(path))[0], cases=cases, source=path)
+
+
+def _read_prompt_dir(path: str, *, name: str | None, limit: int | None) -> PromptSet:
+    """`read_prompt_file` of a directory of shards: its rows (the train split, or the only one)."""
+    cases: list[PromptCase] = []
+    for raw in InputSource(path, max_row_bytes=MAX_LINE_BYTES).rows():
+        if limit is not None and len(cases) >= limit:
+            break
+        try:
+            row = decode_row(raw, MAX_LINE_BYTES)
+        except RowRejected as exc:
+            raise DataError(f"{raw.where}: {exc}") from None
+        turns, system = parse_row(row, raw.where)
+        cases.append(PromptCase(sample_id=len(cases), turns=turns, system=system))
+    if not cases:
+        raise DataError(f"prompt set {path}: no prompts")
+    return PromptSet(name=name or os.path.basename(os.path.normpath(path)), cases=cases, source=path)
 
 
 def parse_row(row, where: str) -> tuple[list[str], str | None]:

@@ -39,6 +39,7 @@ from dflash_ipc.run.checkpoints import LATEST, MANIFEST, CheckpointStore, verify
 from dflash_ipc.drafter.inference_format import CONFIG_FILE, load_inference_checkpoint
 from dflash_ipc.drafter.model import DFlashDraftModel
 from dflash_ipc.errors import ConfigError, DataError
+from dflash_ipc.hf.hub import resolve_dataset, resolve_model
 from dflash_ipc.eval.acceptance import AcceptanceStats
 from dflash_ipc.eval.decoding import PREFILL_TOKENS, DecodeRun, PlainDecoder, SpeculativeDecoder
 from dflash_ipc.eval.drafter_context import DrafterContext
@@ -155,6 +156,7 @@ def prompt_sets(target_dir: str, *, data_dir: str | None = None, prompt_files: S
         sets.append(held_out_set(dataset, num_prompts=num_prompts or DEFAULT_HELD_OUT_PROMPTS, sample_ids=held_out))
     for arg in prompt_files:
         name, path = prompt_set_arg(arg)
+        path = resolve_dataset(path, what="--prompts")
         sets.append(read_prompt_file(path, name=name, limit=num_prompts))
     if not sets:
         raise ConfigError("eval: no prompts; give --data DIR (its held-out prompts) and/or --prompts FILE.jsonl")
@@ -173,6 +175,9 @@ def evaluate_sets(target_dir: str, drafter: str | DFlashDraftModel, *, data_dir:
     """One report per (prompt set, drafter): sets in order, and per set the untrained drafter
     (``vs_untrained``, a fresh one from ``seed``) before ``drafter`` (see :func:`load_drafter`)."""
     options = options or EvalOptions()
+    target_dir = resolve_model(target_dir, what="--target")
+    if isinstance(drafter, str):
+        drafter = resolve_model(drafter, what="--drafter")
     model, source = load_drafter(drafter, device=device, dtype=resolve_dtype(dtype, device))
     sets = prompt_sets(target_dir, data_dir=data_dir, prompt_files=prompt_files, num_prompts=num_prompts,
                        held_out=held_out)

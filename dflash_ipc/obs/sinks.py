@@ -16,7 +16,6 @@ Tags written (the per-worker ones only when the worker's heartbeats carry their 
   tokens/{produced,consumed,trained,committed}  cumulative token counters
   queue/produced_waiting                   produced batches not yet handed to a drafter
   health/{refusals,dropped_targets,targets,drafters}
-  train/{loss,lr,grad_norm,anchors,tokens} means over the drafter ranks (the group's values)
   target/<rank>/busy_fraction              d(busy_s) / d(busy_s + wait_s) since the last write
   target/<rank>/tokens_per_s               d(tokens) / d(busy_s + wait_s) since the last write
   target/<rank>/{credits,free_slots,heartbeat_age_s}
@@ -25,6 +24,9 @@ Tags written (the per-worker ones only when the worker's heartbeats carry their 
   drafter/<rank>/wait_fraction             d(wait_s) / d(time) since the last write
   drafter/<rank>/tokens_per_s              d(trained_tokens) / d(time) since the last write
   {target,drafter}/<rank>/{rss_mib,gpu_mem_allocated_mib,gpu_mem_reserved_mib}  when reported
+
+Per optimizer step, not per poll (`write_step`, from the drafter's step records: step_log.py):
+`train/{loss,lr,grad_norm,anchors,tokens,step_s}` and `validation/*`.
 
 The x axis (global step) is the drafters' mean optimizer step; before the first step (and while
 no drafter reports one) the last step written is reused, so the axis never goes backwards. Wall
@@ -41,13 +43,13 @@ import math
 import os
 import time
 
+from dflash_ipc.obs.step_log import step_scalars
 from dflash_ipc.run.json_files import as_number
 from dflash_ipc.wire.status import DrafterStatus, JobStatus, TargetStatus
 
 log = logging.getLogger(__name__)
 
 MEMORY_METRICS = ("rss_mib", "gpu_mem_allocated_mib", "gpu_mem_reserved_mib")
-TRAIN_MEANS = ("loss", "lr", "grad_norm", "anchors", "tokens")
 FLUSH_S = 10  # SummaryWriter's flush period (its default, 120 s, leaves TensorBoard far behind)
 # drafter metrics that are no curves: the rank, the host clock
 DRAFTER_SKIPPED = frozenset({"rank", "time"})
@@ -114,11 +116,6 @@ class StatusScalars:
         out["health/dropped_targets"] = float(len(status.dropped_targets))
         out["health/targets"] = float(len(status.targets))
         out["health/drafters"] = float(len(status.drafters))
-        drafters = [d.metrics for d in status.drafters.values()]
-        for name in TRAIN_MEANS:
-            values = [v for m in drafters if (v := as_number(m.get(name))) is not None]
-            if values:
-                out[f"train/{name}"] = sum(values) / len(values)
 
     def _deltas(self, key: str, pid, current: dict) -> dict | None:
         """Differences of cumulative counters since this worker's previous write; None on its
@@ -212,6 +209,12 @@ class TensorBoardSink:
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, global_step=step, walltime=wall)
 
+    def write_step(self, record: dict) -> None:
+        """The scalars of one drafter step record at their own steps (step_log.py)."""
+        for step, wall, scalars in step_scalars(record):
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, global_step=step, walltime=wall)
+
     def flush(self) -> None:
         self.writer.flush()
 
@@ -236,6 +239,19 @@ class MetricSinks:
         for sink in list(self.sinks):
             try:
                 sink.write(status)
+            except Exception as exc:
+                log.warning("%s off: a write failed: %s", type(sink).__name__, exc)
+                self.sinks.remove(sink)
+                _close_quietly(sink)
+
+    def write_steps(self, records: list[dict]) -> None:
+        """The drafter's step records since the last call, to each sink that takes them."""
+        for sink in list(self.sinks):
+            if not records or not hasattr(sink, "write_step"):
+                continue
+            try:
+                for record in records:
+                    sink.write_step(record)
             except Exception as exc:
                 log.warning("%s off: a write failed: %s", type(sink).__name__, exc)
                 self.sinks.remove(sink)

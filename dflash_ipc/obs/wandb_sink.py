@@ -8,8 +8,9 @@
 The supervisor (node 0) opens the run and is its only writer; workers never import wandb. The
 scalars and tags are `StatusScalars`' (metric_sinks.py), the same as TensorBoard's, plus
 `train/step` (the drafters' optimizer step, in the rows where they report one), against which
-W&B draws the `train/*` and `drafter/*` charts; everything else is drawn against the poll
-index (`_step`). The run's
+W&B draws the `train/*`, `validation/*` and `drafter/*` charts; everything else is drawn against
+the poll index (`_step`). `train/*` and `validation/*` come one row per optimizer step from the
+drafter's step records (`write_step`, step_log.py), between the polls' rows. The run's
 config is the job's resolved config; its files live in `RUN_DIR/wandb/` (offline runs stay
 there: upload them with `wandb sync RUN_DIR/wandb/offline-run-*`).
 
@@ -36,12 +37,13 @@ import string
 from dflash_ipc.config.schema import JobConfig, config_to_dict
 from dflash_ipc.errors import ConfigError, MissingExtraError
 from dflash_ipc.obs.sinks import StatusScalars
+from dflash_ipc.obs.step_log import step_scalars
 from dflash_ipc.run.json_files import write_json_atomic
 
 log = logging.getLogger(__name__)
 
 STEP_KEY = "train/step"
-STEP_CHARTS = ("train/*", "drafter/*")  # drawn against the optimizer step
+STEP_CHARTS = ("train/*", "validation/*", "drafter/*")  # drawn against the optimizer step
 ID_ALPHABET = string.ascii_lowercase + string.digits  # the ids made here
 ID_CHARS = frozenset(string.ascii_letters + string.digits + "-_")  # the ids accepted (W&B's own too)
 ID_LENGTH = 8
@@ -125,6 +127,14 @@ class WandbSink:
         self.run.log(scalars, step=self.next_step)
         self.next_step += 1
         self.writes += 1
+        write_run_state(self.state_path, self.run.id, self.next_step)
+
+    def write_step(self, record: dict) -> None:
+        """One history row per drafter step record (and one for its validation scores), with
+        `train/step` the step they belong to (step_log.py)."""
+        for step, _, scalars in step_scalars(record):
+            self.run.log({**scalars, STEP_KEY: step}, step=self.next_step)
+            self.next_step += 1
         write_run_state(self.state_path, self.run.id, self.next_step)
 
     def close(self) -> None:

@@ -30,6 +30,7 @@ from dflash_ipc.data.messages import RowRejected, parse_conversation
 from dflash_ipc.obs.progress import ProgressLine, eta
 from dflash_ipc.data.reader import MAX_ROW_BYTES, InputSource, RawRow, decode_row
 from dflash_ipc.errors import ConfigError, DataError
+from dflash_ipc.hf.hub import resolve_dataset, resolve_model
 from dflash_ipc.regenerate.conversation import Reply, RowState, assistant_message
 from dflash_ipc.regenerate.options import GenerationOptions
 from dflash_ipc.regenerate.output import RegenOutput
@@ -175,6 +176,7 @@ def regenerate(input_path: str, out_path: str, backend, options: GenerationOptio
     OpenAIBackend); see the module docstring. The caller closes the backend."""
     if window < 1:
         raise ConfigError(f"--window={window}: must be >= 1")
+    input_path = resolve_dataset(input_path, what="--input")
     source = InputSource(input_path, split=split, max_row_bytes=max_line_bytes)
     rows = source.rows()
     first = next(rows, None)  # peeked from the one reader: a pipe is read once
@@ -215,10 +217,10 @@ def make_backend(kind: str, options: GenerationOptions, *, model_dir: str | None
     """The backend a command line asks for: "hf" (needs model_dir) or "openai" (needs url)."""
     if kind == "hf":
         if not model_dir:
-            raise ConfigError("--backend hf needs --model DIR (the target's local directory)")
+            raise ConfigError("--backend hf needs --model DIR (the target's local directory, or its Hub id)")
         from dflash_ipc.regenerate.hf import HFBackend
-        return HFBackend(model_dir, options, devices=devices, dtype=dtype, cache=cache, token_budget=token_budget,
-                         max_batch_size=max_batch_size, decoder=decoder)
+        return HFBackend(resolve_model(model_dir, what="--model"), options, devices=devices, dtype=dtype, cache=cache,
+                         token_budget=token_budget, max_batch_size=max_batch_size, decoder=decoder)
     if kind == "openai":
         if not url:
             raise ConfigError("--backend openai needs --url http://HOST:PORT/v1 (the server's base URL)")

@@ -41,7 +41,7 @@ UNCOMMITTED = "uncommitted"
 UNCOMMITTED_NOTE = "set aside, never committed (never resumed from)"  # how status and health list them
 MAX_JSON_BYTES = 256 * 1024 * 1024  # the JSON parts of a checkpoint are far smaller
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-_PARTIAL_WRITE = re.compile(r"^(step_\d{8})\.(tmp|old)-(\d+)$")  # what `write` renames through
+_PARTIAL_WRITE = re.compile(r"^(step_\d{8})\.(tmp|old|deleted)-(\d+)$")  # what `write`, `retain` rename through
 
 
 def step_dir_name(step: int) -> str:
@@ -155,11 +155,47 @@ class CheckpointStore:
                 log.error("checkpoint of step %d is damaged, not resumed from: %s", step, exc)
         return -1
 
+    # --- retention ---------------------------------------------------------------------------
+
+    def latest_step(self) -> int | None:
+        """The step latest.json names, or None (no latest.json)."""
+        path = self.latest()
+        return None if path is None else step_of_dir_name(os.path.basename(path))
+
+    def retain(self, committed_step: int, *, keep_last: int | None, best_step: int | None = None) -> list[int]:
+        """Called once the commit of `committed_step` is durable: deletes the committed
+        checkpoints (steps on disk up to `committed_step`) older than the newest `keep_last`
+        (0 or None: keeps all). Never deleted, whatever `keep_last` says: `committed_step`
+        (what a resume loads), the step latest.json names, any step newer than
+        `committed_step` (written, its commit not yet answered) and `best_step` (the best by
+        validation). A checkpoint being written is a `.tmp-<pid>` directory, never a step one.
+        Returns the steps deleted."""
+        if not keep_last:
+            return []
+        committed = [s for s in self.steps_on_disk() if s <= committed_step]
+        keep = set(committed[-keep_last:]) | {committed_step}
+        keep |= {s for s in (self.latest_step(), best_step) if s is not None}
+        removed = []
+        for step in committed:
+            if step in keep:
+                continue
+            # Renamed aside first: a reader never sees a half-deleted step directory, and a
+            # kill during the rmtree leaves a `.deleted-<pid>` that `remove_partial_writes` clears.
+            aside = f"{self.path(step)}.deleted-{os.getpid()}"
+            os.replace(self.path(step), aside)
+            shutil.rmtree(aside)
+            removed.append(step)
+        if removed:
+            log.info("checkpoint.keep_last=%d: deleted the checkpoints of steps %s (kept %s)", keep_last,
+                     ", ".join(map(str, removed)), ", ".join(map(str, sorted(s for s in keep if s in committed))))
+        return removed
+
     # --- uncommitted checkpoints -------------------------------------------------------------
 
     def remove_partial_writes(self) -> list[str]:
-        """What a writer killed inside `write` left (`step_N.tmp-<pid>`, `step_N.old-<pid>` of a
-        pid no longer alive; a checkpoint's size each): a temp directory is removed; an `.old`
+        """What a writer killed inside `write` or `retain` left (`step_N.tmp-<pid>`, `.old-<pid>`,
+        `.deleted-<pid>` of a pid no longer alive; a checkpoint's size each): a temp or deleted
+        directory is removed; an `.old`
         one whose step directory is missing goes back (the kill fell between the two renames, and
         the old one may be the committed one). Returns what was removed or restored."""
         try:

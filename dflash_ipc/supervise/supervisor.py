@@ -35,6 +35,7 @@ from dflash_ipc.wire.link import DispatcherLink
 from dflash_ipc.run.liveness import read_beacon
 from dflash_ipc.run.logs import tail_lines
 from dflash_ipc.obs.job_sinks import open_sinks
+from dflash_ipc.obs.step_log import StepLogTail
 from dflash_ipc.obs.sinks import MetricSinks
 from dflash_ipc.config.machine import check_job_devices
 from dflash_ipc.run.child_env import SUPERVISOR_ENV
@@ -97,6 +98,7 @@ class Supervisor:
         self._signals = 0
         self._checkpoint_on_stop = True
         self.sinks = MetricSinks([])
+        self.step_log: StepLogTail | None = None  # node 0: the drafter's step records, to the trackers
         self.status_line = StatusLine()
         self.worker_addresses = WorkerAddresses(cfg.target.gpus_per_worker, _free_port)
         self.run_lock = RunLock(cfg.run.run_dir, cfg.run.node_rank)
@@ -188,6 +190,7 @@ class Supervisor:
         try:
             if self.cfg.run.node_rank == 0:  # one writer per job; before any child, so a missing
                 self.sinks = open_sinks(self.cfg)  # tracker stops nothing that runs
+                self.step_log = StepLogTail(self.files.drafter_metrics)  # from its end: older steps were written
             self.start()
             link = DispatcherLink.for_job(self.cfg, "observer/supervisor", heartbeat_interval_s=3600, timeout_s=3600)
             return self._watch(StatusPoller(link))
@@ -308,10 +311,17 @@ class Supervisor:
         self.last_status = status
         for line in self.status_line.lines(status):
             self.print_status(line)
+        self._forward_steps()
         self.sinks.write(status)
         return status
 
+    def _forward_steps(self) -> None:
+        """The drafter's step records since the last poll: the trackers' per-step scalars."""
+        if self.step_log is not None:
+            self.sinks.write_steps(self.step_log.read())
+
     def _final_status(self) -> None:
+        self._forward_steps()  # the last steps' records, before the final status
         try:
             self.last_status = read_status_file(self.files.final_status)
             for line in self.status_line.final_lines(self.last_status):

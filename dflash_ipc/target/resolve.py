@@ -16,6 +16,7 @@ import os
 
 from dflash_ipc.config.schema import BUILTIN_SYNTHETIC_DATA, BUILTIN_TINY_TARGET, JobConfig
 from dflash_ipc.errors import ConfigError, DataError
+from dflash_ipc.hf.hub import resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ def resolve_job(cfg: JobConfig) -> JobConfig:
             raise ConfigError(f"{key}: {path} names an embedded asset, which builtin.assets.materialize "
                               "builds before the job is resolved")
     cfg = copy.deepcopy(cfg)
-    cfg.target.path = os.path.abspath(cfg.target.path)
+    cfg.target.path = os.path.abspath(resolve_model(cfg.target.path, what="target.path"))
     target_config = load_target_config(cfg.target.path)
     check_tensor_parallel(cfg.target, target_config, cfg.target.path)  # target.gpus_per_worker > 1
     fill_layer_ids(cfg.model, target_config)
