@@ -139,6 +139,19 @@ def test_bad_yaml_files_are_one_line_errors(tmp_path):
         assert "is a directory" in str(info.value) and "\n" not in str(info.value)
 
 
+
+@pytest.mark.timeout(10)
+def test_a_config_that_is_not_a_regular_file_is_one_error(tmp_path):
+    """/dev/zero reads without end, a FIFO blocks open() until a writer comes: both refused unread."""
+    fifo = tmp_path / "config.fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "link.yaml"
+    link.symlink_to("/dev/zero")
+    for path, kind in (("/dev/zero", "a character device"), (fifo, "a FIFO"), (link, "a character device")):
+        with pytest.raises(ConfigError, match=f"the config file is {kind}.*not a regular file") as info:
+            load_config(str(path))
+        assert "\n" not in str(info.value)
+
 def _alias_bomb(levels: int = 9) -> str:
     """A few hundred bytes of YAML whose value, expanded, holds 9**levels entries."""
     anchors = ["&a0 [1, 1, 1, 1, 1, 1, 1, 1, 1]"] + [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]"

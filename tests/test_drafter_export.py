@@ -217,6 +217,46 @@ def test_a_damaged_or_crafted_export_is_one_line_naming_the_file(tmp_path, damag
     assert "\n" not in str(info.value) and len(str(info.value)) < 500
 
 
+
+def test_a_config_claiming_more_layers_than_the_weights_is_refused_before_allocating(tmp_path):
+    import tracemalloc
+    out = tmp_path / "export"
+    save_inference_checkpoint(tiny_model(), str(out), dtype=torch.float32)
+    for layers in (1_000_000, 100_000_000, 1):
+        config = json.loads((out / "config.json").read_text())
+        config["num_hidden_layers"] = layers
+        config["layer_types"] = ["full_attention"] * min(layers, 2)
+        (out / "config.json").write_text(json.dumps(config))
+        tracemalloc.start()
+        with pytest.raises(DataError, match=f"holds 2 layers, but config.json beside it says num_hidden_layers "
+                                            f"{layers}"):
+            load_inference_checkpoint(str(out))
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < 16 << 20, peak  # nothing sized by the claim
+
+
+@pytest.mark.timeout(10)
+def test_an_export_file_that_is_not_a_regular_file_inside_the_export_is_refused(tmp_path):
+    out = tmp_path / "export"
+    save_inference_checkpoint(tiny_model(), str(out), dtype=torch.float32)
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    os.replace(out / "model.safetensors", elsewhere)
+    for make, needle in ((lambda p: os.symlink("/dev/zero", p), "is a character device"),
+                         (os.mkfifo, "is a FIFO"),
+                         (lambda p: os.symlink(elsewhere, p), "is a symlink to .*, outside")):
+        make(out / "model.safetensors")
+        with pytest.raises(DataError, match=f"model.safetensors: a drafter export file {needle}"):
+            load_inference_checkpoint(str(out))
+        os.unlink(out / "model.safetensors")
+    os.symlink("../elsewhere.safetensors", out / "model.safetensors")
+    with pytest.raises(DataError, match="outside"):
+        load_inference_checkpoint(str(out))
+    os.unlink(out / "model.safetensors")
+    os.replace(elsewhere, out / "real.safetensors")
+    os.symlink("real.safetensors", out / "model.safetensors")  # a symlink inside the export is fine
+    assert load_inference_checkpoint(str(out)).config == tiny_model().config
+
 def test_export_training_checkpoint_prefers_full_precision_state(tmp_path):
     from safetensors.torch import save_file
 

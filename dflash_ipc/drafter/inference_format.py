@@ -46,6 +46,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from collections.abc import Callable
 
@@ -56,9 +57,11 @@ from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.config.dtypes import DTYPE_OF_TORCH
 from dflash_ipc.errors import DataError
 from dflash_ipc.run.json_files import read_json_object
+from dflash_ipc.run.regular_file import regular_file
 
 logger = logging.getLogger(__name__)
 
+_LAYER_NAME = re.compile(r"^layers\.(\d+)\.")
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
@@ -184,17 +187,18 @@ def load_inference_checkpoint(
 
     cfg_path, w_path = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
     for p in (cfg_path, w_path):
-        if not os.path.exists(p):
-            raise DataError(f"{p}: missing (not a drafter export directory)")
+        try:  # a FIFO or /dev/zero would hang the reads below
+            regular_file(p, "a drafter export file", inside=path)
+        except FileNotFoundError:
+            raise DataError(f"{p}: missing (not a drafter export directory)") from None
     try:
         config = DFlashConfig.from_hf_dict(read_json_object(cfg_path, "drafter config"), source=cfg_path)
     except (ValueError, TypeError, OverflowError) as e:
         if isinstance(e, DataError):
             raise
         raise DataError(f"{cfg_path}: {str(e)[:300]}") from None
-    expected = expected_tensor_shapes(config)
     try:
-        state = _read_weights(w_path, expected, device, dtype)
+        state = _read_weights(w_path, config, device, dtype)
     except (OSError, SafetensorError, RuntimeError) as e:
         raise DataError(f"{w_path}: unreadable ({str(e)[:200]})") from None
     with torch.device("meta"):
@@ -203,13 +207,15 @@ def load_inference_checkpoint(
     return model
 
 
-def _read_weights(w_path: str, expected: dict, device, dtype) -> dict:
-    """The tensors of `w_path`, exactly the names and shapes `expected`, all floating point."""
+def _read_weights(w_path: str, config: DFlashConfig, device, dtype) -> dict:
+    """The tensors of `w_path`, exactly the names and shapes `config` implies, all floating point."""
     from safetensors import safe_open
 
     state = {}
     with safe_open(w_path, framework="pt", device="cpu") as f:
         names = set(f.keys())
+        _check_layer_count(w_path, names, config)  # before the expected layout is built from the config
+        expected = expected_tensor_shapes(config)
         if names != set(expected):
             raise DataError(
                 f"{w_path}: missing tensors {sorted(set(expected) - names)[:5]}, "
@@ -223,6 +229,15 @@ def _read_weights(w_path: str, expected: dict, device, dtype) -> dict:
                 raise DataError(f"{w_path}: {name} is {t.dtype}, not a floating-point tensor")
             state[name] = t.to(device=device, dtype=dtype or t.dtype)
     return state
+
+
+def _check_layer_count(w_path: str, names: set[str], config: DFlashConfig) -> None:
+    """config.json's num_hidden_layers against the layers the weights hold: a config that
+    claims a million layers is refused before a million layers' shapes are built from it."""
+    held = {m.group(1) for name in names if (m := _LAYER_NAME.match(name))}
+    if config.num_hidden_layers != len(held):
+        raise DataError(f"{w_path}: holds {len(held)} layers, but {CONFIG_FILE} beside it says num_hidden_layers "
+                        f"{config.num_hidden_layers}; the two are not one export")
 
 
 def checkpoint_step_dir(checkpoint: str) -> str:
@@ -263,6 +278,7 @@ def export_step_dir(step_dir: str, out_dir: str, *, dtype: torch.dtype = torch.b
     model = load_inference_checkpoint(step_dir, dtype=torch.float32)  # also validates the step dir
     state_path = os.path.join(step_dir, STATE_TENSORS)
     if os.path.exists(state_path):
+        regular_file(state_path, "the training state", inside=step_dir)
         try:
             with safe_open(state_path, framework="pt", device="cpu") as f:
                 state = {n[len("model."):]: f.get_tensor(n) for n in f.keys() if n.startswith("model.")}
