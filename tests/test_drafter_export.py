@@ -257,6 +257,40 @@ def test_an_export_file_that_is_not_a_regular_file_inside_the_export_is_refused(
     os.symlink("real.safetensors", out / "model.safetensors")  # a symlink inside the export is fine
     assert load_inference_checkpoint(str(out)).config == tiny_model().config
 
+
+def test_export_never_removes_a_directory_that_is_not_an_earlier_export(tmp_path):
+    from dflash_ipc.drafter.inference_format import EXPORT_FILES, export_step_dir
+    from dflash_ipc.export.hub_code import MODELING_FILE
+    from dflash_ipc.export.model_card import CARD_FILE
+    assert set(EXPORT_FILES) == {"config.json", "model.safetensors", CARD_FILE, MODELING_FILE}
+    src = tmp_path / "src"
+    save_inference_checkpoint(tiny_model(), str(src), dtype=torch.float32)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for name in ("notes.txt", "data.bin", "config.json"):
+        (mine / name).write_text(name)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (foreign / "model.safetensors").write_bytes(b"weights of another model")
+    for out, needle in ((mine, "it holds data.bin, notes.txt"),
+                        (foreign, r"its config.json has architectures \['LlamaForCausalLM'\]")):
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+        for write in (lambda: export_step_dir(str(src), str(out)), lambda: save_inference_checkpoint(tiny_model(), str(out))):
+            with pytest.raises(DataError, match=f"exists and is not an earlier export .*{needle}.*nothing in it is removed"):
+                write()
+            assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(DataError, match="exists and is not a directory"):
+        save_inference_checkpoint(tiny_model(), str(tmp_path / "afile"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    export_step_dir(str(src), str(empty))  # an empty directory, then an earlier export, are written to
+    (empty / "README.md").write_text("card")
+    export_step_dir(str(src), str(empty))
+    assert sorted(os.listdir(empty)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["afile", "empty", "foreign", "mine", "src"]  # no temp dirs left
+
 def test_export_training_checkpoint_prefers_full_precision_state(tmp_path):
     from safetensors.torch import save_file
 
