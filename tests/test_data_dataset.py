@@ -250,3 +250,20 @@ def test_add_rejects_mismatched_shapes(tmp_path):
         with pytest.raises(DataError, match="non-empty"):
             w.add([], [])
         w.close()
+
+
+def test_token_ids_outside_the_vocabulary_are_found_in_one_pass(tmp_path, monkeypatch):
+    from dflash_ipc.data import dataset as dataset_module
+    monkeypatch.setattr(dataset_module, "_CHECK_CHUNK", 100)  # several chunks over the ~1,500 tokens
+    samples = random_samples(10)
+    write(tmp_path / "ok", samples)
+    TokenDataset(str(tmp_path / "ok")).check_token_ids(1000)
+    for bad in (2 ** 30, -5, 1000):
+        damaged = copy.deepcopy(samples)
+        damaged[7][0][3] = bad
+        write(tmp_path / f"bad{bad}", damaged)
+        ds = TokenDataset(str(tmp_path / f"bad{bad}"))
+        at = int(ds.offsets[7]) + 3
+        with pytest.raises(DataError, match=rf"tokens.bin: token {at} \(of sample 7\) is id {bad}, outside the "
+                                            r"vocabulary of the target \[0, 1000\); .* re-run prepare"):
+            ds.check_token_ids(1000)

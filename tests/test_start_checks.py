@@ -121,6 +121,32 @@ def test_a_damaged_drafter_generation_file_is_one_error_at_the_start(tmp_path, t
         f.write("4\n")
     assert next_generation(cfg) == 5
 
+
+def test_a_token_id_past_the_targets_vocabulary_stops_the_job_at_its_start(tmp_path, tiny_cache):
+    """One id of 2^30 in tokens.bin: refused when the job is resolved, not when its batch comes."""
+    from transformers import AutoTokenizer
+
+    from dflash_ipc.config.load import config_from_dict
+    from dflash_ipc.data.dataset import tokenizer_fingerprint
+    from dflash_ipc.target.resolve import resolve_job
+    target = os.path.join(tiny_cache, "tiny-target")
+    fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(target))
+    for name, bad in (("ok", None), ("bad", 2 ** 30)):
+        with DatasetWriter(str(tmp_path / name), tokenizer_fingerprint=fingerprint) as writer:
+            for i in range(6):
+                ids = np.arange(10, 40) + i
+                if bad is not None and i == 4:
+                    ids[5] = bad
+                writer.add(ids, np.ones(len(ids), bool))
+            writer.close()
+    cfg = {"run": {"run_dir": str(tmp_path / "run")}, "target": {"path": target},
+           "data": {"bucket_boundaries": [64], "token_budget": 128},
+           "model": {"mask_token_id": 5, "num_layers": 1}}
+    resolve_job(config_from_dict({**cfg, "data": {**cfg["data"], "path": str(tmp_path / "ok")}}))
+    with pytest.raises(DataError, match=r"tokens.bin: token 125 \(of sample 4\) is id 1073741824, outside the "
+                                        r"vocabulary of the target .*tiny-target \[0, "):
+        resolve_job(config_from_dict({**cfg, "data": {**cfg["data"], "path": str(tmp_path / "bad")}}))
+
 def test_a_run_directory_in_use_is_refused_until_the_last_process_of_its_job_exits(tmp_path):
     """The lock is held by the supervisor and inherited by its children: a rerun while a killed
     supervisor's children still unwind is refused, and allowed once they are gone."""
