@@ -186,6 +186,19 @@ def test_a_damaged_row_group_rejects_its_rows_and_the_others_are_read(tmp_path):
     with pytest.raises(RowRejected, match=f"row group 1 of {path} unreadable"):
         decode_row(row)
 
+
+def test_a_save_to_disk_value_python_cannot_hold_rejects_its_row_only(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    import pyarrow as pa
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+            for i in range(100)]
+    table = pa.Table.from_pylist(rows).append_column(
+        "ts", pa.array([0] * 66 + [10 ** 14] + [0] * 33, type=pa.timestamp("s")))
+    datasets.Dataset(table).save_to_disk(str(tmp_path / "ds"))
+    got = read(tmp_path / "ds")
+    assert len(got) == 100 and [i for i, _, r in got if isinstance(r, str)] == [66]
+    assert got[66][2] == "unreadable_row" and got[67][2]["messages"][0]["content"] == "q67"
+
 def test_save_to_disk_dataset_and_splits(tmp_path):
     datasets = pytest.importorskip("datasets")
     flat = [ROWS[0], {"messages": [{"role": "user", "content": "e"}, {"role": "assistant", "content": "f"}]}]

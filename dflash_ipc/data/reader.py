@@ -403,12 +403,23 @@ def chosen_split(path: str, names: list[str], split: str | None) -> str:
 
 def _arrow_dataset_rows(path: str, split: str | None) -> Iterator[RawRow]:
     ds = _load_from_disk(path, split)
-    n = 0
-    for batch in ds.iter(batch_size=64):
-        keys = list(batch)
-        for values in zip(*(batch[k] for k in keys)):
-            yield RawRow(0, f"{path} row {n}", value=dict(zip(keys, values)))
-            n += 1
+    for start in range(0, len(ds), 64):
+        stop = min(start + 64, len(ds))
+        try:
+            batch = ds[start:stop]
+            keys = list(batch)
+            rows = [(dict(zip(keys, values)), None) for values in zip(*(batch[k] for k in keys))]
+        except Exception:  # a value Python cannot hold, a damaged arrow file: find the rows, one by one
+            rows = [_arrow_dataset_row(ds, i) for i in range(start, stop)]
+        for n, (value, why) in enumerate(rows, start):
+            yield RawRow(0, f"{path} row {n}", value=value, unreadable=why)
+
+
+def _arrow_dataset_row(ds, i: int) -> tuple[dict | None, str | None]:
+    try:
+        return ds[i], None
+    except Exception as e:  # pyarrow's and datasets' own errors, OverflowError of a timestamp
+        return None, f"a value cannot be read ({type(e).__name__}: {str(e)[:200]})"
 
 
 def _arrow_dataset_len(path: str, split: str | None) -> int:
