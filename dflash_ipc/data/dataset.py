@@ -31,6 +31,7 @@ import numpy as np
 
 from dflash_ipc.errors import DataError
 from dflash_ipc.run.json_files import read_json_object
+from dflash_ipc.run.regular_file import regular_file
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ class TokenDataset:
         if not n:
             return np.zeros((0, 2), np.int64)
         try:
+            regular_file(index_path, "the dataset index")  # a FIFO would block np.load forever
             index = np.load(index_path, mmap_mode="r", allow_pickle=False)
         except FileNotFoundError:
             raise DataError(f"{index_path}: missing; re-run prepare") from None
@@ -151,7 +153,7 @@ class TokenDataset:
         file_path = os.path.join(self.path, name)
         want = count * np.dtype(dtype).itemsize
         try:
-            size = os.path.getsize(file_path)
+            size = regular_file(file_path, "a dataset file")
         except OSError as e:
             raise DataError(f"{file_path}: missing ({e}); re-run prepare") from e
         if size != want:
