@@ -138,7 +138,8 @@ def test_a_redirect_to_another_origin_is_not_followed_and_the_key_stays_home(tmp
         assert server.authorizations and set(server.authorizations) == {"Bearer s3cret"}
     written, rejects = written_and_rejects(tmp_path / "o.jsonl")
     assert report.complete and written == [1] and sorted(rejects) == [0, 2]
-    assert "HTTP 302 redirect to" in rejects[0] and "not followed" in rejects[0]
+    assert f"HTTP 302 from {server.url}/v1/chat/completions: a redirect to '{other.url}/v1/chat/completions', " \
+           "not followed" in rejects[0]
     assert backend.num_retries == 0  # a redirect is refused at once
 
 

@@ -31,7 +31,8 @@ import time
 
 from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.regenerate.conversation import Reply, Request
-from dflash_ipc.regenerate.http_request import Answer, AnswerTooLarge, RequestFailed, request
+from dflash_ipc.regenerate import http_request
+from dflash_ipc.regenerate.http_request import Answer, AnswerTooLarge, RequestFailed
 from dflash_ipc.regenerate.openai_answer import BadAnswer, check_answer
 from dflash_ipc.regenerate.options import GenerationOptions
 
@@ -90,7 +91,7 @@ class OpenAIBackend:
         """The first model the server lists (GET /models), when none is named."""
         url = (base[: -len("/chat/completions")] if base.endswith("/chat/completions") else base) + "/models"
         try:
-            answer = request("GET", url, headers=self._headers, data=None, deadline_s=min(self.timeout_s, 30.0),
+            answer = http_request.request("GET", url, headers=self._headers, data=None, deadline_s=min(self.timeout_s, 30.0),
                              max_bytes=self.max_answer_bytes)
             if answer.status != 200:
                 raise ValueError(_status_error(answer, url))
@@ -168,14 +169,16 @@ class OpenAIBackend:
             except _Retry as e:
                 last = str(e)
                 log.debug("openai: %s attempt %d: %s", request.key, attempt + 1, last)
-            except (_Refused, BadAnswer, AnswerTooLarge) as e:
+            except _Refused as e:  # its message names the URL
+                return Reply(request.key, error=str(e)[:1000])
+            except (BadAnswer, AnswerTooLarge) as e:
                 return Reply(request.key, error=f"{self.endpoint}: {e}"[:1000])
         return Reply(request.key, error=f"gave up after {self.retries + 1} attempts: {last}")
 
     def _post(self, data: bytes) -> dict:
         """The JSON of a 2xx answer; _Retry on a transient failure, _Refused on a refusal."""
         try:
-            answer = request("POST", self.endpoint, headers=self._headers, data=data, deadline_s=self.timeout_s,
+            answer = http_request.request("POST", self.endpoint, headers=self._headers, data=data, deadline_s=self.timeout_s,
                              max_bytes=self.max_answer_bytes)
         except AnswerTooLarge:
             raise
@@ -194,8 +197,8 @@ class OpenAIBackend:
 def _status_error(answer: Answer, url: str) -> str:
     """What an answer other than 2xx says, for a reject or an error message."""
     if 300 <= answer.status < 400:
-        return (f"HTTP {answer.status} redirect to {answer.location!r}: not followed (the request and its "
-                f"--api-key go only to the URL given); give the final URL as --url")
+        return (f"HTTP {answer.status} from {url}: a redirect to {answer.location!r}, not followed (the request "
+                f"and its --api-key go only to the URL given); give the final URL as --url")
     return f"HTTP {answer.status} from {url}: " + answer.body[:2000].decode("utf-8", errors="replace").strip()[:500]
 
 
