@@ -215,7 +215,7 @@ def load_inference_checkpoint(
     ``dtype=None`` keeps the stored dtype. Missing or unexpected tensors, or wrong shapes,
     raise DataError naming the file.
     """
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError, safe_open
 
     cfg_path, w_path = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
     for p in (cfg_path, w_path):
@@ -223,8 +223,14 @@ def load_inference_checkpoint(
             regular_file(p, "a drafter export file", inside=path)
         except FileNotFoundError:
             raise DataError(f"{p}: missing (not a drafter export directory)") from None
+    raw = read_json_object(cfg_path, "drafter config")
     try:
-        config = DFlashConfig.from_hf_dict(read_json_object(cfg_path, "drafter config"), source=cfg_path)
+        with safe_open(w_path, framework="pt", device="cpu") as f:  # the header only
+            _check_layer_count(w_path, set(f.keys()), raw.get("num_hidden_layers"))
+        # Only now is anything sized by the config built (per-layer lists, the tensor layout).
+        config = DFlashConfig.from_hf_dict(raw, source=cfg_path)
+    except (OSError, SafetensorError, RuntimeError) as e:
+        raise DataError(f"{w_path}: unreadable ({str(e)[:200]})") from None
     except (ValueError, TypeError, OverflowError) as e:
         if isinstance(e, DataError):
             raise
@@ -246,7 +252,6 @@ def _read_weights(w_path: str, config: DFlashConfig, device, dtype) -> dict:
     state = {}
     with safe_open(w_path, framework="pt", device="cpu") as f:
         names = set(f.keys())
-        _check_layer_count(w_path, names, config)  # before the expected layout is built from the config
         expected = expected_tensor_shapes(config)
         if names != set(expected):
             raise DataError(
@@ -263,13 +268,15 @@ def _read_weights(w_path: str, config: DFlashConfig, device, dtype) -> dict:
     return state
 
 
-def _check_layer_count(w_path: str, names: set[str], config: DFlashConfig) -> None:
-    """config.json's num_hidden_layers against the layers the weights hold: a config that
-    claims a million layers is refused before a million layers' shapes are built from it."""
+def _check_layer_count(w_path: str, names: set[str], declared) -> None:
+    """config.json's num_hidden_layers (as read, before DFlashConfig builds per-layer lists
+    from it) against the layers the weights hold: a config that claims a million layers is
+    refused before anything a million layers long is built. A value that is no int is left
+    to DFlashConfig's own error."""
     held = {m.group(1) for name in names if (m := _LAYER_NAME.match(name))}
-    if config.num_hidden_layers != len(held):
+    if isinstance(declared, int) and not isinstance(declared, bool) and declared != len(held):
         raise DataError(f"{w_path}: holds {len(held)} layers, but {CONFIG_FILE} beside it says num_hidden_layers "
-                        f"{config.num_hidden_layers}; the two are not one export")
+                        f"{declared}; the two are not one export")
 
 
 def checkpoint_step_dir(checkpoint: str) -> str:
