@@ -117,5 +117,108 @@ def main() -> None:
     server.serve_forever()
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # the client's 16 threads connect at once: none is reset by a full backlog
+
+
+class HostileServer:
+    """An in-process server (a thread, no model) that misbehaves on request, for the client's
+    bounds. The last user message picks the answer:
+      "REDIRECT ..."   302 to `redirect_to` (another origin), which records what reaches it
+      "TRICKLE ..."    the status line and headers at once, then the body 1 byte per 0.2 s
+      "SLOWHEAD ..."   the status line, then the headers 1 byte per 0.2 s
+      "ANSWER <json>"  that JSON as a 200 answer, whatever it is
+      "HUGE ..."       a Content-Length of 1 GiB, then bytes until the client hangs up
+      "STREAM ..."     no Content-Length: 64 KiB chunks until the client hangs up
+      anything else    a valid chat completion of content "ok"
+    `authorizations` lists the Authorization header of every request (None when absent)."""
+
+    def __init__(self, redirect_to: str | None = None):
+        self.redirect_to = redirect_to
+        self.authorizations: list = []
+        self.server = _Server(("127.0.0.1", 0), self._handler())
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+    def _handler(self):
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                owner.authorizations.append(self.headers.get("Authorization"))
+                self._json(200, {"object": "list", "data": [{"id": "hostile", "object": "model"}]})
+
+            def do_POST(self):
+                owner.authorizations.append(self.headers.get("Authorization"))
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                text = body["messages"][-1].get("content") or ""
+                try:
+                    self._answer(text)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up, as it should
+
+            def _answer(self, text: str) -> None:
+                if text.startswith("REDIRECT"):
+                    self.send_response(302)
+                    self.send_header("Location", owner.redirect_to + "/v1/chat/completions")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                elif text.startswith(("TRICKLE", "SLOWHEAD")):
+                    data = json.dumps(_completion("ok")).encode()
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+                    head = f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+                    if text.startswith("TRICKLE"):
+                        self.wfile.write(head)
+                    for b in (head if text.startswith("SLOWHEAD") else b"") + data:
+                        self.wfile.write(bytes([b]))
+                        self.wfile.flush()
+                        time.sleep(0.2)
+                elif text.startswith("ANSWER "):
+                    self._raw(200, text[len("ANSWER "):].encode())
+                elif text.startswith("HUGE"):
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(1 << 30))
+                    self.end_headers()
+                    for _ in range(1 << 14):
+                        self.wfile.write(b" " * (1 << 16))
+                elif text.startswith("STREAM"):
+                    self.send_response(200)
+                    self.end_headers()  # no Content-Length: the body ends when the connection does
+                    for _ in range(1 << 14):
+                        self.wfile.write(b" " * (1 << 16))
+                else:
+                    self._json(200, _completion("ok"))
+
+            def _json(self, code: int, payload) -> None:
+                self._raw(code, json.dumps(payload).encode())
+
+            def _raw(self, code: int, data: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        return Handler
+
+
+def _completion(content) -> dict:
+    return {"id": "x", "object": "chat.completion", "model": "hostile",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+            "usage": {"completion_tokens": 1}}
+
+
 if __name__ == "__main__":
     main()

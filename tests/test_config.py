@@ -47,6 +47,15 @@ def test_overrides_parse_types():
     ("target.prefetch=9", "target.prefetch"),
     ("target.publish_sync=event", "target.publish_sync: 'event' not allowed"),
     ("dispatch.address=http://x", "dispatch.address"),
+    ("dispatch.address=tcp://256.1.1.1:99999", "dispatch.address: 'tcp://256.1.1.1:99999': port '99999' is not"),
+    ("dispatch.address=tcp://256.1.1.1:29600", "256.1.1.1 is not an IPv4 address"),
+    ("dispatch.address=tcp://10.0.0.5:0", "port '0' is not a TCP port"),
+    ("dispatch.address=tcp://10.0.0.5", "give tcp://HOST:PORT"),
+    ("dispatch.address=tcp://:29600", "give tcp://HOST:PORT"),
+    ("dispatch.address=tcp://[fe80::zz]:5", "[fe80::zz] is not an IPv6 address"),
+    ("dispatch.address=tcp://bad_host!:5", "is not a host name, an IP address or *"),
+    ("dispatch.address=ipc://", "an ipc:// path must be non-empty"),
+    ("dispatch.address=ipc:///" + "x" * 200, "at most 107 bytes"),
     ("drafter.dtype=float64", "drafter.dtype"),
     ("noequals", "must look like section.key=value"),
     ("run.run_dir=", "run.run_dir: must name a directory"),
@@ -63,6 +72,12 @@ def test_bad_values_are_named(override, needle):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
     assert needle in str(info.value)
+
+
+def test_good_dispatcher_addresses_pass():
+    for address in ("tcp://10.0.0.5:29600", "tcp://node0.cluster:29600", "tcp://*:29600", "tcp://[fe80::1]:5",
+                    "tcp://localhost:65535", "ipc:///tmp/x.sock"):
+        assert load_config(None, [f"dispatch.address={address}"]).dispatch.address == address
 
 
 def test_publish_sync_auto_follows_gpu_sharing():
@@ -138,6 +153,19 @@ def test_bad_yaml_files_are_one_line_errors(tmp_path):
             load_config(str(tmp_path))
         assert "is a directory" in str(info.value) and "\n" not in str(info.value)
 
+
+
+@pytest.mark.timeout(10)
+def test_a_config_that_is_not_a_regular_file_is_one_error(tmp_path):
+    """/dev/zero reads without end, a FIFO blocks open() until a writer comes: both refused unread."""
+    fifo = tmp_path / "config.fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "link.yaml"
+    link.symlink_to("/dev/zero")
+    for path, kind in (("/dev/zero", "a character device"), (fifo, "a FIFO"), (link, "a character device")):
+        with pytest.raises(ConfigError, match=f"the config file is {kind}.*not a regular file") as info:
+            load_config(str(path))
+        assert "\n" not in str(info.value)
 
 def _alias_bomb(levels: int = 9) -> str:
     """A few hundred bytes of YAML whose value, expanded, holds 9**levels entries."""

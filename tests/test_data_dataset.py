@@ -250,3 +250,35 @@ def test_add_rejects_mismatched_shapes(tmp_path):
         with pytest.raises(DataError, match="non-empty"):
             w.add([], [])
         w.close()
+
+
+def test_token_ids_outside_the_vocabulary_are_found_in_one_pass(tmp_path, monkeypatch):
+    from dflash_ipc.data import dataset as dataset_module
+    monkeypatch.setattr(dataset_module, "_CHECK_CHUNK", 100)  # several chunks over the ~1,500 tokens
+    samples = random_samples(10)
+    write(tmp_path / "ok", samples)
+    TokenDataset(str(tmp_path / "ok")).check_token_ids(1000)
+    for bad in (2 ** 30, -5, 1000):
+        damaged = copy.deepcopy(samples)
+        damaged[7][0][3] = bad
+        write(tmp_path / f"bad{bad}", damaged)
+        ds = TokenDataset(str(tmp_path / f"bad{bad}"))
+        at = int(ds.offsets[7]) + 3
+        with pytest.raises(DataError, match=rf"tokens.bin: token {at} \(of sample 7\) is id {bad}, outside the "
+                                            r"vocabulary of the target \[0, 1000\); .* re-run prepare"):
+            ds.check_token_ids(1000)
+
+
+@pytest.mark.timeout(10)
+def test_a_dataset_file_that_is_a_fifo_or_a_device_is_refused_unread(tmp_path):
+    from dflash_ipc.data.dataset import INDEX_FILE, TOKENS_FILE
+    write(tmp_path / "d", random_samples(3))
+    os.unlink(tmp_path / "d" / INDEX_FILE)
+    os.mkfifo(tmp_path / "d" / INDEX_FILE)
+    with pytest.raises(DataError, match="index.npy: the dataset index is a FIFO"):
+        TokenDataset(str(tmp_path / "d"))
+    write(tmp_path / "e", random_samples(3))
+    os.unlink(tmp_path / "e" / TOKENS_FILE)
+    os.symlink("/dev/zero", tmp_path / "e" / TOKENS_FILE)
+    with pytest.raises(DataError, match="tokens.bin: a dataset file is a character device"):
+        TokenDataset(str(tmp_path / "e"))

@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import shutil
 import threading
 
@@ -140,6 +141,63 @@ def test_parquet_file_and_null_fields(tmp_path):
                            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}
     assert InputSource(str(path)).estimated_rows() == 3
 
+
+
+def _parquet_of(path, num_rows, *, timestamps=None, row_group_size=100):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    rows = [{"messages": [{"role": "user", "content": f"question {i} " + "q" * 80},
+                          {"role": "assistant", "content": f"answer {i}"}]} for i in range(num_rows)]
+    table = pa.Table.from_pylist(rows)
+    if timestamps is not None:
+        table = table.append_column("ts", pa.array(timestamps, type=pa.timestamp("s")))
+    pq.write_table(table, str(path), row_group_size=row_group_size, use_dictionary=False, compression="none")
+    return pq.ParquetFile(str(path)).metadata
+
+
+def test_a_value_python_cannot_hold_rejects_its_row_only(tmp_path):
+    """A timestamp column with one value past year 9999 (OverflowError in pyarrow's to_pylist)."""
+    path = tmp_path / "ts.parquet"
+    _parquet_of(path, 150, timestamps=[0] * 70 + [10 ** 14] + [0] * 79)
+    got = read(path)
+    assert [i for i, _, r in got if isinstance(r, str)] == [70] and len(got) == 150
+    assert got[71][2]["messages"][0]["content"].startswith("question 71 ")
+    src = InputSource(str(path))
+    row = list(src.rows())[70]
+    with pytest.raises(RowRejected, match="a value cannot be read \\(OverflowError") as info:
+        decode_row(row)
+    assert info.value.reason == "unreadable_row" and row.where.endswith("ts.parquet row 70")
+
+
+def test_a_damaged_row_group_rejects_its_rows_and_the_others_are_read(tmp_path):
+    """4 KB of random bytes over the data page of row group 1 of 3."""
+    path = tmp_path / "damaged.parquet"
+    meta = _parquet_of(path, 300, row_group_size=100)
+    start = meta.row_group(1).column(0).data_page_offset
+    assert start + 4096 <= meta.row_group(2).column(0).data_page_offset  # inside row group 1
+    with open(path, "r+b") as f:
+        f.seek(start)
+        f.write(random.Random(0).randbytes(4096))
+    got = read(path)
+    assert len(got) == 300 and [i for i, _, r in got if isinstance(r, str)] == list(range(100, 200))
+    assert {r for _, _, r in got[100:200]} == {"unreadable_row"}
+    assert got[200][2]["messages"][0]["content"].startswith("question 200 ")
+    row = list(InputSource(str(path)).rows())[150]
+    with pytest.raises(RowRejected, match=f"row group 1 of {path} unreadable"):
+        decode_row(row)
+
+
+def test_a_save_to_disk_value_python_cannot_hold_rejects_its_row_only(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    import pyarrow as pa
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+            for i in range(100)]
+    table = pa.Table.from_pylist(rows).append_column(
+        "ts", pa.array([0] * 66 + [10 ** 14] + [0] * 33, type=pa.timestamp("s")))
+    datasets.Dataset(table).save_to_disk(str(tmp_path / "ds"))
+    got = read(tmp_path / "ds")
+    assert len(got) == 100 and [i for i, _, r in got if isinstance(r, str)] == [66]
+    assert got[66][2] == "unreadable_row" and got[67][2]["messages"][0]["content"] == "q67"
 
 def test_save_to_disk_dataset_and_splits(tmp_path):
     datasets = pytest.importorskip("datasets")

@@ -331,3 +331,31 @@ def test_a_deletion_cut_short_is_cleared_never_restored(tmp_path):
     os.replace(store.path(10), os.path.join(store.root, f"step_00000010.deleted-{gone.pid}"))
     assert len(store.remove_partial_writes()) == 1
     assert sorted(os.listdir(store.root)) == ["step_00000020"]
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kind", ["dev-zero", "fifo", "outside"])
+def test_a_manifest_listing_a_file_that_is_not_a_regular_file_inside_is_refused_not_read(store, tmp_path, kind):
+    """A crafted manifest lists an extra file that is a symlink to /dev/zero (its checksum would
+    read forever), a FIFO (its open would block forever) or a symlink out of the checkpoint."""
+    step_dir = store.path(30)
+    extra = os.path.join(step_dir, "extra.bin")
+    if kind == "dev-zero":
+        os.symlink("/dev/zero", extra)
+    elif kind == "fifo":
+        os.mkfifo(extra)
+    else:
+        (tmp_path / "secret").write_bytes(b"x")
+        os.symlink(tmp_path / "secret", extra)
+    manifest = json.loads(open(os.path.join(step_dir, MANIFEST)).read())
+    manifest["files"]["extra.bin"] = {"bytes": 0 if kind != "outside" else 1, "sha256": "0" * 64}
+    write_json_file(os.path.join(step_dir, MANIFEST), manifest)
+    needle = {"dev-zero": "is a character device", "fifo": "is a FIFO", "outside": "is a symlink to .*, outside"}[kind]
+    with pytest.raises(DamagedCheckpointError, match=f"extra.bin: a checkpoint file {needle}"):
+        verify_dir(step_dir)
+    store.mark_latest(30)
+    with pytest.raises(DataError, match=needle):
+        export_training_checkpoint(store.root, str(tmp_path / "x"))
+    assert store.newest_intact([10, 20, 30]) == 20  # resume falls back to an intact one
+    with pytest.raises(DamagedCheckpointError, match=needle):
+        _trainer(seed=5).resume(store, 30)

@@ -217,6 +217,82 @@ def test_a_damaged_or_crafted_export_is_one_line_naming_the_file(tmp_path, damag
     assert "\n" not in str(info.value) and len(str(info.value)) < 500
 
 
+
+def test_a_config_claiming_more_layers_than_the_weights_is_refused_before_allocating(tmp_path):
+    import tracemalloc
+    out = tmp_path / "export"
+    save_inference_checkpoint(tiny_model(), str(out), dtype=torch.float32)
+    exported = json.loads((out / "config.json").read_text())
+    for layers, layer_types in ((1_000_000, "as exported"), (100_000_000, "as exported"), (100_000_000, None),
+                                (1, None)):
+        config = dict(exported, num_hidden_layers=layers)
+        if layer_types is None:
+            del config["layer_types"]  # DFlashConfig would make one entry per claimed layer
+        (out / "config.json").write_text(json.dumps(config))
+        tracemalloc.start()
+        with pytest.raises(DataError, match=f"holds 2 layers, but config.json beside it says num_hidden_layers "
+                                            f"{layers}"):
+            load_inference_checkpoint(str(out))
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < 16 << 20, peak  # nothing sized by the claim
+
+
+@pytest.mark.timeout(10)
+def test_an_export_file_that_is_not_a_regular_file_inside_the_export_is_refused(tmp_path):
+    out = tmp_path / "export"
+    save_inference_checkpoint(tiny_model(), str(out), dtype=torch.float32)
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    os.replace(out / "model.safetensors", elsewhere)
+    for make, needle in ((lambda p: os.symlink("/dev/zero", p), "is a character device"),
+                         (os.mkfifo, "is a FIFO"),
+                         (lambda p: os.symlink(elsewhere, p), "is a symlink to .*, outside")):
+        make(out / "model.safetensors")
+        with pytest.raises(DataError, match=f"model.safetensors: a drafter export file {needle}"):
+            load_inference_checkpoint(str(out))
+        os.unlink(out / "model.safetensors")
+    os.symlink("../elsewhere.safetensors", out / "model.safetensors")
+    with pytest.raises(DataError, match="outside"):
+        load_inference_checkpoint(str(out))
+    os.unlink(out / "model.safetensors")
+    os.replace(elsewhere, out / "real.safetensors")
+    os.symlink("real.safetensors", out / "model.safetensors")  # a symlink inside the export is fine
+    assert load_inference_checkpoint(str(out)).config == tiny_model().config
+
+
+def test_export_never_removes_a_directory_that_is_not_an_earlier_export(tmp_path):
+    from dflash_ipc.drafter.inference_format import EXPORT_FILES, export_step_dir
+    from dflash_ipc.export.hub_code import MODELING_FILE
+    from dflash_ipc.export.model_card import CARD_FILE
+    assert set(EXPORT_FILES) == {"config.json", "model.safetensors", CARD_FILE, MODELING_FILE}
+    src = tmp_path / "src"
+    save_inference_checkpoint(tiny_model(), str(src), dtype=torch.float32)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for name in ("notes.txt", "data.bin", "config.json"):
+        (mine / name).write_text(name)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (foreign / "model.safetensors").write_bytes(b"weights of another model")
+    for out, needle in ((mine, "it holds data.bin, notes.txt"),
+                        (foreign, r"its config.json has architectures \['LlamaForCausalLM'\]")):
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+        for write in (lambda: export_step_dir(str(src), str(out)), lambda: save_inference_checkpoint(tiny_model(), str(out))):
+            with pytest.raises(DataError, match=f"exists and is not an earlier export .*{needle}.*nothing in it is removed"):
+                write()
+            assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(DataError, match="exists and is not a directory"):
+        save_inference_checkpoint(tiny_model(), str(tmp_path / "afile"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    export_step_dir(str(src), str(empty))  # an empty directory, then an earlier export, are written to
+    (empty / "README.md").write_text("card")
+    export_step_dir(str(src), str(empty))
+    assert sorted(os.listdir(empty)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["afile", "empty", "foreign", "mine", "src"]  # no temp dirs left
+
 def test_export_training_checkpoint_prefers_full_precision_state(tmp_path):
     from safetensors.torch import save_file
 

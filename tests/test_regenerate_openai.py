@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -14,6 +15,7 @@ from dflash_ipc.regenerate.hf import HFBackend
 from dflash_ipc.regenerate.openai import OpenAIBackend
 from dflash_ipc.regenerate.options import GenerationOptions
 
+from openai_server import HostileServer
 from regen_helpers import run_backend, write_rows
 
 W = TINY_VOCAB_WORDS
@@ -113,17 +115,112 @@ def test_cli_openai_backend_and_what_each_backend_needs(server, tmp_path):
         CliRunner().invoke(main, args, catch_exceptions=False)
 
 
-def test_an_answer_is_read_up_to_a_bound(monkeypatch):
-    """A broken or hostile server cannot make the client hold more than MAX_ANSWER_BYTES."""
-    import io
+def hostile_rows(texts):
+    return [{"messages": [user(t)]} for t in texts]
 
+
+def written_and_rejects(out):
+    written = [json.loads(line)["index"] for line in out.read_text().splitlines()]
+    rejects_path = out.with_name(out.name.replace(".jsonl", ".rejects.jsonl"))
+    rejects = {r["index"]: r["detail"] for r in map(json.loads, rejects_path.read_text().splitlines())} \
+        if rejects_path.exists() else {}
+    return written, rejects
+
+
+@pytest.mark.timeout(30)
+def test_a_redirect_to_another_origin_is_not_followed_and_the_key_stays_home(tmp_path):
+    options = GenerationOptions(max_new_tokens=6)
+    with HostileServer() as other, HostileServer(redirect_to=other.url) as server:
+        inp = write_rows(tmp_path / "in.jsonl", hostile_rows(["REDIRECT a", "fine", "REDIRECT b"]))
+        backend = OpenAIBackend(server.url + "/v1", options, api_key="s3cret", retries=2, backoff_s=0.01)
+        report = run_backend(backend, inp, tmp_path / "o.jsonl", options)
+        assert other.authorizations == []  # nothing reached the other origin, the key least of all
+        assert server.authorizations and set(server.authorizations) == {"Bearer s3cret"}
+    written, rejects = written_and_rejects(tmp_path / "o.jsonl")
+    assert report.complete and written == [1] and sorted(rejects) == [0, 2]
+    assert f"HTTP 302 from {server.url}/v1/chat/completions: a redirect to '{other.url}/v1/chat/completions', " \
+           "not followed" in rejects[0]
+    assert backend.num_retries == 0  # a redirect is refused at once
+
+
+@pytest.mark.timeout(30)
+def test_a_trickling_server_is_given_up_after_timeout_s(tmp_path):
+    """Headers at once then 1 byte per 0.2 s (or the headers themselves trickled): each recv
+    is quick, yet the whole request is bounded by timeout_s."""
+    options = GenerationOptions(max_new_tokens=6)
+    with HostileServer() as server:
+        inp = write_rows(tmp_path / "in.jsonl", hostile_rows(["TRICKLE a", "SLOWHEAD b", "fine"]))
+        backend = OpenAIBackend(server.url + "/v1", options, timeout_s=1.0, retries=1, backoff_s=0.01)
+        start = time.monotonic()
+        report = run_backend(backend, inp, tmp_path / "o.jsonl", options)
+        elapsed = time.monotonic() - start
+    written, rejects = written_and_rejects(tmp_path / "o.jsonl")
+    assert report.complete and written == [2] and sorted(rejects) == [0, 1]
+    assert all("no complete answer within 1 s (--timeout-s)" in r for r in rejects.values()), rejects
+    assert elapsed < 6  # two attempts of 1 s each (in parallel), not the body's ~40 s
+
+
+@pytest.mark.timeout(30)
+def test_an_answer_over_the_bound_is_refused_unread(tmp_path):
+    options = GenerationOptions(max_new_tokens=6)
+    with HostileServer() as server:
+        inp = write_rows(tmp_path / "in.jsonl", hostile_rows(["HUGE a", "STREAM b", "fine"]))
+        backend = OpenAIBackend(server.url + "/v1", options, retries=2, backoff_s=0.01, max_answer_mib=1)
+        report = run_backend(backend, inp, tmp_path / "o.jsonl", options)
+    written, rejects = written_and_rejects(tmp_path / "o.jsonl")
+    assert report.complete and written == [2] and sorted(rejects) == [0, 1]
+    assert f"an answer of {1 << 30} bytes (Content-Length), over the bound of {1 << 20} bytes" in rejects[0]
+    assert f"over the bound of {1 << 20} bytes; refused after reading" in rejects[1]
+    assert backend.num_retries == 0
+
+
+BAD_ANSWERS = [
+    ({"choices": [{"message": {"content": 7}}]}, "choices[0].message.content is int"),
+    ({"choices": [{"message": {"content": {"a": 1}}}]}, "choices[0].message.content is dict"),
+    ({"choices": [{"message": {"content": ["x"]}}]}, "choices[0].message.content is list"),
+    ({"choices": [{"message": {"content": True}}]}, "choices[0].message.content is bool"),
+    ({"choices": [{"message": {"content": None, "tool_calls": "call f"}}]}, "tool_calls is str"),
+    ({"choices": [{"message": {"content": None, "tool_calls": [5]}}]}, "tool_calls[0] is int"),
+    ({"choices": [{"message": {"tool_calls": [{"function": {"name": 3, "arguments": "{}"}}]}}]},
+     "tool_calls[0].function.name is int"),
+    ({"choices": [{"message": {"tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]}}]},
+     "tool_calls[0].function.arguments is dict"),
+    ({"choices": [{"message": {"tool_calls": [{"function": {"name": "f", "arguments": "{nope"}}]}}]},
+     "arguments is not a string of JSON"),
+    ({"object": "chat.completion"}, "the answer has no 'choices'"),
+    ({"choices": []}, "choices is empty"),
+    ([1, 2], "the answer is list"),
+    ({"choices": [{"message": {"content": "x"}}], "usage": {"completion_tokens": "9"}}, "completion_tokens is str"),
+    ({"choices": [{"message": {"content": "x", "reasoning_content": 1}}]}, "reasoning_content is int"),
+]
+
+
+@pytest.mark.timeout(30)
+def test_an_answer_of_the_wrong_schema_rejects_only_its_row(tmp_path):
+    options = GenerationOptions(max_new_tokens=6)
+    good = {"choices": [{"message": {"content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]},
+        "finish_reason": "tool_calls"}], "usage": {"completion_tokens": 4}}
+    texts = ["ANSWER " + json.dumps(a) for a, _ in BAD_ANSWERS] + ["ANSWER " + json.dumps(good), "fine"]
+    with HostileServer() as server:
+        inp = write_rows(tmp_path / "in.jsonl", hostile_rows(texts))
+        backend = OpenAIBackend(server.url + "/v1", options, retries=2, backoff_s=0.01)
+        report = run_backend(backend, inp, tmp_path / "o.jsonl", options)
+    written, rejects = written_and_rejects(tmp_path / "o.jsonl")
+    n = len(BAD_ANSWERS)
+    assert report.complete and written == [n, n + 1] and sorted(rejects) == list(range(n))
+    for i, (_, needle) in enumerate(BAD_ANSWERS):
+        assert needle in rejects[i], (i, rejects[i])
+    rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert rows[0]["messages"][-1]["tool_calls"] == good["choices"][0]["message"]["tool_calls"]
+    assert rows[1]["messages"][-1]["content"] == "ok"
+    assert backend.num_retries == 0
+
+
+def test_an_unreadable_answer_is_parsed_with_bounded_recursion():
     from dflash_ipc.regenerate import openai
-    monkeypatch.setattr(openai, "MAX_ANSWER_BYTES", 100)
-    assert openai._read_json(io.BytesIO(b'{"choices": []}')) == {"choices": []}
-    for body, needle in ((b'{"x": "' + b"y" * 10**6 + b'"}', "an answer over 100 bytes"),
-                         (b"[" * 90, "Expecting value")):
-        with pytest.raises(ValueError, match=needle):
-            openai._read_json(io.BytesIO(body))
-    monkeypatch.setattr(openai, "MAX_ANSWER_BYTES", 10**6)
+    assert openai._parse_json(b'{"choices": []}') == {"choices": []}
+    with pytest.raises(ValueError, match="Expecting value"):
+        openai._parse_json(b"[" * 90)
     with pytest.raises(ValueError, match="nested deeper"):
-        openai._read_json(io.BytesIO(b"[" * 100_000))
+        openai._parse_json(b"[" * 100_000)

@@ -223,3 +223,15 @@ def test_a_line_over_the_cap_is_skipped_without_holding_it(tmp_path):
     path = tmp_path / "big.jsonl"
     path.write_text('{"a": 1}\n' + '{"b": "' + "y" * 5000 + '"}\n{"c": 3}\n')
     assert list(read_json_lines(str(path), max_line_bytes=1000)) == [{"a": 1}, {"c": 3}]
+
+
+@pytest.mark.timeout(10)
+def test_a_json_lines_path_that_is_a_fifo_or_a_device_is_skipped_with_a_warning(tmp_path, caplog):
+    import os
+
+    from dflash_ipc.run.json_lines import read_json_lines
+    os.mkfifo(tmp_path / "eval_results.jsonl")
+    os.symlink("/dev/zero", tmp_path / "metrics.jsonl")
+    for name, kind in (("eval_results.jsonl", "a FIFO"), ("metrics.jsonl", "a character device")):
+        assert list(read_json_lines(str(tmp_path / name))) == []
+        assert f"{name}: a JSON-lines file is {kind}" in caplog.text

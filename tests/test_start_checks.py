@@ -60,6 +60,93 @@ def test_rerunning_a_finished_run_directory_with_another_plan_is_refused(tmp_pat
             _finished_before(load_config(None, flags + [change]))
 
 
+
+def _prepared(tmp_path):
+    rng = np.random.default_rng(0)
+    with DatasetWriter(str(tmp_path / "data"), tokenizer_fingerprint="sha256:test") as writer:
+        for length in rng.integers(8, 60, size=12):
+            writer.add(np.arange(length), np.ones(length, bool))
+        writer.close()
+    return [f"run.run_dir={tmp_path / 'run'}", f"data.path={tmp_path / 'data'}", "data.bucket_boundaries=[64]",
+            "data.token_budget=128"]
+
+
+def test_a_finished_ledger_whose_last_checkpoint_is_not_on_disk_is_refused(tmp_path):
+    """A ledger of a finished run of the same plan restored beside checkpoints that stop
+    earlier: not "finished" (exit 0, nothing trained), one error naming the missing step."""
+    from dflash_ipc.dispatch.ledger import TrainedCopy
+    from dflash_ipc.dispatch.proc import finished_before, plan_job
+    from dflash_ipc.run.checkpoints import MANIFEST, CheckpointStore
+    cfg = load_config(None, _prepared(tmp_path))
+    os.makedirs(cfg.run.run_dir)
+    ledger = Ledger()
+    for batches in plan_job(cfg, TokenDataset(cfg.data.path).lengths):
+        ledger.add_epoch(batches)
+    ledger.open_pool("t0", 1)
+    for i, batch in enumerate(list(ledger.pending_batches())):
+        work = ledger.lease(batch.batch_id, "t0")
+        ledger.produced(batch.batch_id, "t0", work.slot)
+        attempt = ledger.assign(batch.batch_id, "d0")
+        ledger.consumed(batch.batch_id, "d0", attempt)
+        ledger.commit(10 if i == 0 else 31, [TrainedCopy(batch.batch_id, "d0", attempt, batch.sample_ids)])
+    assert ledger.all_committed() and ledger.last_committed_step() == 31
+    save_ledger(ledger, cfg.files.ledger)
+    store = CheckpointStore(cfg.files.checkpoints)
+    os.makedirs(store.path(10))
+    open(os.path.join(store.path(10), MANIFEST), "w").close()
+    with pytest.raises(DataError, match=r"ledger.npz: says every batch is committed, the last at checkpoint step "
+                                        r"31, but .*step_00000031 is not on disk"):
+        finished_before(cfg)
+    os.makedirs(store.path(31))
+    open(os.path.join(store.path(31), MANIFEST), "w").close()
+    assert finished_before(cfg)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("garbage\n", "holds 'garbage', not a drafter generation"),
+    ("9" * 5000, "holds 5000 bytes, not a drafter generation"),
+    (f"{2 ** 70}\n", f"holds {2 ** 70}, past 2\\^62"),
+    ("-7\n", "holds '-7', not a drafter generation"),
+])
+def test_a_damaged_drafter_generation_file_is_one_error_at_the_start(tmp_path, text, needle):
+    from dflash_ipc.dispatch.proc import next_generation
+    cfg = load_config(None, _prepared(tmp_path))
+    os.makedirs(cfg.run.run_dir)
+    with open(cfg.files.drafter_generation, "w") as f:
+        f.write(text)
+    with pytest.raises(DataError, match=needle) as info:
+        next_generation(cfg)
+    assert str(info.value).startswith(cfg.files.drafter_generation) and "remove it" in str(info.value)
+    with open(cfg.files.drafter_generation, "w") as f:
+        f.write("4\n")
+    assert next_generation(cfg) == 5
+
+
+def test_a_token_id_past_the_targets_vocabulary_stops_the_job_at_its_start(tmp_path, tiny_cache):
+    """One id of 2^30 in tokens.bin: refused when the job is resolved, not when its batch comes."""
+    from transformers import AutoTokenizer
+
+    from dflash_ipc.config.load import config_from_dict
+    from dflash_ipc.data.dataset import tokenizer_fingerprint
+    from dflash_ipc.target.resolve import resolve_job
+    target = os.path.join(tiny_cache, "tiny-target")
+    fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(target))
+    for name, bad in (("ok", None), ("bad", 2 ** 30)):
+        with DatasetWriter(str(tmp_path / name), tokenizer_fingerprint=fingerprint) as writer:
+            for i in range(6):
+                ids = np.arange(10, 40) + i
+                if bad is not None and i == 4:
+                    ids[5] = bad
+                writer.add(ids, np.ones(len(ids), bool))
+            writer.close()
+    cfg = {"run": {"run_dir": str(tmp_path / "run")}, "target": {"path": target},
+           "data": {"bucket_boundaries": [64], "token_budget": 128},
+           "model": {"mask_token_id": 5, "num_layers": 1}}
+    resolve_job(config_from_dict({**cfg, "data": {**cfg["data"], "path": str(tmp_path / "ok")}}))
+    with pytest.raises(DataError, match=r"tokens.bin: token 125 \(of sample 4\) is id 1073741824, outside the "
+                                        r"vocabulary of the target .*tiny-target \[0, "):
+        resolve_job(config_from_dict({**cfg, "data": {**cfg["data"], "path": str(tmp_path / "bad")}}))
+
 def test_a_run_directory_in_use_is_refused_until_the_last_process_of_its_job_exits(tmp_path):
     """The lock is held by the supervisor and inherited by its children: a rerun while a killed
     supervisor's children still unwind is refused, and allowed once they are gone."""

@@ -160,6 +160,47 @@ def test_status_of_an_ended_job_is_its_final_status(tmp_path, monkeypatch):
     assert lines[3] == "  drafter/0: step 7 loss nan, 4 batches, heartbeat 0.2s ago"
 
 
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda s: s.pop("targets"), "targets"),
+    (lambda s: s["targets"]["0"].pop("free_slots"), "free_slots"),
+    (lambda s: s["targets"]["0"].update(tokens="many"), "tokens"),
+    (lambda s: s["drafters"].update({"1": 5}), "drafters"),
+    (lambda s: s["drafters"]["0"].update(metrics=[1]), "metrics"),
+    (lambda s: s["average_rates"].pop("tgt_rate"), "tgt_rate"),
+    (lambda s: s.update(num_batches=True), "num_batches"),
+    (lambda s: s.update(batches={"committed": "4"}), "batches"),
+    (lambda s: s.clear(), "missing"),
+])
+def test_a_damaged_final_status_is_one_error_naming_the_file_and_entry(tmp_path, monkeypatch, damage, needle):
+    """Wrong-typed or missing entries of final_status.json: one DataError naming the file and the
+    entry (it was a KeyError traceback)."""
+    import json
+
+    from dflash_ipc.errors import DataError, WorkerDeadError
+    from dflash_ipc.run.files import RunFiles
+    from dflash_ipc.supervise import status_query
+
+    def no_dispatcher(run_dir):
+        raise WorkerDeadError("dispatcher silent for 3.0s")
+    monkeypatch.setattr(status_query, "fetch_status", no_dispatcher)
+    files = RunFiles(str(tmp_path))
+    open(files.job_config, "w").close()
+    status = _status([(4, 4)], finished=True)
+    status.average_rates = st.Rates(tgt_rate=10.0, dft_rate=9.0, tok_rate=8.0)
+    status.targets = {"0": target(free_slots=2, batches=4, tokens=512, heartbeat_age_s=0.5)}
+    status.drafters = {"0": drafter(metrics={"step": 7.0}, batches=4, heartbeat_age_s=0.2)}
+    plain = json.loads(json.dumps(status.to_json()))
+    damage(plain)
+    with open(files.final_status, "w") as f:
+        json.dump(plain, f)
+    with pytest.raises(DataError) as info:
+        status_query.query_status(str(tmp_path))
+    message = str(info.value)
+    assert files.final_status in message and needle in message and "\n" not in message, message
+    assert "restore the file from a backup, or remove it" in message
+
+
 def test_status_json_is_strict_json_whatever_the_status_holds(tmp_path, monkeypatch):
     """`status --json` prints JSON every parser reads: a NaN or inf anywhere becomes null."""
     import json

@@ -91,3 +91,30 @@ def test_an_unknown_architecture_is_a_config_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "not_a_real_arch", "auto_map": {}}))
     with pytest.raises(ConfigError, match="trust_remote_code are not supported"):
         load_target_config(str(tmp_path))
+
+
+class _Planted:
+    """Unpickled, it would create a file: proof that a pickle was (or was not) loaded."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_target_whose_only_weights_are_pickled_is_one_error_and_nothing_is_unpickled(tmp_path):
+    import os
+    import pickle
+    target = build_tiny_target_of(ARCHITECTURES["qwen3"], str(tmp_path / "t"))
+    os.unlink(os.path.join(target, "model.safetensors"))
+    marker = tmp_path / "unpickled"
+    with open(os.path.join(target, "pytorch_model.bin"), "wb") as f:
+        pickle.dump(_Planted(str(marker)), f)
+    with pytest.raises(DataError, match=r"no model.safetensors .*it holds only pytorch_model.bin: pickled weights, "
+                                        r"never loaded") as info:
+        load_causal_lm(target, dtype=torch.float32)
+    assert "\n" not in str(info.value)
+    with pytest.raises(DataError, match="never loaded"):
+        FeatureCapture(target, layer_ids=[0, 1], dtype="float32", attn_implementation="sdpa", device="cpu")
+    assert not marker.exists()

@@ -79,15 +79,19 @@ def prepare(model_dir, input_path, out_dir, split, max_length, on_long, last_tur
 @click.option("--url", default=None, help="openai: the server's base URL, e.g. http://127.0.0.1:8000/v1.")
 @click.option("--served-model", default=None, help="openai: model name (default: the first the server lists).")
 @click.option("--concurrency", default=16, show_default=True, help="openai: requests in flight at most.")
-@click.option("--timeout-s", default=600.0, show_default=True, help="openai: seconds per request.")
+@click.option("--timeout-s", default=600.0, show_default=True,
+              help="openai: seconds per request, the whole request (headers and body) included.")
 @click.option("--retries", default=5, show_default=True, help="openai: retries of a failed request.")
 @click.option("--api-key", envvar="OPENAI_API_KEY", default=None, help="openai: bearer token (env OPENAI_API_KEY).")
+@click.option("--max-answer-mib", type=click.FloatRange(min=0, min_open=True), default=16.0, show_default=True,
+              help="openai: an answer larger than this is refused unread (its row rejected).")
 @click.option("--window", default=4096, show_default=True, help="Rows in flight at most.")
 @max_line_option
 @click.option("--overwrite", is_flag=True, help="Start over instead of resuming an existing --out.")
 def regenerate(model_dir, input_path, out_path, split, kind, max_new_tokens, temperature, top_p, top_k, seed,
                max_turns, template_kwargs, reasoning, devices, dtype, decoder, samples_per_prompt, cache, token_budget,
-               max_batch_size, url, served_model, concurrency, timeout_s, retries, api_key, window, max_line_bytes, overwrite) -> None:
+               max_batch_size, url, served_model, concurrency, timeout_s, retries, api_key, max_answer_mib, window,
+               max_line_bytes, overwrite) -> None:
     """Replace every assistant turn with the target's own reply (resumable: rerun to continue)."""
     from dflash_ipc.data.messages import parse_template_kwargs
     from dflash_ipc.run.logs import setup_logging
@@ -101,7 +105,7 @@ def regenerate(model_dir, input_path, out_path, split, kind, max_new_tokens, tem
     backend = make_backend(kind, options, model_dir=model_dir, devices=auto_devices(devices), dtype=dtype,
                            decoder=decoder, cache=cache, token_budget=token_budget, max_batch_size=max_batch_size,
                            url=url, served_model=served_model, concurrency=concurrency, timeout_s=timeout_s,
-                           retries=retries, api_key=api_key)
+                           retries=retries, api_key=api_key, max_answer_mib=max_answer_mib)
     try:
         report = run_regenerate(input_path, out_path, backend, options, split=split, max_line_bytes=max_line_bytes,
                                 window=window, overwrite=overwrite)

@@ -42,6 +42,7 @@ def up(config, overrides, nnodes, node_rank, dispatcher_address, init_from) -> N
     and PORT+1 (the drafters of all nodes form one group)."""
     from dflash_ipc.config.schema import BUILTIN_SYNTHETIC_DATA, BUILTIN_TINY_TARGET
     from dflash_ipc.run.logs import setup_logging
+    from dflash_ipc.dispatch.generation_file import read_generation
     from dflash_ipc.dispatch.proc import finished_before
     from dflash_ipc.supervise.supervisor import Supervisor
     flags = [f"run.num_nodes={nnodes}"] if nnodes is not None else []
@@ -57,6 +58,7 @@ def up(config, overrides, nnodes, node_rank, dispatcher_address, init_from) -> N
     log.info("run directory %s: %d targets on %s, %d drafters on %s", cfg.run.run_dir,
              cfg.target.num_workers, ",".join(cfg.target.devices), cfg.drafter.num_workers,
              ",".join(cfg.drafter.devices))
+    read_generation(cfg.files.drafter_generation)  # damaged: one error now, not a dispatcher failing 3 times
     if finished_before(cfg):
         click.echo(f"{cfg.run.run_dir} holds a finished job (every batch committed; checkpoints in "
                    f"{cfg.run.run_dir}/checkpoints). Start a new one with -o run.run_dir=DIR.")

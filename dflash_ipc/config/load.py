@@ -22,6 +22,7 @@ import yaml
 
 from dflash_ipc.config.schema import JobConfig, config_to_dict
 from dflash_ipc.errors import ConfigError
+from dflash_ipc.run.regular_file import regular_file
 
 MAX_CONFIG_BYTES = 1 << 20  # a job config is a few kilobytes
 
@@ -170,11 +171,8 @@ def config_from_dict(data: dict) -> JobConfig:
 
 def read_config_file(path: str) -> dict:
     """The YAML tree of a config file; ConfigError for a missing, empty or malformed file."""
-    if os.path.isdir(path):
-        raise ConfigError(f"config file {path} is a directory")
-    try:
-        if os.path.getsize(path) > MAX_CONFIG_BYTES:
-            raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES} bytes: not a job config")
+    try:  # /dev/zero, a FIFO, a directory: one clear error before anything is read
+        regular_file(path, "the config file", error=ConfigError, max_bytes=MAX_CONFIG_BYTES)
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:

@@ -19,6 +19,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dflash_ipc.config.addresses import check_address
 from dflash_ipc.errors import ConfigError
 from dflash_ipc.run.files import RunFiles
 
@@ -523,8 +524,7 @@ class DispatchConfig(_Section):
 
     def check(self) -> None:
         if self.address:
-            _require(self.address.startswith(("ipc://", "tcp://")), "dispatch.address",
-                     f"'{self.address}' must start with ipc:// or tcp://")
+            check_address(self.address, "dispatch.address")  # one ZMQ could never bind is a config error
         _require(0 < self.status_interval_s <= 3600, "dispatch.status_interval_s", "must be in (0, 3600]")
         _require(0 < self.heartbeat_interval_s <= 600, "dispatch.heartbeat_interval_s", "must be in (0, 600]")
         _require(2 * self.heartbeat_interval_s < self.heartbeat_timeout_s <= 86400,

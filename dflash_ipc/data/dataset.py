@@ -31,11 +31,13 @@ import numpy as np
 
 from dflash_ipc.errors import DataError
 from dflash_ipc.run.json_files import read_json_object
+from dflash_ipc.run.regular_file import regular_file
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 TOKENS_FILE = "tokens.bin"
+_CHECK_CHUNK = 1 << 24  # tokens per chunk of check_token_ids: 64 MiB of int32
 MASK_FILE = "loss_mask.bin"
 INDEX_FILE = "index.npy"
 META_FILE = "meta.json"
@@ -128,6 +130,7 @@ class TokenDataset:
         if not n:
             return np.zeros((0, 2), np.int64)
         try:
+            regular_file(index_path, "the dataset index")  # a FIFO would block np.load forever
             index = np.load(index_path, mmap_mode="r", allow_pickle=False)
         except FileNotFoundError:
             raise DataError(f"{index_path}: missing; re-run prepare") from None
@@ -150,7 +153,7 @@ class TokenDataset:
         file_path = os.path.join(self.path, name)
         want = count * np.dtype(dtype).itemsize
         try:
-            size = os.path.getsize(file_path)
+            size = regular_file(file_path, "a dataset file")
         except OSError as e:
             raise DataError(f"{file_path}: missing ({e}); re-run prepare") from e
         if size != want:
@@ -170,6 +173,22 @@ class TokenDataset:
         ids = np.array(self._tokens[off : off + length], dtype=np.int32)  # [L]
         mask = np.array(self._mask[off : off + length], dtype=np.bool_)  # [L]
         return ids, mask
+
+    def check_token_ids(self, vocab_size: int, *, source: str = "the target") -> None:
+        """DataError unless every token id is in [0, vocab_size): checked once when the job starts
+        (an id past the embedding would otherwise stop the job when its batch comes, hours in).
+        A min and max over the map in chunks: a pass at memory speed, no copy of the file."""
+        tokens = self._tokens
+        for start in range(0, len(tokens), _CHECK_CHUNK):
+            chunk = tokens[start:start + _CHECK_CHUNK]
+            low, high = int(chunk.min()), int(chunk.max())
+            if low >= 0 and high < vocab_size:
+                continue
+            at = start + int(np.argmax((chunk < 0) | (chunk >= vocab_size)))
+            sample = int(np.searchsorted(self.offsets, at, side="right")) - 1
+            raise DataError(f"{os.path.join(self.path, TOKENS_FILE)}: token {at} (of sample {sample}) is id "
+                            f"{int(tokens[at])}, outside the vocabulary of {source} [0, {vocab_size}); the data "
+                            "was not prepared for this target (or is damaged): re-run prepare with its tokenizer")
 
     def __reduce__(self):
         # Pickled as its path: a worker reopens the maps instead of receiving a copy of the data.

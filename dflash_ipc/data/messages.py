@@ -44,6 +44,7 @@ REJECT_REASONS = (
     "duplicate",  # the same tokens as an earlier row (dropped with --dedup, or a held-out copy)
     "generation_error",  # regenerate: the backend failed on the row (after its retries)
     "empty_reply",  # regenerate: the target's reply is empty once reasoning is handled
+    "unreadable_row",  # Parquet/Arrow: its values cannot be read (a damaged row group, a value out of range)
     "row_error",  # anything else that went wrong on this row (type and message in the detail)
 )
 

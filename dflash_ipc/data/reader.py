@@ -16,7 +16,10 @@ Rows are isolated: the reader only splits the input; `decode_row` parses one row
 every failure (bad UTF-8, bad JSON, nesting deeper than Python's recursion limit, integers
 past its 4,300-digit limit, a row over `max_row_bytes`) into `RowRejected`, so one bad row
 never stops a run. A row over the cap is never held in memory whole: only its first bytes
-are kept, for the rejects file.
+are kept, for the rejects file. Parquet is read one row group at a time: a row group that
+cannot be decoded (a damaged page) makes each of its rows an `unreadable_row` reject, and so
+does a value Python cannot hold (a timestamp past year 9999), for its row alone; only a file
+whose footer cannot be read is a DataError (no row of it is reachable).
 
 Shards and splits: a file named `<split>-00000-of-00004.<ext>` (the HF naming), one under a
 directory named like a split (train/, test/, ...), or one whose stem is a split name belongs
@@ -63,6 +66,7 @@ class RawRow:
     raw: bytes | None = None
     value: dict | None = None
     oversize: int = 0
+    unreadable: str | None = None  # why the reader could not read the row's values (Parquet, Arrow)
 
     def text(self, limit: int = _HEAD_KEEP) -> str:
         """The row's first `limit` characters, for a rejects file."""
@@ -76,6 +80,8 @@ class RawRow:
 
 def decode_row(row: RawRow, max_row_bytes: int = MAX_ROW_BYTES) -> dict:
     """The row as a dict; RowRejected (line_too_long, malformed_json, not_an_object) otherwise."""
+    if row.unreadable is not None:
+        raise RowRejected("unreadable_row", row.unreadable)
     if row.oversize:
         raise RowRejected("line_too_long", f"{row.oversize} bytes > the {max_row_bytes}-byte row limit "
                                            "(--max-line-bytes); not parsed")
@@ -323,22 +329,54 @@ def _require(module: str, what: str):
         raise DataError(f"reading {what} needs the {module.split('.')[0]} package: {_DATA_EXTRA_HINT}") from None
 
 
-def _parquet_rows(path: str) -> Iterator[RawRow]:
+def _parquet_file(path: str):
+    """The opened Parquet file; DataError when its footer cannot be read (no row is reachable)."""
     pq = _require("pyarrow.parquet", "Parquet files")
     try:
-        pf = pq.ParquetFile(path)
+        return pq.ParquetFile(path)
     except Exception as e:  # pyarrow's ArrowInvalid and friends
-        raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+        raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {str(e)[:300]})") from None
+
+
+def _parquet_rows(path: str) -> Iterator[RawRow]:
+    pf = _parquet_file(path)
     n = 0
-    for batch in pf.iter_batches(batch_size=64):
-        for value in batch.to_pylist():
-            yield RawRow(0, f"{path} row {n}", value=value)
-            n += 1
+    for group in range(pf.num_row_groups):
+        # One row group at a time: a damaged one (a corrupt page) rejects its own rows, not the file.
+        num_rows, done = pf.metadata.row_group(group).num_rows, 0
+        try:
+            for batch in pf.iter_batches(batch_size=64, row_groups=[group]):
+                for value, why in _batch_values(batch):
+                    yield RawRow(0, f"{path} row {n}", value=value, unreadable=why)
+                    n, done = n + 1, done + 1
+        except Exception as e:  # pyarrow's ArrowInvalid, OSError and friends: the group cannot be decoded
+            why = f"row group {group} of {path} unreadable ({type(e).__name__}: {str(e)[:200]})"
+            for _ in range(num_rows - done):
+                yield RawRow(0, f"{path} row {n}", unreadable=why)
+                n += 1
+
+
+_VALUE_ERRORS = (ValueError, OverflowError, TypeError, ArithmeticError)
+
+
+def _batch_values(batch) -> list[tuple[dict | None, str | None]]:
+    """(row, None) for each row of a record batch; (None, why) for a row whose values Python
+    cannot hold (a timestamp past year 9999: OverflowError), the batch's other rows intact."""
+    try:
+        return [(value, None) for value in batch.to_pylist()]
+    except _VALUE_ERRORS:
+        pass
+    out = []
+    for i in range(batch.num_rows):  # row by row, only for the batch that failed
+        try:
+            out.append((batch.slice(i, 1).to_pylist()[0], None))
+        except _VALUE_ERRORS as e:
+            out.append((None, f"a value cannot be read ({type(e).__name__}: {str(e)[:200]})"))
+    return out
 
 
 def _parquet_num_rows(path: str) -> int:
-    pq = _require("pyarrow.parquet", "Parquet files")
-    return int(pq.ParquetFile(path).metadata.num_rows)
+    return int(_parquet_file(path).metadata.num_rows)
 
 
 def _load_from_disk(path: str, split: str | None):
@@ -365,12 +403,23 @@ def chosen_split(path: str, names: list[str], split: str | None) -> str:
 
 def _arrow_dataset_rows(path: str, split: str | None) -> Iterator[RawRow]:
     ds = _load_from_disk(path, split)
-    n = 0
-    for batch in ds.iter(batch_size=64):
-        keys = list(batch)
-        for values in zip(*(batch[k] for k in keys)):
-            yield RawRow(0, f"{path} row {n}", value=dict(zip(keys, values)))
-            n += 1
+    for start in range(0, len(ds), 64):
+        stop = min(start + 64, len(ds))
+        try:
+            batch = ds[start:stop]
+            keys = list(batch)
+            rows = [(dict(zip(keys, values)), None) for values in zip(*(batch[k] for k in keys))]
+        except Exception:  # a value Python cannot hold, a damaged arrow file: find the rows, one by one
+            rows = [_arrow_dataset_row(ds, i) for i in range(start, stop)]
+        for n, (value, why) in enumerate(rows, start):
+            yield RawRow(0, f"{path} row {n}", value=value, unreadable=why)
+
+
+def _arrow_dataset_row(ds, i: int) -> tuple[dict | None, str | None]:
+    try:
+        return ds[i], None
+    except Exception as e:  # pyarrow's and datasets' own errors, OverflowError of a timestamp
+        return None, f"a value cannot be read ({type(e).__name__}: {str(e)[:200]})"
 
 
 def _arrow_dataset_len(path: str, split: str | None) -> int:

@@ -30,6 +30,7 @@ from dflash_ipc.config.schema import JobConfig
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.dispatch.buckets import BucketSpec, plan_epochs, plan_stats
 from dflash_ipc.dispatch.dispatcher import Dispatcher
+from dflash_ipc.dispatch.generation_file import read_generation, write_generation
 from dflash_ipc.dispatch.ledger import BatchState, Ledger
 from dflash_ipc.dispatch.ledger_file import load_ledger, save_ledger
 from dflash_ipc.dispatch.peer_budget import PeerBudget, StatusAnswers, Verdict
@@ -55,18 +56,12 @@ STATUS_INTERVAL_S = 0.2      # a peer hears the status at most this often (the s
 def next_generation(cfg: JobConfig) -> int:
     """The drafter generation a (re)started dispatcher begins with: one past the last one
     used in this run directory, as its drafters are new processes forming a new group."""
-    try:
-        with open(cfg.files.drafter_generation) as f:
-            return int(f.read().strip() or -1) + 1
-    except FileNotFoundError:
-        return 0
+    last = read_generation(cfg.files.drafter_generation)
+    return 0 if last is None else last + 1
 
 
 def save_generation(cfg: JobConfig, generation: int) -> None:
-    tmp = cfg.files.drafter_generation + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{generation}\n")
-    os.replace(tmp, cfg.files.drafter_generation)
+    write_generation(cfg.files.drafter_generation, generation)
 
 
 def plan_job(cfg: JobConfig, lengths) -> list:
@@ -313,12 +308,24 @@ def run_dispatcher(cfg: JobConfig) -> None:
 
 def finished_before(cfg) -> bool:
     """True when the run directory's ledger says this job already committed every batch;
-    DataError when that ledger is of another plan (other data, budget, seed or epochs)."""
+    DataError when that ledger is of another plan (other data, budget, seed or epochs), or
+    when its last committed checkpoint is not on disk (a ledger restored from another run's
+    backup: "finished" would be a lie, and export would ship an older model)."""
     from dflash_ipc.data.dataset import TokenDataset
     from dflash_ipc.dispatch.ledger_file import load_ledger
+    from dflash_ipc.run.checkpoints import MANIFEST, CheckpointStore
     path = cfg.files.ledger
     if not os.path.exists(path):
         return False
     ledger = load_ledger(path, recover=False)  # only read: nothing restarts here
     check_same_plan(ledger, plan_job(cfg, TokenDataset(cfg.data.path).lengths), path)
-    return ledger.all_committed()
+    if not ledger.all_committed():
+        return False
+    step = ledger.last_committed_step()
+    step_dir = CheckpointStore(cfg.files.checkpoints).path(step) if step is not None else None
+    if step_dir is not None and not os.path.isfile(os.path.join(step_dir, MANIFEST)):
+        raise DataError(f"{path}: says every batch is committed, the last at checkpoint step {step}, but "
+                        f"{step_dir} is not on disk: this ledger is not of the checkpoints beside it (a "
+                        "backup of another run restored?). Restore that checkpoint with the ledger, or start "
+                        "over with a new run.run_dir")
+    return True

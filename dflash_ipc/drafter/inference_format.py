@@ -46,21 +46,29 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
+import tempfile
 from collections.abc import Callable
 
 import torch
 
 from dflash_ipc.run.checkpoints import MANIFEST, STATE_TENSORS, UNCOMMITTED, CheckpointStore, verify_dir
-from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
+from dflash_ipc.drafter.model import ARCHITECTURE, DFlashConfig, DFlashDraftModel
 from dflash_ipc.config.dtypes import DTYPE_OF_TORCH
 from dflash_ipc.errors import DataError
 from dflash_ipc.run.json_files import read_json_object
+from dflash_ipc.run.regular_file import regular_file
 
 logger = logging.getLogger(__name__)
 
+_LAYER_NAME = re.compile(r"^layers\.(\d+)\.")
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+# Every file an export may hold: the two above, the model card (export/model_card.CARD_FILE)
+# and --with-code's module (export/hub_code.MODELING_FILE). A directory holding anything else
+# is not an earlier export, and export never replaces it.
+EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE, "README.md", "modeling_dflash.py")
 
 # The exact keys of the config.json written by save_inference_checkpoint.
 CONFIG_KEYS: tuple[str, ...] = (
@@ -118,13 +126,16 @@ def save_inference_checkpoint(model: DFlashDraftModel, out_dir: str, *, dtype: t
 
     Everything is written into ``out_dir.tmp-<pid>`` first and renamed into place, so a
     reader sees either the previous complete export or the new one, never a half file.
-    An existing ``out_dir`` is moved aside and removed after the rename. ``extras(tmp_dir)``
+    An existing ``out_dir`` is replaced only when it is empty or an earlier export
+    (`check_export_target`): moved aside and removed after the rename. ``extras(tmp_dir)``
     adds files before the rename (the model card, ``--with-code``: model_card.py, hub_code.py).
     """
     out_dir = os.path.abspath(out_dir)
-    tmp = f"{out_dir}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    check_export_target(out_dir)
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    # A fresh name (mkdtemp), never a fixed one removed first: a directory of the user's that
+    # happens to be called `OUT.tmp-<pid>` is not ours to remove.
+    tmp = tempfile.mkdtemp(prefix=f"{os.path.basename(out_dir)}.tmp-", dir=os.path.dirname(out_dir))
     try:
         write_inference_files(model, tmp, dtype=dtype)
         if extras is not None:
@@ -136,6 +147,31 @@ def save_inference_checkpoint(model: DFlashDraftModel, out_dir: str, *, dtype: t
         raise
     logger.info("exported drafter (%s) to %s%s", DTYPE_OF_TORCH[dtype], out_dir,
                 " (replacing the directory that was there)" if replaced else "")
+
+
+def check_export_target(out_dir: str) -> None:
+    """`out_dir` may be written: it does not exist, is empty, or is an earlier export (only
+    EXPORT_FILES, a config.json of our architecture), which the new one replaces. Anything
+    else is the user's, and nothing of it is removed: DataError."""
+    if not os.path.lexists(out_dir):
+        return
+    if os.path.islink(out_dir) or not os.path.isdir(out_dir):
+        raise DataError(f"{out_dir}: exists and is not a directory; give a new or empty directory to export to")
+    names = sorted(os.listdir(out_dir))
+    if not names:
+        return
+    unknown = [n for n in names if n not in EXPORT_FILES]
+    refuse = (f"{out_dir}: exists and is not an earlier export (%s); nothing in it is removed: give a new or empty "
+              f"directory to export to, or remove it yourself")
+    if unknown:
+        raise DataError(refuse % f"it holds {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
+    cfg_path = os.path.join(out_dir, CONFIG_FILE)
+    try:
+        architectures = read_json_object(cfg_path, "an earlier export's config").get("architectures")
+    except DataError as e:
+        raise DataError(refuse % f"{CONFIG_FILE}: {str(e)[len(cfg_path) + 2:][:200]}") from None
+    if architectures != [ARCHITECTURE]:
+        raise DataError(refuse % f"its {CONFIG_FILE} has architectures {str(architectures)[:80]}, not [{ARCHITECTURE!r}]")
 
 
 def write_inference_files(model: DFlashDraftModel, directory: str, *, dtype: torch.dtype = torch.bfloat16,
@@ -164,9 +200,8 @@ def _replace_dir(src: str, dst: str) -> None:
     """rename(src, dst); a directory cannot be renamed over a non-empty one, so move it aside."""
     old = None
     if os.path.exists(dst):
-        old = f"{dst}.old-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dst, old)
+        old = tempfile.mkdtemp(prefix=f"{os.path.basename(dst)}.old-", dir=os.path.dirname(dst))
+        os.replace(dst, old)  # a directory may be renamed over an empty one
     os.replace(src, dst)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
@@ -180,21 +215,28 @@ def load_inference_checkpoint(
     ``dtype=None`` keeps the stored dtype. Missing or unexpected tensors, or wrong shapes,
     raise DataError naming the file.
     """
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError, safe_open
 
     cfg_path, w_path = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
     for p in (cfg_path, w_path):
-        if not os.path.exists(p):
-            raise DataError(f"{p}: missing (not a drafter export directory)")
+        try:  # a FIFO or /dev/zero would hang the reads below
+            regular_file(p, "a drafter export file", inside=path)
+        except FileNotFoundError:
+            raise DataError(f"{p}: missing (not a drafter export directory)") from None
+    raw = read_json_object(cfg_path, "drafter config")
     try:
-        config = DFlashConfig.from_hf_dict(read_json_object(cfg_path, "drafter config"), source=cfg_path)
+        with safe_open(w_path, framework="pt", device="cpu") as f:  # the header only
+            _check_layer_count(w_path, set(f.keys()), raw.get("num_hidden_layers"))
+        # Only now is anything sized by the config built (per-layer lists, the tensor layout).
+        config = DFlashConfig.from_hf_dict(raw, source=cfg_path)
+    except (OSError, SafetensorError, RuntimeError) as e:
+        raise DataError(f"{w_path}: unreadable ({str(e)[:200]})") from None
     except (ValueError, TypeError, OverflowError) as e:
         if isinstance(e, DataError):
             raise
         raise DataError(f"{cfg_path}: {str(e)[:300]}") from None
-    expected = expected_tensor_shapes(config)
     try:
-        state = _read_weights(w_path, expected, device, dtype)
+        state = _read_weights(w_path, config, device, dtype)
     except (OSError, SafetensorError, RuntimeError) as e:
         raise DataError(f"{w_path}: unreadable ({str(e)[:200]})") from None
     with torch.device("meta"):
@@ -203,13 +245,14 @@ def load_inference_checkpoint(
     return model
 
 
-def _read_weights(w_path: str, expected: dict, device, dtype) -> dict:
-    """The tensors of `w_path`, exactly the names and shapes `expected`, all floating point."""
+def _read_weights(w_path: str, config: DFlashConfig, device, dtype) -> dict:
+    """The tensors of `w_path`, exactly the names and shapes `config` implies, all floating point."""
     from safetensors import safe_open
 
     state = {}
     with safe_open(w_path, framework="pt", device="cpu") as f:
         names = set(f.keys())
+        expected = expected_tensor_shapes(config)
         if names != set(expected):
             raise DataError(
                 f"{w_path}: missing tensors {sorted(set(expected) - names)[:5]}, "
@@ -223,6 +266,17 @@ def _read_weights(w_path: str, expected: dict, device, dtype) -> dict:
                 raise DataError(f"{w_path}: {name} is {t.dtype}, not a floating-point tensor")
             state[name] = t.to(device=device, dtype=dtype or t.dtype)
     return state
+
+
+def _check_layer_count(w_path: str, names: set[str], declared) -> None:
+    """config.json's num_hidden_layers (as read, before DFlashConfig builds per-layer lists
+    from it) against the layers the weights hold: a config that claims a million layers is
+    refused before anything a million layers long is built. A value that is no int is left
+    to DFlashConfig's own error."""
+    held = {m.group(1) for name in names if (m := _LAYER_NAME.match(name))}
+    if isinstance(declared, int) and not isinstance(declared, bool) and declared != len(held):
+        raise DataError(f"{w_path}: holds {len(held)} layers, but {CONFIG_FILE} beside it says num_hidden_layers "
+                        f"{declared}; the two are not one export")
 
 
 def checkpoint_step_dir(checkpoint: str) -> str:
@@ -260,9 +314,11 @@ def export_step_dir(step_dir: str, out_dir: str, *, dtype: torch.dtype = torch.b
     resolved and verified (the checksums of a large training state are read once)."""
     from safetensors import SafetensorError, safe_open
 
+    check_export_target(os.path.abspath(out_dir))  # before a large checkpoint is read for nothing
     model = load_inference_checkpoint(step_dir, dtype=torch.float32)  # also validates the step dir
     state_path = os.path.join(step_dir, STATE_TENSORS)
     if os.path.exists(state_path):
+        regular_file(state_path, "the training state", inside=step_dir)
         try:
             with safe_open(state_path, framework="pt", device="cpu") as f:
                 state = {n[len("model."):]: f.get_tensor(n) for n in f.keys() if n.startswith("model.")}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import logging
 import re
 from dataclasses import dataclass
@@ -164,6 +165,24 @@ def _quiet_transformers_load():
             hf_logging.enable_progress_bar()
 
 
+_PICKLED_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def check_safetensors_weights(path: str) -> None:
+    """DataError unless the model directory `path` holds safetensors weights: pickled ones
+    (pytorch_model.bin) can run code when loaded, and are never read."""
+    if not os.path.isdir(path):
+        return  # not a local directory: from_pretrained's own error names it
+    names = os.listdir(path)
+    if any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json") for n in names):
+        return
+    pickled = sorted(n for n in names if n.endswith(_PICKLED_WEIGHTS))
+    found = f"it holds only {', '.join(pickled[:3])}: pickled weights, never loaded (unpickling can run " \
+            "code); convert them to safetensors where you trust them (save_pretrained writes safetensors)" \
+        if pickled else "it holds no weights"
+    raise DataError(f"{path}: no model.safetensors (or model.safetensors.index.json); {found}")
+
+
 def load_pretrained(path: str, auto_class, *, config: Any, dtype: torch.dtype,
                     attn_implementation: str | None = None, extra: dict | None = None) -> tuple[nn.Module, dict]:
     """`auto_class.from_pretrained(path, config=config, **extra)` with the load report returned,
@@ -173,7 +192,11 @@ def load_pretrained(path: str, auto_class, *, config: Any, dtype: torch.dtype,
     sinks need eager or flash kernels) falls back to the architecture's default with one
     warning. Returns (model, loading info: missing / unexpected / mismatched keys).
     """
-    kwargs: dict[str, Any] = {"config": config, "dtype": dtype, "output_loading_info": True, **(extra or {})}
+    check_safetensors_weights(path)
+    # use_safetensors: transformers never falls back to a pickled pytorch_model.bin (torch.load
+    # of a file someone else made), whatever the directory holds.
+    kwargs: dict[str, Any] = {"config": config, "dtype": dtype, "output_loading_info": True,
+                              "use_safetensors": True, **(extra or {})}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     with _quiet_transformers_load():

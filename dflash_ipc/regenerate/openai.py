@@ -11,35 +11,44 @@ after an exponential backoff with jitter (`backoff_s` x 2^attempt, at most 60 s)
 `retries` times; then, or at once on another HTTP 4xx (the server refused the request, e.g.
 a prompt over its context), the row is rejected with the server's message. A rerun retries
 rejected rows. Only the standard library is used.
+
+The server is not trusted (http_request.py): `timeout_s` bounds each whole request, however
+slowly the server sends; a redirect is never followed (the row is rejected, and --api-key
+reaches only the URL given); an answer over `max_answer_mib` is refused unread; an answer
+that is JSON but not a chat completion (openai_answer.py checks it field by field) rejects
+its row at once, without retries.
 """
 
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import logging
 import queue
 import random
-import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 
 from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.regenerate.conversation import Reply, Request
+from dflash_ipc.regenerate import http_request
+from dflash_ipc.regenerate.http_request import Answer, AnswerTooLarge, RequestFailed
+from dflash_ipc.regenerate.openai_answer import BadAnswer, check_answer
 from dflash_ipc.regenerate.options import GenerationOptions
 
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 60.0
-MAX_ANSWER_BYTES = 64 << 20  # a chat completion is kilobytes; more is a broken or hostile server
+MAX_ANSWER_MIB = 16  # a chat completion is kilobytes; more is a broken or hostile server
 _RETRY_STATUS = (408, 409, 425, 429, 500, 502, 503, 504)
 
 
 class _Retry(Exception):
     """A failure worth another attempt."""
+
+
+class _Refused(Exception):
+    """The server refused the request (a 4xx) or redirected it: the row is rejected at once."""
 
 
 class OpenAIBackend:
@@ -48,16 +57,19 @@ class OpenAIBackend:
     name = "openai"
 
     def __init__(self, url: str, options: GenerationOptions, *, model: str | None = None, concurrency: int = 16,
-                 timeout_s: float = 600.0, retries: int = 5, backoff_s: float = 1.0, api_key: str | None = None):
+                 timeout_s: float = 600.0, retries: int = 5, backoff_s: float = 1.0, api_key: str | None = None,
+                 max_answer_mib: float = MAX_ANSWER_MIB):
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"--url {url!r}: give the server's base URL, e.g. http://127.0.0.1:8000/v1")
-        if concurrency < 1 or retries < 0 or timeout_s <= 0 or backoff_s < 0:
+        if concurrency < 1 or retries < 0 or timeout_s <= 0 or backoff_s < 0 or max_answer_mib <= 0:
             raise ConfigError(f"openai backend: concurrency={concurrency} (>= 1), retries={retries} (>= 0), "
-                              f"timeout_s={timeout_s} (> 0), backoff_s={backoff_s} (>= 0)")
+                              f"timeout_s={timeout_s} (> 0), backoff_s={backoff_s} (>= 0), "
+                              f"max_answer_mib={max_answer_mib} (> 0)")
         base = url.rstrip("/")
         self.endpoint = base if base.endswith("/chat/completions") else base + "/chat/completions"
         self.options = options
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.max_answer_bytes = int(max_answer_mib * (1 << 20))
         self._headers = {"Content-Type": "application/json"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
@@ -77,14 +89,15 @@ class OpenAIBackend:
 
     def _served_model(self, base: str) -> str:
         """The first model the server lists (GET /models), when none is named."""
-        url = base[: -len("/chat/completions")] if base.endswith("/chat/completions") else base
+        url = (base[: -len("/chat/completions")] if base.endswith("/chat/completions") else base) + "/models"
         try:
-            with urllib.request.urlopen(urllib.request.Request(url + "/models", headers=self._headers),
-                                        timeout=min(self.timeout_s, 30.0)) as r:
-                models = _read_json(r)["data"]
-            return str(models[0]["id"])
-        except (OSError, ValueError, KeyError, IndexError, TypeError, http.client.HTTPException) as e:
-            raise DataError(f"{url}/models: cannot list the served models ({type(e).__name__}: {e}); "
+            answer = http_request.request("GET", url, headers=self._headers, data=None, deadline_s=min(self.timeout_s, 30.0),
+                             max_bytes=self.max_answer_bytes)
+            if answer.status != 200:
+                raise ValueError(_status_error(answer, url))
+            return str(_parse_json(answer.body)["data"][0]["id"])
+        except (RequestFailed, ValueError, KeyError, IndexError, TypeError) as e:
+            raise DataError(f"{url}: cannot list the served models ({type(e).__name__}: {e}); "
                             "is the server up? Or name the model with --served-model") from None
 
     def prepare(self, request: Request) -> None:
@@ -156,55 +169,52 @@ class OpenAIBackend:
             except _Retry as e:
                 last = str(e)
                 log.debug("openai: %s attempt %d: %s", request.key, attempt + 1, last)
-            except urllib.error.HTTPError as e:
-                return Reply(request.key, error=f"HTTP {e.code} from {self.endpoint}: {_body_of(e)}")
+            except _Refused as e:  # its message names the URL
+                return Reply(request.key, error=str(e)[:1000])
+            except (BadAnswer, AnswerTooLarge) as e:
+                return Reply(request.key, error=f"{self.endpoint}: {e}"[:1000])
         return Reply(request.key, error=f"gave up after {self.retries + 1} attempts: {last}")
 
     def _post(self, data: bytes) -> dict:
-        req = urllib.request.Request(self.endpoint, data=data, headers=self._headers, method="POST")
+        """The JSON of a 2xx answer; _Retry on a transient failure, _Refused on a refusal."""
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
-                return _read_json(r)
-        except urllib.error.HTTPError as e:
-            if e.code in _RETRY_STATUS:
-                raise _Retry(f"HTTP {e.code}: {_body_of(e)}") from None
+            answer = http_request.request("POST", self.endpoint, headers=self._headers, data=data, deadline_s=self.timeout_s,
+                             max_bytes=self.max_answer_bytes)
+        except AnswerTooLarge:
             raise
-        except (urllib.error.URLError, OSError, socket.timeout, http.client.HTTPException, ValueError) as e:
-            raise _Retry(f"{type(e).__name__}: {e}") from None
+        except RequestFailed as e:
+            raise _Retry(str(e)) from None
+        if answer.status in _RETRY_STATUS or answer.status < 200:
+            raise _Retry(_status_error(answer, self.endpoint))
+        if answer.status >= 300:  # a redirect, a refusal
+            raise _Refused(_status_error(answer, self.endpoint))
+        try:
+            return _parse_json(answer.body)
+        except ValueError as e:
+            raise _Retry(f"an unreadable answer: {e}"[:300]) from None
 
 
-def _read_json(response):
-    """The JSON of a server's answer, read up to MAX_ANSWER_BYTES: a server that streams
-    without end, or answers with gigabytes, costs a bounded amount of memory."""
-    data = response.read(MAX_ANSWER_BYTES + 1)
-    if len(data) > MAX_ANSWER_BYTES:
-        raise ValueError(f"an answer over {MAX_ANSWER_BYTES} bytes")
+def _status_error(answer: Answer, url: str) -> str:
+    """What an answer other than 2xx says, for a reject or an error message."""
+    if 300 <= answer.status < 400:
+        return (f"HTTP {answer.status} from {url}: a redirect to {answer.location!r}, not followed (the request "
+                f"and its --api-key go only to the URL given); give the final URL as --url")
+    return f"HTTP {answer.status} from {url}: " + answer.body[:2000].decode("utf-8", errors="replace").strip()[:500]
+
+
+def _parse_json(data: bytes):
+    """The JSON of an answer (its size is bounded by the request)."""
     try:
         return json.loads(data)
     except RecursionError:
         raise ValueError("an answer nested deeper than the parser's recursion limit") from None
 
 
-def _body_of(e: urllib.error.HTTPError) -> str:
-    try:
-        return e.read(2000).decode("utf-8", errors="replace").strip()[:500]
-    except OSError:
-        return ""
-
-
-def _reply(request: Request, answer: dict) -> Reply:
-    """A Reply from a chat-completions answer; _Retry when it is not one."""
-    try:
-        choice = answer["choices"][0]
-        message = choice["message"]
-    except (KeyError, IndexError, TypeError):
-        raise _Retry(f"not a chat completion: {str(answer)[:200]}") from None
-    text = message.get("content") or ""
-    reasoning = message.get("reasoning_content", message.get("reasoning"))
-    tokens = (answer.get("usage") or {}).get("completion_tokens", 0)
-    return Reply(request.key, text=text, reasoning=reasoning if isinstance(reasoning, str) else None,
-                 tool_calls=message.get("tool_calls") or None, num_tokens=int(tokens or 0),
-                 truncated=choice.get("finish_reason") == "length")
+def _reply(request: Request, answer) -> Reply:
+    """A Reply from a chat-completions answer checked field by field; BadAnswer when it is not one."""
+    fields = check_answer(answer)
+    return Reply(request.key, text=fields.content or "", reasoning=fields.reasoning, tool_calls=fields.tool_calls,
+                 num_tokens=fields.num_tokens, truncated=fields.finish_reason == "length")
 
 
 def _row_seed(seed: int, key: tuple[int, int]) -> int:

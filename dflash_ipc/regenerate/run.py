@@ -213,7 +213,8 @@ def regenerate(input_path: str, out_path: str, backend, options: GenerationOptio
 def make_backend(kind: str, options: GenerationOptions, *, model_dir: str | None = None, devices="cpu",
                  dtype: str = "auto", decoder: str = "auto", cache: str = "auto", token_budget: int | None = None,
                  max_batch_size: int | None = None, url: str | None = None, served_model: str | None = None,
-                 concurrency: int = 16, timeout_s: float = 600.0, retries: int = 5, api_key: str | None = None):
+                 concurrency: int = 16, timeout_s: float = 600.0, retries: int = 5, api_key: str | None = None,
+                 max_answer_mib: float = 16.0):
     """The backend a command line asks for: "hf" (needs model_dir) or "openai" (needs url)."""
     if kind == "hf":
         if not model_dir:
@@ -226,7 +227,7 @@ def make_backend(kind: str, options: GenerationOptions, *, model_dir: str | None
             raise ConfigError("--backend openai needs --url http://HOST:PORT/v1 (the server's base URL)")
         from dflash_ipc.regenerate.openai import OpenAIBackend
         return OpenAIBackend(url, options, model=served_model, concurrency=concurrency, timeout_s=timeout_s,
-                             retries=retries, api_key=api_key)
+                             retries=retries, api_key=api_key, max_answer_mib=max_answer_mib)
     raise ConfigError(f"--backend {kind!r}; allowed: ['hf', 'openai']")
 
 

@@ -29,6 +29,7 @@ import psutil
 
 from dflash_ipc.errors import DamagedCheckpointError
 from dflash_ipc.run.json_files import read_json_object, write_json_atomic
+from dflash_ipc.run.regular_file import regular_file
 
 log = logging.getLogger(__name__)
 
@@ -253,8 +254,8 @@ def verify_dir(step_dir: str) -> dict:
         path = os.path.join(step_dir, name)
         if os.path.basename(name) != name or not isinstance(want, dict):
             raise DamagedCheckpointError(f"{step_dir}/{MANIFEST}: bad entry {name!r:.60}")
-        try:
-            size = os.path.getsize(path)
+        try:  # a FIFO or /dev/zero would hang the checksum below; a symlink out reads another's file
+            size = regular_file(path, "a checkpoint file", error=DamagedCheckpointError, inside=step_dir)
         except OSError:
             raise DamagedCheckpointError(f"{path}: missing (listed in the manifest)") from None
         if size != want.get("bytes"):

@@ -2,7 +2,7 @@
 
 A JSON file in one of those folders is data someone may have damaged, truncated or crafted:
 `read_json_object` turns every way it can be wrong (missing, a directory, larger than a
-bound, bad UTF-8, bad JSON, nested past the parser's recursion limit, an integer past
+bound, a FIFO or a device, bad UTF-8, bad JSON, nested past the parser's recursion limit, an integer past
 Python's 4,300 digits, a bare NaN/Infinity, not an object) into one line of the caller's
 error type naming the file. `json_safe` is the other direction: non-finite floats become
 null, so what we write is JSON every reader accepts; `write_json_atomic` writes a file that
@@ -17,6 +17,7 @@ import math
 import os
 
 from dflash_ipc.errors import DataError
+from dflash_ipc.run.regular_file import regular_file
 
 MAX_JSON_FILE_BYTES = 256 * 1024 * 1024  # far above any metadata file; a bigger one is not ours
 
@@ -35,11 +36,7 @@ def read_json_object(path: str, what: str, *, error: type[Exception] = DataError
                      max_bytes: int = MAX_JSON_FILE_BYTES) -> dict:
     """The JSON object in `path`; `error` (one line naming the file and `what`) otherwise."""
     try:
-        if os.path.isdir(path):
-            raise error(f"{path}: {what} is a directory, not a file")
-        size = os.path.getsize(path)
-        if size > max_bytes:
-            raise error(f"{path}: {what} of {size} bytes, larger than {max_bytes}: not one of ours")
+        regular_file(path, what, error=error, max_bytes=max_bytes)  # no FIFO, no device, bounded
         with open(path, "rb") as f:
             value = parse_json_strict(f.read())
     except FileNotFoundError:

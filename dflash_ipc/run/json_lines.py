@@ -5,7 +5,7 @@ or be damaged or edited: readers skip what they cannot use (bad UTF-8, bad JSON,
 the parser's recursion limit, a line over `MAX_LINE_BYTES`, a row of the wrong shape) with a
 warning naming the file and line, at most `MAX_WARNINGS` per file, and never fail. A line over
 the cap is never held in memory whole (`capped_lines`, which the input reader of `prepare`
-uses too).
+uses too). A path that is not a regular file (a FIFO, a device) is skipped whole, with a warning.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterator
+
+from dflash_ipc.run.regular_file import regular_file
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,11 @@ def read_json_lines(path: str, *, keep: Callable[[object], bool] = lambda row: i
     """The rows of `path` that parse and pass `keep` (nothing when the file does not exist);
     blank lines are skipped silently."""
     if not os.path.exists(path):
+        return
+    try:  # a FIFO would block the open, /dev/zero never end a line
+        regular_file(path, "a JSON-lines file", error=OSError)
+    except OSError as e:
+        log.warning("%s; skipped", e)
         return
     skipped = 0
     with open(path, "rb") as f:

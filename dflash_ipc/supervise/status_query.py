@@ -43,7 +43,9 @@ def query_status(run_dir: str, *, as_json: bool = False) -> str:
         try:
             status = read_status_file(files.final_status)
         except DataError as exc:
-            raise DataError(f"no dispatcher answers ({live_error}), and its final status is unreadable: {exc}") \
+            raise DataError(f"no dispatcher answers ({live_error}), and its final status is unreadable: {exc}; "
+                            f"the job has ended (its checkpoints are in {files.checkpoints}): restore the file "
+                            "from a backup, or remove it (a dispatcher of this run rewrites it when it ends)") \
                 from None
         heading = f"no dispatcher answers ({live_error}); the job's final status, {files.final_status}:"
     listing_error = None

@@ -24,6 +24,7 @@ def resolve_job(cfg: JobConfig) -> JobConfig:
     """A copy of `cfg` with built-in assets built and derived fields filled and checked."""
     from dflash_ipc.data.dataset import TokenDataset
     from dflash_ipc.hf.target_config import load_target_config
+    from dflash_ipc.hf.text_stack import text_config
     from dflash_ipc.target.defaults import fill_layer_ids, fill_mask_token_id, warn_beyond_positions
     from dflash_ipc.target.tensor_parallel import check_tensor_parallel
 
@@ -39,6 +40,7 @@ def resolve_job(cfg: JobConfig) -> JobConfig:
     cfg.data.path = os.path.abspath(cfg.data.path)
     dataset = TokenDataset(cfg.data.path)
     dataset.check_tokenizer(cfg.target.path)
+    dataset.check_token_ids(int(text_config(target_config).vocab_size), source=f"the target {cfg.target.path}")
     fill_mask_token_id(cfg.model, target_config, cfg.target.path, dataset)
     warn_beyond_positions(cfg.data.max_length, target_config)
     longest = int(dataset.lengths.max()) if len(dataset) else 0
