@@ -311,3 +311,21 @@ def test_export_training_checkpoint_prefers_full_precision_state(tmp_path):
             torch.testing.assert_close(loaded.state_dict()[name], t, rtol=0, atol=0)  # not bf16-rounded
     with pytest.raises(DataError, match="latest.json"):
         export_training_checkpoint(str(tmp_path), str(tmp_path / "x"))
+
+
+def test_a_hub_snapshot_may_link_to_its_own_blobs_and_nowhere_else(tmp_path):
+    """The Hub cache stores a snapshot's files as links to `<repo>/blobs/`: those resolve inside the
+    repository's cache folder and are read; a link out of the repository is still refused."""
+    from dflash_ipc.errors import DataError
+    from dflash_ipc.run.regular_file import regular_file
+    repo = tmp_path / "models--org--drafter"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (repo / "blobs" / "abc").write_bytes(b"{}")
+    os.symlink("../../blobs/abc", snapshot / "config.json")
+    assert regular_file(str(snapshot / "config.json"), "a drafter export file", inside=str(snapshot)) == 2
+    (tmp_path / "elsewhere").write_bytes(b"x")
+    os.symlink(str(tmp_path / "elsewhere"), snapshot / "model.safetensors")
+    with pytest.raises(DataError, match="outside"):
+        regular_file(str(snapshot / "model.safetensors"), "a drafter export file", inside=str(snapshot))

@@ -31,9 +31,21 @@ def regular_file(path: str, what: str, *, error: type[Exception] = DataError, ma
         target = f" (a symlink to {os.path.realpath(path)})" if os.path.islink(path) else ""
         raise error(f"{path}: {what} is {kind}{target}, not a regular file; replace it with the file itself")
     if inside is not None:
-        real, root = os.path.realpath(path), os.path.realpath(inside)
+        real, root = os.path.realpath(path), _allowed_root(inside)
         if os.path.commonpath([real, root]) != root:
             raise error(f"{path}: {what} is a symlink to {real}, outside {inside}; copy the file itself in")
     if max_bytes is not None and st.st_size > max_bytes:
         raise error(f"{path}: {what} is larger than {max_bytes} bytes ({st.st_size}): not one of ours")
     return st.st_size
+
+
+def _allowed_root(inside: str) -> str:
+    """Where files listed in `inside` may resolve to: `inside` itself, or, for a snapshot of the
+    Hugging Face cache (`<repo>/snapshots/<revision>/`, whose files are links to `<repo>/blobs/`),
+    that repository's cache folder."""
+    root = os.path.realpath(inside)
+    snapshots = os.path.dirname(root)
+    repo = os.path.dirname(snapshots)
+    if os.path.basename(snapshots) == "snapshots" and os.path.isdir(os.path.join(repo, "blobs")):
+        return repo
+    return root
