@@ -98,6 +98,9 @@ def regenerate(model_dir, input_path, out_path, split, kind, max_new_tokens, tem
     from dflash_ipc.regenerate.options import GenerationOptions
     from dflash_ipc.regenerate.run import auto_devices, make_backend, regenerate as run_regenerate
     setup_logging("regenerate")
+    if kind == "hf" and model_dir is not None:
+        from dflash_ipc.data.prepare import check_model_dir
+        check_model_dir(model_dir)  # before --devices auto and the backend import torch (seconds)
     options = GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, max_turns=max_turns, reasoning=reasoning,
                                 template_kwargs=parse_template_kwargs(template_kwargs),

@@ -45,7 +45,7 @@ import numpy as np
 
 from dflash_ipc.data.chat import ChatEncoder, keep_last_run
 from dflash_ipc.data.messages import RowRejected, parse_conversation
-from dflash_ipc.data.dataset import DatasetWriter, tokenizer_fingerprint
+from dflash_ipc.data.dataset import DatasetWriter, check_out_dir, tokenizer_fingerprint
 from dflash_ipc.data.held_out import HeldOut
 from dflash_ipc.obs.progress import ProgressLine
 from dflash_ipc.data.reader import MAX_ROW_BYTES, InputSource, RawRow, decode_row
@@ -190,14 +190,20 @@ def _encode_chunk(chunk: list[RawRow]) -> list[_RowResult]:
     return [_WORKER_ENCODER.encode_row(row) for row in chunk]
 
 
-def load_tokenizer(model_dir: str):
-    """The target's tokenizer from its local directory; DataError naming the directory when
-    it is missing or holds no tokenizer (`prepare` resolves a Hub id first: hf/hub.py)."""
-    from transformers import AutoTokenizer
-
+def check_model_dir(model_dir: str) -> None:
+    """DataError when model_dir is no directory; cheap, so commands call it before they
+    import transformers (seconds) to answer a mistyped path at once."""
     if not os.path.isdir(model_dir):
         raise DataError(f"{model_dir}: no such model directory (give the local directory of the target's "
                         "tokenizer and chat template, or its Hub id ORG/NAME)")
+
+
+def load_tokenizer(model_dir: str):
+    """The target's tokenizer from its local directory; DataError naming the directory when
+    it is missing or holds no tokenizer (`prepare` resolves a Hub id first: hf/hub.py)."""
+    check_model_dir(model_dir)
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except Exception as e:  # OSError, ValueError, and whatever a broken tokenizer file raises
@@ -370,6 +376,9 @@ def prepare_dataset(
     if held_out and extra_meta and "held_out" in extra_meta:
         raise ConfigError("held_out: given both as an option and in extra_meta")
     source = InputSource(input_path, split=split, max_row_bytes=max_line_bytes)
+    # The cheap refusals first: loading a tokenizer imports transformers and torch (seconds).
+    check_model_dir(model_dir)
+    check_out_dir(out_dir, overwrite)
     tokenizer = load_tokenizer(model_dir)
     encoder = RowEncoder(tokenizer, max_length=max_length, last_turn_only=last_turn_only, on_long=on_long,
                          max_row_bytes=max_line_bytes, template_kwargs=template_kwargs)
