@@ -1,0 +1,51 @@
+"""Before and after a job's processes run: what `health` reads instead of "down".
+
+A job whose supervisor is up but whose dispatcher has not answered yet is starting (its
+children are importing torch and loading the target); before the supervisor has written
+processes.json, the run directory's lock (run/lock.py) names it. A job whose dispatcher wrote
+a final status with every batch committed has finished: the state `up` exits 0 in.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+
+from dflash_ipc.errors import DataError
+from dflash_ipc.run.files import node_file
+from dflash_ipc.run.json_files import read_json_object
+
+LOCK_FILE = ".lock"  # run/lock.py's RunLock(run_dir, node_rank)
+PID_SLACK_S = 1.0  # create_time has clock-tick resolution; the lock is written just after the start
+
+
+def lock_holder(run_dir: str, node_rank: int = 0) -> int | None:
+    """The pid written in the run directory's lock when that process still runs and is not
+    younger than the lock (a reused pid is not a supervisor of this run); else None.
+    Read without taking the lock: a probe must never make a starting supervisor's own
+    (non-blocking) acquire fail."""
+    path = node_file(run_dir, LOCK_FILE, node_rank)
+    try:
+        with open(path, "rb") as f:
+            text = f.read(32).decode("ascii", "replace").strip()
+        written_at = os.stat(path).st_mtime
+        pid = int(text)
+        proc = psutil.Process(pid)
+        if proc.create_time() > written_at + PID_SLACK_S or proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return pid
+    except (OSError, ValueError, psutil.Error):
+        return None
+
+
+def finished_status(path: str, since: float) -> dict | None:
+    """The final status at `path` when it says the job finished (every batch committed) and
+    was written at or after `since` (the processes.json of this run, not an earlier one's)."""
+    try:
+        if os.stat(path).st_mtime + PID_SLACK_S < since:
+            return None
+        status = read_json_object(path, "final status")
+    except (OSError, DataError):
+        return None
+    return status if status.get("finished") is True else None
