@@ -74,6 +74,9 @@ def up(config, overrides, nnodes, node_rank, dispatcher_address, init_from) -> N
              cfg.target.num_workers, ",".join(cfg.target.devices), cfg.drafter.num_workers,
              ",".join(cfg.drafter.devices))
     code = supervisor.run()
+    if code == 0 and cfg.run.node_rank == 0:
+        from dflash_ipc.supervise.job_end import next_steps
+        click.echo("\n".join(next_steps(cfg)))
     if code == 0 and embedded_default:
         # The embedded default ends by showing that the drafter learned: tau of the trained
         # drafter next to an untrained one of the same shape, on held-out prompts.
