@@ -72,14 +72,14 @@ from dflash_ipc.errors import DataError, DFlashError
 from dflash_ipc.run.json_files import read_json_object, write_json_atomic
 from dflash_ipc.run.liveness import beacon_problem, read_beacon
 from dflash_ipc.run.files import RunFiles
-from dflash_ipc.supervise.job_phase import finished_status, lock_holder
+from dflash_ipc.supervise.job_phase import (FINISHED, STARTING, answered_before, finished_status, lock_holder,
+                                           starting_or_finished)
 from dflash_ipc.supervise.roles import Role
 from dflash_ipc.wire.status import DrafterStatus, JobStatus, TargetStatus, to_plain
 
 log = logging.getLogger(__name__)
 
 HEALTHY, DEGRADED, DOWN = "healthy", "degraded", "down"
-STARTING, FINISHED = "starting", "finished"  # read instead of down (supervise/job_phase.py)
 EXIT_CODES = {HEALTHY: 0, STARTING: 0, FINISHED: 0, DEGRADED: 1, DOWN: 2}
 BAD_STATES = {psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD, psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP}
 GONE = "gone"
@@ -184,39 +184,10 @@ def health_report(run_dir: str, *, node_rank: int = 0, stale_after_s: float | No
     report.uncommitted_checkpoints = CheckpointStore(cfg.files.checkpoints).uncommitted()
     _judge(report, status, status_error, cfg.dispatcher_address)
     if report.level == DOWN and status is None:
-        _starting_or_finished(report, finished_status(cfg.files.final_status, written_at), cfg.files.final_status,
-                              answered_before=_answered_before(RunFiles(run_dir, node_rank).health_state, rows))
+        answered = answered_before(_read_state(RunFiles(run_dir, node_rank).health_state), rows)
+        starting_or_finished(report, finished_status(cfg.files.final_status, written_at), cfg.files.final_status,
+                             answered=answered)
     return report
-
-
-def _answered_before(path: str, rows: list[ProcessHealth]) -> bool:
-    """An earlier check of these very processes got the dispatcher's status (its counters are
-    in the state file under their pids): a dispatcher silent now is not one still starting."""
-    previous = _read_state(path)
-    return any(isinstance(previous.get(row.role), dict) and previous[row.role].get("pid") == row.pid
-               for row in rows if row.role != "supervisor")
-
-
-def _starting_or_finished(report: HealthReport, final: dict | None, final_path: str, *,
-                          answered_before: bool) -> None:
-    """A job that looks down because its dispatcher does not answer: finished (its final status
-    says every batch is committed) or starting (the supervisor runs, the dispatcher process is
-    alive, no check has had an answer from it yet, and the run is younger than
-    supervise.startup_timeout_s)."""
-    rows = {row.role: row for row in report.processes}
-    if final is not None:
-        report.level = FINISHED
-        report.job = {k: final.get(k) for k in ("elapsed_s", "num_batches", "batches", "finished", "rates")}
-        report.reasons = [f"the job finished: every batch committed ({final_path})"]
-        return
-    supervisor, dispatcher = rows["supervisor"], rows.get("dispatcher")
-    age_s, limit_s = report.thresholds["run_age_s"], report.thresholds["startup_timeout_s"]
-    dispatcher_up = report.node_rank != 0 or (dispatcher is not None and dispatcher.alive)
-    if (supervisor.alive and dispatcher_up and age_s < limit_s and not answered_before
-            and not any(r.problems for r in report.processes)):
-        report.level = STARTING
-        report.reasons = [f"the dispatcher does not answer yet: the job started {age_s:.0f}s ago "
-                          f"(supervise.startup_timeout_s = {limit_s:g})"]
 
 
 def _apply_beacons(rows: list[ProcessHealth], cfg) -> None:

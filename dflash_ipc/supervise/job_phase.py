@@ -16,6 +16,7 @@ from dflash_ipc.errors import DataError
 from dflash_ipc.run.files import node_file
 from dflash_ipc.run.json_files import read_json_object
 
+STARTING, FINISHED = "starting", "finished"  # health's levels read instead of down
 LOCK_FILE = ".lock"  # run/lock.py's RunLock(run_dir, node_rank)
 PID_SLACK_S = 1.0  # create_time has clock-tick resolution; the lock is written just after the start
 
@@ -49,3 +50,32 @@ def finished_status(path: str, since: float) -> dict | None:
     except (OSError, DataError):
         return None
     return status if status.get("finished") is True else None
+
+
+def answered_before(previous: dict, rows) -> bool:
+    """An earlier check of these very processes got the dispatcher's status (its counters are
+    in health's state file, `previous`, under their pids): a dispatcher silent now is not one
+    still starting."""
+    return any(isinstance(previous.get(row.role), dict) and previous[row.role].get("pid") == row.pid
+               for row in rows if row.role != "supervisor")
+
+
+def starting_or_finished(report, final: dict | None, final_path: str, *, answered: bool) -> None:
+    """A job that looks down because its dispatcher does not answer: finished (its final status
+    says every batch is committed) or starting (the supervisor runs, the dispatcher process is
+    alive, no check has had an answer from it yet, and the run is younger than
+    supervise.startup_timeout_s)."""
+    rows = {row.role: row for row in report.processes}
+    if final is not None:
+        report.level = FINISHED
+        report.job = {k: final.get(k) for k in ("elapsed_s", "num_batches", "batches", "finished", "rates")}
+        report.reasons = [f"the job finished: every batch committed ({final_path})"]
+        return
+    supervisor, dispatcher = rows["supervisor"], rows.get("dispatcher")
+    age_s, limit_s = report.thresholds["run_age_s"], report.thresholds["startup_timeout_s"]
+    dispatcher_up = report.node_rank != 0 or (dispatcher is not None and dispatcher.alive)
+    if (supervisor.alive and dispatcher_up and age_s < limit_s and not answered
+            and not any(r.problems for r in report.processes)):
+        report.level = STARTING
+        report.reasons = [f"the dispatcher does not answer yet: the job started {age_s:.0f}s ago "
+                          f"(supervise.startup_timeout_s = {limit_s:g})"]
