@@ -416,7 +416,7 @@ def test_a_job_that_ended_with_every_batch_committed_is_finished(tmp_path, child
         proc.wait(timeout=10)
     final = canned_status(pending=0, finished=finished)
     with open(RunFiles(run_dir).final_status, "w") as f:
-        json.dump(final, f)
+        json.dump(final.to_json(), f)
     report = health_report(run_dir, **QUICK)
     if not finished:  # stopped before the end (Ctrl-C): down, as before
         assert report.level == "down"

@@ -175,9 +175,7 @@ def health_report(run_dir: str, *, node_rank: int = 0, stale_after_s: float | No
     report = HealthReport(run_dir=run_dir, node_rank=node_rank, level=HEALTHY, processes=rows,
                           thresholds=thresholds)
     if status is not None:
-        report.job = {"elapsed_s": status.elapsed_s, "num_batches": status.num_batches,
-                      "batches": to_plain(status.batches), "finished": status.finished,
-                      "rates": to_plain(status.rates)}
+        report.job = _job_summary(status)
         _apply_status(rows, status)
     _apply_progress(RunFiles(run_dir, node_rank).health_state, rows, status, thresholds["stall_after_s"])
     _apply_beacons(rows, cfg)
@@ -185,9 +183,16 @@ def health_report(run_dir: str, *, node_rank: int = 0, stale_after_s: float | No
     _judge(report, status, status_error, cfg.dispatcher_address)
     if report.level == DOWN and status is None:
         answered = answered_before(_read_state(RunFiles(run_dir, node_rank).health_state), rows)
-        starting_or_finished(report, finished_status(cfg.files.final_status, written_at), cfg.files.final_status,
+        final = finished_status(cfg.files.final_status, written_at)
+        starting_or_finished(report, None if final is None else _job_summary(final), cfg.files.final_status,
                              answered=answered)
     return report
+
+
+def _job_summary(status: JobStatus) -> dict:
+    """HealthReport.job: what the verdict's `job:` line shows, as plain JSON values."""
+    return {"elapsed_s": status.elapsed_s, "num_batches": status.num_batches, "batches": to_plain(status.batches),
+            "finished": status.finished, "rates": to_plain(status.rates)}
 
 
 def _apply_beacons(rows: list[ProcessHealth], cfg) -> None:

@@ -14,7 +14,7 @@ import psutil
 
 from dflash_ipc.errors import DataError
 from dflash_ipc.run.files import node_file
-from dflash_ipc.run.json_files import read_json_object
+from dflash_ipc.wire.status import JobStatus, read_status_file
 
 STARTING, FINISHED = "starting", "finished"  # health's levels read instead of down
 LOCK_FILE = ".lock"  # run/lock.py's RunLock(run_dir, node_rank)
@@ -40,16 +40,17 @@ def lock_holder(run_dir: str, node_rank: int = 0) -> int | None:
         return None
 
 
-def finished_status(path: str, since: float) -> dict | None:
+def finished_status(path: str, since: float) -> JobStatus | None:
     """The final status at `path` when it says the job finished (every batch committed) and
-    was written at or after `since` (the processes.json of this run, not an earlier one's)."""
+    was written at or after `since` (the processes.json of this run, not an earlier one's);
+    None when it is absent, older, torn or of another shape (health then says down)."""
     try:
         if os.stat(path).st_mtime + PID_SLACK_S < since:
             return None
-        status = read_json_object(path, "final status")
+        status = read_status_file(path)
     except (OSError, DataError):
         return None
-    return status if status.get("finished") is True else None
+    return status if status.finished else None
 
 
 def answered_before(previous: dict, rows) -> bool:
@@ -60,15 +61,15 @@ def answered_before(previous: dict, rows) -> bool:
                for row in rows if row.role != "supervisor")
 
 
-def starting_or_finished(report, final: dict | None, final_path: str, *, answered: bool) -> None:
+def starting_or_finished(report, final_job: dict | None, final_path: str, *, answered: bool) -> None:
     """A job that looks down because its dispatcher does not answer: finished (its final status
     says every batch is committed) or starting (the supervisor runs, the dispatcher process is
     alive, no check has had an answer from it yet, and the run is younger than
     supervise.startup_timeout_s)."""
     rows = {row.role: row for row in report.processes}
-    if final is not None:
+    if final_job is not None:  # the finished final status, as health's job summary
         report.level = FINISHED
-        report.job = {k: final.get(k) for k in ("elapsed_s", "num_batches", "batches", "finished", "rates")}
+        report.job = final_job
         report.reasons = [f"the job finished: every batch committed ({final_path})"]
         return
     supervisor, dispatcher = rows["supervisor"], rows.get("dispatcher")
