@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Runs the suite; "no tests collected" (pytest exit 5) is a failure, not a pass.
+# Runs the suite with $TEST_PYTHON (`make test` sets it: .venv-test/bin/python); "no tests
+# collected" (pytest exit 5) is a failure, not a pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-.venv/bin/python -m pytest -q -ra "$@"
+"${TEST_PYTHON:-.venv-test/bin/python}" -m pytest -q -ra "$@"
 code=$?
 if [ "$code" -eq 5 ]; then
   echo "pytest collected no tests: failing" >&2

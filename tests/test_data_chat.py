@@ -244,3 +244,31 @@ def test_template_kwargs_from_the_command_line():
     for bad, match in (("[1]", "give KEY=VALUE"), ("{nope", "not a JSON object"), ("tools=[]", "own arguments")):
         with pytest.raises(ConfigError, match=match):
             parse_template_kwargs([bad])
+
+
+TOOL_ROW = {"tools": [{"type": "function", "function": {"name": W[20], "parameters": {"type": "object"}}}],
+            "messages": [{"role": "user", "content": f"{W[1]} {W[2]}"},
+                         {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": W[20],
+                                                                                           "arguments": {}}}]},
+                         {"role": "tool", "content": f"{W[3]}", "tool_call_id": "1", "name": W[20]},
+                         {"role": "assistant", "content": f"{W[4]} {W[5]}"}]}
+
+
+@pytest.mark.parametrize("method", ["prefix", "markers"])
+def test_a_template_without_tool_support_rejects_the_row_instead_of_an_empty_turn(tok, tok_markers, method):
+    """The tiny ChatML template renders content only: the tool call became an empty assistant
+    turn and the schema vanished, silently; now the row is rejected, naming the tool."""
+    encoder = ChatEncoder(tok_markers if method == "markers" else tok, method=method)
+    with pytest.raises(RowRejected) as e:
+        encoder.encode(parse_conversation(TOOL_ROW))
+    assert e.value.reason == "tools_not_rendered" and f"tool {W[20]!r} is named 2 times" in e.value.detail
+    calls_only = {"messages": TOOL_ROW["messages"]}  # no schema: the dropped call alone is caught
+    with pytest.raises(RowRejected, match="tools_not_rendered"):
+        encoder.encode(parse_conversation(calls_only))
+    encoder.encode(parse_conversation({"messages": SINGLE}))  # rows without tools are untouched
+
+
+def test_a_template_with_tool_support_renders_the_tool_row():
+    from chat_templates import qwen_like_tokenizer
+    encoded = ChatEncoder(qwen_like_tokenizer()).encode(parse_conversation(TOOL_ROW))
+    assert sum(encoded.loss_mask) > 0

@@ -335,3 +335,58 @@ def test_pretty_printed_json_array_is_read_like_jsonl(model_dir, tmp_path):
     (tmp_path / "in.json").write_text(json.dumps(rows, indent=2))
     report = prepare_dataset(model_dir, str(tmp_path / "in.json"), str(tmp_path / "b"), progress=False)
     assert report.num_rejected == 0 and samples(tmp_path / "a") == samples(tmp_path / "b")
+
+
+# --- what used to be lost silently: said with a count ---------------------------------
+def test_a_directory_input_skips_regenerates_side_files_and_says_so_once(model_dir, tmp_path, capsys):
+    """A directory holding regenerate's output also holds its `.rejects.jsonl` and `.state.json`:
+    they were read as data (86 rows instead of 77, 9 bogus rejects); now skipped and counted."""
+    from click.testing import CliRunner
+    from dflash_ipc.cli import main
+    data = tmp_path / "regen"
+    data.mkdir()
+    write_jsonl(data / "chats.jsonl", [msgs(*GOOD)] * 4)
+    write_jsonl(data / "chats.rejects.jsonl", [{"index": 9, "where": "x:10", "reason": "generation_error"}] * 2)
+    (data / "chats.state.json").write_text(json.dumps({"format": 1, "complete": True, "num_rows": 6}))
+    report = prepare_dataset(model_dir, str(data), str(tmp_path / "out"), progress=False)
+    assert (report.num_rows, report.num_rejected) == (4, 0)
+    assert report.warnings == [f"{data}: skipped 2 side files of regenerate (*.rejects.jsonl, *.state.json), "
+                               "not read as data: chats.rejects.jsonl, chats.state.json"]
+    result = CliRunner().invoke(main, ["prepare", "--model", model_dir, "--input", str(data),
+                                       "--out", str(tmp_path / "out2")])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("skipped 2 side files of regenerate") == 1
+
+
+def test_a_tokenizer_that_maps_much_of_the_text_to_unk_is_warned_about_with_the_share(tok, model_dir, tmp_path):
+    known = msgs(("user", f"{W[1]} {W[2]}"), ("assistant", f"{W[3]} {W[4]}"))
+    turns = [("user", "bonjour tout le monde"), ("assistant", "merci beaucoup mes amis")]
+    foreign = msgs(*turns)
+    fine = prepare_dataset(model_dir, write_jsonl(tmp_path / "a.jsonl", [known] * 3), str(tmp_path / "a"),
+                           progress=False)
+    assert fine.unk_share == 0.0 and fine.warnings == []
+    bad = prepare_dataset(model_dir, write_jsonl(tmp_path / "b.jsonl", [foreign] * 3), str(tmp_path / "b"),
+                          progress=False)
+    ids, _ = chatml(tok, turns)  # the ChatML written out by hand: every French word is <|unk|>
+    assert ids.count(tok.unk_token_id) == 8 and bad.unk_share == pytest.approx(8 / len(ids))
+    assert len(bad.warnings) == 1 and bad.warnings[0].startswith(
+        f"{800 / len(ids):.1f}% of the {3 * len(ids)} tokens are the tokenizer's unknown token '<|unk|>' (above 5%)")
+
+
+def test_prepare_progress_shows_an_eta(model_dir, tmp_path):
+    from dflash_ipc.data.prepare import _progress_line
+    from dflash_ipc.data.reader import InputSource
+
+    class Bar:
+        elapsed_s = 10.0
+
+    class Sink:
+        num_samples, num_rejected = 30, 0
+
+    source = InputSource(write_jsonl(tmp_path / "in.jsonl", [msgs(*GOOD)] * 4))
+    source.bytes_read, source.num_rows = source.total_bytes // 4, 1  # a quarter in 10 s: 30 s to go
+    assert _progress_line(source, Sink(), Bar()).endswith("3 samples/s, ETA 30s")
+    source.total_bytes = 0  # a datasets directory: by rows
+    source.num_rows = 20
+    assert _progress_line(source, Sink(), Bar(), total_rows=80).endswith(", ETA 30s")
+    assert "ETA" not in _progress_line(source, Sink(), Bar())  # a pipe: nothing to estimate

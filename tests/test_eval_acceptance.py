@@ -225,6 +225,9 @@ def test_up_ends_with_the_comparison_for_the_embedded_default_only(monkeypatch, 
         def __init__(self, cfg, print_status):
             pass
 
+        def claim(self):  # `up` claims the run directory before it says the job starts
+            pass
+
         def run(self):
             return 0
 

@@ -359,3 +359,19 @@ def test_the_decoder_is_the_engine_where_the_target_allows(target, model, vl_tar
     assert Generator(GeneratorSettings(vl_target, pad_id=0), "cpu").decoder == "generate"  # multimodal
     with pytest.raises(ConfigError, match="--decoder engine: .* multimodal"):
         Generator(GeneratorSettings(vl_target, pad_id=0, decoder="engine"), "cpu")
+
+
+def test_a_tool_row_the_template_cannot_render_is_rejected_not_regenerated_without_its_tools(target, model):
+    """The tiny target's ChatML template renders content only: a prompt with a tool schema and a
+    tool call would reach the target as plain text without them."""
+    from dflash_ipc.data.messages import RowRejected
+    from dflash_ipc.regenerate.conversation import Request
+    from dflash_ipc.regenerate.hf import HFBackend
+
+    backend = HFBackend(target, GenerationOptions(max_new_tokens=4), model=model)
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    request = Request(key=(0, 1), messages=[user(PROMPTS[0])], tools=tools, max_new_tokens=4)
+    with pytest.raises(RowRejected) as e:
+        backend.prepare(request)
+    assert e.value.reason == "tools_not_rendered" and "tool 'lookup' is named 1 times" in e.value.detail
+    backend.prepare(Request(key=(1, 1), messages=[user(PROMPTS[0])], tools=None, max_new_tokens=4))

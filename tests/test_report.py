@@ -159,7 +159,7 @@ def test_report_from_a_real_cpu_run(cpu_run, tmp_path):
     assert shown["prompt_set"] == saved["prompt_set"] and shown["tau"] == pytest.approx(saved["tau"])
     assert shown["acceptance_per_position"] == pytest.approx(saved["acceptance_per_position"])
     image = _decode(tmp_path / "out.png")
-    assert image.shape[0] > 1000 and image.shape[1] > 1000
+    assert image.shape[:2] == (900, 1600)  # 16:9, a slide
 
 
 def test_a_long_lane_is_binned_by_majority_state(tmp_path):
@@ -235,3 +235,50 @@ def test_a_json_lines_path_that_is_a_fifo_or_a_device_is_skipped_with_a_warning(
     for name, kind in (("eval_results.jsonl", "a FIFO"), ("metrics.jsonl", "a character device")):
         assert list(read_json_lines(str(tmp_path / name))) == []
         assert f"{name}: a JSON-lines file is {kind}" in caplog.text
+
+
+# --- slide-ready: title, 16:9 grid, shared time axes, legends off the data, honest eval --------
+
+
+def _every_panel(run_dir, acceptance):
+    _timelines(run_dir)
+    _write_lines(run_dir / "drafter_metrics.jsonl", [{"step": s, "loss": 5.0 - 0.1 * s, "lr": 1e-3} for s in range(1, 9)])
+    # the supervisor's polls go on 3 s past the last interval: the time axes still end together
+    _write_lines(run_dir / "status_history.jsonl",
+                 [{"time": T + i, "workers": {"target/0": {"rss_mib": 500.0}}} for i in range(14)])
+    save_eval_results(str(run_dir), [{"label": "trained", "prompt_set": "held-out", "tau": 1.0,
+                                      "acceptance_per_position": acceptance}])
+    return collect(str(run_dir))
+
+
+def test_the_picture_is_a_16_9_slide_titled_with_the_jobs_name_and_one_time_axis(tmp_path):
+    from dflash_ipc.report.plot import figure
+    run_dir = tmp_path / "qwen3-8b-try2"
+    run_dir.mkdir()
+    numbers = _every_panel(run_dir, [0.8, 0.4, 0.1])
+    fig = figure(numbers)
+    assert tuple(fig.get_size_inches()) == (16.0, 9.0)
+    assert fig.get_suptitle() == "qwen3-8b-try2: 10s, 2 targets, 1 drafter"  # the name, not a path
+    axes = {a.get_title(loc="left").split(" ")[0]: a for a in fig.axes if a.get_title(loc="left")}
+    time_axes = [axes["worker"], axes["valid"], axes["host"]]
+    assert all(a.get_xlim() == (0.0, numbers["span_s"]) for a in time_axes)
+    assert all(time_axes[0].get_shared_x_axes().joined(time_axes[0], a) for a in time_axes[1:])
+    assert [a.get_xlabel() for a in time_axes] == ["", "", "seconds since the first worker interval"]
+    # two columns: the time panels left, training and eval right (a grid, not five stacked panels)
+    assert axes["drafter"].get_position().x0 > time_axes[0].get_position().x1
+    fig.canvas.draw()
+    for ax in time_axes:  # every legend above its panel's data area
+        legend = ax.get_legend()
+        assert legend is not None
+        assert legend.get_window_extent().y0 >= ax.get_window_extent().y1 - 1
+    assert not axes["latest"].texts and len(axes["latest"].patches) == 3
+
+
+def test_an_evaluation_without_accepted_tokens_says_so_instead_of_an_empty_frame(tmp_path):
+    from dflash_ipc.report.plot import figure, no_accepted_note
+    numbers = _every_panel(tmp_path, [0.0, 0.0, None])
+    [panel] = [a for a in figure(numbers).axes if a.get_title(loc="left").startswith("latest eval")]
+    assert [t.get_text() for t in panel.texts] == [no_accepted_note(numbers["eval"])]
+    assert not panel.patches  # no zero-height bars
+    assert no_accepted_note([{"acceptance_per_position": [0.0, 0.01]}]) is None
+    assert build_report(str(tmp_path))["panels"][-1] == "eval"

@@ -149,7 +149,8 @@ def test_malformed_processes_json_names_the_field(tmp_path, children):
 
 
 def test_silent_dispatcher_is_down(tmp_path, children):
-    run_dir = make_run(tmp_path, children)  # nothing listens at the configured address
+    # nothing listens at the configured address, and the run is past its start-up time
+    run_dir = make_run(tmp_path, children, startup_timeout_s=0.001)
     started = time.monotonic()
     report = health_report(run_dir, **QUICK)
     assert time.monotonic() - started < 10.0  # bounded (2 s timeout), generous for a loaded machine
@@ -371,3 +372,56 @@ def test_a_drafters_beacon_shows_its_phase_and_tells_a_long_step_from_a_stopped_
     (reason,) = report.reasons
     assert reason.startswith(f"drafter/0 (pid {pid}): its liveness beacon stopped 31.")
     assert reason.endswith("s ago (supervise.drafter_stall_s=30): stopped or frozen")
+
+
+# --- starting and finished, not down ----------------------------------------------------------
+
+
+def test_a_job_whose_dispatcher_has_not_answered_yet_is_starting(tmp_path, children):
+    run_dir = make_run(tmp_path, children)  # nothing answers yet; 30 s of start-up time
+    report = health_report(run_dir, **QUICK)
+    assert (report.level, report.exit_code) == ("starting", 0)
+    assert report.reasons[0].startswith("the dispatcher does not answer yet: the job started ")
+    assert format_health(report).startswith(f"{run_dir}: STARTING (exit 0)")
+    children["dispatcher"].kill()  # its dispatcher died while starting: down
+    wait_state(children["dispatcher"].pid, "zombie")
+    assert health_report(run_dir, **QUICK).level == "down"
+
+
+def test_a_supervisor_holding_the_run_directory_before_processes_json_is_starting(tmp_path):
+    from dflash_ipc.run.lock import RunLock
+    lock = RunLock(str(tmp_path))
+    lock.acquire()  # as `up` does before it resolves and starts anything: this process's pid
+    try:
+        report = health_report(str(tmp_path), **QUICK)
+        assert (report.level, report.exit_code) == ("starting", 0)
+        assert report.reasons == [f"supervisor (pid {os.getpid()}) holds the run directory and has not started "
+                                  "its processes yet"]
+    finally:
+        lock.release()
+    ghost = subprocess.Popen([sys.executable, "-c", "pass"])
+    ghost.wait(timeout=10)
+    with open(os.path.join(tmp_path, ".lock"), "w") as f:
+        f.write(f"{ghost.pid}\n")  # the lock of a supervisor that is gone
+    assert health_report(str(tmp_path), **QUICK).level == "down"
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_job_that_ended_with_every_batch_committed_is_finished(tmp_path, children, finished):
+    ghost = subprocess.Popen([sys.executable, "-c", "pass"])
+    ghost.wait(timeout=10)
+    run_dir = make_run(tmp_path, children, supervisor=ghost.pid)
+    for proc in children.values():
+        proc.kill()
+        proc.wait(timeout=10)
+    final = canned_status(pending=0, finished=finished)
+    with open(RunFiles(run_dir).final_status, "w") as f:
+        json.dump(final.to_json(), f)
+    report = health_report(run_dir, **QUICK)
+    if not finished:  # stopped before the end (Ctrl-C): down, as before
+        assert report.level == "down"
+        return
+    assert (report.level, report.exit_code) == ("finished", 0)
+    assert report.reasons == [f"the job finished: every batch committed ({RunFiles(run_dir).final_status})"]
+    text = format_health(report)
+    assert text.startswith(f"{run_dir}: FINISHED (exit 0)") and "job: 2/10 batches committed" in text

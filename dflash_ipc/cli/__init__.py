@@ -20,6 +20,7 @@ import click
 
 from dflash_ipc.cli import bench, data, job, monitor, plan, publish  # noqa: F401  (each registers its commands)
 from dflash_ipc.cli.app import main
+from dflash_ipc.run.quiet import quiet_unactionable_warnings
 from dflash_ipc.errors import EXIT_CONFIG_ERROR, EXIT_ERROR, ConfigError, DFlashError
 
 __all__ = ["main", "run"]
@@ -27,6 +28,7 @@ __all__ = ["main", "run"]
 
 def run() -> None:
     """Console entry point: typed errors become one clear line and exit code 2."""
+    quiet_unactionable_warnings()  # before any command imports transformers (run/quiet.py)
     try:
         main(standalone_mode=False)
     except click.exceptions.Abort:

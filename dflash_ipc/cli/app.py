@@ -39,8 +39,10 @@ def main() -> None:
 
 
 def echo_report(report) -> None:
-    """A prepare or regenerate report's summary line, and where its rejects are."""
+    """A prepare or regenerate report's summary line, its warnings, and where its rejects are."""
     click.echo(report.summary())
+    for warning in report.warnings:
+        click.echo(f"warning: {warning}", err=True)
     if report.num_rejected:
         click.echo(f"rejected rows: {report.rejects_path}")
 

@@ -98,6 +98,13 @@ def regenerate(model_dir, input_path, out_path, split, kind, max_new_tokens, tem
     from dflash_ipc.regenerate.options import GenerationOptions
     from dflash_ipc.regenerate.run import auto_devices, make_backend, regenerate as run_regenerate
     setup_logging("regenerate")
+    if kind == "hf" and model_dir is not None:
+        from dflash_ipc.data.prepare import check_model_dir
+        from dflash_ipc.hf.hub import resolve_model
+        # A Hub id becomes its snapshot directory first; a path that is none is answered
+        # before --devices auto and the backend import torch (seconds).
+        model_dir = resolve_model(model_dir, what="--model")
+        check_model_dir(model_dir)
     options = GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, max_turns=max_turns, reasoning=reasoning,
                                 template_kwargs=parse_template_kwargs(template_kwargs),

@@ -12,6 +12,10 @@ from dflash_ipc.cli.app import config_option, load_job_config, main, override_op
 
 log = logging.getLogger("dflash_ipc.cli")
 
+# What `up` without --config runs, said before it starts (a user may have meant to pass one).
+EMBEDDED_DEFAULT_LINE = ("no --config: running the embedded default (configs/default.yaml: a tiny random target "
+                         "on CPU, synthetic data); pass --config FILE for your own job")
+
 
 def _stage_setup(role: str, cfg) -> None:
     from dflash_ipc.run.child_env import (SUPERVISOR_ENV, ParentWatch, die_with_parent, exit_on_sigterm, supervisor_pid,
@@ -42,28 +46,37 @@ def up(config, overrides, nnodes, node_rank, dispatcher_address, init_from) -> N
     and PORT+1 (the drafters of all nodes form one group)."""
     from dflash_ipc.config.schema import BUILTIN_SYNTHETIC_DATA, BUILTIN_TINY_TARGET
     from dflash_ipc.run.logs import setup_logging
-    from dflash_ipc.dispatch.generation_file import read_generation
-    from dflash_ipc.dispatch.proc import finished_before
-    from dflash_ipc.supervise.supervisor import Supervisor
     flags = [f"run.num_nodes={nnodes}"] if nnodes is not None else []
     flags += [f"run.node_rank={node_rank}"] if node_rank is not None else []
     flags += [f"dispatch.address={dispatcher_address}"] if dispatcher_address is not None else []
     flags += [f"drafter.init_from={init_from}"] if init_from is not None else []
+    # The config first: a typo is answered before the supervisor's imports (torch: seconds).
     cfg = load_job_config(config, overrides + tuple(flags))
+    if config is None:
+        click.echo(EMBEDDED_DEFAULT_LINE)
     setup_logging("supervisor" if cfg.run.num_nodes == 1 else f"supervisor/{cfg.run.node_rank}",
                   level=cfg.run.log_level)
     embedded_default = (cfg.target.path == BUILTIN_TINY_TARGET and cfg.data.path == BUILTIN_SYNTHETIC_DATA
                         and cfg.run.num_nodes == 1)
     cfg = resolved(cfg)
-    log.info("run directory %s: %d targets on %s, %d drafters on %s", cfg.run.run_dir,
-             cfg.target.num_workers, ",".join(cfg.target.devices), cfg.drafter.num_workers,
-             ",".join(cfg.drafter.devices))
+    from dflash_ipc.dispatch.generation_file import read_generation
+    from dflash_ipc.dispatch.proc import finished_before
+    from dflash_ipc.supervise.supervisor import Supervisor
+    supervisor = Supervisor(cfg, print_status=lambda line: click.echo(line))
+    supervisor.claim()  # a run directory in use is refused before anything says the job starts
     read_generation(cfg.files.drafter_generation)  # damaged: one error now, not a dispatcher failing 3 times
     if finished_before(cfg):
+        supervisor.run_lock.release()
         click.echo(f"{cfg.run.run_dir} holds a finished job (every batch committed; checkpoints in "
                    f"{cfg.run.run_dir}/checkpoints). Start a new one with -o run.run_dir=DIR.")
         sys.exit(0)
-    code = Supervisor(cfg, print_status=lambda line: click.echo(line)).run()
+    log.info("run directory %s: %d targets on %s, %d drafters on %s", cfg.run.run_dir,
+             cfg.target.num_workers, ",".join(cfg.target.devices), cfg.drafter.num_workers,
+             ",".join(cfg.drafter.devices))
+    code = supervisor.run()
+    if code == 0 and cfg.run.node_rank == 0:
+        from dflash_ipc.supervise.job_end import next_steps
+        click.echo("\n".join(next_steps(cfg)))
     if code == 0 and embedded_default:
         # The embedded default ends by showing that the drafter learned: tau of the trained
         # drafter next to an untrained one of the same shape, on held-out prompts.

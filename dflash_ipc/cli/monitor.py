@@ -32,7 +32,7 @@ def status(run_dir, as_json) -> None:
 @click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
               help="Which node's processes to check (run it on that node); the dispatcher is asked from any.")
 def health(run_dir, as_json, stale_after_s, stall_after_s, timeout_s, node_rank) -> None:
-    """Per-process health (psutil, heartbeats, progress). Exit 0 healthy, 1 degraded, 2 down."""
+    """Per-process health (psutil, heartbeats, progress). Exit 0 healthy, starting or finished, 1 degraded, 2 down."""
     import json
     from dflash_ipc.supervise.health import format_health, health_report
     report = health_report(run_dir, node_rank=node_rank, stale_after_s=stale_after_s,

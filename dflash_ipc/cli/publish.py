@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -25,6 +26,8 @@ from dflash_ipc.cli.app import checked_device, main
               help="Where the export will be uploaded, for the card's usage lines (default: OUT_DIR's name).")
 def export(checkpoint, out_dir, with_code, base_model, repo_id) -> None:
     """Write the SGLang/vLLM inference format (config.json + model.safetensors) and a model card."""
+    from dflash_ipc.drafter.export_dir import check_export_target
+    check_export_target(os.path.abspath(out_dir))  # before torch is imported: a wrong OUT_DIR is answered at once
     from dflash_ipc.drafter.inference_format import checkpoint_step_dir, export_step_dir
     from dflash_ipc.export.hub_code import publish_files
     step_dir = checkpoint_step_dir(checkpoint)  # resolved and verified once

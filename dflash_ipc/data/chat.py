@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_ipc.data.messages import Conversation, RowRejected, check_special_tokens, message_texts
+from dflash_ipc.data.messages import Conversation, RowRejected, check_special_tokens, check_tools_rendered, message_texts
 from dflash_ipc.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,7 @@ class ChatEncoder:
                 full = self._render(conv, add_generation_prompt=False)
                 turns = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant"]
                 spans = [self._turn_span(conv, i, full) for i in (turns[-1:] if last_turn_only else turns)]
+            check_tools_rendered(conv, full)
             ids, mask = self._mask(full, spans, max_tokens)
         except RowRejected:
             raise

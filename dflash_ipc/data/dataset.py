@@ -240,7 +240,7 @@ class DatasetWriter:
         extra: dict | None = None,
     ):
         self.out_dir = os.path.abspath(out_dir.rstrip("/"))
-        _check_target(self.out_dir, overwrite)
+        check_out_dir(self.out_dir, overwrite)
         self.partial_dir = f"{self.out_dir}.partial-{os.getpid()}"
         self.started = time.monotonic()
         _warn_stale_partials(self.out_dir)
@@ -318,7 +318,7 @@ class DatasetWriter:
 
     def _publish(self) -> None:
         # Checked again: another prepare may have finished the same out_dir meanwhile.
-        _check_target(self.out_dir, self._overwrite)
+        check_out_dir(self.out_dir, self._overwrite)
         old = None
         if os.path.exists(self.out_dir):
             old = f"{self.out_dir}.old-{os.getpid()}"
@@ -347,9 +347,9 @@ class DatasetWriter:
             raise DataError(f"{self.out_dir}: DatasetWriter left without close(); nothing was written")
 
 
-def _check_target(out_dir: str, overwrite: bool) -> None:
-    """Refuse to replace an existing dataset unless overwrite, and never replace a
-    directory that is not a dataset (a typo must not delete someone's files)."""
+def check_out_dir(out_dir: str, overwrite: bool) -> None:
+    """DataError unless out_dir may be written: an existing dataset only with overwrite, and
+    never a directory that is not a dataset (a typo must not delete someone's files)."""
     if not os.path.exists(out_dir):
         return
     if not os.path.isdir(out_dir):

@@ -40,6 +40,7 @@ REJECT_REASONS = (
     "bad_tokens",  # pre-tokenized: input_ids/loss_mask malformed or out of vocabulary
     "no_loss_tokens",  # pre-tokenized: the mask has no two consecutive trained tokens
     "template_error",  # the chat template failed or rendered turns inconsistently
+    "tools_not_rendered",  # the chat template dropped the row's tool schemas or tool calls (no tool support)
     "too_long",  # longer than max_length (on_long=reject), or truncation left nothing to learn
     "duplicate",  # the same tokens as an earlier row (dropped with --dedup, or a held-out copy)
     "generation_error",  # regenerate: the backend failed on the row (after its retries)
@@ -270,3 +271,37 @@ def check_special_tokens(messages: list[dict], specials: list[str]) -> None:
             for special in specials:
                 if special in text:
                     raise RowRejected("special_token_in_content", f"turn {i} ({m['role']}) contains {special!r}")
+
+
+def tool_names(tools: list[dict] | None) -> list[str]:
+    """The function names of a row's tool schemas (OpenAI {"type": "function", "function":
+    {"name": ...}} or a bare {"name": ...}); schemas without a name are left out."""
+    names = []
+    for tool in tools or ():
+        fn = tool.get("function", tool)
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]:
+            names.append(fn["name"])
+    return names
+
+
+def check_tools_rendered(conv: Conversation, text: str) -> None:
+    """RowRejected("tools_not_rendered") when a rendering lacks the row's tools: a template
+    without tool support renders a tool-call turn as an empty turn and drops the schemas, and
+    training on that text would teach the drafter replies the target never gives. Each name
+    must occur at least once per schema and per call that names it (a lower bound: a tool's
+    answer may name it too, so a rendering that drops calls can still pass, never the reverse)."""
+    wanted: dict[str, int] = {}
+    for name in tool_names(conv.tools):
+        wanted[name] = wanted.get(name, 0) + 1
+    for m in conv.messages:
+        for call in m.get("tool_calls") or ():
+            name = call["function"]["name"]
+            wanted[name] = wanted.get(name, 0) + 1
+    for name, count in wanted.items():
+        found = text.count(name)
+        if found < count:
+            raise RowRejected("tools_not_rendered",
+                              f"tool {name!r} is named {count} times in the row's tools and tool calls but {found} "
+                              "times in the chat template's rendering: the template drops tools (use a target "
+                              "whose template supports tools, or drop the tool turns)")
+

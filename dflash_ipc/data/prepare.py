@@ -45,15 +45,18 @@ import numpy as np
 
 from dflash_ipc.data.chat import ChatEncoder, keep_last_run
 from dflash_ipc.data.messages import RowRejected, parse_conversation
-from dflash_ipc.data.dataset import DatasetWriter, tokenizer_fingerprint
+from dflash_ipc.data.dataset import DatasetWriter, check_out_dir, tokenizer_fingerprint
 from dflash_ipc.data.held_out import HeldOut
-from dflash_ipc.obs.progress import ProgressLine
+from dflash_ipc.obs.progress import ProgressLine, eta
 from dflash_ipc.data.reader import MAX_ROW_BYTES, InputSource, RawRow, decode_row
 from dflash_ipc.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
 ON_LONG = ("truncate", "reject")
+# A share of unknown tokens above this says the tokenizer does not fit the text (a wrong --model,
+# a word-level tokenizer on another language): warned about, with the share, in the report.
+UNK_WARN_SHARE = 0.05
 REJECTS_FILE = "rejects.jsonl"
 CHUNK_LINES = 64
 _RAW_KEEP_CHARS = 2000
@@ -75,6 +78,8 @@ class PrepareReport:
     num_truncated: int = 0
     num_duplicates: int = 0
     num_held_out: int = 0
+    unk_share: float | None = None  # tokens of the samples that are the tokenizer's unk token (None: it has none)
+    warnings: list = field(default_factory=list)  # sentences a user should read once (side files, unk share)
 
     def summary(self) -> str:
         """One line for the command line."""
@@ -190,14 +195,20 @@ def _encode_chunk(chunk: list[RawRow]) -> list[_RowResult]:
     return [_WORKER_ENCODER.encode_row(row) for row in chunk]
 
 
-def load_tokenizer(model_dir: str):
-    """The target's tokenizer from its local directory; DataError naming the directory when
-    it is missing or holds no tokenizer (`prepare` resolves a Hub id first: hf/hub.py)."""
-    from transformers import AutoTokenizer
-
+def check_model_dir(model_dir: str) -> None:
+    """DataError when model_dir is no directory; cheap, so commands call it before they
+    import transformers (seconds) to answer a mistyped path at once."""
     if not os.path.isdir(model_dir):
         raise DataError(f"{model_dir}: no such model directory (give the local directory of the target's "
                         "tokenizer and chat template, or its Hub id ORG/NAME)")
+
+
+def load_tokenizer(model_dir: str):
+    """The target's tokenizer from its local directory; DataError naming the directory when
+    it is missing or holds no tokenizer (`prepare` resolves a Hub id first: hf/hub.py)."""
+    check_model_dir(model_dir)
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except Exception as e:  # OSError, ValueError, and whatever a broken tokenizer file raises
@@ -257,7 +268,7 @@ class _Sink:
     choice), rejects to rejects.jsonl, counts to the tally."""
 
     def __init__(self, writer: DatasetWriter, rejects, source: InputSource, *, strict: bool, dedup: bool,
-                 held_out: int):
+                 held_out: int, unk_id: int | None = None, unk_token: str | None = None):
         self.writer = writer
         self.source = source
         self.rejects = rejects
@@ -269,6 +280,10 @@ class _Sink:
         self.num_truncated = 0
         self.num_duplicates = 0
         self.first_rejects: list[str] = []
+        self.unk_id = unk_id
+        self.unk_token = unk_token
+        self.num_tokens = 0
+        self.num_unk = 0
         self._keys: dict[int, int] = {}  # sample key -> index of its first row
 
     @property
@@ -278,6 +293,9 @@ class _Sink:
 
     def add(self, r: _RowResult) -> None:
         if r.reason is None:
+            self.num_tokens += len(r.input_ids)
+            if self.unk_id is not None:
+                self.num_unk += int(np.count_nonzero(r.input_ids == self.unk_id))
             key = _sample_key(r.input_ids, r.loss_mask)
             first = self._keys.setdefault(key, r.index)
             if first != r.index:
@@ -315,18 +333,29 @@ class _Sink:
         return [{"sample_id": r.index, "prompt_ids": prompt.astype(int).tolist()} for r, prompt in self.held.held()]
 
 
-def _progress_line(source: InputSource, sink: _Sink, bar: ProgressLine) -> str:
-    done = (f"{100.0 * source.bytes_read / source.total_bytes:5.1f}% " if source.total_bytes else "")
+def _progress_line(source: InputSource, sink: _Sink, bar: ProgressLine, total_rows: int | None = None) -> str:
+    """Rows, samples and rate; the share done and the ETA at the rate so far, by bytes for
+    files, by rows for a datasets directory (`total_rows`), none for a pipe."""
+    elapsed = max(bar.elapsed_s, 1e-9)
+    if source.total_bytes:
+        done = f"{100.0 * source.bytes_read / source.total_bytes:5.1f}% "
+        left = f", {eta(source.bytes_read, source.total_bytes, source.bytes_read / elapsed)}"
+    elif total_rows:
+        done = f"{100.0 * source.num_rows / total_rows:5.1f}% "
+        left = f", {eta(source.num_rows, total_rows, source.num_rows / elapsed)}"
+    else:
+        done = left = ""
     return (f"prepare: {done}{source.num_rows} rows, {sink.num_samples} samples, {sink.num_rejected} rejected, "
-            f"{sink.num_samples / max(bar.elapsed_s, 1e-9):.0f} samples/s")
+            f"{sink.num_samples / elapsed:.0f} samples/s{left}")
 
 
 def _write_rows(sink: _Sink, source: InputSource, chunks, bar: ProgressLine) -> None:
+    total_rows = source.estimated_rows() if source.kind == "arrow_dataset" and bar.enabled else None
     for results in chunks:
         for r in results:
             sink.add(r)
-        bar.show(_progress_line(source, sink, bar))
-    bar.show(_progress_line(source, sink, bar), final=True)
+        bar.show(_progress_line(source, sink, bar, total_rows))
+    bar.show(_progress_line(source, sink, bar, total_rows), final=True)
 
 
 # --- entry point --------------------------------------------------------------------
@@ -370,6 +399,9 @@ def prepare_dataset(
     if held_out and extra_meta and "held_out" in extra_meta:
         raise ConfigError("held_out: given both as an option and in extra_meta")
     source = InputSource(input_path, split=split, max_row_bytes=max_line_bytes)
+    # The cheap refusals first: loading a tokenizer imports transformers and torch (seconds).
+    check_model_dir(model_dir)
+    check_out_dir(out_dir, overwrite)
     tokenizer = load_tokenizer(model_dir)
     encoder = RowEncoder(tokenizer, max_length=max_length, last_turn_only=last_turn_only, on_long=on_long,
                          max_row_bytes=max_line_bytes, template_kwargs=template_kwargs)
@@ -379,7 +411,8 @@ def prepare_dataset(
     with DatasetWriter(out_dir, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), overwrite=overwrite,
                        max_length=max_length, source=meta_source, extra=extra_meta) as writer:
         with open(writer.aux_path(REJECTS_FILE), "w") as rejects:
-            sink = _Sink(writer, rejects, source, strict=strict, dedup=dedup, held_out=held_out)
+            sink = _Sink(writer, rejects, source, strict=strict, dedup=dedup, held_out=held_out,
+                         unk_id=tokenizer.unk_token_id, unk_token=tokenizer.unk_token)
             # closing(): a strict-mode stop or Ctrl-C shuts the pool down now, not at garbage collection.
             with contextlib.closing(_encoded_chunks(source, model_dir, encoder, num_workers)) as chunks:
                 _write_rows(sink, source, chunks, ProgressLine(progress))
@@ -412,6 +445,13 @@ def _report(input_path: str, writer: DatasetWriter, source: InputSource, sink: _
         rejects_by_reason=dict(sorted(sink.counts.items())), rejects_path=os.path.join(writer.out_dir, REJECTS_FILE),
         seconds=seconds, samples_per_s=sink.num_samples / max(seconds, 1e-9), out_dir=writer.out_dir,
         num_truncated=sink.num_truncated, num_duplicates=sink.num_duplicates, num_held_out=held_out,
+        unk_share=sink.num_unk / sink.num_tokens if sink.unk_id is not None and sink.num_tokens else None,
+        warnings=source.notes(),
     )
+    if report.unk_share is not None and report.unk_share > UNK_WARN_SHARE:
+        report.warnings.append(
+            f"{100 * report.unk_share:.1f}% of the {sink.num_tokens:,} tokens are the tokenizer's unknown token "
+            f"{sink.unk_token!r} (above {100 * UNK_WARN_SHARE:.0f}%): the tokenizer does not cover this text, and "
+            "a drafter trained on it learns to predict that token; check that --model is the target the data is for")
     log.info("prepare %s -> %s", input_path, report.summary())
     return report

@@ -9,7 +9,9 @@ go through the same code. What it reads (`open_input`):
                     '[' is an array, except a .jsonl file whose first line holds more)
   FILE.parquet      Parquet (pyarrow), in record batches
   DIR               a `datasets` save_to_disk directory (state.json / dataset_dict.json), or a
-                    dataset's local shards: every *.parquet, *.jsonl, *.json below it
+                    dataset's local shards: every *.parquet, *.jsonl, *.json below it but
+                    regenerate's side files (*.rejects.jsonl, *.state.json: skipped, counted
+                    in `side_files` and said once in the command's report)
   /dev/stdin, FIFO  JSONL or a JSON array, streamed (nothing is sought)
 
 Rows are isolated: the reader only splits the input; `decode_row` parses one row and turns
@@ -50,6 +52,10 @@ _SHARD_EXTS = (".parquet", ".jsonl", ".json")
 _SPLIT_NAMES = ("train", "test", "validation", "valid", "dev", "eval")
 _HF_SHARD = re.compile(r"^(?P<split>[A-Za-z0-9_]+)-\d+-of-\d+")
 _DATA_EXTRA_HINT = "pip install 'dflash-ipc[data]'"
+# The files regenerate writes beside its output (regenerate/output.py, sidecar_paths): a
+# directory of regenerated files holds them too, and they are not conversations.
+REJECTS_SUFFIX, STATE_SUFFIX = ".rejects.jsonl", ".state.json"
+SIDE_FILE_SUFFIXES = (REJECTS_SUFFIX, STATE_SUFFIX)
 
 
 @dataclass(slots=True)
@@ -101,7 +107,7 @@ class InputSource:
             raise DataError(f"max_row_bytes={max_row_bytes}; must be >= 1")
         self.path = path
         self.max_row_bytes = max_row_bytes
-        self.files, self.kind = _resolve(path, split)
+        self.files, self.kind, self.side_files = _resolve(path, split)
         self.total_bytes = sum(_size(f) for f in self.files) if self.kind != "arrow_dataset" else 0
         self.bytes_read = 0
         self.num_rows = 0
@@ -138,6 +144,15 @@ class InputSource:
                 yield from _JsonScanner(reader, path, self.max_row_bytes).values(array=False)
             else:
                 yield from _jsonl_rows(reader, path, self.max_row_bytes)
+
+    def notes(self) -> list[str]:
+        """What a user should hear once about this input (the side files skipped)."""
+        if not self.side_files:
+            return []
+        names = ", ".join(os.path.relpath(f, self.path) for f in self.side_files[:3])
+        more = f" and {len(self.side_files) - 3} more" if len(self.side_files) > 3 else ""
+        return [f"{self.path}: skipped {len(self.side_files)} side files of regenerate (*{REJECTS_SUFFIX}, "
+                f"*{STATE_SUFFIX}), not read as data: {names}{more}"]
 
     def estimated_rows(self) -> int | None:
         """The number of rows, or an estimate (lines of JSONL files), or None for streams."""
@@ -492,12 +507,15 @@ def split_of(rel_path: str) -> str | None:
     return stem if stem in _SPLIT_NAMES else None
 
 
-def _shards(root: str, split: str | None) -> list[str]:
-    found = []
+def _shards(root: str, split: str | None) -> tuple[list[str], list[str]]:
+    """(the shards to read, the side files skipped) of a directory input."""
+    found, side = [], []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        found += [os.path.join(dirpath, n) for n in sorted(filenames)
-                  if n.endswith(_SHARD_EXTS) and not n.startswith(".") and n not in ("dataset_info.json", "state.json")]
+        names = [n for n in sorted(filenames) if n.endswith(_SHARD_EXTS) and not n.startswith(".")
+                 and n not in ("dataset_info.json", "state.json")]
+        side += [os.path.join(dirpath, n) for n in names if n.endswith(SIDE_FILE_SUFFIXES)]
+        found += [os.path.join(dirpath, n) for n in names if not n.endswith(SIDE_FILE_SUFFIXES)]
     if not found:
         raise DataError(f"{root}: no *.parquet, *.jsonl or *.json files, and not a save_to_disk directory "
                         "(no state.json / dataset_dict.json)")
@@ -505,26 +523,28 @@ def _shards(root: str, split: str | None) -> list[str]:
     named = sorted({s for s in splits.values() if s is not None})
     if split is None:
         if len(named) <= 1:
-            return found
+            return found, side
         if "train" not in named:
             raise DataError(f"{root}: shards of several splits {named}; choose one with --split")
         split = "train"
     chosen = [f for f in found if splits[f] == split]
     if not chosen:
         raise DataError(f"{root}: no shard of split {split!r}; splits found: {named or 'none (no split names)'}")
-    return chosen
+    return chosen, side
 
 
-def _resolve(path: str, split: str | None) -> tuple[list[str], str]:
-    """(files, kind) of an input path; DataError naming the path when it cannot be read."""
+def _resolve(path: str, split: str | None) -> tuple[list[str], str, list[str]]:
+    """(files, kind, side files skipped) of an input path; DataError naming the path when it
+    cannot be read."""
     if not os.path.exists(path):
         raise DataError(f"{path}: no such input file or directory")
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "dataset_dict.json")) or os.path.exists(os.path.join(path, "state.json")):
-            return [], "arrow_dataset"
-        return _shards(path, split), "shards"
+            return [], "arrow_dataset", []
+        files, side = _shards(path, split)
+        return files, "shards", side
     if split is not None:
         raise DataError(f"{path}: --split {split!r} applies to a directory input, not to a file")
     if not os.access(path, os.R_OK):
         raise DataError(f"{path}: not readable (permission denied)")
-    return [path], "file"
+    return [path], "file", []

@@ -54,7 +54,9 @@ from collections.abc import Callable
 import torch
 
 from dflash_ipc.run.checkpoints import MANIFEST, STATE_TENSORS, UNCOMMITTED, CheckpointStore, verify_dir
-from dflash_ipc.drafter.model import ARCHITECTURE, DFlashConfig, DFlashDraftModel
+# EXPORT_FILES: imported by readers of this module's export layout (tests, the model card)
+from dflash_ipc.drafter.export_dir import CONFIG_FILE, EXPORT_FILES, WEIGHTS_FILE, check_export_target  # noqa: F401
+from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.config.dtypes import DTYPE_OF_TORCH
 from dflash_ipc.errors import DataError
 from dflash_ipc.run.json_files import read_json_object
@@ -63,12 +65,6 @@ from dflash_ipc.run.regular_file import regular_file
 logger = logging.getLogger(__name__)
 
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.")
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-# Every file an export may hold: the two above, the model card (export/model_card.CARD_FILE)
-# and --with-code's module (export/hub_code.MODELING_FILE). A directory holding anything else
-# is not an earlier export, and export never replaces it.
-EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE, "README.md", "modeling_dflash.py")
 
 # The exact keys of the config.json written by save_inference_checkpoint.
 CONFIG_KEYS: tuple[str, ...] = (
@@ -147,31 +143,6 @@ def save_inference_checkpoint(model: DFlashDraftModel, out_dir: str, *, dtype: t
         raise
     logger.info("exported drafter (%s) to %s%s", DTYPE_OF_TORCH[dtype], out_dir,
                 " (replacing the directory that was there)" if replaced else "")
-
-
-def check_export_target(out_dir: str) -> None:
-    """`out_dir` may be written: it does not exist, is empty, or is an earlier export (only
-    EXPORT_FILES, a config.json of our architecture), which the new one replaces. Anything
-    else is the user's, and nothing of it is removed: DataError."""
-    if not os.path.lexists(out_dir):
-        return
-    if os.path.islink(out_dir) or not os.path.isdir(out_dir):
-        raise DataError(f"{out_dir}: exists and is not a directory; give a new or empty directory to export to")
-    names = sorted(os.listdir(out_dir))
-    if not names:
-        return
-    unknown = [n for n in names if n not in EXPORT_FILES]
-    refuse = (f"{out_dir}: exists and is not an earlier export (%s); nothing in it is removed: give a new or empty "
-              f"directory to export to, or remove it yourself")
-    if unknown:
-        raise DataError(refuse % f"it holds {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
-    cfg_path = os.path.join(out_dir, CONFIG_FILE)
-    try:
-        architectures = read_json_object(cfg_path, "an earlier export's config").get("architectures")
-    except DataError as e:
-        raise DataError(refuse % f"{CONFIG_FILE}: {str(e)[len(cfg_path) + 2:][:200]}") from None
-    if architectures != [ARCHITECTURE]:
-        raise DataError(refuse % f"its {CONFIG_FILE} has architectures {str(architectures)[:80]}, not [{ARCHITECTURE!r}]")
 
 
 def write_inference_files(model: DFlashDraftModel, directory: str, *, dtype: torch.dtype = torch.bfloat16,

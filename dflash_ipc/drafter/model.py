@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from dflash_ipc.drafter.attention import attention
+from dflash_ipc.drafter.export_dir import ARCHITECTURE
 from dflash_ipc.config.schema import LAYER_TYPES
 from dflash_ipc.errors import ConfigError
 from dflash_ipc.hf.layer_ids import default_target_layer_ids
@@ -38,7 +39,6 @@ from dflash_ipc.hf.text_stack import text_config
 
 logger = logging.getLogger(__name__)
 
-ARCHITECTURE = "DFlashDraftModel"
 
 
 def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:

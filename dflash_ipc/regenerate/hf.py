@@ -15,7 +15,7 @@ import logging
 import os
 
 from dflash_ipc.data.chat import render
-from dflash_ipc.data.messages import Conversation, RowRejected, check_special_tokens
+from dflash_ipc.data.messages import Conversation, RowRejected, check_special_tokens, check_tools_rendered
 from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.config.machine import check_device
 from dflash_ipc.regenerate.conversation import Reply, Request
@@ -88,6 +88,7 @@ class HFBackend:
             text = render(self.tokenizer, conv, add_generation_prompt=True, template_kwargs=self.options.template_kwargs)
         except Exception as e:  # jinja errors, template raise_exception()
             raise RowRejected("template_error", f"turn {request.key[1]}: {type(e).__name__}: {e}"[:500]) from None
+        check_tools_rendered(conv, text)  # a template without tool support: the target would never see them
         request.prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if self.max_positions:  # a reply may use what is left of the model's context
             request.max_new_tokens = min(request.max_new_tokens, self.max_positions - len(request.prompt_ids))

@@ -27,6 +27,7 @@ import os
 import re
 import time
 
+from dflash_ipc.data.reader import REJECTS_SUFFIX, STATE_SUFFIX
 from dflash_ipc.errors import DataError
 from dflash_ipc.run.json_files import read_json_object, write_json_atomic
 
@@ -41,7 +42,7 @@ _INDEX_HEAD = re.compile(rb'^\{"index": (\d{1,18})(?:, "sample": (\d{1,9}))?[,}]
 def sidecar_paths(out_path: str) -> tuple[str, str]:
     """(rejects file, state file) of an output file."""
     stem = out_path[: -len(".jsonl")] if out_path.endswith(".jsonl") else out_path
-    return f"{stem}.rejects.jsonl", f"{stem}.state.json"
+    return f"{stem}{REJECTS_SUFFIX}", f"{stem}{STATE_SUFFIX}"  # suffixes a directory input skips (data/reader.py)
 
 
 def line_key(line: bytes) -> tuple[int, int] | None:

@@ -58,6 +58,7 @@ class RegenerateReport:
     seconds: float = 0.0
     padding_share: float | None = None  # hf backend
     batches_per_device: dict = field(default_factory=dict)
+    warnings: list = field(default_factory=list)  # sentences a user should read once (the input's notes)
 
     def summary(self) -> str:
         """One line for the command line."""
@@ -204,7 +205,7 @@ def regenerate(input_path: str, out_path: str, backend, options: GenerationOptio
         rejects_by_reason=dict(sorted(loop.reasons.items())), num_replies=loop.replies,
         num_truncated=loop.truncated, new_tokens=loop.tokens, seconds=loop.bar.elapsed_s,
         padding_share=stats.padding_share if stats is not None and stats.batches else None,
-        batches_per_device=dict(stats.per_device) if stats is not None else {},
+        batches_per_device=dict(stats.per_device) if stats is not None else {}, warnings=source.notes(),
     )
     log.info("%s", report.summary())
     return report

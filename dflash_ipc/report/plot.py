@@ -1,7 +1,10 @@
 """report.png, drawn with matplotlib from the numbers of collect.py.
 
-Panels, top to bottom (each only when `numbers["panels"]` lists it):
+One 16:9 picture (1600 x 900 pixels: a slide), titled with the job's name (its run directory's
+name), its duration and its workers. The panels, each only when `numbers["panels"]` lists it:
 
+  left column, over time (one shared axis: seconds since the first interval, labelled once
+  at the bottom, the same span in every panel whatever each source covers):
     states    one lane per worker (targets, then drafters) colored by state over time:
               green working (target busy, drafter step), orange target waiting for work,
               red drafter waiting for hidden states, purple waiting for a slot, gray not
@@ -9,18 +12,24 @@ Panels, top to bottom (each only when `numbers["panels"]` lists it):
               a drafter-bound job is green drafters over orange targets.
     rates     the job's produced (targets) and trained (drafters) valid tokens/s
     memory    each process's GPU memory (host RSS on CPU runs) from the supervisor's polls
+  right column:
     training  loss (left axis) and learning rate (right axis) over optimizer steps
     eval      acceptance by block position of the latest saved evaluation (one bar per prompt
-              set), tau in the title
+              set), tau in the title; when no drafted token was accepted, a note that says so
+              instead of an empty frame
 
-The three time panels share one x axis (seconds since the first interval). matplotlib is an
-optional extra (`pip install 'dflash-ipc[report]'`); the figure is drawn without pyplot, so
-no global backend or figure state is touched.
+Legends sit above their panel, outside the data (the memory panel's, with many processes,
+where matplotlib finds the emptiest corner). matplotlib is an optional extra (`pip install
+'dflash-ipc[report]'`); the figure is drawn without pyplot, so no global backend or figure
+state is touched.
 """
 
 from __future__ import annotations
 
+import os
+
 from dflash_ipc.errors import MissingExtraError
+from dflash_ipc.obs.progress import format_duration
 
 COLORS = {"busy": "#2ca02c", "step": "#2ca02c", "wait_work": "#ff7f0e", "wait_hidden": "#d62728",
           "wait_slot": "#9467bd"}
@@ -29,10 +38,12 @@ LEGEND = (("working", "busy"), ("waiting for work", "wait_work"), ("waiting for 
 UNRECORDED = "#d7d7d7"
 PRODUCED_COLOR, TRAINED_COLOR = "#1f77b4", "#2ca02c"
 EVAL_COLORS = ("#2ca02c", "#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#17becf")
-WIDTH_IN = 12.0
-PANEL_IN = 2.6      # height of each panel but the lanes
-LANE_IN = 0.32      # height of one worker lane
+WIDTH_IN, HEIGHT_IN = 16.0, 9.0  # 16:9, a slide
 DPI = 100
+TIME_PANELS = ("states", "rates", "memory")
+SIDE_PANELS = ("training", "eval")
+MAX_MEMORY_LINES = 4  # more processes than this: the memory panel draws (and names) one color per kind
+KIND_COLORS = {"target": PRODUCED_COLOR, "drafter": TRAINED_COLOR}
 
 
 def _matplotlib():
@@ -62,8 +73,7 @@ def _states(ax, numbers: dict, patch) -> None:
     ax.set_yticklabels([f"{role}  {100 * (workers[role]['busy_fraction'] or 0):.0f}%" for role in reversed(lanes)])
     handles = [patch(color=COLORS[state], label=name) for name, state in LEGEND]
     handles.append(patch(color=UNRECORDED, label="not recorded"))
-    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=5, fontsize=8, frameon=False,
-              borderaxespad=0.1)
+    _legend_above(ax, handles=handles, ncol=3)  # five entries in two rows: clear of the title
     ax.set_title("worker states (busy share)", loc="left", fontsize=10)
 
 
@@ -73,18 +83,32 @@ def _rates(ax, numbers: dict) -> None:
     ax.plot(rates["t"], rates["trained_tokens_per_s"], color=TRAINED_COLOR, label="trained (drafters)")
     ax.set_ylabel("tokens/s")
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8, loc="lower right")
+    _legend_above(ax, ncol=2)
     ax.set_title("valid tokens per second", loc="left", fontsize=10)
 
 
 def _memory(ax, numbers: dict) -> None:
     memory = numbers["memory"]
-    for role, lane in memory["workers"].items():
-        ax.plot(lane["t"], lane["mib"], label=role, drawstyle="steps-post")
+    lanes = memory["workers"]
+    # A few processes: one line and legend entry each. More: one color and one entry per kind
+    # (all targets, all drafters), since a legend of 12+ lines no longer fits beside the title
+    # and the colors would repeat; report.json keeps every process apart.
+    by_kind = len(lanes) > MAX_MEMORY_LINES
+    labelled: set[str] = set()
+    for role, lane in lanes.items():
+        kind = role.partition("/")[0]
+        if by_kind:
+            count = sum(r.partition("/")[0] == kind for r in lanes)
+            label = None if kind in labelled else f"{kind}s ({count} processes)"
+            labelled.add(kind)
+            ax.plot(lane["t"], lane["mib"], label=label, drawstyle="steps-post", alpha=0.7,
+                    color=KIND_COLORS.get(kind, UNRECORDED))
+        else:
+            ax.plot(lane["t"], lane["mib"], label=role, drawstyle="steps-post")
     gpu = memory["metric"].startswith("gpu")
     ax.set_ylabel("MiB")
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize=7, ncol=4, loc="lower right")
+    _legend_above(ax, ncol=MAX_MEMORY_LINES)
     ax.set_title("GPU memory reserved per process" if gpu else
                  "host RSS per process (no process reported GPU memory)", loc="left", fontsize=10)
 
@@ -106,47 +130,92 @@ def _training(ax, numbers: dict) -> None:
 def _eval(ax, numbers: dict) -> None:
     """Acceptance by block position, one bar per prompt set of the latest evaluation at each."""
     results = numbers["eval"]
+    parts = []
+    for result in results:
+        tau, rate = result.get("tau"), result.get("tokens_per_s")
+        parts.append(f"{result.get('prompt_set') or '-'} tau {'-' if tau is None else f'{tau:.2f}'}"
+                     + (f", {rate:,.0f} tok/s" if rate is not None else ""))
+    # One set: its figures in the title. Several: each set's in its legend entry (a title of
+    # them all would run into the legend).
+    title = f"latest eval ({results[0].get('label', '')})"
+    ax.set_title(f"{title}: {parts[0]}" if len(results) == 1 else title, loc="left", fontsize=10)
+    note = no_accepted_note(results)
+    if note is not None:
+        ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", fontsize=11, wrap=True)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        return
     width = 0.8 / len(results)
     longest = max(len(r["acceptance_per_position"]) for r in results)
     for i, result in enumerate(results):
         rates = result["acceptance_per_position"]
         offset = (i - (len(results) - 1) / 2) * width
         ax.bar([k + offset for k in range(1, len(rates) + 1)], [v if v is not None else 0.0 for v in rates],
-               width=width, color=EVAL_COLORS[i % len(EVAL_COLORS)], label=result.get("prompt_set") or "-")
+               width=width, color=EVAL_COLORS[i % len(EVAL_COLORS)], label=parts[i])
     ax.set_xticks(range(1, longest + 1))
     ax.set_xlabel("block position")
     ax.set_ylabel("acceptance")
     ax.set_ylim(0, 1)
     if len(results) > 1:
-        ax.legend(fontsize=8, loc="upper right")
-    parts = []
-    for result in results:
-        tau, rate = result.get("tau"), result.get("tokens_per_s")
-        parts.append(f"{result.get('prompt_set') or '-'} tau {'-' if tau is None else f'{tau:.2f}'}"
-                     + (f", {rate:,.0f} tok/s" if rate is not None else ""))
-    ax.set_title(f"latest eval: {'; '.join(parts)}  ({results[0].get('label', '')})", loc="left", fontsize=10)
+        ax.legend(fontsize=8, loc="best")  # acceptance falls with position: a corner is free
+
+
+def no_accepted_note(results: list[dict]) -> str | None:
+    """The eval panel's text when no prompt set accepted a single drafted token (bars of
+    height 0 would draw an empty frame that reads as a missing panel); None otherwise."""
+    if any(v for r in results for v in r["acceptance_per_position"] if v is not None):
+        return None
+    return "no accepted tokens:\nevery drafted token of every prompt set was rejected"
+
+
+def _legend_above(ax, **kwargs) -> None:
+    """A legend above the panel, right-aligned opposite the left-aligned title: never on the data."""
+    kwargs.setdefault("fontsize", 8)
+    ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), frameon=False, borderaxespad=0.1, **kwargs)
+
+
+def job_title(numbers: dict) -> str:
+    """The picture's title: the run directory's name (the job's), its duration, its workers."""
+    roles = list(numbers["workers"])
+    counts = [(sum(r.startswith(k + "/") for r in roles), k) for k in ("target", "drafter")]
+    kinds = [f"{n} {k}{'' if n == 1 else 's'}" for n, k in counts]
+    name = os.path.basename(os.path.normpath(numbers["run_dir"])) or numbers["run_dir"]
+    return f"{name}: {format_duration(numbers['span_s'])}, {', '.join(kinds)}"
+
+
+def figure(numbers: dict):
+    """The matplotlib Figure of `numbers` (collect.collect's dict), laid out for a slide."""
+    figure_class, canvas_class, patch = _matplotlib()
+    panels = numbers["panels"]
+    time_panels = [p for p in panels if p in TIME_PANELS]
+    side_panels = [p for p in panels if p in SIDE_PANELS]
+    fig = figure_class(figsize=(WIDTH_IN, HEIGHT_IN), dpi=DPI, layout="constrained")
+    canvas_class(fig)
+    columns = [c for c in (time_panels, side_panels) if c]
+    outer = fig.add_gridspec(1, len(columns), width_ratios=[3, 2][:len(columns)] if len(columns) == 2 else [1])
+    time_axis = None
+    for column, names in enumerate(columns):
+        heights = [max(1.0, 0.25 * len(numbers["states"])) if p == "states" else 1.0 for p in names]
+        cells = outer[column].subgridspec(len(names), 1, height_ratios=heights)
+        for row, panel in enumerate(names):
+            shared = panel in TIME_PANELS
+            ax = fig.add_subplot(cells[row], sharex=time_axis if shared else None)
+            if panel == "states":
+                _states(ax, numbers, patch)
+            else:
+                {"rates": _rates, "memory": _memory, "training": _training, "eval": _eval}[panel](ax, numbers)
+            if shared:
+                time_axis = time_axis or ax
+                ax.set_xlim(0, max(numbers["span_s"], 1e-6))
+                if row == len(names) - 1:
+                    ax.set_xlabel("seconds since the first worker interval")
+                else:
+                    ax.tick_params(labelbottom=False)
+    fig.suptitle(job_title(numbers), fontsize=13)
+    return fig
 
 
 def render(numbers: dict, path: str) -> None:
-    """Writes the PNG of `numbers` (collect.collect's dict) to `path`."""
-    figure_class, canvas_class, patch = _matplotlib()
-    panels = numbers["panels"]
-    heights = [max(1.2, LANE_IN * len(numbers["states"])) if p == "states" else PANEL_IN for p in panels]
-    height_in = sum(heights) + 0.9 * len(panels) + 0.6  # panels, their titles and axis labels, the title
-    fig = figure_class(figsize=(WIDTH_IN, height_in), dpi=DPI)
-    canvas_class(fig)
-    grid = fig.add_gridspec(len(panels), 1, height_ratios=heights, hspace=0.9 * len(panels) / sum(heights),
-                            top=1 - 0.7 / height_in, bottom=0.5 / height_in)
-    time_axis = None
-    for row, panel in enumerate(panels):
-        shared = panel in ("states", "rates", "memory")
-        ax = fig.add_subplot(grid[row], sharex=time_axis if shared else None)
-        if shared:
-            time_axis = time_axis or ax
-            ax.set_xlabel("seconds since the first worker interval")
-        if panel == "states":
-            _states(ax, numbers, patch)
-        else:
-            {"rates": _rates, "memory": _memory, "training": _training, "eval": _eval}[panel](ax, numbers)
-    fig.suptitle(f"{numbers['run_dir']}  ({numbers['span_s']:.0f} s)", fontsize=11, y=1 - 0.2 / height_in)
-    fig.savefig(path, format="png", bbox_inches="tight")
+    """Writes the PNG of `numbers` (collect.collect's dict) to `path`: WIDTH_IN x HEIGHT_IN at
+    DPI, uncropped (a tight crop would change the aspect)."""
+    figure(numbers).savefig(path, format="png")

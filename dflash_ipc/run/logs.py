@@ -6,6 +6,8 @@ import logging
 import os
 import sys
 
+from dflash_ipc.run.quiet import quiet_unactionable_warnings
+
 _FORMAT = "%(asctime)s %(levelname).1s [%(role)s] %(name)s: %(message)s"
 
 
@@ -36,6 +38,7 @@ def setup_logging(role: str, *, level: str = "INFO", log_file: str | None = None
     # transformers and torch are chatty at INFO about things that are expected here.
     for noisy in ("transformers", "torch", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    quiet_unactionable_warnings()  # torchao's import lines (run/quiet.py)
 
 
 def tail_lines(path: str, lines: int, *, max_bytes: int = 8000) -> list[str]:

@@ -32,6 +32,14 @@ and for the supervisor: stopped (the job still runs, but nobody would restart or
 
 **healthy** (exit 0) otherwise, including a finished job whose processes still run.
 
+Instead of down, when the dispatcher does not answer (supervise/job_phase.py):
+**finished** (exit 0): its `final_status.json`, written since processes.json, says every batch
+is committed (the job `up` ends with code 0); **starting** (exit 0): the supervisor runs and
+holds the run directory's lock but has not written processes.json yet, or it runs, the
+dispatcher process is alive (node 0), no earlier check got its status (the progress state file
+holds none for these pids) and the run is younger than `supervise.startup_timeout_s`, with no
+worker problem.
+
 Progress. The dispatcher's counters say how much was done, not when, so each check keeps
 the counters it saw in `<run_dir>/health_state.json` (`health_state-nodeK.json` for node K;
 role -> pid, counter, first time this
@@ -64,13 +72,15 @@ from dflash_ipc.errors import DataError, DFlashError
 from dflash_ipc.run.json_files import read_json_object, write_json_atomic
 from dflash_ipc.run.liveness import beacon_problem, read_beacon
 from dflash_ipc.run.files import RunFiles
+from dflash_ipc.supervise.job_phase import (FINISHED, STARTING, answered_before, finished_status, lock_holder,
+                                           starting_or_finished)
 from dflash_ipc.supervise.roles import Role
 from dflash_ipc.wire.status import DrafterStatus, JobStatus, TargetStatus, to_plain
 
 log = logging.getLogger(__name__)
 
 HEALTHY, DEGRADED, DOWN = "healthy", "degraded", "down"
-EXIT_CODES = {HEALTHY: 0, DEGRADED: 1, DOWN: 2}
+EXIT_CODES = {HEALTHY: 0, STARTING: 0, FINISHED: 0, DEGRADED: 1, DOWN: 2}
 BAD_STATES = {psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD, psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP}
 GONE = "gone"
 REUSED = "gone (pid reused)"
@@ -150,6 +160,10 @@ def health_report(run_dir: str, *, node_rank: int = 0, stale_after_s: float | No
         record, written_at = read_processes(run_dir, node_rank)
         cfg = _load_run_config(run_dir, node_rank)
     except DFlashError as exc:
+        holder = lock_holder(run_dir, node_rank)
+        if holder is not None and not os.path.exists(RunFiles(run_dir, node_rank).processes):
+            return HealthReport(run_dir=run_dir, node_rank=node_rank, level=STARTING, reasons=[
+                f"supervisor (pid {holder}) holds the run directory and has not started its processes yet"])
         return HealthReport(run_dir=run_dir, node_rank=node_rank, level=DOWN, reasons=[str(exc)])
     hb_timeout = cfg.dispatch.heartbeat_timeout_s
     thresholds = {"stale_after_s": stale_after_s if stale_after_s is not None else hb_timeout / 2,
@@ -161,15 +175,24 @@ def health_report(run_dir: str, *, node_rank: int = 0, stale_after_s: float | No
     report = HealthReport(run_dir=run_dir, node_rank=node_rank, level=HEALTHY, processes=rows,
                           thresholds=thresholds)
     if status is not None:
-        report.job = {"elapsed_s": status.elapsed_s, "num_batches": status.num_batches,
-                      "batches": to_plain(status.batches), "finished": status.finished,
-                      "rates": to_plain(status.rates)}
+        report.job = _job_summary(status)
         _apply_status(rows, status)
     _apply_progress(RunFiles(run_dir, node_rank).health_state, rows, status, thresholds["stall_after_s"])
     _apply_beacons(rows, cfg)
     report.uncommitted_checkpoints = CheckpointStore(cfg.files.checkpoints).uncommitted()
     _judge(report, status, status_error, cfg.dispatcher_address)
+    if report.level == DOWN and status is None:
+        answered = answered_before(_read_state(RunFiles(run_dir, node_rank).health_state), rows)
+        final = finished_status(cfg.files.final_status, written_at)
+        starting_or_finished(report, None if final is None else _job_summary(final), cfg.files.final_status,
+                             answered=answered)
     return report
+
+
+def _job_summary(status: JobStatus) -> dict:
+    """HealthReport.job: what the verdict's `job:` line shows, as plain JSON values."""
+    return {"elapsed_s": status.elapsed_s, "num_batches": status.num_batches, "batches": to_plain(status.batches),
+            "finished": status.finished, "rates": to_plain(status.rates)}
 
 
 def _apply_beacons(rows: list[ProcessHealth], cfg) -> None:

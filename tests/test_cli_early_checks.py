@@ -1,0 +1,96 @@
+"""Mistakes a command answers before its heavy imports: a config typo, an existing output
+directory, a missing model directory (in a fresh interpreter: torch is never imported); `up` on
+a run directory in use says nothing of starting; `up` without --config says what it runs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Runs one command in-process in a fresh interpreter; prints its exit code, output and whether
+# torch (or transformers) was imported by the time the error came back.
+_PROBE = """
+import json, sys
+from click.testing import CliRunner
+from dflash_ipc.cli import main
+result = CliRunner().invoke(main, json.loads(sys.argv[1]))
+print(json.dumps({"code": result.exit_code, "error": str(result.exception), "output": result.output,
+                  "heavy": sorted(m for m in ("torch", "transformers") if m in sys.modules)}))
+"""
+
+
+def _probe(args: list[str], cwd) -> dict:
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(args)], cwd=cwd, env=env, capture_output=True,
+                         text=True, timeout=60, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_config_typo_is_answered_without_importing_torch(tmp_path):
+    result = _probe(["up", "-o", "optimizer.lrr=1"], tmp_path)
+    assert "unknown key optimizer.lrr (did you mean optimizer.lr?)" in result["error"]
+    assert result["heavy"] == []
+
+
+def test_prepare_refuses_an_existing_output_and_a_missing_model_without_importing_torch(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "in.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("someone's file")
+    existing = _probe(["prepare", "--model", "model", "--input", "in.jsonl", "--out", "out"], tmp_path)
+    assert "out: already exists; --overwrite" in existing["error"] and existing["heavy"] == []
+    missing = _probe(["prepare", "--model", "no-model", "--input", "in.jsonl", "--out", "new"], tmp_path)
+    assert "no-model: no such model directory" in missing["error"] and missing["heavy"] == []
+    regen = _probe(["regenerate", "--model", "no-model", "--input", "in.jsonl", "--out", "x.jsonl"], tmp_path)
+    assert "no-model: no such model directory" in regen["error"] and regen["heavy"] == []
+
+
+def test_export_refuses_a_directory_that_is_not_an_earlier_export_without_importing_torch(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "thesis.tex").write_text("years of work")
+    result = _probe(["export", "ckpt", "home"], tmp_path)
+    assert "home: exists and is not an earlier export (it holds thesis.tex)" in result["error"]
+    assert result["heavy"] == [] and (tmp_path / "home" / "thesis.tex").exists()
+
+
+def test_up_on_a_run_directory_in_use_is_refused_before_it_logs_a_start(tmp_path, monkeypatch):
+    from dflash_ipc.cli import job, main
+    from dflash_ipc.run.lock import RunLock
+    started: list[str] = []
+    monkeypatch.setattr(job, "resolved", lambda cfg: cfg)  # the tiny assets are not needed to be refused
+    monkeypatch.setattr(job.log, "info", lambda msg, *args: started.append(msg % args))
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    held = RunLock(run_dir)
+    held.acquire()
+    try:
+        result = CliRunner().invoke(main, ["up", "--config", os.path.join(REPO, "configs", "default.yaml"),
+                                           "-o", f"run.run_dir={run_dir}", "-o", "target.num_workers=1",
+                                           "-o", "drafter.num_workers=1"])
+    finally:
+        held.release()
+    assert "is in use by another job" in str(result.exception)
+    assert started == [] and "no --config" not in result.output
+
+
+def test_up_without_a_config_says_it_runs_the_embedded_default(tmp_path, monkeypatch):
+    from dflash_ipc.cli import job, main
+    from dflash_ipc.run.lock import RunLock
+    monkeypatch.setattr(job, "resolved", lambda cfg: cfg)
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    held = RunLock(run_dir)  # refused right after the line: nothing runs
+    held.acquire()
+    try:
+        result = CliRunner().invoke(main, ["up", "-o", f"run.run_dir={run_dir}"])
+    finally:
+        held.release()
+    first = result.output.splitlines()[0]
+    assert first == job.EMBEDDED_DEFAULT_LINE and "configs/default.yaml" in first and "CPU" in first
+    assert "is in use by another job" in str(result.exception)
