@@ -224,3 +224,25 @@ def test_an_unreadable_answer_is_parsed_with_bounded_recursion():
         openai._parse_json(b"[" * 90)
     with pytest.raises(ValueError, match="nested deeper"):
         openai._parse_json(b"[" * 100_000)
+
+
+@pytest.mark.timeout(30)
+def test_a_deadline_passed_while_connecting_still_bounds_the_request(tmp_path, monkeypatch):
+    """The name lookup or connect took the whole --timeout-s (no socket yet for the deadline to
+    cut): the request is given up at once instead of sending to a server that then trickles."""
+    import http.client
+
+    from dflash_ipc.regenerate import http_request
+    real_connect = http.client.HTTPConnection.connect
+
+    def slow_connect(self):
+        time.sleep(1.5)
+        real_connect(self)
+    monkeypatch.setattr(http.client.HTTPConnection, "connect", slow_connect)
+    with HostileServer() as server:
+        start = time.monotonic()
+        body = json.dumps({"messages": [{"role": "user", "content": "TRICKLE a"}]}).encode()
+        with pytest.raises(http_request.RequestFailed, match=r"no complete answer within 1 s"):
+            http_request.request("POST", server.url + "/v1/chat/completions", data=body, deadline_s=1.0,
+                                 headers={"Content-Type": "application/json"}, max_bytes=1 << 20)
+        assert time.monotonic() - start < 4  # the trickled body would take ~40 s

@@ -71,6 +71,11 @@ def request(method: str, url: str, *, headers: dict, data: bytes | None, deadlin
     timer.daemon = True
     timer.start()
     try:
+        # Connected first: a deadline that passed during the name lookup or the connect found no
+        # socket to cut, so it is checked here, before a trickling server can hold the request.
+        conn.connect()
+        if expired.is_set():
+            raise TimeoutError("connected after the deadline")
         conn.request(method, path, body=data, headers=headers)
         response = conn.getresponse()
         body = _read_capped(response, max_bytes)
