@@ -309,6 +309,19 @@ def test_init_from_of_another_shape_is_one_error_naming_each_difference(tmp_path
     assert "block_size: export 8, job 4 (model.block_size)" in message and message.count("; ") == 1
 
 
+def test_init_from_a_sliding_window_export_into_a_full_attention_job_is_refused(tmp_path):
+    """The attention layout is part of the shape: a drafter trained with a window does not load
+    silently into a job whose layers see every key."""
+    from dflash_ipc.errors import ConfigError
+    path, _ = _export(tmp_path, layer_types=["sliding_attention"], sliding_window=64)
+    loop, _, _ = build(tmp_path, drafter={"dtype": "float32", "attention": "dense", "init_from": path})
+    with pytest.raises(ConfigError) as err:
+        loop.resume(registered())
+    message = str(err.value)
+    assert "layer_types: export ['sliding_attention'], job ['full_attention'] (model.layer_types)" in message
+    assert "sliding_window: export 64, job None (model.sliding_window)" in message
+
+
 def test_a_resumed_job_ignores_init_from_the_checkpoint_wins(tmp_path, caplog):
     path, weights = _export(tmp_path)
     first, _, _ = build(tmp_path)

@@ -39,10 +39,13 @@ CHECKED_FIELDS: tuple[tuple[str, str], ...] = (
     ("num_attention_heads", "num_attention_heads"),
     ("num_key_value_heads", "num_key_value_heads"),
     ("head_dim", "head_dim"),
+    ("layer_types", "layer_types"),
+    ("sliding_window", "sliding_window"),
 )
 # The job's key a user changes to match, where the job's value comes from the config.
 JOB_KEYS = {"target_layer_ids": "model.target_layer_ids", "block_size": "model.block_size",
-            "mask_token_id": "model.mask_token_id", "num_hidden_layers": "model.num_layers"}
+            "mask_token_id": "model.mask_token_id", "num_hidden_layers": "model.num_layers",
+            "layer_types": "model.layer_types", "sliding_window": "model.sliding_window"}
 
 
 def export_config(path: str) -> DFlashConfig:
@@ -96,4 +99,5 @@ def resolve_init_from(cfg: JobConfig, target_config) -> None:
     cfg.drafter.init_from = path
     check_fits(path, DFlashConfig.from_target_config(
         target_config, num_draft_layers=cfg.model.num_layers, block_size=cfg.model.block_size,
-        mask_token_id=cfg.model.mask_token_id, target_layer_ids=cfg.model.target_layer_ids))
+        mask_token_id=cfg.model.mask_token_id, target_layer_ids=cfg.model.target_layer_ids,
+        layer_types=cfg.model.layer_types, sliding_window=cfg.model.sliding_window))
