@@ -253,6 +253,10 @@ class PlainDecoder:
             max_rows=batch_size, prefill_tokens=prefill_tokens, check_every=check_every, graphs=graphs,
             keep_margins=sampling.greedy))
 
+    def release(self) -> None:
+        """Frees the cache and graphs a ``keep_cache`` decoder kept."""
+        self.engine.release()
+
     def run(self, source: RequestSource) -> DecodeRun:
         forwards = self.target.num_forwards
         try:
