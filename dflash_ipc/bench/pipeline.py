@@ -8,8 +8,8 @@ Three phases of one job config, run one after the other (they never share a GPU)
    run through ``FeatureCapture.forward_into`` into a tensor shaped like one slot. Valid
    (unpadded) tokens per second.
 2. **drafter capacity**: the real ``DrafterTrainer`` on ``drafter.devices[0]``, world size 1,
-   driven by a ``DrafterWorker`` (its ``train_step`` counts the tokens: the sequences each
-   step consumed). Sequences come from the same plan in the same order, with their real
+   stepped through ``DrafterTrainer.step`` (the sequence queue counts the tokens: the
+   sequences each step consumed). Sequences come from the same plan in the same order, with their real
    token ids and loss masks; their features are slices of one random tensor of the right
    width and dtype (no slot copy). Trained tokens per second.
 3. **end to end**: the real job (``Supervisor(cfg).run()``: dispatcher, targets, drafters as

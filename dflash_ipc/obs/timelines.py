@@ -10,7 +10,7 @@ States:
   wait_work    target: nothing queued to compute (a target never waits for a slot: the
                dispatcher sends a `Batch` only with a free slot, so waiting for a slot shows
                up as waiting for work)
-  step         drafter: one `train_step()` (extra: loss, anchors, sequences, tokens)
+  step         drafter: one `DrafterLoop.step()` (extra: loss, anchors, sequences, tokens)
   wait_hidden  drafter: a loop pass in which the group could not step (some rank short of
                anchors)
   wait_slot    reserved for producers that hold work but no free slot (none in this design)
