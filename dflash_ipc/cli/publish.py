@@ -68,8 +68,8 @@ def export(checkpoint, out_dir, with_code, base_model, repo_id) -> None:
               help="A difference is a near-tie when both margins are within this many ulps of the top logit.")
 @click.option("--skip-plain", is_flag=True, help="Do not decode plainly (no speedup, no lossless check).")
 @click.option("--timing-repeats", default=3, show_default=True, type=click.IntRange(min=1),
-              help="Timed (plain, speculative) pairs per drafter, each pair run back to back: the speedup is "
-                   "their median, printed with its range.")
+              help="(plain, speculative) pairs per drafter, each back to back on the same decoders: the first "
+                   "gives the outputs, the speedup is the median of the others (1: the first pair's ratio).")
 @click.option("--vs-untrained", is_flag=True, help="Also evaluate an untrained drafter of the same shape.")
 @click.option("--json", "as_json", is_flag=True, help="Print the reports as JSON.")
 @click.option("--save-to", "save_to", type=click.Path(exists=True, file_okay=False), default=None, metavar="RUN_DIR",

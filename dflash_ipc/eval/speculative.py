@@ -88,8 +88,9 @@ class EvalOptions:
     """Where progress lines go (None: nowhere)."""
     prefill_tokens: int = PREFILL_TOKENS
     timing_repeats: int = 1
-    """Timed (plain, speculative) pairs per drafter, run next to each other: the speedup is their
-    median and its spread is printed (the first pair is the one whose outputs are reported)."""
+    """(plain, speculative) pairs per drafter, each run back to back on the same two decoders: the
+    first gives the reported outputs; the speedup is the median of the others (their range is
+    printed), or the first pair's ratio when there is one pair."""
 
     def __post_init__(self) -> None:
         if self.timing_repeats < 1:
