@@ -226,3 +226,10 @@ def test_a_gpu_this_machine_lacks_is_named():
     missing = f"cuda:{torch.cuda.device_count() + 3}"
     with pytest.raises(ConfigError, match=f"target.devices: {missing}"):
         require_device(missing, "target.devices")
+
+
+def test_validation_must_line_up_with_checkpoints_so_a_best_can_be_kept():
+    with pytest.raises(ConfigError, match=r"validation.every_steps: 3 must divide checkpoint.every_steps=10 .* "
+                                          r"e.g. validation.every_steps=1"):
+        load_config(None, ["validation.every_steps=3", "checkpoint.every_steps=10"])
+    assert load_config(None, ["validation.every_steps=5", "checkpoint.every_steps=10"]).validation.every_steps == 5

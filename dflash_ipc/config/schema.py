@@ -644,6 +644,14 @@ class JobConfig:
         # Muon orthogonalises whole matrices; under FSDP each rank holds a shard of each.
         _require(not (self.optimizer.name == "muon" and self.drafter.sharding == "fsdp"), "optimizer.name",
                  "muon needs whole matrices on every rank: use drafter.sharding: none with it, or optimizer.name: adamw")
+        every = self.validation.every_steps
+        if every is not None:
+            # The best checkpoint is chosen among validated steps that have a checkpoint: with
+            # checkpoints on a multiple of the validation period, every checkpoint is a candidate.
+            _require(self.checkpoint.every_steps % every == 0, "validation.every_steps",
+                     f"{every} must divide checkpoint.every_steps={self.checkpoint.every_steps} (each checkpoint "
+                     f"is then validated and can be kept as the best), e.g. validation.every_steps="
+                     f"{math.gcd(every, self.checkpoint.every_steps)}")
         if self.run.num_nodes > 1:
             _require(self.dispatch.address.startswith("tcp://"), "dispatch.address",
                      f"run.num_nodes={self.run.num_nodes}: the dispatcher must listen on tcp://HOST:PORT "
