@@ -174,8 +174,9 @@ def batched_rows(target: BatchedTarget, model: DFlashDraftModel, prompts: Sequen
     drafter = DrafterContext(model, target.head)
 
     def decoders(batch_size: int):
-        return (("speculative", SpeculativeDecoder(target, drafter, batch_size=batch_size)),
-                ("plain", PlainDecoder(target, batch_size=batch_size, keep_cache=True)))
+        graphs = "on" if target.device.type == "cuda" else "off"  # the bench measures the captured steps
+        return (("speculative", SpeculativeDecoder(target, drafter, batch_size=batch_size, graphs=graphs)),
+                ("plain", PlainDecoder(target, batch_size=batch_size, keep_cache=True, graphs=graphs)))
 
     def requests(n: int) -> RequestList:
         return RequestList(Request(key=(i, 0), prompt_ids=prompts[i], max_new_tokens=max_new_tokens)

@@ -169,7 +169,8 @@ def run_regenerate_bench(*, shape: str = "qwen3-1.7b", target: str | None = None
         budgets = reply_budgets(num_prompts, min_new_tokens, max_new_tokens, seed)
         settings = GeneratorSettings(target, dtype=dtype, cache="dynamic", pad_id=int(tokenizer.pad_token_id or 0),
                                      decoder="generate", max_rows=max_batch_size, kv_tokens=token_budget,
-                                     check_every=check_every)
+                                     check_every=check_every,
+                                     graphs="on" if device.startswith("cuda") else "off")  # the captured steps
         single = Generator(settings, device)
         model = single.model
         weights = weight_bytes(model)

@@ -285,7 +285,7 @@ class SpeculativeDecoder(BatchedDecoder):
 
     def __init__(self, target: BatchedTarget, drafter: DrafterContext, *, graphs: str = "auto", **kwargs) -> None:
         super().__init__(target, **kwargs)
-        from dflash_ipc.decode.engine import GRAPHS
+        from dflash_ipc.decode.engine import GRAPHS, graphs_enabled
         from dflash_ipc.decode.graphs import StepGraphs
 
         if graphs not in GRAPHS:
@@ -295,7 +295,7 @@ class SpeculativeDecoder(BatchedDecoder):
         self.drafter = drafter
         self.block_size = drafter.block_size
         self.extra_positions = drafter.block_size
-        on = graphs == "on" or (graphs == "auto" and self.device.type == "cuda")
+        on = graphs_enabled(graphs, self.device)
         self.graphs = StepGraphs(self._graphed_cycle, [], enabled=on and self.sampling.greedy)
         self._static: dict[str, Tensor] = {}
         self._caches = None  # (target cache, drafter cache) of the last run, which the next may reuse
