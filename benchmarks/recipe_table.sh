@@ -27,7 +27,11 @@ target=${TARGET:-/tmp/smol-hf}
 device=${DEVICE:-cuda:0}
 work=${WORK:-/tmp/recipe-work}
 log="$out/recipe_table.txt"
-rm -rf "$work"; mkdir -p "$work"
+# WORK is rebuilt: only a folder this script made (marked) or a new one is ever removed.
+if [ -e "$work" ] && [ ! -f "$work/.recipe-table-work" ]; then
+  echo "WORK=$work exists and is not this script's work folder: choose another WORK" | tee -a "$out/recipe_table.txt"; exit 2
+fi
+rm -rf "$work"; mkdir -p "$work"; touch "$work/.recipe-table-work"
 : > "$log"
 stage() { echo "== $1 ($(date -u +%T))" | tee -a "$log"; }
 elapsed() { echo "   $1: $(( $(date +%s) - $2 )) s" | tee -a "$log"; }

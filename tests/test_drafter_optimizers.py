@@ -96,3 +96,15 @@ def test_muon_is_a_clear_error_without_torch_muon_and_with_fsdp(monkeypatch):
         load_config(None, ["optimizer.name=muon", "drafter.sharding=fsdp"])
     with pytest.raises(ConfigError, match="optimizer.name: 'lion' not allowed; allowed: adamw, muon"):
         load_config(None, ["optimizer.name=lion"])
+
+
+def test_a_chained_optimizers_state_is_a_live_view_of_its_parts():
+    import torch
+
+    from dflash_ipc.drafter.optimizers import ChainedOptimizer
+    a, b = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(3))
+    chained = ChainedOptimizer([torch.optim.SGD([a], lr=0.1, momentum=0.9), torch.optim.SGD([b], lr=0.1, momentum=0.9)])
+    assert not chained.state  # nothing stepped yet
+    (a.sum() + b.sum()).backward()
+    chained.step()
+    assert set(chained.state) == {a, b} and "momentum_buffer" in chained.state[b]

@@ -63,8 +63,8 @@ def prepare(model_dir, input_path, out_dir, split, max_length, on_long, last_tur
 @click.option("--dtype", type=click.Choice(["auto", *DTYPE_NAMES]), default="auto",
               show_default=True, help="hf: auto = bfloat16 on GPU, float32 on CPU.")
 @click.option("--decoder", type=click.Choice(["auto", "engine", "generate"]), default="auto", show_default=True,
-              help="hf: engine = static row cache, continuous batching, token choice on the device; generate = transformers' "
-                   "generate per batch; auto: engine where the target allows.")
+              help="hf: engine = static row cache, continuous batching, token choice on the device; "
+                   "generate = transformers' generate per batch; auto: engine where the target allows.")
 @click.option("--samples-per-prompt", type=click.IntRange(min=1), default=1, show_default=True,
               help="Sampled replies per conversation (needs --temperature > 0); each an output line with its "
                    "\"sample\" number.")

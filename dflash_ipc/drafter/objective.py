@@ -21,7 +21,8 @@ confidence ``q_k = exp(-CE_k)`` (detached) at each valid slot k:
     w_k  = sum_{m >= k, m valid} C_m                   = d E / d log q~_k
 
 where ``E = sum_m prod_{i <= m} q~_i`` is a surrogate of the expected number of accepted
-draft tokens: the weighted CE's gradient is E's gradient in log q. The batch's ``weights``
+draft tokens (the paper's Eqs. 7-8): each slot's CE is weighted by E's derivative in that
+slot's log q~ (not in log q, which would add the factor (1 - alpha) q / q~). The batch's ``weights``
 then hold 1 at every valid slot (0 elsewhere), so the trainer's denominator is the number of
 valid slots (speculators' normalisation, global over ranks); the loss is sum w * CE / N.
 It is computed in the same pass as the CE: per-row CE and unweighted gradient first, then

@@ -20,6 +20,7 @@ AdamW rate). The scheduler scales both rates by the same factor.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -71,7 +72,7 @@ class ChainedOptimizer(torch.optim.Optimizer):
 
     def _share_groups(self) -> None:
         self.param_groups = [group for part in self.parts for group in part.param_groups]
-        self.state = self.parts[0].state if len(self.parts) == 1 else _MergedState(self.parts)
+        self.state = self.parts[0].state if len(self.parts) == 1 else _StateView(self.parts)
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102
@@ -110,13 +111,25 @@ class ChainedOptimizer(torch.optim.Optimizer):
         self._share_groups()  # load_state_dict gave the parts new group dicts
 
 
-class _MergedState(dict):
-    """Read-only view of the parts' per-parameter state (what ``optimizer.state[p]`` readers see)."""
+class _StateView(Mapping):
+    """A live, read-only view of the parts' per-parameter state (``optimizer.state[p]`` readers):
+    a part's state made by a later step shows here too. Looked up with ``in`` first, since each
+    part's state is a defaultdict that a plain lookup would fill with an empty entry."""
 
     def __init__(self, parts: list[torch.optim.Optimizer]) -> None:
-        super().__init__()
-        for part in parts:
-            self.update(part.state)
+        self.parts = parts
+
+    def __getitem__(self, param):
+        for part in self.parts:
+            if param in part.state:
+                return part.state[param]
+        raise KeyError(param)
+
+    def __iter__(self):
+        return (p for part in self.parts for p in part.state)
+
+    def __len__(self) -> int:
+        return sum(len(part.state) for part in self.parts)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:

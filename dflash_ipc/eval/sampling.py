@@ -70,12 +70,6 @@ def sample(weights: Tensor, generator: torch.Generator | None) -> Tensor:
     return (weights / race).argmax(-1)
 
 
-def top2_margin(logits: Tensor) -> tuple[Tensor, Tensor]:
-    """(top-1 minus top-2 logit, top-1 logit), float32 ``[...]``: how close the greedy choice was."""
-    top = logits.topk(2, dim=-1).values.float()
-    return top[..., 0] - top[..., 1], top[..., 0]
-
-
 def greedy_accept(drafted: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]:
     """drafted ``[B, d]``, target logits ``[B, d+1, V]`` -> (accepted ``[B]``, tokens ``[B, d+1]``):
     the target's argmax tokens, of which the first accepted+1 are committed."""

@@ -278,8 +278,9 @@ def device_name(device: torch.device) -> str:
 
 
 def _warm_up(target: TargetModel, drafters, request: Request, options: EvalOptions) -> None:
-    """One short untimed run of each decoder, so that first-call costs (compiling the drafter's
-    fused kernels on CUDA, growing the allocator, lazy initialisation) are not in the wall times."""
+    """One short untimed run of each decoder at batch 1: the drafter's fused kernels compiled on
+    CUDA and lazy initialisation done. What depends on the batch (the caches, CUDA graphs per
+    shape) is made by the first real pair, which is why repeated pairs time only the later ones."""
     budget = min(options.max_new_tokens, 32 if target.device.type == "cuda" else 8)
     short = Request(key=request.key, prompt_ids=request.prompt_ids, max_new_tokens=budget)
     kw = dict(batch_size=1, sampling=options.sampling)

@@ -42,7 +42,8 @@ from dflash_ipc.eval.acceptance import AcceptanceStats, verify_block
 from dflash_ipc.eval.decoding import DecodeRun
 from dflash_ipc.eval.report import SampleResult
 from dflash_ipc.decode.requests import Generation, RequestSource
-from dflash_ipc.eval.sampling import Sampling, top2_margin
+from dflash_ipc.decode.sampler import top2_margin
+from dflash_ipc.eval.sampling import Sampling
 from dflash_ipc.decode.target import TargetModel
 
 
