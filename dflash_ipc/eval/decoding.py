@@ -42,8 +42,8 @@ from dflash_ipc.eval.sampling import (
     probabilities,
     sample,
     speculative_accept,
-    top2_margin,
 )
+from dflash_ipc.decode.sampler import top2_margin
 from dflash_ipc.decode.target import BatchedTarget
 
 PREFILL_TOKENS = 16384
