@@ -320,6 +320,16 @@ def decode(frames: list[bytes]) -> Message:
                                max_map_len=limits.map_len, max_ext_len=0)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f"{kind.name}: undecodable body ({type(exc).__name__}: {exc})") from None
+    try:
+        return _build(kind, body)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # last line of defence: untrusted input raises nothing but ProtocolError
+        raise ProtocolError(f"{kind.name}: malformed body ({type(exc).__name__})") from None
+
+
+def _build(kind: Kind, body: Any) -> Message:
+    """The message of `kind` from its unpacked `body`, checked against the class's hints."""
     cls = _CLASSES[kind]
     if not isinstance(body, dict):
         raise ProtocolError(f"{kind.name}: body must be a map, got {type(body).__name__}")
@@ -329,7 +339,9 @@ def decode(frames: list[bytes]) -> Message:
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
     unknown, missing = set(body) - names, required - set(body)
     if unknown or missing:
-        raise ProtocolError(f"{kind.name}: unknown fields {sorted(unknown)[:8]!r:.200}, missing {sorted(missing)}")
+        # repr first: the keys may mix str and bytes (a bin-typed key), which do not sort together
+        raise ProtocolError(f"{kind.name}: unknown fields {sorted(unknown, key=repr)[:8]!r:.200}, "
+                            f"missing {sorted(missing)}")
     if cls is StatusReply:  # typed: checked against its own schema and bounds (wire/status.py)
         try:
             return StatusReply(status=from_plain(JobStatus, body["status"]))
