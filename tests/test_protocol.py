@@ -216,3 +216,13 @@ def test_an_unexpected_error_while_checking_a_body_is_a_protocol_error(monkeypat
     with pytest.raises(ProtocolError, match="malformed body"):
         p.decode(p.encode(p.Ready(credits=1)))
 
+
+
+@pytest.mark.parametrize("text", ["é" * 500, "é" * 501, "路径" * 400, "x" * 5000, "a" + "€" * 600])
+def test_a_long_non_ascii_lost_reason_cut_by_cut_reason_is_accepted(text):
+    reason = p.cut_reason(text)
+    assert len(reason.encode()) <= p.MAX_REASON and text.startswith(reason)
+    assert p.decode(p.encode(p.Lost(batch_id=1, attempt=0, reason=reason))).reason == reason
+    if len(text.encode()) > p.MAX_REASON:  # one limit, in bytes: the uncut reason is refused
+        with pytest.raises(ProtocolError):
+            p.decode(p.encode(p.Lost(batch_id=1, attempt=0, reason=text)))

@@ -53,6 +53,7 @@ MAX_METRIC_NAME = 64        # characters of a metric's name (a seat's metrics go
 MAX_INT = 1 << 62           # ints: -1 ("none") .. MAX_INT
 MAX_DEPTH = 8               # nesting of a free-form map (a pool descriptor nests 3 deep)
 MAX_SECRET = 64             # bytes of Register.secret
+MAX_REASON = 1000           # UTF-8 bytes of a Lost's reason (msgpack bounds strings in bytes)
 MAX_REGISTER_BYTES = 64 * 1024  # a Register's body (a pool descriptor: ~16 KiB at 256 slots)
 
 
@@ -172,7 +173,13 @@ class Lost:
     KIND: ClassVar[Kind] = Kind.LOST
     batch_id: int
     attempt: int
-    reason: str = ""
+    reason: str = ""  # at most MAX_REASON bytes: cut it with `cut_reason`
+
+
+def cut_reason(text: str) -> str:
+    """`text` cut to MAX_REASON UTF-8 bytes (never inside a character), so a long non-ASCII
+    reason still fits a Lost: a refused Lost would leave its batch assigned for good."""
+    return text.encode("utf-8", "replace")[:MAX_REASON].decode("utf-8", "ignore")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -260,7 +267,7 @@ class Limits:
     map_len: int = MAX_MAP
 
 
-_SMALL = Limits(body_bytes=4096, str_len=1024, bin_len=0, array_len=0, map_len=8)  # a few scalars
+_SMALL = Limits(body_bytes=4096, str_len=MAX_REASON, bin_len=0, array_len=0, map_len=8)  # a few scalars
 LIMITS: dict[Kind, Limits] = {
     # What an unregistered peer may send: these two are decoded before the sender is known.
     Kind.REGISTER: Limits(body_bytes=MAX_REGISTER_BYTES, str_len=4096, bin_len=4096, array_len=1024),
