@@ -226,3 +226,11 @@ def test_a_long_non_ascii_lost_reason_cut_by_cut_reason_is_accepted(text):
     if len(text.encode()) > p.MAX_REASON:  # one limit, in bytes: the uncut reason is refused
         with pytest.raises(ProtocolError):
             p.decode(p.encode(p.Lost(batch_id=1, attempt=0, reason=text)))
+
+
+def test_a_mistyped_secret_is_not_echoed():
+    hex_secret = "ab" * 32
+    body = msgpack.packb({"role": "target", "rank": 0, "pid": 1, "secret": hex_secret})
+    with pytest.raises(ProtocolError, match="secret") as err:
+        p.decode([bytes((p.Kind.REGISTER,)), body])
+    assert "abab" not in str(err.value)

@@ -356,6 +356,8 @@ def _build(kind: Kind, body: Any) -> Message:
             raise ProtocolError(f"{kind.name}: {exc}") from None
     for name, value in body.items():
         if (why := check_value(value, hints[name])) is not None:
+            if name == "secret":  # never echo a mistyped secret (it may be the secret, hex-encoded)
+                why = f"not the job's secret (must be bytes, at most {MAX_SECRET})"
             raise ProtocolError(f"{kind.name}.{name}: {why}")
     if cls is Register and len(body.get("secret", b"")) > MAX_SECRET:
         raise ProtocolError(f"REGISTER.secret: {len(body['secret'])} bytes, at most {MAX_SECRET}")
