@@ -233,3 +233,10 @@ def test_validation_must_line_up_with_checkpoints_so_a_best_can_be_kept():
                                           r"e.g. validation.every_steps=1"):
         load_config(None, ["validation.every_steps=3", "checkpoint.every_steps=10"])
     assert load_config(None, ["validation.every_steps=5", "checkpoint.every_steps=10"]).validation.every_steps == 5
+
+
+@pytest.mark.parametrize("address", ["tcp://host\n:5555", "tcp://node0.cluster\n:29600", "tcp://a\n.b:1"])
+def test_a_host_name_ending_in_a_newline_is_refused(address):
+    from dflash_ipc.config.addresses import check_address
+    with pytest.raises(ConfigError, match="not a host name"):
+        check_address(address, "dispatch.address")

@@ -44,3 +44,23 @@ def test_status_requests_coalesce_per_peer_and_are_answered_at_most_once_per_int
     assert answers.due() == [] and answers.waiting == 1  # answered 0.1 s ago: it waits
     clock.now = 0.2
     assert answers.due() == [b"a"]
+
+
+def test_a_trusted_peer_is_answered_through_a_flood_that_fills_the_waiting_table():
+    """~1,100 strangers asking every 10 ms keep the 1,024-entry table full (review A, item 2):
+    the supervisor, trusted, is still answered at every interval; an untrusted one is not."""
+    clock = Clock()
+    answers = StatusAnswers(interval_s=0.2, max_waiting=1024, clock=clock)
+    strangers = [b"s%d" % i for i in range(1100)]
+    heard = {b"supervisor": 0, b"stranger-observer": 0}
+    for tick in range(1000):  # 10 s of 10 ms passes
+        clock.now = tick * 0.01
+        for s in strangers:
+            answers.ask(s)
+        if tick % 100 == 50:  # one request a second each
+            answers.ask(b"supervisor", trusted=True)
+            answers.ask(b"stranger-observer")
+        for identity in answers.due():
+            if identity in heard:
+                heard[identity] += 1
+    assert heard == {b"supervisor": 10, b"stranger-observer": 0} and answers.dropped > 0

@@ -2,6 +2,7 @@
 
 import threading
 
+import msgpack
 import numpy as np
 import pytest
 import zmq
@@ -225,5 +226,45 @@ def test_a_rerun_final_status_covers_the_whole_run(tmp_path):
         assert final["tokens"]["committed"] == final["tokens"]["total"] == before + after
         assert final["committed_tokens_by_epoch"] == {"0": before + after}
         assert final["average_rates"]["tok_rate"] == pytest.approx(after / clock2.now)
+    finally:
+        proc.close()
+
+
+def test_a_register_with_mixed_key_types_is_refused_and_the_handler_returns(tmp_path):
+    cfg = load_config(None, [f"run.run_dir={tmp_path}", "target.num_workers=1", "drafter.num_workers=1"])
+    lengths = np.full(8, 32)
+    epochs = [plan_epoch(lengths, BucketSpec(boundaries=(64,), token_budget=64), seed=0, epoch=0)]
+    dispatcher = Dispatcher(epochs, policy="pull", num_targets=1, num_drafters=1)
+    proc = DispatcherProc(cfg, dispatcher, address=cfg.dispatcher_address)
+    try:
+        body = msgpack.packb({"role": "target", "rank": 0, "pid": 1, "x": 1, b"y": 2},
+                             use_bin_type=True)
+        proc._on_frames([b"stranger", bytes((p.Kind.REGISTER,)), body])  # raised TypeError before
+        assert dispatcher.refusals == 1
+    finally:
+        proc.close()
+
+
+def test_an_observer_with_the_secret_is_trusted_past_the_budgets(tmp_path):
+    from dflash_ipc.dispatch.peer_budget import PeerBudget, StatusAnswers
+    cfg = load_config(None, [f"run.run_dir={tmp_path}", "target.num_workers=1", "drafter.num_workers=1"])
+    lengths = np.full(8, 32)
+    epochs = [plan_epoch(lengths, BucketSpec(boundaries=(64,), token_budget=64), seed=0, epoch=0)]
+    secret = b"k" * 32
+    dispatcher = Dispatcher(epochs, policy="pull", num_targets=1, num_drafters=1, secret=secret)
+    proc = DispatcherProc(cfg, dispatcher, address=cfg.dispatcher_address)
+    try:
+        register = p.encode(p.Register(role="observer", rank=0, pid=1, secret=secret))
+        proc._on_frames([b"supervisor", *register])  # admitted: the budget is not full yet
+        proc._on_frames([b"guesser", *p.encode(p.Register(role="observer", rank=0, pid=2, secret=b"x" * 32))])
+        assert dispatcher.trusted(b"supervisor") and not dispatcher.trusted(b"guesser")
+        assert not dispatcher.holds_seat(b"supervisor")  # trusted, but no seat
+        # A flood spent every budget and filled the waiting table.
+        proc.budget = PeerBudget(frames=0, nbytes=0, window_s=1.0, max_peers=0)
+        proc.status_answers = StatusAnswers(interval_s=0.2, max_waiting=1)
+        proc.status_answers.ask(b"flooder")
+        for identity in (b"guesser", b"supervisor"):
+            proc._on_frames([identity, *p.encode(p.StatusRequest())])
+        assert proc.status_answers.due() == [b"flooder", b"supervisor"]
     finally:
         proc.close()

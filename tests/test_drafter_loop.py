@@ -64,13 +64,14 @@ class FakeReaders:
     def __init__(self):
         self.gone: set[str] = set()
         self.dropped: list[str] = []
+        self.gone_message = "producer target/0 (pid 1) is gone"
 
     def get(self, pool):
         return self
 
     def read(self, slot, num_tokens):
         if self.pool_of_read in self.gone:
-            raise ProducerGoneError("producer target/0 (pid 1) is gone")
+            raise ProducerGoneError(self.gone_message)
         self.last_copy_s = 0.0
         return torch.randn(num_tokens, HIDDEN * LAYERS)
 
@@ -142,6 +143,19 @@ def test_a_copy_whose_producer_died_is_reported_lost_and_asked_for_again(tmp_pat
     assert link.of(p.Lost)[0].batch_id == 3 and link.of(p.Lost)[0].attempt == 7
     assert not link.of(p.Consumed) and readers.dropped == ["dead"] and len(loop.queue) == 0
     assert link.of(p.WantHidden) == [p.WantHidden(credits=1)]  # the spent credit is asked again
+
+
+def test_a_lost_with_a_long_non_ascii_reason_still_fits_the_wire(tmp_path):
+    loop, link, readers = build(tmp_path)
+    readers.pool_of_read = "dead"
+    readers.gone.add("dead")
+    readers.gone_message = "/数据/路径/" * 200  # 500 characters cut at 500 would be ~1,500 bytes
+    loop.resume(registered())
+    loop.outstanding = 2
+    link.inbox.append(assign(3, [0], 7, pool="dead"))
+    loop.pass_once()
+    (lost,) = link.of(p.Lost)
+    assert p.decode(p.encode(lost)) == lost and lost.reason.startswith("/数据/路径/")
 
 
 def test_resume_falls_back_to_the_newest_intact_committed_checkpoint(tmp_path):

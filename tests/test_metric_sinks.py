@@ -342,3 +342,75 @@ def test_wandb_rows_per_optimizer_step_carry_the_step_they_belong_to(tmp_path):
     assert run.rows == [(7, {"train/loss": 1.5, "train/step": 3}),
                         (8, {"validation/acceptance_length": 2.25, "train/step": 2})]
     assert read_run_state(str(tmp_path / "wandb_run.json")) == {"id": "abc123", "next_step": 9}
+
+
+def test_a_step_log_line_over_the_bound_is_skipped_not_stalled_on(tmp_path, monkeypatch):
+    from dflash_ipc.obs import step_log
+
+    monkeypatch.setattr(step_log, "MAX_READ_BYTES", 1000)
+    monkeypatch.setattr(step_log, "MAX_LINE_BYTES", 100)
+    path = tmp_path / "drafter_metrics.jsonl"
+    path.write_bytes(b"")
+    tail = step_log.StepLogTail(str(path))
+    with open(path, "ab") as f:
+        f.write(b"x" * 2500 + b"\n" + json.dumps({"step": 7, "loss": 1.0}).encode() + b"\n")
+    reads = [tail.read() for _ in range(5)]
+    assert [r for rs in reads for r in rs] == [{"step": 7, "loss": 1.0}] and tail.skipped == 1
+    assert tail.offset == path.stat().st_size
+
+
+def test_a_fifo_at_the_step_log_is_not_opened(tmp_path, caplog):
+    from dflash_ipc.obs.step_log import StepLogTail
+
+    path = tmp_path / "drafter_metrics.jsonl"
+    os.mkfifo(path)
+    tail = StepLogTail(str(path), from_end=False)
+    with caplog.at_level(logging.WARNING, logger="dflash_ipc.obs.step_log"):
+        assert tail.read() == [] and tail.read() == []  # would block in open() before
+    assert len(caplog.records) == 1 and "FIFO" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("bad", [
+    {"step": int(1e300), "loss": 1.0}, {"step": -1, "loss": 1.0}, {"step": 3.5, "loss": 1.0},
+    {"step": True, "loss": 1.0}, {"step": "3", "loss": 1.0}, {"step": 3, "loss": float("nan")},
+    {"step": 3, "validated_step": 2, "acceptance_at": [0.5] * 100_000},
+    {"step": 3, "validated_step": 2 ** 70, "acceptance_length": 2.0},
+])
+def test_a_bad_step_record_is_skipped_with_one_warning_and_the_sink_stays_on(tmp_path, bad, caplog):
+    from dflash_ipc.obs.sinks import MetricSinks
+    from dflash_ipc.obs.step_log import StepLogTail
+
+    path = tmp_path / "drafter_metrics.jsonl"
+    path.write_text("")
+    tail = StepLogTail(str(path))
+    with open(path, "a") as f:
+        f.write(json.dumps(bad) + "\n" + json.dumps(bad) + "\n" + json.dumps({"step": 4, "loss": 2.0}) + "\n")
+    writer = RecordingWriter()
+    sinks = MetricSinks([TensorBoardSink(writer, str(tmp_path))])
+    with caplog.at_level(logging.WARNING):
+        sinks.write_steps(tail.read())
+    assert writer.points("train/loss") == [(4, 2.0, None)] and len(sinks.sinks) == 1
+    assert tail.skipped == 2 and len(caplog.records) == 1
+
+
+def test_a_step_record_a_sink_refuses_is_skipped_and_the_sink_stays_on(caplog):
+    from dflash_ipc.obs.sinks import MetricSinks
+
+    class Picky:
+        def __init__(self):
+            self.steps = []
+
+        def write_step(self, record):
+            if record["step"] == 2:
+                raise ValueError("no")
+            self.steps.append(record["step"])
+
+        def close(self):
+            pass
+    picky = Picky()
+    sinks = MetricSinks([picky])
+    with caplog.at_level(logging.WARNING, logger="dflash_ipc.obs.sinks"):
+        sinks.write_steps([{"step": 1}, {"step": 2}, {"step": 3}])
+        sinks.write_steps([{"step": 2}, {"step": 4}])
+    assert picky.steps == [1, 3, 4] and sinks.sinks == [picky] and sinks.skipped_steps == 2
+    assert len(caplog.records) == 1

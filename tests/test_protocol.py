@@ -200,3 +200,37 @@ def test_a_status_reply_out_of_shape_or_bounds_is_refused(change, needle):
 def test_the_status_bounds_are_the_wires():
     assert (st.MAX_STR, st.MAX_INT, st.MAX_MAP, st.MAX_LIST, st.MAX_METRICS) == (
         p.MAX_STR, p.MAX_INT, p.MAX_MAP, p.MAX_LIST, p.MAX_METRICS)
+
+
+def test_unknown_keys_mixing_str_and_bytes_are_refused_not_a_crash():
+    # a bin-typed key decodes to bytes; str and bytes do not sort together
+    body = msgpack.packb({"role": "target", "rank": 0, "pid": 1, "x": 1, b"y": 2}, use_bin_type=True)
+    with pytest.raises(ProtocolError, match="unknown fields"):
+        p.decode([bytes((p.Kind.REGISTER,)), body])
+
+
+def test_an_unexpected_error_while_checking_a_body_is_a_protocol_error(monkeypatch):
+    def broken(value, hint):
+        raise KeyError("boom")
+    monkeypatch.setattr(p, "check_value", broken)
+    with pytest.raises(ProtocolError, match="malformed body"):
+        p.decode(p.encode(p.Ready(credits=1)))
+
+
+
+@pytest.mark.parametrize("text", ["é" * 500, "é" * 501, "路径" * 400, "x" * 5000, "a" + "€" * 600])
+def test_a_long_non_ascii_lost_reason_cut_by_cut_reason_is_accepted(text):
+    reason = p.cut_reason(text)
+    assert len(reason.encode()) <= p.MAX_REASON and text.startswith(reason)
+    assert p.decode(p.encode(p.Lost(batch_id=1, attempt=0, reason=reason))).reason == reason
+    if len(text.encode()) > p.MAX_REASON:  # one limit, in bytes: the uncut reason is refused
+        with pytest.raises(ProtocolError):
+            p.decode(p.encode(p.Lost(batch_id=1, attempt=0, reason=text)))
+
+
+def test_a_mistyped_secret_is_not_echoed():
+    hex_secret = "ab" * 32
+    body = msgpack.packb({"role": "target", "rank": 0, "pid": 1, "secret": hex_secret})
+    with pytest.raises(ProtocolError, match="secret") as err:
+        p.decode([bytes((p.Kind.REGISTER,)), body])
+    assert "abab" not in str(err.value)

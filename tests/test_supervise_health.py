@@ -425,3 +425,15 @@ def test_a_job_that_ended_with_every_batch_committed_is_finished(tmp_path, child
     assert report.reasons == [f"the job finished: every batch committed ({RunFiles(run_dir).final_status})"]
     text = format_health(report)
     assert text.startswith(f"{run_dir}: FINISHED (exit 0)") and "job: 2/10 batches committed" in text
+
+
+def test_a_fifo_at_the_run_lock_does_not_hang_health(tmp_path):
+    import threading
+
+    from dflash_ipc.supervise.job_phase import lock_holder
+    os.mkfifo(os.path.join(tmp_path, ".lock"))
+    result = []
+    probe = threading.Thread(target=lambda: result.append(lock_holder(str(tmp_path))), daemon=True)
+    probe.start()
+    probe.join(timeout=5)
+    assert not probe.is_alive() and result == [None]  # blocked in open() before

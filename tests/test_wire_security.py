@@ -93,3 +93,36 @@ def test_a_damaged_job_secret_is_one_clear_error(tmp_path, damage, needle):
     damage(path)
     with pytest.raises(ConfigError, match=needle):
         read_job_secret(path)
+
+
+def test_a_reader_concurrent_with_the_making_never_sees_an_empty_secret(tmp_path, monkeypatch):
+    from dflash_ipc.wire import security
+    path = str(tmp_path / "keys" / "job_secret")
+    seen = []
+    real = security.secrets.token_hex
+
+    def token_hex(n):
+        if n == security.SECRET_BYTES:  # the secret is being made: what does a reader find now?
+            with pytest.raises(ConfigError) as err:
+                security.read_job_secret(path)
+            seen.append(str(err.value))
+        return real(n)
+    monkeypatch.setattr(security.secrets, "token_hex", token_hex)
+    secret = security.ensure_job_secret(path)
+    assert len(seen) == 1 and "missing" in seen[0]  # not "not a job secret ... remove it"
+    assert security.read_job_secret(path) == secret and os.listdir(os.path.dirname(path)) == ["job_secret"]
+
+
+def test_of_two_makers_at_once_the_first_secret_stays(tmp_path, monkeypatch):
+    from dflash_ipc.wire import security
+    path = str(tmp_path / "keys" / "job_secret")
+    real_link = os.link
+    first = []
+
+    def link(src, dst):  # another maker links its secret in just before this one
+        monkeypatch.setattr(security.os, "link", real_link)
+        first.append(security.ensure_job_secret(path))
+        return real_link(src, dst)
+    monkeypatch.setattr(security.os, "link", link)
+    assert security.ensure_job_secret(path) == first[0] == security.read_job_secret(path)
+    assert os.listdir(os.path.dirname(path)) == ["job_secret"]  # no temp file left behind

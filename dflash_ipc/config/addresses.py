@@ -16,7 +16,7 @@ import re
 
 from dflash_ipc.errors import ConfigError
 
-_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)\Z")  # \Z: `$` would pass a label ending in a newline
 _MAX_IPC_PATH_BYTES = 107  # sockaddr_un.sun_path is 108 bytes with its terminating NUL
 
 

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 DROPPED_KEPT = 64     # status lists this many of the latest dropped targets (pid -> reason)
 MAX_SLOTS = 256       # a target's slot count (target.num_slots is at most this)
+MAX_TRUSTED_OBSERVERS = 16  # observers with the secret (supervisors, status, health): the latest are kept
 
 Outgoing = list[tuple[bytes, "p.Message"]]
 
@@ -55,6 +56,7 @@ class Dispatcher:
         """`secret`: what every seat's Register must carry; None only where no peer can reach
         the logic (tests and benches stepping it in one process)."""
         self.secret = secret
+        self.trusted_observers: dict[bytes, None] = {}  # observers whose Register had the secret, oldest first
         self.ledger = ledger or Ledger()
         if ledger is None:
             for batches in epochs:
@@ -132,6 +134,13 @@ class Dispatcher:
 
     def _register(self, sender: bytes, msg: p.Register, now: float) -> Outgoing:
         if msg.role == "observer":
+            # One with the job's secret (the supervisor's status poller) is trusted: past the
+            # strangers' budgets, so a flood of connections cannot keep the status from it.
+            if self.secret is not None and msg.secret and secret_matches(self.secret, msg.secret):
+                self.trusted_observers.pop(sender, None)
+                self.trusted_observers[sender] = None
+                while len(self.trusted_observers) > MAX_TRUSTED_OBSERVERS:  # oldest first
+                    self.trusted_observers.pop(next(iter(self.trusted_observers)))
             return [(sender, p.Registered(role=msg.role, rank=msg.rank, num_batches=self.num_batches))]
         limit = {"target": self.num_targets, "drafter": self.num_drafters}.get(msg.role)
         if limit is None:
@@ -179,6 +188,10 @@ class Dispatcher:
         if old.pid not in msg.replaces_pids and silent <= timeout:
             raise ProtocolError(f"Register: {role} is held by live pid {old.pid} (heard {silent:.1f}s ago); "
                                 f"pid {msg.pid} does not replace it")
+
+    def trusted(self, sender: bytes) -> bool:
+        """Whether `sender` holds a seat or is an observer that registered with the secret."""
+        return sender in self.trusted_observers or self.holds_seat(sender)
 
     def holds_seat(self, sender: bytes) -> bool:
         """Whether `sender` registered a target or drafter seat (its Register had the secret)."""

@@ -10,7 +10,9 @@ nothing but that one entry.
 `StatusAnswers` keeps at most one outstanding status request per peer: more requests from a
 peer whose answer is pending coalesce into it, and a peer is answered at most once per
 `interval_s`. A flood of requests from connections that never read thus queues a bounded
-number of replies, which share one body (built once per pass).
+number of replies, which share one body (built once per pass). Past `max_waiting` waiting
+peers a stranger's request is dropped; a trusted peer's (a seat, or an observer whose Register
+carried the job's secret, as the supervisor's) is not, and a trusted peer skips `PeerBudget`.
 """
 
 from __future__ import annotations
@@ -68,11 +70,12 @@ class StatusAnswers:
         self._answered: collections.OrderedDict[bytes, float] = collections.OrderedDict()  # peer -> when
         self.dropped = 0  # requests refused because `max_waiting` peers were waiting
 
-    def ask(self, identity: bytes) -> None:
-        """A status request from `identity` (a second one while the first waits is the same)."""
+    def ask(self, identity: bytes, *, trusted: bool = False) -> None:
+        """A status request from `identity` (a second one while the first waits is the same).
+        A trusted one (a seat, an observer with the job's secret: few) is never dropped."""
         if identity in self._waiting:
             return
-        if len(self._waiting) >= self.max_waiting:
+        if len(self._waiting) >= self.max_waiting and not trusted:
             self.dropped += 1
             return
         self._waiting[identity] = None

@@ -186,7 +186,7 @@ class DrafterLoop:
             log.warning("drafter/%d: batch %d lost with its producer target/%d: %s", self.rank, msg.batch_id,
                         msg.target, exc)
             self.readers.drop(str(msg.pool.get("pool_id", "")))
-            self.link.send(p.Lost(batch_id=msg.batch_id, attempt=msg.attempt, reason=str(exc)[:500]))
+            self.link.send(p.Lost(batch_id=msg.batch_id, attempt=msg.attempt, reason=p.cut_reason(str(exc))))
             return
         self.read_s += time.perf_counter() - started
         self.copy_s += reader.last_copy_s or 0.0

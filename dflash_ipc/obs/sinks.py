@@ -234,6 +234,8 @@ class MetricSinks:
 
     def __init__(self, sinks: list) -> None:
         self.sinks = list(sinks)
+        self.skipped_steps = 0  # step records a sink's write_step refused
+        self._warned_steps: set[int] = set()  # id() of the sinks warned about a skipped step record
 
     def write(self, status: JobStatus) -> None:
         for sink in list(self.sinks):
@@ -245,17 +247,20 @@ class MetricSinks:
                 _close_quietly(sink)
 
     def write_steps(self, records: list[dict]) -> None:
-        """The drafter's step records since the last call, to each sink that takes them."""
+        """The drafter's step records since the last call, to each sink that takes them. A
+        record a sink refuses is skipped (one warning per sink), never turning the sink off:
+        the record came from a file, and a sink that is really dead fails `write` too."""
         for sink in list(self.sinks):
             if not records or not hasattr(sink, "write_step"):
                 continue
-            try:
-                for record in records:
+            for record in records:
+                try:
                     sink.write_step(record)
-            except Exception as exc:
-                log.warning("%s off: a write failed: %s", type(sink).__name__, exc)
-                self.sinks.remove(sink)
-                _close_quietly(sink)
+                except Exception as exc:
+                    self.skipped_steps += 1
+                    if id(sink) not in self._warned_steps:
+                        self._warned_steps.add(id(sink))
+                        log.warning("%s: a step record was skipped, its write failed: %s", type(sink).__name__, exc)
 
     def close(self) -> None:
         for sink in self.sinks:

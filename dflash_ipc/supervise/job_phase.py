@@ -14,6 +14,7 @@ import psutil
 
 from dflash_ipc.errors import DataError
 from dflash_ipc.run.files import node_file
+from dflash_ipc.run.regular_file import regular_file
 from dflash_ipc.wire.status import JobStatus, read_status_file
 
 STARTING, FINISHED = "starting", "finished"  # health's levels read instead of down
@@ -28,6 +29,7 @@ def lock_holder(run_dir: str, node_rank: int = 0) -> int | None:
     (non-blocking) acquire fail."""
     path = node_file(run_dir, LOCK_FILE, node_rank)
     try:
+        regular_file(path, "the run lock", error=OSError)  # a FIFO there would block open(): health hangs
         with open(path, "rb") as f:
             text = f.read(32).decode("ascii", "replace").strip()
         written_at = os.stat(path).st_mtime

@@ -49,7 +49,7 @@ from dflash_ipc.supervise.status_poller import StatusPoller
 from dflash_ipc.wire.status import JobStatus, read_status_file
 from dflash_ipc.supervise.target_groups import WorkerAddresses
 from dflash_ipc.transport.backends import unlink_segments
-from dflash_ipc.wire.security import curve_required, ensure_job_secret, ensure_keys
+from dflash_ipc.wire.security import curve_required, ensure_job_secret, ensure_keys, read_job_secret
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +182,16 @@ class Supervisor:
         self._checkpoint_on_stop = checkpoint
         self._stop_reason = reason
 
+    def _observer_secret(self) -> bytes | None:
+        """The job's secret, for the status poller: with it the dispatcher trusts the poller and
+        answers it whatever strangers send. None (one warning) where this node lacks it: its
+        children then fail to register and say why."""
+        try:
+            return read_job_secret(self.files.job_secret)
+        except ConfigError as exc:
+            log.warning("status polls go untrusted: %s", exc)
+            return None
+
     def run(self) -> int:
         """Starts the job and watches it to the end; returns the process exit code."""
         self.claim()  # outside the try: a refused job must not clean up the job that holds the lock
@@ -193,7 +203,7 @@ class Supervisor:
                 self.step_log = StepLogTail(self.files.drafter_metrics)  # from its end: older steps were written
             self.start()
             link = DispatcherLink.for_job(self.cfg, "observer/supervisor", heartbeat_interval_s=3600, timeout_s=3600)
-            return self._watch(StatusPoller(link))
+            return self._watch(StatusPoller(link, secret=self._observer_secret()))
         finally:
             if link is not None:
                 link.close()

@@ -53,6 +53,7 @@ MAX_METRIC_NAME = 64        # characters of a metric's name (a seat's metrics go
 MAX_INT = 1 << 62           # ints: -1 ("none") .. MAX_INT
 MAX_DEPTH = 8               # nesting of a free-form map (a pool descriptor nests 3 deep)
 MAX_SECRET = 64             # bytes of Register.secret
+MAX_REASON = 1000           # UTF-8 bytes of a Lost's reason (msgpack bounds strings in bytes)
 MAX_REGISTER_BYTES = 64 * 1024  # a Register's body (a pool descriptor: ~16 KiB at 256 slots)
 
 
@@ -172,7 +173,13 @@ class Lost:
     KIND: ClassVar[Kind] = Kind.LOST
     batch_id: int
     attempt: int
-    reason: str = ""
+    reason: str = ""  # at most MAX_REASON bytes: cut it with `cut_reason`
+
+
+def cut_reason(text: str) -> str:
+    """`text` cut to MAX_REASON UTF-8 bytes (never inside a character), so a long non-ASCII
+    reason still fits a Lost: a refused Lost would leave its batch assigned for good."""
+    return text.encode("utf-8", "replace")[:MAX_REASON].decode("utf-8", "ignore")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -260,7 +267,7 @@ class Limits:
     map_len: int = MAX_MAP
 
 
-_SMALL = Limits(body_bytes=4096, str_len=1024, bin_len=0, array_len=0, map_len=8)  # a few scalars
+_SMALL = Limits(body_bytes=4096, str_len=MAX_REASON, bin_len=0, array_len=0, map_len=8)  # a few scalars
 LIMITS: dict[Kind, Limits] = {
     # What an unregistered peer may send: these two are decoded before the sender is known.
     Kind.REGISTER: Limits(body_bytes=MAX_REGISTER_BYTES, str_len=4096, bin_len=4096, array_len=1024),
@@ -320,6 +327,16 @@ def decode(frames: list[bytes]) -> Message:
                                max_map_len=limits.map_len, max_ext_len=0)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f"{kind.name}: undecodable body ({type(exc).__name__}: {exc})") from None
+    try:
+        return _build(kind, body)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # last line of defence: untrusted input raises nothing but ProtocolError
+        raise ProtocolError(f"{kind.name}: malformed body ({type(exc).__name__})") from None
+
+
+def _build(kind: Kind, body: Any) -> Message:
+    """The message of `kind` from its unpacked `body`, checked against the class's hints."""
     cls = _CLASSES[kind]
     if not isinstance(body, dict):
         raise ProtocolError(f"{kind.name}: body must be a map, got {type(body).__name__}")
@@ -329,7 +346,9 @@ def decode(frames: list[bytes]) -> Message:
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
     unknown, missing = set(body) - names, required - set(body)
     if unknown or missing:
-        raise ProtocolError(f"{kind.name}: unknown fields {sorted(unknown)[:8]!r:.200}, missing {sorted(missing)}")
+        # repr first: the keys may mix str and bytes (a bin-typed key), which do not sort together
+        raise ProtocolError(f"{kind.name}: unknown fields {sorted(unknown, key=repr)[:8]!r:.200}, "
+                            f"missing {sorted(missing)}")
     if cls is StatusReply:  # typed: checked against its own schema and bounds (wire/status.py)
         try:
             return StatusReply(status=from_plain(JobStatus, body["status"]))
@@ -337,6 +356,8 @@ def decode(frames: list[bytes]) -> Message:
             raise ProtocolError(f"{kind.name}: {exc}") from None
     for name, value in body.items():
         if (why := check_value(value, hints[name])) is not None:
+            if name == "secret":  # never echo a mistyped secret (it may be the secret, hex-encoded)
+                why = f"not the job's secret (must be bytes, at most {MAX_SECRET})"
             raise ProtocolError(f"{kind.name}.{name}: {why}")
     if cls is Register and len(body.get("secret", b"")) > MAX_SECRET:
         raise ProtocolError(f"REGISTER.secret: {len(body['secret'])} bytes, at most {MAX_SECRET}")

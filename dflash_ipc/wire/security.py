@@ -137,12 +137,23 @@ def ensure_job_secret(path: str) -> bytes:
     folder = os.path.dirname(path)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     os.chmod(folder, 0o700)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
+    if os.path.lexists(path):
         return read_job_secret(path)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(SECRET_BYTES) + "\n")
+    # Written whole to a temp file, then linked into place: a concurrent reader (a stage started
+    # by hand at the same time) finds no file or the whole secret, never an empty one.
+    tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(SECRET_BYTES) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # never replaces: of two makers at once, the first one's stays
+        except FileExistsError:
+            return read_job_secret(path)
+    finally:
+        os.unlink(tmp)
     log.info("made the job's secret %s", path)
     return read_job_secret(path)
 
