@@ -61,6 +61,8 @@ def mismatches(export: DFlashConfig, job: DFlashConfig) -> list[str]:
     """Each checked field on which the export and the job differ, as 'name: export X, job Y'."""
     out = []
     for name, field in CHECKED_FIELDS:
+        if field == "layer_types" and export.num_hidden_layers != job.num_hidden_layers:
+            continue  # one type per layer: the layer count's own mismatch says it
         theirs, ours = getattr(export, field), getattr(job, field)
         if theirs != ours:
             key = f" ({JOB_KEYS[field]})" if field in JOB_KEYS else " (from target.path)"
