@@ -55,11 +55,10 @@ log = logging.getLogger(__name__)
 
 GRAPHS = ("auto", "on", "off")
 """auto: CUDA graphs where `AUTO_GRAPHS` allows them; on: CUDA graphs (refused without CUDA); off: eager."""
-AUTO_GRAPHS = False
-"""What `auto` picks on a CUDA device. The captured decode and speculative steps are tested on a
-GPU by tests/test_decode_engine.py and tests/test_eval_batched.py (`-m gpu`), which have not run
-on one yet: until they do, `auto` runs the eager steps, whose numbers the CPU tests check, and
-the benches ask for `on` explicitly (`bin/gpu-checks` STEPS=bench_decode)."""
+AUTO_GRAPHS = True
+"""What `auto` picks on a CUDA device. The captured decode and speculative steps replay the eager
+ones token for token on an H200 (tests/test_decode_engine.py, tests/test_eval_batched.py, `-m
+gpu`); a capture that fails logs once and the run steps eagerly."""
 
 
 def graphs_enabled(setting: str, device) -> bool:
