@@ -10,7 +10,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash_ipc.bench import drafter as bd
-from dflash_ipc.config.load import config_from_dict
 from dflash_ipc.drafter import attention as att
 from dflash_ipc.drafter.objective import build_training_batch
 from dflash_ipc.errors import ConfigError
@@ -24,8 +23,8 @@ def tiny():
     config = bd.drafter_model_config("tiny")
     dev = torch.device("cpu")
     gen = torch.Generator().manual_seed(0)
-    cfg = config_from_dict({"drafter": {"num_workers": 1, "devices": ["cpu"]},
-                            "objective": {"max_anchors_per_seq": 16, "anchors_per_step": 32}})
+    cfg = bd.bench_job_config(dev, objective={"max_anchors_per_seq": 16, "anchors_per_step": 32})
+    assert (cfg.objective.weighting, cfg.optimizer.name, cfg.objective.anchors_per_step) == ("decay", "adamw", 32)
     trainer = bd._RecordingTrainer(cfg, config, bd.random_head(config, dev, gen), device="cpu",
                                    total_steps=4)
     seqs = bd.random_sequences(config, step=0, num_seqs=2, seq_len=128, max_anchors=16, device=dev, gen=gen,

@@ -27,13 +27,13 @@ ALL = "dpace+muon+swa+wsd"  # every new part of the recipe in one run
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("bench-precision")
-    chosen = recipes.resolve(["today", ALL], num_layers=TINY.num_layers)
+    chosen = recipes.resolve(["paper", ALL], num_layers=TINY.num_layers)
     return work, bp.run_precision_comparison("cpu", "tiny", str(work), sizes=TINY, recipes=chosen)
 
 
 def test_tiny_comparison_of_two_recipes_runs_every_stage(tiny_run, capsys):
     work, f = tiny_run
-    for label in ("today", ALL):
+    for label in ("paper", ALL):
         run = f["runs"][label]
         assert len(run["losses"]) == len(run["step_s"]) == TINY.steps
         assert all(math.isfinite(x) and x > 0 for x in run["losses"]) and min(run["step_s"]) > 0
@@ -42,9 +42,9 @@ def test_tiny_comparison_of_two_recipes_runs_every_stage(tiny_run, capsys):
     assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == expected_tensor_shapes(model.config)
     assert model.config.num_hidden_layers == 1 and model.config.vocab_size == 2048
     assert model.config.layer_types == ["sliding_attention"] and model.config.sliding_window == 2048
-    assert load_inference_checkpoint(f["runs"]["today"]["export"]).config.layer_types == ["full_attention"]
-    assert f["runs"][ALL]["overrides"][0] == "objective.weighting=dpace"
-    assert set(f["tau"]) == {"untrained", "today", ALL} and all(t >= 1 for t in f["tau"].values())
+    assert load_inference_checkpoint(f["runs"]["paper"]["export"]).config.layer_types == ["full_attention"]
+    assert f["runs"][ALL]["overrides"][:4] == list(recipes.PAPER) + ["objective.weighting=dpace"]
+    assert set(f["tau"]) == {"untrained", "paper", ALL} and all(t >= 1 for t in f["tau"].values())
     for label, e in f["eval"].items():  # every held-out prompt checked against plain greedy decoding
         assert e["lossless_checked"] == TINY.eval_prompts and e["mismatches"] == [], label
         assert len(e["prompt_taus"]) <= TINY.eval_prompts
@@ -72,18 +72,23 @@ def test_a_given_target_and_prepared_dataset_and_a_time_budget(tiny_run, tmp_pat
 
 
 def test_recipes_by_name_combination_and_definition():
-    got = recipes.resolve(["today", "swa", "dpace+wsd", "mine"], {"mine": ["optimizer.name=muon", "optimizer.lr=1e-3"]},
-                          num_layers=5)
-    assert [r.name for r in got] == ["today", "swa", "dpace+wsd", "mine"]
-    assert got[0].overrides == ()
-    assert got[1].overrides == ("model.layer_types=SSSSF", "model.sliding_window=2048")
-    assert got[2].overrides == ("objective.weighting=dpace", "schedule.name=wsd", "schedule.decay_shape=cosine")
+    """Every recipe starts from the paper's (decay, AdamW, cosine) whatever the job defaults are;
+    `default` starts from the job defaults."""
+    got = recipes.resolve(["paper", "swa", "dpace+wsd", "mine", "default", "default+swa"],
+                          {"mine": ["optimizer.name=muon", "optimizer.lr=1e-3"]}, num_layers=5)
+    assert [r.name for r in got] == ["paper", "swa", "dpace+wsd", "mine", "default", "default+swa"]
+    paper = ("objective.weighting=decay", "optimizer.name=adamw", "schedule.name=cosine")
+    assert got[0].overrides == recipes.PAPER == paper
+    assert got[1].overrides == paper + ("model.layer_types=SSSSF", "model.sliding_window=2048")
+    assert got[2].overrides == paper + ("objective.weighting=dpace", "schedule.name=wsd", "schedule.decay_shape=cosine")
+    assert got[3].overrides == paper + ("optimizer.name=muon", "optimizer.lr=1e-3")
+    assert got[4].overrides == () and got[5].overrides == ("model.layer_types=SSSSF", "model.sliding_window=2048")
     assert recipes.parse_definition("m10=optimizer.name=muon, optimizer.muon_lr=6e-3") == \
         ("m10", ["optimizer.name=muon", "optimizer.muon_lr=6e-3"])
-    with pytest.raises(ConfigError, match="recipe 'adam' \\(in 'dpace\\+adam'\\) is unknown; known: bf16, dpace"):
+    with pytest.raises(ConfigError, match="recipe 'adam' \\(in 'dpace\\+adam'\\) is unknown; known: bf16, default, dpace"):
         recipes.resolve(["dpace+adam"], num_layers=5)
     with pytest.raises(ConfigError, match="asked twice"):
-        recipes.resolve(["today", "today"], num_layers=5)
+        recipes.resolve(["paper", "paper"], num_layers=5)
     with pytest.raises(ConfigError, match="is not section.key=value"):
         recipes.parse_definition("x=lr=3")
     model_config = bp.DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=5, num_attention_heads=4,
@@ -91,6 +96,9 @@ def test_recipes_by_name_combination_and_definition():
                                    target_layer_ids=[0], num_target_layers=2)
     cfg = bp.recipe_config(got[1], torch.device("cpu"), TINY, model_config)
     assert cfg.model.layer_types == ["sliding_attention"] * 4 + ["full_attention"]
+    assert (cfg.objective.weighting, cfg.optimizer.name, cfg.schedule.name) == ("decay", "adamw", "cosine")
+    defaults = bp.recipe_config(got[4], torch.device("cpu"), TINY, model_config)
+    assert (defaults.objective.weighting, defaults.optimizer.name, defaults.schedule.name) == ("dpace", "muon", "wsd")
     assert bp.recipe_model_config(cfg, model_config).sliding_window == 2048
     bad = recipes.Recipe(name="bad", overrides=("optimizer.name=lion",))
     with pytest.raises(ConfigError, match="recipe bad: .*optimizer.name: 'lion' not allowed"):

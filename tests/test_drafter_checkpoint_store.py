@@ -21,8 +21,9 @@ VOCAB, HIDDEN = 64, 32
 
 
 def _trainer(seed=0):
+    # AdamW and one schedule: the crafted cases below edit that state's fields (betas, one lr_lambda)
     cfg = config_from_dict({"drafter": {"dtype": "float32", "attention": "dense"}, "run": {"seed": seed},
-                            "model": {"num_layers": 1, "target_layer_ids": [0, 1]}})
+                            "model": {"num_layers": 1, "target_layer_ids": [0, 1]}, "optimizer": {"name": "adamw"}})
     config = DFlashConfig(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                           num_key_value_heads=1, head_dim=16, vocab_size=VOCAB, target_layer_ids=[0, 1],
                           num_target_layers=4, mask_token_id=VOCAB - 1, block_size=4)

@@ -80,8 +80,12 @@ def test_padded_context_gives_the_same_outputs_and_gradients():
 
 
 def _cfg(**drafter):
+    # The paper's recipe (decay weights, AdamW), the one these tolerances were set for: Muon's
+    # orthogonalised update and D-PACE's weights (from the step's own CE) carry the compiled
+    # forward's last-bit differences into the weights at a larger scale.
     return config_from_dict({"drafter": {"num_workers": 1, "dtype": "float32", "attention": "dense", **drafter},
-                             "objective": {"anchors_per_step": 12, "max_anchors_per_seq": 6}})
+                             "objective": {"weighting": "decay", "anchors_per_step": 12, "max_anchors_per_seq": 6},
+                             "optimizer": {"name": "adamw"}})
 
 
 def _steps(trainer, plan):

@@ -386,9 +386,11 @@ def test_dpace_config_keys_are_checked():
     assert load_config(None, ["objective.weighting=dpace"]).objective.dpace_alpha == 0.5
     with pytest.raises(ConfigError, match="objective.dpace_alpha: must be in"):
         load_config(None, ["objective.dpace_alpha=1.5"])
-    with pytest.raises(ConfigError, match="set drafter.fp8_lm_head=none"):
-        load_config(None, ["objective.weighting=dpace", "drafter.precision=fp8"])
-    assert load_config(None, ["objective.weighting=dpace", "drafter.precision=fp8", "drafter.fp8_lm_head=none"])
+    for head in ("all", "grad"):  # D-PACE's per-row CE has no float8 path: an explicit fp8 head is refused
+        with pytest.raises(ConfigError, match=f"set drafter.fp8_lm_head to none or auto \\(got {head}\\)"):
+            load_config(None, ["objective.weighting=dpace", "drafter.precision=fp8", f"drafter.fp8_lm_head={head}"])
+    for head in ("none", "auto"):
+        assert load_config(None, ["objective.weighting=dpace", "drafter.precision=fp8", f"drafter.fp8_lm_head={head}"])
 
 
 @pytest.mark.gpu

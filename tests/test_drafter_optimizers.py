@@ -50,7 +50,7 @@ def test_muon_optimizer_is_torchs_with_the_config_and_a_scheduler_reaches_both_p
         (0.9, 0.01, True, "match_rms_adamw")
     torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.25)
     assert [g["lr"] for g in muon.param_groups + adamw.param_groups] == [1e-3, 2.5e-4]
-    assert type(optimizers.build_optimizer(model, OptimizerConfig(), torch.device("cpu"))) is torch.optim.AdamW
+    assert type(optimizers.build_optimizer(model, OptimizerConfig(name="adamw"), torch.device("cpu"))) is torch.optim.AdamW
 
 
 def test_the_chained_state_dict_numbers_parameters_like_one_optimizer_and_loads_back():

@@ -39,7 +39,7 @@ def _has_fp8_gpu() -> bool:
 @pytest.mark.parametrize("override, needle", [
     ("drafter.precision=fp16", "drafter.precision: 'fp16' not allowed; allowed: bf16, fp8"),
     ("drafter.fp8_recipe=blockwise", "drafter.fp8_recipe: 'blockwise' not allowed; allowed: tensorwise, rowwise"),
-    ("drafter.fp8_lm_head=logits", "drafter.fp8_lm_head: 'logits' not allowed; allowed: all, grad, none"),
+    ("drafter.fp8_lm_head=logits", "drafter.fp8_lm_head: 'logits' not allowed; allowed: auto, all, grad, none"),
 ])
 def test_precision_choices_are_checked(override, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
@@ -48,7 +48,10 @@ def test_precision_choices_are_checked(override, needle):
 
 def test_fp8_needs_bf16_compute_and_bf16_is_the_default():
     cfg = load_config(None, [])
-    assert (cfg.drafter.precision, cfg.drafter.fp8_recipe, cfg.drafter.fp8_lm_head) == ("bf16", "tensorwise", "all")
+    assert (cfg.drafter.precision, cfg.drafter.fp8_recipe, cfg.drafter.fp8_lm_head) == ("bf16", "tensorwise", "auto")
+    # auto: the float8 head under decay weights, the head's own dtype under D-PACE (the default weighting)
+    assert [prec.lm_head_matmuls("auto", w) for w in ("decay", "dpace")] == ["all", "none"]
+    assert [prec.lm_head_matmuls(h, "dpace") for h in ("all", "grad", "none")] == ["all", "grad", "none"]
     with pytest.raises(ConfigError, match="drafter.precision: fp8 needs drafter.dtype=bfloat16.*got float32"):
         load_config(None, ["drafter.precision=fp8", "drafter.dtype=float32"])
     assert load_config(None, ["drafter.precision=fp8", "drafter.dtype=bfloat16"]).drafter.precision == "fp8"
@@ -223,9 +226,10 @@ def test_weighted_ce_sum_runs_the_fp8_head_in_forward_and_backward():
 # --- the linear layers: torchao's emulation on CPU ----------------------------------------------
 
 
-def _fp8_cfg(**drafter):
+def _fp8_cfg(weighting: str = "decay", **drafter):
+    """Decay weights: the float8 LM head is on (fp8_lm_head auto)."""
     return config_from_dict({"drafter": {"num_workers": 1, "dtype": "bfloat16", "precision": "fp8", **drafter},
-                             "objective": {"max_anchors_per_seq": 16, "anchors_per_step": 32}})
+                             "objective": {"max_anchors_per_seq": 16, "anchors_per_step": 32, "weighting": weighting}})
 
 
 @needs_torchao
@@ -481,3 +485,13 @@ def test_fp8_training_steps_on_gpu_follow_bf16(recipe):
                                  warmup=1, variant=variant)
         losses[variant["precision"]] = f["loss_last"]
     assert losses["fp8"] == pytest.approx(losses["bf16"], rel=2e-2)
+
+
+@needs_torchao
+def test_fp8_under_dpace_keeps_the_lm_head_in_its_own_dtype(monkeypatch):
+    """fp8_lm_head auto with D-PACE (the default weighting): float8 layers, no float8 LM head."""
+    monkeypatch.setenv(prec.EMULATE_ENV, "1")
+    config = bd.drafter_model_config("tiny")
+    head = bd.random_head(config, "cpu", torch.Generator().manual_seed(0))
+    assert bd.DrafterTrainer(_fp8_cfg(weighting="dpace"), config, head, device="cpu", total_steps=2).fp8_head is None
+    assert bd.DrafterTrainer(_fp8_cfg(weighting="decay"), config, head, device="cpu", total_steps=2).fp8_head is not None

@@ -16,7 +16,7 @@ def test_cosine_warms_up_then_follows_the_cosine_to_the_floor():
     assert f(10) == pytest.approx(1.0)
     assert f(55) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the 90 cosine steps
     assert f(100) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
-    assert schedule_lambda(ScheduleConfig(), 100)(55) == lr_lambda(100, 0.04, 0.0)(55)  # the default
+    assert schedule_lambda(ScheduleConfig(name="cosine"), 100)(55) == lr_lambda(100, 0.04, 0.0)(55)
 
 
 @pytest.mark.parametrize("shape, at_quarter", [("linear", 0.75), ("cosine", (1 + math.cos(math.pi / 4)) / 2),

@@ -386,12 +386,19 @@ def variant_label(variant: dict) -> str:
     return f"{variant['precision']} {recipe}, lm_head {lm_head}{extra}"
 
 
+PAPER_RECIPE = {"objective": {"weighting": "decay"}, "optimizer": {"name": "adamw"}, "schedule": {"name": "cosine"}}
+"""The step the bench times: the DFlash paper's recipe, whose FLOPs `training_flops` counts and
+whose figures docs/benchmarks.md gives (D-PACE's per-row CE and Muon's update cost more per
+step: bench precision's "step ms" column measures them)."""
+
+
 def bench_job_config(device: torch.device, *, drafter: dict | None = None, **sections: dict) -> JobConfig:
-    """The config of a one-drafter job on ``device`` (targets on the same kind of device: a job
-    config refuses to mix CPU and CUDA workers)."""
+    """The config of a one-drafter job on ``device`` under the paper's recipe (targets on the same
+    kind of device: a job config refuses to mix CPU and CUDA workers)."""
+    merged = {name: {**part, **sections.get(name, {})} for name, part in PAPER_RECIPE.items()}
     return config_from_dict({"target": {"devices": [str(device)]},
                              "drafter": {"num_workers": 1, "devices": [str(device)], "dtype": "bfloat16",
-                                         "attention": "auto", **(drafter or {})}, **sections})
+                                         "attention": "auto", **(drafter or {})}, **sections, **merged})
 
 
 def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwen3-8b", anchors_per_seq: int = 512,

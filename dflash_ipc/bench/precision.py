@@ -36,7 +36,7 @@ Run manual::
 
     dflash-ipc bench precision --device cuda:0 --precision bf16,fp8     # Qwen3-1.7B shape, one H200
     dflash-ipc bench precision --device cuda:0 --target /tmp/smol-hf --data DATA --mask-token-id 16 \
-        --recipes today,dpace,swa,muon,wsd,dpace+muon+wsd --budget-s 40 --eval-prompts 64 --eval-tokens 128
+        --recipes paper,dpace,swa,muon,wsd,default --budget-s 40 --eval-prompts 64 --eval-tokens 128
     dflash-ipc bench precision --device cpu --shape tiny --samples 32 --steps 8 --eval-prompts 2
 """
 

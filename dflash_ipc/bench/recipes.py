@@ -1,20 +1,27 @@
-"""Named training recipes for `bench precision`: each a list of config overrides on today's defaults.
+"""Named training recipes for `bench precision`: each a list of config overrides.
 
-    today   nothing: the DFlash paper's recipe (decay weights, full attention, AdamW, cosine)
-    dpace   objective.weighting=dpace                     (D-PACE weights, alpha 0.5)
-    swa     model.layer_types=S..SF, sliding_window=2048  (all but the last layer sliding: SpecForge's
+Every recipe starts from the DFlash paper's recipe (``PAPER``: decay weights, AdamW, cosine;
+full attention is the default layout) and adds its parts' changes, so a table of them compares
+each change against the paper whatever the job defaults are; a recipe with the part ``default``
+starts from the job defaults instead (today D-PACE, Muon, WSD: what the recipe table on a real
+target chose, docs/benchmarks.md).
+
+    paper    the paper's recipe                           (decay weights, AdamW, cosine)
+    dpace    objective.weighting=dpace                     (D-PACE weights, alpha 0.5)
+    swa      model.layer_types=S..SF, sliding_window=2048  (all but the last layer sliding: SpecForge's
                                                            Qwen3.6 layout; speculators' window)
-    muon    optimizer.name=muon                           (Muon for the matrices at optimizer.lr,
+    muon     optimizer.name=muon                           (Muon for the matrices at optimizer.lr,
                                                            match_rms_adamw scaling)
-    wsd     schedule.name=wsd, decay_shape=cosine          (TorchSpec's DFlash schedule: last 20 %)
-    bf16    drafter.precision=bf16                        (the default, named for the precision table)
-    fp8     drafter.precision=fp8
+    wsd      schedule.name=wsd, decay_shape=cosine          (TorchSpec's DFlash schedule: last 20 %)
+    default  the job defaults, nothing else
+    bf16     drafter.precision=bf16                        (the default, named for the precision table)
+    fp8      drafter.precision=fp8
 
-Names combine with ``+``: ``dpace+muon+wsd`` is the three lists in order (a later override of
-the same key wins). ``--recipe NAME=KEY=VALUE[,KEY=VALUE...]`` defines more (or redefines one),
-e.g. ``muon10=optimizer.name=muon,optimizer.muon_lr=6e-3``; a value may not hold a comma (give
-layer_types in its compact form, ``SSSSF``). Every recipe is validated as a whole job config
-before anything trains.
+Names combine with ``+``: ``dpace+muon+wsd`` is the paper's recipe, then the three lists in
+order (a later override of the same key wins). ``--recipe NAME=KEY=VALUE[,KEY=VALUE...]``
+defines more (or redefines one), e.g. ``muon10=optimizer.name=muon,optimizer.muon_lr=6e-3``; a
+value may not hold a comma (give layer_types in its compact form, ``SSSSF``). Every recipe is
+validated as a whole job config before anything trains.
 """
 
 from __future__ import annotations
@@ -33,8 +40,14 @@ def _swa(num_layers: int) -> list[str]:
     return [f"model.layer_types={kinds}", f"model.sliding_window={SWA_WINDOW}"]
 
 
+PAPER = ("objective.weighting=decay", "optimizer.name=adamw", "schedule.name=cosine")
+"""The DFlash paper's recipe, where the job defaults differ from it: every recipe's start."""
+DEFAULT = "default"
+"""The part that starts a recipe from the job defaults instead of PAPER."""
+
 BUILTIN = {
-    "today": lambda n: [],
+    "paper": lambda n: [],
+    DEFAULT: lambda n: [],
     "dpace": lambda n: ["objective.weighting=dpace"],
     "swa": _swa,
     "muon": lambda n: ["optimizer.name=muon"],
@@ -75,8 +88,9 @@ def resolve(names: list[str], defined: dict[str, list[str]] | None = None, *, nu
         raise ConfigError(f"bench precision: a recipe is asked twice: {names}")
     out = []
     for name in names:
-        overrides: list[str] = []
-        for part in name.split("+"):
+        parts = name.split("+")
+        overrides: list[str] = [] if DEFAULT in parts else list(PAPER)
+        for part in parts:
             if part in defined:
                 overrides += defined[part]
             elif part in BUILTIN:
@@ -90,5 +104,6 @@ def resolve(names: list[str], defined: dict[str, list[str]] | None = None, *, nu
 
 
 def precision_recipes(variants: list[dict], label) -> list[Recipe]:
-    """The ``drafter`` fields of precision variants (bench/drafter.py) as recipes named ``label(v)``."""
-    return [Recipe(name=label(v), overrides=tuple(f"drafter.{k}={v[k]}" for k in v)) for v in variants]
+    """The ``drafter`` fields of precision variants (bench/drafter.py) as recipes named ``label(v)``,
+    each on the paper's recipe (the one the precision figures of docs/benchmarks.md train)."""
+    return [Recipe(name=label(v), overrides=PAPER + tuple(f"drafter.{k}={v[k]}" for k in v)) for v in variants]

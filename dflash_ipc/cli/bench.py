@@ -156,8 +156,8 @@ def _run_sizes_options(fn):
               help="model.mask_token_id of the drafter (default: derived as a job derives it).")
 @click.option("--recipes", "recipe_names", default=None, callback=lambda ctx, p, v: comma_list(ctx, p, v) if v else None,
               metavar="NAME[,NAME...]",
-              help="Recipes to compare, in order (bench/recipes.py): today, dpace, swa, muon, wsd, bf16, fp8, "
-                   "--recipe ones, and '+' combinations (dpace+muon); instead of --precision.")
+              help="Recipes to compare, in order (bench/recipes.py), each on the paper's recipe: paper, dpace, swa, muon, wsd, "
+                   "default (the job defaults), bf16, fp8, --recipe ones, and '+' combinations (dpace+muon); instead of --precision.")
 @click.option("--recipe", "definitions", multiple=True, metavar="NAME=KEY=VALUE[,KEY=VALUE...]",
               help="Define a recipe by config overrides, e.g. muon10=optimizer.name=muon,optimizer.muon_lr=6e-3 "
                    "(repeatable).")

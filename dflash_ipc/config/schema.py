@@ -28,7 +28,7 @@ DTYPE_NAMES: tuple[str, ...] = typing.get_args(DType)
 Attention = Literal["auto", "flex", "dense"]
 Precision = Literal["bf16", "fp8"]
 Fp8Recipe = Literal["tensorwise", "rowwise"]
-Fp8HeadMatmuls = Literal["all", "grad", "none"]
+Fp8HeadMatmuls = Literal["auto", "all", "grad", "none"]
 AttnImplementation = Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 Auth = Literal["auto", "curve", "none"]
@@ -284,8 +284,10 @@ class DrafterConfig(_Section):
     """Training matmuls: bf16, or fp8 (linear layers and LM head in float8: drafter/precision.py)."""
     fp8_recipe: Fp8Recipe = "tensorwise"
     """fp8 only: one scale per tensor (tensorwise, fastest) or one per row (rowwise)."""
-    fp8_lm_head: Fp8HeadMatmuls = "all"
-    """fp8 only: the frozen LM head's matmuls in float8: all (logits, dL/dh), grad (dL/dh) or none."""
+    fp8_lm_head: Fp8HeadMatmuls = "auto"
+    """fp8 only: the frozen LM head's matmuls in float8: all (logits, dL/dh), grad (dL/dh) or none;
+    auto: all with objective.weighting decay, none with dpace (whose per-row CE runs in the
+    head's own dtype)."""
     fifo_sequences: int = 256
     """A drafter asks for hidden states while fewer sequences than this wait in its queue."""
     prefetch: int = 2
@@ -394,7 +396,7 @@ class ModelConfig(_Section):
 @dataclass(kw_only=True, slots=True)
 class OptimizerConfig(_Section):
     NAME = "optimizer"
-    name: OptimizerName = "adamw"
+    name: OptimizerName = "muon"
     """adamw (every parameter) or muon (torch.optim.Muon for every matrix: the layers'
     projections and fc; AdamW for the norms: drafter/optimizers.py)."""
     lr: float = 6e-4
@@ -432,7 +434,7 @@ class OptimizerConfig(_Section):
 @dataclass(kw_only=True, slots=True)
 class ScheduleConfig(_Section):
     NAME = "schedule"
-    name: ScheduleName = "cosine"
+    name: ScheduleName = "wsd"
     """cosine (warmup, then cosine to the end) or wsd (warmup, stable at the peak, then a
     decay over the last decay_ratio of the planned steps): drafter/schedule.py."""
     warmup_ratio: float = 0.04
@@ -441,7 +443,7 @@ class ScheduleConfig(_Section):
     """The schedule ends at optimizer.lr * min_lr_ratio."""
     decay_ratio: float = 0.2
     """wsd only: fraction of the planned steps of the final decay."""
-    decay_shape: DecayShape = "linear"
+    decay_shape: DecayShape = "cosine"
     """wsd only: the decay's curve from 1 to min_lr_ratio: linear, cosine, or sqrt
     (1 - sqrt(progress), the "1-sqrt" cooldown)."""
 
@@ -461,7 +463,7 @@ class ObjectiveConfig(_Section):
     """Most anchors sampled in one sequence."""
     anchors_per_step: int = 2048
     """Anchors (blocks) per optimizer step on each drafter; fixes the step's cost."""
-    weighting: Weighting = "decay"
+    weighting: Weighting = "dpace"
     """Loss weight of block position k: decay (exp(-(k-1)/gamma), the DFlash paper's) or dpace
     (D-PACE: weights from the drafter's own per-slot confidence each step, the gradient of a
     surrogate of the expected acceptance length: drafter/objective.py)."""
@@ -638,9 +640,9 @@ class JobConfig:
                      f"fsdp needs one GPU per drafter (drafter.devices={self.drafter.devices} for "
                      f"{self.drafter.num_workers} drafters); use drafter.sharding: none when drafters share GPUs")
         _require(not (self.objective.weighting == "dpace" and self.drafter.precision == "fp8"
-                      and self.drafter.fp8_lm_head != "none"), "objective.weighting",
+                      and self.drafter.fp8_lm_head in ("all", "grad")), "objective.weighting",
                  "dpace computes per-row CE in the LM head's own dtype: with drafter.precision=fp8 set "
-                 "drafter.fp8_lm_head=none")
+                 f"drafter.fp8_lm_head to none or auto (got {self.drafter.fp8_lm_head}), or objective.weighting=decay")
         # Muon orthogonalises whole matrices; under FSDP each rank holds a shard of each.
         _require(not (self.optimizer.name == "muon" and self.drafter.sharding == "fsdp"), "optimizer.name",
                  "muon needs whole matrices on every rank: use drafter.sharding: none with it, or optimizer.name: adamw")

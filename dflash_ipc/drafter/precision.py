@@ -112,12 +112,22 @@ def require_fp8(device: torch.device | str) -> None:
     torchao_float8()
 
 
+def lm_head_matmuls(setting: str, weighting: str) -> str:
+    """``drafter.fp8_lm_head`` as applied: auto is all under decay weights, none under D-PACE
+    (its per-row CE runs in the head's own dtype: drafter/objective.py)."""
+    if setting != "auto":
+        return setting
+    return "none" if weighting == "dpace" else "all"
+
+
 def apply_precision(cfg: DrafterConfig, model: nn.Module, head: FrozenTargetHead,
-                    device: torch.device | str) -> "Fp8LMHead | None":
+                    device: torch.device | str, *, weighting: str = "decay") -> "Fp8LMHead | None":
     """The trainer's hook, right after the model is built: converts ``model`` in place for
-    ``cfg.precision`` and returns the LM-head matmuls for ``weighted_ce_sum`` (None: bf16)."""
+    ``cfg.precision`` and returns the LM-head matmuls for ``weighted_ce_sum`` (None: bf16).
+    ``weighting``: objective.weighting, which decides ``fp8_lm_head: auto``."""
     if cfg.precision == "bf16":
         return None
+    head_matmuls = lm_head_matmuls(cfg.fp8_lm_head, weighting)
     require_fp8(device)
     emulate = emulate_enabled()
     converted = convert_linears(model, cfg.fp8_recipe, emulate=emulate)
@@ -126,14 +136,14 @@ def apply_precision(cfg: DrafterConfig, model: nn.Module, head: FrozenTargetHead
     else:  # traced into the drafter's one graph, where the compiler merges the casts of a shared input
         for module in converted:
             module.forward = _GraphForward(module)
-    fp8_head = None if cfg.fp8_lm_head == "none" else Fp8LMHead.create(
-        head.lm_head_weight, rowwise=cfg.fp8_recipe == "rowwise", fp8_logits=cfg.fp8_lm_head == "all",
+    fp8_head = None if head_matmuls == "none" else Fp8LMHead.create(
+        head.lm_head_weight, rowwise=cfg.fp8_recipe == "rowwise", fp8_logits=head_matmuls == "all",
         emulate=emulate)
-    if fp8_head is None and cfg.fp8_lm_head != "none":
+    if fp8_head is None and head_matmuls != "none":
         logger.info("precision fp8: LM head %s stays bf16: dims must be multiples of %d",
                     tuple(head.lm_head_weight.shape), MM_MULTIPLE)
     logger.info("precision fp8 (%s%s): %d linear layers in float8, LM head matmuls in float8: %s", cfg.fp8_recipe,
-                ", emulated" if emulate else "", len(converted), cfg.fp8_lm_head if fp8_head is not None else "none")
+                ", emulated" if emulate else "", len(converted), head_matmuls if fp8_head is not None else "none")
     return fp8_head
 
 

@@ -103,7 +103,8 @@ class DrafterTrainer:
         self.head = head
         # float8 layers first, then FSDP over them (torchao's order: fully_shard wraps the
         # converted modules and shards their parameters like any other)
-        self.fp8_head = apply_precision(cfg.drafter, self.model, head, self.device)  # None in bf16
+        self.fp8_head = apply_precision(cfg.drafter, self.model, head, self.device,
+                                       weighting=cfg.objective.weighting)  # None in bf16
         self.sharded = cfg.drafter.sharding == "fsdp" and self.world_size > 1
         if self.sharded:
             shard_model(self.model, self.device)
