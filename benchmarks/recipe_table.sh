@@ -17,7 +17,7 @@
 # Knobs (env): TARGET (an HF model directory), DEVICE (cuda:0), MASK_TOKEN_ID (16: SmolLM2's
 # unused <empty_output>; its tokenizer has no mask token and no spare embedding row), ROWS (2400),
 # REPLY_TOKENS (256), HELD_OUT (64), EVAL_TOKENS (128), BUDGET_S (25), ANCHORS (2048),
-# RECIPES (today,dpace,swa,muon,wsd,dpace+muon+wsd), RECIPE_DEFS (extra --recipe definitions,
+# RECIPES (paper,dpace,swa,muon,wsd,default), RECIPE_DEFS (extra --recipe definitions,
 # space-separated NAME=KEY=VALUE,... items), WORK (/tmp/recipe-work: rebuilt every run).
 set -uo pipefail
 out="${OUT:-recipe-out}"; mkdir -p "$out"
@@ -66,7 +66,7 @@ defs=(); for d in ${RECIPE_DEFS:-}; do defs+=(--recipe "$d"); done
 mask=(); [ -n "${MASK_TOKEN_ID-16}" ] && mask=(--mask-token-id "${MASK_TOKEN_ID-16}")  # MASK_TOKEN_ID= : derive it
 timeout "${TRECIPES:-380}" $py -m dflash_ipc.cli bench precision --device "$device" --target "$target" \
   --data "$work/data" "${mask[@]}" \
-  --recipes "${RECIPES:-today,dpace,swa,muon,wsd,dpace+muon+wsd}" "${defs[@]}" \
+  --recipes "${RECIPES:-paper,dpace,swa,muon,wsd,default}" "${defs[@]}" \
   --budget-s "${BUDGET_S:-25}" --anchors-per-step "${ANCHORS:-2048}" --num-layers "${NUM_LAYERS:-5}" \
   --eval-prompts "${HELD_OUT:-64}" --eval-tokens "${EVAL_TOKENS:-128}" --work-dir "$work/bench" \
   --json "$out/recipe_table.json" >> "$log" 2>&1

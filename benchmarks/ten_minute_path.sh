@@ -6,7 +6,8 @@
 #   2. prepare     chat template, loss masks, the last HELD_OUT usable conversations held out
 #   3. up          configs/1xh200.yaml: the whole job (dispatcher, TARGETS target workers, DRAFTERS drafter
 #                  workers) on DEVICE,
-#                  under RECIPE (a recipe_table.json's best tau when RECIPE_JSON is given, else today's),
+#                  under RECIPE (a recipe_table.json's best tau when RECIPE_JSON is given, else
+#                  the job defaults),
 #                  for about TRAIN_S seconds of drafter steps: data.num_epochs is chosen from the dataset's
 #                  planned steps per epoch and STEP_MS (the recipe's measured step time in RECIPE_JSON)
 #   4. eval        tau on the HELD_OUT held-out prompts, EVAL_TOKENS new tokens, greedy, --check-lossless
@@ -15,9 +16,9 @@
 #   TARGET=/tmp/smol-hf RECIPE_JSON=/tmp/recipe_table.json OUT=$OUT bash benchmarks/ten_minute_path.sh
 #
 # Knobs (env): TARGET, DEVICE (cuda:0), MASK_TOKEN_ID (16, as in recipe_table.sh), ROWS (2400),
-# REPLY_TOKENS (256), TREGEN (150), REPLIES, HELD_OUT (64), EVAL_TOKENS (128), TRAIN_S (240),
-# STEP_MS (40), RECIPE (a name in RECIPE_JSON, or today), RECIPE_JSON, NUM_LAYERS (5), ANCHORS (2048),
-# TARGETS (1), DRAFTERS (1), DTYPE (bfloat16), WORK (/tmp/path-work: rebuilt every run), TUP (420).
+# REPLY_TOKENS (256), TREGEN (150), REPLIES, HELD_OUT (64), EVAL_TOKENS (128), TRAIN_S (330),
+# STEP_MS (80: the default recipe's step for a 135M-class target on an H200, docs/benchmarks.md), RECIPE (a name in RECIPE_JSON; without one, the job defaults), RECIPE_JSON, NUM_LAYERS (5), ANCHORS (2048),
+# TARGETS (1), DRAFTERS (1), DTYPE (bfloat16), WORK (/tmp/path-work: rebuilt every run), TUP (450).
 set -uo pipefail
 out="${OUT:-path-out}"; mkdir -p "$out"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
@@ -63,7 +64,7 @@ rc=$?; tail -2 "$out/prepare.log" >> "$log"; elapsed prepare $t
 
 stage "up"; t=$(date +%s)
 # The recipe's overrides and step time from the recipe table, and the epochs that fill TRAIN_S.
-plan=$($py - "$work/data" "${RECIPE_JSON:-}" "${RECIPE:-}" "${TRAIN_S:-240}" "${STEP_MS:-40}" \
+plan=$($py - "$work/data" "${RECIPE_JSON:-}" "${RECIPE:-}" "${TRAIN_S:-330}" "${STEP_MS:-80}" \
   "${ANCHORS:-2048}" "${DRAFTERS:-1}" <<'EOF'
 import json, math, sys
 from dflash_ipc.config.schema import ObjectiveConfig
@@ -78,7 +79,7 @@ if table:
     run = figures["runs"][recipe]
     overrides = run["overrides"]
     step_ms = 1000 * sorted(run["step_s"])[len(run["step_s"]) // 2]
-recipe = recipe or "today"
+recipe = recipe or "default"
 per_epoch = estimate_total_steps(TokenDataset(data), ObjectiveConfig(anchors_per_step=int(anchors)), num_epochs=1,
                                  world_size=int(drafters))
 epochs = max(1, round(float(train_s) * 1000 / float(step_ms) / per_epoch))
@@ -87,14 +88,14 @@ EOF
 ) || { echo "planning failed" | tee -a "$log"; exit 1; }
 read -r recipe epochs per_epoch step_ms recipe_overrides <<< "$plan"
 echo "recipe $recipe (${recipe_overrides:-no overrides}); $per_epoch steps an epoch at ~$step_ms ms a step:" \
-  "$epochs epochs for TRAIN_S=${TRAIN_S:-240} s" | tee -a "$log"
+  "$epochs epochs for TRAIN_S=${TRAIN_S:-330} s" | tee -a "$log"
 overrides=(-o target.path="$target" -o data.path="$work/data" -o run.run_dir="$work/run"
   -o "target.devices=[$device]" -o "drafter.devices=[$device]" -o target.num_workers="${TARGETS:-1}"
   -o drafter.num_workers="${DRAFTERS:-1}" -o target.dtype="${DTYPE:-bfloat16}" -o drafter.dtype="${DTYPE:-bfloat16}"
   -o model.num_layers="${NUM_LAYERS:-5}" -o objective.anchors_per_step="${ANCHORS:-2048}" -o data.num_epochs="$epochs")
 [ -n "${MASK_TOKEN_ID-16}" ] && overrides+=(-o model.mask_token_id="${MASK_TOKEN_ID-16}")
 for o in $recipe_overrides; do overrides+=(-o "$o"); done
-timeout "${TUP:-420}" $py -m dflash_ipc.cli up --config configs/1xh200.yaml "${overrides[@]}" > "$out/up.log" 2>&1
+timeout "${TUP:-450}" $py -m dflash_ipc.cli up --config configs/1xh200.yaml "${overrides[@]}" > "$out/up.log" 2>&1
 rc=$?; tail -4 "$out/up.log" >> "$log"; elapsed up $t
 [ $rc -eq 0 ] || { echo "up failed (exit $rc): see up.log" | tee -a "$log"; exit 1; }
 
