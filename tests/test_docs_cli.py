@@ -16,6 +16,7 @@ README = os.path.join(ROOT, "README.md")
 OPTION = re.compile(r"(?<![\w-])(--[a-z][\w-]*|-o)(?![\w-])")
 # Flags of other programs that the docs show (SGLang, vLLM, TensorBoard, Slurm).
 OTHER_TOOLS = {"--speculative-algorithm", "--speculative-draft-model-path", "--speculative-config", "--model-path",
+               "--speculative-draft-window-size",
                "--logdir", "--nodes", "--ntasks-per-node", "--gpus-per-node", "--exclusive"}
 
 

@@ -89,7 +89,8 @@ def test_qwen3_8b_tensor_names_and_shapes_on_meta():
 
 def tiny_model(seed=0, layer_types=None, sliding_window=None) -> DFlashDraftModel:
     torch.manual_seed(seed)
-    cfg = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_layers = len(layer_types) if layer_types else 2
+    cfg = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=num_layers, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=8, vocab_size=61, mask_token_id=60,
                        target_layer_ids=[0, 2], num_target_layers=3, block_size=4,
                        rope_scaling={"rope_type": "linear", "factor": 2.0}, layer_types=layer_types,

@@ -40,13 +40,14 @@ def _one_block(model, features, embeds):
     return model(features, torch.arange(s), embeds, torch.arange(s, s + bs), masks)
 
 
-SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5}
+LAYERS = {"full": {}, "sliding": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5},
+          "all-sliding": {"layer_types": ["sliding_attention"] * 2, "sliding_window": 3}}
 
 
-@pytest.mark.parametrize("layers", ["full", "sliding"])
+@pytest.mark.parametrize("layers", list(LAYERS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hub_model_loads_and_matches_the_trainer_drafter_exactly(tmp_path, dtype, layers):
-    kinds = SLIDING if layers == "sliding" else {}
+    kinds = LAYERS[layers]
     model = tiny_model(seed=4, **kinds).eval()  # linear RoPE scaling, norms away from 1
     out = tmp_path / "export"
     save_inference_checkpoint(model, str(out), dtype=dtype, extras=add_hub_code)

@@ -35,6 +35,11 @@ def export(checkpoint, out_dir, with_code, base_model, repo_id) -> None:
     path = export_step_dir(step_dir, out_dir, extras=extras)
     click.echo(f"exported {path} (model card README.md{', modeling_dflash.py' if with_code else ''}); "
                f"publish with: huggingface-cli upload {repo_id or 'ORG/NAME'} {path}")
+    from dflash_ipc.drafter.inference_format import CONFIG_FILE
+    from dflash_ipc.export.serving_notes import sliding_layout_notes
+    from dflash_ipc.run.json_files import read_json_object
+    for note in sliding_layout_notes(read_json_object(os.path.join(path, CONFIG_FILE), "drafter export config")):
+        click.echo(f"note: {note}")
 
 
 @main.command("eval")

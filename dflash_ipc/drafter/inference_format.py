@@ -28,17 +28,39 @@ Sources checked for what the loaders read (public code, read through the search 
   ``block_size``; published configs carry top-level ``block_size`` and
   ``num_target_layers``, ``model_type: qwen3``, safetensors names without prefix.
 
-Sliding-window layers (``model.layer_types``; the research memo of issue 29 read the loaders):
-- SGLang ``models/dflash.py`` reads ``layer_types`` and ``sliding_window`` (text config or
-  top level); a ``sliding_attention`` layer is a causal RadixAttention with window
-  ``sliding_window - 1`` (HF windows count the query itself), a full one non-causal.
-- vLLM ``qwen3_dflash.py``: a layer slides iff ``layer_types[i] == "sliding_attention"``; the
-  window is ``dflash_config.swa_window_size``, else ``sliding_window``; causal iff the layer
-  slides unless ``is_causal``/``dflash_config.causal`` say otherwise (not written: the default
-  is the trainer's rule); a mix of sliding and full layers needs its V2 model runner.
-- transformers' ``Qwen3Config`` keeps ``sliding_window`` only with ``use_sliding_window: true``,
-  so the export sets it whenever a layer slides; ``layer_types`` is written explicitly, which
-  overrides ``max_window_layers`` (kept at the layer count).
+Sliding-window layers (``model.layer_types``, ``model.sliding_window``). Every loader reads
+config.json through transformers' ``Qwen3Config``, which keeps ``sliding_window`` only with
+``use_sliding_window: true``; the export sets it whenever a layer slides. Read in SGLang 0.5.23
+and vLLM 0.33.0 (their PyPI wheels), z-lab/dflash 44947fb, SpecForge a6b6b02:
+- SGLang ``srt/speculative/dflash_utils.py:388-397``: ``layer_types`` (text config, else top
+  level); ``:400-417``: the window is ``sliding_window`` (``dflash_config.swa_window_size`` only
+  for the Nemotron 3.5 layout, ``:409-410``), required once a layer slides, served as
+  ``sliding_window - 1`` (HF windows count the query itself). ``srt/models/dflash.py:166-191``:
+  ``full_attention`` -> no window, non-causal; ``sliding_attention`` -> that window, causal;
+  ``:157-163``: a config ``is_causal`` would set the causality of every layer.
+  ``srt/speculative/dflash_worker_v2.py:405-406, 1209-1214``: the server flag
+  ``--speculative-draft-window-size`` clamps the context of every drafter layer.
+- vLLM ``model_executor/models/qwen3_dflash.py:96-156`` (``_resolve_layer_attention``): a layer
+  slides iff ``layer_types[i] == "sliding_attention"`` (``dflash_config.use_swa`` slides every
+  layer when none is listed as sliding); the window is ``dflash_config.swa_window_size``, else
+  ``sliding_window``; ``:62-73``: causal is ``is_causal``, else ``dflash_config.causal``, else
+  whether the layer slides. ``config/vllm.py:3129-3131``: a mix of sliding and full layers is
+  refused by the V1 model runner (V2 is the default, ``:748-767``). ``v1/attention/backends/
+  flash_attn.py:1082-1087``: a causal window w is ``(w - 1, 0)`` keys left and right of the
+  query, as HF's.
+- z-lab ``dflash/model.py:209``: ``config.sliding_window`` where ``layer_types[i]`` slides, handed
+  to transformers' attention function (``:250``) of a non-causal module (``:194``): SDPA ignores
+  it, flash-attention applies it on both sides (transformers 5.24
+  ``modeling_flash_attention_utils.py:687-692``), neither the servers' causal window.
+- SpecForge ``configs/qwen3.6-27b-dflash.json:29-49`` writes this export's set: ``layer_types``,
+  ``max_window_layers`` (the layer count), ``sliding_window``, ``use_sliding_window: true``;
+  ``specforge/modeling/draft/dflash.py:38-68`` requires the window once a layer slides.
+The export writes none of ``is_causal``, ``dflash_config.{causal, use_swa, swa_window_size}``,
+so each loader's per-layer default applies, which is the trainer's rule (sliding: causal and
+windowed; full: the whole block). ``max_window_layers`` states the layout in Qwen2's form
+(layers from it on slide) when the sliding layers are the last ones, else it is the layer
+count and ``layer_types`` alone decides (model.qwen2_max_window_layers). vllm-project/
+speculators writes another format (``transformer_layer_config``, ``sliding_window_non_causal``).
 """
 
 from __future__ import annotations

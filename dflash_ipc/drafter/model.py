@@ -192,6 +192,7 @@ class DFlashConfig:
     def to_hf_dict(self, *, dtype: str = "bfloat16") -> dict:
         """config.json of the inference checkpoint (z-lab DFlash / SGLang / vLLM format)."""
         n = self.num_hidden_layers
+        qwen2_window_layers = qwen2_max_window_layers(self.layer_types)
         return {
             "architectures": [ARCHITECTURE],
             "model_type": "qwen3",
@@ -214,12 +215,13 @@ class DFlashConfig:
             "attention_bias": False,
             "attention_dropout": 0.0,
             "tie_word_embeddings": False,
-            # Serving reads these (export.py): layer_types per layer, sliding_window (SGLang,
-            # vLLM); use_sliding_window gates the window in transformers' Qwen3Config.
+            # Serving reads these (inference_format.py lists where): layer_types per layer and
+            # sliding_window (SGLang, vLLM, z-lab); use_sliding_window gates the window in
+            # transformers' Qwen3Config, which every loader reads the file through.
             "layer_types": list(self.layer_types),
             "use_sliding_window": self.slides,
             "sliding_window": self.sliding_window,
-            "max_window_layers": n,
+            "max_window_layers": n if qwen2_window_layers is None else qwen2_window_layers,
             "initializer_range": self.initializer_range,
             "use_cache": True,
             "torch_dtype": dtype,
@@ -260,6 +262,15 @@ class DFlashConfig:
         )
 
 
+
+
+def qwen2_max_window_layers(layer_types: list[str]) -> int | None:
+    """The layout in Qwen2's older form, which transformers' Qwen3Config still applies to a
+    config without layer_types: layer i slides iff i >= max_window_layers. None when the
+    sliding layers are not the last ones (SSSSF), which that form cannot state; the export
+    then writes the layer count, as SpecForge does, and layer_types alone decides."""
+    first = next((i for i, kind in enumerate(layer_types) if kind == "sliding_attention"), len(layer_types))
+    return first if all(kind == "sliding_attention" for kind in layer_types[first:]) else None
 
 
 def _layer_types_from_hf(d: dict, source: str) -> dict:
