@@ -470,3 +470,60 @@ def test_a_restarted_dispatcher_counts_on_from_the_ledger(tmp_path):
     assert status.tokens.committed == _committed_sum(again) == committed > 0
     share = int(100 * committed / again.tokens_planned)
     assert f"trained {share}% of tokens" in StatusLine().lines(status)[1]
+
+
+# --- trained progress: batches in drafters, tokens through resumes ----------------------------
+
+
+def test_status_counts_each_epochs_batches_in_drafters_until_their_commit():
+    """A copied batch is `consumed` in its epoch's progress until a commit moves it to
+    `committed`; the progress bar counts both, so it moves before the first checkpoint."""
+    from dflash_ipc.obs.status_line import format_progress
+    d = _group(num_drafters=1)
+    (_, b), = [m for m in d.handle(b"t0", p.Ready(credits=1)) if isinstance(m[1], p.Batch)]
+    produce(d, b"t0", b)
+    (_, a), = d.handle(b"d0/1", p.WantHidden(credits=1))
+    assert d.status().epochs[0].consumed == 0  # assigned: the copy is not made yet
+    d.handle(b"d0/1", p.Consumed(batch_id=a.batch_id, attempt=a.attempt))
+    status = d.status()
+    assert (status.epochs[0].committed, status.epochs[0].consumed) == (0, 1) == (
+        status.batches.committed, status.batches.consumed)
+    assert f" 1/{d.num_batches} batches" in format_progress(status)
+    d.handle(b"d0/1", p.Committed(step=3, batch_ids=[a.batch_id], ranks=[0], attempts=[a.attempt],
+                                  samples=[a.sample_ids]))
+    assert (d.status().epochs[0].committed, d.status().epochs[0].consumed) == (1, 0)
+
+
+def test_a_drafter_group_restart_takes_its_copies_out_of_the_epochs_consumed():
+    d = _group(num_drafters=1)
+    (_, b), = [m for m in d.handle(b"t0", p.Ready(credits=1)) if isinstance(m[1], p.Batch)]
+    produce(d, b"t0", b)
+    (_, a), = d.handle(b"d0/1", p.WantHidden(credits=1))
+    d.handle(b"d0/1", p.Consumed(batch_id=a.batch_id, attempt=a.attempt))
+    d.handle(b"d0/2", p.Register(role="drafter", rank=0, pid=2, replaces_pids=[100]))
+    assert d.status().epochs[0].consumed == 0 == d.status().batches.consumed
+
+
+def test_trained_tokens_are_the_commits_before_the_group_plus_its_own_counts(tmp_path):
+    """A resumed job (a dispatcher on the saved ledger, a new drafter group counting from 0):
+    its trained tokens start at the committed ones and grow with the group's steps; a group
+    that resumes from an older checkpoint starts from what that checkpoint holds."""
+    from dflash_ipc.dispatch.ledger_file import load_ledger, save_ledger
+    d = _group(num_drafters=1)
+    first = _run_one(d, b"d0/1", 5)
+    second = _run_one(d, b"d0/1", 9)
+    save_ledger(d.ledger, tmp_path / "ledger.npz")
+    again = Dispatcher(_plan(), policy="pull", num_targets=1, num_drafters=1, clock=Clock(),
+                       ledger=load_ledger(tmp_path / "ledger.npz"))
+    again.handle(b"t0", p.Register(role="target", rank=0, pid=10, pool=POOL, num_slots=4))
+    again.handle(b"d0/1", p.Register(role="drafter", rank=0, pid=100))
+    assert again.status().tokens.trained == first + second
+    again.handle(b"d0/1", p.Resumed(step=9))
+    again.handle(b"d0/1", p.Heartbeat(metrics={"trained_tokens": 70.0}))
+    assert again.status().tokens.trained == first + second + 70
+    # the next group resumes from step 5 (step 9's checkpoint unreadable): step 9 is undone
+    again.handle(b"d0/2", p.Register(role="drafter", rank=0, pid=101, replaces_pids=[100]))
+    again.handle(b"d0/2", p.Resumed(step=5))
+    assert again.status().tokens.trained == first == again.status().tokens.committed
+    again.handle(b"d0/2", p.Heartbeat(metrics={"trained_tokens": 30.0}))
+    assert again.status().tokens.trained == first + 30

@@ -181,6 +181,9 @@ class Ledger:
         self._counts = {s: 0 for s in BatchState}
         self._epoch_total: dict[int, int] = {}
         self._epoch_committed: dict[int, int] = {}
+        # epoch -> its batches in drafters' memory, not yet committed (CONSUMED): kept by
+        # `_move`, the one place a state changes, so a status costs O(epochs)
+        self._epoch_consumed: dict[int, int] = {}
         self._pools: dict[Owner, collections.deque[int]] = {}  # open pools: target -> its free slots
         # (target, slot) -> the batch holding it: LEASED, PRODUCED, ASSIGNED, or a lease taken
         # back whose target still computes into it
@@ -213,6 +216,7 @@ class Ledger:
             self._counts[BatchState.PENDING] += 1
             self._epoch_total[b.epoch] = self._epoch_total.get(b.epoch, 0) + 1
             self._epoch_committed.setdefault(b.epoch, 0)
+            self._epoch_consumed.setdefault(b.epoch, 0)
             self._committed_tokens.setdefault(b.epoch, 0)
 
     # ---- queries --------------------------------------------------------------------
@@ -276,8 +280,10 @@ class Ledger:
         return dict(self._counts)
 
     def epoch_progress(self) -> list[dict]:
-        """Per epoch, in order: {"epoch", "batches", "committed"} (progress bars, ETA)."""
-        return [{"epoch": e, "batches": total, "committed": self._epoch_committed[e]}
+        """Per epoch, in order: {"epoch", "batches", "committed", "consumed"} (progress bars):
+        its planned batches, those committed and those copied into a drafter but not committed."""
+        return [{"epoch": e, "batches": total, "committed": self._epoch_committed[e],
+                 "consumed": self._epoch_consumed[e]}
                 for e, total in sorted(self._epoch_total.items())]
 
     def all_committed(self) -> bool:
@@ -599,6 +605,8 @@ class Ledger:
     def _move(self, entry: LedgerEntry, state: BatchState) -> None:
         self._counts[entry.state] -= 1
         self._counts[state] += 1
+        epoch = entry.batch.epoch
+        self._epoch_consumed[epoch] += (state is BatchState.CONSUMED) - (entry.state is BatchState.CONSUMED)
         entry.state = state
 
     def _to_pending(self, entry: LedgerEntry) -> None:

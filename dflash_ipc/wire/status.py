@@ -62,6 +62,10 @@ class EpochProgress:
     """Planned batches of this epoch."""
     committed: int
     """Of them, fully committed."""
+    consumed: int = 0
+    """Of them, copied into a drafter and not yet committed (CONSUMED in the ledger): with
+    `committed`, what the drafters trained or hold to train. Optional on the way in: a status
+    from a dispatcher or a final_status.json without it reads as 0."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,7 +77,8 @@ class TokenCounts:
     consumed: int
     """Copied out by drafters, as this dispatcher process saw them."""
     trained: float
-    """The drafters' own counts of tokens through a step (restart with each drafter group)."""
+    """Tokens through a step, the whole job's: the ledger's committed tokens when this drafter
+    group started (after any rollback) plus the group's own counts (which start from 0)."""
     committed: int
     """The ledger's: tokens of every committed sample, the whole run's."""
 
