@@ -469,39 +469,24 @@ def test_a_restarted_dispatcher_counts_on_from_the_ledger(tmp_path):
     status = again.status()
     assert status.tokens.committed == _committed_sum(again) == committed > 0
     share = int(100 * committed / again.tokens_planned)
-    assert f"trained {share}% of tokens" in StatusLine().lines(status)[1]
+    assert f"] {share:3d}% of " in StatusLine().lines(status)[1]
 
 
 # --- trained progress: batches in drafters, tokens through resumes ----------------------------
 
 
-def test_status_counts_each_epochs_batches_in_drafters_until_their_commit():
-    """A copied batch is `consumed` in its epoch's progress until a commit moves it to
-    `committed`; the progress bar counts both, so it moves before the first checkpoint."""
+def test_the_bar_moves_with_the_trained_tokens_before_any_commit():
+    """The status carries each epoch's planned tokens: the bar places the drafters' trained
+    tokens in them, so it moves with every step, not only at checkpoints."""
     from dflash_ipc.obs.status_line import format_progress
     d = _group(num_drafters=1)
-    (_, b), = [m for m in d.handle(b"t0", p.Ready(credits=1)) if isinstance(m[1], p.Batch)]
-    produce(d, b"t0", b)
-    (_, a), = d.handle(b"d0/1", p.WantHidden(credits=1))
-    assert d.status().epochs[0].consumed == 0  # assigned: the copy is not made yet
-    d.handle(b"d0/1", p.Consumed(batch_id=a.batch_id, attempt=a.attempt))
     status = d.status()
-    assert (status.epochs[0].committed, status.epochs[0].consumed) == (0, 1) == (
-        status.batches.committed, status.batches.consumed)
-    assert f" 1/{d.num_batches} batches" in format_progress(status)
-    d.handle(b"d0/1", p.Committed(step=3, batch_ids=[a.batch_id], ranks=[0], attempts=[a.attempt],
-                                  samples=[a.sample_ids]))
-    assert (d.status().epochs[0].committed, d.status().epochs[0].consumed) == (1, 0)
-
-
-def test_a_drafter_group_restart_takes_its_copies_out_of_the_epochs_consumed():
-    d = _group(num_drafters=1)
-    (_, b), = [m for m in d.handle(b"t0", p.Ready(credits=1)) if isinstance(m[1], p.Batch)]
-    produce(d, b"t0", b)
-    (_, a), = d.handle(b"d0/1", p.WantHidden(credits=1))
-    d.handle(b"d0/1", p.Consumed(batch_id=a.batch_id, attempt=a.attempt))
-    d.handle(b"d0/2", p.Register(role="drafter", rank=0, pid=2, replaces_pids=[100]))
-    assert d.status().epochs[0].consumed == 0 == d.status().batches.consumed
+    assert [e.tokens for e in status.epochs] == [d.tokens_planned] and d.tokens_planned > 0
+    d.handle(b"d0/1", p.Resumed(step=-1))
+    d.handle(b"d0/1", p.Heartbeat(metrics={"trained_tokens": d.tokens_planned / 4}))
+    status = d.status()
+    assert status.batches.committed == 0
+    assert "]  25% of " in format_progress(status, width=8)
 
 
 def test_trained_tokens_are_the_commits_before_the_group_plus_its_own_counts(tmp_path):

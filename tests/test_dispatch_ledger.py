@@ -212,7 +212,7 @@ def test_rollback_undoes_the_commits_after_an_older_checkpoint():
     assert led.last_committed_step() == 10 and led.committed_steps() == [10]
     assert led.entry(2).state is S.PENDING and led.entry(2).step is None and not led.entry(2).done
     assert led.entry(1).state is S.PENDING and led.lease(1, 0).sample_ids == (2, 3)
-    assert led.epoch_progress() == [{"epoch": 0, "batches": 4, "committed": 1, "consumed": 0}]
+    assert led.epoch_progress() == [{"epoch": 0, "batches": 4, "committed": 1, "tokens": 40}]
     assert led.audit({0: range(8)}).missing == {0: [2, 3, 4, 5, 6, 7]}
 
 
@@ -349,7 +349,6 @@ def test_load_with_recover_keeps_only_commits(tmp_path):
     back = pooled(load_ledger(tmp_path / "l"), 0)
     counts = back.counts()
     assert counts[S.COMMITTED] == 5 and counts[S.PENDING] == len(back) - 5
-    assert [e["consumed"] for e in back.epoch_progress()] == [0] * len(back.epoch_progress())
     assert back.history() == led.history() and back.entry(1).done == set(led.entry(1).batch.sample_ids[:1])
     assert back.lease(1, 0).sample_ids == led.entry(1).batch.sample_ids[1:]
 
@@ -774,17 +773,11 @@ def test_state_machine_matches_the_model_under_random_operations(seed, tmp_path)
     assert led.all_committed() and led.audit({0: num * 3}).ok
 
 
-def test_epoch_progress_counts_each_epochs_copies_until_committed_or_requeued():
-    """`consumed` per epoch: batches copied into a drafter and not committed (progress bars)."""
+
+def test_epoch_progress_gives_each_epochs_planned_tokens():
     led = Ledger()
     led.add_epoch(make_batches(3))
-    led.add_epoch(make_batches(2, epoch=1, first_id=3))
-    for b in (0, 1, 3):
-        run_to(led, b, S.CONSUMED)
-    run_to(led, 2, S.ASSIGNED)  # not copied yet
-    progress = lambda: [(e["committed"], e["consumed"]) for e in led.epoch_progress()]  # noqa: E731
-    assert progress() == [(0, 2), (0, 1)]
-    led.commit(4, [whole(led, 0), whole(led, 2)])  # a still-assigned copy is consumed by its commit
-    assert progress() == [(2, 1), (0, 1)]
-    led.restart_drafters()
-    assert progress() == [(2, 0), (0, 0)]
+    led.add_epoch(make_batches(2, epoch=1, first_id=3, per_batch=3))
+    run_to(led, 0, S.COMMITTED)
+    assert led.epoch_progress() == [{"epoch": 0, "batches": 3, "committed": 1, "tokens": 30},
+                                    {"epoch": 1, "batches": 2, "committed": 0, "tokens": 30}]

@@ -9,7 +9,7 @@ from dflash_ipc.wire import status as st
 from statuses import drafter, make_status, target
 
 
-def _status(epochs, *, tok_rate=0.0, trained=0, committed_tokens=0, consumed_tokens=0, consumed=None,
+def _status(epochs, *, tok_rate=0.0, trained=0, committed_tokens=0, consumed_tokens=0, consumed=0,
             total_tokens=0, finished=False):
     return make_status(epochs, tok_rate=tok_rate, trained=trained, committed_tokens=committed_tokens,
                        consumed_tokens=consumed_tokens, consumed=consumed, total_tokens=total_tokens,
@@ -17,30 +17,29 @@ def _status(epochs, *, tok_rate=0.0, trained=0, committed_tokens=0, consumed_tok
 
 
 def test_start_of_job_has_an_empty_bar_and_no_eta():
-    line = format_progress(_status([(10, 0), (10, 0)]), width=10)
-    assert line == "epoch 1/2 [..........]   0% 0/10 batches  job 0%  ETA --"
+    line = format_progress(_status([(10, 0), (10, 0)], total_tokens=2000), width=10)
+    assert line == "epoch 1/2 [..........]   0% of 10 batches trained  job 0%  ETA --"
 
 
 def test_mid_second_of_three_epochs():
-    # 100 tokens a batch (from committed batches) -> 29 000 planned; 14 100 committed (ahead of
-    # the trained count, 14 000, that the status says) -> 14 900 left at 60/s: 248 s. The bar and
-    # `job` count the 4 batches copied into drafters with the 141 committed.
-    status = _status([(100, 100), (100, 41, 4), (90, 0)], tok_rate=60.0, trained=14_000,
-                     committed_tokens=14_100, consumed_tokens=14_500)
-    assert estimate_eta_s(status) == pytest.approx((29_000 - 14_100) / 60.0)
+    # 100 tokens a batch: epochs of 10 000, 10 000 and 9 000 tokens; 14 500 trained fill the
+    # first and 45 % of the second (half the job); 14 500 left at 60/s: 241 s
+    status = _status([(100, 100), (100, 41), (90, 0)], tok_rate=60.0, trained=14_500,
+                     committed_tokens=14_100, consumed_tokens=14_900, consumed=8, total_tokens=29_000)
+    assert estimate_eta_s(status) == pytest.approx((29_000 - 14_500) / 60.0)
     line = format_progress(status, width=20)
-    assert line == "epoch 2/3 [#########...........]  45% 45/100 batches  job 50%  ETA 4m08s"
+    assert line == "epoch 2/3 [#########...........]  45% of 100 batches trained  job 50%  ETA 4m01s"
 
 
 def test_eta_counts_trained_tokens_ahead_of_commits():
-    status = _status([(10, 2, 5)], tok_rate=50.0, trained=600, committed_tokens=200, consumed_tokens=700)
+    status = _status([(10, 2)], tok_rate=50.0, trained=600, committed_tokens=200, consumed_tokens=700,
+                     consumed=5)
     # 100 tokens a batch -> 1000 planned, 600 trained -> 400 left at 50/s
     assert estimate_eta_s(status) == pytest.approx(8.0)
-    assert format_progress(status, width=10) == "epoch 1/1 [#######...]  70% 7/10 batches  ETA 8s"
 
 
 def test_eta_before_any_commit_uses_consumed_batches_then_total_when_present():
-    status = _status([(10, 0, 3)], tok_rate=10.0, trained=0, consumed_tokens=300)
+    status = _status([(10, 0)], tok_rate=10.0, trained=0, consumed_tokens=300, consumed=3)
     assert estimate_eta_s(status) == pytest.approx(100.0)  # 10 batches x 100 tokens, nothing trained
     status.tokens.total = 5_000
     assert estimate_eta_s(status) == pytest.approx(500.0)
@@ -55,19 +54,25 @@ def test_zero_or_unknown_rate_prints_no_eta(rate):
 
 def test_done():
     status = _status([(10, 10), (10, 10), (5, 5)], tok_rate=0.0, trained=2500, committed_tokens=2500,
-                     finished=True)
-    assert format_progress(status, width=8) == "epoch 3/3 [########] 100% 5/5 batches  job 100%  ETA done"
+                     total_tokens=2500, finished=True)
+    assert format_progress(status, width=8) == "epoch 3/3 [########] 100% of 5 batches trained  job 100%  ETA done"
 
 
 def test_without_epochs_falls_back_to_the_whole_job():
-    status = _status([(8, 2)], tok_rate=100.0, committed_tokens=200, trained=200)
+    status = _status([(8, 2)], tok_rate=100.0, committed_tokens=200, trained=300, total_tokens=800)
     status.epochs = []
-    assert format_progress(status, width=8) == "[##......]  25% 2/8 batches  ETA 6s"
+    assert format_progress(status, width=8) == "[###.....]  37% of 8 batches trained  ETA 5s"
+
+
+def test_a_status_without_planned_tokens_shows_committed_batches():
+    """A status of a dispatcher that sends no planned tokens (nor per epoch): what was committed."""
+    status = _status([(10, 4), (10, 0)], trained=600, committed_tokens=400)
+    assert format_progress(status, width=10) == "epoch 1/2 [####......]  40% of 10 batches committed  job 20%  ETA --"
 
 
 def test_bar_width_is_constant():
-    for done in range(0, 8):
-        line = format_progress(_status([(7, min(done, 7))]), width=13)
+    for trained in range(0, 800, 50):
+        line = format_progress(_status([(7, 0)], trained=trained, total_tokens=700), width=13)
         bar = line[line.index("[") + 1:line.index("]")]
         assert len(bar) == 13 and set(bar) <= {"#", "."}
 
@@ -94,20 +99,19 @@ def test_format_status():
 
 
 def test_the_bar_moves_between_commits():
-    # One checkpoint at the end: 0 batches committed, but 7 of 10 copied into drafters and 600
-    # of 1000 tokens through a step.
-    status = _status([(10, 0, 7)], tok_rate=50.0, trained=600, consumed_tokens=700, total_tokens=1000)
-    assert format_progress(status, width=10) == (
-        "epoch 1/1 [#######...]  70% 7/10 batches  trained 60% of tokens  ETA 8s")
+    # One checkpoint at the end: 0 batches committed, but 600 of 1000 tokens through a step.
+    status = _status([(10, 0)], tok_rate=50.0, trained=600, consumed_tokens=700, consumed=7, total_tokens=1000)
+    assert format_progress(status, width=10) == "epoch 1/1 [######....]  60% of 10 batches trained  ETA 8s"
 
 
 def test_an_epoch_trained_but_not_committed_is_not_shown_at_0():
     """Seen on a real job (14 epochs of 48 batches, a checkpoint every ~20 s): epoch 8 at 0 %
-    while 55 % of the job's tokens were trained. Its 36 batches in the drafters count."""
-    epochs = [(48, 48)] * 7 + [(48, 0, 36)] + [(48, 0)] * 6
-    status = _status(epochs, tok_rate=32_633.0, trained=356_000, committed_tokens=336_000, total_tokens=672_000)
+    and `job 50%` while 53 % of the job's tokens were trained. The bar, `job` and the trained
+    share are one figure now."""
+    status = _status([(48, 48)] * 7 + [(48, 0)] * 7, tok_rate=32_633.0, trained=356_000,
+                     committed_tokens=336_000, consumed=36, total_tokens=672_000)
     assert format_progress(status, width=10) == (
-        "epoch 8/14 [#######...]  75% 36/48 batches  job 55%  trained 52% of tokens  ETA 9s")
+        "epoch 8/14 [####......]  41% of 48 batches trained  job 52%  ETA 9s")
 
 
 def test_status_line_percent_is_floored():
@@ -117,57 +121,55 @@ def test_status_line_percent_is_floored():
 
 def test_stepped_job_progress_never_goes_back_and_ends_final():
     """A job of one epoch: trained 90 %, then a drafter group restarted from its last
-    checkpoint (its copied batch back to pending, its tokens counted from the checkpoint's),
-    trained again; the figures hold until passed, and only the closing pair says done."""
+    checkpoint (the tokens trained since are trained again), and the last live bar short of
+    the end: only the closing pair says done."""
     line = StatusLine(width=10)
     script = [
-        # (committed and consumed batches of 10, trained tokens of 1000, committed tokens)
-        (0, 3, 300, 0), (0, 6, 600, 0), (8, 1, 900, 800), (8, 0, 800, 800), (8, 1, 850, 800), (8, 2, 990, 800),
+        # (committed batches of 10, trained tokens of 1000, committed tokens)
+        (0, 300, 0), (0, 600, 0), (8, 900, 800), (8, 800, 800), (8, 850, 800), (8, 990, 800),
     ]
     shown = []
-    for committed, consumed, trained, committed_tokens in script:
-        status = _status([(10, committed, consumed)], tok_rate=50.0, trained=trained,
-                         committed_tokens=committed_tokens, total_tokens=1000)
+    for committed, trained, committed_tokens in script:
+        status = _status([(10, committed)], tok_rate=50.0, trained=trained, committed_tokens=committed_tokens,
+                         total_tokens=1000, consumed=10 - committed)
         status_line, bar = line.lines(status)
         assert status_line == format_status(status)
         shown.append(bar)
-    batches = [int(bar.split("] ")[1].split("%")[0]) for bar in shown]
-    shares = [int(bar.split("trained ")[1].split("%")[0]) for bar in shown]
-    assert batches == [30, 60, 90, 90, 90, 100]
+    shares = [int(bar.split("] ")[1].split("%")[0]) for bar in shown]
     assert shares == [30, 60, 90, 90, 90, 99]
-    # the figures hold; the ETA counts what is left now: (1000 - 850) / 50 = 3 s
-    assert shown[4] == "epoch 1/1 [#########.]  90% 9/10 batches  trained 90% of tokens  ETA 3s"
-    assert shown[5].endswith("10/10 batches  trained 99% of tokens  ETA 0s")  # trained, not yet committed
+    # the share holds; the ETA counts what is left now: (1000 - 850) / 50 = 3 s
+    assert shown[4] == "epoch 1/1 [#########.]  90% of 10 batches trained  ETA 3s"
     final = _status([(10, 10)], trained=1000, committed_tokens=1000, total_tokens=1000, finished=True)
     final.average_rates = st.Rates(tgt_rate=30.0, dft_rate=25.0, tok_rate=20.0)
     done, bar = line.final_lines(final)
     assert done.startswith("done, averages: [   42s] 100% 10/10 batches committed | tgt_rate 30 dft_rate 25 "
                            "tok_rate 20 ")
-    assert bar == "epoch 1/1 [##########] 100% 10/10 batches  ETA done"
+    assert bar == "epoch 1/1 [##########] 100% of 10 batches trained  ETA done"
 
 
 def test_a_resumed_job_shows_its_committed_work_as_trained_and_never_goes_back():
-    """A rerun of a job (a new supervisor, a dispatcher on the saved ledger): 24 of 30 batches
-    committed count as trained from the first line; then a rollback to an older checkpoint
-    undoes 6 of them, and every figure holds until the retrained work passes it."""
+    """A rerun of a job (a new supervisor, a dispatcher on the saved ledger): 2400 of 3000
+    tokens committed count as trained from the first line; then a rollback to an older
+    checkpoint undoes 600 of them, and the shares hold until the retrained work passes them."""
     line = StatusLine(width=10)
     script = [
-        # (epochs: (planned, committed, consumed), trained tokens, committed tokens), 100 a batch
+        # (committed batches per epoch of 10, trained tokens, committed tokens), 100 a batch
         ([(10, 10), (10, 10), (10, 4)], 2400, 2400),
-        ([(10, 10), (10, 10), (10, 4, 3)], 2600, 2400),
+        ([(10, 10), (10, 10), (10, 4)], 2600, 2400),
         ([(10, 10), (10, 8), (10, 0)], 1800, 1800),  # the group resumed from an older checkpoint
-        ([(10, 10), (10, 10), (10, 4, 4)], 2800, 2400),
+        ([(10, 10), (10, 10), (10, 4)], 2800, 2400),
     ]
     shown = []
     for epochs, trained, committed_tokens in script:
         status = _status(epochs, tok_rate=100.0, trained=trained, committed_tokens=committed_tokens,
                          total_tokens=3000)
         shown.append(line.lines(status)[1])
-    assert shown[0] == "epoch 3/3 [####......]  40% 4/10 batches  job 80%  trained 80% of tokens  ETA 6s"
-    assert shown[2] == "epoch 3/3 [#######...]  70% 7/10 batches  job 90%  trained 86% of tokens  ETA 12s"
-    assert shown[3] == "epoch 3/3 [########..]  80% 8/10 batches  job 93%  trained 93% of tokens  ETA 2s"
-    figures = [[int(part.rstrip("%")) for part in bar.split() if part.endswith("%")] for bar in shown]
-    assert all(a <= b for before, after in zip(figures, figures[1:]) for a, b in zip(before, after)), figures
+    assert shown == [
+        "epoch 3/3 [####......]  40% of 10 batches trained  job 80%  ETA 6s",
+        "epoch 3/3 [######....]  60% of 10 batches trained  job 86%  ETA 4s",
+        "epoch 3/3 [######....]  60% of 10 batches trained  job 86%  ETA 12s",
+        "epoch 3/3 [########..]  80% of 10 batches trained  job 93%  ETA 2s",
+    ]
 
 
 def test_status_of_an_ended_job_is_its_final_status(tmp_path, monkeypatch):

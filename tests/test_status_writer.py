@@ -25,14 +25,14 @@ def test_a_file_gets_one_line_per_status_and_no_control_characters():
     writer = _writer(out)
     assert not writer.tty
     line = StatusLine(width=4)
-    statuses = [make_status([(4, 0, n)], total_tokens=400, trained=100 * n) for n in (1, 2, 3)]
+    statuses = [make_status([(4, 0)], total_tokens=400, trained=100 * n, consumed=n) for n in (1, 2, 3)]
     for status in statuses:
         writer.show(line.lines(status))
     written = out.getvalue().split("\n")
     assert written[-1] == "" and len(written) == 4  # three lines, each ended
     assert written[0] == ("[   42s]   0% 0/4 batches committed | tgt_rate 0 dft_rate 0 tok_rate 0 tok/s | "
                           "step - loss - | pending 0 leased 0 produced 0 consumed 1 | free slots 0 | "
-                          "epoch 1/1 [#...]  25% 1/4 batches  trained 25% of tokens  ETA --")
+                          "epoch 1/1 [#...]  25% of 4 batches trained  ETA --")
     assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
 
 
@@ -131,7 +131,8 @@ def test_the_supervisor_writes_one_line_per_status_interval_into_a_file(tmp_path
     supervisor = Supervisor(cfg, status_out=out)
 
     class Poller:
-        statuses = [make_status([(4, 0, 1)]), make_status([(4, 2, 1)])]
+        statuses = [make_status([(4, 0)], trained=100, total_tokens=400),
+                    make_status([(4, 2)], trained=300, committed_tokens=200, total_tokens=400)]
 
         def poll(self):
             return self.statuses.pop(0)
@@ -145,5 +146,6 @@ def test_the_supervisor_writes_one_line_per_status_interval_into_a_file(tmp_path
     supervisor._final_status()
     lines = out.getvalue().splitlines()
     assert len(lines) == 3 and all(" | epoch 1/1 [" in line for line in lines), lines
-    assert lines[0].endswith("25% 1/4 batches  ETA --") and lines[1].endswith("75% 3/4 batches  ETA --")
-    assert lines[2].startswith("done, averages: ") and lines[2].endswith("100% 4/4 batches  ETA done")
+    assert lines[0].endswith(" 25% of 4 batches trained  ETA --")
+    assert lines[1].endswith(" 75% of 4 batches trained  ETA --")
+    assert lines[2].startswith("done, averages: ") and lines[2].endswith("100% of 4 batches trained  ETA done")

@@ -181,9 +181,7 @@ class Ledger:
         self._counts = {s: 0 for s in BatchState}
         self._epoch_total: dict[int, int] = {}
         self._epoch_committed: dict[int, int] = {}
-        # epoch -> its batches in drafters' memory, not yet committed (CONSUMED): kept by
-        # `_move`, the one place a state changes, so a status costs O(epochs)
-        self._epoch_consumed: dict[int, int] = {}
+        self._epoch_tokens: dict[int, int] = {}  # epoch -> its planned tokens
         self._pools: dict[Owner, collections.deque[int]] = {}  # open pools: target -> its free slots
         # (target, slot) -> the batch holding it: LEASED, PRODUCED, ASSIGNED, or a lease taken
         # back whose target still computes into it
@@ -216,7 +214,7 @@ class Ledger:
             self._counts[BatchState.PENDING] += 1
             self._epoch_total[b.epoch] = self._epoch_total.get(b.epoch, 0) + 1
             self._epoch_committed.setdefault(b.epoch, 0)
-            self._epoch_consumed.setdefault(b.epoch, 0)
+            self._epoch_tokens[b.epoch] = self._epoch_tokens.get(b.epoch, 0) + b.num_tokens
             self._committed_tokens.setdefault(b.epoch, 0)
 
     # ---- queries --------------------------------------------------------------------
@@ -280,11 +278,10 @@ class Ledger:
         return dict(self._counts)
 
     def epoch_progress(self) -> list[dict]:
-        """Per epoch, in order: {"epoch", "batches", "committed", "consumed"} (progress bars):
-        its planned batches, those committed and those copied into a drafter but not committed."""
+        """Per epoch, in order: {"epoch", "batches", "committed", "tokens"} (progress bars):
+        its planned batches, those fully committed, and its planned tokens."""
         return [{"epoch": e, "batches": total, "committed": self._epoch_committed[e],
-                 "consumed": self._epoch_consumed[e]}
-                for e, total in sorted(self._epoch_total.items())]
+                 "tokens": self._epoch_tokens[e]} for e, total in sorted(self._epoch_total.items())]
 
     def all_committed(self) -> bool:
         """True when every batch in the ledger is committed (vacuously for an empty one)."""
@@ -605,8 +602,6 @@ class Ledger:
     def _move(self, entry: LedgerEntry, state: BatchState) -> None:
         self._counts[entry.state] -= 1
         self._counts[state] += 1
-        epoch = entry.batch.epoch
-        self._epoch_consumed[epoch] += (state is BatchState.CONSUMED) - (entry.state is BatchState.CONSUMED)
         entry.state = state
 
     def _to_pending(self, entry: LedgerEntry) -> None:

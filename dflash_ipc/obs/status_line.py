@@ -8,8 +8,6 @@ backwards (see `StatusLine`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from dflash_ipc.obs.progress import format_duration
 from dflash_ipc.wire.status import JobStatus
 
@@ -71,62 +69,52 @@ def estimate_eta_s(status: JobStatus) -> float | None:
     return max(0.0, total - done) / rate
 
 
-@dataclass(slots=True)
-class Trained:
-    """What the drafters trained or hold to train: batches committed or copied into a drafter
-    (the ledger's, so a resumed job's committed work counts at once), per epoch and of the job,
-    and tokens through a step (the drafters' counts, at least the ledger's committed ones). A
-    copied batch counts before its step: a drafter's queue runs at most `drafter.fifo_sequences`
-    sequences ahead of it."""
-
-    tokens: float
-    batches: int
-    by_epoch: dict[int, int] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, status: JobStatus) -> Trained:
-        by_epoch = {e.epoch: min(e.batches, e.committed + e.consumed) for e in status.epochs}
-        b = status.batches
-        batches = sum(by_epoch.values()) if by_epoch else min(status.num_batches, b.committed + b.consumed)
-        return cls(tokens=max(status.tokens.trained, float(status.tokens.committed)), batches=batches,
-                   by_epoch=by_epoch)
-
-    def at_least(self, other: Trained) -> Trained:
-        """The larger of the two, figure by figure (the job's batches: the sum of its epochs')."""
-        by_epoch = {e: max(n, other.by_epoch.get(e, 0)) for e, n in self.by_epoch.items()}
-        by_epoch.update({e: n for e, n in other.by_epoch.items() if e not in by_epoch})
-        batches = sum(by_epoch.values()) if by_epoch else max(self.batches, other.batches)
-        return Trained(tokens=max(self.tokens, other.tokens), batches=batches, by_epoch=by_epoch)
+def _fractions(status: JobStatus, trained: float, finished: bool) -> tuple[list[float], float, str]:
+    """Each epoch's share done, the job's, and what they count. Trained tokens where the epochs'
+    planned tokens are known: the job's trained tokens fill the epochs in plan order (the
+    order batches are served in), so the shares add up to the job's trained share; else (a
+    status without them) committed batches."""
+    epochs = status.epochs
+    if finished:
+        return [1.0] * len(epochs), 1.0, "trained"
+    planned = sum(e.tokens for e in epochs) if epochs else status.tokens.total
+    if planned > 0 and all(e.tokens > 0 for e in epochs):
+        shares, before = [], 0.0
+        for e in epochs:
+            shares.append(min(1.0, max(0.0, (trained - before) / e.tokens)))
+            before += e.tokens
+        return shares, min(1.0, trained / planned), "trained"
+    shares = [min(1.0, e.committed / e.batches) if e.batches > 0 else 0.0 for e in epochs]
+    job = min(1.0, status.batches.committed / status.num_batches) if status.num_batches > 0 else 0.0
+    return shares, job, "committed"
 
 
-def format_progress(status: JobStatus, width: int = 30, *, trained: Trained | None = None) -> str:
+def format_progress(status: JobStatus, width: int = 30, *, trained_tokens: float | None = None) -> str:
     """The epoch progress bar, e.g.
-    `epoch 2/3 [############..................]  41% 120/290 batches  job 47%  trained 45% of tokens  ETA 3m12s`.
-    The bar, its batches and `job` (several epochs only) count what was trained (`Trained`:
-    committed, or copied into a drafter); the current epoch is the first not fully trained;
-    `trained` is the share of the job's tokens through a step; the ETA is `--` while the
-    trained-token rate is 0 or unknown, and `done` once every batch is committed. `trained`
-    replaces the status' own figures (not in the ETA): `StatusLine` keeps them monotone."""
+    `epoch 2/3 [###########...................]  37% of 100 batches trained  job 45%  ETA 3m12s`.
+    The shares are of tokens through an optimizer step (`tokens.trained`, at least the
+    committed ones), placed in the epochs in plan order; the current epoch is the first not
+    fully trained; `job` (several epochs only) is the job's share; the ETA is `--` while the
+    trained-token rate is 0 or unknown, and `done` once every batch is committed.
+    `trained_tokens` replaces the status' own count in the shares (not in the ETA):
+    `StatusLine` keeps it monotone."""
     num_batches = status.num_batches
-    trained = trained or Trained.of(status)
     epochs = status.epochs
     finished = status.finished or (num_batches > 0 and status.batches.committed >= num_batches)
+    if trained_tokens is None:
+        trained_tokens = max(status.tokens.trained, float(status.tokens.committed))
+    shares, job, counted = _fractions(status, trained_tokens, finished)
     if epochs:
-        done_of = [min(e.batches, trained.by_epoch.get(e.epoch, 0)) for e in epochs]
-        index = next((i for i, e in enumerate(epochs) if done_of[i] < e.batches), len(epochs) - 1)
-        done, total = done_of[index], epochs[index].batches
+        index = next((i for i, share in enumerate(shares) if share < 1.0), len(epochs) - 1)
+        fraction, batches = shares[index], epochs[index].batches
         label = f"epoch {index + 1}/{len(epochs)} "
     else:
-        done, total, label = trained.batches, num_batches, ""
-    fraction = min(1.0, done / total) if total > 0 else (1.0 if finished else 0.0)
+        fraction, batches, label = job, num_batches, ""
     filled = int(width * fraction)
     parts = [f"{label}[{'#' * filled}{'.' * (width - filled)}] {int(100 * fraction):3d}% "
-             f"{done}/{total} batches"]
+             f"of {batches} batches {counted}"]
     if len(epochs) > 1 and num_batches > 0:
-        parts.append(f"job {int(100 * min(1.0, trained.batches / num_batches))}%")
-    total_tokens = status.tokens.total
-    if not finished and total_tokens and trained.tokens:
-        parts.append(f"trained {int(100 * min(1.0, trained.tokens / total_tokens))}% of tokens")
+        parts.append(f"job {int(100 * job)}%")
     if finished:
         parts.append("ETA done")
     else:
@@ -136,24 +124,23 @@ def format_progress(status: JobStatus, width: int = 30, *, trained: Trained | No
 
 
 class StatusLine:
-    """The status and the progress bar, poll after poll: `lines` gives both of one status.
+    """The status line and the progress bar, poll after poll: `lines` gives both of one status.
 
-    Progress shown is monotone: a drafter group that restarts from its last checkpoint drops
-    the batches its drafters held and restarts their token counts, a rollback undoes commits,
-    and that work is trained again; the figures printed hold the most the job has reached until
-    the new counts pass it. The closing pair is final: the whole-run averages and a bar at
-    100 %, so nothing printed before it reads as the end.
+    Progress shown is monotone: the job's trained tokens fall back when a drafter group
+    restarts from its last checkpoint (the work since is trained again), or resumes from an
+    older one (a rollback undoes commits); the shares printed hold the most the job has
+    reached until the new count passes it. The closing pair is final: the whole-run averages
+    and a bar at 100 %, so nothing printed before it reads as the end.
     """
 
     def __init__(self, width: int = 30) -> None:
         self.width = width
-        self._trained: Trained | None = None
+        self._trained_mark = 0.0
 
     def lines(self, status: JobStatus) -> list[str]:
         """The status line and the progress bar of one live status."""
-        now = Trained.of(status)
-        self._trained = now if self._trained is None else self._trained.at_least(now)
-        return [format_status(status), format_progress(status, self.width, trained=self._trained)]
+        self._trained_mark = max(self._trained_mark, status.tokens.trained, float(status.tokens.committed))
+        return [format_status(status), format_progress(status, self.width, trained_tokens=self._trained_mark)]
 
     def final_lines(self, status: JobStatus) -> list[str]:
         """The closing pair, from the dispatcher's final status (every batch committed)."""

@@ -62,10 +62,10 @@ class EpochProgress:
     """Planned batches of this epoch."""
     committed: int
     """Of them, fully committed."""
-    consumed: int = 0
-    """Of them, copied into a drafter and not yet committed (CONSUMED in the ledger): with
-    `committed`, what the drafters trained or hold to train. Optional on the way in: a status
-    from a dispatcher or a final_status.json without it reads as 0."""
+    tokens: int = 0
+    """Its planned tokens (the progress bar places the job's trained tokens in the epochs with
+    them). Optional on the way in: a status or a final_status.json without it reads as 0,
+    unknown."""
 
 
 @dataclass(kw_only=True, slots=True)
