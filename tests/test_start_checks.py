@@ -231,3 +231,13 @@ def test_init_from_of_another_shape_stops_up_before_any_child(tmp_path):
     os.makedirs(tmp_path / "run" / "checkpoints" / "step_00000002")
     resumed = cfg(tmp_path / "deeper")
     resolve_init_from(resumed, target)  # the resume wins: nothing checked
+
+
+def test_a_node_without_the_jobs_secret_polls_untrusted(tmp_path, caplog):
+    """The status poller of a node that lacks `keys/job_secret` goes untrusted, with one warning
+    (the except clause named an error that was not imported: a NameError)."""
+    from dflash_ipc.supervise.supervisor import Supervisor
+    cfg = load_config(None, [f"run.run_dir={tmp_path}"])
+    with caplog.at_level("WARNING"):
+        assert Supervisor(cfg, status_out=io.StringIO())._observer_secret() is None
+    assert "status polls go untrusted" in caplog.text and "secret is missing" in caplog.text

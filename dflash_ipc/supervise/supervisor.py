@@ -30,7 +30,7 @@ from typing import TextIO
 from dflash_ipc.config.schema import JobConfig
 from dflash_ipc.config.load import dump_config
 from dflash_ipc.run.checkpoints import CheckpointStore
-from dflash_ipc.errors import DataError
+from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.run.json_files import write_json_atomic
 from dflash_ipc.wire.link import DispatcherLink
 from dflash_ipc.run.liveness import read_beacon
