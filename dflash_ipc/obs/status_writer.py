@@ -6,9 +6,10 @@ file or a pipe gets one line per update.
 
 On a terminal (the stream written to is a TTY) the block's lines end with a newline, and the
 next `show` moves the cursor back over them and writes the new block there. It does so only
-while the block is the last thing on the screen: anything else written meanwhile (a log
-record: `interrupted`, called by `InterruptOnLog`) leaves the old block where it is and the
-next one goes below. A line longer than the terminal is wide wraps and is counted in rows; a
+while the block is the last thing written: a log record meanwhile (`InterruptOnLog` calls
+`interrupted`) leaves the old block where it is and the next one goes below. What reaches
+the terminal past logging (a library printing itself) is not seen, and may be drawn over
+once. A line longer than the terminal is wide wraps and is counted in rows; a
 width that changed since the block was drawn (the terminal may have rewrapped it), or one
 that cannot be asked, leaves it too. Anywhere else the block's lines are joined into one
 line, ` | ` between them.
