@@ -5,12 +5,15 @@ from dflash_ipc.wire import status as st
 
 def make_status(epochs, *, tok_rate=0.0, trained=0, committed_tokens=0, consumed_tokens=0, consumed=0,
                 total_tokens=0, finished=False) -> st.JobStatus:
-    """A JobStatus of `epochs` ((planned, committed) batches each); 0 total tokens: unknown."""
+    """A JobStatus of `epochs` ((planned, committed) batches each); `total_tokens` planned,
+    shared by the epochs as their batches are (0: unknown, to the epochs too)."""
     committed = sum(c for _, c in epochs)
+    num_batches = sum(b for b, _ in epochs)
     return st.JobStatus(
-        elapsed_s=42.0, policy="pull", num_batches=sum(b for b, _ in epochs),
+        elapsed_s=42.0, policy="pull", num_batches=num_batches,
         batches=st.BatchCounts(pending=0, leased=0, produced=0, consumed=consumed, committed=committed, assigned=0),
-        epochs=[st.EpochProgress(epoch=e, batches=b, committed=c) for e, (b, c) in enumerate(epochs)],
+        epochs=[st.EpochProgress(epoch=e, batches=b, committed=c, tokens=total_tokens * b // max(1, num_batches))
+                for e, (b, c) in enumerate(epochs)],
         tokens=st.TokenCounts(total=total_tokens, produced=consumed_tokens, consumed=consumed_tokens,
                               trained=float(trained), committed=committed_tokens),
         committed_tokens_by_epoch={}, last_committed_step=None,

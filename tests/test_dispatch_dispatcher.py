@@ -469,4 +469,46 @@ def test_a_restarted_dispatcher_counts_on_from_the_ledger(tmp_path):
     status = again.status()
     assert status.tokens.committed == _committed_sum(again) == committed > 0
     share = int(100 * committed / again.tokens_planned)
-    assert f"trained {share}% of tokens" in StatusLine().lines(status)[1]
+    assert f"] {share:3d}% of " in StatusLine().lines(status)[1]
+
+
+# --- trained progress: batches in drafters, tokens through resumes ----------------------------
+
+
+def test_the_bar_moves_with_the_trained_tokens_before_any_commit():
+    """The status carries each epoch's planned tokens: the bar places the drafters' trained
+    tokens in them, so it moves with every step, not only at checkpoints."""
+    from dflash_ipc.obs.status_line import format_progress
+    d = _group(num_drafters=1)
+    status = d.status()
+    assert [e.tokens for e in status.epochs] == [d.tokens_planned] and d.tokens_planned > 0
+    d.handle(b"d0/1", p.Resumed(step=-1))
+    d.handle(b"d0/1", p.Heartbeat(metrics={"trained_tokens": d.tokens_planned / 4}))
+    status = d.status()
+    assert status.batches.committed == 0
+    assert "]  25% of " in format_progress(status, width=8)
+
+
+def test_trained_tokens_are_the_commits_before_the_group_plus_its_own_counts(tmp_path):
+    """A resumed job (a dispatcher on the saved ledger, a new drafter group counting from 0):
+    its trained tokens start at the committed ones and grow with the group's steps; a group
+    that resumes from an older checkpoint starts from what that checkpoint holds."""
+    from dflash_ipc.dispatch.ledger_file import load_ledger, save_ledger
+    d = _group(num_drafters=1)
+    first = _run_one(d, b"d0/1", 5)
+    second = _run_one(d, b"d0/1", 9)
+    save_ledger(d.ledger, tmp_path / "ledger.npz")
+    again = Dispatcher(_plan(), policy="pull", num_targets=1, num_drafters=1, clock=Clock(),
+                       ledger=load_ledger(tmp_path / "ledger.npz"))
+    again.handle(b"t0", p.Register(role="target", rank=0, pid=10, pool=POOL, num_slots=4))
+    again.handle(b"d0/1", p.Register(role="drafter", rank=0, pid=100))
+    assert again.status().tokens.trained == first + second
+    again.handle(b"d0/1", p.Resumed(step=9))
+    again.handle(b"d0/1", p.Heartbeat(metrics={"trained_tokens": 70.0}))
+    assert again.status().tokens.trained == first + second + 70
+    # the next group resumes from step 5 (step 9's checkpoint unreadable): step 9 is undone
+    again.handle(b"d0/2", p.Register(role="drafter", rank=0, pid=101, replaces_pids=[100]))
+    again.handle(b"d0/2", p.Resumed(step=5))
+    assert again.status().tokens.trained == first == again.status().tokens.committed
+    again.handle(b"d0/2", p.Heartbeat(metrics={"trained_tokens": 30.0}))
+    assert again.status().tokens.trained == first + 30

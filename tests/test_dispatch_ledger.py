@@ -33,7 +33,7 @@ OWNERS = (0, 1, 2, 4, 5, 7, "t", "t0", "t1", "t-x")
 def snapshot(led: Ledger):
     """Everything observable about a ledger, for 'nothing changed' checks."""
     return (led.counts(), [led.entry(b) for b in range(len(led))], [b.batch_id for b in led.pending_batches()],
-            led.history(), led.produced_batches(), led.next_attempt,
+            led.history(), led.produced_batches(), led.next_attempt, led.epoch_progress(),
             {t: led.free_slots(t) for t in OWNERS if led.has_pool(t)})
 
 
@@ -212,7 +212,7 @@ def test_rollback_undoes_the_commits_after_an_older_checkpoint():
     assert led.last_committed_step() == 10 and led.committed_steps() == [10]
     assert led.entry(2).state is S.PENDING and led.entry(2).step is None and not led.entry(2).done
     assert led.entry(1).state is S.PENDING and led.lease(1, 0).sample_ids == (2, 3)
-    assert led.epoch_progress() == [{"epoch": 0, "batches": 4, "committed": 1}]
+    assert led.epoch_progress() == [{"epoch": 0, "batches": 4, "committed": 1, "tokens": 40}]
     assert led.audit({0: range(8)}).missing == {0: [2, 3, 4, 5, 6, 7]}
 
 
@@ -771,3 +771,13 @@ def test_state_machine_matches_the_model_under_random_operations(seed, tmp_path)
         led.consumed(b.batch_id, "d", attempt)
         led.commit(step, [whole(led, b.batch_id, "d")])
     assert led.all_committed() and led.audit({0: num * 3}).ok
+
+
+
+def test_epoch_progress_gives_each_epochs_planned_tokens():
+    led = Ledger()
+    led.add_epoch(make_batches(3))
+    led.add_epoch(make_batches(2, epoch=1, first_id=3, per_batch=3))
+    run_to(led, 0, S.COMMITTED)
+    assert led.epoch_progress() == [{"epoch": 0, "batches": 3, "committed": 1, "tokens": 30},
+                                    {"epoch": 1, "batches": 2, "committed": 0, "tokens": 30}]

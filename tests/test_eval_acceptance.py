@@ -222,7 +222,7 @@ def test_up_ends_with_the_comparison_for_the_embedded_default_only(monkeypatch, 
     from dflash_ipc.cli import main
 
     class FinishedJob:
-        def __init__(self, cfg, print_status):
+        def __init__(self, cfg):
             pass
 
         def claim(self):  # `up` claims the run directory before it says the job starts

@@ -178,6 +178,18 @@ def test_a_status_reply_is_typed_and_read_by_attribute():
     assert reply.status.epochs[0] == st.EpochProgress(epoch=0, batches=3, committed=1)
 
 
+def test_a_status_without_the_epochs_planned_tokens_reads_as_0():
+    """`EpochProgress.tokens` is optional on the way in: a dispatcher or a final_status.json
+    that does not send it is read with 0 (unknown); one of the wrong type is refused naming it."""
+    reply = p.decode(_status_reply(lambda s: s["epochs"][0].pop("tokens")))
+    assert reply.status.epochs[0] == st.EpochProgress(epoch=0, batches=3, committed=1, tokens=0)
+    status = make_status([(3, 1)], total_tokens=300)
+    assert p.decode(p.encode(p.StatusReply(status=status))).status.epochs[0].tokens == 300
+    assert st.JobStatus.from_json(status.to_json(), "here").epochs[0].tokens == 300
+    with pytest.raises(ProtocolError, match=r"status.epochs\[0\].tokens: str '2' is not int"):
+        p.decode(_status_reply(lambda s: s["epochs"][0].update(tokens="2")))
+
+
 @pytest.mark.parametrize("change, needle", [
     (lambda s: s.pop("tokens"), r"status: unknown fields \[\], missing \['tokens'\]"),
     (lambda s: s["batches"].update(committed=True), r"status.batches.committed: bool True is not int"),

@@ -1,6 +1,7 @@
 """What `up` refuses before any child starts: a run directory that cannot be one, devices the
 machine lacks, a finished run directory rerun with another plan."""
 
+import io
 import os
 
 import numpy as np
@@ -29,7 +30,7 @@ def test_a_missing_gpu_stops_up_before_any_child_or_file(tmp_path):
     from dflash_ipc.supervise.supervisor import Supervisor
     cfg = load_config(None, [f"run.run_dir={tmp_path / 'run'}", "target.num_workers=1", "drafter.num_workers=1",
                              "target.devices=[cuda:8]", "drafter.devices=[cuda:9]"])
-    supervisor = Supervisor(cfg, print_status=lambda line: None)
+    supervisor = Supervisor(cfg, status_out=io.StringIO())
     with pytest.raises(ConfigError, match="cuda:8, cuda:9 do not exist"):
         supervisor.start()
     assert supervisor.children == {} and not (tmp_path / "run").exists()
@@ -187,7 +188,7 @@ def test_up_refuses_a_run_directory_another_job_holds_and_leaves_that_job_alone(
     open(socket_file, "w").close()  # the running job's dispatcher socket
     pool = create_pool(SlotLayout(1, 1, 1, "float32"), "cpu", name=cfg.files.pool_name(0))  # and a pool of it
     try:
-        supervisor = Supervisor(cfg, print_status=lambda line: None)
+        supervisor = Supervisor(cfg, status_out=io.StringIO())
         with pytest.raises(ConfigError, match="is in use by another job"):
             supervisor.run()
         assert supervisor.children == {} and not os.path.exists(cfg.files.config)
@@ -230,3 +231,13 @@ def test_init_from_of_another_shape_stops_up_before_any_child(tmp_path):
     os.makedirs(tmp_path / "run" / "checkpoints" / "step_00000002")
     resumed = cfg(tmp_path / "deeper")
     resolve_init_from(resumed, target)  # the resume wins: nothing checked
+
+
+def test_a_node_without_the_jobs_secret_polls_untrusted(tmp_path, caplog):
+    """The status poller of a node that lacks `keys/job_secret` goes untrusted, with one warning
+    (the except clause named an error that was not imported: a NameError)."""
+    from dflash_ipc.supervise.supervisor import Supervisor
+    cfg = load_config(None, [f"run.run_dir={tmp_path}"])
+    with caplog.at_level("WARNING"):
+        assert Supervisor(cfg, status_out=io.StringIO())._observer_secret() is None
+    assert "status polls go untrusted" in caplog.text and "secret is missing" in caplog.text

@@ -17,18 +17,18 @@ def _status(epochs, *, tok_rate=0.0, trained=0, committed_tokens=0, consumed_tok
 
 
 def test_start_of_job_has_an_empty_bar_and_no_eta():
-    line = format_progress(_status([(10, 0), (10, 0)]), width=10)
-    assert line == "epoch 1/2 [..........]   0% 0/10 batches  job 0%  ETA --"
+    line = format_progress(_status([(10, 0), (10, 0)], total_tokens=2000), width=10)
+    assert line == "epoch 1/2 [..........]   0% of 10 batches trained  job 0%  ETA --"
 
 
 def test_mid_second_of_three_epochs():
-    # 100 tokens a batch (from committed batches) -> 29 000 planned; 14 100 committed (a restarted
-    # drafter's trained count, 14 000, lags behind) -> 14 900 left at 60/s: 248 s
-    status = _status([(100, 100), (100, 41), (90, 0)], tok_rate=60.0, trained=14_000,
-                     committed_tokens=14_100, consumed_tokens=14_500, consumed=4)
-    assert estimate_eta_s(status) == pytest.approx((29_000 - 14_100) / 60.0)
+    # 100 tokens a batch: epochs of 10 000, 10 000 and 9 000 tokens; 14 500 trained fill the
+    # first and 45 % of the second (half the job); 14 500 left at 60/s: 241 s
+    status = _status([(100, 100), (100, 41), (90, 0)], tok_rate=60.0, trained=14_500,
+                     committed_tokens=14_100, consumed_tokens=14_900, consumed=8, total_tokens=29_000)
+    assert estimate_eta_s(status) == pytest.approx((29_000 - 14_500) / 60.0)
     line = format_progress(status, width=20)
-    assert line == "epoch 2/3 [########............]  41% 41/100 batches  job 48%  ETA 4m08s"
+    assert line == "epoch 2/3 [#########...........]  45% of 100 batches trained  job 50%  ETA 4m01s"
 
 
 def test_eta_counts_trained_tokens_ahead_of_commits():
@@ -36,7 +36,6 @@ def test_eta_counts_trained_tokens_ahead_of_commits():
                      consumed=5)
     # 100 tokens a batch -> 1000 planned, 600 trained -> 400 left at 50/s
     assert estimate_eta_s(status) == pytest.approx(8.0)
-    assert format_progress(status, width=10) == "epoch 1/1 [##........]  20% 2/10 batches  ETA 8s"
 
 
 def test_eta_before_any_commit_uses_consumed_batches_then_total_when_present():
@@ -55,19 +54,25 @@ def test_zero_or_unknown_rate_prints_no_eta(rate):
 
 def test_done():
     status = _status([(10, 10), (10, 10), (5, 5)], tok_rate=0.0, trained=2500, committed_tokens=2500,
-                     finished=True)
-    assert format_progress(status, width=8) == "epoch 3/3 [########] 100% 5/5 batches  job 100%  ETA done"
+                     total_tokens=2500, finished=True)
+    assert format_progress(status, width=8) == "epoch 3/3 [########] 100% of 5 batches trained  job 100%  ETA done"
 
 
 def test_without_epochs_falls_back_to_the_whole_job():
-    status = _status([(8, 2)], tok_rate=100.0, committed_tokens=200, trained=200)
+    status = _status([(8, 2)], tok_rate=100.0, committed_tokens=200, trained=300, total_tokens=800)
     status.epochs = []
-    assert format_progress(status, width=8) == "[##......]  25% 2/8 batches  ETA 6s"
+    assert format_progress(status, width=8) == "[###.....]  37% of 8 batches trained  ETA 5s"
+
+
+def test_a_status_without_planned_tokens_shows_committed_batches():
+    """A status of a dispatcher that sends no planned tokens (nor per epoch): what was committed."""
+    status = _status([(10, 4), (10, 0)], trained=600, committed_tokens=400)
+    assert format_progress(status, width=10) == "epoch 1/2 [####......]  40% of 10 batches committed  job 20%  ETA --"
 
 
 def test_bar_width_is_constant():
-    for done in range(0, 8):
-        line = format_progress(_status([(7, min(done, 7))]), width=13)
+    for trained in range(0, 800, 50):
+        line = format_progress(_status([(7, 0)], trained=trained, total_tokens=700), width=13)
         bar = line[line.index("[") + 1:line.index("]")]
         assert len(bar) == 13 and set(bar) <= {"#", "."}
 
@@ -78,7 +83,7 @@ def test_format_duration(seconds, text):
     assert format_duration(seconds) == text
 
 
-def test_format_status_unchanged():
+def test_format_status():
     status = _status([(20, 12), (10, 6)], tok_rate=4980.0)
     status.rates.tgt_rate, status.rates.dft_rate = 5210.0, 5050.0
     b = status.batches
@@ -86,31 +91,42 @@ def test_format_status_unchanged():
     status.targets = {"0": target(free_slots=6), "1": target(free_slots=8)}
     status.drafters = {"0": drafter(metrics={"step": 12.0, "loss": 4.812}), "1": drafter()}
     assert format_status(status) == (
-        "[   42s]  60% 18/30 batches | tgt_rate 5,210 dft_rate 5,050 tok_rate 4,980 tok/s | "
+        "[   42s]  60% 18/30 batches committed | tgt_rate 5,210 dft_rate 5,050 tok_rate 4,980 tok/s | "
         "step 12 loss 4.812 | pending 8 leased 5 produced 2 consumed 3 | free slots 14")
     status.average_rates = st.Rates(tgt_rate=1.0, dft_rate=2.0, tok_rate=3.0)
-    assert format_status(status, final=True).startswith("done, averages: [   42s]  60% 18/30 batches | tgt_rate 1 ")
+    assert format_status(status, final=True).startswith(
+        "done, averages: [   42s]  60% 18/30 batches committed | tgt_rate 1 ")
 
 
-def test_trained_share_moves_between_commits():
+def test_the_bar_moves_between_commits():
     # One checkpoint at the end: 0 batches committed, but 600 of 1000 tokens through a step.
     status = _status([(10, 0)], tok_rate=50.0, trained=600, consumed_tokens=700, consumed=7, total_tokens=1000)
+    assert format_progress(status, width=10) == "epoch 1/1 [######....]  60% of 10 batches trained  ETA 8s"
+
+
+def test_an_epoch_trained_but_not_committed_is_not_shown_at_0():
+    """Seen on a real job (14 epochs of 48 batches, a checkpoint every ~20 s): epoch 8 at 0 %
+    and `job 50%` while 53 % of the job's tokens were trained. The bar, `job` and the trained
+    share are one figure now."""
+    status = _status([(48, 48)] * 7 + [(48, 0)] * 7, tok_rate=32_633.0, trained=356_000,
+                     committed_tokens=336_000, consumed=36, total_tokens=672_000)
     assert format_progress(status, width=10) == (
-        "epoch 1/1 [..........]   0% 0/10 batches  trained 60% of tokens  ETA 8s")
+        "epoch 8/14 [####......]  41% of 48 batches trained  job 52%  ETA 9s")
 
 
 def test_status_line_percent_is_floored():
     status = _status([(200, 199)])
-    assert format_status(status).startswith("[   42s]  99% 199/200 batches")  # 99.5 % is not done
+    assert format_status(status).startswith("[   42s]  99% 199/200 batches committed")  # 99.5 % is not done
 
 
 def test_stepped_job_progress_never_goes_back_and_ends_final():
-    """The job seen on a real model: trained 98 % then 97 % (a drafter group restarted from its
-    last checkpoint), and the last live bar at 80 % before the end."""
+    """A job of one epoch: trained 90 %, then a drafter group restarted from its last
+    checkpoint (the tokens trained since are trained again), and the last live bar short of
+    the end: only the closing pair says done."""
     line = StatusLine(width=10)
     script = [
         # (committed batches of 10, trained tokens of 1000, committed tokens)
-        (0, 300, 0), (0, 600, 0), (8, 980, 800), (8, 970, 800), (8, 850, 800), (8, 990, 800),
+        (0, 300, 0), (0, 600, 0), (8, 900, 800), (8, 800, 800), (8, 850, 800), (8, 990, 800),
     ]
     shown = []
     for committed, trained, committed_tokens in script:
@@ -119,15 +135,41 @@ def test_stepped_job_progress_never_goes_back_and_ends_final():
         status_line, bar = line.lines(status)
         assert status_line == format_status(status)
         shown.append(bar)
-    shares = [int(bar.split("trained ")[1].split("%")[0]) for bar in shown]
-    assert shares == [30, 60, 98, 98, 98, 99]
+    shares = [int(bar.split("] ")[1].split("%")[0]) for bar in shown]
+    assert shares == [30, 60, 90, 90, 90, 99]
     # the share holds; the ETA counts what is left now: (1000 - 850) / 50 = 3 s
-    assert shown[4] == "epoch 1/1 [########..]  80% 8/10 batches  trained 98% of tokens  ETA 3s"
+    assert shown[4] == "epoch 1/1 [#########.]  90% of 10 batches trained  ETA 3s"
     final = _status([(10, 10)], trained=1000, committed_tokens=1000, total_tokens=1000, finished=True)
     final.average_rates = st.Rates(tgt_rate=30.0, dft_rate=25.0, tok_rate=20.0)
     done, bar = line.final_lines(final)
-    assert done.startswith("done, averages: [   42s] 100% 10/10 batches | tgt_rate 30 dft_rate 25 tok_rate 20 ")
-    assert bar == "epoch 1/1 [##########] 100% 10/10 batches  ETA done"
+    assert done.startswith("done, averages: [   42s] 100% 10/10 batches committed | tgt_rate 30 dft_rate 25 "
+                           "tok_rate 20 ")
+    assert bar == "epoch 1/1 [##########] 100% of 10 batches trained  ETA done"
+
+
+def test_a_resumed_job_shows_its_committed_work_as_trained_and_never_goes_back():
+    """A rerun of a job (a new supervisor, a dispatcher on the saved ledger): 2400 of 3000
+    tokens committed count as trained from the first line; then a rollback to an older
+    checkpoint undoes 600 of them, and the shares hold until the retrained work passes them."""
+    line = StatusLine(width=10)
+    script = [
+        # (committed batches per epoch of 10, trained tokens, committed tokens), 100 a batch
+        ([(10, 10), (10, 10), (10, 4)], 2400, 2400),
+        ([(10, 10), (10, 10), (10, 4)], 2600, 2400),
+        ([(10, 10), (10, 8), (10, 0)], 1800, 1800),  # the group resumed from an older checkpoint
+        ([(10, 10), (10, 10), (10, 4)], 2800, 2400),
+    ]
+    shown = []
+    for epochs, trained, committed_tokens in script:
+        status = _status(epochs, tok_rate=100.0, trained=trained, committed_tokens=committed_tokens,
+                         total_tokens=3000)
+        shown.append(line.lines(status)[1])
+    assert shown == [
+        "epoch 3/3 [####......]  40% of 10 batches trained  job 80%  ETA 6s",
+        "epoch 3/3 [######....]  60% of 10 batches trained  job 86%  ETA 4s",
+        "epoch 3/3 [######....]  60% of 10 batches trained  job 86%  ETA 12s",
+        "epoch 3/3 [########..]  80% of 10 batches trained  job 93%  ETA 2s",
+    ]
 
 
 def test_status_of_an_ended_job_is_its_final_status(tmp_path, monkeypatch):
@@ -155,7 +197,7 @@ def test_status_of_an_ended_job_is_its_final_status(tmp_path, monkeypatch):
         json.dump(status.to_json(), f)
     lines = status_query.query_status(str(tmp_path)).splitlines()
     assert lines[0].startswith("no dispatcher answers (dispatcher silent for 3.0s); the job's final status")
-    assert lines[1].startswith("done, averages: [   42s] 100% 4/4 batches | tgt_rate 10 ")
+    assert lines[1].startswith("done, averages: [   42s] 100% 4/4 batches committed | tgt_rate 10 ")
     assert lines[2].startswith("  target/0: 4 batches 512 tokens")
     assert lines[3] == "  drafter/0: step 7 loss nan, 4 batches, heartbeat 0.2s ago"
 

@@ -48,7 +48,7 @@ def test_up_prints_them_when_the_job_ends_with_code_0(tmp_path, monkeypatch):
     step = _commit(cfg, 5)
 
     class Finished:
-        def __init__(self, cfg, print_status):
+        def __init__(self, cfg):
             self.run_lock = None
 
         def claim(self):

@@ -341,7 +341,7 @@ def default_run_dir(cfg: JobConfig) -> str:
     return f"{os.path.abspath(cfg.run.run_dir)}-bench-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def end_to_end(cfg: JobConfig, *, seconds: float, warmup_s: float, run_dir: str, print_status=print) -> dict:
+def end_to_end(cfg: JobConfig, *, seconds: float, warmup_s: float, run_dir: str) -> dict:
     """Runs the job in ``run_dir`` (must be new or empty) and measures tok_rate over its window."""
     from dflash_ipc.supervise.supervisor import Supervisor
 
@@ -351,7 +351,7 @@ def end_to_end(cfg: JobConfig, *, seconds: float, warmup_s: float, run_dir: str,
                           "needs a fresh one (--run-dir)")
     cfg = copy.deepcopy(cfg)
     cfg.run.run_dir = run_dir
-    sup = Supervisor(cfg, print_status=print_status)
+    sup = Supervisor(cfg)
     state: dict = {}
     done = threading.Event()
 
@@ -432,7 +432,7 @@ def combine(target: dict, drafter: dict, e2e: dict, *, target_gpus: int = 1, dra
 
 
 def run_pipeline_bench(cfg: JobConfig, *, seconds: float = 60.0, warmup_s: float = 30.0,
-                       run_dir: str | None = None, print_status=print) -> dict:
+                       run_dir: str | None = None) -> dict:
     """The three phases on a resolved config (``resolve_job``); returns every figure."""
     if seconds <= 0:
         raise ConfigError(f"bench pipeline: --seconds must be > 0, got {seconds:g}")
@@ -441,7 +441,7 @@ def run_pipeline_bench(cfg: JobConfig, *, seconds: float = 60.0, warmup_s: float
     run_dir = run_dir or default_run_dir(cfg)
     target = target_capacity(cfg, seconds=seconds, warmup_s=warmup_s)
     drafter = drafter_capacity(cfg, seconds=seconds, warmup_s=warmup_s)
-    e2e = end_to_end(cfg, seconds=seconds, warmup_s=warmup_s, run_dir=run_dir, print_status=print_status)
+    e2e = end_to_end(cfg, seconds=seconds, warmup_s=warmup_s, run_dir=run_dir)
     leaders = [cfg.target.device_of(r) for r in range(cfg.target.num_workers)]  # one per worker of K GPUs
     figures = combine(target, drafter, e2e, target_gpus=gpus_of(leaders, cfg.target.num_workers),
                       drafter_gpus=gpus_of(cfg.drafter.devices, cfg.drafter.num_workers))

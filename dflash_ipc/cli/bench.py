@@ -209,8 +209,7 @@ def bench_pipeline(config, overrides, seconds, warmup_s, json_path, run_dir) -> 
     from dflash_ipc.run.logs import setup_logging
     cfg = load_job_config(config, overrides)
     setup_logging("bench", level=cfg.run.log_level)
-    figures = run_pipeline_bench(resolved(cfg), seconds=seconds, warmup_s=warmup_s, run_dir=run_dir,
-                                 print_status=lambda line: click.echo(line))
+    figures = run_pipeline_bench(resolved(cfg), seconds=seconds, warmup_s=warmup_s, run_dir=run_dir)
     if json_path:
         write_json_atomic(json_path, figures)
     click.echo(format_table(figures))

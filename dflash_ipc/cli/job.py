@@ -62,7 +62,7 @@ def up(config, overrides, nnodes, node_rank, dispatcher_address, init_from) -> N
     from dflash_ipc.dispatch.generation_file import read_generation
     from dflash_ipc.dispatch.proc import finished_before
     from dflash_ipc.supervise.supervisor import Supervisor
-    supervisor = Supervisor(cfg, print_status=lambda line: click.echo(line))
+    supervisor = Supervisor(cfg)
     supervisor.claim()  # a run directory in use is refused before anything says the job starts
     read_generation(cfg.files.drafter_generation)  # damaged: one error now, not a dispatcher failing 3 times
     if finished_before(cfg):

@@ -84,6 +84,10 @@ class Dispatcher:
         # count at start splits them into this process' share for its average rate.
         self.tokens_produced = self.tokens_consumed = 0
         self.committed_at_start = self.ledger.committed_tokens()
+        # The drafters count the tokens they trained from 0 in every group: the job's trained
+        # tokens are theirs on top of what was committed when their group started (set again
+        # at each group restart and at its Resumed, after any rollback).
+        self.trained_before_group = self.committed_at_start
         self.rates = {name: TokenRate(RATE_WINDOW_S) for name in ("tgt_rate", "dft_rate", "tok_rate")}
         self.end_sent = False
         self.refusals = 0
@@ -231,6 +235,7 @@ class Dispatcher:
         self.drafter_generation += 1
         requeued, again = self.ledger.restart_drafters()
         self.drafters.clear()
+        self.trained_before_group = self.ledger.committed_tokens()
         self.policy.forget_drafters()
         self._reopen()
         log.warning("drafter group restart %d (%s): %d batches back to pending, %d to assign again",
@@ -344,6 +349,7 @@ class Dispatcher:
                         "unreadable): the commits after it are undone", msg.step, last)
             self.ledger.rollback_to(msg.step)
             self._reopen()
+        self.trained_before_group = self.ledger.committed_tokens()
         return [(seat.identity, p.Resumed(step=msg.step))] + self._serve_targets()
 
     def _serve_drafters(self) -> Outgoing:
@@ -401,7 +407,8 @@ class Dispatcher:
             batches=st.BatchCounts(**{state.name.lower(): counts[state] for state in BatchState}),
             epochs=[st.EpochProgress(**e) for e in self.ledger.epoch_progress()],
             tokens=st.TokenCounts(total=self.tokens_planned, produced=self.tokens_produced,
-                                  consumed=self.tokens_consumed, trained=self._trained_tokens(),
+                                  consumed=self.tokens_consumed,
+                                  trained=self.trained_before_group + self._trained_tokens(),
                                   committed=self.ledger.committed_tokens()),
             committed_tokens_by_epoch={str(e): n for e, n in self.ledger.committed_tokens_by_epoch().items()},
             last_committed_step=self.ledger.last_committed_step(),

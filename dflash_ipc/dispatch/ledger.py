@@ -181,6 +181,7 @@ class Ledger:
         self._counts = {s: 0 for s in BatchState}
         self._epoch_total: dict[int, int] = {}
         self._epoch_committed: dict[int, int] = {}
+        self._epoch_tokens: dict[int, int] = {}  # epoch -> its planned tokens
         self._pools: dict[Owner, collections.deque[int]] = {}  # open pools: target -> its free slots
         # (target, slot) -> the batch holding it: LEASED, PRODUCED, ASSIGNED, or a lease taken
         # back whose target still computes into it
@@ -213,6 +214,7 @@ class Ledger:
             self._counts[BatchState.PENDING] += 1
             self._epoch_total[b.epoch] = self._epoch_total.get(b.epoch, 0) + 1
             self._epoch_committed.setdefault(b.epoch, 0)
+            self._epoch_tokens[b.epoch] = self._epoch_tokens.get(b.epoch, 0) + b.num_tokens
             self._committed_tokens.setdefault(b.epoch, 0)
 
     # ---- queries --------------------------------------------------------------------
@@ -276,9 +278,10 @@ class Ledger:
         return dict(self._counts)
 
     def epoch_progress(self) -> list[dict]:
-        """Per epoch, in order: {"epoch", "batches", "committed"} (progress bars, ETA)."""
-        return [{"epoch": e, "batches": total, "committed": self._epoch_committed[e]}
-                for e, total in sorted(self._epoch_total.items())]
+        """Per epoch, in order: {"epoch", "batches", "committed", "tokens"} (progress bars):
+        its planned batches, those fully committed, and its planned tokens."""
+        return [{"epoch": e, "batches": total, "committed": self._epoch_committed[e],
+                 "tokens": self._epoch_tokens[e]} for e, total in sorted(self._epoch_total.items())]
 
     def all_committed(self) -> bool:
         """True when every batch in the ledger is committed (vacuously for an empty one)."""

@@ -25,11 +25,12 @@ import signal
 import socket
 import sys
 import time
+from typing import TextIO
 
 from dflash_ipc.config.schema import JobConfig
 from dflash_ipc.config.load import dump_config
 from dflash_ipc.run.checkpoints import CheckpointStore
-from dflash_ipc.errors import DataError
+from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.run.json_files import write_json_atomic
 from dflash_ipc.wire.link import DispatcherLink
 from dflash_ipc.run.liveness import read_beacon
@@ -45,6 +46,7 @@ from dflash_ipc.supervise.decisions import (ChildView, Died, Fail, Kill, KillDra
 from dflash_ipc.supervise.roles import DISPATCHER, Role
 from dflash_ipc.run.lock import RunLock
 from dflash_ipc.obs.status_line import StatusLine
+from dflash_ipc.obs.status_writer import InterruptOnLog, StatusWriter
 from dflash_ipc.supervise.status_poller import StatusPoller
 from dflash_ipc.wire.status import JobStatus, read_status_file
 from dflash_ipc.supervise.target_groups import WorkerAddresses
@@ -87,10 +89,12 @@ def quarantine_uncommitted_checkpoints(cfg: JobConfig) -> list[str]:
 
 
 class Supervisor:
-    def __init__(self, cfg: JobConfig, *, print_status=print) -> None:
+    def __init__(self, cfg: JobConfig, *, status_out: TextIO | None = None) -> None:
+        """`status_out`: where the status goes (default stdout): on a terminal one block
+        rewritten in place, elsewhere one line per status interval (obs/status_writer.py)."""
         self.cfg = cfg
         self.files = cfg.files
-        self.print_status = print_status
+        self.status_writer = StatusWriter(sys.stdout if status_out is None else status_out)
         self.children: dict[Role, Child] = {}
         self.logic: SupervisorLogic | None = None
         self._stop_reason: str | None = None
@@ -196,6 +200,9 @@ class Supervisor:
         """Starts the job and watches it to the end; returns the process exit code."""
         self.claim()  # outside the try: a refused job must not clean up the job that holds the lock
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        # A log line between two status blocks keeps the older block from being drawn over it.
+        log_watch = InterruptOnLog(self.status_writer)
+        logging.getLogger().addHandler(log_watch)
         link = None
         try:
             if self.cfg.run.node_rank == 0:  # one writer per job; before any child, so a missing
@@ -215,6 +222,7 @@ class Supervisor:
                 # Last: a tracker's close (wandb uploads) must not delay the drafters' checkpoint.
                 self.sinks.close()
                 self.run_lock.release()
+                logging.getLogger().removeHandler(log_watch)
                 for s, handler in previous.items():
                     signal.signal(s, handler)
 
@@ -314,13 +322,12 @@ class Supervisor:
             return False
 
     def _report_status(self, poller: StatusPoller) -> JobStatus | None:
-        """Prints the status lines and feeds the sinks; returns the live status (None: no answer)."""
+        """Shows the status and feeds the sinks; returns the live status (None: no answer)."""
         status = poller.poll()
         if status is None:
             return None
         self.last_status = status
-        for line in self.status_line.lines(status):
-            self.print_status(line)
+        self.status_writer.show(self.status_line.lines(status))
         self._forward_steps()
         self.sinks.write(status)
         return status
@@ -334,8 +341,7 @@ class Supervisor:
         self._forward_steps()  # the last steps' records, before the final status
         try:
             self.last_status = read_status_file(self.files.final_status)
-            for line in self.status_line.final_lines(self.last_status):
-                self.print_status(line)
+            self.status_writer.show(self.status_line.final_lines(self.last_status))
             self.sinks.write(self.last_status)  # the trackers end where the job did
         except DataError as exc:  # missing, damaged, or not a status
             log.warning("no final status: %s", exc)

@@ -62,6 +62,10 @@ class EpochProgress:
     """Planned batches of this epoch."""
     committed: int
     """Of them, fully committed."""
+    tokens: int = 0
+    """Its planned tokens (the progress bar places the job's trained tokens in the epochs with
+    them). Optional on the way in: a status or a final_status.json without it reads as 0,
+    unknown."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,7 +77,8 @@ class TokenCounts:
     consumed: int
     """Copied out by drafters, as this dispatcher process saw them."""
     trained: float
-    """The drafters' own counts of tokens through a step (restart with each drafter group)."""
+    """Tokens through a step, the whole job's: the ledger's committed tokens when this drafter
+    group started (after any rollback) plus the group's own counts (which start from 0)."""
     committed: int
     """The ledger's: tokens of every committed sample, the whole run's."""
 
