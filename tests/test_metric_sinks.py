@@ -116,6 +116,7 @@ def test_job_scalars_and_wall_time(events):
     assert events("batches/committed") == [(0, 0.0), (3, 4.0), (5, 12.0), (5, 13.0)]
     assert events("batches/pending") == [(0, 20.0), (3, 16.0), (5, 8.0), (5, 7.0)]
     assert events("progress/committed_fraction") == [(0, 0.0), (3, 0.2), (5, 0.6), (5, 0.65)]
+    assert events("progress/trained_fraction") == [(0, 0.0), (3, 0.2), (5, 0.6), (5, 0.65)]  # 100 x committed / 2000
     assert events("progress/epoch") == [(0, 1.0), (3, 1.0), (5, 2.0), (5, 2.0)]
     assert events("queue/produced_waiting") == [(0, 0.0), (3, 1.0), (5, 0.0), (5, 1.0)]
     assert events("tokens/trained") == [(0, 0.0), (3, 400.0), (5, 1200.0), (5, 1300.0)]

@@ -12,6 +12,7 @@ Tags written (the per-worker ones only when the worker's heartbeats carry their 
   rates/{tgt_rate,dft_rate,tok_rate}       the status rates (tokens/s, token_rate.py)
   batches/{pending,leased,...,committed}   batch counts by ledger state
   progress/committed_fraction              committed batches / planned batches
+  progress/trained_fraction                trained tokens / planned tokens (what the progress line shows)
   progress/epoch                           1-based index of the first epoch not fully committed
   tokens/{produced,consumed,trained,committed}  cumulative token counters
   queue/produced_waiting                   produced batches not yet handed to a drafter
@@ -107,6 +108,8 @@ class StatusScalars:
                 out[f"{group}/{f.name}"] = float(getattr(values, f.name))
         if status.num_batches:
             out["progress/committed_fraction"] = status.batches.committed / status.num_batches
+        if status.tokens.total:
+            out["progress/trained_fraction"] = min(1.0, status.tokens.trained / status.tokens.total)
         epochs = status.epochs
         if epochs:
             current = next((i for i, e in enumerate(epochs) if e.committed < e.batches), len(epochs) - 1)
