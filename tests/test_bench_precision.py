@@ -168,3 +168,32 @@ def test_tiny_bf16_and_fp8_comparison_on_gpu(tmp_path):
     losses = {k: r["losses"] for k, r in f["runs"].items()}
     assert set(f["tau"]) == {"untrained", "bf16", "fp8 tensorwise, lm_head all"}
     assert losses["fp8 tensorwise, lm_head all"][-1] == pytest.approx(losses["bf16"][-1], rel=3e-2)
+
+
+def test_the_held_out_validator_decodes_like_eval(tiny_run):
+    """validation.prompts: the tau a job logs at a checkpoint is eval's tau of that export on the
+    same held-out prompts (eval/held_out_validation.py on what bench precision evaluated)."""
+    from dflash_ipc.config.load import config_from_dict
+    from dflash_ipc.eval.held_out_validation import HeldOutValidator
+    _, f = tiny_run
+    cfg = config_from_dict({"target": {"path": f["target"]}, "data": {"path": f["data"]},
+                            "validation": {"every_steps": 1, "prompts": TINY.eval_prompts,
+                                           "max_new_tokens": TINY.eval_tokens}})
+    validator = HeldOutValidator(cfg, "cpu")
+    for label in ("paper", ALL):
+        result = validator(f["runs"][label]["export"])
+        assert result["tau"] == pytest.approx(f["tau"][label]) and result["prompts"] == TINY.eval_prompts
+        assert result["tokens"] == TINY.eval_prompts * TINY.eval_tokens
+
+
+def test_the_held_out_validator_refuses_a_dataset_without_held_out_prompts(tmp_path):
+    from dflash_ipc.config.load import config_from_dict
+    from dflash_ipc.eval.held_out_validation import HeldOutValidator
+    from dflash_ipc.bench.assets import build_random_dataset, build_random_target
+    data = tmp_path / "d"
+    build_random_target(str(tmp_path / "t"), shape="tiny")
+    build_random_dataset(str(tmp_path / "t"), str(data), num_samples=4, min_len=32, max_len=48)
+    cfg = config_from_dict({"target": {"path": str(tmp_path / "t")}, "data": {"path": str(data)},
+                            "validation": {"every_steps": 1, "prompts": 2}})
+    with pytest.raises(ConfigError, match="declares no held-out prompts \\(prepare it with --held-out N\\)"):
+        HeldOutValidator(cfg, "cpu")

@@ -382,6 +382,44 @@ def test_validation_scores_the_weights_before_a_step_and_retention_keeps_the_bes
     assert fresh.resume(registered(resume_step=3, committed=[1, 2, 3])) == 3 and fresh.best == (1, 3.0)
 
 
+def test_held_out_validation_decodes_each_validated_checkpoint_and_keeps_the_best_by_tau(tmp_path, caplog):
+    """validation.prompts > 0: rank 0 hands each checkpoint on the validation period to the
+    validator; tau (not the proxy) picks the best checkpoint, and each result is a step record."""
+    import json
+
+    decoded, taus = [], iter([1.2, 2.5, 1.9])
+    def validator(step_dir):
+        decoded.append(os.path.basename(step_dir))
+        return {"tau": next(taus), "prompts": 4, "tokens": 64, "seconds": 0.1}
+    loop, link, readers = build(tmp_path, checkpoint={"every_steps": 1, "keep_last": 1},
+                                validation={"every_steps": 1, "prompts": 4})
+    loop.validator = validator
+    step_log = tmp_path / "steps.jsonl"
+    loop.step_log = open(step_log, "w")
+    readers.pool_of_read = "p0"
+    loop.resume(registered())
+    link.inbox.clear()
+    link.inbox.extend([assign(0, [0, 1, 2], 1), assign(1, [3, 4, 5, 6, 7], 2)])
+    with caplog.at_level("INFO", logger="dflash_ipc.drafter.loop"):
+        while loop.trainer.step_count < 3:
+            assert loop.pass_once()
+        loop.intake(0.0)
+    assert decoded == ["step_00000001", "step_00000002", "step_00000003"]
+    assert loop.best == (2, 2.5) and loop.store.steps_on_disk() == [2, 3]
+    held = [r for r in map(json.loads, open(step_log)) if "held_out_tau" in r]
+    assert [(r["step"], r["validated_step"], r["held_out_tau"]) for r in held] == [(1, 1, 1.2), (2, 2, 2.5), (3, 3, 1.9)]
+    assert link.metrics["held_out_tau"] == 1.9
+    assert "validation at checkpoint 2: tau 2.500 on 4 held-out prompts" in caplog.text
+    from dflash_ipc.obs.step_log import step_scalars
+    assert step_scalars(held[1]) == [(2, held[1]["time"], {"validation/held_out_tau": 2.5})]
+
+
+def test_held_out_validation_needs_a_validation_period():
+    from dflash_ipc.errors import ConfigError
+    with pytest.raises(ConfigError, match="validation.prompts: 8 held-out prompts need validation.every_steps"):
+        config_from_dict({"validation": {"prompts": 8}})
+
+
 def test_a_validation_step_trains_exactly_as_any_other_step(tmp_path):
     def run(**sections):
         loop, link, readers = build(tmp_path / str(len(sections)), **sections)

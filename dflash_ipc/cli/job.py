@@ -121,6 +121,7 @@ def target(config, overrides, rank, tp_rank) -> None:
 def drafter(config, overrides, rank) -> None:
     """Run one drafter worker alone (all drafters must run to form the group)."""
     from dflash_ipc.drafter.worker import run_drafter
+    from dflash_ipc.eval.held_out_validation import HeldOutValidator
     cfg = load_job_config(config, overrides)
     _stage_setup(f"drafter/{rank}", cfg)
-    run_drafter(resolved(cfg), rank)
+    run_drafter(resolved(cfg), rank, validator_factory=HeldOutValidator)

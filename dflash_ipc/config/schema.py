@@ -502,10 +502,22 @@ class ValidationConfig(_Section):
     """Steps between validations (null: none): the drafter's expected acceptance length on the
     step's blocks, scored before it trains on them (drafter/acceptance_proxy.py); logged, sent
     to the trackers, and the best checkpoint by it is kept (checkpoint.keep_last)."""
+    prompts: int = 0
+    """Held-out prompts decoded at each validated checkpoint (0: the proxy alone): drafter rank 0
+    loads the target on its device and decodes the dataset's first `prompts` held-out prompts
+    speculatively (greedy), so tau on prompts never trained on is logged and sent to the
+    trackers, and the best checkpoint is the best by it (eval/held_out_validation.py)."""
+    max_new_tokens: int = 64
+    """prompts > 0: new tokens per held-out prompt."""
 
     def check(self) -> None:
         _require(self.every_steps is None or (isinstance(self.every_steps, int) and self.every_steps >= 1),
                  "validation.every_steps", f"must be null or >= 1, got {self.every_steps!r}")
+        _require(0 <= self.prompts <= 4096, "validation.prompts", f"must be in [0, 4096], got {self.prompts}")
+        _require(self.prompts == 0 or self.every_steps is not None, "validation.prompts",
+                 f"{self.prompts} held-out prompts need validation.every_steps (when to decode them)")
+        _require(1 <= self.max_new_tokens <= 4096, "validation.max_new_tokens",
+                 f"must be in [1, 4096], got {self.max_new_tokens}")
 
 
 @dataclass(kw_only=True, slots=True)

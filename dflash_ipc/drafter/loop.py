@@ -52,9 +52,12 @@ class StopRequested(SystemExit):
 class DrafterLoop:
     def __init__(self, cfg, rank: int, *, trainer, queue: SequenceQueue, readers, link, group,
                  store: CheckpointStore, beacon=None, timeline=None, step_log=None,
-                 after_step: Callable[[], None] | None = None) -> None:
+                 after_step: Callable[[], None] | None = None,
+                 validator: Callable[[str], dict] | None = None) -> None:
         """`after_step` runs after each optimizer step, inside its timed interval (the fault
-        tests slow steps down with it: drafter/faults.py)."""
+        tests slow steps down with it: drafter/faults.py). `validator` (rank 0, with
+        validation.prompts > 0): a checkpoint's step directory -> {"tau", "prompts", ...} on
+        held-out prompts (eval/held_out_validation.py); the best checkpoint is then the best by it."""
         self.cfg, self.rank = cfg, rank
         self.trainer, self.queue, self.readers = trainer, queue, readers
         self.link, self.group, self.store = link, group, store
@@ -73,6 +76,7 @@ class DrafterLoop:
         self.read_s = self.copy_s = 0.0
         self.read_bytes = self.reads = 0
         self.after_step = after_step
+        self.validator = validator
 
     # --- 0) resume ---------------------------------------------------------------------------
 
@@ -260,12 +264,33 @@ class DrafterLoop:
         value = stats["acceptance_length"]
         if not math.isfinite(value):
             return
-        if step == self.last_checkpoint_step and step > 0 and (self.best is None or value > self.best[1]):
+        if self.validator is None and step == self.last_checkpoint_step and step > 0 and \
+                (self.best is None or value > self.best[1]):
             self.best = (step, value)
         if self.rank == 0:
             best = f"; best {self.best[1]:.3f} at checkpoint {self.best[0]}" if self.best else ""
             log.info("validation at step %d: expected acceptance length %.3f over %d blocks (scored before "
                      "training on them)%s", step, value, stats["acceptance_blocks"], best)
+
+    def validate_held_out(self, step: int, path: str) -> None:
+        """Rank 0: tau of checkpoint `step` on the held-out prompts; logged, sent to the trackers
+        (the step log), and the best checkpoint by it kept. The checkpoint was written first, so
+        the `best` its own file records is the best before it."""
+        self._phase("checkpoint", step)
+        result = self.validator(path)
+        tau = result["tau"]
+        if math.isfinite(tau) and (self.best is None or tau > self.best[1]):
+            self.best = (step, tau)
+        best = f"; best {self.best[1]:.3f} at checkpoint {self.best[0]}" if self.best else ""
+        log.info("validation at checkpoint %d: tau %.3f on %d held-out prompts, %d tokens, %.1f s%s", step, tau,
+                 result["prompts"], result["tokens"], result["seconds"], best)
+        if math.isfinite(tau):
+            self.link.metrics["held_out_tau"] = float(tau)
+        if self.step_log is not None:
+            record = {"step": step, "validated_step": step, "held_out_tau": tau, "held_out_prompts": result["prompts"],
+                      "time": time.time()}
+            self.step_log.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+            self.step_log.flush()
 
     @property
     def best_step(self) -> int | None:
@@ -291,6 +316,9 @@ class DrafterLoop:
         path = self.trainer.save_checkpoint(self.store, extra)
         log.info("checkpoint %s: %d copies, %d samples committed", path, len(trained),
                  sum(len(s) for s in trained.values()))
+        every = self.cfg.validation.every_steps
+        if self.validator is not None and every and self.trainer.step_count % every == 0:
+            self.validate_held_out(self.trainer.step_count, path)
         self.link.send(p.Committed(step=self.trainer.step_count, batch_ids=[b for b, _, _ in trained],
                                    ranks=[r for _, r, _ in trained], attempts=[a for _, _, a in trained],
                                    samples=[list(s) for s in trained.values()]))

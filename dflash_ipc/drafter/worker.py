@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import time
+from typing import Callable
 
 import torch
 
@@ -78,8 +79,10 @@ class StopOnSignal:
             signal.signal(sig, handler)
 
 
-def run_drafter(cfg: JobConfig, rank: int) -> None:
-    """Entry point of `dflash-ipc drafter --rank N`."""
+def run_drafter(cfg: JobConfig, rank: int, *, validator_factory: Callable[[JobConfig, str], Callable] | None = None) -> None:
+    """Entry point of `dflash-ipc drafter --rank N`. `validator_factory(cfg, device)`: rank 0's
+    held-out validator when validation.prompts > 0 (the command passes eval's: this package
+    sits below it)."""
     device = cfg.drafter.device_of(rank)
     require_device(device, "drafter.devices")
     if device.startswith("cuda"):
@@ -101,7 +104,9 @@ def run_drafter(cfg: JobConfig, rank: int) -> None:
             raise WorkerDeadError(f"drafter/{rank}: registration refused: {registered}")
         group = init_group(cfg, rank, device, registered.generation)
         try:
-            _build_and_run(cfg, rank, device, link, group, beacon, registered, slow_steps)
+            validator = (validator_factory(cfg, device) if validator_factory is not None and rank == 0
+                         and cfg.validation.prompts else None)
+            _build_and_run(cfg, rank, device, link, group, beacon, registered, slow_steps, validator)
         finally:
             close_group(group)
     finally:
@@ -110,7 +115,7 @@ def run_drafter(cfg: JobConfig, rank: int) -> None:
 
 
 def _build_and_run(cfg: JobConfig, rank: int, device: str, link: DispatcherLink, group, beacon: Beacon,
-                   registered: p.Registered, slow_steps: SlowSteps | None = None) -> None:
+                   registered: p.Registered, slow_steps: SlowSteps | None = None, validator=None) -> None:
     dataset = TokenDataset(cfg.data.path)
     model_config = DFlashConfig.from_target_config(
         load_target_config(cfg.target.path), num_draft_layers=cfg.model.num_layers, block_size=cfg.model.block_size,
@@ -128,7 +133,7 @@ def _build_and_run(cfg: JobConfig, rank: int, device: str, link: DispatcherLink,
     loop = DrafterLoop(cfg, rank, trainer=trainer, queue=SequenceQueue(dataset,
                        max_anchors_per_seq=cfg.objective.max_anchors_per_seq), readers=readers, link=link,
                        group=group, store=CheckpointStore(cfg.files.checkpoints), beacon=beacon, timeline=timeline,
-                       step_log=step_log, after_step=slow_steps)
+                       step_log=step_log, after_step=slow_steps, validator=validator)
     profiler = IterationProfiler(f"drafter/{rank}", trainer.device)
     try:
         loop.resume(registered)

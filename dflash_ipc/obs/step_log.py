@@ -8,6 +8,8 @@ last look at every status poll (`StepLogTail`) and writes each as scalars at its
   train/{loss,lr,grad_norm,anchors,tokens,step_s}     at the record's `step`
   validation/acceptance_length, acceptance_blocks,    at `validated_step` (the weights scored:
   validation/acceptance_at_<k>                         those before the record's step)
+  validation/held_out_tau                              at `validated_step`, the checkpoint decoded
+                                                       (validation.prompts > 0)
 
 A supervisor started again in the same run directory starts at the file's end: what is there
 was written to the trackers by the one before. Only complete lines are read (a line being
@@ -31,7 +33,7 @@ from dflash_ipc.run.regular_file import regular_file
 log = logging.getLogger(__name__)
 
 TRAIN_SCALARS = ("loss", "lr", "grad_norm", "anchors", "tokens", "step_s")
-VALIDATION_SCALARS = ("acceptance_length", "acceptance_blocks")
+VALIDATION_SCALARS = ("acceptance_length", "acceptance_blocks", "held_out_tau")
 MAX_LINE_BYTES = 1 << 20  # a step record is a few hundred bytes
 MAX_READ_BYTES = 64 << 20  # per poll: a supervisor that fell far behind catches up over polls
 MAX_STEP = 1 << 62         # a tracker's step: an absurd one must not reach add_scalar
