@@ -316,12 +316,12 @@ class DrafterLoop:
         path = self.trainer.save_checkpoint(self.store, extra)
         log.info("checkpoint %s: %d copies, %d samples committed", path, len(trained),
                  sum(len(s) for s in trained.values()))
-        every = self.cfg.validation.every_steps
-        if self.validator is not None and every and self.trainer.step_count % every == 0:
-            self.validate_held_out(self.trainer.step_count, path)
         self.link.send(p.Committed(step=self.trainer.step_count, batch_ids=[b for b, _, _ in trained],
                                    ranks=[r for _, r, _ in trained], attempts=[a for _, _, a in trained],
                                    samples=[list(s) for s in trained.values()]))
+        every = self.cfg.validation.every_steps  # after the commit is on its way: decoding takes a while
+        if self.validator is not None and every and self.trainer.step_count % every == 0:
+            self.validate_held_out(self.trainer.step_count, path)
 
     # --- the end -----------------------------------------------------------------------------
 
