@@ -407,11 +407,23 @@ def test_held_out_validation_decodes_each_validated_checkpoint_and_keeps_the_bes
     assert decoded == ["step_00000001", "step_00000002", "step_00000003"]
     assert loop.best == (2, 2.5) and loop.store.steps_on_disk() == [2, 3]
     held = [r for r in map(json.loads, open(step_log)) if "held_out_tau" in r]
-    assert [(r["step"], r["validated_step"], r["held_out_tau"]) for r in held] == [(1, 1, 1.2), (2, 2, 2.5), (3, 3, 1.9)]
+    assert [(r["step"], r["validated_step"], r["held_out_tau"]) for r in held] == \
+        [(1, 1, 1.2), (2, 2, 2.5), (3, 3, 1.9)]
     assert link.metrics["held_out_tau"] == 1.9
     assert "validation at checkpoint 2: tau 2.500 on 4 held-out prompts" in caplog.text
     from dflash_ipc.obs.step_log import step_scalars
     assert step_scalars(held[1]) == [(2, held[1]["time"], {"validation/held_out_tau": 2.5})]
+    # Checkpoint 2 was written before it was decoded (its file records the best before it, 1):
+    # a resume from it learns of the best from the file beside the checkpoints.
+    fresh, _, _ = build(tmp_path, checkpoint={"every_steps": 1, "keep_last": 1},
+                        validation={"every_steps": 1, "prompts": 4})
+    fresh.validator = validator
+    assert fresh.resume(registered(resume_step=2, committed=[2])) == 2 and fresh.best == (2, 2.5)
+    (tmp_path / "ck" / "best_decoded.json").write_text('{"best": {"step": 3, "acceptance_length": 9.0}}')
+    fresh, _, _ = build(tmp_path, checkpoint={"every_steps": 1, "keep_last": 1},
+                        validation={"every_steps": 1, "prompts": 4})
+    fresh.validator = validator  # a best after the resumed step (rolled back) is not taken
+    assert fresh.resume(registered(resume_step=2, committed=[2])) == 2 and fresh.best == (1, 1.2)
 
 
 def test_held_out_validation_needs_a_validation_period():

@@ -23,6 +23,7 @@ Tests drive it with a fake link and `SoloGroup` (tests/test_drafter_loop.py).
 from __future__ import annotations
 
 import json
+import os
 import logging
 import math
 import signal
@@ -32,11 +33,14 @@ from typing import Callable
 from dflash_ipc.wire import protocol as p
 from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.drafter.sequence_queue import SequenceQueue
-from dflash_ipc.errors import TransportError, WorkerDeadError
-from dflash_ipc.run.json_files import json_safe
+from dflash_ipc.errors import DataError, TransportError, WorkerDeadError
+from dflash_ipc.run.json_files import json_safe, read_json_object, write_json_atomic
 from dflash_ipc.obs.timelines import process_memory
 
 log = logging.getLogger(__name__)
+
+BEST_DECODED = "best_decoded.json"
+"""Beside the checkpoints: the best by held-out decoding so far (validation.prompts)."""
 
 COMMIT_CONFIRM_S = 5.0  # on a stop, how long rank 0 waits for the dispatcher to take its commit
 RESUME_CONFIRM_S = 60.0
@@ -96,7 +100,7 @@ class DrafterLoop:
         step = self.group.broadcast_int(step)
         init_from = self.cfg.drafter.init_from
         if step >= 0:
-            self.best = _best_of(self.trainer.resume(self.store, step))
+            self.best = self._best_decoded(_best_of(self.trainer.resume(self.store, step)), step)
             self.last_checkpoint_step = step
             if init_from and self.rank == 0:
                 log.info("drafter.init_from=%s ignored: the job resumes from its checkpoint of step %d", init_from,
@@ -281,6 +285,9 @@ class DrafterLoop:
         tau = result["tau"]
         if math.isfinite(tau) and (self.best is None or tau > self.best[1]):
             self.best = (step, tau)
+            # The checkpoint was written before it was decoded: a resume learns of it here.
+            write_json_atomic(os.path.join(self.store.root, BEST_DECODED),
+                              {"best": {"step": step, "acceptance_length": tau}})
         best = f"; best {self.best[1]:.3f} at checkpoint {self.best[0]}" if self.best else ""
         log.info("validation at checkpoint %d: tau %.3f on %d held-out prompts, %d tokens, %.1f s%s", step, tau,
                  result["prompts"], result["tokens"], result["seconds"], best)
@@ -291,6 +298,20 @@ class DrafterLoop:
                       "time": time.time()}
             self.step_log.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
             self.step_log.flush()
+
+    def _best_decoded(self, recorded: tuple[int, float] | None, step: int) -> tuple[int, float] | None:
+        """The best a resume of checkpoint `step` keeps: the one it records, or the best by
+        held-out decoding written beside the checkpoints since (validation.prompts), when that
+        one is a checkpoint at or before `step` still on disk. An unreadable file is ignored."""
+        if self.validator is None:
+            return recorded
+        try:
+            decoded = _best_of(read_json_object(os.path.join(self.store.root, BEST_DECODED), "best checkpoint"))
+        except DataError:
+            return recorded
+        if decoded is None or decoded[0] > step or decoded[0] not in self.store.steps_on_disk():
+            return recorded
+        return decoded if recorded is None or decoded[1] >= recorded[1] else recorded
 
     @property
     def best_step(self) -> int | None:

@@ -79,7 +79,8 @@ class StopOnSignal:
             signal.signal(sig, handler)
 
 
-def run_drafter(cfg: JobConfig, rank: int, *, validator_factory: Callable[[JobConfig, str], Callable] | None = None) -> None:
+def run_drafter(cfg: JobConfig, rank: int, *,
+                validator_factory: Callable[[JobConfig, str], Callable] | None = None) -> None:
     """Entry point of `dflash-ipc drafter --rank N`. `validator_factory(cfg, device)`: rank 0's
     held-out validator when validation.prompts > 0 (the command passes eval's: this package
     sits below it)."""
