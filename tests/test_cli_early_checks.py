@@ -94,3 +94,29 @@ def test_up_without_a_config_says_it_runs_the_embedded_default(tmp_path, monkeyp
     first = result.output.splitlines()[0]
     assert first == job.EMBEDDED_DEFAULT_LINE and "configs/default.yaml" in first and "CPU" in first
     assert "is in use by another job" in str(result.exception)
+
+
+def test_up_on_a_run_directory_in_use_is_refused_before_the_target_is_resolved(tmp_path):
+    # In a fresh interpreter, with nothing patched: resolving the target imports torch and logs
+    # the derived layers (seconds), and a target that does not exist would be the error instead.
+    from dflash_ipc.run.lock import RunLock
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    held = RunLock(str(run_dir))  # held by this process: the probe is another job
+    held.acquire()
+    try:
+        result = _probe(["up", "--config", os.path.join(REPO, "configs", "default.yaml"), "-o",
+                         f"run.run_dir={run_dir}", "-o", f"target.path={tmp_path / 'no-target'}"], tmp_path)
+    finally:
+        held.release()
+    assert "is in use by another job" in result["error"]
+    assert result["heavy"] == []
+
+
+def test_up_with_a_missing_target_names_it_and_leaves_no_run_directory(tmp_path):
+    # the embedded default's synthetic data with another target: read through resolve_model too
+    run_dir = tmp_path / "run"
+    result = _probe(["up", "--config", os.path.join(REPO, "configs", "default.yaml"), "-o",
+                     f"run.run_dir={run_dir}", "-o", f"target.path={tmp_path / 'no-target'}"], tmp_path)
+    assert f"target.path: {tmp_path / 'no-target'}: no such model directory" in result["error"]
+    assert not run_dir.exists()

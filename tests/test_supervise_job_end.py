@@ -48,8 +48,8 @@ def test_up_prints_them_when_the_job_ends_with_code_0(tmp_path, monkeypatch):
     step = _commit(cfg, 5)
 
     class Finished:
-        def __init__(self, cfg):
-            self.run_lock = None
+        def __init__(self, cfg, run_lock=None):
+            self.run_lock = run_lock
 
         def claim(self):
             pass
