@@ -59,9 +59,11 @@ class RunLock:
         self.fd = fd
 
     def abandon(self, *, remove_dir: bool) -> None:
-        """A job that failed before it started: the lock file goes, and the run directory too
-        when this claim made it (it holds nothing else then), so a mistake leaves nothing."""
-        os.unlink(self.path)
+        """A job that failed before it started. `remove_dir`: this claim made the run directory,
+        so the lock file and the directory go (a mistake leaves nothing); in an existing one the
+        file stays, so that a job opening it meanwhile locks the same file as the next one."""
+        if remove_dir:
+            os.unlink(self.path)
         self.release()
         if remove_dir:
             try:
