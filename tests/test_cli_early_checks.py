@@ -120,3 +120,17 @@ def test_up_with_a_missing_target_names_it_and_leaves_no_run_directory(tmp_path)
                      f"run.run_dir={run_dir}", "-o", f"target.path={tmp_path / 'no-target'}"], tmp_path)
     assert f"target.path: {tmp_path / 'no-target'}: no such model directory" in result["error"]
     assert not run_dir.exists()
+
+
+def test_regenerate_with_other_options_than_its_output_is_refused_before_the_model_loads(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "in.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    (tmp_path / "out.jsonl").write_text('{"index": 0, "messages": []}\n')
+    settings = {"backend": "hf", "dtype": "auto", "input": str(tmp_path / "in.jsonl"), "max_new_tokens": 48,
+                "max_turns": None, "model_dir": str(tmp_path / "model"), "reasoning": "keep", "seed": 0,
+                "split": None, "stop_ids": [0], "temperature": 0.0, "template_kwargs": {}, "top_k": 0, "top_p": 1.0}
+    (tmp_path / "out.state.json").write_text(json.dumps({"format": 1, "complete": True, "settings": settings}))
+    result = _probe(["regenerate", "--model", "model", "--input", "in.jsonl", "--out", "out.jsonl",
+                     "--max-new-tokens", "99"], tmp_path)
+    assert "out.jsonl: made with other settings (file, now): {'max_new_tokens': (48, 99)}" in result["error"]
+    assert result["heavy"] == []
