@@ -86,6 +86,9 @@ def up(config, overrides, nnodes, node_rank, dispatcher_address, init_from) -> N
     if code == 0 and cfg.run.node_rank == 0:
         from dflash_ipc.supervise.job_end import next_steps
         click.echo("\n".join(next_steps(cfg)))
+    if code in (130, 143):  # Ctrl-C, SIGTERM: the drafters checkpointed; say how to go on
+        from dflash_ipc.supervise.job_end import stopped_lines
+        click.echo("\n".join(stopped_lines(cfg)))
     if code == 0 and embedded_default:
         # The embedded default ends by showing that the drafter learned: tau of the trained
         # drafter next to an untrained one of the same shape, on held-out prompts.
