@@ -94,3 +94,43 @@ def test_up_without_a_config_says_it_runs_the_embedded_default(tmp_path, monkeyp
     first = result.output.splitlines()[0]
     assert first == job.EMBEDDED_DEFAULT_LINE and "configs/default.yaml" in first and "CPU" in first
     assert "is in use by another job" in str(result.exception)
+
+
+def test_up_on_a_run_directory_in_use_is_refused_before_the_target_is_resolved(tmp_path):
+    # In a fresh interpreter, with nothing patched: resolving the target imports torch and logs
+    # the derived layers (seconds), and a target that does not exist would be the error instead.
+    from dflash_ipc.run.lock import RunLock
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    held = RunLock(str(run_dir))  # held by this process: the probe is another job
+    held.acquire()
+    try:
+        result = _probe(["up", "--config", os.path.join(REPO, "configs", "default.yaml"), "-o",
+                         f"run.run_dir={run_dir}", "-o", f"target.path={tmp_path / 'no-target'}"], tmp_path)
+    finally:
+        held.release()
+    assert "is in use by another job" in result["error"]
+    assert result["heavy"] == []
+
+
+def test_up_with_a_missing_target_names_it_and_leaves_no_run_directory(tmp_path):
+    # the embedded default's synthetic data with another target: read through resolve_model too
+    run_dir = tmp_path / "run"
+    result = _probe(["up", "--config", os.path.join(REPO, "configs", "default.yaml"), "-o",
+                     f"run.run_dir={run_dir}", "-o", f"target.path={tmp_path / 'no-target'}"], tmp_path)
+    assert f"target.path: {tmp_path / 'no-target'}: no such model directory" in result["error"]
+    assert not run_dir.exists()
+
+
+def test_regenerate_with_other_options_than_its_output_is_refused_before_the_model_loads(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "in.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    (tmp_path / "out.jsonl").write_text('{"index": 0, "messages": []}\n')
+    settings = {"backend": "hf", "dtype": "auto", "input": str(tmp_path / "in.jsonl"), "max_new_tokens": 48,
+                "max_turns": None, "model_dir": str(tmp_path / "model"), "reasoning": "keep", "seed": 0,
+                "split": None, "stop_ids": [0], "temperature": 0.0, "template_kwargs": {}, "top_k": 0, "top_p": 1.0}
+    (tmp_path / "out.state.json").write_text(json.dumps({"format": 1, "complete": True, "settings": settings}))
+    result = _probe(["regenerate", "--model", "model", "--input", "in.jsonl", "--out", "out.jsonl",
+                     "--max-new-tokens", "99"], tmp_path)
+    assert "out.jsonl: made with other settings (file, now): {'max_new_tokens': (48, 99)}" in result["error"]
+    assert result["heavy"] == []

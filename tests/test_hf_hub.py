@@ -41,7 +41,11 @@ def test_a_hub_id_is_its_cached_snapshot_and_a_local_path_stays_a_path(hub, tmp_
     monkeypatch.chdir(tmp_path)
     os.makedirs("org/model")  # a local directory of that name wins over the Hub
     assert resolve_model("org/model", what="target.path") == "org/model"
-    assert resolve_model("/abs/missing", what="target.path") == "/abs/missing"  # the caller's own error
+    # a path that is neither: named, not left to transformers ("Repo id must be in the form ...")
+    with pytest.raises(ConfigError, match=r"^target\.path: /abs/missing: no such model directory .*ORG/NAME"):
+        resolve_model("/abs/missing", what="target.path")
+    with pytest.raises(ConfigError, match=r"^--target: no-such-model: no such model directory"):
+        resolve_model("no-such-model", what="--target")
 
 
 def test_offline_and_not_cached_is_one_error_saying_how_to_download(hub):

@@ -282,3 +282,20 @@ def test_an_evaluation_without_accepted_tokens_says_so_instead_of_an_empty_frame
     assert not panel.patches  # no zero-height bars
     assert no_accepted_note([{"acceptance_per_position": [0.0, 0.01]}]) is None
     assert build_report(str(tmp_path))["panels"][-1] == "eval"
+
+
+def test_the_eval_title_fits_the_slide_with_a_drafters_long_path(tmp_path):
+    # The label eval writes is the drafter's absolute path: the title must keep tau on the picture.
+    from dflash_ipc.report.plot import figure, short_label
+    _timelines(tmp_path)
+    label = "drafter /home/someone/projects/drafters/runs/qwen3-8b-try2/checkpoints/step_00001000"
+    save_eval_results(str(tmp_path), [{"label": label, "prompt_set": "held-out", "tau": 2.69,
+                                       "tokens_per_s": 1234.5, "acceptance_per_position": [0.8, 0.4]}])
+    fig = figure(collect(str(tmp_path)))
+    [panel] = [a for a in fig.axes if a.get_title(loc="left").startswith("latest eval")]
+    fig.canvas.draw()
+    title = panel._left_title  # the Text set_title(loc="left") drew: matplotlib has no public getter for it
+    assert "tau 2.69" in title.get_text() and "step_00001000" in title.get_text()
+    assert title.get_window_extent().x1 <= fig.bbox.x1
+    assert short_label(label) == "drafter .../checkpoints/step_00001000"
+    assert short_label("drafter org/name") == "drafter org/name" and short_label("untrained") == "untrained"

@@ -48,8 +48,8 @@ def test_up_prints_them_when_the_job_ends_with_code_0(tmp_path, monkeypatch):
     step = _commit(cfg, 5)
 
     class Finished:
-        def __init__(self, cfg):
-            self.run_lock = None
+        def __init__(self, cfg, run_lock=None):
+            self.run_lock = run_lock
 
         def claim(self):
             pass
@@ -64,3 +64,27 @@ def test_up_prints_them_when_the_job_ends_with_code_0(tmp_path, monkeypatch):
                                        "-o", f"data.path={tmp_path}/data"])
     assert result.exit_code == 0, result.output
     assert f"checkpoint: {step}\nnext:\n  dflash-ipc eval --target" in result.output
+
+
+def test_up_stopped_by_ctrl_c_names_its_checkpoint_and_how_to_resume(tmp_path, monkeypatch):
+    from dflash_ipc.cli import job, main
+    from dflash_ipc.supervise import supervisor as supervisor_mod
+    cfg = _cfg(tmp_path)
+    step = _commit(cfg, 11)
+
+    class Stopped:
+        def __init__(self, cfg, run_lock=None):
+            self.run_lock = run_lock
+
+        def run(self):
+            return 130
+
+    monkeypatch.setattr(job, "resolved", lambda c: c)
+    monkeypatch.setattr(supervisor_mod, "Supervisor", Stopped)
+    result = CliRunner().invoke(main, ["up", "--config", os.path.join(REPO, "configs", "default.yaml"),
+                                       "-o", f"run.run_dir={cfg.run.run_dir}", "-o", f"target.path={tmp_path}/target",
+                                       "-o", f"data.path={tmp_path}/data"])
+    assert result.exit_code == 130
+    assert result.output.splitlines()[-2:] == [
+        f"stopped; checkpoint: {step}",
+        f"resume: rerun the same command (run.run_dir='{tmp_path}/my run' continues from its newest checkpoint)"]

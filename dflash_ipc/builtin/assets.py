@@ -31,6 +31,9 @@ def materialize(cfg: JobConfig) -> JobConfig:
         from dflash_ipc.builtin.tiny import build_tiny_target, tiny_target_key
         # Keyed by what the build depends on: a cache made by other code is never reused.
         cfg.target.path = build_tiny_target(os.path.join(cache_dir(), f"tiny-target-{tiny_target_key()}"))
+    else:  # the synthetic data of another target reads its tokenizer: a Hub id or a missing path is resolved first
+        from dflash_ipc.hf.hub import resolve_model
+        cfg.target.path = resolve_model(cfg.target.path, what="target.path")
     if cfg.data.path == BUILTIN_SYNTHETIC_DATA:
         from dflash_ipc.builtin.synthetic import build_synthetic_dataset, synthetic_cache_key, synthetic_params
         b = cfg.builtin

@@ -109,6 +109,9 @@ def regenerate(model_dir, input_path, out_path, split, kind, max_new_tokens, tem
                                 seed=seed, max_turns=max_turns, reasoning=reasoning,
                                 template_kwargs=parse_template_kwargs(template_kwargs),
                                 samples_per_prompt=samples_per_prompt)
+    if not overwrite:  # another option than the output's is answered before the model loads
+        from dflash_ipc.regenerate.output import check_resumable
+        check_resumable(out_path, {**options.settings(), "backend": kind, "split": split})
     backend = make_backend(kind, options, model_dir=model_dir, devices=auto_devices(devices), dtype=dtype,
                            decoder=decoder, cache=cache, token_budget=token_budget, max_batch_size=max_batch_size,
                            url=url, served_model=served_model, concurrency=concurrency, timeout_s=timeout_s,

@@ -45,6 +45,7 @@ def up(config, overrides, nnodes, node_rank, dispatcher_address, init_from) -> N
     with the same config; MASTER_ADDR/MASTER_PORT as torchrun's, else the dispatcher's host
     and PORT+1 (the drafters of all nodes form one group)."""
     from dflash_ipc.config.schema import BUILTIN_SYNTHETIC_DATA, BUILTIN_TINY_TARGET
+    from dflash_ipc.run.lock import claim_run_dir
     from dflash_ipc.run.logs import setup_logging
     flags = [f"run.num_nodes={nnodes}"] if nnodes is not None else []
     flags += [f"run.node_rank={node_rank}"] if node_rank is not None else []
@@ -58,12 +59,20 @@ def up(config, overrides, nnodes, node_rank, dispatcher_address, init_from) -> N
                   level=cfg.run.log_level)
     embedded_default = (cfg.target.path == BUILTIN_TINY_TARGET and cfg.data.path == BUILTIN_SYNTHETIC_DATA
                         and cfg.run.num_nodes == 1)
-    cfg = resolved(cfg)
+    # The run directory before the target: one in use is refused before anything says the job
+    # starts (resolving logs the derived layers, and takes seconds), and `health` reads STARTING
+    # from here on.
+    made_run_dir = not os.path.exists(cfg.run.run_dir)
+    run_lock = claim_run_dir(cfg)
+    try:
+        cfg = resolved(cfg)
+    except BaseException:
+        run_lock.abandon(remove_dir=made_run_dir)  # a bad target or dataset leaves no run directory
+        raise
     from dflash_ipc.dispatch.generation_file import read_generation
     from dflash_ipc.dispatch.proc import finished_before
     from dflash_ipc.supervise.supervisor import Supervisor
-    supervisor = Supervisor(cfg)
-    supervisor.claim()  # a run directory in use is refused before anything says the job starts
+    supervisor = Supervisor(cfg, run_lock=run_lock)
     read_generation(cfg.files.drafter_generation)  # damaged: one error now, not a dispatcher failing 3 times
     if finished_before(cfg):
         supervisor.run_lock.release()
@@ -77,6 +86,9 @@ def up(config, overrides, nnodes, node_rank, dispatcher_address, init_from) -> N
     if code == 0 and cfg.run.node_rank == 0:
         from dflash_ipc.supervise.job_end import next_steps
         click.echo("\n".join(next_steps(cfg)))
+    if code in (130, 143):  # Ctrl-C, SIGTERM: the drafters checkpointed; say how to go on
+        from dflash_ipc.supervise.job_end import stopped_lines
+        click.echo("\n".join(stopped_lines(cfg)))
     if code == 0 and embedded_default:
         # The embedded default ends by showing that the drafter learned: tau of the trained
         # drafter next to an untrained one of the same shape, on held-out prompts.

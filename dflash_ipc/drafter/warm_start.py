@@ -21,7 +21,7 @@ from dflash_ipc.config.schema import JobConfig
 from dflash_ipc.drafter.inference_format import CONFIG_FILE, load_inference_checkpoint
 from dflash_ipc.drafter.model import DFlashConfig
 from dflash_ipc.errors import ConfigError, DataError
-from dflash_ipc.hf.hub import resolve_model
+from dflash_ipc.hf.hub import is_hub_id, resolve_model
 from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.run.json_files import read_json_object
 
@@ -94,10 +94,11 @@ def resolve_init_from(cfg: JobConfig, target_config) -> None:
         log.info("drafter.init_from=%s: %s holds checkpoints, the job resumes from them (init_from ignored)",
                  cfg.drafter.init_from, cfg.files.checkpoints)
         return
-    path = os.path.abspath(resolve_model(cfg.drafter.init_from, what="drafter.init_from"))
-    if not os.path.isdir(path):
-        raise ConfigError(f"drafter.init_from: {path} is not a directory (an exported drafter: "
+    name = cfg.drafter.init_from
+    if not is_hub_id(name) and not os.path.isdir(name):  # said here with what makes one, before resolve_model
+        raise ConfigError(f"drafter.init_from: {os.path.abspath(name)} is not a directory (an exported drafter: "
                           f"`dflash-ipc export CHECKPOINT DIR` writes one; or a Hub id ORG/NAME)")
+    path = os.path.abspath(resolve_model(name, what="drafter.init_from"))
     cfg.drafter.init_from = path
     check_fits(path, DFlashConfig.from_target_config(
         target_config, num_draft_layers=cfg.model.num_layers, block_size=cfg.model.block_size,

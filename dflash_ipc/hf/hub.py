@@ -57,7 +57,11 @@ def cache_dir() -> str:
 
 def resolve_model(name: str, *, what: str) -> str:
     """The local directory of model `name` (a path, or a Hub id fetched into the cache);
-    `what` names the key or option in errors (`target.path`, `--model`)."""
+    `what` names the key or option in errors (`target.path`, `--model`). A name that is neither
+    is an error here, not transformers' complaint about repository ids further on."""
+    if isinstance(name, str) and not os.path.exists(name) and not is_hub_id(name):
+        raise ConfigError(f"{what}: {name}: no such model directory (give a local directory, or a Hub id "
+                          "ORG/NAME)")
     return _resolve(name, what=what, repo_type="model", allow=MODEL_FILES, ignore=())
 
 

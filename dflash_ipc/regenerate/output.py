@@ -67,6 +67,32 @@ def line_index(line: bytes) -> int | None:
     return None if key is None else key[0]
 
 
+def _recorded_settings(state_path: str) -> dict:
+    theirs = read_json_object(state_path, "regenerate state").get("settings")
+    if not isinstance(theirs, dict):
+        raise DataError(f"{state_path}: field settings must be an object; pass --overwrite to start over")
+    return theirs
+
+
+def _refuse_other_settings(path: str, settings: dict, keys) -> None:
+    """DataError naming each of `keys` whose value in `path`'s state file is not `settings`'."""
+    theirs = _recorded_settings(sidecar_paths(path)[1])
+    diff = sorted(k for k in keys if theirs.get(k) != settings.get(k))
+    if diff:
+        shown = {k: (theirs.get(k), settings.get(k)) for k in diff}
+        raise DataError(f"{path}: made with other settings (file, now): {shown}; rerun with the same "
+                        "options to resume, or pass --overwrite / choose another --out")
+
+
+def check_resumable(out_path: str, known: dict) -> None:
+    """Before the backend is made (a model loaded: seconds): an existing output whose state file
+    records other values of the `known` settings (the options, the backend's kind) is refused
+    now. The settings only the backend knows (stop tokens, dtype) are checked when it runs."""
+    path = os.path.abspath(out_path)
+    if os.path.exists(sidecar_paths(path)[1]):
+        _refuse_other_settings(path, known, known)
+
+
 class RegenOutput:
     """The output file of one run (see the module docstring). `done` holds the indices
     already written (before this run and during it), every sample of them."""
@@ -101,15 +127,7 @@ class RegenOutput:
                 raise DataError(f"{self.path}: exists without its {os.path.basename(self.state_path)}, so the "
                                 "settings its rows were made with are unknown; pass --overwrite or choose another --out")
             return
-        state = read_json_object(self.state_path, "regenerate state")
-        theirs = state.get("settings")
-        if not isinstance(theirs, dict):
-            raise DataError(f"{self.state_path}: field settings must be an object; pass --overwrite to start over")
-        diff = sorted(k for k in set(theirs) | set(self.settings) if theirs.get(k) != self.settings.get(k))
-        if diff:
-            shown = {k: (theirs.get(k), self.settings.get(k)) for k in diff}
-            raise DataError(f"{self.path}: made with other settings (file, now): {shown}; rerun with the same "
-                            "options to resume, or pass --overwrite / choose another --out")
+        _refuse_other_settings(self.path, self.settings, set(_recorded_settings(self.state_path)) | set(self.settings))
 
     def _resume(self) -> None:
         """Cut a torn last line off, then read the indices already written."""

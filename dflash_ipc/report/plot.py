@@ -136,9 +136,9 @@ def _eval(ax, numbers: dict) -> None:
         parts.append(f"{result.get('prompt_set') or '-'} tau {'-' if tau is None else f'{tau:.2f}'}"
                      + (f", {rate:,.0f} tok/s" if rate is not None else ""))
     # One set: its figures in the title. Several: each set's in its legend entry (a title of
-    # them all would run into the legend).
-    title = f"latest eval ({results[0].get('label', '')})"
-    ax.set_title(f"{title}: {parts[0]}" if len(results) == 1 else title, loc="left", fontsize=10)
+    # them all would run into the legend). The figures first, the drafter below them.
+    title = f"latest eval: {parts[0]}" if len(results) == 1 else "latest eval"
+    ax.set_title(f"{title}\n{short_label(results[0].get('label', ''))}", loc="left", fontsize=10)
     note = no_accepted_note(results)
     if note is not None:
         ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", fontsize=11, wrap=True)
@@ -158,6 +158,17 @@ def _eval(ax, numbers: dict) -> None:
     ax.set_ylim(0, 1)
     if len(results) > 1:
         ax.legend(fontsize=8, loc="best")  # acceptance falls with position: a corner is free
+
+
+def short_label(label: str, keep: int = 2) -> str:
+    """An eval's label with each path in it cut to its last `keep` components: the panel is a
+    third of the slide wide, and a drafter's absolute path ran its title off the picture."""
+    words = []
+    for word in label.split(" "):
+        parts = word.split(os.sep)
+        words.append(os.sep.join(["..."] + parts[-keep:]) if word.startswith(os.sep) and len(parts) > keep + 1
+                     else word)
+    return " ".join(words)
 
 
 def no_accepted_note(results: list[dict]) -> str | None:

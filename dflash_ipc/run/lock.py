@@ -19,6 +19,20 @@ from dflash_ipc.errors import ConfigError
 from dflash_ipc.run.files import node_file
 
 
+def claim_run_dir(cfg) -> "RunLock":
+    """What may refuse the job, before anything of the run directory is touched or created
+    there (a tracker's files, a sweep): the devices, then the run directory's lock. `up` calls
+    it before the target is resolved (torch's import, a Hub download: seconds), so a directory
+    in use is refused at once and `health` reads the job as starting meanwhile."""
+    from dflash_ipc.config.machine import check_job_devices
+    check_job_devices(cfg)  # a config error never reaches a child (nor its restarts)
+    run_dir = os.path.abspath(cfg.run.run_dir)
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    lock = RunLock(run_dir, cfg.run.node_rank)
+    lock.acquire()  # refused: another job's files, left as they are
+    return lock
+
+
 class RunLock:
     """Held from `acquire` to `release`; `fd` is what children inherit (`pass_fds`)."""
 
@@ -43,6 +57,19 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
         self.fd = fd
+
+    def abandon(self, *, remove_dir: bool) -> None:
+        """A job that failed before it started. `remove_dir`: this claim made the run directory,
+        so the lock file and the directory go (a mistake leaves nothing); in an existing one the
+        file stays, so that a job opening it meanwhile locks the same file as the next one."""
+        if remove_dir:
+            os.unlink(self.path)
+        self.release()
+        if remove_dir:
+            try:
+                os.rmdir(os.path.dirname(self.path))
+            except OSError:  # something else appeared there meanwhile: it stays
+                pass
 
     def release(self) -> None:
         """Closes this process's descriptor; children that still run keep the lock."""

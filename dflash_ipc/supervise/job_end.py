@@ -26,3 +26,12 @@ def next_steps(cfg) -> list[str]:
             f"--save-to {q(run_dir)}",
             f"  dflash-ipc report {q(run_dir)}",
             f"  dflash-ipc export {q(step_dir)} {q(export_dir)}"]
+
+
+def stopped_lines(cfg) -> list[str]:
+    """Lines for the end of a job stopped by Ctrl-C or SIGTERM: where it stands and how to go
+    on (the run directory resumes from its newest committed checkpoint)."""
+    step_dir = CheckpointStore(cfg.files.checkpoints).latest()
+    where = f"checkpoint: {step_dir}" if step_dir is not None else f"no committed checkpoint in {cfg.files.checkpoints}"
+    return [f"stopped; {where}", f"resume: rerun the same command (run.run_dir={shlex.quote(cfg.run.run_dir)} "
+            "continues from its newest checkpoint)"]

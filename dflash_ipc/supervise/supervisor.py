@@ -38,13 +38,12 @@ from dflash_ipc.run.logs import tail_lines
 from dflash_ipc.obs.job_sinks import open_sinks
 from dflash_ipc.obs.step_log import StepLogTail
 from dflash_ipc.obs.sinks import MetricSinks
-from dflash_ipc.config.machine import check_job_devices
 from dflash_ipc.run.child_env import SUPERVISOR_ENV
 from dflash_ipc.supervise.children import Child, stop_children
 from dflash_ipc.supervise.decisions import (ChildView, Died, Fail, Kill, KillDrafters, KillWorker, Scheduled,
                                             Start, SupervisorLogic, SweepPool)
 from dflash_ipc.supervise.roles import DISPATCHER, Role
-from dflash_ipc.run.lock import RunLock
+from dflash_ipc.run.lock import RunLock, claim_run_dir
 from dflash_ipc.obs.status_line import StatusLine
 from dflash_ipc.obs.status_writer import InterruptOnLog, StatusWriter
 from dflash_ipc.supervise.status_poller import StatusPoller
@@ -89,9 +88,10 @@ def quarantine_uncommitted_checkpoints(cfg: JobConfig) -> list[str]:
 
 
 class Supervisor:
-    def __init__(self, cfg: JobConfig, *, status_out: TextIO | None = None) -> None:
+    def __init__(self, cfg: JobConfig, *, status_out: TextIO | None = None, run_lock: RunLock | None = None) -> None:
         """`status_out`: where the status goes (default stdout): on a terminal one block
-        rewritten in place, elsewhere one line per status interval (obs/status_writer.py)."""
+        rewritten in place, elsewhere one line per status interval (obs/status_writer.py).
+        `run_lock`: the run directory's, when the caller claimed it already (`claim_run_dir`)."""
         self.cfg = cfg
         self.files = cfg.files
         self.status_writer = StatusWriter(sys.stdout if status_out is None else status_out)
@@ -105,7 +105,7 @@ class Supervisor:
         self.step_log: StepLogTail | None = None  # node 0: the drafter's step records, to the trackers
         self.status_line = StatusLine()
         self.worker_addresses = WorkerAddresses(cfg.target.gpus_per_worker, _free_port)
-        self.run_lock = RunLock(cfg.run.run_dir, cfg.run.node_rank)
+        self.run_lock = run_lock or RunLock(cfg.run.run_dir, cfg.run.node_rank)
 
     # --- start ----------------------------------------------------------------------------
 
@@ -126,13 +126,9 @@ class Supervisor:
         return roles + [Role("drafter", r) for r in self.cfg.local_ranks("drafter")]
 
     def claim(self) -> None:
-        """What may refuse the job, before anything of the run directory is touched or created
-        there (a tracker's files, a sweep): the devices, then the run directory's lock."""
-        if self.run_lock.fd is not None:
-            return
-        check_job_devices(self.cfg)  # a config error never reaches a child (nor its restarts)
-        os.makedirs(self.cfg.run.run_dir, mode=0o700, exist_ok=True)
-        self.run_lock.acquire()  # refused: another job's files, left as they are
+        """The devices, then the run directory's lock (`claim_run_dir`), unless held already."""
+        if self.run_lock.fd is None:
+            self.run_lock = claim_run_dir(self.cfg)
 
     def start(self) -> None:
         self.claim()
