@@ -222,11 +222,8 @@ def test_up_ends_with_the_comparison_for_the_embedded_default_only(monkeypatch, 
     from dflash_ipc.cli import main
 
     class FinishedJob:
-        def __init__(self, cfg):
-            pass
-
-        def claim(self):  # `up` claims the run directory before it says the job starts
-            pass
+        def __init__(self, cfg, run_lock=None):  # `up` claimed the run directory before it resolved the job
+            self.run_lock = run_lock
 
         def run(self):
             return 0
