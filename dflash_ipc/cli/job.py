@@ -45,7 +45,7 @@ def up(config, overrides, nnodes, node_rank, dispatcher_address, init_from) -> N
     with the same config; MASTER_ADDR/MASTER_PORT as torchrun's, else the dispatcher's host
     and PORT+1 (the drafters of all nodes form one group)."""
     from dflash_ipc.config.schema import BUILTIN_SYNTHETIC_DATA, BUILTIN_TINY_TARGET
-    from dflash_ipc.run.lock import claim_run_dir
+    from dflash_ipc.supervise.run_dir_claim import claim_run_dir
     from dflash_ipc.run.logs import setup_logging
     flags = [f"run.num_nodes={nnodes}"] if nnodes is not None else []
     flags += [f"run.node_rank={node_rank}"] if node_rank is not None else []

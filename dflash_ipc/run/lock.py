@@ -19,20 +19,6 @@ from dflash_ipc.errors import ConfigError
 from dflash_ipc.run.files import node_file
 
 
-def claim_run_dir(cfg) -> "RunLock":
-    """What may refuse the job, before anything of the run directory is touched or created
-    there (a tracker's files, a sweep): the devices, then the run directory's lock. `up` calls
-    it before the target is resolved (torch's import, a Hub download: seconds), so a directory
-    in use is refused at once and `health` reads the job as starting meanwhile."""
-    from dflash_ipc.config.machine import check_job_devices
-    check_job_devices(cfg)  # a config error never reaches a child (nor its restarts)
-    run_dir = os.path.abspath(cfg.run.run_dir)
-    os.makedirs(run_dir, mode=0o700, exist_ok=True)
-    lock = RunLock(run_dir, cfg.run.node_rank)
-    lock.acquire()  # refused: another job's files, left as they are
-    return lock
-
-
 class RunLock:
     """Held from `acquire` to `release`; `fd` is what children inherit (`pass_fds`)."""
 

@@ -43,7 +43,8 @@ from dflash_ipc.supervise.children import Child, stop_children
 from dflash_ipc.supervise.decisions import (ChildView, Died, Fail, Kill, KillDrafters, KillWorker, Scheduled,
                                             Start, SupervisorLogic, SweepPool)
 from dflash_ipc.supervise.roles import DISPATCHER, Role
-from dflash_ipc.run.lock import RunLock, claim_run_dir
+from dflash_ipc.run.lock import RunLock
+from dflash_ipc.supervise.run_dir_claim import claim_run_dir
 from dflash_ipc.obs.status_line import StatusLine
 from dflash_ipc.obs.status_writer import InterruptOnLog, StatusWriter
 from dflash_ipc.supervise.status_poller import StatusPoller
