@@ -96,7 +96,7 @@ def regenerate(model_dir, input_path, out_path, split, kind, max_new_tokens, tem
     from dflash_ipc.data.messages import parse_template_kwargs
     from dflash_ipc.run.logs import setup_logging
     from dflash_ipc.regenerate.options import GenerationOptions
-    from dflash_ipc.regenerate.run import auto_devices, make_backend, regenerate as run_regenerate
+    from dflash_ipc.regenerate.run import auto_devices, check_backend_options, make_backend, regenerate as run_regenerate
     setup_logging("regenerate")
     if kind == "hf" and model_dir is not None:
         from dflash_ipc.data.prepare import check_model_dir
@@ -111,6 +111,7 @@ def regenerate(model_dir, input_path, out_path, split, kind, max_new_tokens, tem
                                 samples_per_prompt=samples_per_prompt)
     if not overwrite:  # another option than the output's is answered before the model loads
         from dflash_ipc.regenerate.output import check_resumable
+        check_backend_options(kind, model_dir=model_dir, url=url)  # a missing --model or --url first
         check_resumable(out_path, {**options.settings(), "backend": kind, "split": split})
     backend = make_backend(kind, options, model_dir=model_dir, devices=auto_devices(devices), dtype=dtype,
                            decoder=decoder, cache=cache, token_budget=token_budget, max_batch_size=max_batch_size,

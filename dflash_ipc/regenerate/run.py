@@ -217,19 +217,26 @@ def make_backend(kind: str, options: GenerationOptions, *, model_dir: str | None
                  concurrency: int = 16, timeout_s: float = 600.0, retries: int = 5, api_key: str | None = None,
                  max_answer_mib: float = 16.0):
     """The backend a command line asks for: "hf" (needs model_dir) or "openai" (needs url)."""
+    check_backend_options(kind, model_dir=model_dir, url=url)
     if kind == "hf":
-        if not model_dir:
-            raise ConfigError("--backend hf needs --model DIR (the target's local directory, or its Hub id)")
         from dflash_ipc.regenerate.hf import HFBackend
         return HFBackend(resolve_model(model_dir, what="--model"), options, devices=devices, dtype=dtype, cache=cache,
                          token_budget=token_budget, max_batch_size=max_batch_size, decoder=decoder)
-    if kind == "openai":
+    from dflash_ipc.regenerate.openai import OpenAIBackend
+    return OpenAIBackend(url, options, model=served_model, concurrency=concurrency, timeout_s=timeout_s,
+                         retries=retries, api_key=api_key, max_answer_mib=max_answer_mib)
+
+
+def check_backend_options(kind: str, *, model_dir: str | None, url: str | None) -> None:
+    """What each backend needs, named: the first answer to a command line that lacks it."""
+    if kind == "hf":
+        if not model_dir:
+            raise ConfigError("--backend hf needs --model DIR (the target's local directory, or its Hub id)")
+    elif kind == "openai":
         if not url:
             raise ConfigError("--backend openai needs --url http://HOST:PORT/v1 (the server's base URL)")
-        from dflash_ipc.regenerate.openai import OpenAIBackend
-        return OpenAIBackend(url, options, model=served_model, concurrency=concurrency, timeout_s=timeout_s,
-                             retries=retries, api_key=api_key, max_answer_mib=max_answer_mib)
-    raise ConfigError(f"--backend {kind!r}; allowed: ['hf', 'openai']")
+    else:
+        raise ConfigError(f"--backend {kind!r}; allowed: ['hf', 'openai']")
 
 
 def auto_devices(devices: str) -> str:
