@@ -96,7 +96,8 @@ def regenerate(model_dir, input_path, out_path, split, kind, max_new_tokens, tem
     from dflash_ipc.data.messages import parse_template_kwargs
     from dflash_ipc.run.logs import setup_logging
     from dflash_ipc.regenerate.options import GenerationOptions
-    from dflash_ipc.regenerate.run import auto_devices, check_backend_options, make_backend, regenerate as run_regenerate
+    from dflash_ipc.regenerate.run import (auto_devices, check_backend_options, make_backend,
+                                           regenerate as run_regenerate)
     setup_logging("regenerate")
     if kind == "hf" and model_dir is not None:
         from dflash_ipc.data.prepare import check_model_dir
