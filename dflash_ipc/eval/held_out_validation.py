@@ -36,11 +36,12 @@ class HeldOutValidator:
         self.cfg, self.device = cfg, device
         self.dtype = TORCH_DTYPES[cfg.drafter.dtype]
         dataset = TokenDataset(cfg.data.path)
-        self.prompts = held_out_set(dataset, num_prompts=cfg.validation.prompts)
+        # Checked first: without declared prompts held_out_set would fall back to training samples.
         if not (dataset.meta.get("extra") or {}).get("held_out"):
             raise ConfigError(f"validation.prompts={cfg.validation.prompts}: the dataset {cfg.data.path} declares no "
                               f"held-out prompts (prepare it with --held-out N); its training samples are no "
                               f"held-out set")
+        self.prompts = held_out_set(dataset, num_prompts=cfg.validation.prompts)
         self._target: BatchedTarget | None = None
 
     def __call__(self, step_dir: str) -> dict:
