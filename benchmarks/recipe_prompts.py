@@ -3,8 +3,10 @@
 Kinds, crossed with a topic list: explanations, lists, comparisons, summaries, creative writing,
 advice; arithmetic and word problems with random numbers; code tasks in three languages; and
 two-turn conversations (a follow-up after the target's own first reply: `dflash-ipc regenerate`
-answers both turns). Rows are shuffled with the seed, so `prepare --held-out N` (the last N
-usable rows, none sharing its prompt with a training row) holds every kind out.
+answers both turns). The finite kinds run out first (900 topic tasks, 180 code tasks, 1,200
+two-turn openings), so arithmetic, which never runs out, fills more of a large set. The finished
+rows are shuffled with the seed, so `prepare --held-out N` (the last N usable rows, none sharing
+its prompt with a training row) holds out the kinds in the proportions of the whole set.
 
     python -m benchmarks.recipe_prompts OUT.jsonl [--rows 2400] [--seed 0]
 """
@@ -99,6 +101,9 @@ def rows(num_rows: int, seed: int) -> list[dict]:
             out.append({"messages": messages})
     if len(out) < num_rows:
         raise SystemExit(f"only {len(out)} distinct rows can be made, {num_rows} asked")
+    # Generation order is not the mix: the late rows are those the exhausted kinds left to
+    # arithmetic, and the held-out rows are the last ones.
+    rng.shuffle(out)
     return out
 
 

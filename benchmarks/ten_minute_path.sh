@@ -9,16 +9,19 @@
 #                  under RECIPE (a recipe_table.json's best tau when RECIPE_JSON is given, else
 #                  the job defaults),
 #                  for about TRAIN_S seconds of drafter steps: data.num_epochs is chosen from the dataset's
-#                  planned steps per epoch and STEP_MS (the recipe's measured step time in RECIPE_JSON)
+#                  planned steps per epoch and STEP_MS (the recipe's measured step time in RECIPE_JSON);
+#                  without TRAIN_S, it is what is left of TOTAL_S (counted from the script's start)
+#                  after the stages so far and RESERVE_S (up's start and finish, and eval)
 #   4. eval        tau on the HELD_OUT held-out prompts, EVAL_TOKENS new tokens, greedy, --check-lossless
 # Writes to $OUT (default ./path-out): ten_minute_path.txt (stages, their times, eval's report) and the logs.
 #
 #   TARGET=/tmp/smol-hf RECIPE_JSON=/tmp/recipe_table.json OUT=$OUT bash benchmarks/ten_minute_path.sh
 #
-# Knobs (env): TARGET, DEVICE (cuda:0), MASK_TOKEN_ID (16, as in recipe_table.sh), ROWS (2400),
-# REPLY_TOKENS (256), TREGEN (150), REPLIES, HELD_OUT (64), EVAL_TOKENS (128), TRAIN_S (330),
-# STEP_MS (80: the default recipe's step for a 135M-class target on an H200, docs/benchmarks.md), RECIPE (a name in RECIPE_JSON; without one, the job defaults), RECIPE_JSON, NUM_LAYERS (5), ANCHORS (2048),
-# TARGETS (1), DRAFTERS (1), DTYPE (bfloat16), WORK (/tmp/path-work: rebuilt every run), TUP (450).
+# Knobs (env): TARGET, DEVICE (cuda:0), MASK_TOKEN_ID (16, as in recipe_table.sh), ROWS (6000),
+# REPLY_TOKENS (256), TREGEN (120), REPLIES, HELD_OUT (64), EVAL_TOKENS (128), TRAIN_S (unset),
+# STEP_MS (95: the default recipe's step for a 135M-class target on an H200 in this job, docs/benchmarks.md), RECIPE (a name in RECIPE_JSON; without one, the job defaults), RECIPE_JSON, NUM_LAYERS (5), ANCHORS (2048),
+# TARGETS (1), DRAFTERS (1), DTYPE (bfloat16), WORK (/tmp/path-work: rebuilt every run), TUP (480),
+# TOTAL_S (545), RESERVE_S (125: up's start, features and last checkpoint 58-85 s, eval 35-42 s, measured).
 set -uo pipefail
 out="${OUT:-path-out}"; mkdir -p "$out"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
@@ -44,13 +47,13 @@ if [ -n "${REPLIES:-}" ]; then
   replies=$REPLIES
 else
   stage "regenerate"; t=$(date +%s)
-  $py -m benchmarks.recipe_prompts "$work/prompts.jsonl" --rows "${ROWS:-2400}" >> "$log" 2>&1 || exit 1
+  $py -m benchmarks.recipe_prompts "$work/prompts.jsonl" --rows "${ROWS:-6000}" >> "$log" 2>&1 || exit 1
   replies=$work/replies.jsonl
-  timeout "${TREGEN:-150}" $py -m dflash_ipc.cli regenerate --model "$target" --input "$work/prompts.jsonl" \
+  timeout "${TREGEN:-120}" $py -m dflash_ipc.cli regenerate --model "$target" --input "$work/prompts.jsonl" \
     --out "$replies" --max-new-tokens "${REPLY_TOKENS:-256}" --devices "$device" > "$out/regenerate.log" 2>&1
   rc=$?; tail -2 "$out/regenerate.log" >> "$log"; elapsed regenerate $t
   if [ $rc -eq 124 ] && [ -s "$replies" ]; then
-    echo "regenerate stopped at TREGEN=${TREGEN:-150} s: $(wc -l < "$replies") rows kept" | tee -a "$log"
+    echo "regenerate stopped at TREGEN=${TREGEN:-120} s: $(wc -l < "$replies") rows kept" | tee -a "$log"
   elif [ $rc -ne 0 ]; then
     echo "regenerate failed (exit $rc): see regenerate.log" | tee -a "$log"; exit 1
   fi
@@ -63,8 +66,15 @@ rc=$?; tail -2 "$out/prepare.log" >> "$log"; elapsed prepare $t
 [ $rc -eq 0 ] || { echo "prepare failed (exit $rc): see prepare.log" | tee -a "$log"; exit 1; }
 
 stage "up"; t=$(date +%s)
+if [ -n "${TRAIN_S:-}" ]; then
+  train_s=$TRAIN_S
+else  # fill the deadline: what the stages so far and the reserve leave of TOTAL_S
+  train_s=$(( ${TOTAL_S:-545} - (t - t0) - ${RESERVE_S:-125} ))
+  [ "$train_s" -ge 30 ] || { echo "TOTAL_S=${TOTAL_S:-545} leaves $train_s s of training: too little" | tee -a "$log"; exit 1; }
+  echo "TOTAL_S=${TOTAL_S:-545}: $(( t - t0 )) s spent, RESERVE_S=${RESERVE_S:-125}: TRAIN_S=$train_s" | tee -a "$log"
+fi
 # The recipe's overrides and step time from the recipe table, and the epochs that fill TRAIN_S.
-plan=$($py - "$work/data" "${RECIPE_JSON:-}" "${RECIPE:-}" "${TRAIN_S:-330}" "${STEP_MS:-80}" \
+plan=$($py - "$work/data" "${RECIPE_JSON:-}" "${RECIPE:-}" "$train_s" "${STEP_MS:-95}" \
   "${ANCHORS:-2048}" "${DRAFTERS:-1}" <<'EOF'
 import json, math, sys
 from dflash_ipc.config.schema import ObjectiveConfig
@@ -88,14 +98,14 @@ EOF
 ) || { echo "planning failed" | tee -a "$log"; exit 1; }
 read -r recipe epochs per_epoch step_ms recipe_overrides <<< "$plan"
 echo "recipe $recipe (${recipe_overrides:-no overrides}); $per_epoch steps an epoch at ~$step_ms ms a step:" \
-  "$epochs epochs for TRAIN_S=${TRAIN_S:-330} s" | tee -a "$log"
+  "$epochs epochs for TRAIN_S=$train_s s" | tee -a "$log"
 overrides=(-o target.path="$target" -o data.path="$work/data" -o run.run_dir="$work/run"
   -o "target.devices=[$device]" -o "drafter.devices=[$device]" -o target.num_workers="${TARGETS:-1}"
   -o drafter.num_workers="${DRAFTERS:-1}" -o target.dtype="${DTYPE:-bfloat16}" -o drafter.dtype="${DTYPE:-bfloat16}"
   -o model.num_layers="${NUM_LAYERS:-5}" -o objective.anchors_per_step="${ANCHORS:-2048}" -o data.num_epochs="$epochs")
 [ -n "${MASK_TOKEN_ID-16}" ] && overrides+=(-o model.mask_token_id="${MASK_TOKEN_ID-16}")
 for o in $recipe_overrides; do overrides+=(-o "$o"); done
-timeout "${TUP:-450}" $py -m dflash_ipc.cli up --config configs/1xh200.yaml "${overrides[@]}" > "$out/up.log" 2>&1
+timeout "${TUP:-480}" $py -m dflash_ipc.cli up --config configs/1xh200.yaml "${overrides[@]}" > "$out/up.log" 2>&1
 rc=$?; tail -4 "$out/up.log" >> "$log"; elapsed up $t
 [ $rc -eq 0 ] || { echo "up failed (exit $rc): see up.log" | tee -a "$log"; exit 1; }
 
