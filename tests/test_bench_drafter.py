@@ -43,7 +43,9 @@ def test_bench_runs_on_tiny_shape_with_sane_figures(capsys):
     assert f["sequences_per_s"] == pytest.approx(2 / f["step_s_mean"])
     assert f["query_tokens_per_s"] == pytest.approx(512 / f["step_s_mean"])
     assert f["peak_memory_gib"] is None  # CPU: no allocator statistics
-    assert f["matmul_tflops"] > 0 and 0 < f["mfu"] < 1
+    # On CPU the peak is one 256-edge bf16 matmul's measured rate, which the step's own matmuls
+    # can beat on a busy 2-core machine (1.09 seen): MFU below 1 is a GPU fact, not a CPU one
+    assert f["matmul_tflops"] > 0 and f["mfu"] > 0 and math.isfinite(f["mfu"])
     assert f["tflops"] == pytest.approx(f["flops_per_step"] / f["step_s_mean"] / 1e12)
     assert f["flops_per_step"] < f["flops_tile_per_step"] <= f["flops_dense_per_step"]
     assert sum(f["flops_breakdown"].values()) == pytest.approx(f["flops_per_step"])

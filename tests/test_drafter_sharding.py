@@ -33,6 +33,10 @@ NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 DEVICE = "cpu"  # this rank's device, set by _rank_main
 
 
+LR = 3e-3
+WEIGHT_ATOL = 0.1 * LR
+
+
 def trainer(sharding: str, precision: str = "bf16") -> DrafterTrainer:
     dtype = "bfloat16" if precision == "fp8" else "float32"
     # The paper's recipe: AdamW (Muon refuses FSDP) and cosine. Under WSD's longer peak, AdamW's
@@ -41,7 +45,7 @@ def trainer(sharding: str, precision: str = "bf16") -> DrafterTrainer:
     cfg = config_from_dict({"drafter": {"num_workers": WORLD, "dtype": dtype, "attention": "dense",
                                         "sharding": sharding, "precision": precision},
                             "objective": {"weighting": "decay", "anchors_per_step": 12, "max_anchors_per_seq": 6},
-                            "optimizer": {"name": "adamw", "lr": 3e-3}, "schedule": {"name": "cosine", "warmup_ratio": 0.2}})
+                            "optimizer": {"name": "adamw", "lr": LR}, "schedule": {"name": "cosine", "warmup_ratio": 0.2}})
     return DrafterTrainer(cfg, model_config(), head().to(DEVICE), device=DEVICE, total_steps=8)
 
 
@@ -160,11 +164,17 @@ def _run_and_compare(tmp_path, device_type: str) -> None:
     plain_ckpt, fsdp_ckpt = _tensors(str(tmp_path / "plain" / "step_00000006")), _tensors(
         str(tmp_path / "fsdp" / "step_00000006"))
     assert plain_ckpt.keys() == fsdp_ckpt.keys()  # the same format: export and training state
+    # Weights within a tenth of one step's update: AdamW's scale-free update of a near-zero
+    # gradient turns the reduce order's last bits into up to 1.2e-4 (4 % of lr 3e-3) on a few
+    # weights, depending on the CPU's kernels; a wrong reduction moves weights by whole updates.
     for name, value in plain_ckpt.items():
         if name != "rng.torch":
-            torch.testing.assert_close(fsdp_ckpt[name], value, rtol=1e-4, atol=1e-6, msg=name)
+            atol = WEIGHT_ATOL if name.startswith(("export.", "model.")) else 1e-6
+            torch.testing.assert_close(fsdp_ckpt[name], value, rtol=1e-4, atol=atol,
+                                       msg=lambda m, name=name: f"{name}: {m}")
     for name, value in ranks[0]["plain_params"].items():
-        torch.testing.assert_close(fsdp_ckpt[f"model.{name}"], value, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(fsdp_ckpt[f"model.{name}"], value, rtol=1e-4, atol=WEIGHT_ATOL,
+                                   msg=lambda m, name=name: f"{name}: {m}")
     meta = [json.loads((tmp_path / d / "step_00000006" / STATE_JSON).read_text()) for d in ("plain", "fsdp")]
     assert meta[0]["param_groups"] == meta[1]["param_groups"]
     for r in ranks:
