@@ -130,5 +130,5 @@ def test_three_ranks_take_the_step_one_rank_takes(tmp_path):
             # Within a tenth of one step's update (lr 3e-3): Muon's orthogonalization of a
             # near-singular gradient turns the reduce order's last bits into up to 1.2e-4 on a
             # wide matrix, depending on the CPU's kernels; a wrong share moves whole updates.
-            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=3e-4,
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=0.1 * trainer_cfg().optimizer.lr,
                                        msg=lambda m, rank=rank, name=name: f"rank {rank} {name}: {m}")
