@@ -82,6 +82,23 @@ def test_continuous_batching_refills_rows_and_takes_fewer_steps(target):
     assert steps[True] < steps[False]
 
 
+def test_a_refill_waits_for_refill_rows_free_rows(target):
+    """Each refill is one prefill forward: with refill_rows=4 the 16 requests beyond the first 8
+    rows come in refills of at least 4 prompts (at most 4 refills), where refilling every free
+    row at once runs more prefills; both answer every request as generate does."""
+    requests = make_requests(n=24, seed=7, max_len=12, max_new=14)
+    expected = {r.key: hf_generate(target, r) for r in requests}
+    prefills = {}
+    for refill in (1, 4):
+        engine = DecodeEngine(target, settings=EngineSettings(max_rows=8, check_every=16, refill_rows=refill))
+        run = engine.run(RequestList(requests))
+        assert tokens(run) == expected
+        prefills[refill] = run.stats.prefills
+    assert prefills[4] <= 1 + 4 < prefills[1]
+    with pytest.raises(ConfigError, match="refill_rows=0"):
+        EngineSettings(refill_rows=0)
+
+
 def test_a_longer_request_later_rebuilds_the_cache(target):
     """A multi-turn source hands out a request longer than the cache after a reply: the rows
     drain, the cache is rebuilt bigger, and the request is answered like the others."""

@@ -18,7 +18,10 @@ model to its attention function):
   generate-dynamic    padding, transformers' generate per batch with that cache
   engine-batches      the decoding core with static batching: a batch's rows are refilled only
                       once all of them are done
-  engine-continuous   the decoding core as regenerate runs it: rows refilled as replies finish
+  engine-continuous   the decoding core as regenerate runs it: rows refilled as replies finish,
+                      a refill once an eighth of the rows are free (decode.engine's refill_rows)
+  engine-refill-each  the same with a refill at every free row (refill_rows=1): a prefill
+                      forward per finished reply or two
 The engine phases run once untimed first (the same batches: every CUDA graph is captured
 there, as a long regenerate run captures them once), and the table says what that cost.
 Printed per phase: prompts, new tokens, seconds, generated tokens/s, decode steps, rows per
@@ -42,7 +45,15 @@ from dflash_ipc.decode.bound import H200_HBM_BYTES_PER_S, bound, weight_bytes
 from dflash_ipc.regenerate.generator import BatchStats, Generator, GeneratorSettings
 from dflash_ipc.regenerate.hf import make_scheduler
 
-PHASES = ("one-at-a-time", "generate-static", "generate-dynamic", "engine-batches", "engine-continuous")
+PHASES = ("one-at-a-time", "generate-static", "generate-dynamic", "engine-batches", "engine-continuous",
+          "engine-refill-each")
+_GENERATOR_OF_PHASE = {  # GeneratorSettings fields of each batched phase
+    "generate-static": dict(decoder="generate", cache="static"),
+    "generate-dynamic": dict(decoder="generate", cache="dynamic"),
+    "engine-batches": dict(decoder="engine", cache="static", continuous=False),
+    "engine-continuous": dict(decoder="engine", cache="static", continuous=True),
+    "engine-refill-each": dict(decoder="engine", cache="static", continuous=True, refill_rows=1),
+}
 DEFAULT_PHASES = ("one-at-a-time", "generate-static", "engine-batches", "engine-continuous")
 
 
@@ -119,7 +130,8 @@ def format_table(result: dict) -> str:
     head = (f"bench regenerate: {result['target']} on {result['device']} ({result['dtype']}), {result['num_prompts']} "
             f"prompts of {result['min_prompt']}..{result['max_prompt']} tokens, replies of {result['min_new_tokens']}.."
             f"{result['max_new_tokens']} tokens (mixed), max batch {result['max_batch_size']}; bound: weights "
-            f"{result['weight_gib']:.2f} GiB read per step at {result['hbm_tbps']:g} TB/s")
+            f"{result['weight_gib']:.2f} GiB read per step at {result['hbm_tbps']:g} TB/s"
+            + (f"; engine-continuous refills at {result['refill_rows']} free rows" if result.get("refill_rows") else ""))
     lines = [head, f"{'phase':<19}{'prompts':>8}{'new tokens':>11}{'seconds':>9}{'tokens/s':>10}{'steps':>7}"
                    f"{'rows/step':>10}{'padding':>9}{'bound tok/s':>12}{'of bound':>9}{'w/ KV':>7}"]
     for p in result["phases"]:
@@ -141,7 +153,7 @@ def run_regenerate_bench(*, shape: str = "qwen3-1.7b", target: str | None = None
                          num_prompts: int = 512, num_single: int = 4, min_prompt: int = 64, max_prompt: int = 256,
                          min_new_tokens: int | None = None, max_new_tokens: int = 256, token_budget: int | None = None,
                          max_batch_size: int | None = None, phases=DEFAULT_PHASES, dtype: str = "bfloat16",
-                         check_every: int = 16, hbm_tbps: float = H200_HBM_BYTES_PER_S / 1e12, seed: int = 0) -> dict:
+                         check_every: int = 16, refill_rows: int | None = None, hbm_tbps: float = H200_HBM_BYTES_PER_S / 1e12, seed: int = 0) -> dict:
     """Build (or take) the target, run the phases, return every figure (see the module docstring)."""
     from transformers import AutoTokenizer
 
@@ -182,10 +194,10 @@ def run_regenerate_bench(*, shape: str = "qwen3-1.7b", target: str | None = None
             if name == "one-at-a-time":
                 stats, seconds = one_at_a_time(single, prompts[:num_single], budgets[:num_single])
             else:
-                kind, mode = name.split("-")
-                gen = Generator(dataclasses.replace(settings, decoder=kind if kind == "engine" else "generate",
-                                                    cache=mode if kind == "generate" else "static",
-                                                    continuous=mode == "continuous"), device, model=model)
+                fields = _GENERATOR_OF_PHASE[name]
+                if name == "engine-continuous":
+                    fields = fields | {"refill_rows": refill_rows}
+                gen = Generator(dataclasses.replace(settings, **fields), device, model=model)
                 warm = None
                 if gen.engine is not None:  # an untimed run first: the same batches, every graph captured
                     warm = batched(gen, prompts, budgets, token_budget=token_budget, max_batch_size=max_batch_size)
@@ -204,9 +216,13 @@ def run_regenerate_bench(*, shape: str = "qwen3-1.7b", target: str | None = None
     if "engine-continuous" in rate and "engine-batches" in rate:
         speedup["engine-continuous / engine-batches (continuous batching)"] = \
             rate["engine-continuous"] / rate["engine-batches"]
+    if "engine-continuous" in rate and "engine-refill-each" in rate:
+        speedup["engine-continuous / engine-refill-each (a refill per several free rows)"] = \
+            rate["engine-continuous"] / rate["engine-refill-each"]
     return {"target": label, "device": device, "dtype": dtype, "num_prompts": num_prompts, "min_prompt": min_prompt,
             "max_prompt": max_prompt, "min_new_tokens": min_new_tokens, "max_new_tokens": max_new_tokens,
             "token_budget": token_budget, "max_batch_size": max_batch_size, "check_every": check_every,
+            "refill_rows": refill_rows,
             "hbm_tbps": hbm_tbps, "weight_gib": weights / 2**30, "kv_bytes_per_token": kv_bytes,
             "phases": results, "speedup": speedup}
 

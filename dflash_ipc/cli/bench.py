@@ -233,17 +233,19 @@ def bench_pipeline(config, overrides, seconds, warmup_s, json_path, run_dir) -> 
                    "(default 60% of the free GPU memory, 16384 CPU).")
 @click.option("--max-batch-size", type=int, default=None, help="Default 256 on GPU, 64 on CPU.")
 @click.option("--phase", "phases", multiple=True, type=click.Choice(["one-at-a-time", "generate-static",
-              "generate-dynamic", "engine-batches", "engine-continuous"]),
+              "generate-dynamic", "engine-batches", "engine-continuous", "engine-refill-each"]),
               help="Repeatable (default: one-at-a-time, generate-static, engine-batches, engine-continuous).")
 @click.option("--check-every", default=16, show_default=True, type=click.IntRange(min=1),
               help="engine: decode steps between looks for stop tokens.")
+@click.option("--refill-rows", type=click.IntRange(min=1), default=None,
+              help="engine-continuous: free rows a refill waits for (default: an eighth of the rows).")
 @click.option("--hbm-tbps", default=4.8, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Memory bandwidth of the bound, TB/s (H200: 4.8).")
 @click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="bfloat16", show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures as JSON.")
 def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt, max_prompt, min_new_tokens,
-                     max_new_tokens, token_budget, max_batch_size, phases, check_every, hbm_tbps, dtype,
-                     json_path) -> None:
+                     max_new_tokens, token_budget, max_batch_size, phases, check_every, refill_rows, hbm_tbps,
+                     dtype, json_path) -> None:
     """Generated tokens/s of regenerate's decoders against one prompt at a time and the bandwidth bound."""
     from dflash_ipc.bench.regenerate import DEFAULT_PHASES, format_table, run_regenerate_bench, write_json
     from dflash_ipc.run.logs import setup_logging
@@ -252,7 +254,8 @@ def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt,
                                   num_single=num_single, min_prompt=min_prompt, max_prompt=max_prompt,
                                   min_new_tokens=min_new_tokens, max_new_tokens=max_new_tokens,
                                   token_budget=token_budget, max_batch_size=max_batch_size,
-                                  phases=phases or DEFAULT_PHASES, check_every=check_every, hbm_tbps=hbm_tbps,
+                                  phases=phases or DEFAULT_PHASES, check_every=check_every, refill_rows=refill_rows,
+                                  hbm_tbps=hbm_tbps,
                                   dtype=dtype)
     if json_path:
         write_json(result, json_path)

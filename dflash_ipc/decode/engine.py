@@ -11,15 +11,20 @@ The loop (host side), one round:
     harvest  one device -> host copy of every row's (done, tokens so far); the finished rows'
              tokens come back (a second copy) and go to the source, which may make new
              requests ready (a multi-turn conversation's next turn)
-    admit    free rows take the next waiting requests at once (continuous batching): one
-             left-padded prefill per chunk of prompts, the first token chosen on the device
+    admit    free rows take the next waiting requests (continuous batching): one left-padded
+             prefill per chunk of prompts, the first token chosen on the device. While other
+             rows are busy, a refill waits for ``refill_rows`` free rows (or every waiting
+             request): each refill is an eager prefill forward between decode steps, so a
+             refill of one prompt per finished reply would cost a forward per reply
     compact  when nothing waits and the busy rows fit a smaller rows bucket, they move to
              the front of the cache in place
     step     k decode steps over the rows bucket ``[:B]``, each on the device alone: forward
              (the newest token of every row at its position), choose the next token, append it
              to the row's output, advance its length, mark it done on a stop token or a full
-             budget. No step reads anything back: k = ``check_every``, or fewer when a row
-             reaches its budget sooner (the host knows budgets; only stop tokens need a look)
+             budget. No step reads anything back: k = ``check_every``, or fewer when rows
+             reach their budgets sooner (the host knows budgets; only stop tokens need a look):
+             with requests waiting, when enough rows for a refill have; otherwise, when the
+             first one has
 
 A done row stops advancing (its steps are idle slots until the next harvest frees it). On
 CUDA each step shape (rows bucket, key-span bucket) is a CUDA graph (graphs.py); on CPU the
@@ -84,7 +89,12 @@ class EngineSettings:
     prefill_tokens: int = 16384
     """Padded prompt tokens per prefill forward."""
     continuous: bool = True
-    """A finished row's place goes to the next request at once; False: only when all are free."""
+    """A finished row's place goes to the next request; False: only when all rows are free."""
+    refill_rows: int | None = None
+    """With ``continuous``: free rows that start a refill while other rows are busy (fewer when
+    fewer requests wait). A refill is one prefill forward outside the captured steps, so taking
+    several prompts at once amortises it, while a free row idles until then; None: an eighth of
+    the rows (at least 1)."""
     graphs: str = "auto"
     """CUDA graphs of the decode step (GRAPHS)."""
     keep_margins: bool = False
@@ -94,6 +104,8 @@ class EngineSettings:
         for name in ("max_rows", "check_every", "prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"decode {name}={getattr(self, name)}: must be >= 1")
+        if self.refill_rows is not None and self.refill_rows < 1:
+            raise ConfigError(f"decode refill_rows={self.refill_rows}: must be >= 1 (or None: an eighth of the rows)")
         if self.kv_tokens is not None and self.kv_tokens < 1:
             raise ConfigError(f"decode kv_tokens={self.kv_tokens}: must be >= 1 (or None)")
         if self.graphs not in GRAPHS:
@@ -272,6 +284,7 @@ class DecodeEngine:
             state += [self.margins, self.tops]
         self.graphs = StepGraphs(self._step, state, enabled=self.use_graphs)
         self.slots: list[Generation | None] = [None] * rows
+        self.refill = min(rows, self.settings.refill_rows or max(1, rows // 8))
         self.upper = np.zeros(rows, dtype=np.int64)  # host bound of each row's length
         self.remaining = np.zeros(rows, dtype=np.int64)  # host bound of each row's steps left to its budget
         self.stats.rebuilds += 1
@@ -311,7 +324,9 @@ class DecodeEngine:
         if busy and not self.settings.continuous:
             return
         free = [r for r, s in enumerate(self.slots) if s is None]
-        self._pull(len(free))
+        self._pull(max(len(free), self.refill))
+        if busy and len(free) < min(self.refill, len(self.waiting)):
+            return  # too few free rows for a refill yet: _num_steps steps until there are enough
         batch = []
         while self.waiting and len(batch) < len(free) and self._need(self.waiting[0]) <= self.kv.capacity:
             batch.append(self.waiting.popleft())
@@ -363,10 +378,18 @@ class DecodeEngine:
     # --- step --------------------------------------------------------------------------------
 
     def _num_steps(self) -> int:
-        """Steps until the next harvest: check_every, or fewer when a row's budget ends sooner."""
+        """Steps until the next harvest: check_every, or fewer when budgets end sooner: those of
+        enough rows for a refill while requests wait (continuous), else the first one's. Stop
+        tokens may free rows sooner; the next look sees them."""
         busy = [r for r, s in enumerate(self.slots) if s is not None]
-        soonest = int(self.remaining[busy].min()) if busy else 1
-        return max(1, min(self.settings.check_every, soonest))
+        if not busy:
+            return 1
+        left = np.sort(self.remaining[busy])
+        ends = 1  # the row whose budget end is waited for, in order of ending
+        if self.settings.continuous and self.waiting:
+            free = len(self.slots) - len(busy)
+            ends = min(max(min(self.refill, len(self.waiting)) - free, 1), len(left))
+        return max(1, min(self.settings.check_every, int(left[ends - 1])))
 
     def _steps(self, k: int) -> None:
         busy = np.array([s is not None for s in self.slots])

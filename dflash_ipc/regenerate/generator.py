@@ -60,6 +60,7 @@ class GeneratorSettings:
     check_every: int = 16  # engine: steps between looks for stop tokens
     graphs: str = "auto"  # engine: CUDA graphs (decode.engine.GRAPHS)
     continuous: bool = True  # engine: refill rows as they finish (False: static batches, for benchmarks)
+    refill_rows: int | None = None  # engine: free rows a refill waits for (None: an eighth of the rows)
 
 
 @dataclass(slots=True)
@@ -141,7 +142,7 @@ class Generator:
         choice = TokenChoice(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
         return DecodeEngine(target, choice, EngineSettings(max_rows=s.max_rows, kv_tokens=kv_tokens or 16384,
                                                            check_every=s.check_every, graphs=s.graphs,
-                                                           continuous=s.continuous))
+                                                           continuous=s.continuous, refill_rows=s.refill_rows))
 
     def run_batch(self, prompts: list[list[int]], max_new_tokens: list[int],
                   keys: list | None = None) -> tuple[list | None, BatchStats | None, str | None]:
