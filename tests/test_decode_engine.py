@@ -99,6 +99,23 @@ def test_a_refill_waits_for_refill_rows_free_rows(target):
         EngineSettings(refill_rows=0)
 
 
+def test_samples_of_one_prompt_share_its_prefill(target):
+    """Three sampled requests per prompt (regenerate's --samples-per-prompt): each prompt is
+    prefilled once and its K/V copied into the other rows, and every request's tokens are the
+    ones it draws alone, one row, nothing shared."""
+    choice = TokenChoice(temperature=1.0, seed=3)
+    prompts = [r.prompt_ids for r in make_requests(n=4, seed=11, max_len=16)]
+    requests = [Request(key=(i, 0, k), prompt_ids=p, max_new_tokens=10) for i, p in enumerate(prompts)
+                for k in range(3)]
+    shared = DecodeEngine(target, choice, EngineSettings(max_rows=12)).run(RequestList(requests))
+    alone = DecodeEngine(target, choice, EngineSettings(max_rows=1)).run(RequestList(requests))
+    assert tokens(shared) == tokens(alone)
+    assert len({tuple(t) for t in tokens(shared).values()}) > 4  # the samples of a prompt differ
+    assert shared.stats.shared_prompts == 8 and alone.stats.shared_prompts == 0
+    assert shared.stats.prompt_tokens == sum(p.size for p in prompts)  # each prompt computed once
+    assert alone.stats.prompt_tokens == 3 * shared.stats.prompt_tokens
+
+
 def test_a_longer_request_later_rebuilds_the_cache(target):
     """A multi-turn source hands out a request longer than the cache after a reply: the rows
     drain, the cache is rebuilt bigger, and the request is answered like the others."""

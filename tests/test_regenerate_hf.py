@@ -331,6 +331,8 @@ def test_samples_per_prompt_are_numbered_lines_that_resume_exactly(target, model
     lines = (tmp_path / "a.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     assert report.complete and report.num_written == 12 and report.num_replies == 3 * 3 + 3 * 2
+    # the samples of a prompt share its prefill (the engine's refills take them together)
+    assert report.shared_prompts > 0 and f"{report.shared_prompts} replies shared" in report.summary()
     assert [(r["index"], r["sample"]) for r in rows] == [(i, k) for i in range(4) for k in range(3)]
     assert all(lines[i].startswith(f'{{"index": {r["index"]}, "sample": {r["sample"]}, "messages"')
                for i, r in enumerate(rows))

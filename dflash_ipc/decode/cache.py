@@ -70,6 +70,15 @@ class StaticRowKV:
                     # The gather makes a copy first, so overlapping source and target rows are safe.
                     t[:n, :length] = t[:, :length].index_select(0, keep.to(t.device))
 
+    def copy_rows(self, src: Tensor, dst: Tensor, length: int) -> None:
+        """The first ``length`` positions of rows ``src`` ``[n]`` into rows ``dst`` ``[n]`` (disjoint
+        from ``src``), every layer written so far: prompts prefilled once, shared by several rows."""
+        length = min(length, self.capacity)
+        for store in (self.keys, self.values):
+            for t in store:
+                if t is not None:
+                    t[dst.to(t.device), :length] = t[src.to(t.device), :length]
+
     def nbytes(self) -> int:
         """Bytes allocated so far."""
         return sum(t.numel() * t.element_size() for store in (self.keys, self.values) for t in store if t is not None)

@@ -15,7 +15,10 @@ The loop (host side), one round:
              prefill per chunk of prompts, the first token chosen on the device. While other
              rows are busy, a refill waits for ``refill_rows`` free rows (or every waiting
              request): each refill is an eager prefill forward between decode steps, so a
-             refill of one prompt per finished reply would cost a forward per reply
+             refill of one prompt per finished reply would cost a forward per reply. Requests
+             of one prompt in a refill (regenerate's --samples-per-prompt) share its prefill:
+             the prompt is computed once and its K/V copied into the other rows, each of
+             which then draws its own tokens
     compact  when nothing waits and the busy rows fit a smaller rows bucket, they move to
              the front of the cache in place
     step     k decode steps over the rows bucket ``[:B]``, each on the device alone: forward
@@ -118,8 +121,11 @@ class EngineStats:
 
     prompts: int = 0
     prompt_tokens: int = 0
+    """Prompt tokens the prefills computed (a shared prompt once)."""
     prompt_slots: int = 0
     """Padded prompt positions the prefills computed."""
+    shared_prompts: int = 0
+    """Requests whose prompt another row's prefill computed (the same prompt ids in one refill)."""
     new_tokens: int = 0
     new_slots: int = 0
     """Row-steps computed (every row of the bucket, busy or not), plus one per prefilled row."""
@@ -348,8 +354,19 @@ class DecodeEngine:
 
     def _prefill(self, rows: list[int], requests: list[Request]) -> None:
         dev = self.device
-        out = self.target.prefill(rows, [r.prompt_ids for r in requests], features=False)
-        logits = out.logits  # [R, V]
+        first: dict[bytes, int] = {}  # prompt ids -> the index of its first request here
+        source = [first.setdefault(r.prompt_ids.tobytes(), i) for i, r in enumerate(requests)]
+        unique = sorted(first.values())
+        out = self.target.prefill([rows[i] for i in unique], [requests[i].prompt_ids for i in unique], features=False)
+        logits = out.logits  # [U, V]
+        if len(unique) < len(requests):  # the other rows of a shared prompt: its K/V and its logits
+            dups = [i for i, s in enumerate(source) if s != i]
+            self.kv.copy_rows(torch.as_tensor([rows[source[i]] for i in dups], device=dev),
+                              torch.as_tensor([rows[i] for i in dups], device=dev),
+                              int(max(requests[i].prompt_ids.size for i in dups)))
+            position = {i: u for u, i in enumerate(unique)}
+            logits = logits[torch.as_tensor([position[s] for s in source], device=dev)]  # [R, V]
+            self.stats.shared_prompts += len(dups)
         host = np.array([[r.prompt_ids.size, r.max_new_tokens, self.choice.row_key(r.key)] for r in requests])
         meta = torch.from_numpy(host).to(dev)
         idx = torch.as_tensor(rows, device=dev)
@@ -367,8 +384,8 @@ class DecodeEngine:
             self.remaining[row] = request.max_new_tokens - 1
         width = int(max(r.prompt_ids.size for r in requests))
         self.stats.prompts += len(requests)
-        self.stats.prompt_tokens += int(host[:, 0].sum())
-        self.stats.prompt_slots += width * len(requests)
+        self.stats.prompt_tokens += int(host[unique, 0].sum())
+        self.stats.prompt_slots += width * len(unique)
         self.stats.new_slots += len(requests)
         self.stats.prefills += 1
 

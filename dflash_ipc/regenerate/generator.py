@@ -77,13 +77,14 @@ class BatchStats:
     steps: int = 0  # decode steps (forwards after the prefills)
     kv_positions_read: int | None = 0  # engine: rows x key span summed over steps; None: not counted (generate)
     captures: int = 0  # engine: CUDA graphs captured
+    shared_prompts: int = 0  # engine: prompts another request's prefill computed (samples of one prompt)
     per_device: dict = field(default_factory=dict)
 
     def add(self, other: "BatchStats", device: str = "") -> None:
         if self.kv_positions_read is None or other.kv_positions_read is None:
             self.kv_positions_read = other.kv_positions_read = None
         for name in ("batches", "prompts", "prompt_tokens", "prompt_slots", "new_tokens", "new_slots", "seconds",
-                     "steps", "captures", *(("kv_positions_read",) if self.kv_positions_read is not None else ())):
+                     "steps", "captures", "shared_prompts", *(("kv_positions_read",) if self.kv_positions_read is not None else ())):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         if device:
             self.per_device[device] = self.per_device.get(device, 0) + other.batches
@@ -228,7 +229,7 @@ class Generator:
         return [by_key[k] for k in keys], BatchStats(
             batches=1, prompts=s.prompts, prompt_tokens=s.prompt_tokens, prompt_slots=s.prompt_slots,
             new_tokens=s.new_tokens, new_slots=s.new_slots, seconds=s.seconds, steps=s.steps,
-            kv_positions_read=s.kv_positions_read, captures=s.captures)
+            kv_positions_read=s.kv_positions_read, captures=s.captures, shared_prompts=s.shared_prompts)
 
     def _generate(self, prompts: list[list[int]], max_new_tokens: list[int]):
         import torch

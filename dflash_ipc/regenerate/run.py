@@ -57,6 +57,7 @@ class RegenerateReport:
     new_tokens: int = 0
     seconds: float = 0.0
     padding_share: float | None = None  # hf backend
+    shared_prompts: int = 0  # hf engine: replies whose prompt another sample's prefill computed
     batches_per_device: dict = field(default_factory=dict)
     warnings: list = field(default_factory=list)  # sentences a user should read once (the input's notes)
 
@@ -64,6 +65,8 @@ class RegenerateReport:
         """One line for the command line."""
         state = "complete (sorted by index)" if self.complete else "PARTIAL: rerun the same command to resume"
         pad = f", padding {100 * self.padding_share:.1f}%" if self.padding_share is not None else ""
+        if self.shared_prompts:
+            pad += f", {self.shared_prompts} replies shared their prompt's prefill"
         return (f"{self.out_path}: {state}; {self.num_rows} rows read, {self.num_skipped} already done, "
                 f"{self.num_written} written, {self.num_rejected} rejected {self.rejects_by_reason}; "
                 f"{self.num_replies} replies ({self.num_truncated} cut at --max-new-tokens), {self.new_tokens} "
@@ -205,6 +208,7 @@ def regenerate(input_path: str, out_path: str, backend, options: GenerationOptio
         rejects_by_reason=dict(sorted(loop.reasons.items())), num_replies=loop.replies,
         num_truncated=loop.truncated, new_tokens=loop.tokens, seconds=loop.bar.elapsed_s,
         padding_share=stats.padding_share if stats is not None and stats.batches else None,
+        shared_prompts=stats.shared_prompts if stats is not None else 0,
         batches_per_device=dict(stats.per_device) if stats is not None else {}, warnings=source.notes(),
     )
     log.info("%s", report.summary())
