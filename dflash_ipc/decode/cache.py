@@ -1,6 +1,7 @@
 """A static, pre-sized per-row K/V cache: allocated once, never moved, so CUDA graphs can hold it.
 
-The layout is the growable row cache's (``decode/row_cache.py``): per layer ``K, V``
+The layout and the reads and writes are the growable row cache's (``decode/row_cache.py``
+RowStorage): per layer ``K, V``
 ``[rows, capacity + 1, heads, head_dim]``, position ``t`` of a row at index ``t``, the last
 index a scratch slot for padding writes. What differs: the storage of every layer is allocated once, for the most
 rows the engine may run (``max_rows``), and a decode step runs over a *prefix* of it,
@@ -18,47 +19,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dflash_ipc.errors import DataError
-from dflash_ipc.decode.row_cache import MASK_ALIGN, RaggedCache, round_up
+from dflash_ipc.decode.row_cache import RaggedCache, RowStorage
 
 
-class StaticRowKV:
-    """K/V storage of ``num_layers`` layers for ``max_rows`` rows of ``capacity`` positions.
-
-    The interface :class:`~dflash_ipc.decode.row_cache.RaggedCache` expects of its ``kv``:
-    ``num_rows`` (rows a step runs over: the prefix bucket), ``capacity``, ``scratch``,
-    ``write``, ``view``.
-    """
+class StaticRowKV(RowStorage):
+    """Row storage of ``max_rows`` rows, never reallocated; a step runs over the prefix
+    ``[:num_rows]`` (the rows bucket, set by the engine before each step)."""
 
     def __init__(self, num_layers: int, max_rows: int, capacity: int) -> None:
-        if max_rows < 1 or capacity < 1:
-            raise DataError(f"StaticRowKV: max_rows={max_rows} and capacity={capacity} must be >= 1")
-        self.max_rows, self.capacity = max_rows, round_up(capacity, MASK_ALIGN)
-        self.num_rows = max_rows
-        self.keys: list[Tensor | None] = [None] * num_layers
-        self.values: list[Tensor | None] = [None] * num_layers
-
-    @property
-    def scratch(self) -> int:
-        """Index that padding tokens write to; never below any row's length."""
-        return self.capacity
-
-    def write(self, layer: int, rows: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
-        """k/v ``[R, q, heads, D]`` of storage rows ``rows`` ``[R]`` at indices ``pos`` ``[R, q]``."""
-        if self.keys[layer] is None:
-            shape = (self.max_rows, self.capacity + 1)
-            self.keys[layer] = k.new_zeros(*shape, *k.shape[2:])
-            self.values[layer] = v.new_zeros(*shape, *v.shape[2:])
-        index = (rows[:, None], pos)
-        self.keys[layer].index_put_(index, k)
-        self.values[layer].index_put_(index, v)
-
-    def view(self, layer: int, length: int) -> tuple[Tensor, Tensor]:
-        """(K, V) ``[num_rows, heads, length, D]`` of the prefix rows: views, no copy."""
-        if length > self.capacity:
-            raise DataError(f"StaticRowKV.view({length}) beyond the capacity {self.capacity}")
-        n = self.num_rows
-        return (self.keys[layer][:n, :length].transpose(1, 2), self.values[layer][:n, :length].transpose(1, 2))
+        super().__init__(num_layers, max_rows, capacity)
+        self.max_rows = max_rows
 
     def compact(self, keep: Tensor, length: int) -> None:
         """Rows ``keep`` ``[n]`` (ascending storage indices) move to rows ``0..n-1``, in place;

@@ -30,13 +30,17 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-class RowKV:
-    """K/V storage of ``num_layers`` layers for ``num_rows`` rows, allocated per layer on first write."""
+class RowStorage:
+    """K/V of ``num_layers`` layers in ``storage_rows`` rows of ``capacity`` positions (+ the
+    scratch slot), allocated per layer on the first write with the dtype and head shape the
+    model produces; a forward reads rows ``[:num_rows]``. What :class:`RaggedCache` expects
+    of its ``kv``: ``num_rows``, ``capacity``, ``scratch``, ``write``, ``view``."""
 
     def __init__(self, num_layers: int, num_rows: int, capacity: int) -> None:
         if num_rows < 1 or capacity < 1:
-            raise DataError(f"RowKV: num_rows={num_rows} and capacity={capacity} must be >= 1")
-        self.num_rows, self.capacity = num_rows, round_up(capacity, MASK_ALIGN)
+            raise DataError(f"{type(self).__name__}: rows={num_rows} and capacity={capacity} must be >= 1")
+        self.storage_rows = self.num_rows = num_rows
+        self.capacity = round_up(capacity, MASK_ALIGN)
         self.keys: list[Tensor | None] = [None] * num_layers
         self.values: list[Tensor | None] = [None] * num_layers
 
@@ -46,9 +50,10 @@ class RowKV:
         return self.capacity
 
     def write(self, layer: int, rows: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
-        """k/v ``[R, q, heads, D]`` of ``rows`` ``[R]`` at indices ``pos`` ``[R, q]`` (long, same device)."""
+        """k/v ``[R, q, heads, D]`` of storage rows ``rows`` ``[R]`` at indices ``pos`` ``[R, q]``
+        (long, same device)."""
         if self.keys[layer] is None:
-            shape = (self.num_rows, self.capacity + 1)
+            shape = (self.storage_rows, self.capacity + 1)
             self.keys[layer] = k.new_zeros(*shape, *k.shape[2:])
             self.values[layer] = v.new_zeros(*shape, *v.shape[2:])
         index = (rows[:, None], pos)
@@ -56,10 +61,15 @@ class RowKV:
         self.values[layer].index_put_(index, v)
 
     def view(self, layer: int, length: int) -> tuple[Tensor, Tensor]:
-        """(K, V) ``[rows, heads, length, D]`` of every row: views, no copy."""
+        """(K, V) ``[num_rows, heads, length, D]`` of rows ``[:num_rows]``: views, no copy."""
         if length > self.capacity:
-            raise DataError(f"RowKV.view({length}) beyond the capacity {self.capacity}")
-        return (self.keys[layer][:, :length].transpose(1, 2), self.values[layer][:, :length].transpose(1, 2))
+            raise DataError(f"{type(self).__name__}.view({length}) beyond the capacity {self.capacity}")
+        n = self.num_rows
+        return (self.keys[layer][:n, :length].transpose(1, 2), self.values[layer][:n, :length].transpose(1, 2))
+
+
+class RowKV(RowStorage):
+    """Row storage whose rows are every row, growable: ``select_rows`` and ``grow`` reallocate."""
 
     def select_rows(self, keep: Tensor) -> None:
         """Keep only rows ``keep`` ``[R']`` (in that order): row i becomes keep[i]'s contents."""
@@ -67,7 +77,7 @@ class RowKV:
             for i, t in enumerate(store):
                 if t is not None:
                     store[i] = t.index_select(0, keep.to(t.device))
-        self.num_rows = int(keep.numel())
+        self.storage_rows = self.num_rows = int(keep.numel())
 
     def grow(self, capacity: int) -> None:
         """At least ``capacity`` positions per row (a copy; the scratch slot moves to the end)."""
