@@ -193,6 +193,20 @@ def test_block_mask_to_dense_matches_dense_mask():
     assert torch.equal(bm.full_kv_num_blocks[0, 0], full.sum(-1).int())
 
 
+@pytest.mark.parametrize("window", [None, 100])
+def test_block_mask_query_lists_are_what_from_kv_blocks_derives(window):
+    """flex_block_mask builds the query-side (backward) lists from the transposed tile flags;
+    BlockMask.from_kv_blocks derives them from the kv lists: the same tensors."""
+    from torch.nn.attention.flex_attention import BlockMask
+    layout, _, _ = big_layout(seed=3, per_seq=37)
+    bm = flex_block_mask(layout, window=window)
+    derived = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                                       BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=bm.mask_mod, seq_lengths=bm.seq_lengths)
+    for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(bm, name), getattr(derived, name)), name
+        assert getattr(bm, name).dtype == torch.int32 and getattr(bm, name).is_contiguous()
+
+
 def test_flex_forward_on_cpu_matches_dense():
     # FlexAttention runs forward (eager, unfused) on CPU; backward needs a GPU.
     layout, _, _ = big_layout(seed=2, lengths=(200, 90), per_seq=9)

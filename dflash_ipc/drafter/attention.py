@@ -182,8 +182,9 @@ def _tile_lists(partial: Tensor) -> tuple[Tensor, Tensor]:
     """(count [1,1,QT], indices [1,1,QT,KT]) with the selected kv tiles first, in order."""
     count = partial.sum(-1, dtype=torch.int32)
     # Stable sort of the negated flags puts selected tiles first, keeping their order.
-    order = torch.argsort((~partial).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return count[None, None], order[None, None]
+    order = torch.argsort((~partial).to(torch.int8), dim=-1, stable=True)
+    # contiguous: a transposed input (the query-side lists) sorts into a strided result
+    return count.contiguous()[None, None], order.to(torch.int32, memory_format=torch.contiguous_format)[None, None]
 
 
 def flex_tile_flags(layout: BlockLayout, tile: int = FLEX_TILE, window: int | None = None) -> tuple[Tensor, Tensor]:
@@ -264,14 +265,16 @@ def flex_block_mask(layout: BlockLayout, device: torch.device | str | None = Non
             distance = q_pos[q_idx] - key_abs[kv_idx]
             return full_mod(b, h, q_idx, kv_idx) & (distance >= 0) & (distance < window)
 
-    return BlockMask.from_kv_blocks(
-        kv_num,
-        kv_idx,
-        full_num,
-        full_idx,
-        BLOCK_SIZE=FLEX_TILE,
-        mask_mod=mask_mod,
+    # The query-side lists (the backward's) straight from the transposed flags: what
+    # BlockMask.from_kv_blocks derives from the kv lists, through a dense scatter under
+    # vmap and a sort per list: launches and functorch overhead on the host before every step.
+    q_num, q_idx = _tile_lists(partial.mT)
+    full_q_num, full_q_idx = _tile_lists(full.mT)
+    return BlockMask(
         seq_lengths=(layout.num_queries, layout.num_ctx + layout.num_queries),
+        kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num, full_kv_indices=full_idx,
+        q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=full_q_num, full_q_indices=full_q_idx,
+        BLOCK_SIZE=(FLEX_TILE, FLEX_TILE), mask_mod=mask_mod,
     )
 
 
