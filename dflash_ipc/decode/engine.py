@@ -496,3 +496,4 @@ class DecodeEngine:
         self.stats.compactions += 1
         for a in (self.upper, self.remaining):
             a[:n] = a[busy]
+            a[n:] = 0  # the rows left free: a stale bound there would widen a later step's key span
