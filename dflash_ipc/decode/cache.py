@@ -26,9 +26,10 @@ class StaticRowKV(RowStorage):
     """Row storage of ``max_rows`` rows, never reallocated; a step runs over the prefix
     ``[:num_rows]`` (the rows bucket, set by the engine before each step)."""
 
-    def __init__(self, num_layers: int, max_rows: int, capacity: int) -> None:
-        super().__init__(num_layers, max_rows, capacity)
-        self.max_rows = max_rows
+    @property
+    def max_rows(self) -> int:
+        """Rows allocated: the most a step may run over."""
+        return self.storage_rows
 
     def compact(self, keep: Tensor, length: int) -> None:
         """Rows ``keep`` ``[n]`` (ascending storage indices) move to rows ``0..n-1``, in place;
