@@ -9,10 +9,10 @@ def test_bench_regenerate_tiny_on_cpu():
     result = run_regenerate_bench(shape="tiny", device="cpu", num_prompts=12, num_single=2, min_prompt=16,
                                   max_prompt=40, min_new_tokens=2, max_new_tokens=12, phases=PHASES,
                                   dtype="float32", max_batch_size=4, check_every=4)
-    single, static, dynamic, batches, continuous, refill_each = result["phases"]
+    single, static, dynamic, batches, continuous, refill_each, compiled = result["phases"]
     budgets = static["new_tokens"]
     assert (single["prompts"], single["batches"]) == (2, 2) and single["rows_per_step"] == 1
-    for p in (static, dynamic, batches, continuous, refill_each):
+    for p in (static, dynamic, batches, continuous, refill_each, compiled):
         assert p["prompts"] == 12 and p["new_tokens"] == budgets  # no stop token: every reply runs to its budget
         assert 0 <= p["prompt_padding_share"] < 0.5 and p["tokens_per_s"] > 0
         assert 0 < p["bound_ratio"] < 1
@@ -27,4 +27,7 @@ def test_bench_regenerate_tiny_on_cpu():
     assert "random tiny on cpu (float32), 12 prompts of 16..40 tokens, replies of 2..12 tokens" in table
     assert "engine-continuous / engine-batches (continuous batching)" in table
     assert "engine-continuous / engine-refill-each (a refill per several free rows)" in table
-    assert len(table.splitlines()) == 2 + 6 + 3 + 8  # head, phases, warm-ups, speedups
+    assert "engine-compiled / engine-continuous (torch.compile of the decode forward)" in table
+    # CPU: compile auto is off (no CUDA graphs), so the compiled phase steps as engine-continuous does
+    assert compiled["steps"] == continuous["steps"] and compiled["new_tokens"] == continuous["new_tokens"]
+    assert len(table.splitlines()) == 2 + 7 + 4 + 10  # head, phases, warm-ups, speedups

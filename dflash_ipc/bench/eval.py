@@ -169,21 +169,26 @@ def legacy_rows(target_dir: str, model: DFlashDraftModel, prompts: Sequence[np.n
 
 
 def batched_rows(target: BatchedTarget, model: DFlashDraftModel, prompts: Sequence[np.ndarray], *,
-                 batch_sizes: Sequence[int], prompts_per_batch: int, max_new_tokens: int) -> list[Row]:
-    """Both batched decoders at each batch size; stops growing the batch after running out of memory."""
+                 batch_sizes: Sequence[int], prompts_per_batch: int, max_new_tokens: int,
+                 compile: str = "off") -> list[Row]:
+    """Both batched decoders at each batch size; stops growing the batch after running out of memory.
+    ``compile``: torch.compile of the target's decode forward (decode/compiled.py COMPILE)."""
     drafter = DrafterContext(model, target.head)
 
     def decoders(batch_size: int):
         graphs = "on" if target.device.type == "cuda" else "off"  # the bench measures the captured steps
-        return (("speculative", SpeculativeDecoder(target, drafter, batch_size=batch_size, graphs=graphs)),
-                ("plain", PlainDecoder(target, batch_size=batch_size, keep_cache=True, graphs=graphs)))
+        return (("speculative", SpeculativeDecoder(target, drafter, batch_size=batch_size, graphs=graphs,
+                                                   compile=compile)),
+                ("plain", PlainDecoder(target, batch_size=batch_size, keep_cache=True, graphs=graphs,
+                                       compile=compile)))
 
     def requests(n: int) -> RequestList:
         return RequestList(Request(key=(i, 0), prompt_ids=prompts[i], max_new_tokens=max_new_tokens)
                            for i in range(n))
 
     logger.info("bench eval: warm-up of the batched decoders (compiles the drafter's kernels on CUDA)")
-    for _, decoder in decoders(2):  # warm-up: compiles, and grows the allocator a little
+    # warm-up at the first batch size: compiles its shapes, grows the allocator a little
+    for _, decoder in decoders(min(batch_sizes)):
         decoder.run(RequestList([Request(key=(0, 0), prompt_ids=prompts[0][:16], max_new_tokens=20)]))
     rows: list[Row] = []
     for batch_size in batch_sizes:
@@ -237,7 +242,8 @@ def summary(rows: Sequence[Row], bound_ms: float = math.nan) -> dict:
 def run_eval_bench(*, device: str = "cuda:0", shape: str = "qwen3-1.7b", batch_sizes: Sequence[int] = (1, 16, 64, 256),
                    prompts_per_batch: int = 2, max_new_tokens: int = 128, prompt_len: tuple[int, int] = (64, 256),
                    legacy_prompts: int = 2, dtype: str = "auto", work_dir: str | None = None, seed: int = 0,
-                   hbm_tbps: float = H200_HBM_BYTES_PER_S / 1e12, emit: Callable[[str], None] = print) -> dict:
+                   hbm_tbps: float = H200_HBM_BYTES_PER_S / 1e12, compile: str = "off",
+                   emit: Callable[[str], None] = print) -> dict:
     """Build (or reuse, in ``work_dir``) the assets, measure every row, ``emit`` the table; the figures."""
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev)
@@ -253,10 +259,10 @@ def run_eval_bench(*, device: str = "cuda:0", shape: str = "qwen3-1.7b", batch_s
         model = bench_drafter(target_dir, shape, device=dev, dtype=torch_dtype, seed=seed)
         prompts = random_prompts(max(2, prompts_per_batch * max(batch_sizes), legacy_prompts), prompt_len, seed)
         rows = legacy_rows(target_dir, model, prompts[:legacy_prompts], max_new_tokens=max_new_tokens, device=dev,
-                           dtype=dtype)
+                           dtype=dtype) if legacy_prompts else []
         target = BatchedTarget(target_dir, layer_ids=model.config.target_layer_ids, device=dev, dtype=dtype)
         rows += batched_rows(target, model, prompts, batch_sizes=batch_sizes, prompts_per_batch=prompts_per_batch,
-                             max_new_tokens=max_new_tokens)
+                             max_new_tokens=max_new_tokens, compile=compile)
         weights = weight_bytes(target.model)
     finally:
         if owned:
@@ -265,7 +271,7 @@ def run_eval_bench(*, device: str = "cuda:0", shape: str = "qwen3-1.7b", batch_s
                "num_target_layers": target.num_layers, "hidden_size": target.hidden_size,
                "vocab_size": target.head.vocab_size, "drafter_layers": model.config.num_hidden_layers,
                "block_size": model.config.block_size, "max_new_tokens": max_new_tokens, "prompt_len": list(prompt_len),
-               "build_s": build_s, "total_s": time.perf_counter() - started, "goal": GOAL,
+               "compile": compile, "build_s": build_s, "total_s": time.perf_counter() - started, "goal": GOAL,
                "hbm_tbps": hbm_tbps, "weight_gib": weights / 2**30,
                "rows": [asdict(r) | {"tokens_per_s": r.tokens_per_s, "ms_per_forward": r.ms_per_forward}
                         for r in rows],
@@ -280,7 +286,8 @@ def format_table(f: dict) -> str:
              f"{f['hidden_size']}, vocab {f['vocab_size']}), random drafter ({f['drafter_layers']} layers, block "
              f"{f['block_size']}), {f['dtype']} on {f['device']}",
              f"  prompts of {f['prompt_len'][0]}-{f['prompt_len'][1]} random tokens, {f['max_new_tokens']} new "
-             "tokens each, greedy (random weights: tau ~1; the rows measure decoding, not drafting)",
+             "tokens each, greedy (random weights: tau ~1; the rows measure decoding, not drafting); decode "
+             f"forward compile: {f.get('compile', 'off')}",
              f"  {'impl':<8} {'mode':<12} {'batch':>5} {'prompts':>7} {'tokens':>8} {'wall s':>8} {'tok/s':>10} "
              f"{'tau':>5} {'peak GiB':>8} {'ms/fwd':>7}"]
     for r in f["rows"]:

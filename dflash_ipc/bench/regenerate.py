@@ -22,8 +22,10 @@ model to its attention function):
                       a refill once an eighth of the rows are free (decode.engine's refill_rows)
   engine-refill-each  the same with a refill at every free row (refill_rows=1): a prefill
                       forward per finished reply or two
+  engine-compiled     engine-continuous with the target's decode forward compiled by
+                      torch.compile on CUDA (decode/compiled.py): what it gives
 The engine phases run once untimed first (the same batches: every CUDA graph is captured
-there, as a long regenerate run captures them once), and the table says what that cost.
+and every torch.compile program built there, as a long regenerate run builds them once), and the table says what that cost.
 Printed per phase: prompts, new tokens, seconds, generated tokens/s, decode steps, rows per
 step, the padding share (token slots computed for no real token: prompt padding and idle
 rows), the weight-bandwidth bound in tokens/s at --hbm-tbps (decode/bound.py) and the
@@ -46,13 +48,14 @@ from dflash_ipc.regenerate.generator import BatchStats, Generator, GeneratorSett
 from dflash_ipc.regenerate.hf import make_scheduler
 
 PHASES = ("one-at-a-time", "generate-static", "generate-dynamic", "engine-batches", "engine-continuous",
-          "engine-refill-each")
+          "engine-refill-each", "engine-compiled")
 _GENERATOR_OF_PHASE = {  # GeneratorSettings fields of each batched phase
     "generate-static": dict(decoder="generate", cache="static"),
     "generate-dynamic": dict(decoder="generate", cache="dynamic"),
     "engine-batches": dict(decoder="engine", cache="static", continuous=False),
     "engine-continuous": dict(decoder="engine", cache="static", continuous=True),
     "engine-refill-each": dict(decoder="engine", cache="static", continuous=True, refill_rows=1),
+    "engine-compiled": dict(decoder="engine", cache="static", continuous=True, compile="auto"),
 }
 DEFAULT_PHASES = ("one-at-a-time", "generate-static", "engine-batches", "engine-continuous")
 
@@ -195,7 +198,7 @@ def run_regenerate_bench(*, shape: str = "qwen3-1.7b", target: str | None = None
                 stats, seconds = one_at_a_time(single, prompts[:num_single], budgets[:num_single])
             else:
                 fields = _GENERATOR_OF_PHASE[name]
-                if name == "engine-continuous":
+                if name in ("engine-continuous", "engine-compiled"):
                     fields = fields | {"refill_rows": refill_rows}
                 gen = Generator(dataclasses.replace(settings, **fields), device, model=model)
                 warm = None
@@ -219,6 +222,9 @@ def run_regenerate_bench(*, shape: str = "qwen3-1.7b", target: str | None = None
     if "engine-continuous" in rate and "engine-refill-each" in rate:
         speedup["engine-continuous / engine-refill-each (a refill per several free rows)"] = \
             rate["engine-continuous"] / rate["engine-refill-each"]
+    if "engine-continuous" in rate and "engine-compiled" in rate:
+        speedup["engine-compiled / engine-continuous (torch.compile of the decode forward)"] = \
+            rate["engine-compiled"] / rate["engine-continuous"]
     return {"target": label, "device": device, "dtype": dtype, "num_prompts": num_prompts, "min_prompt": min_prompt,
             "max_prompt": max_prompt, "min_new_tokens": min_new_tokens, "max_new_tokens": max_new_tokens,
             "token_budget": token_budget, "max_batch_size": max_batch_size, "check_every": check_every,

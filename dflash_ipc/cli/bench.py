@@ -233,12 +233,14 @@ def bench_pipeline(config, overrides, seconds, warmup_s, json_path, run_dir) -> 
                    "(default 60% of the free GPU memory, 16384 CPU).")
 @click.option("--max-batch-size", type=int, default=None, help="Default 256 on GPU, 64 on CPU.")
 @click.option("--phase", "phases", multiple=True, type=click.Choice(["one-at-a-time", "generate-static",
-              "generate-dynamic", "engine-batches", "engine-continuous", "engine-refill-each"]),
+              "generate-dynamic", "engine-batches", "engine-continuous", "engine-refill-each",
+              "engine-compiled"]),
               help="Repeatable (default: one-at-a-time, generate-static, engine-batches, engine-continuous).")
 @click.option("--check-every", default=16, show_default=True, type=click.IntRange(min=1),
               help="engine: decode steps between looks for stop tokens.")
 @click.option("--refill-rows", type=click.IntRange(min=1), default=None,
-              help="engine-continuous: free rows a refill waits for (default: an eighth of the rows).")
+              help="engine-continuous, engine-compiled: free rows a refill waits for (default: an eighth of the "
+                   "rows).")
 @click.option("--hbm-tbps", default=4.8, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Memory bandwidth of the bound, TB/s (H200: 4.8).")
 @click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="bfloat16", show_default=True)
@@ -272,8 +274,10 @@ def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt,
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--prompt-len", default="64,256", show_default=True, metavar="MIN,MAX",
               help="Prompt lengths, log-uniform.")
-@click.option("--legacy-prompts", default=2, show_default=True, type=click.IntRange(min=1),
-              help="Prompts of the unbatched (legacy) rows.")
+@click.option("--legacy-prompts", default=2, show_default=True, type=click.IntRange(min=0),
+              help="Prompts of the unbatched (legacy) rows (0: no legacy rows).")
+@click.option("--compile-decode", "compile_decode", type=click.Choice(["auto", "on", "off"]), default="off",
+              show_default=True, help="torch.compile of the target's decode forward (auto: on CUDA).")
 @click.option("--dtype", type=click.Choice(["auto", *DTYPE_NAMES]), default="auto",
               show_default=True)
 @click.option("--work-dir", default=None, type=click.Path(file_okay=False),
@@ -281,8 +285,8 @@ def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt,
 @click.option("--hbm-tbps", default=4.8, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Memory bandwidth of the bound, TB/s (H200: 4.8).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures.")
-def bench_eval(device, shape, batch_sizes, prompts_per_batch, max_new_tokens, prompt_len, legacy_prompts, dtype,
-               work_dir, hbm_tbps, json_path) -> None:
+def bench_eval(device, shape, batch_sizes, prompts_per_batch, max_new_tokens, prompt_len, legacy_prompts,
+               compile_decode, dtype, work_dir, hbm_tbps, json_path) -> None:
     """Tokens/s of batched speculative and plain decoding against the unbatched decoder."""
     from dflash_ipc.bench.eval import run_eval_bench
     from dflash_ipc.run.logs import setup_logging
@@ -291,6 +295,6 @@ def bench_eval(device, shape, batch_sizes, prompts_per_batch, max_new_tokens, pr
                              prompts_per_batch=prompts_per_batch, max_new_tokens=max_new_tokens,
                              prompt_len=tuple(int_list(prompt_len, "--prompt-len", size=2)),
                              legacy_prompts=legacy_prompts, dtype=dtype, work_dir=work_dir, hbm_tbps=hbm_tbps,
-                             emit=click.echo)
+                             compile=compile_decode, emit=click.echo)
     if json_path:
         write_json_atomic(json_path, figures)

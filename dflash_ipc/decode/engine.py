@@ -30,8 +30,9 @@ The loop (host side), one round:
              first one has
 
 A done row stops advancing (its steps are idle slots until the next harvest frees it). On
-CUDA each step shape (rows bucket, key-span bucket) is a CUDA graph (graphs.py); on CPU the
-same step runs eagerly. The key span is the host's upper bound of the longest row (a row
+CUDA each step shape (rows bucket, key-span bucket) is a CUDA graph (graphs.py), optionally of
+the target's forward compiled by torch.compile (``compile``, compiled.py); on CPU the same step
+runs eagerly. The key span is the host's upper bound of the longest row (a row
 admitted k steps ago is at most prompt + k long), rounded up to a bucket, so a step reads
 keys up to there and no further.
 
@@ -54,6 +55,7 @@ import torch
 from torch import Tensor
 
 from dflash_ipc.decode.cache import StaticRowKV, kv_bytes_per_token, static_cache
+from dflash_ipc.decode.compiled import COMPILE, compile_enabled
 from dflash_ipc.decode.graphs import StepGraphs
 from dflash_ipc.decode.requests import Generation, Request, RequestSource
 from dflash_ipc.decode.sampler import TokenChoice, choose, top2_margin
@@ -100,6 +102,9 @@ class EngineSettings:
     the rows (at least 1)."""
     graphs: str = "auto"
     """CUDA graphs of the decode step (GRAPHS)."""
+    compile: str = "off"
+    """torch.compile of the target's decode forward (decode/compiled.py COMPILE; auto: where the
+    step is a CUDA graph). Off by default: its GPU compile time and gain are not measured yet."""
     keep_margins: bool = False
     """Record each chosen token's top-1 minus top-2 logit and its top-1 logit (eval's lossless check)."""
 
@@ -113,6 +118,8 @@ class EngineSettings:
             raise ConfigError(f"decode kv_tokens={self.kv_tokens}: must be >= 1 (or None)")
         if self.graphs not in GRAPHS:
             raise ConfigError(f"decode graphs={self.graphs!r}; allowed: {list(GRAPHS)}")
+        if self.compile not in COMPILE:
+            raise ConfigError(f"decode compile={self.compile!r}; allowed: {list(COMPILE)}")
 
 
 @dataclass(slots=True)
@@ -194,6 +201,7 @@ class DecodeEngine:
         if settings.graphs == "on" and self.device.type != "cuda":
             raise ConfigError(f"decode graphs='on' needs a CUDA device; got {self.device}")
         self.use_graphs = graphs_enabled(settings.graphs, self.device)
+        self.use_compile = compile_enabled(settings.compile, self.device, self.use_graphs)
         self.stops = torch.as_tensor(sorted(target.stop_token_ids), dtype=torch.long, device=self.device)
         self._stop_set = set(int(s) for s in target.stop_token_ids)
         self.kv: StaticRowKV | None = None
@@ -427,7 +435,7 @@ class DecodeEngine:
     def _step(self, rows: int, span: int) -> None:
         """One decode step of rows ``[:rows]`` on the device (the body a CUDA graph captures)."""
         last, length, n_out, done = self.last[:rows], self.length[:rows], self.n_out[:rows], self.done[:rows]
-        logits, _ = self.target.extend(last[:, None], length, span - 1, features=False)
+        logits, _ = self.target.extend(last[:, None], length, span - 1, features=False, compiled=self.use_compile)
         logits = logits[:, -1]  # [B, V]
         tokens = choose(logits, self.choice, self.keys[:rows], n_out)
         active = ~done

@@ -31,6 +31,7 @@ from dflash_ipc.data.stops import stop_token_ids
 from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.config.dtypes import resolve_dtype
 from dflash_ipc.errors import ConfigError
+from dflash_ipc.decode.compiled import CompiledForward
 from dflash_ipc.decode.ragged_attention import layer_masks, register_attention
 from dflash_ipc.decode.row_cache import MASK_ALIGN, RaggedCache, round_up
 from dflash_ipc.hf.text_stack import find_text_stack, has_recurrent_layers, load_causal_lm, text_config
@@ -151,6 +152,7 @@ class BatchedTarget(TargetModel):
         self.layer_types = list(getattr(self.text_config, "layer_types", None) or ["full_attention"] * self.num_layers)
         self.sliding_window = getattr(self.text_config, "sliding_window", None)
         self.cache: RaggedCache | None = None
+        self._compiled_extend: CompiledForward | None = None
 
     def reset(self, num_rows: int, capacity: int) -> None:
         """A new, empty cache of ``num_rows`` rows of at least ``capacity`` positions."""
@@ -170,7 +172,6 @@ class BatchedTarget(TargetModel):
         # layer types take it.
         mask = next(iter(masks.values())) if len(masks) == 1 else masks
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs)
-        self.num_forwards += 1
         logits = out.logits if keep == 0 or self.keeps_logits else out.logits[:, -keep:]
         return logits, self.capture.take(features)
 
@@ -190,20 +191,30 @@ class BatchedTarget(TargetModel):
         lo = torch.where(real, pad, j)  # a pad sees itself only: no all-masked (NaN) row
         masks = layer_masks(self.layer_types, self.sliding_window, lo, j + 1, width)
         self.cache.plan_fresh(torch.as_tensor(list(rows), device=dev), write_pos)
+        self.num_forwards += 1
         logits, feats = self._forward(ids.to(dev), positions, masks, keep=1, features=features)
         return Prefilled(logits=logits[:, -1], features=feats, write_pos=write_pos, positions=positions)
 
     @torch.inference_mode()
-    def extend(self, tokens: Tensor, lengths: Tensor, max_length: int, *,
-               features: bool = True) -> tuple[Tensor, Tensor | None]:
+    def extend(self, tokens: Tensor, lengths: Tensor, max_length: int, *, features: bool = True,
+               compiled: bool = False) -> tuple[Tensor, Tensor | None]:
         """tokens ``[B, q]`` of every row after ``lengths`` ``[B]`` cached positions (``max_length``
-        = their host-side maximum) -> (logits ``[B, q, V]``, features ``[B, q, F]`` or None)."""
+        = their host-side maximum) -> (logits ``[B, q, V]``, features ``[B, q, F]`` or None).
+        ``compiled``: through torch.compile (decode/compiled.py), the same computation fused."""
         q = tokens.shape[1]
         span = round_up(max_length + q, MASK_ALIGN)
         if span > self.capacity:
             raise ConfigError(f"BatchedTarget.extend: {max_length} + {q} positions exceed the cache capacity "
                               f"{self.capacity}")
-        positions = lengths[:, None] + torch.arange(q, device=self.device)  # [B, q]
+        self.num_forwards += 1
+        if compiled:
+            if self._compiled_extend is None:
+                self._compiled_extend = CompiledForward(self._extend, self.device)
+            return self._compiled_extend(tokens, lengths, span, features)
+        return self._extend(tokens, lengths, span, features)
+
+    def _extend(self, tokens: Tensor, lengths: Tensor, span: int, features: bool) -> tuple[Tensor, Tensor | None]:
+        positions = lengths[:, None] + torch.arange(tokens.shape[1], device=self.device)  # [B, q]
         masks = layer_masks(self.layer_types, self.sliding_window, torch.zeros_like(positions), positions + 1, span)
         self.cache.plan_extend(positions, span)
         return self._forward(tokens, positions, masks, keep=0, features=features)

@@ -241,7 +241,7 @@ class PlainDecoder:
 
     def __init__(self, target: BatchedTarget, *, batch_size: int, sampling: Sampling = Sampling(),
                  prefill_tokens: int = PREFILL_TOKENS, progress=None, check_every: int = 16, graphs: str = "auto",
-                 keep_cache: bool = False) -> None:
+                 compile: str = "off", keep_cache: bool = False) -> None:
         from dflash_ipc.decode.engine import DecodeEngine, EngineSettings
         from dflash_ipc.decode.sampler import TokenChoice
 
@@ -251,7 +251,7 @@ class PlainDecoder:
         choice = TokenChoice(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
         self.engine = DecodeEngine(target, choice, EngineSettings(
             max_rows=batch_size, prefill_tokens=prefill_tokens, check_every=check_every, graphs=graphs,
-            keep_margins=sampling.greedy))
+            compile=compile, keep_margins=sampling.greedy))
 
     def release(self) -> None:
         """Frees the cache and graphs a ``keep_cache`` decoder kept."""
@@ -283,8 +283,10 @@ class SpeculativeDecoder(BatchedDecoder):
 
     uses_features = True
 
-    def __init__(self, target: BatchedTarget, drafter: DrafterContext, *, graphs: str = "auto", **kwargs) -> None:
+    def __init__(self, target: BatchedTarget, drafter: DrafterContext, *, graphs: str = "auto", compile: str = "off",
+                 **kwargs) -> None:
         super().__init__(target, **kwargs)
+        from dflash_ipc.decode.compiled import compile_enabled
         from dflash_ipc.decode.engine import GRAPHS, graphs_enabled
         from dflash_ipc.decode.graphs import StepGraphs
 
@@ -297,6 +299,7 @@ class SpeculativeDecoder(BatchedDecoder):
         self.extra_positions = drafter.block_size
         on = graphs_enabled(graphs, self.device)
         self.graphs = StepGraphs(self._graphed_cycle, [], enabled=on and self.sampling.greedy)
+        self.use_compile = compile_enabled(compile, self.device, self.graphs.enabled)
         self._static: dict[str, Tensor] = {}
         self._caches = None  # (target cache, drafter cache) of the last run, which the next may reuse
 
@@ -379,7 +382,7 @@ class SpeculativeDecoder(BatchedDecoder):
             draft_probs = probabilities(draft_logits, self.sampling)
             drafted = sample(draft_probs, self.generator)  # [B, bs-1]
         block = torch.cat([anchors[:, None], drafted], dim=1)  # [B, bs] at positions s..s+bs-1
-        logits, feats = self.target.extend(block, starts, max_start)
+        logits, feats = self.target.extend(block, starts, max_start, compiled=self.use_compile)
         positions = starts[:, None] + torch.arange(self.block_size, device=self.device)
         self.drafter.append(torch.arange(len(self.slots), device=self.device), feats, positions, positions)
         if self.sampling.greedy:

@@ -59,6 +59,7 @@ class GeneratorSettings:
     kv_tokens: int | None = None  # engine: cached positions of all rows (None: CPU 16384, GPU from free memory)
     check_every: int = 16  # engine: steps between looks for stop tokens
     graphs: str = "auto"  # engine: CUDA graphs (decode.engine.GRAPHS)
+    compile: str = "off"  # engine: torch.compile of the target's decode forward (decode.compiled.COMPILE)
     continuous: bool = True  # engine: refill rows as they finish (False: static batches, for benchmarks)
     refill_rows: int | None = None  # engine: free rows a refill waits for (None: an eighth of the rows)
 
@@ -143,7 +144,7 @@ class Generator:
         choice = TokenChoice(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
         return DecodeEngine(target, choice, EngineSettings(max_rows=s.max_rows, kv_tokens=kv_tokens or 16384,
                                                            check_every=s.check_every, graphs=s.graphs,
-                                                           continuous=s.continuous, refill_rows=s.refill_rows))
+                                                           compile=s.compile, continuous=s.continuous, refill_rows=s.refill_rows))
 
     def run_batch(self, prompts: list[list[int]], max_new_tokens: list[int],
                   keys: list | None = None) -> tuple[list | None, BatchStats | None, str | None]:

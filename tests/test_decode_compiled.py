@@ -1,0 +1,165 @@
+"""torch.compile of the target's decode forward (decode/compiled.py).
+
+On CPU the forward is traced with ``aot_eager``: Dynamo over the transformers model, our cache
+and masks, and AOTAutograd's functionalisation of the in-place K/V writes, without code
+generation (Inductor's kernels are the GPU test's business). A one-layer random target keeps
+each compile to seconds. What must hold: the same tokens as the eager forward (float32), one
+graph with no break, no recompile for other rows buckets or key spans, and a compiler that
+fails costs one warning and nothing else."""
+
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from dflash_ipc.bench.assets import build_random_target
+from dflash_ipc.decode import compiled
+from dflash_ipc.decode.compiled import compile_enabled
+from dflash_ipc.decode.engine import DecodeEngine, EngineSettings
+from dflash_ipc.decode.requests import Request, RequestList
+from dflash_ipc.decode.target import BatchedTarget
+from dflash_ipc.errors import ConfigError
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("one-layer") / "target")
+    build_random_target(path, shape="tiny", dtype="float32", num_layers=1, seed=5)
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return BatchedTarget(target_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture()
+def counter(monkeypatch):
+    """The compile backend for this test: aot_eager, counting the graphs it is given."""
+    torch._dynamo.reset()
+    count = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(compiled, "BACKEND", count)
+    yield count
+    torch._dynamo.reset()
+
+
+def make_requests(n=11, seed=0):
+    rng = np.random.default_rng(seed)
+    return [Request(key=(i, 0), prompt_ids=rng.integers(10, 1000, size=int(rng.integers(3, 40))),
+                    max_new_tokens=int(rng.integers(1, 20))) for i in range(n)]
+
+
+def tokens(run):
+    return {g.request.key: g.tokens for g in run.generations}
+
+
+def run_engine(target, compile, rows=4):
+    engine = DecodeEngine(target, settings=EngineSettings(max_rows=rows, check_every=3, compile=compile))
+    return engine, engine.run(RequestList(make_requests()))
+
+
+def test_compiled_steps_give_the_eager_tokens_without_recompiling(target, counter):
+    target._compiled_extend = None  # built with this test's backend
+    _, eager = run_engine(target, "off")
+    engine, run = run_engine(target, "on")
+    assert engine.use_compile and not target._compiled_extend.failed
+    assert tokens(run) == tokens(eager)
+    # rows buckets 4, 2 and 1 and several key spans ran: one program for 2+ rows, one for 1 row
+    assert 1 <= counter.frame_count <= 4
+    frames = counter.frame_count
+    _, again = run_engine(target, "on", rows=3)  # another cache size, other buckets: the same programs
+    assert counter.frame_count == frames
+    assert tokens(again) == tokens(eager)
+
+
+def test_the_decode_forward_is_one_graph(target):
+    target.reset(4, 64)
+    target.prefill([0, 1, 2, 3], [np.arange(10, 20)] * 4, features=False)
+    with torch.inference_mode():
+        explained = torch._dynamo.explain(target._extend)(torch.ones(4, 1, dtype=torch.long),
+                                                          torch.full((4,), 10), 64, False)
+    torch._dynamo.reset()
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_a_failing_compiler_falls_back_to_eager_once(target, monkeypatch, caplog):
+    calls = []
+
+    def broken_backend(gm, example_inputs):
+        calls.append(1)
+        raise RuntimeError("no kernel for this op")
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiled, "BACKEND", broken_backend)
+    target._compiled_extend = None
+    _, eager = run_engine(target, "off")
+    with caplog.at_level(logging.WARNING, logger="dflash_ipc.decode.compiled"):
+        _, run = run_engine(target, "on")
+    torch._dynamo.reset()
+    assert tokens(run) == tokens(eager)
+    assert target._compiled_extend.failed and len(calls) == 1
+    warnings = [r for r in caplog.records if "torch.compile of the target's decode forward failed" in r.message]
+    assert len(warnings) == 1 and "no kernel for this op" in warnings[0].message
+    target._compiled_extend = None
+
+
+def test_speculative_verify_compiled_equals_eager(target_dir, counter):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
+    from dflash_ipc.eval.decoding import SpeculativeDecoder
+    from dflash_ipc.eval.drafter_context import DrafterContext
+
+    config = DFlashConfig.from_target_config(AutoConfig.from_pretrained(target_dir), num_draft_layers=1, block_size=8,
+                                             mask_token_id=AutoTokenizer.from_pretrained(target_dir).mask_token_id,
+                                             target_layer_ids=[0])
+    torch.manual_seed(2)
+    model = DFlashDraftModel(config).eval()
+    target = BatchedTarget(target_dir, layer_ids=model.config.target_layer_ids, device="cpu", dtype="float32")
+    runs = {}
+    for setting in ("off", "on"):
+        decoder = SpeculativeDecoder(target, DrafterContext(model, target.head), batch_size=3, compile=setting)
+        assert decoder.use_compile == (setting == "on")
+        runs[setting] = {g.request.key: (g.tokens, g.stats) for g in decoder.run(RequestList(make_requests(6))).generations}
+    assert runs["on"] == runs["off"]
+    assert counter.frame_count >= 1
+
+
+def test_settings():
+    assert not compile_enabled("auto", "cpu", graphs=False)
+    assert compile_enabled("auto", "cuda:0", graphs=True) and not compile_enabled("auto", "cuda:0", graphs=False)
+    assert compile_enabled("on", "cpu", graphs=False) and not compile_enabled("off", "cuda:0", graphs=True)
+    with pytest.raises(ConfigError, match="compile='yes'; allowed"):
+        EngineSettings(compile="yes")
+    with pytest.raises(ConfigError, match="allowed"):
+        compile_enabled("always", "cpu", graphs=False)
+    assert os.environ.get("TORCHDYNAMO_DISABLE") != "1"  # the tests above would pass vacuously
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_inductor_steps_in_cuda_graphs_match_eager(target_dir, dtype):
+    """CUDA: the compiled forward (Inductor, coordinate-descent-tuned) inside the captured steps
+    against eager uncaptured steps; Inductor's reductions round differently, so a first
+    difference must be a near-tie of both runs (eval/lossless.py's rule)."""
+    from dflash_ipc.eval.lossless import compare
+
+    torch._dynamo.reset()
+    cuda = BatchedTarget(target_dir, device="cuda:0", dtype=dtype)
+    runs = {}
+    for graphs, setting in (("off", "off"), ("on", "on")):
+        engine = DecodeEngine(cuda, settings=EngineSettings(max_rows=4, check_every=3, graphs=graphs,
+                                                            compile=setting, keep_margins=True))
+        runs[setting] = {g.request.key: g for g in engine.run(RequestList(make_requests())).generations}
+        if setting == "on":
+            assert engine.graphs.enabled and engine.graphs.num_captures >= 2
+            assert not cuda._compiled_extend.failed
+    verdicts = [compare(runs["on"][k], runs["off"][k], dtype=getattr(torch, dtype)).verdict for k in runs["off"]]
+    assert all(v in ("identical", "near_tie") for v in verdicts), verdicts
+    assert verdicts.count("identical") >= len(verdicts) - 2
