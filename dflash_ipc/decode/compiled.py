@@ -1,4 +1,4 @@
-"""torch.compile of the target's decode forward: its small kernels fused, its batch-1 GEMVs tuned.
+"""torch.compile of the target's decode forward: its small kernels fused (an option, off by default).
 
 A captured decode step (graphs.py) removes the launch overhead but not the kernels: a
 transformers decoder layer is dozens of them (each RMS norm is a cast, a square, a mean, an
@@ -8,11 +8,10 @@ kernel. With ``DFLASH_DECODE_TUNE=1`` it also gets ``coordinate_descent_tuning``
 Inductor turns a one-row matmul (batch 1: ``[1, H] @ W``) into a reduction kernel tuned for the
 weight's read bandwidth and fused with the norm that feeds it.
 
-Status: the decoders run this only when asked (``compile`` "on" or "auto"; their default is
-"off"). It is tested on CPU through ``aot_eager`` (tests/test_decode_compiled.py); on one H200
-the first compiled steps of the Qwen3-1.7B shape (batch 1, with the tuning on) did not finish
-within 240 s, so neither its compile time without the tuning nor its gain is measured yet
-(``python3 -m benchmarks.compile_decode qwen3-1.7b`` measures both).
+The decoders run this only when asked (``compile`` "on" or "auto"; their default is "off"):
+its compile time and its gain on a GPU are not measured yet (``python3 -m
+benchmarks.compile_decode qwen3-1.7b`` measures both). Tested on CPU through ``aot_eager``
+(tests/test_decode_compiled.py).
 
 What is compiled is :meth:`BatchedTarget.extend`'s body (positions, masks, the cache write
 plan, the model forward, the captured layers): the step of the decoding core and the verify
