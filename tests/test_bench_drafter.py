@@ -51,6 +51,9 @@ def test_bench_runs_on_tiny_shape_with_sane_figures(capsys):
     assert sum(f["flops_breakdown"].values()) == pytest.approx(f["flops_per_step"])
     # random features, near-uniform logits at init: the loss is about ln(vocab)
     assert abs(f["loss_last"] - math.log(512)) < 0.5
+    # the steps as the loop runs them on a GPU: launched back to back
+    assert f["pipelined_step_s_mean"] > 0 and f["pipelined_mfu"] > 0 and "pipelined" in report
+    assert "host_syncs" not in f  # CUDA's sync debug mode only
 
 
 def test_forward_flops_match_a_hand_count():
@@ -178,6 +181,9 @@ def test_bench_runs_on_gpu_with_flex_and_memory_figures():
     f = bd.run_drafter_bench("cuda:0", steps=2, shape="tiny", anchors_per_seq=16, num_seqs=2, seq_len=128,
                              warmup=1)
     assert f["attention"] == "flex" and f["peak_memory_gib"] > 0 and 0 < f["mfu"] < 1
+    # the batch goes to the GPU in one non-blocking copy: no pageable copy waits for the stream
+    syncs = f["host_syncs"]
+    assert not [where for where in syncs if "objective.py" in where or "host_copy.py" in where], syncs
 
 
 def test_precision_variants_in_order_and_bad_names_refused():

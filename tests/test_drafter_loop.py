@@ -241,13 +241,20 @@ def test_a_loss_that_stops_being_finite_is_not_reported_as_its_last_finite_value
     loop, link, readers = build(tmp_path)
     readers.pool_of_read = "p0"
     loop.step_log = open(tmp_path / "steps.jsonl", "w")
-    real_step = loop.trainer.step
+    real_launch = loop.trainer.launch
+
+    class Diverged:
+        def __init__(self, launched):
+            self.launched = launched
+
+        def result(self):
+            return {**self.launched.result(), "loss": float("inf")}
 
     def diverging(chosen, **options):
-        stats = real_step(chosen, **options)
-        return {**stats, "loss": float("inf")} if loop.trainer.step_count >= 2 else stats
+        launched = real_launch(chosen, **options)
+        return Diverged(launched) if loop.trainer.step_count >= 2 else launched
 
-    loop.trainer.step = diverging
+    loop.trainer.launch = diverging
     loop.resume(registered())
     link.inbox.extend([assign(0, [0, 1, 2], 1), assign(1, [3, 4, 5, 6, 7], 2)])
     while loop.trainer.step_count < 1:
@@ -354,15 +361,15 @@ def test_validation_scores_the_weights_before_a_step_and_retention_keeps_the_bes
     with keep_last=1 the best checkpoint by it stays next to the newest."""
     import json
 
-    from dflash_ipc.drafter import trainer as trainer_mod
+    from dflash_ipc.drafter import launched_step
     loop, link, readers = build(tmp_path, checkpoint={"every_steps": 1, "keep_last": 1},
                                 validation={"every_steps": 1})
     step_log = tmp_path / "steps.jsonl"
     loop.step_log = open(step_log, "w")
     readers.pool_of_read = "p0"
-    real = trainer_mod.acceptance_summary
+    real = launched_step.acceptance_summary
     scores = iter([1.5, 3.0, 2.0, 1.0])  # the weights of steps 0, 1, 2, 3: step 1 is the best
-    monkeypatch.setattr(trainer_mod, "acceptance_summary",
+    monkeypatch.setattr(launched_step, "acceptance_summary",
                         lambda totals: {**real(totals), "acceptance_length": next(scores)})
     loop.resume(registered())
     link.inbox.clear()
@@ -445,3 +452,32 @@ def test_a_validation_step_trains_exactly_as_any_other_step(tmp_path):
     validated, metrics = run(validation={"every_steps": 1})
     assert metrics["acceptance_blocks"] > 0 and metrics["validated_step"] == 1
     assert all(torch.equal(plain[n], validated[n]) for n in plain)
+
+
+def test_a_pipelined_loop_publishes_each_step_after_the_next_is_queued_and_all_before_a_checkpoint(tmp_path):
+    """Pipelined (the CUDA default), step N's figures are published once step N+1 is launched,
+    and every launched step's before a checkpoint commits: the same records, one step later."""
+    import json
+    logs = {}
+    for pipelined in (False, True):
+        loop, link, readers = build(tmp_path / str(pipelined), checkpoint={"every_steps": 3})
+        loop.pipelined = pipelined
+        readers.pool_of_read = "p0"
+        path = tmp_path / f"steps-{pipelined}.jsonl"
+        loop.step_log = open(path, "w")
+        loop.resume(registered())
+        link.inbox.extend([assign(0, [0, 1, 2], 1), assign(1, [3, 4, 5, 6, 7], 2)])
+        published = []
+        while loop.trainer.step_count < 3:
+            assert loop.pass_once()
+            published.append((loop.trainer.step_count, link.metrics.get("step")))
+        loop.step_log.close()
+        logs[pipelined] = [json.loads(line) for line in open(path)]
+        if pipelined:
+            launched = [(s, m) for s, m in published if s < 3 and s > 0]
+            assert all(m == (s - 1 or None) for s, m in launched), published  # one step behind
+            (commit,) = link.of(p.Committed)
+            assert commit.step == 3 and link.metrics["step"] == 3.0 and loop.pending is None
+    keys = ("step", "loss", "anchors", "tokens", "lr", "grad_norm")
+    assert [tuple(r[k] for k in keys) for r in logs[True]] == [tuple(r[k] for k in keys) for r in logs[False]]
+    assert [r["step"] for r in logs[True]] == [1, 2, 3]

@@ -132,3 +132,24 @@ def test_three_ranks_take_the_step_one_rank_takes(tmp_path):
             # wide matrix, depending on the CPU's kernels; a wrong share moves whole updates.
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=0.1 * trainer_cfg().optimizer.lr,
                                        msg=lambda m, rank=rank, name=name: f"rank {rank} {name}: {m}")
+
+
+def test_steps_launched_before_any_is_read_report_what_steps_read_one_by_one_report():
+    """launch() leaves the figures on the device; reading them after later steps were queued
+    gives each step's own figures, and a step with no blocks leaves the weights alone."""
+    seqs = sequences(9, seed=3)
+    plan = [[(s, s.num_anchors) for s in seqs[i:i + 3]] for i in range(0, 9, 3)] + [[]]
+    one_by_one = _new_trainer()
+    read_at_once = [one_by_one.step(chosen) for chosen in plan]
+    pipelined = _new_trainer()
+    launched = [pipelined.launch(chosen) for chosen in plan]
+    results = [step.result() for step in launched]
+    keys = ("step", "loss", "anchors", "tokens", "lr", "grad_norm")
+
+    def figures(r):  # NaN (the loss of the step without blocks) compared as None
+        return [None if r[k] != r[k] else r[k] for k in keys]
+    assert [figures(r) for r in results] == [figures(r) for r in read_at_once]
+    assert results[-1]["anchors"] == 0 and results[-1]["grad_norm"] == 0.0
+    for a, b in zip(one_by_one.model.parameters(), pipelined.model.parameters()):
+        assert torch.equal(a, b)
+    assert all(r["step_s"] >= 0 for r in results) and results[0]["grad_norm"] > 0

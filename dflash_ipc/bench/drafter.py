@@ -61,6 +61,7 @@ from __future__ import annotations
 import collections
 import gc
 import logging
+import os
 import statistics
 import time
 import typing
@@ -431,7 +432,7 @@ def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwe
                            objective={"max_anchors_per_seq": anchors_per_seq,
                                       "anchors_per_step": num_seqs * anchors_per_seq})
     trainer = _RecordingTrainer(cfg, config, random_head(config, dev, gen), device=str(dev),
-                                total_steps=warmup + steps)
+                                total_steps=warmup + 2 * steps + 1 + profile_steps)
     logger.info("bench drafter: %s on %s, %s, %s attention, %d warmup + %d steps", shape, dev,
                 variant_label(variant), trainer.backend, warmup, steps)
     warm, timed = [], []
@@ -454,14 +455,60 @@ def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwe
     figures.update(precision=variant_label(variant), variant=dict(variant), fp8_matmul_tflops=fp8_rate,
                    ragged=ragged, compile_mode=cfg.drafter.compile, compile_active=trainer.drafter_forward.enabled,
                    compile_failure=trainer.drafter_forward.failure, lm_head_chunk_rows=trainer.ce_chunk_rows)
+    figures.update(_pipelined_figures(trainer, config, dev, gen, cpu_gen, steps, first=warmup + steps,
+                                      flops=figures["flops_per_step"], rate=rate, num_seqs=num_seqs,
+                                      seq_len=seq_len, anchors_per_seq=anchors_per_seq, ragged=ragged))
     print(format_report(figures), flush=True)
     if profile_steps:
-        figures["kernel_profile"] = _profile(trainer, config, dev, gen, cpu_gen, profile_steps, first=warmup + steps,
+        figures["kernel_profile"] = _profile(trainer, config, dev, gen, cpu_gen, profile_steps, first=warmup + 2 * steps + 1,
                                              num_seqs=num_seqs, seq_len=seq_len, anchors_per_seq=anchors_per_seq,
                                              ragged=ragged)
         print(format_profile(figures["kernel_profile"], label=variant_label(variant),
                              wall_ms=figures["step_s_mean"] * 1e3), flush=True)
     return figures
+
+
+def _pipelined_figures(trainer, config, dev, gen, cpu_gen, steps: int, *, first: int, flops: float, rate: float,
+                       num_seqs: int, seq_len: int, anchors_per_seq: int, ragged: bool) -> dict:
+    """``steps`` more steps as the drafter loop runs them on a GPU: each launched, then the
+    previous one's figures read (drafter/launched_step.py); their mean wall time, MFU (the
+    timed steps' FLOPs) and, on CUDA, the host syncs of one more launched step."""
+    inputs = [random_sequences(config, step=first + i, num_seqs=num_seqs, seq_len=seq_len,
+                               max_anchors=anchors_per_seq, device=dev, gen=gen, cpu_gen=cpu_gen, ragged=ragged)
+              for i in range(steps + 1)]
+    _sync(dev)
+    started, previous = time.perf_counter(), None
+    for seqs in inputs[:steps]:
+        launched = trainer.launch(trainer.take(collections.deque(seqs)))
+        if previous is not None:
+            previous.result()
+        previous = launched
+    previous.result()
+    _sync(dev)
+    mean_s = (time.perf_counter() - started) / steps
+    out = {"pipelined_step_s_mean": mean_s, "pipelined_mfu": flops / mean_s / 1e12 / rate}
+    if dev.type == "cuda":
+        out["host_syncs"] = host_syncs(lambda: trainer.launch(trainer.take(collections.deque(inputs[-1]))).result())
+    return out
+
+
+def host_syncs(run) -> dict[str, int]:
+    """Where ``run()`` makes the host wait for the GPU, as "file:line" -> count, from CUDA's
+    sync debug mode (the final read of the figures is one)."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    found: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where = f"{os.path.relpath(w.filename)}:{w.lineno}"
+            found[where] = found.get(where, 0) + 1
+    return found
 
 
 def _profile(trainer, config, dev, gen, cpu_gen, steps: int, *, first: int, num_seqs: int, seq_len: int,
@@ -504,14 +551,15 @@ def format_comparison(results: list[dict]) -> str:
     base = results[0]
     lines = [f"comparison: {base['shape']} on {base['device']}, one run, speedup = step time of "
              f"{base['precision']} / step time",
-             f"  {'variant':<46} {'step ms':>8} {'query tok/s':>12} {'context tok/s':>14} {'peak GiB':>9} "
-             f"{'MFU':>6} {'speedup':>8}  compiled in timed steps"]
+             f"  {'variant':<46} {'step ms':>8} {'pipelined':>9} {'query tok/s':>12} {'context tok/s':>14} "
+             f"{'peak GiB':>9} {'MFU':>6} {'speedup':>8}  compiled in timed steps"]
     for f in results:
         peak = f"{f['peak_memory_gib']:.1f}" if f["peak_memory_gib"] is not None else "n/a"
         label = f["precision"] + ("" if f.get("compile_active", True) or f.get("compile_mode", "off") == "off"
                                   else " (fell back to eager)" if f.get("compile_failure") else " (eager: CUDA only)")
         compiled = f.get("timed_steps_compiling") or "none"  # a compile in a timed step inflates its mean
-        lines.append(f"  {label:<46} {f['step_s_mean'] * 1e3:>8.1f} {f['query_tokens_per_s']:>12,.0f} "
+        pipelined = f"{f['pipelined_step_s_mean'] * 1e3:.1f}" if "pipelined_step_s_mean" in f else "n/a"
+        lines.append(f"  {label:<46} {f['step_s_mean'] * 1e3:>8.1f} {pipelined:>9} {f['query_tokens_per_s']:>12,.0f} "
                      f"{f['context_tokens_per_s']:>14,.0f} {peak:>9} {f.get('mfu', float('nan')) * 100:>5.1f}% "
                      f"{base['step_s_mean'] / f['step_s_mean']:>7.2f}x  {compiled}")
     return "\n".join(lines)
@@ -604,6 +652,19 @@ def _setup_lines(f: dict) -> list[str]:
             f"cudagraph skips {warm['cudagraph_skips'] + timed['cudagraph_skips']}{without}"]
 
 
+def _pipelined_lines(f: dict) -> list[str]:
+    if "pipelined_step_s_mean" not in f:
+        return []
+    lines = [f"  pipelined     mean {f['pipelined_step_s_mean'] * 1e3:.1f} ms, MFU {f['pipelined_mfu'] * 100:.1f}% over "
+             f"{f['steps']} more steps launched back to back (each step's figures read after the next is queued, "
+             f"as the drafter loop runs on a GPU)"]
+    if "host_syncs" in f:
+        syncs = f["host_syncs"]
+        where = ", ".join(f"{k} x{v}" for k, v in sorted(syncs.items(), key=lambda kv: -kv[1])) or "none"
+        lines.append(f"  host syncs    {sum(syncs.values())} in one launched step and its read: {where}")
+    return lines
+
+
 def format_report(f: dict) -> str:
     """The human-readable report of :func:`run_drafter_bench`'s figures."""
     ms = 1e3
@@ -624,6 +685,7 @@ def format_report(f: dict) -> str:
         f"block {f['block_size']}: {f['num_queries']:,} query tokens, {_ctx_str(f)} context tokens",
         f"  step time     mean {f['step_s_mean'] * ms:.1f} ms, min {f['step_s_min'] * ms:.1f} ms, "
         f"max {f['step_s_max'] * ms:.1f} ms over {f['steps']} steps (warmup steps: {warm})",
+        *_pipelined_lines(f),
         f"  mask build    {f['mask_s_mean'] * ms:.2f} ms (synchronized re-build of each step's mask); "
         f"trainer's in-step clock {f['mask_in_step_s_mean'] * ms:.2f} ms",
         f"  throughput    {f['sequences_per_s']:,.2f} seq/s, {f['query_tokens_per_s']:,.0f} query tok/s, "

@@ -28,10 +28,12 @@ import logging
 import math
 import signal
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from dflash_ipc.wire import protocol as p
 from dflash_ipc.run.checkpoints import CheckpointStore
+from dflash_ipc.drafter.launched_step import LaunchedStep
 from dflash_ipc.drafter.sequence_queue import SequenceQueue
 from dflash_ipc.errors import DataError, TransportError, WorkerDeadError
 from dflash_ipc.run.json_files import json_safe, read_json_object, write_json_atomic
@@ -57,11 +59,13 @@ class DrafterLoop:
     def __init__(self, cfg, rank: int, *, trainer, queue: SequenceQueue, readers, link, group,
                  store: CheckpointStore, beacon=None, timeline=None, step_log=None,
                  after_step: Callable[[], None] | None = None,
-                 validator: Callable[[str], dict] | None = None) -> None:
+                 validator: Callable[[str], dict] | None = None, pipelined: bool | None = None) -> None:
         """`after_step` runs after each optimizer step, inside its timed interval (the fault
         tests slow steps down with it: drafter/faults.py). `validator` (rank 0, with
         validation.prompts > 0): a checkpoint's step directory -> {"tau", "prompts", ...} on
-        held-out prompts (eval/held_out_validation.py); the best checkpoint is then the best by it."""
+        held-out prompts (eval/held_out_validation.py); the best checkpoint is then the best by it.
+        `pipelined` (default: on a CUDA trainer) publishes each step's figures after the next
+        step is queued (`step`)."""
         self.cfg, self.rank = cfg, rank
         self.trainer, self.queue, self.readers = trainer, queue, readers
         self.link, self.group, self.store = link, group, store
@@ -81,6 +85,8 @@ class DrafterLoop:
         self.read_bytes = self.reads = 0
         self.after_step = after_step
         self.validator = validator
+        self.pipelined = trainer.device.type == "cuda" if pipelined is None else pipelined
+        self.pending: _PendingStep | None = None  # launched, its figures not yet published
 
     # --- 0) resume ---------------------------------------------------------------------------
 
@@ -228,25 +234,45 @@ class DrafterLoop:
     # --- 4) step and checkpoint --------------------------------------------------------------
 
     def step(self) -> None:
-        """One collective optimizer step over this rank's share of a step's anchors."""
+        """One collective optimizer step over this rank's share of a step's anchors. Pipelined
+        (a CUDA trainer), the step is queued and the previous one's figures are published
+        after it: the host builds step N+1 while the GPU runs step N (drafter/launched_step.py)."""
         started = time.perf_counter()
         self._phase("step" if self.compiled else "compile", self.trainer.step_count)
-        before = (len(self.queue), self.queue.anchors, self.queue.trained_tokens)
+        before = (self.queue.anchors, self.queue.trained_tokens)
         chosen = self.queue.take(self.cfg.objective.anchors_per_step)
         every = self.cfg.validation.every_steps
         validated = self.trainer.step_count  # the proxy scores the weights before this step
-        stats = self.trainer.step(chosen, validate=bool(every) and validated % every == 0)
+        launched = self.trainer.launch(chosen, validate=bool(every) and validated % every == 0)
         self.queue.record_trained(chosen)
         if self.after_step is not None:
             self.after_step()
         self.compiled = True
         ended = time.perf_counter()
+        previous, self.pending = self.pending, _PendingStep(
+            launched, started, ended, validated, sequences=len(chosen), anchors=before[0] - self.queue.anchors,
+            tokens=self.queue.trained_tokens - before[1])
+        if previous is not None:
+            self.publish(previous)
+        if not self.pipelined:
+            self.flush_step()
+
+    def flush_step(self) -> None:
+        """Publishes the step still in flight, if any: before a checkpoint and at the end, so the
+        step log and metrics are complete where a checkpoint commits."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self.publish(pending)
+
+    def publish(self, pending: "_PendingStep") -> None:
+        """A finished step's figures: the timeline, validation, heartbeat metrics, step log."""
+        stats = dict(pending.launched.result())  # waits for that step's device work only
         if self.timeline is not None:
-            self.timeline.record("step", started, ended, loss=float(stats["loss"]), sequences=len(chosen),
-                                 anchors=before[1] - self.queue.anchors, tokens=self.queue.trained_tokens - before[2])
+            self.timeline.record("step", pending.started, pending.ended, loss=float(stats["loss"]),
+                                 sequences=pending.sequences, anchors=pending.anchors, tokens=pending.tokens)
         if "acceptance_length" in stats:
-            stats["validated_step"] = validated
-            self.validated(validated, stats)
+            stats["validated_step"] = pending.validated
+            self.validated(pending.validated, stats)
         stats.update(wait_s=self.wait_s, fifo=len(self.queue), rank=self.rank, time=time.time(),
                      trained_tokens=self.queue.trained_tokens, read_s=self.read_s, copy_s=self.copy_s,
                      read_bytes=self.read_bytes, reads=self.reads, resumed_from=self.resumed_from)
@@ -320,6 +346,7 @@ class DrafterLoop:
     def checkpoint(self) -> None:
         """Collective: rank 0 writes the checkpoint, then commits what every rank trained
         since the last commit, sample by sample, in one `Committed`."""
+        self.flush_step()
         self._phase("checkpoint", self.trainer.step_count)
         rows = [(t.batch_id, t.attempt, s) for t in self.queue.take_trained() for s in t.sample_ids]
         per_rank = self.group.gather_rows(rows, 3)
@@ -349,6 +376,7 @@ class DrafterLoop:
     def stop_together(self) -> None:
         """Every rank leaves here together: a closing checkpoint, its commit confirmed."""
         log.info("stopping (%s): checkpoint at step %d", self.stop_reason or "a peer stops", self.trainer.step_count)
+        self.flush_step()
         # This rank's last metrics now, before the closing checkpoint's collective: they reach the
         # dispatcher before rank 0's last `Committed` ends the job (and final_status.json).
         self.link.beat(force=True)
@@ -361,6 +389,7 @@ class DrafterLoop:
     def finish(self) -> None:
         """Drained: the last checkpoint, then wait for the dispatcher to close the job."""
         self._phase("finish", self.trainer.step_count)
+        self.flush_step()
         # This rank's last metrics now, before the closing checkpoint's collective: they reach the
         # dispatcher before rank 0's last `Committed` ends the job (and final_status.json).
         self.link.beat(force=True)
@@ -395,6 +424,19 @@ class DrafterLoop:
     def _phase(self, name: str, step: int | None = None) -> None:
         if self.beacon is not None:
             self.beacon.phase(name, step)
+
+
+@dataclass
+class _PendingStep:
+    """A launched step and what the loop knew of it when it was launched."""
+
+    launched: LaunchedStep
+    started: float
+    ended: float
+    validated: int
+    sequences: int
+    anchors: int
+    tokens: int
 
 
 def _by_copy(per_rank: list[list[tuple[int, ...]]]) -> dict[tuple[int, int, int], list[int]]:

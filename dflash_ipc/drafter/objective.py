@@ -34,6 +34,7 @@ on any rank and in any batch, and new anchors every epoch.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash_ipc.drafter.attention import BlockLayout
+from dflash_ipc.drafter.host_copy import to_device
 from dflash_ipc.drafter.model import CudaCompiled, compile_enabled
 from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.errors import DataError
@@ -73,15 +75,13 @@ class TrainingBatch:
         return self.layout.ctx_pos.long()
 
     def to(self, device: torch.device | str) -> "TrainingBatch":
-        return TrainingBatch(
-            block_ids=self.block_ids.to(device),
-            block_positions=self.block_positions.to(device),
-            labels=self.labels.to(device),
-            weights=self.weights.to(device),
-            layout=self.layout.to(device),
-            num_anchors=self.num_anchors,
-            loss_rows=None if self.loss_rows is None else self.loss_rows.to(device),
-        )
+        """The same batch on ``device``; to a GPU in one non-blocking copy (host_copy.py), so the
+        host can build it while the previous step runs."""
+        layout_names = [f.name for f in dataclasses.fields(self.layout) if isinstance(getattr(self.layout, f.name), Tensor)]
+        names = [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)]
+        moved = to_device([getattr(self, n) for n in names] + [getattr(self.layout, n) for n in layout_names], device)
+        layout = dataclasses.replace(self.layout, **dict(zip(layout_names, moved[len(names):])))
+        return dataclasses.replace(self, layout=layout, **dict(zip(names, moved[:len(names)])))
 
 
 def anchor_generator(seed: int, epoch: int, sample_id: int) -> torch.Generator:

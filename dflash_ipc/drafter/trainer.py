@@ -27,10 +27,11 @@ import torch
 import torch.distributed as dist
 
 from dflash_ipc.config.schema import JobConfig, ObjectiveConfig
-from dflash_ipc.drafter.acceptance_proxy import acceptance_summary, block_acceptance_totals
+from dflash_ipc.drafter.acceptance_proxy import block_acceptance_totals
 from dflash_ipc.drafter.attention import build_layer_masks
 from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.drafter.inference_format import write_inference_files
+from dflash_ipc.drafter.launched_step import LaunchedStep, StepClock
 from dflash_ipc.drafter.compiled_forward import DrafterForward, falls_back, pad_layout, pad_rows
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.drafter.sharding import full_state, load_full_model, load_full_state, shard_model, total_norm
@@ -120,6 +121,7 @@ class DrafterTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule_lambda(cfg.schedule, total_steps))
         self.total_steps = total_steps
         self.step_count = 0
+        self._clock = StepClock()
 
     # --- choosing a step's sequences ------------------------------------------------------
 
@@ -135,47 +137,60 @@ class DrafterTrainer:
         return tensor
 
     def step(self, chosen: list[tuple[Sequence, int]], *, validate: bool = False) -> dict:
-        """One collective optimizer step over this rank's chosen sequences (may be empty).
-        `validate` (the same on every rank: a collective): also the acceptance proxy of the
-        weights before this step, on the step's blocks of all ranks (drafter/acceptance_proxy.py)."""
+        """One collective optimizer step over this rank's chosen sequences (may be empty), and
+        its figures: ``launch(chosen, validate=validate).result()``."""
+        return self.launch(chosen, validate=validate).result()
+
+    def launch(self, chosen: list[tuple[Sequence, int]], *, validate: bool = False) -> LaunchedStep:
+        """One collective optimizer step, queued on the device: the host reads nothing back on
+        a rank with blocks, so it may build the next step while this one runs; the figures come
+        with ``result()`` (drafter/launched_step.py). `validate` (the same on every rank: a
+        collective): also the acceptance proxy of the weights before this step, on the step's
+        blocks of all ranks (drafter/acceptance_proxy.py)."""
         started = time.perf_counter()
         next_step()  # fp8: row counts promoted in the last step run static graphs from this one
         batch, features, mask, mask_s = self._build(chosen)
-        num_anchors = batch.num_anchors if batch is not None else 0
-        # The weight sum stays on the device until the backward is queued: reading it here
-        # would stall the host until the mask and features are built, with no forward queued.
-        local = batch.weights.sum().double() if batch is not None else torch.zeros((), dtype=torch.float64,
-                                                                                  device=self.device)
-        if batch is None and self.sharded:  # FSDP's collectives are in the forward and backward
+        has_blocks = batch is not None
+        num_anchors = batch.num_anchors if has_blocks else 0
+        # The weight sum stays on the device: reading it would stall the host until the mask
+        # and features are built, with no forward queued.
+        local = batch.weights.sum().double() if has_blocks else torch.zeros((), dtype=torch.float64,
+                                                                               device=self.device)
+        if not has_blocks and self.sharded:  # FSDP's collectives are in the forward and backward
             batch, features, mask, _ = self._idle_batch()
         weight_sum = self._all_reduce(local.reshape(1))[0]  # [] float64, all ranks
         loss_sum = torch.zeros((), device=self.device)
         acceptance = torch.zeros(self.model.config.block_size + 1, dtype=torch.float64, device=self.device)
-        # Every anchor has a weighted label (block position 1: sample_anchors only picks p
-        # with loss at p+1), so a batch means a positive weight sum here and everywhere.
         if batch is not None:
             loss_sum, totals = self._loss_and_backward(batch, features, mask, weight_sum, acceptance=validate)
             if totals is not None:
                 acceptance = totals
-        grad_norm = self._reduce_and_clip()  # synchronizes (the norm is read on the host)
-        weight_total = float(weight_sum)
-        if weight_total > 0:
+        grad_norm = self._reduce_and_clip()
+        if self._takes_update(has_blocks, weight_sum):
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
         num_tokens = sum(s.features.shape[0] for s, _ in chosen)
-        totals = torch.stack([loss_sum.detach().double(),
-                              torch.tensor(float(num_anchors), dtype=torch.float64, device=self.device),
-                              torch.tensor(float(num_tokens), dtype=torch.float64, device=self.device)])
-        totals = self._all_reduce(totals).tolist()
-        validation = acceptance_summary(self._all_reduce(acceptance)) if validate else {}
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return {**validation, "step": self.step_count, "loss": totals[0] / weight_total if weight_total else float("nan"),
-                "anchors": int(totals[1]), "tokens": int(totals[2]),
-                "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                "step_s": time.perf_counter() - started, "mask_s": mask_s}
+
+        def scalar(value) -> torch.Tensor:  # a fill on the device: no host-to-device copy
+            return torch.full((), float(value), dtype=torch.float64, device=self.device)
+
+        counts = self._all_reduce(torch.stack([loss_sum.detach().double(), scalar(num_anchors), scalar(num_tokens)]))
+        norm = grad_norm.detach().double().reshape(()) if isinstance(grad_norm, torch.Tensor) else scalar(grad_norm)
+        figures = [counts, weight_sum.reshape(1), norm.reshape(1)]
+        if validate:
+            figures.append(self._all_reduce(acceptance))
+        return LaunchedStep(torch.cat(figures), step=self.step_count, lr=self.scheduler.get_last_lr()[0],
+                            mask_s=mask_s, started=started, validate=validate, clock=self._clock)
+
+    def _takes_update(self, has_blocks: bool, weight_sum: torch.Tensor) -> bool:
+        """Whether this step updates the weights: some rank had blocks. A rank's own blocks say
+        so without a device read (every anchor has a weighted label: sample_anchors only picks
+        p with loss at p+1, block position 1); a rank without any reads the all-reduced sum."""
+        if has_blocks:
+            return True
+        return self.world_size > 1 and float(weight_sum) > 0
 
     def _loss_and_backward(self, batch, features: torch.Tensor, mask, weight_sum: torch.Tensor, *,
                            acceptance: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -258,8 +273,9 @@ class DrafterTrainer:
         block_embeds = self.head.embed(batch.block_ids)
         return self.drafter_forward(features, ctx_positions, block_embeds, batch.block_positions, mask)
 
-    def _reduce_and_clip(self) -> float:
-        """Sums gradients over ranks (bucketed, in place), then clips the global norm."""
+    def _reduce_and_clip(self) -> torch.Tensor | float:
+        """Sums gradients over ranks (bucketed, in place), then clips the global norm; returns
+        the norm before clipping (a device scalar; under FSDP a host float)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.sharded:  # FSDP's reduce-scatter summed them in the backward; every rank ran one
             return total_norm(torch.nn.utils.clip_grad_norm_(params, self.cfg.optimizer.grad_clip))
@@ -276,7 +292,7 @@ class DrafterTrainer:
                     bucket, size = [], 0
             if bucket:
                 self._all_reduce_bucket(bucket)
-        return float(torch.nn.utils.clip_grad_norm_(params, self.cfg.optimizer.grad_clip))
+        return torch.nn.utils.clip_grad_norm_(params, self.cfg.optimizer.grad_clip)
 
     def _all_reduce_bucket(self, grads: list[torch.Tensor]) -> None:
         flat = torch._utils._flatten_dense_tensors(grads)
