@@ -1,11 +1,12 @@
-"""torch.compile of the target's decode forward (decode/compiled.py).
+"""torch.compile of the target's decode forward (decode/compiled.py), in both scopes.
 
-On CPU the forward is traced with ``aot_eager``: Dynamo over the transformers model, our cache
-and masks, and AOTAutograd's functionalisation of the in-place K/V writes, without code
-generation (Inductor's kernels are the GPU test's business). A one-layer random target keeps
-each compile to seconds. What must hold: the same tokens as the eager forward (float32), one
-graph with no break, no recompile for other rows buckets or key spans, and a compiler that
-fails costs one warning and nothing else."""
+On CPU the forward is traced with ``aot_eager``: Dynamo over the transformers model (or one
+decoder layer), our cache and masks, and AOTAutograd's functionalisation of the in-place K/V
+writes, without code generation (Inductor's kernels are the GPU test's business). One- to
+four-layer random targets keep each compile to seconds. What must hold: the same tokens (and
+captured features) as the eager forward (float32), one graph with no break, no recompile for
+other rows buckets, key spans or layers, and a compiler that fails costs one warning and
+nothing else."""
 
 import logging
 import os
@@ -17,7 +18,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from dflash_ipc.bench.assets import build_random_target
 from dflash_ipc.decode import compiled
-from dflash_ipc.decode.compiled import compile_enabled
+from dflash_ipc.decode.compiled import SCOPE_ENV, SCOPES, compile_enabled, compile_scope
 from dflash_ipc.decode.engine import DecodeEngine, EngineSettings
 from dflash_ipc.decode.requests import Request, RequestList
 from dflash_ipc.decode.target import BatchedTarget
@@ -33,9 +34,19 @@ def target_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module", params=SCOPES)
+def target(target_dir, request):
+    return BatchedTarget(target_dir, device="cpu", dtype="float32", compile_scope=request.param)
+
+
 @pytest.fixture(scope="module")
-def target(target_dir):
-    return BatchedTarget(target_dir, device="cpu", dtype="float32")
+def layered_dirs(tmp_path_factory):
+    """Random targets of 2 and 4 layers: {layers: path}."""
+    paths = {}
+    for num_layers in (2, 4):
+        paths[num_layers] = str(tmp_path_factory.mktemp(f"layers-{num_layers}") / "target")
+        build_random_target(paths[num_layers], shape="tiny", dtype="float32", num_layers=num_layers, seed=5)
+    return paths
 
 
 @pytest.fixture()
@@ -58,9 +69,9 @@ def tokens(run):
     return {g.request.key: g.tokens for g in run.generations}
 
 
-def run_engine(target, compile, rows=4):
+def run_engine(target, compile, rows=4, requests=None):
     engine = DecodeEngine(target, settings=EngineSettings(max_rows=rows, check_every=3, compile=compile))
-    return engine, engine.run(RequestList(make_requests()))
+    return engine, engine.run(RequestList(requests or make_requests()))
 
 
 def test_compiled_steps_give_the_eager_tokens_without_recompiling(target, counter):
@@ -77,7 +88,9 @@ def test_compiled_steps_give_the_eager_tokens_without_recompiling(target, counte
     assert tokens(again) == tokens(eager)
 
 
-def test_the_decode_forward_is_one_graph(target):
+def test_the_decode_forward_is_one_graph(target_dir):
+    """The forward scope's graph (the layer scope's: test_layer_scope_compiles_once_for_every_layer)."""
+    target = BatchedTarget(target_dir, device="cpu", dtype="float32", compile_scope="forward")
     target.reset(4, 64)
     target.prefill([0, 1, 2, 3], [np.arange(10, 20)] * 4, features=False)
     with torch.inference_mode():
@@ -130,6 +143,37 @@ def test_speculative_verify_compiled_equals_eager(target_dir, counter):
     assert counter.frame_count >= 1
 
 
+@pytest.mark.parametrize("num_layers", [2, 4])
+def test_layer_scope_compiles_once_for_every_layer(layered_dirs, num_layers, counter):
+    """Every layer runs the one compiled layer: as many graphs for 4 layers as for 2 (a rows
+    bucket of 2+ and one of 1 row), no recompile per layer index, no graph break."""
+    target = BatchedTarget(layered_dirs[num_layers], device="cpu", dtype="float32", compile_scope="layer")
+    torch._dynamo.utils.counters.clear()
+    eager = run_engine(target, "off", rows=2, requests=make_requests(5))[1]
+    run = run_engine(target, "on", rows=2, requests=make_requests(5))[1]
+    assert not target._compiled_extend.failed
+    assert tokens(run) == tokens(eager)
+    assert counter.frame_count == 2
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_layer_scope_features_equal_eager(layered_dirs, counter):
+    """The capture hooks run around the compiled layers: extend's features (and logits) as
+    eager's; a prefill runs the same layers uncompiled."""
+    target = BatchedTarget(layered_dirs[2], layer_ids=[0, 1], device="cpu", dtype="float32", compile_scope="layer")
+    target.reset(3, 64)
+    target.prefill([0, 1, 2], [np.arange(10, 10 + n) for n in (5, 9, 12)])
+    lengths = torch.tensor([5, 9, 12])
+    block = torch.arange(30, 42).reshape(3, 4)  # a verify pass's shape: q = 4 tokens per row
+    eager = target.extend(block, lengths, 12, features=True)
+    fused = target.extend(block, lengths, 12, features=True, compiled=True)
+    assert fused[1].shape == (3, 4, 2 * target.hidden_size)
+    torch.testing.assert_close(fused, eager)
+    assert not target._compiled_extend.failed and counter.frame_count == 1
+    target.prefill([1], [np.arange(50, 57)])  # the same layers, eagerly: nothing compiled
+    assert counter.frame_count == 1
+
+
 def test_settings():
     assert not compile_enabled("auto", "cpu", graphs=False)
     assert compile_enabled("auto", "cuda:0", graphs=True) and not compile_enabled("auto", "cuda:0", graphs=False)
@@ -138,20 +182,24 @@ def test_settings():
         EngineSettings(compile="yes")
     with pytest.raises(ConfigError, match="allowed"):
         compile_enabled("always", "cpu", graphs=False)
+    assert compile_scope(None) == os.environ.get(SCOPE_ENV, "layer") and compile_scope("forward") == "forward"
+    with pytest.raises(ConfigError, match="scope='model'"):
+        compile_scope("model")
     assert os.environ.get("TORCHDYNAMO_DISABLE") != "1"  # the tests above would pass vacuously
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_inductor_steps_in_cuda_graphs_match_eager(target_dir, dtype):
+@pytest.mark.parametrize("scope", SCOPES)
+def test_inductor_steps_in_cuda_graphs_match_eager(target_dir, dtype, scope):
     """CUDA: the compiled forward (Inductor, coordinate-descent-tuned) inside the captured steps
     against eager uncaptured steps; Inductor's reductions round differently, so a first
     difference must be a near-tie of both runs (eval/lossless.py's rule)."""
     from dflash_ipc.eval.lossless import compare
 
     torch._dynamo.reset()
-    cuda = BatchedTarget(target_dir, device="cuda:0", dtype=dtype)
+    cuda = BatchedTarget(target_dir, device="cuda:0", dtype=dtype, compile_scope=scope)
     runs = {}
     for graphs, setting in (("off", "off"), ("on", "on")):
         engine = DecodeEngine(cuda, settings=EngineSettings(max_rows=4, check_every=3, graphs=graphs,

@@ -8,18 +8,32 @@ kernel. With ``DFLASH_DECODE_TUNE=1`` it also gets ``coordinate_descent_tuning``
 Inductor turns a one-row matmul (batch 1: ``[1, H] @ W``) into a reduction kernel tuned for the
 weight's read bandwidth and fused with the norm that feeds it.
 
-The decoders run this only when asked (``compile`` "on" or "auto"; their default is "off"):
-its compile time and its gain on a GPU are not measured yet (``python3 -m
-benchmarks.compile_decode qwen3-1.7b`` measures both). Tested on CPU through ``aot_eager``
-(tests/test_decode_compiled.py).
+The decoders run this only when asked (``compile`` "on" or "auto"; their default is "off").
+Only :meth:`BatchedTarget.extend` is compiled (the step of the decoding core and the verify
+pass of speculative decoding both go through it); the prefill stays eager (its shapes change
+with every refill). What is compiled is the scope (SCOPES; the target's ``compile_scope``,
+else ``$DFLASH_DECODE_COMPILE_SCOPE``, else layer):
 
-What is compiled is :meth:`BatchedTarget.extend`'s body (positions, masks, the cache write
-plan, the model forward, the captured layers): the step of the decoding core and the verify
-pass of speculative decoding both go through it. The prefill stays eager (its shapes change
-with every refill). Shapes are dynamic (``dynamic=True``), so one compile serves every rows
+    layer    one decoder layer's forward (:func:`layer_step`), which every layer runs: the
+             compile costs one layer's, whatever the depth. Each layer's ``forward`` is a
+             :class:`LayerForward` that calls it only while a compiled extend runs (else the
+             class's forward); the embedding, rotary, masks, final norm and head run eagerly.
+             The layer's cache is a :class:`LayerKV` of that layer's K/V storage, whose
+             ``update`` ignores the layer index, so no guard names a layer and no layer compiles
+             again (tests/test_decode_compiled.py: as many graphs for 4 layers as for 2). The
+             module's forward hooks (target.py LayerCapture) run around it, eagerly.
+    forward  extend's whole body (positions, masks, the cache write plan, the model forward
+             with every layer unrolled, the captured layers): one graph, fused across layers,
+             compiled in time that grows with the depth (measured on an H200, Qwen3-1.7B shape,
+             28 layers: 275 s for batch 1).
+
+Shapes are dynamic (``dynamic=True``, no duck sizing), so one compile serves every rows
 bucket, key span and cache size; torch specialises sizes of 1, so batch 1 (and the one-token
-step) get a program of their own. The compiled call runs inside the CUDA graphs: the first call of a
-shape compiles during the graph's eager warm-up, the capture records the fused kernels.
+step) get a program of their own. The compiled calls run inside the CUDA graphs: the first call
+of a shape compiles during the graph's eager warm-up, the capture records the fused kernels.
+Tested on CPU through ``aot_eager`` (tests/test_decode_compiled.py);
+``python3 -m benchmarks.compile_decode qwen3-1.7b --scope layer,forward`` measures compile
+time and step time on a GPU.
 
 A compile that fails (an op Dynamo or Inductor cannot handle in some model) logs once and
 the target runs the same forward eagerly from then on.
@@ -32,7 +46,9 @@ import os
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
+from dflash_ipc.decode.row_cache import RaggedCache
 from dflash_ipc.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -42,6 +58,10 @@ COMPILE = ("auto", "on", "off")  # the decoders' default is off (decode/engine.p
 needs a C++ compiler); off: eager."""
 BACKEND = "inductor"
 """torch.compile backend (tests swap in ``aot_eager``: the same tracing without code generation)."""
+SCOPES = ("layer", "forward")
+"""layer: one decoder layer's forward compiled, every layer runs it; forward: extend's whole body."""
+SCOPE_ENV = "DFLASH_DECODE_COMPILE_SCOPE"
+"""Environment variable that picks the scope (SCOPES) where the target's constructor is not told."""
 
 
 def compile_enabled(setting: str, device, graphs: bool) -> bool:
@@ -50,6 +70,22 @@ def compile_enabled(setting: str, device, graphs: bool) -> bool:
     if setting not in COMPILE:
         raise ConfigError(f"decode compile={setting!r}; allowed: {list(COMPILE)}")
     return setting == "on" or (setting == "auto" and graphs and torch.device(device).type == "cuda")
+
+
+def compile_scope(scope: str | None = None) -> str:
+    """``scope``, else $DFLASH_DECODE_COMPILE_SCOPE, else "layer"; checked against SCOPES."""
+    scope = scope or os.environ.get(SCOPE_ENV) or "layer"
+    if scope not in SCOPES:
+        raise ConfigError(f"decode compile scope={scope!r} (${SCOPE_ENV}); allowed: {list(SCOPES)}")
+    return scope
+
+
+def compiled_extend(extend: Callable, layers, scope: str, device: torch.device):
+    """What a compiled extend calls in place of ``extend`` (BatchedTarget._extend, over the
+    decoder ``layers``): the whole of it compiled, or it eager around compiled layers."""
+    if scope == "forward":
+        return CompiledForward(extend, device)
+    return CompiledLayers(extend, layers, device)
 
 
 class CompiledForward:
@@ -68,8 +104,11 @@ class CompiledForward:
             return self.fn(*args)
         try:
             # No duck sizing: the first step's rows often equal the cache's, and an equality
-            # guard on that would compile again for every other rows bucket.
-            with torch.fx.experimental._config.patch(use_duck_shape=False):
+            # guard on that would compile again for every other rows bucket. Floats specialised:
+            # a module's float (an RMS norm's eps, attention's scale) made a graph input fails
+            # to become a tensor in some op, and Dynamo then traces the whole code a second time.
+            with torch.fx.experimental._config.patch(use_duck_shape=False), \
+                    torch._dynamo.config.patch(specialize_float=True):
                 return self.compiled(*args)
         except torch.OutOfMemoryError:
             raise
@@ -80,3 +119,73 @@ class CompiledForward:
                         type(e).__name__, str(e)[:300])
             self.failed = True
             return self.fn(*args)
+
+
+class CompiledLayers:
+    """``extend`` run eagerly, each decoder layer's forward in it through one
+    :class:`CompiledForward` of :func:`layer_step`. Outside a call of this (a prefill, an eager
+    extend) the layers run their own forward."""
+
+    def __init__(self, extend: Callable, layers, device: torch.device) -> None:
+        self.extend = extend
+        self.step = CompiledForward(layer_step, device)
+        self.active = False
+        for index, layer in enumerate(layers):
+            layer.forward = LayerForward(layer, index, self)
+
+    @property
+    def failed(self) -> bool:
+        return self.step.failed
+
+    def __call__(self, *args):
+        self.active = True
+        try:
+            return self.extend(*args)
+        finally:
+            self.active = False
+
+
+class LayerForward:
+    """Decoder layer ``index``'s forward: through ``owner.step`` while ``owner`` is active, else
+    the class's. An instance attribute, so the module's hooks (target.py LayerCapture) still run
+    around it, eagerly."""
+
+    def __init__(self, layer, index: int, owner: CompiledLayers) -> None:
+        self.layer, self.index, self.owner = layer, index, owner
+
+    def __call__(self, *args, **kwargs):
+        layer = self.layer
+        found = [(k, v) for k, v in kwargs.items() if isinstance(v, RaggedCache)] if self.owner.active else []
+        if not found or found[0][1].kv.keys[self.index] is None:  # not ours, or storage not allocated yet
+            return type(layer).forward(layer, *args, **kwargs)
+        name, cache = found[0]
+        _, rows, pos, length = cache._plan  # plan_extend's: a compiled extend plans nothing else
+        kv = cache.kv
+        others = {k: v for k, v in kwargs.items() if k != name}
+        return self.owner.step(layer, kv.keys[self.index], kv.values[self.index], rows, pos, length, name, args,
+                               others)
+
+
+def layer_step(layer, keys: Tensor, values: Tensor, rows: Tensor, pos: Tensor, length: int, cache_kw: str,
+               args: tuple, kwargs: dict):
+    """``layer``'s forward with a :class:`LayerKV` of its K/V storage ``keys``/``values`` as its
+    cache: the code every layer shares, with nothing in it that names the layer (Dynamo would
+    specialise on an index and compile once per layer)."""
+    return type(layer).forward(layer, *args, **{cache_kw: LayerKV(keys, values, rows, pos, length)}, **kwargs)
+
+
+class LayerKV:
+    """One layer of a RaggedCache under ``plan_extend``, as HF attention calls it
+    (``update(k, v, layer_idx)``): RowStorage.write then .view on this layer's storage
+    ``[rows, capacity + 1, heads, D]``; the index is not read."""
+
+    def __init__(self, keys: Tensor, values: Tensor, rows: Tensor, pos: Tensor, length: int) -> None:
+        self.keys, self.values, self.rows, self.pos, self.length = keys, values, rows, pos, length
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        """key/value_states ``[R, heads, q, D]`` written at ``pos`` ``[R, q]`` -> K, V ``[R, heads, length, D]``."""
+        index = (self.rows[:, None], self.pos)
+        self.keys.index_put_(index, key_states.transpose(1, 2))
+        self.values.index_put_(index, value_states.transpose(1, 2))
+        n, length = self.rows.shape[0], self.length
+        return self.keys[:n, :length].transpose(1, 2), self.values[:n, :length].transpose(1, 2)

@@ -31,7 +31,7 @@ from dflash_ipc.data.stops import stop_token_ids
 from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.config.dtypes import resolve_dtype
 from dflash_ipc.errors import ConfigError
-from dflash_ipc.decode.compiled import CompiledForward
+from dflash_ipc.decode.compiled import compile_scope as _compile_scope, compiled_extend
 from dflash_ipc.decode.ragged_attention import layer_masks, register_attention
 from dflash_ipc.decode.row_cache import MASK_ALIGN, RaggedCache, round_up
 from dflash_ipc.hf.text_stack import find_text_stack, has_recurrent_layers, load_causal_lm, text_config
@@ -141,7 +141,7 @@ class BatchedTarget(TargetModel):
     """A :class:`TargetModel` with a :class:`RaggedCache` of ``num_rows`` sequences."""
 
     def __init__(self, target_dir: str, *, layer_ids: Sequence[int] = (), device: str | torch.device = "cpu",
-                 dtype: str = "auto", model=None) -> None:
+                 dtype: str = "auto", model=None, compile_scope: str | None = None) -> None:
         super().__init__(target_dir, layer_ids=layer_ids, device=device, dtype=dtype,
                          attn_implementation=register_attention(), model=model)
         if self.recurrent:
@@ -152,7 +152,10 @@ class BatchedTarget(TargetModel):
         self.layer_types = list(getattr(self.text_config, "layer_types", None) or ["full_attention"] * self.num_layers)
         self.sliding_window = getattr(self.text_config, "sliding_window", None)
         self.cache: RaggedCache | None = None
-        self._compiled_extend: CompiledForward | None = None
+        self.compile_scope = _compile_scope(compile_scope)
+        """What a compiled extend compiles (decode/compiled.py SCOPES): one decoder layer, or the whole forward."""
+        self._compiled_extend = None
+        """decode/compiled.py's CompiledLayers or CompiledForward, built by the first compiled extend."""
 
     def reset(self, num_rows: int, capacity: int) -> None:
         """A new, empty cache of ``num_rows`` rows of at least ``capacity`` positions."""
@@ -209,7 +212,8 @@ class BatchedTarget(TargetModel):
         self.num_forwards += 1
         if compiled:
             if self._compiled_extend is None:
-                self._compiled_extend = CompiledForward(self._extend, self.device)
+                layers = find_text_stack(self.model).layers
+                self._compiled_extend = compiled_extend(self._extend, layers, self.compile_scope, self.device)
             return self._compiled_extend(tokens, lengths, span, features)
         return self._extend(tokens, lengths, span, features)
 
