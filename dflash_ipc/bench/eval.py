@@ -170,7 +170,7 @@ def legacy_rows(target_dir: str, model: DFlashDraftModel, prompts: Sequence[np.n
 
 def batched_rows(target: BatchedTarget, model: DFlashDraftModel, prompts: Sequence[np.ndarray], *,
                  batch_sizes: Sequence[int], prompts_per_batch: int, max_new_tokens: int,
-                 compile: str = "off") -> list[Row]:
+                 compile: str = "auto") -> list[Row]:
     """Both batched decoders at each batch size; stops growing the batch after running out of memory.
     ``compile``: torch.compile of the target's decode forward (decode/compiled.py COMPILE)."""
     drafter = DrafterContext(model, target.head)
@@ -242,7 +242,7 @@ def summary(rows: Sequence[Row], bound_ms: float = math.nan) -> dict:
 def run_eval_bench(*, device: str = "cuda:0", shape: str = "qwen3-1.7b", batch_sizes: Sequence[int] = (1, 16, 64, 256),
                    prompts_per_batch: int = 2, max_new_tokens: int = 128, prompt_len: tuple[int, int] = (64, 256),
                    legacy_prompts: int = 2, dtype: str = "auto", work_dir: str | None = None, seed: int = 0,
-                   hbm_tbps: float = H200_HBM_BYTES_PER_S / 1e12, compile: str = "off",
+                   hbm_tbps: float = H200_HBM_BYTES_PER_S / 1e12, compile: str = "auto",
                    emit: Callable[[str], None] = print) -> dict:
     """Build (or reuse, in ``work_dir``) the assets, measure every row, ``emit`` the table; the figures."""
     dev = torch.device(device)

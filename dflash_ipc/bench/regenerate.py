@@ -52,9 +52,9 @@ PHASES = ("one-at-a-time", "generate-static", "generate-dynamic", "engine-batche
 _GENERATOR_OF_PHASE = {  # GeneratorSettings fields of each batched phase
     "generate-static": dict(decoder="generate", cache="static"),
     "generate-dynamic": dict(decoder="generate", cache="dynamic"),
-    "engine-batches": dict(decoder="engine", cache="static", continuous=False),
-    "engine-continuous": dict(decoder="engine", cache="static", continuous=True),
-    "engine-refill-each": dict(decoder="engine", cache="static", continuous=True, refill_rows=1),
+    "engine-batches": dict(decoder="engine", cache="static", continuous=False, compile="off"),
+    "engine-continuous": dict(decoder="engine", cache="static", continuous=True, compile="off"),
+    "engine-refill-each": dict(decoder="engine", cache="static", continuous=True, refill_rows=1, compile="off"),
     "engine-compiled": dict(decoder="engine", cache="static", continuous=True, compile="auto"),
 }
 DEFAULT_PHASES = ("one-at-a-time", "generate-static", "engine-batches", "engine-continuous")

@@ -276,7 +276,7 @@ def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt,
               help="Prompt lengths, log-uniform.")
 @click.option("--legacy-prompts", default=2, show_default=True, type=click.IntRange(min=0),
               help="Prompts of the unbatched (legacy) rows (0: no legacy rows).")
-@click.option("--compile-decode", "compile_decode", type=click.Choice(["auto", "on", "off"]), default="off",
+@click.option("--compile-decode", "compile_decode", type=click.Choice(["auto", "on", "off"]), default="auto",
               show_default=True, help="torch.compile of the target's decode forward (auto: on CUDA).")
 @click.option("--dtype", type=click.Choice(["auto", *DTYPE_NAMES]), default="auto",
               show_default=True)

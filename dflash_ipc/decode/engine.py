@@ -102,9 +102,9 @@ class EngineSettings:
     the rows (at least 1)."""
     graphs: str = "auto"
     """CUDA graphs of the decode step (GRAPHS)."""
-    compile: str = "off"
+    compile: str = "auto"
     """torch.compile of the target's decode forward (decode/compiled.py COMPILE; auto: where the
-    step is a CUDA graph). Off by default: its GPU compile time and gain are not measured yet."""
+    step is a CUDA graph, so on a GPU; one decoder layer compiled, ~10 s: docs/benchmarks.md)."""
     keep_margins: bool = False
     """Record each chosen token's top-1 minus top-2 logit and its top-1 logit (eval's lossless check)."""
 

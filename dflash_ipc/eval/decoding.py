@@ -241,7 +241,7 @@ class PlainDecoder:
 
     def __init__(self, target: BatchedTarget, *, batch_size: int, sampling: Sampling = Sampling(),
                  prefill_tokens: int = PREFILL_TOKENS, progress=None, check_every: int = 16, graphs: str = "auto",
-                 compile: str = "off", keep_cache: bool = False) -> None:
+                 compile: str = "auto", keep_cache: bool = False) -> None:
         from dflash_ipc.decode.engine import DecodeEngine, EngineSettings
         from dflash_ipc.decode.sampler import TokenChoice
 
@@ -283,7 +283,7 @@ class SpeculativeDecoder(BatchedDecoder):
 
     uses_features = True
 
-    def __init__(self, target: BatchedTarget, drafter: DrafterContext, *, graphs: str = "auto", compile: str = "off",
+    def __init__(self, target: BatchedTarget, drafter: DrafterContext, *, graphs: str = "auto", compile: str = "auto",
                  **kwargs) -> None:
         super().__init__(target, **kwargs)
         from dflash_ipc.decode.compiled import compile_enabled

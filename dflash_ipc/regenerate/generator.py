@@ -59,7 +59,7 @@ class GeneratorSettings:
     kv_tokens: int | None = None  # engine: cached positions of all rows (None: CPU 16384, GPU from free memory)
     check_every: int = 16  # engine: steps between looks for stop tokens
     graphs: str = "auto"  # engine: CUDA graphs (decode.engine.GRAPHS)
-    compile: str = "off"  # engine: torch.compile of the target's decode forward (decode.compiled.COMPILE)
+    compile: str = "auto"  # engine: torch.compile of the target's decode forward (decode.compiled.COMPILE)
     continuous: bool = True  # engine: refill rows as they finish (False: static batches, for benchmarks)
     refill_rows: int | None = None  # engine: free rows a refill waits for (None: an eighth of the rows)
 
