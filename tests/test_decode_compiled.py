@@ -121,6 +121,25 @@ def test_a_failing_compiler_falls_back_to_eager_once(target, monkeypatch, caplog
     target._compiled_extend = None
 
 
+def test_a_layer_that_fails_on_layer_kv_too_runs_the_class_forward(layered_dirs, monkeypatch):
+    """Layer scope: when the compile fails and layer_step's eager run fails as well (a layer
+    that needs more of the Cache API than LayerKV has), the layers run their own forward."""
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("no kernel for this op")
+
+    def broken_update(self, *args, **kwargs):
+        raise AttributeError("LayerKV has no get_seq_length")
+
+    target = BatchedTarget(layered_dirs[2], dtype="float32", compile_scope="layer")
+    _, eager = run_engine(target, "off")
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiled, "BACKEND", broken_backend)
+    monkeypatch.setattr(compiled.LayerKV, "update", broken_update)
+    _, run = run_engine(target, "on")
+    torch._dynamo.reset()
+    assert tokens(run) == tokens(eager) and target._compiled_extend.failed
+
+
 def test_speculative_verify_compiled_equals_eager(target_dir, counter):
     from transformers import AutoConfig, AutoTokenizer
 

@@ -158,14 +158,22 @@ class LayerForward:
     def __call__(self, *args, **kwargs):
         layer = self.layer
         found = [(k, v) for k, v in kwargs.items() if isinstance(v, RaggedCache)] if self.owner.active else []
-        if not found or found[0][1].kv.keys[self.index] is None:  # not ours, or storage not allocated yet
-            return type(layer).forward(layer, *args, **kwargs)
+        if not found or self.owner.failed or found[0][1].kv.keys[self.index] is None:
+            return type(layer).forward(layer, *args, **kwargs)  # not ours, compiling failed, or storage not allocated yet
         name, cache = found[0]
         _, rows, pos, length = cache._plan  # plan_extend's: a compiled extend plans nothing else
         kv = cache.kv
         others = {k: v for k, v in kwargs.items() if k != name}
-        return self.owner.step(layer, kv.keys[self.index], kv.values[self.index], rows, pos, length, name, args,
-                               others)
+        try:
+            return self.owner.step(layer, kv.keys[self.index], kv.values[self.index], rows, pos, length, name, args,
+                                   others)
+        except Exception:
+            if not self.owner.failed:
+                raise
+            # The compile failed and layer_step's eager run did too (a layer needing more of the
+            # Cache API than LayerKV's update): the class's forward over the RaggedCache. Its
+            # writes are the same K/V at the same places, so a partial first write is harmless.
+            return type(layer).forward(layer, *args, **kwargs)
 
 
 def layer_step(layer, keys: Tensor, values: Tensor, rows: Tensor, pos: Tensor, length: int, cache_kw: str,
