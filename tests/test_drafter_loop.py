@@ -481,3 +481,27 @@ def test_a_pipelined_loop_publishes_each_step_after_the_next_is_queued_and_all_b
     keys = ("step", "loss", "anchors", "tokens", "lr", "grad_norm")
     assert [tuple(r[k] for k in keys) for r in logs[True]] == [tuple(r[k] for k in keys) for r in logs[False]]
     assert [r["step"] for r in logs[True]] == [1, 2, 3]
+
+
+def test_a_step_that_fails_to_launch_still_publishes_the_step_before_it(tmp_path):
+    import json
+    loop, link, readers = build(tmp_path, checkpoint={"every_steps": 100})
+    loop.pipelined = True
+    readers.pool_of_read = "p0"
+    path = tmp_path / "steps.jsonl"
+    loop.step_log = open(path, "w")
+    loop.resume(registered())
+    link.inbox.extend([assign(0, [0, 1, 2], 1), assign(1, [3, 4, 5, 6, 7], 2)])
+    while loop.trainer.step_count < 1:
+        assert loop.pass_once()
+    assert loop.pending is not None and path.read_text() == ""
+
+    def out_of_memory(chosen, **options):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    loop.trainer.launch = out_of_memory
+    with pytest.raises(torch.OutOfMemoryError):
+        while True:
+            loop.pass_once()
+    loop.step_log.close()
+    assert [json.loads(line)["step"] for line in open(path)] == [1] and loop.pending is None

@@ -243,7 +243,11 @@ class DrafterLoop:
         chosen = self.queue.take(self.cfg.objective.anchors_per_step)
         every = self.cfg.validation.every_steps
         validated = self.trainer.step_count  # the proxy scores the weights before this step
-        launched = self.trainer.launch(chosen, validate=bool(every) and validated % every == 0)
+        try:
+            launched = self.trainer.launch(chosen, validate=bool(every) and validated % every == 0)
+        except BaseException:
+            self.flush_step()  # the step before it finished (or failed on its own): its record is kept
+            raise
         self.queue.record_trained(chosen)
         if self.after_step is not None:
             self.after_step()
