@@ -8,10 +8,11 @@ a half of a small drafter's step). So the step's figures stay on the device: one
 recorded behind the copy. ``result()`` waits for that event only: the host may already have
 queued the next step, which the read does not wait for.
 
-``step_s`` is the wall time the step added: from its launch, or from the moment the host
-read the previous step's figures if that came later (a pipelined loop reads step N-1 after
-launching step N), to the moment its own figures were read. Summed over steps, it is the
-loop's training time either way.
+``step_s`` runs from the step's launch, or from the moment the host read the previous step's
+figures if that came later (a pipelined loop reads step N-1 after launching step N), to the
+moment its own figures were read. Read at once (``step()``), that is the step's wall time;
+in the pipelined loop it also holds whatever the loop did before launching the next step
+(waiting for hidden states included).
 """
 
 from __future__ import annotations
@@ -45,17 +46,14 @@ class LaunchedStep:
         self._clock = clock
         self._done: torch.cuda.Event | None = None
         if figures.device.type == "cuda":
-            self._host = torch.empty(figures.shape, dtype=figures.dtype, pin_memory=True)
-            self._host.copy_(figures, non_blocking=True)
-            self._done = torch.cuda.Event()
-            self._done.record()
+            with torch.cuda.device(figures.device):  # the copy and the event on that device's stream
+                self._host = torch.empty(figures.shape, dtype=figures.dtype, pin_memory=True)
+                self._host.copy_(figures, non_blocking=True)
+                self._done = torch.cuda.Event()
+                self._done.record()
         else:
             self._host = figures
         self._result: dict | None = None
-
-    def ready(self) -> bool:
-        """Whether the figures are on the host (``result()`` would not wait)."""
-        return self._result is not None or self._done is None or self._done.query()
 
     def result(self) -> dict:
         """The step's figures (waits for the step's device work, nothing queued after it)."""
