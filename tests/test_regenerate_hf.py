@@ -363,6 +363,18 @@ def test_the_decoder_is_the_engine_where_the_target_allows(target, model, vl_tar
         Generator(GeneratorSettings(vl_target, pad_id=0, decoder="engine"), "cpu")
 
 
+def test_rows_default_to_the_decoder_and_device_and_a_named_size_wins(target, model):
+    from dflash_ipc.regenerate.generator import default_max_batch_size
+    from dflash_ipc.regenerate.hf import HFBackend
+
+    assert HFBackend(target, GenerationOptions(), model=model).settings.max_rows == 64  # CPU
+    assert HFBackend(target, GenerationOptions(), model=model, max_batch_size=3).settings.max_rows == 3
+    # on a GPU the engine holds more rows than a generate call holds prompts (docs/benchmarks.md)
+    assert default_max_batch_size("engine", cpu=False) == 512
+    assert default_max_batch_size("generate", cpu=False) == 256
+    assert default_max_batch_size("engine", cpu=True) == default_max_batch_size("generate", cpu=True) == 64
+
+
 def test_a_tool_row_the_template_cannot_render_is_rejected_not_regenerated_without_its_tools(target, model):
     """The tiny target's ChatML template renders content only: a prompt with a tool schema and a
     tool call would reach the target as plain text without them."""

@@ -44,7 +44,7 @@ import time
 import numpy as np
 
 from dflash_ipc.decode.bound import H200_HBM_BYTES_PER_S, bound, weight_bytes
-from dflash_ipc.regenerate.generator import BatchStats, Generator, GeneratorSettings
+from dflash_ipc.regenerate.generator import BatchStats, Generator, GeneratorSettings, default_max_batch_size
 from dflash_ipc.regenerate.hf import make_scheduler
 
 PHASES = ("one-at-a-time", "generate-static", "generate-dynamic", "engine-batches", "engine-continuous",
@@ -170,7 +170,7 @@ def run_regenerate_bench(*, shape: str = "qwen3-1.7b", target: str | None = None
         raise ConfigError(f"bench regenerate phases {unknown or '(none)'}; allowed: {list(PHASES)}")
     phases = [p for p in PHASES if p in phases]
     cpu = device.startswith("cpu")
-    max_batch_size = max_batch_size or (64 if cpu else 256)
+    max_batch_size = max_batch_size or default_max_batch_size("engine", cpu=cpu)  # generate's phases too
     min_new_tokens = min_new_tokens or max(1, max_new_tokens // 8)
     hbm = hbm_tbps * 1e12
     with tempfile.TemporaryDirectory(prefix="bench-regenerate-") as tmp:

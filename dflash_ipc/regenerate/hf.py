@@ -20,7 +20,8 @@ from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.config.machine import check_device
 from dflash_ipc.regenerate.conversation import Reply, Request
 from dflash_ipc.regenerate.devices import DevicePool
-from dflash_ipc.regenerate.generator import CACHES, BatchStats, Generator, GeneratorSettings, resolve_decoder
+from dflash_ipc.regenerate.generator import (CACHES, BatchStats, Generator, GeneratorSettings, default_max_batch_size,
+                                             resolve_decoder)
 from dflash_ipc.regenerate.options import GenerationOptions
 from dflash_ipc.regenerate.scheduler import BatchScheduler
 
@@ -56,7 +57,7 @@ class HFBackend:
                                      "max_position_embeddings", None)
         cpu = all(d.startswith("cpu") for d in self.devices)
         self.decoder = resolve_decoder(decoder, config)
-        max_batch_size = max_batch_size or (64 if cpu else 256)
+        max_batch_size = max_batch_size or default_max_batch_size(self.decoder, cpu=cpu)
         self.scheduler = make_scheduler(self.decoder, token_budget, max_batch_size, cpu=cpu)
         self.settings = GeneratorSettings(model_dir, dtype, cache, options.temperature, options.top_p, options.top_k,
                                           options.seed, tuple(sorted(stops)), int(pad),
