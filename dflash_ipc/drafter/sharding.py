@@ -99,6 +99,7 @@ def local_numel(param: torch.Tensor) -> int:
     return param.to_local().numel() if hasattr(param, "to_local") else param.numel()
 
 
-def total_norm(norm: torch.Tensor) -> float:
-    """`clip_grad_norm_`'s result as a float (over sharded gradients it is a replicated DTensor)."""
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+def total_norm(norm: torch.Tensor) -> torch.Tensor:
+    """`clip_grad_norm_`'s result as a plain device tensor (over sharded gradients it is a
+    DTensor). Not read on the host: the step's figures are read after the next step is queued."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

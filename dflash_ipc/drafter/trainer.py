@@ -177,7 +177,7 @@ class DrafterTrainer:
             return torch.full((), float(value), dtype=torch.float64, device=self.device)
 
         counts = self._all_reduce(torch.stack([loss_sum.detach().double(), scalar(num_anchors), scalar(num_tokens)]))
-        norm = grad_norm.detach().double().reshape(()) if isinstance(grad_norm, torch.Tensor) else scalar(grad_norm)
+        norm = grad_norm.detach().double().reshape(())
         figures = [counts, weight_sum.reshape(1), norm.reshape(1)]
         if validate:
             figures.append(self._all_reduce(acceptance))
@@ -273,9 +273,9 @@ class DrafterTrainer:
         block_embeds = self.head.embed(batch.block_ids)
         return self.drafter_forward(features, ctx_positions, block_embeds, batch.block_positions, mask)
 
-    def _reduce_and_clip(self) -> torch.Tensor | float:
+    def _reduce_and_clip(self) -> torch.Tensor:
         """Sums gradients over ranks (bucketed, in place), then clips the global norm; returns
-        the norm before clipping (a device scalar; under FSDP a host float)."""
+        the norm before clipping (a device scalar, not read here)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.sharded:  # FSDP's reduce-scatter summed them in the backward; every rank ran one
             return total_norm(torch.nn.utils.clip_grad_norm_(params, self.cfg.optimizer.grad_clip))
