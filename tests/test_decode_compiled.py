@@ -207,6 +207,19 @@ def test_settings():
     assert os.environ.get("TORCHDYNAMO_DISABLE") != "1"  # the tests above would pass vacuously
 
 
+def test_a_compiled_layer_writes_the_cache_slot_its_attention_names(layered_dirs):
+    """The eager forward writes the slot of ``self_attn.layer_idx`` (HF attention passes it to
+    Cache.update); the compiled layer must write the same one, not its list position."""
+    from types import SimpleNamespace
+
+    assert compiled.cache_index(SimpleNamespace(self_attn=SimpleNamespace(layer_idx=5)), 2) == 5
+    assert compiled.cache_index(SimpleNamespace(), 2) == 2  # no attention index: the position
+    target = BatchedTarget(layered_dirs[2], device="cpu", dtype="float32")
+    layers = list(reversed(target.model.model.layers))  # list positions 0, 1 hold layer_idx 1, 0
+    compiled.CompiledLayers(lambda *a: None, layers, torch.device("cpu"))
+    assert [layer.forward.index for layer in layers] == [1, 0]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -132,8 +132,8 @@ class CompiledLayers:
         self.extend = extend
         self.step = CompiledForward(layer_step, device)
         self.active = False
-        for index, layer in enumerate(layers):
-            layer.forward = LayerForward(layer, index, self)
+        for position, layer in enumerate(layers):
+            layer.forward = LayerForward(layer, cache_index(layer, position), self)
 
     @property
     def failed(self) -> bool:
@@ -145,6 +145,13 @@ class CompiledLayers:
             return self.extend(*args)
         finally:
             self.active = False
+
+
+def cache_index(layer, position: int) -> int:
+    """The cache slot ``layer`` writes: its attention's ``layer_idx``, which HF attention passes to
+    ``Cache.update`` (the eager path's slot), else its position in the layer list."""
+    index = getattr(getattr(layer, "self_attn", None), "layer_idx", None)
+    return position if index is None else int(index)
 
 
 class LayerForward:
