@@ -231,7 +231,8 @@ def bench_pipeline(config, overrides, seconds, warmup_s, json_path, run_dir) -> 
 @click.option("--token-budget", type=int, default=None,
               help="generate: per batch (default 131072 GPU, 16384 CPU); engine: cached positions in all "
                    "(default 60% of the free GPU memory, 16384 CPU).")
-@click.option("--max-batch-size", type=int, default=None, help="Rows (engine) and prompts per batch (generate) of every phase; default 512 on GPU, 64 on CPU.")
+@click.option("--max-batch-size", type=int, default=None,
+              help="Rows (engine) and prompts per batch (generate) of every phase; default 512 on GPU, 64 on CPU.")
 @click.option("--phase", "phases", multiple=True, type=click.Choice(["one-at-a-time", "generate-static",
               "generate-dynamic", "engine-batches", "engine-continuous", "engine-refill-each",
               "engine-compiled"]),

@@ -75,7 +75,8 @@ def prepare(model_dir, input_path, out_dir, split, max_length, on_long, last_tur
                    "on CPU, 60% of the GPU memory left by the model; generate: per batch, default 131072 GPU, "
                    "16384 CPU).")
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=None,
-              help="hf: rows in flight (engine; default 512 GPU) or prompts per batch (generate; default 256 GPU); 64 on CPU.")
+              help="hf: rows in flight (engine; default 512 GPU) or prompts per batch (generate; default 256 "
+                   "GPU); 64 on CPU.")
 @click.option("--url", default=None, help="openai: the server's base URL, e.g. http://127.0.0.1:8000/v1.")
 @click.option("--served-model", default=None, help="openai: model name (default: the first the server lists).")
 @click.option("--concurrency", default=16, show_default=True, help="openai: requests in flight at most.")
