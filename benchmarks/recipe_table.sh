@@ -16,7 +16,7 @@
 # Time limits (s): TREGEN (150; the rows written by then are kept), TRECIPES (380): under 10 minutes in all.
 # Knobs (env): TARGET (an HF model directory), DEVICE (cuda:0), MASK_TOKEN_ID (16: SmolLM2's
 # unused <empty_output>; its tokenizer has no mask token and no spare embedding row), ROWS (2400),
-# REPLY_TOKENS (256), HELD_OUT (64), EVAL_TOKENS (128), BUDGET_S (25), ANCHORS (2048),
+# REPLY_TOKENS (256), REGEN_ROWS (256: regenerate's --max-batch-size, the rows its documented figures ran with), HELD_OUT (64), EVAL_TOKENS (128), BUDGET_S (25), ANCHORS (2048),
 # RECIPES (paper,dpace,swa,muon,wsd,default), RECIPE_DEFS (extra --recipe definitions,
 # space-separated NAME=KEY=VALUE,... items), WORK (/tmp/recipe-work: rebuilt every run).
 set -uo pipefail
@@ -46,7 +46,7 @@ elapsed prompts $t
 
 stage "regenerate"; t=$(date +%s)
 timeout "${TREGEN:-150}" $py -m dflash_ipc.cli regenerate --model "$target" --input "$work/prompts.jsonl" \
-  --out "$work/replies.jsonl" --max-new-tokens "${REPLY_TOKENS:-256}" --devices "$device" \
+  --out "$work/replies.jsonl" --max-new-tokens "${REPLY_TOKENS:-256}" --max-batch-size "${REGEN_ROWS:-256}" --devices "$device" \
   > "$out/regenerate.log" 2>&1
 rc=$?; tail -5 "$out/regenerate.log" >> "$log"; elapsed regenerate $t
 if [ $rc -eq 124 ] && [ -s "$work/replies.jsonl" ]; then  # out of time: train on the rows written so far

@@ -18,7 +18,7 @@
 #   TARGET=/tmp/smol-hf RECIPE_JSON=/tmp/recipe_table.json OUT=$OUT bash benchmarks/ten_minute_path.sh
 #
 # Knobs (env): TARGET, DEVICE (cuda:0), MASK_TOKEN_ID (16, as in recipe_table.sh), ROWS (6000),
-# REPLY_TOKENS (256), TREGEN (120), REPLIES, HELD_OUT (64), EVAL_TOKENS (128), TRAIN_S (unset),
+# REPLY_TOKENS (256), REGEN_ROWS (256: regenerate's --max-batch-size, the rows its documented figure ran with), TREGEN (120), REPLIES, HELD_OUT (64), EVAL_TOKENS (128), TRAIN_S (unset),
 # STEP_MS (95: the default recipe's step for a 135M-class target on an H200 in this job, docs/benchmarks.md), RECIPE (a name in RECIPE_JSON; without one, the job defaults), RECIPE_JSON, NUM_LAYERS (5), ANCHORS (2048),
 # TARGETS (1), DRAFTERS (1), DTYPE (bfloat16), WORK (/tmp/path-work: rebuilt every run), TUP (480),
 # TOTAL_S (545), RESERVE_S (125: up's start, features and last checkpoint 58-85 s, eval 35-42 s, measured).
@@ -50,7 +50,7 @@ else
   $py -m benchmarks.recipe_prompts "$work/prompts.jsonl" --rows "${ROWS:-6000}" >> "$log" 2>&1 || exit 1
   replies=$work/replies.jsonl
   timeout "${TREGEN:-120}" $py -m dflash_ipc.cli regenerate --model "$target" --input "$work/prompts.jsonl" \
-    --out "$replies" --max-new-tokens "${REPLY_TOKENS:-256}" --devices "$device" > "$out/regenerate.log" 2>&1
+    --out "$replies" --max-new-tokens "${REPLY_TOKENS:-256}" --max-batch-size "${REGEN_ROWS:-256}" --devices "$device" > "$out/regenerate.log" 2>&1
   rc=$?; tail -2 "$out/regenerate.log" >> "$log"; elapsed regenerate $t
   if [ $rc -eq 124 ] && [ -s "$replies" ]; then
     echo "regenerate stopped at TREGEN=${TREGEN:-120} s: $(wc -l < "$replies") rows kept" | tee -a "$log"
