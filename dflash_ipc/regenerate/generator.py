@@ -43,8 +43,8 @@ _KV_SHARE_OF_FREE = 0.6
 def default_max_batch_size(decoder: str, *, cpu: bool) -> int:
     """Rows in flight (engine) or prompts per `generate` call when the user names none. On a GPU
     the engine's decode step reads the weights once for all its rows, so more rows make more
-    tokens per step until attention over the rows' caches dominates: 512 rows make 1.12x the
-    tokens/s of 256 at the Qwen3-1.7B shape (docs/benchmarks.md). The cache's memory share
+    tokens per step until attention over the rows' caches dominates: 512 rows made 1.06x the
+    tokens/s of 256 at the Qwen3-1.7B shape, one run (docs/benchmarks.md). The cache's memory share
     (`_KV_SHARE_OF_FREE`) caps the rows where 512 do not fit."""
     if cpu:
         return 64
