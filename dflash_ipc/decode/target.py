@@ -32,6 +32,7 @@ from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.config.dtypes import resolve_dtype
 from dflash_ipc.errors import ConfigError
 from dflash_ipc.decode.compiled import compile_scope as _compile_scope, compiled_extend
+from dflash_ipc.decode import fused_projections, matvec
 from dflash_ipc.decode.ragged_attention import layer_masks, register_attention
 from dflash_ipc.decode.row_cache import MASK_ALIGN, RaggedCache, round_up
 from dflash_ipc.hf.text_stack import find_text_stack, has_recurrent_layers, load_causal_lm, text_config
@@ -156,6 +157,13 @@ class BatchedTarget(TargetModel):
         """What a compiled extend compiles (decode/compiled.py SCOPES): one decoder layer, or the whole forward."""
         self._compiled_extend = None
         """decode/compiled.py's CompiledLayers or CompiledForward, built by the first compiled extend."""
+        use_matvec = matvec.enabled(self.device)
+        self.num_fused_groups = (fused_projections.fuse_projections(self.model, matvec=use_matvec)
+                                 if fused_projections.enabled(self.device) else 0)
+        """q|k|v and gate|up groups computed as one product each (decode/fused_projections.py): on CUDA."""
+        self.num_matvec_linears = matvec.route_matvec(self.model) if use_matvec else 0
+        """Other linear layers whose one-row products (a decode step at batch 1) run
+        decode/matvec.py's Triton kernel: all of them on CUDA, none elsewhere."""
 
     def reset(self, num_rows: int, capacity: int) -> None:
         """A new, empty cache of ``num_rows`` rows of at least ``capacity`` positions."""

@@ -1,0 +1,115 @@
+"""The decode step's matrix-vector products at batch 1: cuBLAS against decode/matvec.py's Triton kernel.
+
+    python3 -m benchmarks.matvec qwen3-1.7b qwen3-8b            # the kernel's launch_config
+    python3 -m benchmarks.matvec qwen3-1.7b --sweep             # every config of the grid, best kept
+
+For each weight shape of a bench shape's decoder layer (bench/assets.py SHAPES: q, k, v, o, gate,
+up, down; fused q|k|v and gate|up; the LM head), one row against it: as many distinct copies of the
+weight as fill 512 MiB (at least 4, so the 50-MB L2 holds none of them between reads), one linear
+per copy, captured as one CUDA graph and replayed; microseconds per product and the weight's
+read rate. Then the matmul time of one decode step at each, per kernel: the layer's products
+times the depth, plus the head, against the bound of reading those bytes at 4.8 TB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from dflash_ipc.bench.assets import SHAPES
+from dflash_ipc.decode import matvec
+
+HBM_TBS = 4.8  # H200
+FILL_BYTES = 512 * 2**20
+REPLAYS = 20
+GRID = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
+        for n, k, w, s in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (2, 4))]
+
+
+def layer_shapes(shape: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of each linear weight of one decoder layer of ``shape``, and of the head."""
+    c = SHAPES[shape][1]
+    h, inter = c["hidden_size"], c["intermediate_size"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    return {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "gate": (inter, h), "up": (inter, h),
+            "down": (h, inter), "qkv": (q + 2 * kv, h), "gate_up": (2 * inter, h), "head": (c["vocab_size"], h)}
+
+
+def time_products(fn, n: int, k: int) -> float:
+    """Microseconds per ``fn(x, w)`` over distinct copies of an N x K bf16 weight, in a CUDA graph."""
+    copies = max(4, math.ceil(FILL_BYTES / (2 * n * k)))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    for w in weights[:2]:
+        fn(x, w)  # compile, pick cuBLAS's algorithm
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    del graph, weights
+    return 1e3 * start.elapsed_time(end) / (REPLAYS * copies)
+
+
+def check(n: int, k: int, config: dict) -> float:
+    """Largest |Triton - cuBLAS| relative to the output's scale, one random product."""
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    want = F.linear(x, w).float()
+    got = matvec.triton_matvec(x, w, config=config).float()
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shapes", nargs="+", choices=sorted(SHAPES))
+    parser.add_argument("--sweep", action="store_true", help="time every config of the grid, keep the best")
+    args = parser.parse_args()
+    for shape in args.shapes:
+        depth = SHAPES[shape][1]["num_hidden_layers"]
+        shapes = layer_shapes(shape)
+        timed: dict[str, dict[str, float]] = {"cublas": {}, "triton": {}}
+        seen: dict[tuple[int, int], tuple[float, float]] = {}
+        for name, (n, k) in shapes.items():
+            if (n, k) not in seen:
+                cublas = time_products(F.linear, n, k)
+                best = None
+                for cfg in GRID if args.sweep else [matvec.launch_config(n, k)]:
+                    try:
+                        us = time_products(lambda x, w, c=cfg: matvec.triton_matvec(x, w, config=c), n, k)
+                    except Exception as e:  # noqa: BLE001 - a config the compiler refuses (registers, shared memory)
+                        print(f"  {shape} {n}x{k} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                        continue
+                    if best is None or us < best[0]:
+                        best = (us, cfg)
+                seen[(n, k)] = (cublas, best[0])
+                mb = 2 * n * k / 1e6
+                print(f"{shape} {name:8s} {n:6d}x{k:5d} ({mb:6.1f} MB): cuBLAS {cublas:7.2f} us ({mb / cublas:.2f} TB/s), "
+                      f"Triton {best[0]:7.2f} us ({mb / best[0]:.2f} TB/s) {best[1]}, rel err {check(n, k, best[1]):.1e}",
+                      flush=True)
+            timed["cublas"][name], timed["triton"][name] = seen[(n, k)]
+        n_bytes = 2 * (depth * sum(shapes[m][0] * shapes[m][1] for m in ("qkv", "o", "gate_up", "down"))
+                       + shapes["head"][0] * shapes["head"][1])
+        bound = n_bytes / (HBM_TBS * 1e12) * 1e6
+        for kernel, t in timed.items():
+            plain = depth * sum(t[m] for m in ("q", "k", "v", "o", "gate", "up", "down")) + t["head"]
+            fused = depth * sum(t[m] for m in ("qkv", "o", "gate_up", "down")) + t["head"]
+            print(f"{shape} {kernel}: matmul per step {plain / 1e3:.3f} ms (7 per layer), {fused / 1e3:.3f} ms "
+                  f"(4 per layer: q|k|v and gate|up fused); bound {bound / 1e3:.3f} ms ({bound / plain:.0%} / "
+                  f"{bound / fused:.0%} of it)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
