@@ -1,6 +1,7 @@
 """Batched decoding on the tiny target (float32): per-row caches against full forwards, the cached
 drafter against its training forward, and batched output equal to unbatched output token for token."""
 
+import collections
 import math
 import os
 
@@ -224,6 +225,8 @@ class OracleDrafter:
     from the decoder, so it follows rows through refills and compaction)."""
 
     class _NoCache:
+        capacity = 1 << 30  # no context of its own: the target's cache bounds the cycles
+
         def grow(self, capacity):
             pass
 
@@ -302,3 +305,58 @@ def test_graphed_speculative_cycles_equal_eager_ones_and_plain_decoding(target_d
                 identical += 1
                 assert on.stats == off.stats, (batch_size, r.key)
         assert identical >= len(requests) - 1
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_cycles_run_ahead_give_the_tokens_of_one_cycle_at_a_time(target_dir, target, batch_size):
+    """Greedy cycles queued one ahead of the host's commit (the next inputs left on the device)
+    give the tokens, margins and acceptance counters of cycles committed one at a time, through
+    rows that stop (their share of the cycle ahead discarded), refills and budget ends."""
+    model = random_drafter(target_dir, seed=1, num_layers=1)
+    rng = np.random.default_rng(3)
+    requests = [Request(key=(i, 0), prompt_ids=rng.integers(10, 1000, size=int(n)), max_new_tokens=int(b))
+                for i, (n, b) in enumerate(zip(rng.integers(3, 40, size=7), rng.integers(30, 90, size=7)))]
+
+    def run(run_ahead, stops=None):
+        decoder = SpeculativeDecoder(target, DrafterContext(model, target.head), batch_size=batch_size,
+                                     run_ahead=run_ahead)
+        if stops is not None:
+            decoder.stops = stops
+        return decoder, by_key(decoder.run(RequestList(requests)))
+
+    _, free = run(False)
+    counts = collections.Counter(t for g in free.values() for t in g.tokens[5:])
+    stops = {counts.most_common(1)[0][0]}  # a token the target makes often: some rows stop early
+    for stop_set in (set(target.stop_token_ids), stops):
+        one_at_a_time = run(False, stop_set)[1]
+        decoder, ahead = run(True, stop_set)
+        assert decoder.num_ahead > 0
+        for key, gen in one_at_a_time.items():
+            assert ahead[key].tokens == gen.tokens and ahead[key].stats == gen.stats, key
+            assert ahead[key].margins == gen.margins and ahead[key].stopped == gen.stopped
+    assert any(g.stopped for g in one_at_a_time.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_cycles_run_ahead_match_one_cycle_at_a_time(target_dir):
+    """float32 on CUDA, the cycle a CUDA graph: queued one ahead (its inputs the last replay's
+    outputs, its results through a pinned buffer) against committed one at a time. The cycle
+    ahead may read a larger key span bucket, so a near-tie may split (lossless.compare)."""
+    from dflash_ipc.eval.lossless import compare
+
+    cuda = BatchedTarget(target_dir, layer_ids=LAYER_IDS, device="cuda:0", dtype="float32")
+    model = random_drafter(target_dir, seed=1, num_layers=1).to("cuda:0")
+    rng = np.random.default_rng(3)
+    requests = [Request(key=(i, 0), prompt_ids=rng.integers(10, 1000, size=int(n)), max_new_tokens=int(b))
+                for i, (n, b) in enumerate(zip(rng.integers(3, 40, size=7), rng.integers(30, 90, size=7)))]
+    for batch_size in (1, 3):
+        runs = {}
+        for run_ahead in (False, True):
+            decoder = SpeculativeDecoder(cuda, DrafterContext(model, cuda.head), batch_size=batch_size, graphs="on",
+                                         run_ahead=run_ahead)
+            runs[run_ahead] = by_key(decoder.run(RequestList(requests)))
+            assert decoder.graphs.enabled and (decoder.num_ahead > 0) == run_ahead
+        verdicts = [compare(runs[True][r.key], runs[False][r.key], dtype=torch.float32).verdict for r in requests]
+        assert all(v in ("identical", "near_tie") for v in verdicts), (batch_size, verdicts)
+        assert verdicts.count("identical") >= len(requests) - 1

@@ -8,7 +8,8 @@ loop, decode/engine.py, of the same shape):
              from its logits
     step     one forward over EVERY row (fixed shapes: a finished row's slot idles until a
              new request fills it), then one device -> host copy of the step's results, the
-             only sync; the host commits tokens, advances lengths, finishes sequences
+             only sync; the host commits tokens, advances lengths, finishes sequences (greedy
+             speculative cycles: while the next cycle runs, SpeculativeDecoder)
     compact  when nothing is waiting and at most half the rows are busy, the caches keep
              only the busy rows, so the tail of a prompt set does not pay for empty rows
 
@@ -45,6 +46,34 @@ from dflash_ipc.eval.sampling import (
 )
 from dflash_ipc.decode.sampler import top2_margin
 from dflash_ipc.decode.target import BatchedTarget
+
+def next_inputs(starts: Tensor, accepted: Tensor, tokens: Tensor, limit: int) -> tuple[Tensor, Tensor]:
+    """The inputs of a row's next cycle after it commits ``tokens[:accepted+1]`` uncut (no stop
+    token, budget left): its last committed token and its cache length ``accepted + 1`` on, at
+    most ``limit``. A running row never reaches the limit (the cache holds its prompt, budget and
+    a block); an idle row, whose inputs nobody reads, stays inside the cache by it."""
+    return tokens.gather(1, accepted[:, None].long())[:, 0], (starts + accepted + 1).clamp_max(limit)
+
+
+@dataclass(slots=True)
+class LaunchedCycle:
+    """A queued greedy cycle: its results on their way to the host, the rows they count for."""
+
+    host: Tensor
+    """``[B, 1 + bs (+ 2 bs)]`` float32, filled once ``event`` has passed (CPU: at once)."""
+    event: torch.cuda.Event | None
+    rows: set[int]
+    """Rows busy at the launch and still running the request they ran then."""
+    max_start: int
+    """A bound of the cycle's cache lengths (its key span)."""
+    following: tuple[Tensor, Tensor] | None
+    """The next cycle's (anchors, starts), without graphs (with them: in the static inputs)."""
+
+    def read(self, decoder: SpeculativeDecoder):
+        if self.event is not None:
+            self.event.synchronize()
+        return decoder._split(self.host.numpy())
+
 
 PREFILL_TOKENS = 16384
 """Padded prompt tokens per prefill forward (bounds its activations and captured features)."""
@@ -211,10 +240,15 @@ class BatchedDecoder:
         if self.progress is not None:
             self.progress.update(len(self.done), self.num_done_tokens)
 
-    def _compact_if_sparse(self) -> None:
+    def _compaction_due(self) -> list[int] | None:
+        """The busy rows, when nothing waits and at most half the rows are busy; else None."""
         busy = [r for r, s in enumerate(self.slots) if s is not None]
         self._pull(1)
-        if self.waiting or not busy or len(busy) > len(self.slots) // 2:
+        return None if self.waiting or not busy or len(busy) > len(self.slots) // 2 else busy
+
+    def _compact_if_sparse(self) -> None:
+        busy = self._compaction_due()
+        if busy is None:
             return
         self._select_rows(torch.as_tensor(busy, device=self.device))
         self.slots = [self.slots[r] for r in busy]
@@ -279,12 +313,20 @@ class SpeculativeDecoder(BatchedDecoder):
     compacted (that would reallocate the caches, and drop them too). The host
     still reads each cycle's results once and commits them (acceptance.commit_block), as in
     the eager cycle, so the lossless check sees the same code path. Sampling steps eagerly
-    (its generator's state is not registered with the graphs)."""
+    (its generator's state is not registered with the graphs).
+
+    Greedy cycles run one ahead of the host: a cycle also leaves the next cycle's inputs on the
+    device (each row's last committed token and its new length, which the host would upload),
+    so the next cycle is queued before the host reads this one's results, and the GPU does not
+    wait while the host commits. That holds while every busy row ran in the cycle and has more
+    than a block of budget left (so none can end in it but by a stop token); a row that stops
+    has its share of the cycle ahead discarded, and a cycle after an admission starts from the
+    host's inputs. The tokens are those of one cycle at a time (tests/test_eval_batched.py)."""
 
     uses_features = True
 
     def __init__(self, target: BatchedTarget, drafter: DrafterContext, *, graphs: str = "auto", compile: str = "auto",
-                 **kwargs) -> None:
+                 run_ahead: bool = True, **kwargs) -> None:
         super().__init__(target, **kwargs)
         from dflash_ipc.decode.compiled import compile_enabled
         from dflash_ipc.decode.engine import GRAPHS, graphs_enabled
@@ -302,10 +344,24 @@ class SpeculativeDecoder(BatchedDecoder):
         self.use_compile = compile_enabled(compile, self.device, self.graphs.enabled)
         self._static: dict[str, Tensor] = {}
         self._caches = None  # (target cache, drafter cache) of the last run, which the next may reuse
+        self.run_ahead = run_ahead
+        """Greedy cycles queued one ahead of the host's commit (class docstring)."""
+        self.num_ahead = 0
+        """Cycles queued ahead so far (those discarded for a row that stopped included)."""
+        self._ahead: LaunchedCycle | None = None  # a cycle queued before the last one was committed
+        self._pinned: list[Tensor] = []  # two host buffers the launched cycles' results land in, in turn
 
     def _forget_graphs(self) -> None:
         self.graphs.clear()
         self._static = {}
+        self.graphs.state = []
+
+    def run(self, source: RequestSource) -> DecodeRun:
+        self._ahead = None
+        try:
+            return super().run(source)
+        finally:
+            self._ahead = None  # a cycle queued for rows that all stopped: nothing reads it
 
     def _new_stats(self) -> AcceptanceStats:
         stats = AcceptanceStats(block_size=self.block_size)
@@ -349,20 +405,34 @@ class SpeculativeDecoder(BatchedDecoder):
     def _compact_if_sparse(self) -> None:
         # Compaction reallocates both caches, which drops every graph; a graphed tail is cheaper
         # over idle rows (a verify of a few more rows) than recaptured for each smaller row count.
-        if not self.graphs.enabled:
+        if not self.graphs.enabled and self._ahead is None:  # a queued cycle holds the rows as they are
             super()._compact_if_sparse()
 
     def _prefilled(self, rows: Tensor, out) -> None:
         self.drafter.append(rows, out.features, out.write_pos, out.positions)
 
     def _step(self) -> None:
-        anchors, starts, max_start = self._inputs()
-        if self.graphs.enabled:
-            accepted, tokens, margins, tops = self._replay(anchors, starts, max_start)
-        else:
-            accepted, tokens, margins, tops = self._cycle(anchors, starts, max_start)
-        host = self._host_block(accepted, tokens, margins, tops)
-        for row, gen in enumerate(self.slots):
+        if not self.sampling.greedy:
+            anchors, starts, max_start = self._inputs()
+            results = self._cycle(anchors, starts, max_start)
+            self._commit_cycle(self._split(torch.cat(self._packed(*results), dim=1).cpu().numpy()),
+                               range(len(self.slots)))
+            return
+        cycle = self._ahead or self._launch(*self._inputs())
+        self._ahead = None
+        if self._can_run_ahead(cycle):
+            self.num_ahead += 1
+            self._ahead = self._launch(None, None, min(cycle.max_start + self.block_size, self._start_limit()),
+                                       after=cycle)
+        stopped = self._commit_cycle(cycle.read(self), cycle.rows)
+        if self._ahead is not None:
+            self._ahead.rows -= stopped
+
+    def _commit_cycle(self, host, rows) -> set[int]:
+        """Commit one cycle's host results for ``rows``; the rows that finished."""
+        finished = set()
+        for row in sorted(rows):
+            gen = self.slots[row]
             if gen is None:
                 continue
             acc, toks, row_margins, row_tops = host[0][row], host[1][row], host[2][row], host[3][row]
@@ -372,6 +442,53 @@ class SpeculativeDecoder(BatchedDecoder):
             gen.stats.add_cycle(cycle)
             # The anchor and the accepted drafts were verified and stay cached; the last token is new.
             self._commit(row, committed, row_margins, row_tops, advance=len(committed))
+            if self.slots[row] is None:
+                finished.add(row)
+        return finished
+
+    def _start_limit(self) -> int:
+        """The largest cache length a cycle may start from: a block below both caches' capacity."""
+        return min(self.target.capacity, self.drafter.kv.capacity) - self.block_size
+
+    def _can_run_ahead(self, cycle: LaunchedCycle) -> bool:
+        """Whether the cycle after ``cycle`` may be queued from the inputs it leaves on the device:
+        every busy row ran in it and has more than a block of budget left (class docstring)."""
+        if not self.run_ahead:
+            return False
+        busy = {r for r, g in enumerate(self.slots) if g is not None}
+        if busy != cycle.rows or not busy:
+            return False
+        if any(self.slots[r].request.max_new_tokens - len(self.slots[r].tokens) <= self.block_size for r in busy):
+            return False
+        return self.graphs.enabled or self._compaction_due() is None
+
+    def _launch(self, anchors: Tensor | None, starts: Tensor | None, max_start: int,
+                after: LaunchedCycle | None = None) -> LaunchedCycle:
+        """Queue a greedy cycle from ``anchors``/``starts`` (None: from the inputs the cycle ``after``
+        left on the device; ``max_start`` bounds the starts either way) and its results' copy to
+        the host."""
+        if self.graphs.enabled:
+            results = self._replay(anchors, starts, max_start)
+            following = None
+        else:
+            if anchors is None:  # the last cycle's outputs (its static inputs, if it ran as a graph that failed)
+                anchors, starts = after.following or (self._static["anchors"].clone(), self._static["starts"].clone())
+            results = self._cycle(anchors, starts, max_start)
+            following = next_inputs(starts, results[0], results[1], self._start_limit()) if self.run_ahead else None
+        rows = {r for r, g in enumerate(self.slots) if g is not None}
+        if after is not None:
+            rows &= after.rows
+        packed = torch.cat(self._packed(*results), dim=1)
+        if self.device.type != "cuda":
+            return LaunchedCycle(packed, None, rows, max_start, following)
+        if not self._pinned or self._pinned[0].shape != packed.shape:
+            self._pinned = [torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True) for _ in range(2)]
+        self._pinned.reverse()  # the other buffer than the last launch's, which may still be read
+        host = self._pinned[0]
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return LaunchedCycle(host, event, rows, max_start, following)
 
     def _cycle(self, anchors: Tensor, starts: Tensor, max_start: int):
         """Draft, verify, extend the drafter's context, accept: all on the device."""
@@ -392,15 +509,22 @@ class SpeculativeDecoder(BatchedDecoder):
         return accepted, tokens, None, None
 
     def _replay(self, anchors: Tensor, starts: Tensor, max_start: int):
-        """The greedy cycle through its graph: inputs into the static buffers, one replay (or,
-        where a capture failed, the same cycle eagerly), the static results."""
+        """The greedy cycle through its graph: inputs into the static buffers (None: the ones the
+        last replay left there), one replay (or, where a capture failed, the same cycle
+        eagerly), the static results."""
         from dflash_ipc.decode.engine import span_bucket
 
         bs, rows = self.block_size, len(self.slots)
+        if anchors is None and not self._static:
+            raise RuntimeError("SpeculativeDecoder: a cycle ahead needs the static inputs of the cycle before it")
         if not self._static:
             self._static = {"anchors": torch.zeros_like(anchors), "starts": torch.zeros_like(starts)}
-        self._static["anchors"].copy_(anchors)
-        self._static["starts"].copy_(starts)
+            # A capture's eager warm-up runs the cycle, which leaves the next inputs in these:
+            # StepGraphs puts them back before the replay.
+            self.graphs.state = [self._static["anchors"], self._static["starts"]]
+        if anchors is not None:  # else: the inputs the last replay left (a cycle ahead)
+            self._static["anchors"].copy_(anchors)
+            self._static["starts"].copy_(starts)
         span = span_bucket(max_start + bs, min(self.target.capacity, self.drafter.kv.capacity))
         forwards = self.target.num_forwards
         self.graphs.run((rows, span))
@@ -417,13 +541,19 @@ class SpeculativeDecoder(BatchedDecoder):
             if name not in s:
                 s[name] = torch.empty_like(value)
             s[name].copy_(value)
+        anchors, starts = next_inputs(s["starts"], s["accepted"], s["tokens"], self._start_limit())
+        s["anchors"].copy_(anchors)  # the next cycle's inputs, read by a cycle ahead (else overwritten)
+        s["starts"].copy_(starts)
 
-    def _host_block(self, accepted: Tensor, tokens: Tensor, margins: Tensor | None, tops: Tensor | None):
-        """One device -> host copy of a cycle's results: (accepted [B], tokens [B, bs], margins, tops)."""
+    def _packed(self, accepted: Tensor, tokens: Tensor, margins: Tensor | None, tops: Tensor | None) -> list[Tensor]:
+        """A cycle's results as float32 columns, to travel to the host in one copy (token ids
+        are exact in float32 below 2**24)."""
+        return [accepted[:, None].float(), tokens.float()] + ([margins, tops] if margins is not None else [])
+
+    def _split(self, host: np.ndarray):
+        """The host copy of :meth:`_packed` -> (accepted [B], tokens [B, bs], margins, tops)."""
         bs = self.block_size
-        parts = [accepted[:, None].float(), tokens.float()] + ([margins, tops] if margins is not None else [])
-        host = torch.cat(parts, dim=1).cpu().numpy()
         nan = np.full((host.shape[0], bs), np.nan, dtype=np.float32)
+        kept = host.shape[1] > 1 + bs
         return (host[:, 0].astype(np.int64), host[:, 1: 1 + bs].astype(np.int64),
-                host[:, 1 + bs: 1 + 2 * bs] if margins is not None else nan,
-                host[:, 1 + 2 * bs:] if margins is not None else nan)
+                host[:, 1 + bs: 1 + 2 * bs].copy() if kept else nan, host[:, 1 + 2 * bs:].copy() if kept else nan)

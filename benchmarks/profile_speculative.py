@@ -1,0 +1,76 @@
+"""Where a speculative cycle's time goes at batch 1: wall time per cycle against kernel time by kind.
+
+    python3 -m benchmarks.profile_speculative qwen3-1.7b            # 2 prompts of 128 new tokens
+    python3 -m benchmarks.profile_speculative qwen3-1.7b 4 256      # prompts, new tokens
+
+The random-weight target and drafter of `bench eval` (bench/eval.py: built once in
+$WORK/profile-spec-SHAPE, default /tmp), the greedy SpeculativeDecoder at batch 1 with its cycle
+captured as a CUDA graph and the target's forward compiled (`bench eval`'s batch-1 speculative
+row), with its cycles committed one at a time and then run one ahead of the host
+(eval/decoding.py): per mode an untimed warm-up run and a timed run (wall ms per cycle), then a
+run of the second under the torch profiler, whose kernel time per cycle is printed by kind with the costliest kernels
+(bench/kernel_profile.py; prefill kernels counted in). Wall minus kernel time is the GPU
+waiting on the host: the cycle's read of the accepted tokens and the Python around it.
+DEV=cpu runs it eagerly on the CPU (no profile), e.g. with the `tiny` shape.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+from dflash_ipc.bench.assets import build_random_target
+from dflash_ipc.bench.eval import bench_drafter, random_prompts
+from dflash_ipc.bench.kernel_profile import format_profile, profile_kernels, summarize
+from dflash_ipc.decode.requests import Request, RequestList
+from dflash_ipc.decode.target import BatchedTarget
+from dflash_ipc.eval.decoding import SpeculativeDecoder
+from dflash_ipc.eval.drafter_context import DrafterContext
+
+
+def main() -> None:
+    shape = sys.argv[1]
+    num_prompts, new_tokens = (int(a) for a in (sys.argv[2:4] + ["2", "128"][len(sys.argv[2:4]):]))
+    path = os.path.join(os.environ.get("WORK", "/tmp"), f"profile-spec-{shape}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        build_random_target(path, shape=shape, dtype="bfloat16")
+    device = torch.device(os.environ.get("DEV", "cuda:0"))
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = bench_drafter(path, shape, device=device, dtype=dtype, seed=0)
+    target = BatchedTarget(path, layer_ids=model.config.target_layer_ids, device=device,
+                           dtype=str(dtype).removeprefix("torch."))
+    prompts = random_prompts(num_prompts, (64, 256), 0)
+    for run_ahead in (False, True):
+        decoder = SpeculativeDecoder(target, DrafterContext(model, target.head), batch_size=1,
+                                     graphs="on" if cuda else "off", compile="auto", run_ahead=run_ahead)
+
+        def run():
+            return decoder.run(RequestList(Request(key=(i, 0), prompt_ids=p, max_new_tokens=new_tokens)
+                                           for i, p in enumerate(prompts)))
+
+        run()  # warm-up: compiles and captures every shape of the timed run
+        sync()
+        t0 = time.perf_counter()
+        result = run()
+        sync()
+        wall = time.perf_counter() - t0
+        cycles = sum(g.stats.num_cycles for g in result.generations)
+        ms = 1e3 * wall / max(1, cycles)
+        print(f"== {shape}: batch 1, {num_prompts} prompts of {new_tokens} new tokens, run ahead {run_ahead}, "
+              f"fused groups {target.num_fused_groups}, matvec linears {target.num_matvec_linears}: "
+              f"{result.num_generated} tokens in {wall:.3f} s, {cycles} cycles ({decoder.num_ahead} queued ahead "
+              f"over both runs), {ms:.2f} ms wall per cycle (prefills included)", flush=True)
+    if not cuda:
+        return
+    kernels = profile_kernels(run, 1)
+    print(format_profile(summarize(kernels, steps=max(1, cycles), top=16), label="per cycle, prefills included",
+                         wall_ms=ms))
+
+
+if __name__ == "__main__":
+    main()
