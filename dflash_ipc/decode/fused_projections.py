@@ -1,11 +1,11 @@
 """One weight for the projections that read one input: q|k|v of attention, gate|up of the MLP.
 
 A transformers decoder layer multiplies its attention input by three weights (q, k, v) and its
-MLP input by two (gate, up): seven weight reads per layer. At a decode step's few rows each
+MLP input by two (gate, up); with o and down, seven weight reads per layer. At a decode step's few rows each
 read is a matrix-vector product bound by the weight's streaming rate, and the small ones
 stream worst (a Qwen3-1.7B k or v weight is 4 MB). One product per group streams the same
 bytes in two launches instead of five: benchmarks/matvec.py prints the step's matmul time
-both ways (docs/benchmarks.md, "The decoding core").
+both ways (docs/benchmarks.md, "Batch 1: a matrix-vector kernel, fused projections").
 
 :func:`fuse_projections` concatenates each group's weights (and biases) into one tensor, makes
 the members' parameters views of it (no memory added), and replaces the members by

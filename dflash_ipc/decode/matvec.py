@@ -4,7 +4,7 @@ At batch 1 every linear layer of a decode step is a matrix-vector product: its w
 once for one row, so the step is bound by how fast the weights stream. cuBLAS runs these
 products as split-K GEMM tiles (``nvjet_sm90_tst_64x8`` and the like) that stream them at
 1.5-2.7 TB/s at the Qwen3-1.7B shape on an H200, below 0.4 TB/s for its 4-MB k/v weights
-(docs/benchmarks.md, "The decoding core"). The kernel here gives each program ``BLOCK_N``
+(docs/benchmarks.md, "Batch 1: a matrix-vector kernel, fused projections"). The kernel here gives each program ``BLOCK_N``
 whole rows of the weight: it streams their contiguous K once, keeps per-lane partial sums in
 fp32 and reduces them once at the end, with no second pass over split-K partials. One row
 only: from two rows on, cuBLAS's tiles share each read of the weight among the rows.
