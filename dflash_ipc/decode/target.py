@@ -164,6 +164,10 @@ class BatchedTarget(TargetModel):
         self.num_matvec_linears = matvec.route_matvec(self.model) if use_matvec else 0
         """Other linear layers whose one-row products (a decode step at batch 1) run
         decode/matvec.py's Triton kernel: all of them on CUDA, none elsewhere."""
+        if self.num_fused_groups or self.num_matvec_linears:
+            logger.info("decode: %d q|k|v and gate|up groups as one product each, %d other linears through the "
+                        "one-row Triton kernel (%s=off, %s=off: as loaded)", self.num_fused_groups,
+                        self.num_matvec_linears, fused_projections.FUSE_ENV, matvec.GEMV_ENV)
 
     def reset(self, num_rows: int, capacity: int) -> None:
         """A new, empty cache of ``num_rows`` rows of at least ``capacity`` positions."""
