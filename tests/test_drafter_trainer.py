@@ -7,6 +7,7 @@ union of their blocks (loss normalised by the all-reduced weight sum, gradients 
 
 import functools
 import os
+import time
 
 import pytest
 import torch
@@ -153,3 +154,18 @@ def test_steps_launched_before_any_is_read_report_what_steps_read_one_by_one_rep
     for a, b in zip(one_by_one.model.parameters(), pipelined.model.parameters()):
         assert torch.equal(a, b)
     assert all(r["step_s"] >= 0 for r in results) and results[0]["grad_norm"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_launched_steps_time_on_a_gpu_is_its_device_span():
+    """step_s on CUDA runs between events: what the host does after a launch (here a sleep, as a
+    pipelined loop waits for hidden states) is not the step's time."""
+    seqs = sequences(9, seed=3)
+    trainer = DrafterTrainer(trainer_cfg(), model_config(), head(), device="cuda:0", total_steps=8)
+    trainer.step([(s, s.num_anchors) for s in seqs[:3]])  # warm-up: cuBLAS, the allocator
+    launched = trainer.launch([(s, s.num_anchors) for s in seqs[3:6]])
+    time.sleep(0.5)
+    after = trainer.launch([(s, s.num_anchors) for s in seqs[6:]])
+    first, second = launched.result(), after.result()
+    assert 0 < first["step_s"] < 0.4 and 0 < second["step_s"] < 0.4, (first["step_s"], second["step_s"])

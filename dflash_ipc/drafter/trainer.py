@@ -31,7 +31,7 @@ from dflash_ipc.drafter.acceptance_proxy import block_acceptance_totals
 from dflash_ipc.drafter.attention import build_layer_masks
 from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.drafter.inference_format import write_inference_files
-from dflash_ipc.drafter.launched_step import LaunchedStep, StepClock
+from dflash_ipc.drafter.launched_step import LaunchedStep, StepClock, launch_started
 from dflash_ipc.drafter.compiled_forward import DrafterForward, falls_back, pad_layout, pad_rows
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.drafter.sharding import full_state, load_full_model, load_full_state, shard_model, total_norm
@@ -147,7 +147,7 @@ class DrafterTrainer:
         with ``result()`` (drafter/launched_step.py). `validate` (the same on every rank: a
         collective): also the acceptance proxy of the weights before this step, on the step's
         blocks of all ranks (drafter/acceptance_proxy.py)."""
-        started = time.perf_counter()
+        started, start_event = time.perf_counter(), launch_started(self.device)
         next_step()  # fp8: row counts promoted in the last step run static graphs from this one
         batch, features, mask, mask_s = self._build(chosen)
         has_blocks = batch is not None
@@ -182,7 +182,8 @@ class DrafterTrainer:
         if validate:
             figures.append(self._all_reduce(acceptance))
         return LaunchedStep(torch.cat(figures), step=self.step_count, lr=self.scheduler.get_last_lr()[0],
-                            mask_s=mask_s, started=started, validate=validate, clock=self._clock)
+                            mask_s=mask_s, started=started, validate=validate, clock=self._clock,
+                            start_event=start_event)
 
     def _takes_update(self, has_blocks: bool, weight_sum: torch.Tensor) -> bool:
         """Whether this step updates the weights: some rank had blocks. A rank's own blocks say
