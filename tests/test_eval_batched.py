@@ -16,6 +16,7 @@ from dflash_ipc.eval.decoding import PlainDecoder, SpeculativeDecoder
 from dflash_ipc.eval.drafter_context import DrafterContext
 from dflash_ipc.eval.unbatched import DFlashProposer, TargetLM, speculative_generate
 from dflash_ipc.eval.prompt_sets import held_out_prompts
+from dflash_ipc.decode.graphs import StepGraphs
 from dflash_ipc.decode.ragged_attention import band_mask, layer_masks
 from dflash_ipc.decode.requests import Request, RequestList
 from dflash_ipc.decode.target import BatchedTarget
@@ -360,3 +361,67 @@ def test_graphed_cycles_run_ahead_match_one_cycle_at_a_time(target_dir):
         verdicts = [compare(runs[True][r.key], runs[False][r.key], dtype=torch.float32).verdict for r in requests]
         assert all(v in ("identical", "near_tie") for v in verdicts), (batch_size, verdicts)
         assert verdicts.count("identical") >= len(requests) - 1
+
+
+class _EagerReplay:
+    def __init__(self, step, shape):
+        self.step, self.shape = step, shape
+
+    def replay(self):
+        self.step(*self.shape)
+
+
+class EagerGraphs(StepGraphs):
+    """StepGraphs' bookkeeping on the CPU: a shape is 'captured' as a capture does it (the step
+    run once with the state saved and put back), a 'replay' runs the step again."""
+
+    def __init__(self, step):
+        super().__init__(step, [], enabled=True)
+
+    def _capture(self, shape):
+        saved = [t.clone() for t in self.state]
+        self.step(*shape)
+        for t, v in zip(self.state, saved):
+            t.copy_(v)
+        self.graphs[shape] = _EagerReplay(self.step, shape)
+        self.num_captures += 1
+        return self.graphs[shape]
+
+
+def test_the_graph_path_runs_ahead_through_stops_and_a_growing_cache(target_dir, target):
+    """The graphed cycle's bookkeeping (static inputs the cycle rewrites, restored around a
+    capture's warm-up; a cycle ahead from them; graphs dropped when the caches grow for a long
+    prompt admitted while a cycle is ahead) with the replays run eagerly: the tokens and
+    counters of one cycle at a time."""
+    model = random_drafter(target_dir, seed=1, num_layers=1)
+    rng = np.random.default_rng(5)
+    requests = [Request(key=(0, 0), prompt_ids=rng.integers(10, 1000, size=5), max_new_tokens=80),
+                Request(key=(1, 0), prompt_ids=rng.integers(10, 1000, size=6), max_new_tokens=120),
+                Request(key=(2, 0), prompt_ids=rng.integers(10, 1000, size=300), max_new_tokens=1),
+                Request(key=(3, 0), prompt_ids=rng.integers(10, 1000, size=9), max_new_tokens=60)]
+
+    grew_while_ahead = []
+
+    def run(run_ahead, stops=None):
+        decoder = SpeculativeDecoder(target, DrafterContext(model, target.head), batch_size=2, run_ahead=run_ahead)
+        decoder.graphs = EagerGraphs(decoder._graphed_cycle)
+        if stops is not None:
+            decoder.stops = stops
+        grow = decoder._grow
+
+        def watched_grow(capacity):
+            grew_while_ahead.append(decoder._ahead is not None)
+            grow(capacity)
+        decoder._grow = watched_grow
+        return decoder, by_key(decoder.run(RequestList(requests)))
+
+    _, free = run(False)
+    counts = collections.Counter(t for g in free.values() for t in g.tokens[5:])
+    stops = {counts.most_common(1)[0][0]}
+    one_at_a_time = run(False, stops)[1]
+    grew_while_ahead.clear()
+    decoder, ahead = run(True, stops)
+    assert decoder.num_ahead > 0 and any(grew_while_ahead)  # the caches grew with a cycle ahead in flight
+    assert any(g.stopped for g in one_at_a_time.values())
+    for key, gen in one_at_a_time.items():
+        assert ahead[key].tokens == gen.tokens and ahead[key].stats == gen.stats, key

@@ -13,7 +13,8 @@ the members' parameters views of it (no memory added), and replaces the members 
 the whole product and keeps it, with its input, on the group; the others, called with that
 same input tensor, take their columns of it; the last of them lets both go. A member called
 with another input (a model that feeds its projections different tensors) computes the
-product again: the same columns, only slower. The members are ``nn.Linear`` subclasses with
+product again: the same columns, only slower. A layer that calls only some members keeps the
+last product until its next call (and, compiled, costs one more graph for that state). The members are ``nn.Linear`` subclasses with
 their own ``weight``/``bias`` views, so code that reads them (a dtype, a shape) still works.
 
 The layer's forward stays transformers' own, so this works for any architecture that names
@@ -61,7 +62,8 @@ class FusedGroup:
     def product(self, x: Tensor) -> Tensor:
         """x ``[..., K]`` times every member's weight ``[..., sum N_i]``: one-row CUDA inputs
         through decode/matvec.py's kernel where ``matvec``, else ``F.linear``."""
-        if self.matvec and x.is_cuda and x.dtype in HALF_DTYPES and x.numel() == x.shape[-1]:
+        if (self.matvec and x.is_cuda and x.dtype in HALF_DTYPES and x.dtype == self.weight.dtype
+                and x.numel() == x.shape[-1]):
             return torch.ops.dflash.matvec_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 

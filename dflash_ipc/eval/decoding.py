@@ -68,6 +68,8 @@ class LaunchedCycle:
     """A bound of the cycle's cache lengths (its key span)."""
     following: tuple[Tensor, Tensor] | None
     """The next cycle's (anchors, starts), without graphs (with them: in the static inputs)."""
+    epoch: int
+    """The decoder's graph epoch at the launch: a later one means its static inputs are gone."""
 
     def read(self, decoder: SpeculativeDecoder):
         if self.event is not None:
@@ -134,7 +136,11 @@ class BatchedDecoder:
                     break
                 self._step()
                 self._compact_if_sparse()
+            self._drain()
         return DecodeRun(self.done, time.perf_counter() - started, self.target.num_forwards - forwards)
+
+    def _drain(self) -> None:
+        """At the end of a run: wait for device work queued for no one (a cycle ahead)."""
 
     def _pull(self, n: int) -> None:
         while len(self.waiting) < n:
@@ -240,15 +246,10 @@ class BatchedDecoder:
         if self.progress is not None:
             self.progress.update(len(self.done), self.num_done_tokens)
 
-    def _compaction_due(self) -> list[int] | None:
-        """The busy rows, when nothing waits and at most half the rows are busy; else None."""
+    def _compact_if_sparse(self) -> None:
         busy = [r for r, s in enumerate(self.slots) if s is not None]
         self._pull(1)
-        return None if self.waiting or not busy or len(busy) > len(self.slots) // 2 else busy
-
-    def _compact_if_sparse(self) -> None:
-        busy = self._compaction_due()
-        if busy is None:
+        if self.waiting or not busy or len(busy) > len(self.slots) // 2:
             return
         self._select_rows(torch.as_tensor(busy, device=self.device))
         self.slots = [self.slots[r] for r in busy]
@@ -318,10 +319,11 @@ class SpeculativeDecoder(BatchedDecoder):
     Greedy cycles run one ahead of the host: a cycle also leaves the next cycle's inputs on the
     device (each row's last committed token and its new length, which the host would upload),
     so the next cycle is queued before the host reads this one's results, and the GPU does not
-    wait while the host commits. That holds while every busy row ran in the cycle and has more
-    than a block of budget left (so none can end in it but by a stop token); a row that stops
-    has its share of the cycle ahead discarded, and a cycle after an admission starts from the
-    host's inputs. The tokens are those of one cycle at a time (tests/test_eval_batched.py)."""
+    wait while the host commits. That holds while every row is busy, ran in the cycle and has
+    more than a block of budget left (so none can end in it but by a stop token); a row that
+    stops has its share of the cycle ahead discarded, and the cycle after a stop, an admission
+    or dropped graphs starts from the host's inputs. The tokens are those of one cycle at a
+    time (tests/test_eval_batched.py)."""
 
     uses_features = True
 
@@ -349,19 +351,26 @@ class SpeculativeDecoder(BatchedDecoder):
         self.num_ahead = 0
         """Cycles queued ahead so far (those discarded for a row that stopped included)."""
         self._ahead: LaunchedCycle | None = None  # a cycle queued before the last one was committed
+        self._epoch = 0  # bumped when the graphs and their static buffers are dropped
         self._pinned: list[Tensor] = []  # two host buffers the launched cycles' results land in, in turn
 
     def _forget_graphs(self) -> None:
         self.graphs.clear()
         self._static = {}
         self.graphs.state = []
+        self._epoch += 1
 
     def run(self, source: RequestSource) -> DecodeRun:
         self._ahead = None
         try:
             return super().run(source)
         finally:
-            self._ahead = None  # a cycle queued for rows that all stopped: nothing reads it
+            self._ahead = None
+
+    def _drain(self) -> None:
+        ahead, self._ahead = self._ahead, None  # a cycle queued for rows that all stopped
+        if ahead is not None and ahead.event is not None:
+            ahead.event.synchronize()  # its time is this run's, not the next one's
 
     def _new_stats(self) -> AcceptanceStats:
         stats = AcceptanceStats(block_size=self.block_size)
@@ -422,8 +431,10 @@ class SpeculativeDecoder(BatchedDecoder):
         self._ahead = None
         if self._can_run_ahead(cycle):
             self.num_ahead += 1
-            self._ahead = self._launch(None, None, min(cycle.max_start + self.block_size, self._start_limit()),
-                                       after=cycle)
+            # Every row busy and in ``cycle``: the host's lengths are ``cycle``'s starts (all before
+            # it is committed), and a cycle moves a row at most a block on.
+            self._ahead = self._launch(None, None, min(int(self.length.max()) + self.block_size,
+                                                       self._start_limit()), after=cycle)
         stopped = self._commit_cycle(cycle.read(self), cycle.rows)
         if self._ahead is not None:
             self._ahead.rows -= stopped
@@ -452,15 +463,14 @@ class SpeculativeDecoder(BatchedDecoder):
 
     def _can_run_ahead(self, cycle: LaunchedCycle) -> bool:
         """Whether the cycle after ``cycle`` may be queued from the inputs it leaves on the device:
-        every busy row ran in it and has more than a block of budget left (class docstring)."""
-        if not self.run_ahead:
+        every row is busy, ran in it and has more than a block of budget left (class docstring)."""
+        if not self.run_ahead or cycle.epoch != self._epoch:  # the graphs' static inputs were dropped since
             return False
-        busy = {r for r, g in enumerate(self.slots) if g is not None}
-        if busy != cycle.rows or not busy:
+        # Every row busy (an idle row's inputs would drift on the device and widen the key span),
+        # every one in the cycle (a row admitted since starts from the host's inputs).
+        if any(g is None for g in self.slots) or cycle.rows != set(range(len(self.slots))):
             return False
-        if any(self.slots[r].request.max_new_tokens - len(self.slots[r].tokens) <= self.block_size for r in busy):
-            return False
-        return self.graphs.enabled or self._compaction_due() is None
+        return all(g.request.max_new_tokens - len(g.tokens) > self.block_size for g in self.slots)
 
     def _launch(self, anchors: Tensor | None, starts: Tensor | None, max_start: int,
                 after: LaunchedCycle | None = None) -> LaunchedCycle:
@@ -480,7 +490,7 @@ class SpeculativeDecoder(BatchedDecoder):
             rows &= after.rows
         packed = torch.cat(self._packed(*results), dim=1)
         if self.device.type != "cuda":
-            return LaunchedCycle(packed, None, rows, max_start, following)
+            return LaunchedCycle(packed, None, rows, max_start, following, self._epoch)
         if not self._pinned or self._pinned[0].shape != packed.shape:
             self._pinned = [torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True) for _ in range(2)]
         self._pinned.reverse()  # the other buffer than the last launch's, which may still be read
@@ -488,7 +498,7 @@ class SpeculativeDecoder(BatchedDecoder):
         host.copy_(packed, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return LaunchedCycle(host, event, rows, max_start, following)
+        return LaunchedCycle(host, event, rows, max_start, following, self._epoch)
 
     def _cycle(self, anchors: Tensor, starts: Tensor, max_start: int):
         """Draft, verify, extend the drafter's context, accept: all on the device."""
