@@ -24,28 +24,21 @@ names differ, or whose members differ in input size, dtype or bias, is left as i
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_ipc.decode.matvec import HALF_DTYPES
-from dflash_ipc.errors import ConfigError
+from dflash_ipc.decode.matvec import HALF_DTYPES, cuda_switch
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Sibling ``nn.Linear`` modules that a decoder layer calls on one input, by their HF names."""
 FUSE_ENV = "DFLASH_DECODE_FUSE"
-SETTINGS = ("auto", "off")
 
 
 def enabled(device) -> bool:
     """Whether a target on ``device`` fuses its projections ($DFLASH_DECODE_FUSE: ``auto``, the
     default, fuses on CUDA; ``off``). CPU runs keep the model as loaded: the reference path."""
-    setting = os.environ.get(FUSE_ENV) or "auto"
-    if setting not in SETTINGS:
-        raise ConfigError(f"${FUSE_ENV}={setting!r}; allowed: {list(SETTINGS)}")
-    return setting == "auto" and torch.device(device).type == "cuda"
+    return cuda_switch(FUSE_ENV, device)
 
 
 class FusedGroup:

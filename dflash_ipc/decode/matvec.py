@@ -44,12 +44,17 @@ def available() -> bool:
     return triton is not None and torch.cuda.is_available()
 
 
+def cuda_switch(env: str, device) -> bool:
+    """A decode switch read from ``$env`` (SETTINGS; unset: auto): on for a CUDA ``device`` unless off."""
+    setting = os.environ.get(env) or "auto"
+    if setting not in SETTINGS:
+        raise ConfigError(f"${env}={setting!r}; allowed: {list(SETTINGS)}")
+    return setting == "auto" and torch.device(device).type == "cuda"
+
+
 def enabled(device) -> bool:
     """Whether a target on ``device`` routes its one-row linears here ($DFLASH_DECODE_GEMV)."""
-    setting = os.environ.get(GEMV_ENV) or "auto"
-    if setting not in SETTINGS:
-        raise ConfigError(f"${GEMV_ENV}={setting!r}; allowed: {list(SETTINGS)}")
-    return setting == "auto" and torch.device(device).type == "cuda" and available()
+    return cuda_switch(GEMV_ENV, device) and available()
 
 
 if triton is not None:

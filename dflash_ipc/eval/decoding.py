@@ -64,8 +64,6 @@ class LaunchedCycle:
     event: torch.cuda.Event | None
     rows: set[int]
     """Rows busy at the launch and still running the request they ran then."""
-    max_start: int
-    """A bound of the cycle's cache lengths (its key span)."""
     following: tuple[Tensor, Tensor] | None
     """The next cycle's (anchors, starts), without graphs (with them: in the static inputs)."""
     epoch: int
@@ -490,7 +488,7 @@ class SpeculativeDecoder(BatchedDecoder):
             rows &= after.rows
         packed = torch.cat(self._packed(*results), dim=1)
         if self.device.type != "cuda":
-            return LaunchedCycle(packed, None, rows, max_start, following, self._epoch)
+            return LaunchedCycle(packed, None, rows, following, self._epoch)
         if not self._pinned or self._pinned[0].shape != packed.shape:
             self._pinned = [torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True) for _ in range(2)]
         self._pinned.reverse()  # the other buffer than the last launch's, which may still be read
@@ -498,7 +496,7 @@ class SpeculativeDecoder(BatchedDecoder):
         host.copy_(packed, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return LaunchedCycle(host, event, rows, max_start, following, self._epoch)
+        return LaunchedCycle(host, event, rows, following, self._epoch)
 
     def _cycle(self, anchors: Tensor, starts: Tensor, max_start: int):
         """Draft, verify, extend the drafter's context, accept: all on the device."""
