@@ -62,7 +62,8 @@ def main() -> None:
         cycles = sum(g.stats.num_cycles for g in result.generations)
         ms = 1e3 * wall / max(1, cycles)
         print(f"== {shape}: batch 1, {num_prompts} prompts of {new_tokens} new tokens, run ahead {run_ahead}, "
-              f"fused groups {target.num_fused_groups}, matvec linears {target.num_matvec_linears}: "
+              f"fused groups {target.num_fused_groups}, matvec linears {target.num_matvec_linears}, kernel "
+              f"attention layers {target.num_kernel_attention}: "
               f"{result.num_generated} tokens in {wall:.3f} s, {cycles} cycles ({decoder.num_ahead} queued ahead "
               f"over both runs), {ms:.2f} ms wall per cycle (prefills included)", flush=True)
     if not cuda:

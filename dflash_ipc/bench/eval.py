@@ -272,6 +272,7 @@ def run_eval_bench(*, device: str = "cuda:0", shape: str = "qwen3-1.7b", batch_s
                "vocab_size": target.head.vocab_size, "drafter_layers": model.config.num_hidden_layers,
                "block_size": model.config.block_size, "max_new_tokens": max_new_tokens, "prompt_len": list(prompt_len),
                "compile": compile, "fused_groups": target.num_fused_groups, "matvec_linears": target.num_matvec_linears,
+               "kernel_attention_layers": target.num_kernel_attention,
                "build_s": build_s, "total_s": time.perf_counter() - started, "goal": GOAL,
                "hbm_tbps": hbm_tbps, "weight_gib": weights / 2**30,
                "rows": [asdict(r) | {"tokens_per_s": r.tokens_per_s, "ms_per_forward": r.ms_per_forward}
@@ -289,8 +290,9 @@ def format_table(f: dict) -> str:
              f"  prompts of {f['prompt_len'][0]}-{f['prompt_len'][1]} random tokens, {f['max_new_tokens']} new "
              "tokens each, greedy (random weights: tau ~1; the rows measure decoding, not drafting); decode "
              f"forward compile: {f.get('compile', 'off')}; {f.get('fused_groups', 0)} q|k|v, gate|up groups fused, "
-             f"{f.get('matvec_linears', 0)} other linears through the one-row kernel (decode/fused_projections.py, "
-             "matvec.py)",
+             f"{f.get('matvec_linears', 0)} other linears through the one-row kernel, "
+             f"{f.get('kernel_attention_layers', 0)} attention layers through the few-query kernel "
+             "(decode/fused_projections.py, matvec.py, decode_attention.py)",
              f"  {'impl':<8} {'mode':<12} {'batch':>5} {'prompts':>7} {'tokens':>8} {'wall s':>8} {'tok/s':>10} "
              f"{'tau':>5} {'peak GiB':>8} {'ms/fwd':>7}"]
     for r in f["rows"]:

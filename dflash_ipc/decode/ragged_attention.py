@@ -10,7 +10,9 @@ is given and more than one token is queried, which for a 16-token verify over a 
 batched cache moves more memory than the weights. :func:`gqa_attention` instead folds the
 query heads that share a K/V head into the query length (``[B, Hkv, rep*q, D]``, the
 single-token ``pack_gqa`` of transformers, for any q), so no K/V byte is copied. It is
-registered with transformers as :data:`ATTN_IMPLEMENTATION`.
+registered with transformers as :data:`ATTN_IMPLEMENTATION`. On a GPU, the decode steps and
+verify passes of the attention modules a BatchedTarget marks take decode_attention.py's kernel
+instead (a few queries per row, each row's keys read up to its own length).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflash_ipc.decode import decode_attention
 from dflash_ipc.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -77,6 +80,9 @@ def hf_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_ma
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     if softcap is not None or sinks is not None:  # Gemma 2 style softcapping, gpt-oss sinks
         out = explicit_attention(query, key, value, mask, scaling, softcap=softcap, sinks=sinks)
+    elif decode_attention.applies(module, query, key, value, mask):  # a decode step or verify pass on a GPU
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return torch.ops.dflash.decode_attention(query, key, value, mask, float(scale)), None
     else:
         out = gqa_attention(query, key, value, mask, scaling)
     return out.transpose(1, 2).contiguous(), None

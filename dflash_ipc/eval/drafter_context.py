@@ -27,6 +27,8 @@ from torch import Tensor
 
 from dflash_ipc.drafter.model import DFlashAttention, DFlashDraftModel, fused_rms_norm_rope
 from dflash_ipc.hf.target_head import FrozenTargetHead
+from dflash_ipc.decode import decode_attention
+from dflash_ipc.decode.matvec import HALF_DTYPES
 from dflash_ipc.decode.ragged_attention import band_mask, gqa_attention
 from dflash_ipc.decode.row_cache import MASK_ALIGN, RowKV, round_up
 
@@ -49,6 +51,8 @@ class DrafterContext:
         self.mask_token_id = model.config.mask_token_id
         self.dtype = model.fc.weight.dtype
         self.kv: RowKV | None = None
+        self.kernel_attention = decode_attention.enabled(model.fc.weight.device) and self.dtype in HALF_DTYPES
+        """The block's attention through decode/decode_attention.py's kernel (on CUDA), else SDPA."""
 
     def reset(self, num_rows: int, capacity: int) -> None:
         self.kv = RowKV(len(self.model.layers), num_rows, capacity)
@@ -87,9 +91,12 @@ class DrafterContext:
             k, v = project_kv(attn, x, cos, sin)
             self.kv.write(i, rows, positions, k.view(b, bs, *k.shape[1:]), v.view(b, bs, *v.shape[1:]))
             keys, values = self.kv.view(i, span)
-            out = gqa_attention(q.view(b, bs, *q.shape[1:]).transpose(1, 2), keys, values,
-                                masks[layer.layer_type])  # [B, Hq, bs, D]
-            h = h + attn.o_proj(out.transpose(1, 2).reshape(n, -1))
+            q4, mask = q.view(b, bs, *q.shape[1:]).transpose(1, 2), masks[layer.layer_type]
+            if self.kernel_attention:
+                out = torch.ops.dflash.decode_attention(q4, keys, values, mask, q.shape[-1] ** -0.5)  # [B, bs, Hq, D]
+            else:
+                out = gqa_attention(q4, keys, values, mask).transpose(1, 2)
+            h = h + attn.o_proj(out.reshape(n, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return m.norm(h).view(b, bs, -1)
 

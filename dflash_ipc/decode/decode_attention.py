@@ -1,0 +1,253 @@
+"""Attention of a few queries per row over that row's cached keys: a Triton kernel.
+
+A decode step queries one token per row, a verify pass a block of them (16), each against the
+keys of its own row up to its own length. The general path (ragged_attention.py
+``gqa_attention``) runs SDPA over a boolean band mask: cuDNN's flash kernel, built for long
+query blocks, took 11.4 us for one query over a few hundred keys at the Qwen3-1.7B shape on
+an H200 (28 of them per step, plus the kernels that prepare its inputs), and it reads every
+row's keys up to the span of the longest row (docs/benchmarks.md, "Decode and verify
+attention"; ``python3 -m benchmarks.decode_attention`` times both). The kernel here gives each program one row and
+one K/V head: the ``rep * q`` query rows that share that head (grouped-query attention folded
+into the rows, as ``gqa_attention`` does) against the row's keys in blocks of ``BLOCK_T``, with
+an online softmax in fp32. Where the rows alone fill the GPU (a batch of replies of mixed
+lengths), a block that the mask hides from every query of the program is not read, so a row
+reads its own keys and no further. Where programs are few (batch 1), a row's span is split
+across programs of a few blocks each (flash-decoding: each block is a round trip to memory)
+and the partial softmaxes are combined by a second kernel.
+
+The result is written as ``[B, q, Hq, D]``, the layout transformers' attention interface
+returns, so no transpose copy follows. The op ``dflash::decode_attention`` is opaque to
+torch.compile and recorded by CUDA graphs like any kernel. ``$DFLASH_DECODE_ATTENTION``:
+``auto`` (the default: on CUDA where Triton imports) or ``off`` (SDPA over the mask);
+ragged_attention.py ``hf_attention`` takes this path for the attention modules a
+:class:`~dflash_ipc.decode.target.BatchedTarget` marks (:func:`mark_attention`), for bf16/fp16
+inputs with at most ``MAX_ROWS`` query rows per K/V head and no softcapping or sinks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from dflash_ipc.decode.matvec import HALF_DTYPES, cuda_switch, triton
+
+if triton is not None:
+    import triton.language as tl
+
+ATTENTION_ENV = "DFLASH_DECODE_ATTENTION"
+MARK = "dflash_decode_attention"
+"""Attribute set on an attention module whose masked few-query calls take this kernel."""
+MAX_ROWS = 128
+"""Query rows per K/V head (``rep * q``) the kernel takes; more (a prefill) goes to SDPA."""
+MAX_HEAD_DIM = 256
+KEYS_PER_SPLIT = 128
+"""Fewest keys a program of a split span takes (two blocks): a program's blocks run one after the
+other, each a round trip to memory, so at batch 1 short loops over many programs win."""
+
+
+def enabled(device) -> bool:
+    """Whether a target on ``device`` takes this kernel for its decode and verify attention."""
+    return cuda_switch(ATTENTION_ENV, device) and triton is not None and torch.cuda.is_available()
+
+
+def mark_attention(layers) -> int:
+    """Mark each decoder layer's ``self_attn`` (:data:`MARK`); how many were marked."""
+    count = 0
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None:
+            setattr(attn, MARK, True)
+            count += 1
+    return count
+
+
+def applies(module, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> bool:
+    """Whether ``hf_attention``'s call (q ``[B, Hq, q, D]``, k/v ``[B, Hkv, T, D]``, bool mask
+    ``[B, 1, q, T]``) goes to the kernel."""
+    return (getattr(module, MARK, False) and q.is_cuda and q.dtype in HALF_DTYPES and k.dtype == q.dtype
+            and v.dtype == q.dtype and q.shape[1] % k.shape[1] == 0
+            and q.shape[1] // k.shape[1] * q.shape[2] <= MAX_ROWS and q.shape[-1] <= MAX_HEAD_DIM
+            and v.shape[-1] <= MAX_HEAD_DIM and mask.dim() == 4 and mask.dtype == torch.bool
+            and mask.shape[:3] == (q.shape[0], 1, q.shape[2]) and mask.shape[3] >= k.shape[2])
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def num_splits(programs: int, span: int, sms: int) -> int:
+    """Programs per (row, K/V head): about one per SM in all, each with at least
+    ``KEYS_PER_SPLIT`` keys."""
+    return max(1, min(_cdiv(span, KEYS_PER_SPLIT), _cdiv(sms, programs)))
+
+
+if triton is not None:
+    @triton.jit
+    def _attend_block(q, k_base, v_base, t, t_ok, d, dv, seen, m_i, l_i, acc, sk_t, sv_t, scale,
+                      D: tl.constexpr, DV: tl.constexpr):
+        """One block of keys ``t`` into the online softmax (m_i, l_i, acc) of the rows ``q``."""
+        k = tl.load(k_base + t[:, None].to(tl.int64) * sk_t + d[None, :], mask=t_ok[:, None] & (d[None, :] < D),
+                    other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet stay 0
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vv = tl.load(v_base + t[:, None].to(tl.int64) * sv_t + dv[None, :], mask=t_ok[:, None] & (dv[None, :] < DV),
+                     other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr,
+                          sq_b, sq_h, sq_q, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sm_b, sm_q, sm_t,
+                          so_b, so_q, so_h, T, blocks_per_split, scale,
+                          HKV: tl.constexpr, REP: tl.constexpr, NQ: tl.constexpr, D: tl.constexpr,
+                          DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT: tl.constexpr,
+                          SKIP_HIDDEN: tl.constexpr):
+        """Rows ``r`` = (query head ``h * REP + r // NQ``, query ``r % NQ``) of one (row b, K/V
+        head h) against keys of split ``program_id(1)``; the finished output, or (SPLIT) the
+        unnormalised sums and their softmax max and mass for the combine."""
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        b = (pid // HKV).to(tl.int64)
+        h = pid % HKV
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < REP * NQ
+        head = h * REP + rows // NQ
+        qi = rows % NQ
+        d = tl.arange(0, BLOCK_D)
+        dv = tl.arange(0, BLOCK_DV)
+        q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + qi[:, None] * sq_q + d[None, :],
+                    mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+        k_base = k_ptr + b * sk_b + h * sk_h
+        v_base = v_ptr + b * sv_b + h * sv_h
+        m_base = mask_ptr + b * sm_b + qi[:, None] * sm_q
+        t_start = split * blocks_per_split * BLOCK_T
+        t_end = tl.minimum(T, t_start + blocks_per_split * BLOCK_T)
+        for t0 in range(t_start, t_end, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            t_ok = t < t_end
+            seen = tl.load(m_base + t[None, :].to(tl.int64) * sm_t, mask=row_ok[:, None] & t_ok[None, :], other=0) != 0
+            if SKIP_HIDDEN:
+                if tl.max(seen.to(tl.int32)) > 0:  # a block no query of ours sees is not read
+                    m_i, l_i, acc = _attend_block(q, k_base, v_base, t, t_ok, d, dv, seen, m_i, l_i, acc, sk_t,
+                                                  sv_t, scale, D, DV)
+            else:  # no branch: the loop's loads are pipelined
+                m_i, l_i, acc = _attend_block(q, k_base, v_base, t, t_ok, d, dv, seen, m_i, l_i, acc, sk_t,
+                                              sv_t, scale, D, DV)
+        if SPLIT:
+            n_split = tl.num_programs(1)
+            base = (pid * n_split + split).to(tl.int64) * BLOCK_M
+            tl.store(part_ptr + (base + rows[:, None]) * BLOCK_DV + dv[None, :], acc)
+            tl.store(stat_ptr + (base + rows) * 2, m_i)
+            tl.store(stat_ptr + (base + rows) * 2 + 1, l_i)
+        else:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(out_ptr + b * so_b + qi[:, None] * so_q + head[:, None] * so_h + dv[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+
+    @triton.jit
+    def _combine_kernel(part_ptr, stat_ptr, out_ptr, n_split, so_b, so_q, so_h,
+                        HKV: tl.constexpr, REP: tl.constexpr, NQ: tl.constexpr, DV: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """The splits' partial softmaxes of one (row, K/V head), rescaled to their common max and summed."""
+        pid = tl.program_id(0)
+        b = (pid // HKV).to(tl.int64)
+        h = pid % HKV
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < REP * NQ
+        dv = tl.arange(0, BLOCK_DV)
+        m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        for s in range(0, n_split):
+            base = (pid * n_split + s).to(tl.int64) * BLOCK_M
+            m = tl.maximum(m, tl.load(stat_ptr + (base + rows) * 2))
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+        l_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for s in range(0, n_split):
+            base = (pid * n_split + s).to(tl.int64) * BLOCK_M
+            w = tl.exp(tl.load(stat_ptr + (base + rows) * 2) - m_safe)
+            l_sum += w * tl.load(stat_ptr + (base + rows) * 2 + 1)
+            acc += w[:, None] * tl.load(part_ptr + (base + rows[:, None]) * BLOCK_DV + dv[None, :])
+        out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+        head = h * REP + rows // NQ
+        qi = rows % NQ
+        tl.store(out_ptr + b * so_b + qi[:, None] * so_q + head[:, None] * so_h + dv[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, 1 << max(0, n - 1).bit_length())
+
+
+def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None, *,
+                            splits: int | None = None, block_t: int = 64) -> Tensor:
+    """q ``[B, Hq, q, D]``, k ``[B, Hkv, T, D]``, v ``[B, Hkv, T, Dv]`` (any strides, the last
+    dimension contiguous), mask ``[B, 1, q, >=T]`` bool -> ``[B, q, Hq, Dv]``: query head h uses
+    K/V head ``h // rep`` (``gqa_attention``'s order); a query that sees no key gets zeros.
+    ``splits``: programs per (row, K/V head) along the keys (None: :func:`num_splits`)."""
+    bsz, hq, nq, dim = q.shape
+    hkv, span, dim_v = k.shape[1], k.shape[2], v.shape[-1]
+    if (hq % hkv or k.shape[-1] != dim or v.shape[2] != span or mask.dtype != torch.bool
+            or mask.shape[:3] != (bsz, 1, nq) or mask.shape[-1] < span):
+        raise ValueError(f"decode_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"mask {tuple(mask.shape)}")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    rep = hq // hkv
+    block_m = _pow2(rep * nq)
+    block_d, block_dv = _pow2(dim), _pow2(dim_v)
+    programs = bsz * hkv
+    sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
+    if splits is None:
+        splits = num_splits(programs, span, sms)
+    blocks = max(1, _cdiv(_cdiv(span, block_t), splits))
+    splits = max(1, _cdiv(_cdiv(span, block_t), blocks))  # no split left without keys
+    # Rows that fill the GPU by themselves (a batch of replies of mixed lengths) skip the key
+    # blocks their queries do not see: the reads are the cost. With few rows (batch 1) the
+    # latency of each block is, and a loop without the test pipelines its loads.
+    skip = programs >= sms
+    out = torch.empty(bsz, nq, hq, dim_v, dtype=q.dtype, device=q.device)
+    seen = mask.view(torch.uint8)
+    if splits > 1:
+        part = torch.empty(programs * splits * block_m * block_dv, dtype=torch.float32, device=q.device)
+        stat = torch.empty(programs * splits * block_m * 2, dtype=torch.float32, device=q.device)
+    else:
+        part = stat = out  # pointers the kernel does not touch without SPLIT
+    warps = 4 if block_m * max(block_d, block_dv) <= 32 * 128 else 8
+    _attention_kernel[(programs, splits)](
+        q, k, v, seen, out, part, stat, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), seen.stride(0), seen.stride(2), seen.stride(3),
+        out.stride(0), out.stride(1), out.stride(2), span, blocks,
+        float(scale if scale is not None else dim ** -0.5),
+        HKV=hkv, REP=rep, NQ=nq, D=dim, DV=dim_v, BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_D=block_d,
+        BLOCK_DV=block_dv, SPLIT=splits > 1, SKIP_HIDDEN=skip, num_warps=warps, num_stages=2 if skip else 3)
+    if splits > 1:
+        _combine_kernel[(programs,)](part, stat, out, splits, out.stride(0), out.stride(1), out.stride(2),
+                                     HKV=hkv, REP=rep, NQ=nq, DV=dim_v, BLOCK_M=block_m, BLOCK_DV=block_dv,
+                                     num_warps=4)
+    return out
+
+
+@torch.library.custom_op("dflash::decode_attention", mutates_args=())
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """``gqa_attention(q, k, v, mask, scale).transpose(1, 2)`` by the Triton kernel (CUDA only)."""
+    return triton_decode_attention(q, k, v, mask, scale)
+
+
+@decode_attention.register_fake
+def _decode_attention_shape(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    return q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[-1]))
