@@ -1,12 +1,16 @@
 """decode/decode_attention.py: attention of a few queries per row over the row's cached keys.
 
-On CPU: how a span is split, which calls take the kernel (marked modules, CUDA, half dtypes,
-few query rows), the setting. On CUDA (marked gpu): the kernel against ``gqa_attention`` in
-fp32 over ragged band masks (left padding, a sliding window, rows of other lengths), grouped
-heads of 1, 2 and 4 queries per K/V head, one query and a verify block, one program per row
-and a span split over several, non-contiguous cache views; the op's schema; and a bf16
-target's decode with the kernel against the same target without it, compiled and captured
-(eval/lossless.py's near-tie rule: the kernel sums in another order than cuDNN)."""
+On CPU: how a span is split, which shapes and dtypes the kernel takes and which calls go to it
+(marked modules, CUDA), the setting. On CUDA (marked gpu): the kernel against ``gqa_attention``
+in fp32 over ragged band masks (left padding, a sliding window, rows of other lengths), grouped
+heads of 1, 2, 4 and 8 queries per K/V head, one query and a verify block, one program per row,
+a span split over several, hidden blocks skipped where the rows fill the GPU, head dims of
+64-256, non-contiguous cache views; fp16, a value head dim of its own, a mask wider than the
+keys, a query that sees no key; the op's schema; the drafter context's block attention both
+ways; and a bf16 target's decode with the kernel against the same target without it, compiled
+and captured (eval/lossless.py's near-tie rule: the kernel sums in another order than cuDNN)."""
+
+import os
 
 import numpy as np
 import pytest
@@ -15,7 +19,7 @@ from torch import nn
 
 from dflash_ipc.bench.assets import build_random_target
 from dflash_ipc.decode import decode_attention
-from dflash_ipc.decode.decode_attention import ATTENTION_ENV, KEYS_PER_SPLIT, num_splits
+from dflash_ipc.decode.decode_attention import ATTENTION_ENV, KEYS_PER_SPLIT, fits, split_plan
 from dflash_ipc.decode.engine import DecodeEngine, EngineSettings
 from dflash_ipc.decode.ragged_attention import band_mask, gqa_attention
 from dflash_ipc.decode.requests import Request, RequestList
@@ -26,10 +30,13 @@ cuda = pytest.mark.skipif(not (torch.cuda.is_available() and decode_attention.tr
 
 
 def test_a_span_is_split_only_where_programs_are_few_and_keys_many():
-    assert num_splits(programs=4096, span=4096, sms=132) == 1  # 512 rows x 8 heads fill the GPU
-    assert num_splits(programs=8, span=KEYS_PER_SPLIT, sms=132) == 1  # one split's worth of keys
-    assert num_splits(programs=8, span=4 * KEYS_PER_SPLIT + 1, sms=132) == 5
-    assert num_splits(programs=8, span=10 ** 6, sms=132) == 17  # about one program per SM
+    assert split_plan(programs=4096, span=4096, sms=132, block_t=64) == (1, 64)  # 512 rows x 8 heads fill the GPU
+    assert split_plan(programs=8, span=KEYS_PER_SPLIT, sms=132, block_t=64) == (1, 2)  # one split's worth of keys
+    assert split_plan(programs=8, span=4 * KEYS_PER_SPLIT + 1, sms=132, block_t=64) == (5, 2)  # the last: 1 key
+    # About one program per SM (17 splits of 16 x 8 = 128 blocks), then as few as hold them: 16 of 8 blocks.
+    assert split_plan(programs=8, span=8192, sms=132, block_t=64) == (16, 8)
+    assert split_plan(programs=8, span=8192, sms=132, block_t=64, splits=3) == (3, 43)  # asked for
+    assert split_plan(programs=8, span=130, sms=132, block_t=64, splits=10) == (3, 1)  # none left empty
 
 
 def test_only_marked_attention_modules_on_cuda_take_the_kernel():
@@ -41,6 +48,29 @@ def test_only_marked_attention_modules_on_cuda_take_the_kernel():
     mask = torch.ones(1, 1, 1, 5, dtype=torch.bool)
     assert not decode_attention.applies(layers[0].self_attn, q, k, k, mask)  # CPU
     assert not decode_attention.applies(nn.Module(), q, k, k, mask)  # not marked
+
+
+def test_the_shapes_and_dtypes_the_kernel_takes():
+    half = torch.float16
+    q, k, mask = torch.randn(2, 8, 3, 16, dtype=half), torch.randn(2, 2, 7, 16, dtype=half), \
+        torch.ones(2, 1, 3, 9, dtype=torch.bool)
+    assert fits(q, k, k, mask)
+    assert fits(q, k, torch.randn(2, 2, 7, 32, dtype=half), mask)  # V's head dim its own
+    assert not fits(q.float(), k.float(), k.float(), mask)  # fp32: SDPA
+    assert not fits(q, k, k, mask.half())  # an additive mask
+    assert not fits(q, k, k, mask[:, :, :1])  # one mask row for 3 queries
+    assert not fits(q, k, k, mask[..., :6])  # fewer mask columns than keys
+    assert not fits(q, k[:1], k[:1], mask)  # a K/V batch to broadcast
+    assert not fits(q, k, k[:, :1], mask)  # V of other heads
+    assert not fits(torch.randn(2, 6, 3, 16, dtype=half), torch.randn(2, 4, 7, 16, dtype=half),
+                    torch.randn(2, 4, 7, 16, dtype=half), mask)  # 6 query heads over 4 K/V heads
+    many = torch.randn(1, 16, 16, 16, dtype=half)  # 8 heads per K/V head x 16 queries = 128 rows
+    two = torch.randn(1, 2, 7, 16, dtype=half)
+    assert fits(many, two, two, torch.ones(1, 1, 16, 7, dtype=torch.bool))
+    more = torch.randn(1, 16, 17, 16, dtype=half)  # 136 rows: a prefill, SDPA's
+    assert not fits(more, two, two, torch.ones(1, 1, 17, 7, dtype=torch.bool))
+    wide = torch.randn(1, 2, 7, 512, dtype=half)
+    assert not fits(torch.randn(1, 4, 1, 512, dtype=half), wide, wide, torch.ones(1, 1, 1, 7, dtype=torch.bool))
 
 
 def test_a_mask_of_another_shape_is_refused_by_the_kernel_entry():
@@ -83,7 +113,9 @@ def _case(b, hq, hkv, nq, d, span, seed, dtype=torch.bfloat16, dev="cuda:0"):
 @cuda
 @pytest.mark.parametrize("b,hq,hkv,nq,d,span,splits", [
     (1, 16, 8, 1, 128, 384, None), (1, 16, 8, 1, 128, 4096, None), (1, 16, 8, 16, 128, 512, None),
-    (5, 32, 8, 1, 128, 700, 1), (3, 32, 8, 16, 128, 1100, 3), (4, 8, 8, 2, 64, 300, 2), (2, 12, 4, 3, 80, 129, None)])
+    (5, 32, 8, 1, 128, 700, 1), (3, 32, 8, 16, 128, 1100, 3), (4, 8, 8, 2, 64, 300, 2), (2, 12, 4, 3, 80, 129, None),
+    (17, 16, 8, 1, 128, 1024, None),  # 136 programs: the blocks no query sees are skipped
+    (2, 16, 2, 16, 256, 300, None)])  # 8 heads per K/V head x 16 queries = 128 rows, head dim 256
 def test_the_kernel_matches_attention_in_fp32(b, hq, hkv, nq, d, span, splits):
     q, k, v, mask = _case(b, hq, hkv, nq, d, span, seed=span + nq)
     want = gqa_attention(q.float(), k.float(), v.float(), mask).transpose(1, 2)
@@ -94,6 +126,48 @@ def test_the_kernel_matches_attention_in_fp32(b, hq, hkv, nq, d, span, splits):
     want = gqa_attention(q.float(), k.float(), v.float(), mask, scale).transpose(1, 2)
     got = torch.ops.dflash.decode_attention(q, k, v, mask, scale)
     assert torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@cuda
+def test_fp16_a_value_head_dim_of_its_own_a_wider_mask_and_a_query_that_sees_nothing():
+    q, k, v, mask = _case(3, 8, 4, 2, 64, 200, seed=2, dtype=torch.float16)
+    v = torch.randn(3, 4, 200, 32, device="cuda:0", dtype=torch.float16)
+    wide = torch.zeros(3, 1, 2, 256, dtype=torch.bool, device="cuda:0")
+    wide[..., :200] = mask
+    wide[2, 0, 1] = False  # row 2's second query sees no key
+    want = gqa_attention(q.float(), k.float(), v.float(), wide[..., :200]).transpose(1, 2)
+    got = decode_attention.triton_decode_attention(q, k, v, wide)
+    assert got.shape == (3, 2, 8, 32) and got.dtype == torch.float16
+    assert torch.equal(got[2, 1], torch.zeros_like(got[2, 1]))  # zeros where SDPA's softmax has nothing
+    want[2, 1] = 0
+    assert torch.allclose(got.float(), want, atol=2e-3, rtol=2e-3), float((got.float() - want).abs().max())
+
+
+@pytest.mark.gpu
+@cuda
+def test_the_drafter_context_drafts_alike_with_the_kernel_and_with_sdpa(tiny_cache):
+    from eval_helpers import random_drafter
+    from dflash_ipc.decode.target import BatchedTarget
+    from dflash_ipc.eval.drafter_context import DrafterContext
+
+    target_dir = os.path.join(tiny_cache, "tiny-target")
+    dev = "cuda:0"
+    target = BatchedTarget(target_dir, device=dev, dtype="bfloat16")
+    model = random_drafter(target_dir, seed=3, block_size=8).to(dev, torch.bfloat16)
+    context = DrafterContext(model, target.head)
+    assert context.kernel_attention
+    g = torch.Generator().manual_seed(0)
+    context.reset(num_rows=3, capacity=64)
+    for row, n in enumerate((12, 30, 7)):
+        pos = torch.arange(n, device=dev)[None]
+        features = torch.randn(1, n, model.fc.in_features, generator=g).to(dev, torch.bfloat16)
+        context.append(torch.tensor([row], device=dev), features, pos, pos)
+    anchors, starts = torch.tensor([11, 22, 77], device=dev), torch.tensor([5, 29, 7], device=dev)
+    got = context.draft_hidden(anchors, starts, max_start=29)  # the block's K/V written over 5.., 29.., 7..
+    context.kernel_attention = False
+    want = context.draft_hidden(anchors, starts, max_start=29)  # the same writes again, attended by SDPA
+    torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
 
 
 @pytest.mark.gpu

@@ -43,8 +43,11 @@ MAX_ROWS = 128
 """Query rows per K/V head (``rep * q``) the kernel takes; more (a prefill) goes to SDPA."""
 MAX_HEAD_DIM = 256
 KEYS_PER_SPLIT = 128
-"""Fewest keys a program of a split span takes (two blocks): a program's blocks run one after the
-other, each a round trip to memory, so at batch 1 short loops over many programs win."""
+"""Keys a program of a split span takes at the fewest (two blocks; the span's last split may
+hold fewer): a program's blocks run one after the other, each a round trip to memory, so at
+batch 1 short loops over many programs win."""
+BLOCK_T = 64
+"""Keys per block."""
 
 
 def enabled(device) -> bool:
@@ -63,14 +66,23 @@ def mark_attention(layers) -> int:
     return count
 
 
+def fits(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> bool:
+    """Whether the kernel takes these shapes and dtypes: q ``[B, Hq, q, D]``, k ``[B, Hkv, T, D]``
+    and v ``[B, Hkv, T, Dv]`` of one half dtype, Hq a multiple of Hkv, at most ``MAX_ROWS`` query
+    rows per K/V head, head dims up to ``MAX_HEAD_DIM``, a bool mask ``[B, 1, q, >= T]``."""
+    b, hq, nq, d = q.shape
+    hkv, span = k.shape[1], k.shape[2]
+    return (q.dtype in HALF_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
+            and k.shape[0] == b and tuple(v.shape[:3]) == tuple(k.shape[:3]) and k.shape[-1] == d
+            and hq % hkv == 0 and hq // hkv * nq <= MAX_ROWS and max(d, v.shape[-1]) <= MAX_HEAD_DIM
+            and mask.dim() == 4 and mask.dtype == torch.bool and tuple(mask.shape[:3]) == (b, 1, nq)
+            and mask.shape[3] >= span)
+
+
 def applies(module, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> bool:
-    """Whether ``hf_attention``'s call (q ``[B, Hq, q, D]``, k/v ``[B, Hkv, T, D]``, bool mask
-    ``[B, 1, q, T]``) goes to the kernel."""
-    return (getattr(module, MARK, False) and q.is_cuda and q.dtype in HALF_DTYPES and k.dtype == q.dtype
-            and v.dtype == q.dtype and q.shape[1] % k.shape[1] == 0
-            and q.shape[1] // k.shape[1] * q.shape[2] <= MAX_ROWS and q.shape[-1] <= MAX_HEAD_DIM
-            and v.shape[-1] <= MAX_HEAD_DIM and mask.dim() == 4 and mask.dtype == torch.bool
-            and mask.shape[:3] == (q.shape[0], 1, q.shape[2]) and mask.shape[3] >= k.shape[2])
+    """Whether ``hf_attention``'s call goes to the kernel: a module :func:`mark_attention` marked,
+    CUDA tensors that :func:`fits`."""
+    return getattr(module, MARK, False) and q.is_cuda and fits(q, k, v, mask)
 
 
 @functools.cache
@@ -82,10 +94,15 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def num_splits(programs: int, span: int, sms: int) -> int:
-    """Programs per (row, K/V head): about one per SM in all, each with at least
-    ``KEYS_PER_SPLIT`` keys."""
-    return max(1, min(_cdiv(span, KEYS_PER_SPLIT), _cdiv(sms, programs)))
+def split_plan(programs: int, span: int, sms: int, block_t: int, splits: int | None = None) -> tuple[int, int]:
+    """(splits, key blocks per split) of a span of ``span`` keys in blocks of ``block_t``, for
+    ``programs`` (row, K/V head) pairs: ``splits`` asked for, else about one program per SM in
+    all with ``KEYS_PER_SPLIT`` keys or more each (the last split may hold fewer); then as few
+    splits as hold those blocks, so that none is left empty."""
+    if splits is None:
+        splits = max(1, min(_cdiv(span, KEYS_PER_SPLIT), _cdiv(sms, programs)))
+    blocks = max(1, _cdiv(_cdiv(span, block_t), splits))
+    return max(1, _cdiv(_cdiv(span, block_t), blocks)), blocks
 
 
 if triton is not None:
@@ -195,27 +212,23 @@ def _pow2(n: int, least: int = 16) -> int:
 
 
 def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None, *,
-                            splits: int | None = None, block_t: int = 64) -> Tensor:
+                            splits: int | None = None, block_t: int = BLOCK_T) -> Tensor:
     """q ``[B, Hq, q, D]``, k ``[B, Hkv, T, D]``, v ``[B, Hkv, T, Dv]`` (any strides, the last
     dimension contiguous), mask ``[B, 1, q, >=T]`` bool -> ``[B, q, Hq, Dv]``: query head h uses
     K/V head ``h // rep`` (``gqa_attention``'s order); a query that sees no key gets zeros.
-    ``splits``: programs per (row, K/V head) along the keys (None: :func:`num_splits`)."""
+    ``splits``: programs per (row, K/V head) along the keys (None: :func:`split_plan`'s)."""
+    if not fits(q, k, v, mask):
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, "
+                         f"v {tuple(v.shape)} {v.dtype}, mask {tuple(mask.shape)} {mask.dtype} (see fits)")
     bsz, hq, nq, dim = q.shape
     hkv, span, dim_v = k.shape[1], k.shape[2], v.shape[-1]
-    if (hq % hkv or k.shape[-1] != dim or v.shape[2] != span or mask.dtype != torch.bool
-            or mask.shape[:3] != (bsz, 1, nq) or mask.shape[-1] < span):
-        raise ValueError(f"decode_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
-                         f"mask {tuple(mask.shape)}")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     rep = hq // hkv
     block_m = _pow2(rep * nq)
     block_d, block_dv = _pow2(dim), _pow2(dim_v)
     programs = bsz * hkv
     sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
-    if splits is None:
-        splits = num_splits(programs, span, sms)
-    blocks = max(1, _cdiv(_cdiv(span, block_t), splits))
-    splits = max(1, _cdiv(_cdiv(span, block_t), blocks))  # no split left without keys
+    splits, blocks = split_plan(programs, span, sms, block_t, splits)
     # Rows that fill the GPU by themselves (a batch of replies of mixed lengths) skip the key
     # blocks their queries do not see: the reads are the cost. With few rows (batch 1) the
     # latency of each block is, and a loop without the test pipelines its loads.

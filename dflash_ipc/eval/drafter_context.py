@@ -52,7 +52,8 @@ class DrafterContext:
         self.dtype = model.fc.weight.dtype
         self.kv: RowKV | None = None
         self.kernel_attention = decode_attention.enabled(model.fc.weight.device) and self.dtype in HALF_DTYPES
-        """The block's attention through decode/decode_attention.py's kernel (on CUDA), else SDPA."""
+        """The block's attention through decode/decode_attention.py's kernel (on CUDA, where its
+        shapes fit), else SDPA."""
 
     def reset(self, num_rows: int, capacity: int) -> None:
         self.kv = RowKV(len(self.model.layers), num_rows, capacity)
@@ -92,7 +93,7 @@ class DrafterContext:
             self.kv.write(i, rows, positions, k.view(b, bs, *k.shape[1:]), v.view(b, bs, *v.shape[1:]))
             keys, values = self.kv.view(i, span)
             q4, mask = q.view(b, bs, *q.shape[1:]).transpose(1, 2), masks[layer.layer_type]
-            if self.kernel_attention:
+            if self.kernel_attention and decode_attention.fits(q4, keys, values, mask):
                 out = torch.ops.dflash.decode_attention(q4, keys, values, mask, q.shape[-1] ** -0.5)  # [B, bs, Hq, D]
             else:
                 out = gqa_attention(q4, keys, values, mask).transpose(1, 2)
