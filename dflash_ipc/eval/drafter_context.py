@@ -93,7 +93,7 @@ class DrafterContext:
             self.kv.write(i, rows, positions, k.view(b, bs, *k.shape[1:]), v.view(b, bs, *v.shape[1:]))
             keys, values = self.kv.view(i, span)
             q4, mask = q.view(b, bs, *q.shape[1:]).transpose(1, 2), masks[layer.layer_type]
-            if self.kernel_attention and decode_attention.fits(q4, keys, values, mask):
+            if self.kernel_attention and q4.is_cuda and decode_attention.fits(q4, keys, values, mask):
                 out = torch.ops.dflash.decode_attention(q4, keys, values, mask, q.shape[-1] ** -0.5)  # [B, bs, Hq, D]
             else:
                 out = gqa_attention(q4, keys, values, mask).transpose(1, 2)
