@@ -7,8 +7,9 @@ heads of 1, 2, 4 and 8 queries per K/V head, one query and a verify block, one p
 a span split over several, hidden blocks skipped where the rows fill the GPU, head dims of
 64-256, non-contiguous cache views; fp16, a value head dim of its own, a mask wider than the
 keys, a query that sees no key; the op's schema; the drafter context's block attention both
-ways; and a bf16 target's decode with the kernel against the same target without it, compiled
-and captured (eval/lossless.py's near-tie rule: the kernel sums in another order than cuDNN)."""
+ways; a bf16 target's decode with the kernel against the same target without it, compiled
+and captured (eval/lossless.py's near-tie rule: the kernel sums in another order than cuDNN);
+and bf16 speculative decoding with every decode kernel against plain decoding."""
 
 import os
 
@@ -203,3 +204,33 @@ def test_a_bf16_decode_with_the_kernel_matches_it_without(tmp_path, monkeypatch,
     assert all(v in ("identical", "near_tie") for v in verdicts), verdicts
     assert verdicts.count("identical") >= len(verdicts) - 2
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@cuda
+def test_speculative_decoding_with_the_kernels_is_lossless_against_plain_decoding_in_bf16(tiny_cache):
+    """bf16 on CUDA, every decode kernel on (attention, matrix-vector, fused projections) and the
+    cycle a CUDA graph: speculative decoding gives plain decoding's tokens up to the near ties a
+    16-token verify pass rounds otherwise than a one-token step (eval/lossless.py)."""
+    from eval_helpers import LAYER_IDS, random_drafter
+    from dflash_ipc.decode.target import BatchedTarget
+    from dflash_ipc.eval.decoding import PlainDecoder, SpeculativeDecoder
+    from dflash_ipc.eval.drafter_context import DrafterContext
+    from dflash_ipc.eval.lossless import compare
+
+    target_dir = os.path.join(tiny_cache, "tiny-target")
+    target = BatchedTarget(target_dir, layer_ids=LAYER_IDS, device="cuda:0", dtype="bfloat16")
+    assert target.num_kernel_attention == target.num_layers
+    model = random_drafter(target_dir, seed=1, num_layers=1).to("cuda:0", torch.bfloat16)
+    rng = np.random.default_rng(4)
+    batch = [Request(key=(i, 0), prompt_ids=rng.integers(10, 1000, size=int(n)), max_new_tokens=int(m))
+             for i, (n, m) in enumerate(zip(rng.integers(3, 200, size=6), rng.integers(10, 60, size=6)))]
+    plain = {g.request.key: g for g in PlainDecoder(target, batch_size=3).run(RequestList(batch)).generations}
+    for batch_size in (1, 3):
+        context = DrafterContext(model, target.head)
+        assert context.kernel_attention
+        decoder = SpeculativeDecoder(target, context, batch_size=batch_size, graphs="on")
+        spec = {g.request.key: g for g in decoder.run(RequestList(batch)).generations}
+        assert decoder.graphs.enabled
+        verdicts = [compare(spec[k], plain[k], dtype=torch.bfloat16).verdict for k in plain]
+        assert all(v in ("identical", "near_tie") for v in verdicts), (batch_size, verdicts)
