@@ -22,12 +22,12 @@ import math
 
 import torch
 
+from benchmarks.graph_timing import graph_us
 from dflash_ipc.bench.assets import SHAPES
 from dflash_ipc.decode import decode_attention
 from dflash_ipc.decode.ragged_attention import band_mask, gqa_attention
 
 FILL_BYTES = 256 * 2**20
-REPLAYS = 20
 CASES = ("1:1:512", "1:1:4096", "1:16:512", "1:16:4096", "64:1:1024:ragged", "512:1:1024:ragged",
          "512:1:4096:ragged")
 
@@ -57,27 +57,6 @@ def paths(splits: list[int]):
     return {"sdpa": sdpa, "kernel": kernel(None)} | {f"kernel/{n}": kernel(n) for n in splits}
 
 
-def time_calls(fn, cases) -> float:
-    """Microseconds per ``fn`` call over the distinct ``cases``, in one CUDA graph."""
-    for case in cases[:2]:
-        fn(*case)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for case in cases:
-            fn(*case)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    del graph
-    return 1e3 * start.elapsed_time(end) / (REPLAYS * len(cases))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shapes", nargs="+", choices=sorted(SHAPES))
@@ -98,7 +77,7 @@ def main() -> None:
             want = gqa_attention(q.float(), cases[0][1].float(), cases[0][2].float(), mask).transpose(1, 2)
             cells, base = [], None
             for name, fn in paths([int(n) for n in args.splits.split(",")]).items():
-                us = time_calls(fn, cases)
+                us = graph_us(fn, cases)
                 err = float((fn(*cases[0]).float() - want).abs().max())
                 base = base or us
                 cells.append(f"{name} {us:7.2f} us ({kv_bytes / us / 1e6:4.2f}, {base / us:4.2f}x, err {err:.1e})")

@@ -20,12 +20,12 @@ import math
 import torch
 import torch.nn.functional as F
 
+from benchmarks.graph_timing import graph_us
 from dflash_ipc.bench.assets import SHAPES
 from dflash_ipc.decode import matvec
 
 HBM_TBS = 4.8  # H200
 FILL_BYTES = 512 * 2**20
-REPLAYS = 20
 GRID = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
         for n, k, w, s in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (2, 4))]
 
@@ -44,23 +44,7 @@ def time_products(fn, n: int, k: int) -> float:
     copies = max(4, math.ceil(FILL_BYTES / (2 * n * k)))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    for w in weights[:2]:
-        fn(x, w)  # compile, pick cuBLAS's algorithm
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            fn(x, w)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    del graph, weights
-    return 1e3 * start.elapsed_time(end) / (REPLAYS * copies)
+    return graph_us(fn, [(x, w) for w in weights])
 
 
 def check(n: int, k: int, config: dict) -> float:

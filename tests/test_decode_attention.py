@@ -18,13 +18,12 @@ import pytest
 import torch
 from torch import nn
 
-from dflash_ipc.bench.assets import build_random_target
 from dflash_ipc.decode import decode_attention
 from dflash_ipc.decode.decode_attention import ATTENTION_ENV, KEYS_PER_SPLIT, fits, split_plan
-from dflash_ipc.decode.engine import DecodeEngine, EngineSettings
 from dflash_ipc.decode.ragged_attention import band_mask, gqa_attention
 from dflash_ipc.decode.requests import Request, RequestList
 from dflash_ipc.errors import ConfigError
+from decode_switch_helpers import decode_verdicts
 
 cuda = pytest.mark.skipif(not (torch.cuda.is_available() and decode_attention.triton is not None),
                           reason="needs CUDA and Triton")
@@ -182,28 +181,11 @@ def test_the_op_checks_out():
 @cuda
 @pytest.mark.parametrize("rows", [1, 4])
 def test_a_bf16_decode_with_the_kernel_matches_it_without(tmp_path, monkeypatch, rows):
-    from dflash_ipc.decode.target import BatchedTarget
-    from dflash_ipc.eval.lossless import compare
-
-    path = str(tmp_path / "target")
-    build_random_target(path, shape="tiny", dtype="bfloat16", num_layers=2, seed=5)
-    rng = np.random.default_rng(0)
-    batch = [Request(key=(i, 0), prompt_ids=rng.integers(10, 1000, size=int(rng.integers(3, 300))),
-                     max_new_tokens=int(rng.integers(1, 40))) for i in range(8)]
-    runs = {}
-    for setting in ("off", "auto"):
-        monkeypatch.setenv(ATTENTION_ENV, setting)
-        torch._dynamo.reset()
-        target = BatchedTarget(path, device="cuda:0", dtype="bfloat16")
-        assert (target.num_kernel_attention == target.num_layers) == (setting == "auto")
-        engine = DecodeEngine(target, settings=EngineSettings(max_rows=rows, check_every=3, compile="on",
-                                                              keep_margins=True))
-        runs[setting] = {g.request.key: g for g in engine.run(RequestList(batch)).generations}
-        assert engine.graphs.enabled and not target._compiled_extend.failed
-    verdicts = [compare(runs["auto"][k], runs["off"][k], dtype=torch.bfloat16).verdict for k in runs["off"]]
+    verdicts = decode_verdicts(tmp_path, monkeypatch, ATTENTION_ENV, rows=rows, max_prompt=300, max_new=40,
+                               num_requests=8,
+                               switched_on=lambda target: target.num_kernel_attention == target.num_layers)
     assert all(v in ("identical", "near_tie") for v in verdicts), verdicts
     assert verdicts.count("identical") >= len(verdicts) - 2
-    torch._dynamo.reset()
 
 
 @pytest.mark.gpu

@@ -7,18 +7,15 @@ the block, a partial last block of N), and a bf16 target's decode with the kerne
 same target without it, compiled and captured (eval/lossless.py's near-tie rule: the kernel
 sums in another order than cuBLAS)."""
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ipc.bench.assets import build_random_target
 from dflash_ipc.decode import matvec
-from dflash_ipc.decode.engine import DecodeEngine, EngineSettings
-from dflash_ipc.decode.requests import Request, RequestList
 from dflash_ipc.decode.matvec import GEMV_ENV, MatVecLinear, route_matvec
 from dflash_ipc.errors import ConfigError
+from decode_switch_helpers import decode_verdicts
 
 cuda = pytest.mark.skipif(not (torch.cuda.is_available() and matvec.available()), reason="needs CUDA and Triton")
 
@@ -94,25 +91,7 @@ def test_triton_matches_cublas(n, k, bias):
 @cuda
 @pytest.mark.parametrize("scope", ["layer", "forward"])
 def test_a_bf16_decode_with_the_kernel_matches_it_without(tmp_path, monkeypatch, scope):
-    from dflash_ipc.decode.target import BatchedTarget
-    from dflash_ipc.eval.lossless import compare
-
-    path = str(tmp_path / "target")
-    build_random_target(path, shape="tiny", dtype="bfloat16", num_layers=2, seed=5)
-    rng = np.random.default_rng(0)
-    batch = [Request(key=(i, 0), prompt_ids=rng.integers(10, 1000, size=int(rng.integers(3, 40))),
-                     max_new_tokens=int(rng.integers(1, 20))) for i in range(6)]
-    runs = {}
-    for setting in ("off", "auto"):
-        monkeypatch.setenv(GEMV_ENV, setting)
-        torch._dynamo.reset()
-        target = BatchedTarget(path, device="cuda:0", dtype="bfloat16", compile_scope=scope)
-        assert (target.num_matvec_linears > 0) == (setting == "auto")
-        engine = DecodeEngine(target, settings=EngineSettings(max_rows=1, check_every=3, compile="on",
-                                                              keep_margins=True))
-        runs[setting] = {g.request.key: g for g in engine.run(RequestList(batch)).generations}
-        assert engine.graphs.enabled and not target._compiled_extend.failed
-    verdicts = [compare(runs["auto"][k], runs["off"][k], dtype=torch.bfloat16).verdict for k in runs["off"]]
+    verdicts = decode_verdicts(tmp_path, monkeypatch, GEMV_ENV, rows=1, max_prompt=40, max_new=20, num_requests=6,
+                               switched_on=lambda target: target.num_matvec_linears > 0, compile_scope=scope)
     assert all(v in ("identical", "near_tie") for v in verdicts), verdicts
     assert verdicts.count("identical") >= len(verdicts) - 2
-    torch._dynamo.reset()

@@ -31,7 +31,7 @@ import functools
 import torch
 from torch import Tensor
 
-from dflash_ipc.decode.matvec import HALF_DTYPES, cuda_switch, triton
+from dflash_ipc.decode.matvec import HALF_DTYPES, available, cuda_switch, triton
 
 if triton is not None:
     import triton.language as tl
@@ -52,7 +52,7 @@ BLOCK_T = 64
 
 def enabled(device) -> bool:
     """Whether a target on ``device`` takes this kernel for its decode and verify attention."""
-    return cuda_switch(ATTENTION_ENV, device) and triton is not None and torch.cuda.is_available()
+    return cuda_switch(ATTENTION_ENV, device) and available()
 
 
 def mark_attention(layers) -> int:

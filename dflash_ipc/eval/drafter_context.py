@@ -28,7 +28,6 @@ from torch import Tensor
 from dflash_ipc.drafter.model import DFlashAttention, DFlashDraftModel, fused_rms_norm_rope
 from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.decode import decode_attention
-from dflash_ipc.decode.matvec import HALF_DTYPES
 from dflash_ipc.decode.ragged_attention import band_mask, gqa_attention
 from dflash_ipc.decode.row_cache import MASK_ALIGN, RowKV, round_up
 
@@ -51,9 +50,9 @@ class DrafterContext:
         self.mask_token_id = model.config.mask_token_id
         self.dtype = model.fc.weight.dtype
         self.kv: RowKV | None = None
-        self.kernel_attention = decode_attention.enabled(model.fc.weight.device) and self.dtype in HALF_DTYPES
+        self.kernel_attention = decode_attention.enabled(model.fc.weight.device)
         """The block's attention through decode/decode_attention.py's kernel (on CUDA, where its
-        shapes fit), else SDPA."""
+        shapes and dtypes fit), else SDPA."""
 
     def reset(self, num_rows: int, capacity: int) -> None:
         self.kv = RowKV(len(self.model.layers), num_rows, capacity)

@@ -1,0 +1,35 @@
+"""A bf16 target's decode with a decode switch ($DFLASH_DECODE_*) off and on: the shared GPU check
+of tests/test_decode_matvec.py and tests/test_decode_attention.py."""
+
+import numpy as np
+import torch
+
+from dflash_ipc.bench.assets import build_random_target
+from dflash_ipc.decode.engine import DecodeEngine, EngineSettings
+from dflash_ipc.decode.requests import Request, RequestList
+
+
+def decode_verdicts(tmp_path, monkeypatch, env: str, *, rows: int, max_prompt: int, max_new: int,
+                    num_requests: int, switched_on, **target_kwargs) -> list[str]:
+    """eval/lossless.py verdicts of each request's greedy decode with ``env`` on against off,
+    compiled and captured, ``rows`` rows; ``switched_on(target)`` says whether the switch took."""
+    from dflash_ipc.decode.target import BatchedTarget
+    from dflash_ipc.eval.lossless import compare
+
+    path = str(tmp_path / "target")
+    build_random_target(path, shape="tiny", dtype="bfloat16", num_layers=2, seed=5)
+    rng = np.random.default_rng(0)
+    batch = [Request(key=(i, 0), prompt_ids=rng.integers(10, 1000, size=int(rng.integers(3, max_prompt))),
+                     max_new_tokens=int(rng.integers(1, max_new))) for i in range(num_requests)]
+    runs = {}
+    for setting in ("off", "auto"):
+        monkeypatch.setenv(env, setting)
+        torch._dynamo.reset()
+        target = BatchedTarget(path, device="cuda:0", dtype="bfloat16", **target_kwargs)
+        assert switched_on(target) == (setting == "auto")
+        engine = DecodeEngine(target, settings=EngineSettings(max_rows=rows, check_every=3, compile="on",
+                                                              keep_margins=True))
+        runs[setting] = {g.request.key: g for g in engine.run(RequestList(batch)).generations}
+        assert engine.graphs.enabled and not target._compiled_extend.failed
+    torch._dynamo.reset()
+    return [compare(runs["auto"][k], runs["off"][k], dtype=torch.bfloat16).verdict for k in runs["off"]]
