@@ -39,6 +39,17 @@ def test_a_span_is_split_only_where_programs_are_few_and_keys_many():
     assert split_plan(programs=8, span=130, sms=132, block_t=64, splits=10) == (3, 1)  # none left empty
 
 
+def test_tiles_that_would_overflow_shared_memory_take_fewer_stages_then_fewer_keys():
+    tile_plan = decode_attention.tile_plan
+    assert tile_plan(16, 128, 128, 64, skip=False) == (64, 3, 4)  # Qwen3 / Llama at batch 1: as measured
+    assert tile_plan(16, 128, 128, 64, skip=True) == (64, 2, 4)
+    assert tile_plan(32, 256, 256, 64, skip=False) == (64, 2, 8)  # head dim 256: two stages
+    assert tile_plan(128, 256, 256, 64, skip=False) == (32, 2, 8)  # and a 64-KiB query tile: half the keys
+    for block_m, d in ((16, 64), (64, 128), (128, 256)):
+        t, stages, _ = tile_plan(block_m, d, d, 64, skip=False)
+        assert 2 * (block_m * d + stages * t * 2 * d) <= decode_attention.SHARED_BYTES
+
+
 def test_only_marked_attention_modules_on_cuda_take_the_kernel():
     layers = [nn.Module() for _ in range(3)]
     for layer in layers[:2]:

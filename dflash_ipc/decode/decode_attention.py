@@ -47,7 +47,10 @@ KEYS_PER_SPLIT = 128
 hold fewer): a program's blocks run one after the other, each a round trip to memory, so at
 batch 1 short loops over many programs win."""
 BLOCK_T = 64
-"""Keys per block."""
+"""Keys per block (fewer where the tiles would not fit in shared memory: :func:`tile_plan`)."""
+SHARED_BYTES = 160 * 1024
+"""Shared memory the pipelined K/V tiles and the query tile may take (an H100/H200 SM has 228 KiB;
+a margin for the layout conversions Triton adds)."""
 
 
 def enabled(device) -> bool:
@@ -103,6 +106,23 @@ def split_plan(programs: int, span: int, sms: int, block_t: int, splits: int | N
         splits = max(1, min(_cdiv(span, KEYS_PER_SPLIT), _cdiv(sms, programs)))
     blocks = max(1, _cdiv(_cdiv(span, block_t), splits))
     return max(1, _cdiv(_cdiv(span, block_t), blocks)), blocks
+
+
+def tile_plan(block_m: int, block_d: int, block_dv: int, block_t: int, skip: bool) -> tuple[int, int, int]:
+    """(keys per block, pipeline stages, warps) for a program's query tile ``block_m`` x
+    ``block_d`` and K/V tiles of ``block_t`` keys: the stages (3, 2 where the loop tests for hidden
+    blocks) and then the block shrunk until the query tile and the staged K/V tiles fit in
+    SHARED_BYTES (128 query rows at head dim 256 take a 64-KiB query tile)."""
+    warps = 4 if block_m * max(block_d, block_dv) <= 32 * 128 else 8
+    stages = 2 if skip else 3
+
+    def shared(t: int, n: int) -> int:
+        return 2 * (block_m * block_d + n * t * (block_d + block_dv))
+    while stages > 2 and shared(block_t, stages) > SHARED_BYTES:
+        stages -= 1
+    while block_t > 16 and shared(block_t, stages) > SHARED_BYTES:
+        block_t //= 2
+    return block_t, stages, warps
 
 
 if triton is not None:
@@ -228,11 +248,12 @@ def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale
     block_d, block_dv = _pow2(dim), _pow2(dim_v)
     programs = bsz * hkv
     sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
-    splits, blocks = split_plan(programs, span, sms, block_t, splits)
     # Rows that fill the GPU by themselves (a batch of replies of mixed lengths) skip the key
     # blocks their queries do not see: the reads are the cost. With few rows (batch 1) the
     # latency of each block is, and a loop without the test pipelines its loads.
     skip = programs >= sms
+    block_t, stages, warps = tile_plan(block_m, block_d, block_dv, block_t, skip)
+    splits, blocks = split_plan(programs, span, sms, block_t, splits)
     out = torch.empty(bsz, nq, hq, dim_v, dtype=q.dtype, device=q.device)
     seen = mask.view(torch.uint8)
     if splits > 1:
@@ -240,14 +261,13 @@ def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale
         stat = torch.empty(programs * splits * block_m * 2, dtype=torch.float32, device=q.device)
     else:
         part = stat = out  # pointers the kernel does not touch without SPLIT
-    warps = 4 if block_m * max(block_d, block_dv) <= 32 * 128 else 8
     _attention_kernel[(programs, splits)](
         q, k, v, seen, out, part, stat, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), seen.stride(0), seen.stride(2), seen.stride(3),
         out.stride(0), out.stride(1), out.stride(2), span, blocks,
         float(scale if scale is not None else dim ** -0.5),
         HKV=hkv, REP=rep, NQ=nq, D=dim, DV=dim_v, BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_D=block_d,
-        BLOCK_DV=block_dv, SPLIT=splits > 1, SKIP_HIDDEN=skip, num_warps=warps, num_stages=2 if skip else 3)
+        BLOCK_DV=block_dv, SPLIT=splits > 1, SKIP_HIDDEN=skip, num_warps=warps, num_stages=stages)
     if splits > 1:
         _combine_kernel[(programs,)](part, stat, out, splits, out.stride(0), out.stride(1), out.stride(2),
                                      HKV=hkv, REP=rep, NQ=nq, DV=dim_v, BLOCK_M=block_m, BLOCK_DV=block_dv,
