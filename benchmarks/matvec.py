@@ -1,10 +1,12 @@
-"""The decode step's matrix-vector products at batch 1: cuBLAS against decode/matvec.py's Triton kernel.
+"""The decode step's products of a few rows: cuBLAS against decode/matvec.py's Triton kernels.
 
-    python3 -m benchmarks.matvec qwen3-1.7b qwen3-8b            # the kernel's launch_config
+    python3 -m benchmarks.matvec qwen3-1.7b qwen3-8b            # one row, the kernel's launch_config
     python3 -m benchmarks.matvec qwen3-1.7b --sweep             # every config of the grid, best kept
+    python3 -m benchmarks.matvec qwen3-1.7b --rows 1,4,16       # one row, then the few-row kernel's
 
 For each weight shape of a bench shape's decoder layer (bench/assets.py SHAPES: q, k, v, o, gate,
-up, down; fused q|k|v and gate|up; the LM head), one row against it: as many distinct copies of the
+up, down; fused q|k|v and gate|up; the LM head), each row count against it (1: the matrix-vector
+kernel, launch_config; more: the few-row kernel, rows_config; a verify pass is 16): as many distinct copies of the
 weight as fill 512 MiB (at least 4, so the 50-MB L2 holds none of them between reads), one linear
 per copy, captured as one CUDA graph and replayed; microseconds per product and the weight's
 read rate. Then the matmul time of one decode step at each, per kernel: the layer's products
@@ -28,6 +30,8 @@ HBM_TBS = 4.8  # H200
 FILL_BYTES = 512 * 2**20
 GRID = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
         for n, k, w, s in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (2, 4))]
+ROWS_GRID = [dict(BLOCK_N=n, BLOCK_K=k, SPLIT=split, num_warps=4, num_stages=4)
+             for n, k, split in itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8))]
 
 
 def layer_shapes(shape: str) -> dict[str, tuple[int, int]]:
@@ -39,20 +43,28 @@ def layer_shapes(shape: str) -> dict[str, tuple[int, int]]:
             "down": (h, inter), "qkv": (q + 2 * kv, h), "gate_up": (2 * inter, h), "head": (c["vocab_size"], h)}
 
 
-def time_products(fn, n: int, k: int) -> float:
-    """Microseconds per ``fn(x, w)`` over distinct copies of an N x K bf16 weight, in a CUDA graph."""
+def time_products(fn, n: int, k: int, rows: int = 1) -> float:
+    """Microseconds per ``fn(x, w)`` over distinct copies of an N x K bf16 weight, x of ``rows``
+    rows, in a CUDA graph."""
     copies = max(4, math.ceil(FILL_BYTES / (2 * n * k)))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     return graph_us(fn, [(x, w) for w in weights])
 
 
-def check(n: int, k: int, config: dict) -> float:
+def kernel(rows: int):
+    """The Triton entry for ``rows`` rows, its default config and its sweep grid."""
+    if rows == 1:
+        return matvec.triton_matvec, matvec.launch_config, GRID
+    return matvec.triton_rows, matvec.rows_config, ROWS_GRID
+
+
+def check(n: int, k: int, config: dict, rows: int = 1) -> float:
     """Largest |Triton - cuBLAS| relative to the output's scale, one random product."""
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     want = F.linear(x, w).float()
-    got = matvec.triton_matvec(x, w, config=config).float()
+    got = kernel(rows)[0](x, w, config=config).float()
     return float((got - want).abs().max() / want.abs().max())
 
 
@@ -60,37 +72,44 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shapes", nargs="+", choices=sorted(SHAPES))
     parser.add_argument("--sweep", action="store_true", help="time every config of the grid, keep the best")
+    parser.add_argument("--rows", default="1", help=f"row counts, comma-separated (1..{matvec.MAX_ROWS})")
     args = parser.parse_args()
-    for shape in args.shapes:
+    row_counts = [int(r) for r in args.rows.split(",")]
+    if not all(1 <= r <= matvec.MAX_ROWS for r in row_counts):
+        parser.error(f"--rows {args.rows}: each count in 1..{matvec.MAX_ROWS}")
+    for shape, rows in itertools.product(args.shapes, row_counts):
         depth = SHAPES[shape][1]["num_hidden_layers"]
         shapes = layer_shapes(shape)
+        entry, default_config, grid = kernel(rows)
         timed: dict[str, dict[str, float]] = {"cublas": {}, "triton": {}}
         seen: dict[tuple[int, int], tuple[float, float]] = {}
         for name, (n, k) in shapes.items():
             if (n, k) not in seen:
-                cublas = time_products(F.linear, n, k)
-                best = None
-                for cfg in GRID if args.sweep else [matvec.launch_config(n, k)]:
+                cublas = time_products(F.linear, n, k, rows)
+                best, default = None, None
+                for cfg in [default_config(n, k)] + (grid if args.sweep else []):
                     try:
-                        us = time_products(lambda x, w, c=cfg: matvec.triton_matvec(x, w, config=c), n, k)
+                        us = time_products(lambda x, w, c=cfg: entry(x, w, config=c), n, k, rows)
                     except Exception as e:  # noqa: BLE001 - a config the compiler refuses (registers, shared memory)
                         print(f"  {shape} {n}x{k} {cfg}: {type(e).__name__}: {str(e)[:120]}")
                         continue
+                    default = us if default is None else default
                     if best is None or us < best[0]:
                         best = (us, cfg)
                 seen[(n, k)] = (cublas, best[0])
                 mb = 2 * n * k / 1e6
-                print(f"{shape} {name:8s} {n:6d}x{k:5d} ({mb:6.1f} MB): cuBLAS {cublas:7.2f} us ({mb / cublas:.2f} TB/s), "
-                      f"Triton {best[0]:7.2f} us ({mb / best[0]:.2f} TB/s) {best[1]}, rel err {check(n, k, best[1]):.1e}",
-                      flush=True)
+                print(f"{shape} rows {rows:2d} {name:8s} {n:6d}x{k:5d} ({mb:6.1f} MB): cuBLAS {cublas:7.2f} us "
+                      f"({mb / cublas:.2f} TB/s), Triton {best[0]:7.2f} us ({mb / best[0]:.2f} TB/s) {best[1]}, "
+                      f"rel err {check(n, k, best[1], rows):.1e}"
+                      + (f" (default config {default:.2f} us)" if args.sweep else ""), flush=True)
             timed["cublas"][name], timed["triton"][name] = seen[(n, k)]
         n_bytes = 2 * (depth * sum(shapes[m][0] * shapes[m][1] for m in ("qkv", "o", "gate_up", "down"))
                        + shapes["head"][0] * shapes["head"][1])
         bound = n_bytes / (HBM_TBS * 1e12) * 1e6
-        for kernel, t in timed.items():
+        for impl, t in timed.items():
             plain = depth * sum(t[m] for m in ("q", "k", "v", "o", "gate", "up", "down")) + t["head"]
             fused = depth * sum(t[m] for m in ("qkv", "o", "gate_up", "down")) + t["head"]
-            print(f"{shape} {kernel}: matmul per step {plain / 1e3:.3f} ms (7 per layer), {fused / 1e3:.3f} ms "
+            print(f"{shape} rows {rows} {impl}: matmul per step {plain / 1e3:.3f} ms (7 per layer), {fused / 1e3:.3f} ms "
                   f"(4 per layer: q|k|v and gate|up fused); bound {bound / 1e3:.3f} ms ({bound / plain:.0%} / "
                   f"{bound / fused:.0%} of it)", flush=True)
 

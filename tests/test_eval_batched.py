@@ -168,14 +168,22 @@ def test_band_masks():
     assert sliding.int().tolist() == [[0, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 0]]
 
 
-@pytest.mark.parametrize("window", [None, 6, 11])
-def test_drafter_context_equals_the_training_forward(target_dir, legacy, window):
+@pytest.mark.parametrize("window,fused", [(None, False), (6, False), (11, False), (None, True), (6, True)])
+def test_drafter_context_equals_the_training_forward(target_dir, legacy, window, fused):
     """Context appended in pieces (a prefill, then verified blocks), blocks drafted for several
     rows at once: the block's hidden states are those of the model's own (training) forward;
-    also with a sliding_attention layer (windows below and above the block size)."""
+    also with a sliding_attention layer (windows below and above the block size), and with each
+    layer's products over its concatenated weights (what CUDA runs; here through F.linear)."""
+    from dflash_ipc.eval.drafter_projections import FusedProjections, layer_projections
+
     kinds = None if window is None else ["sliding_attention", "full_attention"]
     model = random_drafter(target_dir, seed=3, block_size=8, layer_types=kinds, sliding_window=window)
     context = DrafterContext(model, legacy.head)
+    if fused:
+        context.projections = layer_projections(model.layers, kernels=True)
+        assert all(type(p) is FusedProjections for p in context.projections)
+        attn = model.layers[0].self_attn  # its weights now rows of one tensor
+        assert attn.k_proj.weight.data_ptr() == context.projections[0].w_kv.data_ptr()
     proposer = DFlashProposer(model, legacy.head)
     rng = np.random.default_rng(1)
     seqs = [torch.as_tensor(rng.integers(10, 1000, size=n)) for n in (12, 30, 7)]

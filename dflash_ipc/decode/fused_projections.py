@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_ipc.decode.matvec import HALF_DTYPES, cuda_switch
+from dflash_ipc.decode.matvec import cuda_switch, decode_linear, max_rows
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Sibling ``nn.Linear`` modules that a decoder layer calls on one input, by their HF names."""
@@ -48,16 +48,16 @@ class FusedGroup:
     def __init__(self, weight: Tensor, bias: Tensor | None, bounds: tuple[tuple[int, int], ...],
                  matvec: bool) -> None:
         self.weight, self.bias, self.bounds, self.matvec = weight, bias, bounds, matvec
+        self.rows_limit = max_rows()
         self.x: Tensor | None = None
         self.y: Tensor | None = None
         self.reads = 0
 
     def product(self, x: Tensor) -> Tensor:
-        """x ``[..., K]`` times every member's weight ``[..., sum N_i]``: one-row CUDA inputs
-        through decode/matvec.py's kernel where ``matvec``, else ``F.linear``."""
-        if (self.matvec and x.is_cuda and x.dtype in HALF_DTYPES and x.dtype == self.weight.dtype
-                and x.numel() == x.shape[-1]):
-            return torch.ops.dflash.matvec_linear(x, self.weight, self.bias)
+        """x ``[..., K]`` times every member's weight ``[..., sum N_i]``: CUDA inputs of a few
+        rows through decode/matvec.py's kernels where ``matvec``, else ``F.linear``."""
+        if self.matvec:
+            return decode_linear(x, self.weight, self.bias, self.rows_limit)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -97,8 +97,8 @@ def _group_of(parent: nn.Module, names: tuple[str, ...]) -> list[nn.Linear] | No
 @torch.no_grad()
 def fuse_projections(model: nn.Module, *, matvec: bool = False) -> int:
     """Fuse every GROUPS group of plain ``nn.Linear`` siblings under ``model`` (a frozen target,
-    already on its device); how many groups were fused. ``matvec``: the groups' one-row products
-    go through decode/matvec.py's kernel."""
+    already on its device); how many groups were fused. ``matvec``: the groups' products of a
+    few rows go through decode/matvec.py's kernels."""
     count = 0
     for parent in list(model.modules()):
         for names in GROUPS:

@@ -1,24 +1,29 @@
-"""The decode step's linear layers at batch 1: a Triton matrix-vector kernel.
+"""The decode step's linear layers at a few rows: Triton kernels that stream each weight once.
 
-At batch 1 every linear layer of a decode step is a matrix-vector product: its weight is read
-once for one row, so the step is bound by how fast the weights stream. cuBLAS runs these
+At batch 1 every linear layer of a decode step is a matrix-vector product, and a verify pass
+(a block of 16 tokens) or a drafted block is a product of at most 16 rows: the weight is read
+once for those rows, so the step is bound by how fast the weights stream. cuBLAS runs these
 products as split-K GEMM tiles (``nvjet_sm90_tst_64x8`` and the like) that stream them at
 1.5-2.7 TB/s at the Qwen3-1.7B shape on an H200, below 0.4 TB/s for its 4-MB k/v weights
-(docs/benchmarks.md, "Batch 1: a matrix-vector kernel, fused projections"). The kernel here gives each program ``BLOCK_N``
-whole rows of the weight: it streams their contiguous K once, keeps per-lane partial sums in
-fp32 and reduces them once at the end, with no second pass over split-K partials. One row
-only: from two rows on, cuBLAS's tiles share each read of the weight among the rows.
+(docs/benchmarks.md, "Batch 1: a matrix-vector kernel, fused projections"). The kernels here
+give each program ``BLOCK_N`` whole rows of the weight and stream their contiguous K once:
+
+    one row      per-lane partial sums in fp32, reduced once at the end (no second pass over
+                 split-K partials): ``_matvec_kernel``;
+    2..MAX_ROWS  the rows padded to 16 and multiplied on the tensor cores (``tl.dot``, fp32
+                 accumulation), each weight tile read once for all of them: ``_rows_kernel``.
 
 :func:`route_matvec` swaps a model's ``nn.Linear`` modules for :class:`MatVecLinear`, which
-sends a one-row bf16/fp16 CUDA input through the custom op ``dflash::matvec_linear``; the op
-is opaque to torch.compile, so a compiled decode layer calls it as it would cuBLAS, and a
-CUDA graph records its launch. Where Triton is missing (CPU builds of torch) nothing is
-swapped. ``$DFLASH_DECODE_GEMV``: ``auto`` (the default: on CUDA where Triton imports) or
-``off``.
+sends a bf16/fp16 CUDA input of at most ``MAX_ROWS`` rows through the custom op
+``dflash::matvec_linear`` (:func:`takes` says which inputs); the op is opaque to
+torch.compile, so a compiled decode layer calls it as it would cuBLAS, and a CUDA graph
+records its launch. Where Triton is missing (CPU builds of torch) nothing is swapped.
+``$DFLASH_DECODE_GEMV``: ``auto`` (the default: on CUDA where Triton imports) or ``off``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -37,6 +42,13 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 """Input dtypes the kernel takes (a float32 target keeps cuBLAS: its decode is not the fast path)."""
 GEMV_ENV = "DFLASH_DECODE_GEMV"
 SETTINGS = ("auto", "off")
+MAX_ROWS = 16
+"""Rows a product takes the kernels for (a verify block of 16 at batch 1); more go to cuBLAS,
+whose tiles share each weight read among many rows."""
+MAX_ROWS_ENV = "DFLASH_DECODE_GEMV_MAX_ROWS"
+"""Fewer rows for the kernels (1..MAX_ROWS; 1: the matrix-vector kernel alone, cuBLAS from two
+rows on), for a GPU where the few-row kernel loses to cuBLAS (benchmarks/matvec.py --rows)."""
+DOT_ROWS = 16  # tl.dot's smallest operand dimension: fewer rows are padded (masked loads, not copies)
 
 
 def available() -> bool:
@@ -82,6 +94,60 @@ if triton is not None:
             y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
+    @triton.jit
+    def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_ym,
+                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     EVEN_K: tl.constexpr):
+        """y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for M <= DOT_ROWS rows m and this program's
+        BLOCK_N rows n of w [N, K], over its split of K (program_id 1; ``k_per_split`` keys, a
+        multiple of BLOCK_K): each tile of w read once, on the tensor cores for all rows. With
+        SPLIT > 1 each split leaves its fp32 sums in ``part`` and counts itself in ``count[n
+        block]``; the split that counts last sums them, writes y and sets the count back to 0
+        (so one launch, and no memset before the next one, in a CUDA graph or not)."""
+        pid_n, split = tl.program_id(0), tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_m = tl.arange(0, 16)  # DOT_ROWS
+        m_ok = offs_m < M
+        k_lo = split * k_per_split
+        offs_k = k_lo + tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+        for k0 in range(k_lo, tl.minimum(K, k_lo + k_per_split), BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+                x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            else:
+                k_ok = k0 - k_lo + offs_k < K
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+                x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(w, tl.trans(x), acc)  # [BLOCK_N, 16]: fp32 accumulation
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+        out_ok = n_ok[:, None] & m_ok[None, :]
+        if SPLIT == 1:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+        else:
+            tile = tl.arange(0, BLOCK_N)[:, None] * 16 + offs_m[None, :]
+            part = part_ptr + (pid_n * SPLIT).to(tl.int64) * (BLOCK_N * 16) + tile
+            tl.store(part + split * (BLOCK_N * 16), acc)
+            # Every thread's store done before the count: a barrier, then a release at GPU scope
+            # (the acquire half orders the last split's loads after the others' stores).
+            tl.debug_barrier()
+            done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT - 1:  # the last split of this block of n: the others' sums are in part
+                total = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+                for other in range(0, SPLIT):
+                    total += tl.load(part + other * (BLOCK_N * 16), cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_ok)
+                tl.atomic_xchg(count_ptr + pid_n, 0)
+
 
 def launch_config(n: int, k: int) -> dict:
     """Block sizes, warps and pipeline stages against an N x K weight: the best of
@@ -114,12 +180,114 @@ def triton_matvec(x: Tensor, weight: Tensor, bias: Tensor | None = None, config:
     return y.reshape(*x.shape[:-1], n)
 
 
+ROWS_BLOCK_N = 64
+"""Weight rows per program of the few-row kernel: the best of every config of benchmarks/matvec.py's
+sweep at 16 rows on an H200, for each Qwen3-1.7B and -8B weight."""
+ROWS_SPLIT_BELOW = 64
+"""A weight of fewer blocks of ROWS_BLOCK_N rows than this (N < 4,096) has its K split, up to
+about one program per SM: 2,048 x 6,144 (a 1.7B down projection) runs 32 blocks x 4 splits."""
+MAX_ROWS_SPLIT = 8
+
+
+def rows_config(n: int, k: int, sms: int = 132) -> dict:
+    """Block sizes, warps, stages and K splits of the few-row kernel against an N x K weight on
+    a GPU of ``sms`` SMs (the sweep's winners: blocks of 128 keys where K is split or N is large,
+    of 256 otherwise)."""
+    blocks = -(-n // ROWS_BLOCK_N)
+    split = 1
+    if blocks < ROWS_SPLIT_BELOW:
+        while split * 2 <= min(MAX_ROWS_SPLIT, sms // blocks):
+            split *= 2
+    block_k = 128 if split > 1 or n >= 12288 else 256
+    return dict(BLOCK_N=ROWS_BLOCK_N, BLOCK_K=block_k, SPLIT=split, num_warps=4, num_stages=4)
+
+
+class SplitBuffers:
+    """Per device, the few-row kernel's split partial sums (fp32) and per-block counts (int32,
+    zero between launches: the last split of a block resets its count). Launches on one stream
+    share them (a decode step's kernels run one after another). A buffer too small for a launch
+    is replaced by a larger one, and the old one is kept: a CUDA graph that recorded a launch
+    still writes to it. The first ones (4 MiB, 64 KiB) hold every launch of ``rows_config``'s
+    (split only below ROWS_SPLIT_BELOW blocks), so only other configs (a sweep's) grow them."""
+
+    def __init__(self) -> None:
+        self._by_device: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        self._kept: list[Tensor] = []
+
+    def get(self, device: torch.device, part_floats: int, counts: int) -> tuple[Tensor, Tensor]:
+        part, count = self._by_device.get(device, (None, None))
+        if part is None or part.numel() < part_floats:
+            self._kept += [part] if part is not None else []
+            part = torch.empty(max(part_floats, 1 << 20), dtype=torch.float32, device=device)
+        if count is None or count.numel() < counts:
+            self._kept += [count] if count is not None else []
+            count = torch.zeros(max(counts, 1 << 14), dtype=torch.int32, device=device)
+        self._by_device[device] = (part, count)
+        return part, count
+
+
+SPLIT_BUFFERS = SplitBuffers()
+
+
+def triton_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: dict | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` by the few-row kernel for x of ``M <= MAX_ROWS`` rows
+    (``[..., K]``), weight ``[N, K]``, bias ``[N]``; fp32 sums, x's dtype out."""
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    if not 1 <= m <= MAX_ROWS or weight.shape[1] != k:
+        raise ValueError(f"triton_rows: x {tuple(x.shape)} against weight {tuple(weight.shape)} "
+                         f"(1..{MAX_ROWS} rows of the weight's K)")
+    x2 = x.reshape(m, k)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    weight = weight if weight.is_contiguous() else weight.contiguous()
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
+    cfg = dict(config or rows_config(n, k, sms))
+    block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    blocks = triton.cdiv(n, block_n)
+    split = max(1, min(cfg.pop("SPLIT", 1), triton.cdiv(k, block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
+    split = triton.cdiv(k, k_per_split)  # none left empty
+    part, count = (SPLIT_BUFFERS.get(x.device, blocks * split * block_n * DOT_ROWS, blocks) if split > 1
+                   else (y, y))  # pointers the kernel does not touch with one split
+    b = bias if bias is not None else weight  # a pointer the kernel does not read without HAS_BIAS
+    _rows_kernel[(blocks, split)](x2, weight, b, y, part, count, m, n, k, k_per_split, x2.stride(0), y.stride(0),
+                                  HAS_BIAS=bias is not None, SPLIT=split,
+                                  EVEN_K=k % block_k == 0, **cfg)
+    return y.reshape(*x.shape[:-1], n)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def max_rows() -> int:
+    """The most rows a product sends to the kernels: ``$DFLASH_DECODE_GEMV_MAX_ROWS``, else MAX_ROWS."""
+    text = os.environ.get(MAX_ROWS_ENV) or str(MAX_ROWS)
+    if not text.isdigit() or not 1 <= int(text) <= MAX_ROWS:
+        raise ConfigError(f"${MAX_ROWS_ENV}={text!r}; allowed: an integer from 1 to {MAX_ROWS}")
+    return int(text)
+
+
+def takes(x: Tensor, weight: Tensor, rows_limit: int = MAX_ROWS) -> bool:
+    """Whether ``F.linear(x, weight)`` goes through the kernels: a CUDA input of x's dtype
+    bf16/fp16, the weight's, with at most ``rows_limit`` rows (callers read :func:`max_rows`
+    once, where they are built: a compiled layer then reads no environment)."""
+    k = x.shape[-1]
+    return (x.is_cuda and x.dtype in HALF_DTYPES and x.dtype == weight.dtype and k > 0
+            and x.numel() <= rows_limit * k)
+
+
 @torch.library.custom_op("dflash::matvec_linear", mutates_args=())
 def matvec_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``F.linear``, by the Triton kernel where x is one row on CUDA."""
-    if x.numel() != x.shape[-1] or not x.is_cuda:
+    """``F.linear``, by the Triton kernels where x is one row (or up to MAX_ROWS) on CUDA."""
+    if not (x.is_cuda and x.numel() and x.numel() <= MAX_ROWS * x.shape[-1]):
         return F.linear(x, weight, bias)
-    return triton_matvec(x, weight, bias)
+    if x.numel() == x.shape[-1]:
+        return triton_matvec(x, weight, bias)
+    return triton_rows(x, weight, bias)
 
 
 @matvec_linear.register_fake
@@ -128,8 +296,8 @@ def _matvec_linear_shape(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tens
 
 
 class MatVecLinear(nn.Linear):
-    """An ``nn.Linear`` whose one-row bf16/fp16 CUDA inputs go through ``dflash::matvec_linear``
-    (a frozen target's: the op has no backward)."""
+    """An ``nn.Linear`` whose bf16/fp16 CUDA inputs of at most MAX_ROWS rows go through
+    ``dflash::matvec_linear`` (a frozen target's: the op has no backward)."""
 
     @classmethod
     def sharing(cls, linear: nn.Linear) -> MatVecLinear:
@@ -138,12 +306,19 @@ class MatVecLinear(nn.Linear):
         nn.Module.__init__(module)
         module.in_features, module.out_features = linear.in_features, linear.out_features
         module.weight, module.bias = linear.weight, linear.bias
+        module.rows_limit = max_rows()
         return module
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.is_cuda and x.dtype in HALF_DTYPES and x.dtype == self.weight.dtype and x.numel() == x.shape[-1]:
-            return torch.ops.dflash.matvec_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return decode_linear(x, self.weight, self.bias, self.rows_limit)
+
+
+def decode_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, rows_limit: int = MAX_ROWS) -> Tensor:
+    """``F.linear(x, weight, bias)`` of an inference-only layer: through the kernels where they
+    take x (:func:`takes`), else cuBLAS."""
+    if takes(x, weight, rows_limit):
+        return torch.ops.dflash.matvec_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def route_matvec(*modules: nn.Module) -> int:

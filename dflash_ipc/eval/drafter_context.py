@@ -17,27 +17,31 @@ nothing is concatenated. A sliding_attention layer (window w) takes the band
 ``i - w < t <= i`` of its query at position i instead: causal and windowed, attention.py's
 rule (cache index = position: a row's cache holds position t at index t). This is DFlashAttention.forward's math on cached context
 (tests/test_eval_batched.py checks the two agree); the module's parameters are used as
-they are, so any drafter checkpoint works.
+they are, so any drafter checkpoint works. On CUDA (``$DFLASH_DECODE_GEMV`` not off) each
+layer's products run fused through decode/matvec.py's few-row kernels (drafter_projections.py)
+and so does the head.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from dflash_ipc.drafter.model import DFlashAttention, DFlashDraftModel, fused_rms_norm_rope
 from dflash_ipc.hf.target_head import FrozenTargetHead
-from dflash_ipc.decode import decode_attention
+from dflash_ipc.decode import decode_attention, matvec
+from dflash_ipc.eval.drafter_projections import ModuleProjections, layer_projections
 from dflash_ipc.decode.ragged_attention import band_mask, gqa_attention
 from dflash_ipc.decode.row_cache import MASK_ALIGN, RowKV, round_up
 
 
-def project_kv(attn: DFlashAttention, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """K (k_norm + RoPE) and V ``[N, Hkv, D]`` of rows ``x`` ``[N, H]`` at cos/sin ``[N, D]``."""
-    n = x.shape[0]
-    k = attn.k_proj(x).view(n, attn.num_kv_heads, attn.head_dim)
-    k = fused_rms_norm_rope(k, attn.k_norm.weight, attn.k_norm.eps, cos, sin)
-    return k, attn.v_proj(x).view(n, attn.num_kv_heads, attn.head_dim)
+def project_kv(attn: DFlashAttention, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """K (k_norm + RoPE) and V ``[N, Hkv, D]`` of projected rows k, v ``[N, Hkv*D]`` at cos/sin ``[N, D]``."""
+    n = k.shape[0]
+    k = fused_rms_norm_rope(k.reshape(n, attn.num_kv_heads, attn.head_dim), attn.k_norm.weight, attn.k_norm.eps,
+                            cos, sin)
+    return k, v.reshape(n, attn.num_kv_heads, attn.head_dim)
 
 
 class DrafterContext:
@@ -53,6 +57,11 @@ class DrafterContext:
         self.kernel_attention = decode_attention.enabled(model.fc.weight.device)
         """The block's attention through decode/decode_attention.py's kernel (on CUDA, where its
         shapes and dtypes fit), else SDPA."""
+        self.kernel_linears = matvec.enabled(model.fc.weight.device)
+        """fc and the head through decode/matvec.py's kernels, each layer's products fused through
+        them (on CUDA, where the rows fit), else the modules themselves."""
+        self.projections: list[ModuleProjections] = layer_projections(model.layers, kernels=self.kernel_linears)
+        self.rows_limit = matvec.max_rows()
 
     def reset(self, num_rows: int, capacity: int) -> None:
         self.kv = RowKV(len(self.model.layers), num_rows, capacity)
@@ -63,10 +72,10 @@ class DrafterContext:
         ``write_pos`` ``[R, q]``."""
         r, q = positions.shape
         m = self.model
-        ctx = m.hidden_norm(m.fc(features.reshape(r * q, -1).to(self.dtype)))  # [N, H]
+        ctx = m.hidden_norm(self._linear(m.fc.weight, features.reshape(r * q, -1).to(self.dtype), m.fc.bias))  # [N, H]
         cos, sin = m.rotary(positions.reshape(-1))
-        for i, layer in enumerate(m.layers):
-            k, v = project_kv(layer.self_attn, ctx, cos, sin)
+        for i, (layer, proj) in enumerate(zip(m.layers, self.projections)):
+            k, v = project_kv(layer.self_attn, *proj.kv(ctx), cos, sin)
             self.kv.write(i, rows, write_pos, k.view(r, q, *k.shape[1:]), v.view(r, q, *v.shape[1:]))
 
     @torch.inference_mode()
@@ -83,12 +92,13 @@ class DrafterContext:
         cos, sin = m.rotary(positions.reshape(-1))
         rows = torch.arange(b, device=anchors.device)
         h = self.head.embed(block_ids).reshape(n, -1).to(self.dtype)  # [N, H]
-        for i, layer in enumerate(m.layers):
+        for i, (layer, proj) in enumerate(zip(m.layers, self.projections)):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(n, attn.num_heads, attn.head_dim)
-            q = fused_rms_norm_rope(q, attn.q_norm.weight, attn.q_norm.eps, cos, sin)
-            k, v = project_kv(attn, x, cos, sin)
+            q, k, v = proj.qkv(x)
+            q = fused_rms_norm_rope(q.reshape(n, attn.num_heads, attn.head_dim), attn.q_norm.weight, attn.q_norm.eps,
+                                    cos, sin)
+            k, v = project_kv(attn, k, v, cos, sin)
             self.kv.write(i, rows, positions, k.view(b, bs, *k.shape[1:]), v.view(b, bs, *v.shape[1:]))
             keys, values = self.kv.view(i, span)
             q4, mask = q.view(b, bs, *q.shape[1:]).transpose(1, 2), masks[layer.layer_type]
@@ -96,8 +106,8 @@ class DrafterContext:
                 out = torch.ops.dflash.decode_attention(q4, keys, values, mask, q.shape[-1] ** -0.5)  # [B, bs, Hq, D]
             else:
                 out = gqa_attention(q4, keys, values, mask).transpose(1, 2)
-            h = h + attn.o_proj(out.reshape(n, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + proj.o(out.reshape(n, -1))
+            h = h + proj.mlp_forward(layer.post_attention_layernorm(h))
         return m.norm(h).view(b, bs, -1)
 
     def _layer_masks(self, positions: Tensor, span: int) -> dict[str, Tensor]:
@@ -113,4 +123,10 @@ class DrafterContext:
     def draft_logits(self, anchors: Tensor, starts: Tensor, max_start: int) -> Tensor:
         """``[B, bs-1, V]``: the drafter's logits for positions s+1 .. s+bs-1."""
         hidden = self.draft_hidden(anchors, starts, max_start)[:, 1:]
-        return self.head.logits(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:2], -1)
+        weight = self.head.lm_head_weight
+        logits = self._linear(weight, hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype))
+        return logits.view(*hidden.shape[:2], -1)
+
+    def _linear(self, weight: Tensor, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        return (matvec.decode_linear(x, weight, bias, self.rows_limit) if self.kernel_linears
+                else F.linear(x, weight, bias))
