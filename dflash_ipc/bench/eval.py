@@ -290,7 +290,7 @@ def format_table(f: dict) -> str:
              f"  prompts of {f['prompt_len'][0]}-{f['prompt_len'][1]} random tokens, {f['max_new_tokens']} new "
              "tokens each, greedy (random weights: tau ~1; the rows measure decoding, not drafting); decode "
              f"forward compile: {f.get('compile', 'off')}; {f.get('fused_groups', 0)} q|k|v, gate|up groups fused, "
-             f"{f.get('matvec_linears', 0)} other linears through the one-row kernel, "
+             f"{f.get('matvec_linears', 0)} other linears through the few-row kernels, "
              f"{f.get('kernel_attention_layers', 0)} attention layers through the few-query kernel "
              "(decode/fused_projections.py, matvec.py, decode_attention.py)",
              f"  {'impl':<8} {'mode':<12} {'batch':>5} {'prompts':>7} {'tokens':>8} {'wall s':>8} {'tok/s':>10} "

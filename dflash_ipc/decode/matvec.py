@@ -65,7 +65,7 @@ def cuda_switch(env: str, device) -> bool:
 
 
 def enabled(device) -> bool:
-    """Whether a target on ``device`` routes its one-row linears here ($DFLASH_DECODE_GEMV)."""
+    """Whether a target on ``device`` routes its linears of a few rows here ($DFLASH_DECODE_GEMV)."""
     return cuda_switch(GEMV_ENV, device) and available()
 
 

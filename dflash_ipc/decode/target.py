@@ -162,14 +162,14 @@ class BatchedTarget(TargetModel):
                                  if fused_projections.enabled(self.device) else 0)
         """q|k|v and gate|up groups computed as one product each (decode/fused_projections.py): on CUDA."""
         self.num_matvec_linears = matvec.route_matvec(self.model) if use_matvec else 0
-        """Other linear layers whose one-row products (a decode step at batch 1) run
-        decode/matvec.py's Triton kernel: all of them on CUDA, none elsewhere."""
+        """Other linear layers whose products of at most 16 rows (a decode step at batch 1, a verify
+        block) run decode/matvec.py's Triton kernels: all of them on CUDA, none elsewhere."""
         self.num_kernel_attention = (decode_attention.mark_attention(find_text_stack(self.model).layers)
                                      if decode_attention.enabled(self.device) else 0)
         """Attention modules whose decode and verify calls run decode/decode_attention.py's kernel: on CUDA."""
         if self.num_fused_groups or self.num_matvec_linears or self.num_kernel_attention:
             logger.info("decode: %d q|k|v and gate|up groups as one product each, %d other linears through the "
-                        "one-row Triton kernel, %d attention layers through the few-query kernel (%s=off, %s=off, "
+                        "few-row Triton kernels, %d attention layers through the few-query kernel (%s=off, %s=off, "
                         "%s=off: as loaded)", self.num_fused_groups, self.num_matvec_linears,
                         self.num_kernel_attention, fused_projections.FUSE_ENV, matvec.GEMV_ENV,
                         decode_attention.ATTENTION_ENV)
