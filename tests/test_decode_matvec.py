@@ -26,15 +26,21 @@ def test_the_op_checks_out_and_is_linear(bias):
     torch.manual_seed(0)
     x, w = torch.randn(3, 24), torch.randn(10, 24)
     b = torch.randn(10) if bias else None
-    torch.library.opcheck(torch.ops.dflash.matvec_linear.default, (x, w, b))
-    assert torch.equal(torch.ops.dflash.matvec_linear(x, w, b), F.linear(x, w, b))
+    torch.library.opcheck(torch.ops.dflash.matvec_linear.default, (x, w, b, 16))
+    assert torch.equal(torch.ops.dflash.matvec_linear(x, w, b, 16), F.linear(x, w, b))
 
 
 def test_the_op_is_one_graph_under_compile():
     torch._dynamo.reset()
-    fn = torch.compile(lambda x, w: torch.ops.dflash.matvec_linear(x, w, None) * 2, fullgraph=True, backend="aot_eager")
+    fn = torch.compile(lambda x, w: torch.ops.dflash.matvec_linear(x, w, None, 16) * 2, fullgraph=True,
+                       backend="aot_eager", dynamic=True)
     x, w = torch.randn(1, 5, 16), torch.randn(7, 16)
     assert torch.equal(fn(x, w), F.linear(x, w) * 2)
+    # the rows decide the kernel inside the op, at run time: 5 rows and 40 are one graph
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    x40 = torch.randn(1, 40, 16)
+    assert torch.equal(fn(x40, w), F.linear(x40, w) * 2)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
     torch._dynamo.reset()
 
 
@@ -98,7 +104,7 @@ def test_cpu_inputs_are_never_taken_and_the_op_is_f_linear_there():
     x = torch.randn(1, 4, 8, dtype=torch.bfloat16)
     assert not matvec.takes(x, w)
     assert torch.equal(matvec.decode_linear(x, w), F.linear(x, w))
-    assert torch.equal(torch.ops.dflash.matvec_linear(x, w, None), F.linear(x, w))
+    assert torch.equal(torch.ops.dflash.matvec_linear(x, w, None, 16), F.linear(x, w))
 
 
 @pytest.mark.gpu
@@ -116,7 +122,7 @@ def test_triton_matches_cublas(n, k, bias):
     assert got.dtype == torch.bfloat16 and got.shape == (1, 1, n)
     # bf16 output: within two units of its last place of the fp32 product
     assert torch.allclose(got.float(), want, rtol=2 ** -7, atol=2 ** -7 * float(want.abs().max()))
-    assert torch.equal(torch.ops.dflash.matvec_linear(x, w, b), got)
+    assert torch.equal(torch.ops.dflash.matvec_linear(x, w, b, 16), got)
 
 
 @pytest.mark.gpu
@@ -134,14 +140,16 @@ def test_the_few_row_kernel_matches_fp32_and_the_op_sends_each_row_count_to_its_
     assert got.dtype == torch.bfloat16 and got.shape == (1, m, n)
     assert torch.allclose(got.float(), want, rtol=2 ** -7, atol=2 ** -7 * float(want.abs().max()))
     assert matvec.takes(x, w)
-    assert torch.equal(torch.ops.dflash.matvec_linear(x, w, b), got)
+    assert torch.equal(torch.ops.dflash.matvec_linear(x, w, b, 16), got)
+    assert torch.equal(matvec.decode_linear(x, w, b), got)
+    assert torch.equal(matvec.decode_linear(x, w, b, rows_limit=m - 1), F.linear(x, w, b))  # cuBLAS above the limit
     assert torch.equal(matvec.triton_rows(x, w, b), got)  # again: the split counts were left at zero
     assert not matvec.takes(x, w, rows_limit=m - 1)
     wide = torch.randn(matvec.MAX_ROWS + 1, k, device=dev, dtype=torch.bfloat16)
     assert not matvec.takes(wide, w) and not matvec.takes(x.float(), w.float())
-    assert torch.equal(torch.ops.dflash.matvec_linear(wide, w, b), F.linear(wide, w, b))  # cuBLAS past MAX_ROWS
+    assert torch.equal(torch.ops.dflash.matvec_linear(wide, w, b, 16), F.linear(wide, w, b))  # cuBLAS past MAX_ROWS
     one = x[:, :1]
-    assert torch.equal(torch.ops.dflash.matvec_linear(one, w, b), matvec.triton_matvec(one, w, b))
+    assert torch.equal(torch.ops.dflash.matvec_linear(one, w, b, 1), matvec.triton_matvec(one, w, b))
     strided = torch.randn(m, 2 * k, device=dev, dtype=torch.bfloat16)[:, :k]  # rows apart in memory
     assert torch.equal(matvec.triton_rows(strided, w, b), matvec.triton_rows(strided.contiguous(), w, b))
 
@@ -181,6 +189,17 @@ def test_the_drafter_block_through_the_kernels_drafts_as_its_modules_do(tiny_cac
     torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
 
 
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("scope,rows", [("layer", 1), ("forward", 1), ("layer", 4)])
+def test_a_bf16_decode_with_the_kernels_matches_it_without(tmp_path, monkeypatch, scope, rows):
+    """rows 1: the matrix-vector kernel; 4 (and the prefills of up to 16 tokens): the few-row kernel."""
+    verdicts = decode_verdicts(tmp_path, monkeypatch, GEMV_ENV, rows=rows, max_prompt=40, max_new=20, num_requests=6,
+                               switched_on=lambda target: target.num_matvec_linears > 0, compile_scope=scope)
+    assert all(v in ("identical", "near_tie") for v in verdicts), verdicts
+    assert verdicts.count("identical") >= len(verdicts) - 2
+
+
 def test_split_buffers_grow_and_keep_what_a_recorded_graph_may_still_use():
     buffers = matvec.SplitBuffers()
     part, count = buffers.get(torch.device("cpu"), 10, 3)
@@ -192,3 +211,15 @@ def test_split_buffers_grow_and_keep_what_a_recorded_graph_may_still_use():
     bigger, same = buffers.get(torch.device("cpu"), (1 << 20) + 1, 3)
     assert bigger.numel() == (1 << 20) + 1 and same is count
     assert any(t is part for t in buffers._kept)  # not freed
+
+
+def test_counts_made_in_a_capture_are_zeroed_by_the_next_call_outside_one():
+    buffers = matvec.SplitBuffers()
+    cpu = torch.device("cpu")
+    _, count = buffers.get(cpu, 10, 3, capturing=True)  # in a capture its zeros would wait for the replay
+    count.fill_(7)  # stands for memory nobody zeroed yet
+    assert not buffers.get(cpu, 10, 3, capturing=True)[1].any()  # another capture zeroes them (at its replay)
+    count.fill_(7)
+    assert not buffers.get(cpu, 10, 3, capturing=False)[1].any()  # outside one: zeroed before use
+    count.fill_(1)
+    assert buffers.get(cpu, 10, 3, capturing=False)[1].eq(1).all()  # once only

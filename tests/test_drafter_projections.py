@@ -52,3 +52,18 @@ def test_only_layers_without_biases_in_one_dtype_are_fused():
     mixed = _layer(2)
     mixed.mlp.up_proj.to(torch.float64)
     assert not fusable(mixed)
+
+
+def test_a_second_context_reuses_the_groups_while_the_weights_are_their_views():
+    layer = _layer()
+    first = FusedProjections(layer)
+    again = FusedProjections(layer)
+    assert again.w_qkv is first.w_qkv and again.w_gate_up is first.w_gate_up
+    assert "dflash_qkv_weight" not in layer.state_dict() and len(layer.state_dict()) == len(_layer().state_dict())
+    with torch.no_grad():
+        layer.self_attn.k_proj.weight.data = layer.self_attn.k_proj.weight.detach().clone()  # moved off the group
+    moved = FusedProjections(layer)
+    assert moved.w_qkv is not first.w_qkv
+    assert layer.self_attn.k_proj.weight.data_ptr() == moved.w_kv.data_ptr()
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(moved.qkv(x)[1], layer.self_attn.k_proj(x))

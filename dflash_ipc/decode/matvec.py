@@ -191,8 +191,10 @@ MAX_ROWS_SPLIT = 8
 
 def rows_config(n: int, k: int, sms: int = 132) -> dict:
     """Block sizes, warps, stages and K splits of the few-row kernel against an N x K weight on
-    a GPU of ``sms`` SMs (the sweep's winners: blocks of 128 keys where K is split or N is large,
-    of 256 otherwise)."""
+    a GPU of ``sms`` SMs (the sweep's winners at 16 rows, which fewer rows take too: blocks of
+    128 keys where K is split or N is large, of 256 otherwise)."""
+    if n < 1:
+        raise ValueError(f"rows_config: a weight of {n} rows")
     blocks = -(-n // ROWS_BLOCK_N)
     split = 1
     if blocks < ROWS_SPLIT_BELOW:
@@ -208,20 +210,35 @@ class SplitBuffers:
     share them (a decode step's kernels run one after another). A buffer too small for a launch
     is replaced by a larger one, and the old one is kept: a CUDA graph that recorded a launch
     still writes to it. The first ones (4 MiB, 64 KiB) hold every launch of ``rows_config``'s
-    (split only below ROWS_SPLIT_BELOW blocks), so only other configs (a sweep's) grow them."""
+    (split only below ROWS_SPLIT_BELOW blocks), so only other configs (a sweep's) grow them.
+    Counts made during a CUDA graph capture are zeroed only when that graph replays, so every
+    later call zeroes them again before its launch (recorded into its own graph if captured)
+    until one runs outside a capture."""
 
     def __init__(self) -> None:
         self._by_device: dict[torch.device, tuple[Tensor, Tensor]] = {}
         self._kept: list[Tensor] = []
+        self._unzeroed: set[torch.device] = set()
 
-    def get(self, device: torch.device, part_floats: int, counts: int) -> tuple[Tensor, Tensor]:
+    def get(self, device: torch.device, part_floats: int, counts: int,
+            capturing: bool | None = None) -> tuple[Tensor, Tensor]:
+        """Buffers of at least ``part_floats`` and ``counts`` on ``device`` (``capturing``: a CUDA
+        graph capture is in progress; None: ask CUDA)."""
         part, count = self._by_device.get(device, (None, None))
+        if capturing is None:
+            capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if part is None or part.numel() < part_floats:
             self._kept += [part] if part is not None else []
             part = torch.empty(max(part_floats, 1 << 20), dtype=torch.float32, device=device)
         if count is None or count.numel() < counts:
             self._kept += [count] if count is not None else []
             count = torch.zeros(max(counts, 1 << 14), dtype=torch.int32, device=device)
+            if capturing:
+                self._unzeroed.add(device)
+        elif device in self._unzeroed:  # zeroed now, or (captured) when this graph replays
+            count.zero_()
+            if not capturing:
+                self._unzeroed.discard(device)
         self._by_device[device] = (part, count)
         return part, count
 
@@ -281,9 +298,13 @@ def takes(x: Tensor, weight: Tensor, rows_limit: int = MAX_ROWS) -> bool:
 
 
 @torch.library.custom_op("dflash::matvec_linear", mutates_args=())
-def matvec_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``F.linear``, by the Triton kernels where x is one row (or up to MAX_ROWS) on CUDA."""
-    if not (x.is_cuda and x.numel() and x.numel() <= MAX_ROWS * x.shape[-1]):
+def matvec_linear(x: Tensor, weight: Tensor, bias: Tensor | None, rows_limit: int) -> Tensor:
+    """``F.linear``, by the Triton kernels where :func:`takes` x (one row: the matrix-vector
+    kernel; up to ``rows_limit``: the few-row kernel), else cuBLAS. The choice is made here, at
+    run time, so that a compiled caller holds no guard on the rows (one graph serves every rows
+    bucket, decode/compiled.py). The few-row kernel's split buffers are shared scratch memory:
+    calls on one stream only."""
+    if not takes(x, weight, min(rows_limit, MAX_ROWS)):
         return F.linear(x, weight, bias)
     if x.numel() == x.shape[-1]:
         return triton_matvec(x, weight, bias)
@@ -291,7 +312,7 @@ def matvec_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 @matvec_linear.register_fake
-def _matvec_linear_shape(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def _matvec_linear_shape(x: Tensor, weight: Tensor, bias: Tensor | None, rows_limit: int) -> Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -314,10 +335,11 @@ class MatVecLinear(nn.Linear):
 
 
 def decode_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, rows_limit: int = MAX_ROWS) -> Tensor:
-    """``F.linear(x, weight, bias)`` of an inference-only layer: through the kernels where they
-    take x (:func:`takes`), else cuBLAS."""
-    if takes(x, weight, rows_limit):
-        return torch.ops.dflash.matvec_linear(x, weight, bias)
+    """``F.linear(x, weight, bias)`` of an inference-only layer: a CUDA input of the weight's
+    half dtype through ``dflash::matvec_linear`` (the kernels where they take its rows, decided
+    inside the op), anything else by ``F.linear``."""
+    if x.is_cuda and x.dtype in HALF_DTYPES and x.dtype == weight.dtype:
+        return torch.ops.dflash.matvec_linear(x, weight, bias, rows_limit)
     return F.linear(x, weight, bias)
 
 

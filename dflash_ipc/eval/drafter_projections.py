@@ -42,16 +42,33 @@ class ModuleProjections:
         return self.mlp(x)
 
 
-def _concatenate_in_place(linears: list[nn.Linear]) -> Tensor:
+def _concatenate_in_place(owner: nn.Module, name: str, linears: list[nn.Linear]) -> Tensor:
     """One tensor ``[sum N_i, K]`` holding the weights of ``linears``, each module's weight made
-    a view of its rows (same Parameter, same values); returns the tensor."""
+    a view of its rows (same Parameter, same values); kept on ``owner`` as ``name`` (a plain
+    attribute: no state_dict entry), so a second context over the same model reuses it while
+    the weights are still its views (they stop being after ``model.to(...)`` moves them)."""
+    whole = getattr(owner, name, None)
+    if whole is not None and _views_of(whole, linears):
+        return whole
     whole = torch.cat([m.weight.detach() for m in linears])
     start = 0
     for m in linears:
         rows = m.weight.shape[0]
         m.weight.data = whole[start:start + rows]
         start += rows
+    setattr(owner, name, whole)
     return whole
+
+
+def _views_of(whole: Tensor, linears: list[nn.Linear]) -> bool:
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        part = whole[start:start + rows]
+        if m.weight.shape != part.shape or m.weight.data_ptr() != part.data_ptr() or m.weight.dtype != whole.dtype:
+            return False
+        start += rows
+    return start == whole.shape[0]
 
 
 class FusedProjections(ModuleProjections):
@@ -61,8 +78,8 @@ class FusedProjections(ModuleProjections):
         super().__init__(layer)
         attn, mlp = self.attn, self.mlp
         with torch.no_grad():
-            self.w_qkv = _concatenate_in_place([attn.q_proj, attn.k_proj, attn.v_proj])
-            self.w_gate_up = _concatenate_in_place([mlp.gate_proj, mlp.up_proj])
+            self.w_qkv = _concatenate_in_place(attn, "dflash_qkv_weight", [attn.q_proj, attn.k_proj, attn.v_proj])
+            self.w_gate_up = _concatenate_in_place(mlp, "dflash_gate_up_weight", [mlp.gate_proj, mlp.up_proj])
         self.q_rows = attn.q_proj.out_features
         self.w_kv = self.w_qkv[self.q_rows:]  # k|v: the last rows, contiguous
         self.kv_rows = attn.k_proj.out_features
