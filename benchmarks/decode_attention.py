@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.graph_timing import graph_us
 from dflash_ipc.bench.assets import SHAPES
-from dflash_ipc.decode import decode_attention
+from dflash_ipc.decode import decode_attention, matvec
 from dflash_ipc.decode.ragged_attention import band_mask, gqa_attention
 
 FILL_BYTES = 256 * 2**20
@@ -81,7 +81,7 @@ def main() -> None:
                 err = float((fn(*cases[0]).float() - want).abs().max())
                 base = base or us
                 cells.append(f"{name} {us:7.2f} us ({kv_bytes / us / 1e6:4.2f}, {base / us:4.2f}x, err {err:.1e})")
-            splits, _ = decode_attention.split_plan(rows * store_k.shape[2], span, decode_attention._num_sms(0),
+            splits, _ = decode_attention.split_plan(rows * store_k.shape[2], span, matvec.num_sms(0),
                                                     decode_attention.BLOCK_T)
             print(f"  {spec:<20} splits {splits:>3}  " + "  ".join(cells), flush=True)
             del cases, store_k, store_v

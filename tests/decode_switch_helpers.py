@@ -1,12 +1,27 @@
-"""A bf16 target's decode with a decode switch ($DFLASH_DECODE_*) off and on: the shared GPU check
-of tests/test_decode_matvec.py and tests/test_decode_attention.py."""
+"""The decode switches ($DFLASH_DECODE_*) of tests/test_decode_matvec.py, test_decode_attention.py and
+test_decode_fused_projections.py: their setting, and a bf16 target's decode with one off and on (GPU)."""
 
 import numpy as np
+import pytest
 import torch
+
+from dflash_ipc.errors import ConfigError
 
 from dflash_ipc.bench.assets import build_random_target
 from dflash_ipc.decode.engine import DecodeEngine, EngineSettings
 from dflash_ipc.decode.requests import Request, RequestList
+
+
+def check_switch_setting(monkeypatch, env: str, enabled) -> None:
+    """``enabled(device)`` of the switch ``$env``: a value outside auto/off is a ConfigError that
+    names it, off is off on CUDA, unset is off on CPU."""
+    monkeypatch.setenv(env, "sometimes")
+    with pytest.raises(ConfigError, match=f"{env}.*auto"):
+        enabled("cuda:0")
+    monkeypatch.setenv(env, "off")
+    assert not enabled("cuda:0")
+    monkeypatch.delenv(env)
+    assert not enabled("cpu")
 
 
 def decode_verdicts(tmp_path, monkeypatch, env: str, *, rows: int, max_prompt: int, max_new: int,

@@ -22,8 +22,7 @@ from dflash_ipc.decode import decode_attention
 from dflash_ipc.decode.decode_attention import ATTENTION_ENV, KEYS_PER_SPLIT, fits, split_plan
 from dflash_ipc.decode.ragged_attention import band_mask, gqa_attention
 from dflash_ipc.decode.requests import Request, RequestList
-from dflash_ipc.errors import ConfigError
-from decode_switch_helpers import decode_verdicts
+from decode_switch_helpers import check_switch_setting, decode_verdicts
 
 cuda = pytest.mark.skipif(not (torch.cuda.is_available() and decode_attention.triton is not None),
                           reason="needs CUDA and Triton")
@@ -93,13 +92,7 @@ def test_a_mask_of_another_shape_is_refused_by_the_kernel_entry():
 
 
 def test_the_setting(monkeypatch):
-    monkeypatch.setenv(ATTENTION_ENV, "sometimes")
-    with pytest.raises(ConfigError, match="DFLASH_DECODE_ATTENTION.*auto"):
-        decode_attention.enabled("cuda:0")
-    monkeypatch.setenv(ATTENTION_ENV, "off")
-    assert not decode_attention.enabled("cuda:0")
-    monkeypatch.delenv(ATTENTION_ENV)
-    assert not decode_attention.enabled("cpu")
+    check_switch_setting(monkeypatch, ATTENTION_ENV, decode_attention.enabled)
 
 
 def _case(b, hq, hkv, nq, d, span, seed, dtype=torch.bfloat16, dev="cuda:0"):

@@ -19,7 +19,7 @@ from dflash_ipc.decode.engine import DecodeEngine, EngineSettings
 from dflash_ipc.decode.fused_projections import FUSE_ENV, FusedMember, fuse_projections
 from dflash_ipc.decode.requests import Request, RequestList
 from dflash_ipc.decode.target import BatchedTarget
-from dflash_ipc.errors import ConfigError
+from decode_switch_helpers import check_switch_setting
 
 torch.set_num_threads(1)
 
@@ -73,13 +73,8 @@ def test_groups_that_differ_are_left_alone():
 
 
 def test_the_setting(monkeypatch):
-    monkeypatch.setenv(FUSE_ENV, "always")
-    with pytest.raises(ConfigError, match="DFLASH_DECODE_FUSE.*auto"):
-        fused_projections.enabled("cuda:0")
-    monkeypatch.setenv(FUSE_ENV, "off")
-    assert not fused_projections.enabled("cuda:0")
-    monkeypatch.delenv(FUSE_ENV)
-    assert fused_projections.enabled("cuda:0") and not fused_projections.enabled("cpu")
+    check_switch_setting(monkeypatch, FUSE_ENV, fused_projections.enabled)
+    assert fused_projections.enabled("cuda:0")  # unset: on for CUDA (no Triton needed)
 
 
 @pytest.fixture(scope="module")

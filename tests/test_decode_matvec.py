@@ -16,7 +16,7 @@ from torch import nn
 from dflash_ipc.decode import matvec
 from dflash_ipc.decode.matvec import GEMV_ENV, MatVecLinear, route_matvec
 from dflash_ipc.errors import ConfigError
-from decode_switch_helpers import decode_verdicts
+from decode_switch_helpers import check_switch_setting, decode_verdicts
 
 cuda = pytest.mark.skipif(not (torch.cuda.is_available() and matvec.available()), reason="needs CUDA and Triton")
 
@@ -60,13 +60,7 @@ def test_route_matvec_swaps_every_plain_linear_over_the_same_parameters():
 
 
 def test_the_setting(monkeypatch):
-    monkeypatch.setenv(GEMV_ENV, "sometimes")
-    with pytest.raises(ConfigError, match="DFLASH_DECODE_GEMV.*auto"):
-        matvec.enabled("cuda:0")
-    monkeypatch.setenv(GEMV_ENV, "off")
-    assert not matvec.enabled("cuda:0")
-    monkeypatch.delenv(GEMV_ENV)
-    assert not matvec.enabled("cpu")
+    check_switch_setting(monkeypatch, GEMV_ENV, matvec.enabled)
 
 
 def test_more_than_one_row_is_refused_by_the_kernel_entry():

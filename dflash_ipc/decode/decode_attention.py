@@ -26,12 +26,10 @@ inputs with at most ``MAX_ROWS`` query rows per K/V head and no softcapping or s
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
-from dflash_ipc.decode.matvec import HALF_DTYPES, available, cuda_switch, triton
+from dflash_ipc.decode.matvec import HALF_DTYPES, available, cuda_switch, num_sms, triton
 
 if triton is not None:
     import triton.language as tl
@@ -86,11 +84,6 @@ def applies(module, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> bool:
     """Whether ``hf_attention``'s call goes to the kernel: a module :func:`mark_attention` marked,
     CUDA tensors that :func:`fits`."""
     return getattr(module, MARK, False) and q.is_cuda and fits(q, k, v, mask)
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -247,7 +240,7 @@ def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale
     block_m = _pow2(rep * nq)
     block_d, block_dv = _pow2(dim), _pow2(dim_v)
     programs = bsz * hkv
-    sms = _num_sms(q.device.index or 0) if q.is_cuda else 132
+    sms = num_sms(q.device.index or 0) if q.is_cuda else 132
     # Rows that fill the GPU by themselves (a batch of replies of mixed lengths) skip the key
     # blocks their queries do not see: the reads are the cost. With few rows (batch 1) the
     # latency of each block is, and a loop without the test pipelines its loads.

@@ -259,7 +259,7 @@ def triton_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: d
     weight = weight if weight.is_contiguous() else weight.contiguous()
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
+    sms = num_sms(x.device.index or 0) if x.is_cuda else 132
     cfg = dict(config or rows_config(n, k, sms))
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
     blocks = triton.cdiv(n, block_n)
@@ -276,7 +276,8 @@ def triton_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: d
 
 
 @functools.cache
-def _num_sms(index: int) -> int:
+def num_sms(index: int) -> int:
+    """SMs of CUDA device ``index`` (the kernels here and decode_attention.py size their grids by it)."""
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
