@@ -1,5 +1,6 @@
 """Masks of the drafter: dense == brute force, flex BlockMask == dense, kernels agree."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -277,3 +278,43 @@ def test_flex_and_dense_agree_on_gpu_outputs_and_grads(window):
         results.append((out.detach(), q.grad, k.grad, v.grad))
     for dense_t, flex_t in zip(*results):
         torch.testing.assert_close(flex_t, dense_t, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_flex_on_whole_tiles_skips_bounds_checks_with_the_same_numbers():
+    """A layout padded to whole 128-tiles (as the trainer pads a flex step: context keys no query
+    sees, filler blocks) runs flex with IS_DIVISIBLE; the real queries' values and gradients are
+    those of the unpadded layout, and dense agrees."""
+    from dflash_ipc.drafter.attention import flex_kernel_options
+    from dflash_ipc.drafter.compiled_forward import pad_layout
+    layout, _, _ = big_layout(seed=4)
+    q_rows = -(-layout.num_queries // 128) * 128
+    ctx_rows = -(-layout.num_ctx // 128) * 128
+    extra = q_rows - layout.num_queries
+    assert extra % layout.block_size == 0
+    blocks = layout.num_queries // layout.block_size
+    filler = torch.arange(blocks, blocks + extra // layout.block_size).repeat_interleave(layout.block_size)
+    zeros = torch.zeros(extra, dtype=torch.int32)
+    padded = dataclasses.replace(pad_layout(layout, ctx_rows), query_seq=torch.cat([layout.query_seq, zeros]),
+                                 query_anchor=torch.cat([layout.query_anchor, zeros]),
+                                 query_block=torch.cat([layout.query_block, filler.int()]))
+    assert flex_kernel_options(padded.num_queries, padded.num_ctx + padded.num_queries) == {"IS_DIVISIBLE": True}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q0 = torch.randn(8, layout.num_queries, 64, generator=gen, device="cuda", dtype=torch.bfloat16)
+    ctx0, blk0 = (torch.randn(2, n, 64, generator=gen, device="cuda", dtype=torch.bfloat16)
+                  for n in (layout.num_ctx, layout.num_queries))
+    grad = torch.randn(8, layout.num_queries, 64, generator=gen, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for lay, backend in ((layout, "flex"), (padded, "flex"), (layout, "dense")):
+        q, ctx, blk = (t.clone().requires_grad_(True) for t in (q0, ctx0, blk0))
+        pad_q = lay.num_queries - layout.num_queries
+        pad_c = lay.num_ctx - layout.num_ctx
+        kv = torch.cat([ctx, ctx.new_zeros(2, pad_c, 64), blk, blk.new_zeros(2, pad_q, 64)], dim=1)
+        qq = torch.cat([q, q.new_zeros(8, pad_q, 64)], dim=1)
+        out = attention(qq, kv, kv, build_mask(lay.to("cuda"), backend))[:, :layout.num_queries]
+        (out.float() * grad.float()).sum().backward()
+        results.append((out.detach().float(), q.grad.float(), ctx.grad.float(), blk.grad.float()))
+    for got, want, dense in zip(*results):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got, dense, rtol=3e-2, atol=3e-2)

@@ -354,13 +354,18 @@ def parse_compile_spec(spec: str) -> dict:
     return out
 
 
+SHARED_CASTS = {"on": True, "off": False}  # --fp8-shared-casts: drafter.fp8_shared_casts
+
+
 def precision_variants(precisions: typing.Sequence[str], recipes: typing.Sequence[str] = ("tensorwise",),
-                       lm_heads: typing.Sequence[str] = ("all",), compiles: typing.Sequence[str] = ("off",)) -> list[dict]:
+                       lm_heads: typing.Sequence[str] = ("all",), compiles: typing.Sequence[str] = ("off",),
+                       shared_casts: typing.Sequence[str] = ("on",)) -> list[dict]:
     """The ``drafter`` config fields of each variant to compare, in order: bf16 once per
-    ``compiles`` spec (``parse_compile_spec``), fp8 once per (recipe, LM-head choice, spec).
-    ConfigError for a name not allowed."""
+    ``compiles`` spec (``parse_compile_spec``), fp8 once per (recipe, LM-head choice, shared
+    casts on/off, spec). ConfigError for a name not allowed."""
     for name, given, hint in (("precision", precisions, Precision), ("fp8 recipe", recipes, Fp8Recipe),
-                              ("fp8 LM head", lm_heads, Fp8HeadMatmuls)):
+                              ("fp8 LM head", lm_heads, Fp8HeadMatmuls),
+                              ("fp8 shared casts", shared_casts, typing.Literal["on", "off"])):
         allowed = typing.get_args(hint)
         bad = [g for g in given if g not in allowed]
         if bad or not given:
@@ -373,8 +378,9 @@ def precision_variants(precisions: typing.Sequence[str], recipes: typing.Sequenc
         if precision == "bf16":
             out += [{"precision": "bf16", **spec} for spec in specs]
         else:
-            out += [{"precision": precision, "fp8_recipe": r, "fp8_lm_head": h, **spec}
-                    for spec in specs for r in recipes for h in lm_heads]
+            out += [{"precision": precision, "fp8_recipe": r, "fp8_lm_head": h, **spec,
+                     **({} if shared == "on" else {"fp8_shared_casts": False})}
+                    for spec in specs for r in recipes for h in lm_heads for shared in shared_casts]
     return out
 
 
@@ -384,7 +390,8 @@ def variant_label(variant: dict) -> str:
     if variant["precision"] == "bf16":
         return "bf16" + extra
     recipe, lm_head = variant.get("fp8_recipe", "tensorwise"), variant.get("fp8_lm_head", "all")
-    return f"{variant['precision']} {recipe}, lm_head {lm_head}{extra}"
+    casts = "" if variant.get("fp8_shared_casts", True) else ", casts per layer"
+    return f"{variant['precision']} {recipe}, lm_head {lm_head}{casts}{extra}"
 
 
 PAPER_RECIPE = {"objective": {"weighting": "decay"}, "optimizer": {"name": "adamw"}, "schedule": {"name": "cosine"}}
@@ -437,8 +444,11 @@ def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwe
                 variant_label(variant), trainer.backend, warmup, steps)
     warm, timed = [], []
     for i in range(warmup + steps):
+        # The first step is the heaviest (every sequence seq_len long, ragged or not), as a job's
+        # start-up probe (drafter/fit.py) runs first: CUDA graphs are recorded at the longest
+        # context before any step is timed (compiled_forward.StepRows).
         seqs = random_sequences(config, step=i, num_seqs=num_seqs, seq_len=seq_len, max_anchors=anchors_per_seq,
-                                device=dev, gen=gen, cpu_gen=cpu_gen, ragged=ragged)
+                                device=dev, gen=gen, cpu_gen=cpu_gen, ragged=ragged and i > 0)
         if i == warmup and dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         before = compile_counts()

@@ -11,13 +11,19 @@ graph, inductor fuses what lies between the matmuls and autograd sees one node:
   dynamic (it changes every step), the query count as it comes (fixed by
   ``objective.anchors_per_step``; a short step recompiles once, then it is dynamic too).
 * ``reduce-overhead``: the same graph replayed as CUDA graphs (torch.compile's cudagraph
-  trees), which removes the launches themselves. A CUDA graph has fixed shapes, so the
-  context is padded up to a few lengths (:func:`context_bucket`: 2^k and 1.5 x 2^k, at most
-  half as many rows again) and each length is compiled static and recorded once (~13 lengths
-  for contexts up to 64K: static, because a reduction over a dynamic row count, fp8's amax,
-  runs at a quarter of the static speed; see precision.py). Padding keys belong to no
-  sequence: no query sees them (attention.py's rule), their features are zeros, so they
-  change no output and no gradient (tests/test_drafter_compiled_forward.py).
+  trees), which removes the launches themselves. A CUDA graph has fixed shapes, and a
+  compile costs 14-19 s (a 135M-class drafter on an H200), so a step's shapes are padded to
+  the largest the job has run (:class:`StepRows`): the context up to a bucket length
+  (:func:`context_bucket`: 2^k and 1.5 x 2^k) and never below the longest bucket so far,
+  the blocks up to the most the job has had (a short step, at the end of the data or after
+  ``drafter.max_group_wait_s``, gets zero-weight filler blocks). So one graph serves the
+  job once its longest step has run: a job's start-up probe (drafter/fit.py) runs its
+  heaviest step first, and a longer context later compiles once more (a log line says so).
+  Each graph is static, because a reduction over a dynamic row count, fp8's amax, runs at a
+  quarter of the static speed (precision.py). Padding keys belong to no sequence: no query
+  sees them (attention.py's rule), their features are zeros; a filler block sees only its
+  own keys and has no loss; so they change no output and no gradient
+  (tests/test_drafter_compiled_forward.py).
 
 With ``drafter.precision: fp8`` the float8 layers are traced into the same graph instead of
 compiled one by one (precision.py's ``_GraphForward``): the layers that read one input cast it
@@ -37,6 +43,7 @@ and compare with the eager forward.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import typing
 from typing import Any, Callable
@@ -47,6 +54,7 @@ from torch import Tensor, nn
 
 from dflash_ipc.config.schema import Compile
 from dflash_ipc.drafter.attention import BlockLayout
+from dflash_ipc.drafter.objective import TrainingBatch
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +90,59 @@ def pad_layout(layout: BlockLayout, num_ctx: int) -> BlockLayout:
         ctx_seq=torch.cat([layout.ctx_seq, torch.full((extra,), -1, dtype=layout.ctx_seq.dtype, device=dev)]),
         ctx_pos=torch.cat([layout.ctx_pos, torch.zeros(extra, dtype=layout.ctx_pos.dtype, device=dev)]),
         cu_seqlens=layout.cu_seqlens, block_size=layout.block_size)
+
+
+def pad_blocks(batch: TrainingBatch, num_queries: int, mask_token_id: int) -> TrainingBatch:
+    """``batch`` with filler blocks appended up to ``num_queries`` query rows: each sees only
+    its own keys (sequence 0, anchor 0: no context key lies before position 0), has weight 0
+    everywhere (no loss row, not counted by the acceptance proxy) and ``mask_token_id`` as
+    input. ``num_anchors`` stays the real count."""
+    layout, bs = batch.layout, batch.layout.block_size
+    extra = num_queries - layout.num_queries
+    if extra < 0 or extra % bs:
+        raise ValueError(f"pad_blocks: {num_queries} query rows must be whole blocks of {bs} and at least "
+                         f"the batch's {layout.num_queries}")
+    if extra == 0:
+        return batch
+    dev, first = layout.device, layout.num_queries // bs
+
+    def cat(t: Tensor, tail: Tensor) -> Tensor:
+        return torch.cat([t, tail.to(device=dev, dtype=t.dtype)])
+
+    zeros = torch.zeros(extra, dtype=torch.int32)
+    offsets = torch.arange(bs).repeat(extra // bs)  # [extra] 0..bs-1 per block
+    padded = dataclasses.replace(
+        layout, query_seq=cat(layout.query_seq, zeros), query_anchor=cat(layout.query_anchor, zeros),
+        query_block=cat(layout.query_block, torch.arange(first, first + extra // bs).repeat_interleave(bs)))
+    return dataclasses.replace(
+        batch, layout=padded, block_ids=cat(batch.block_ids, torch.full((extra,), mask_token_id)),
+        block_positions=cat(batch.block_positions, offsets), labels=cat(batch.labels, torch.zeros(extra)),
+        weights=cat(batch.weights, torch.zeros(extra)))
+
+
+class StepRows:
+    """The row counts a CUDA-graph step runs at: the context's bucket and the step's query
+    rows, each never below the largest the job has run (a high-water mark), so a graph is
+    recorded per new maximum, not per step (module docstring)."""
+
+    def __init__(self) -> None:
+        self.context = 0  # context rows of the largest graph so far (0: none yet)
+        self.queries = 0  # query rows of the largest graph so far
+
+    def pad(self, num_ctx: int, num_queries: int) -> tuple[int, int]:
+        """(context rows, query rows) to run a step of ``num_ctx`` context and ``num_queries``
+        query rows at; raises the marks where the step goes past them."""
+        context, queries = max(context_bucket(num_ctx), self.context), max(num_queries, self.queries)
+        if self.context and (context, queries) != (self.context, self.queries):
+            logger.info("drafter.compile=reduce-overhead: a step of %d context and %d query rows outgrows the "
+                        "CUDA graph's %d x %d; steps run at %d x %d from here on (one more graph to record)",
+                        num_ctx, num_queries, self.context, self.queries, context, queries)
+        self.context, self.queries = context, queries
+        return context, queries
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def pad_rows(x: Tensor, rows: int) -> Tensor:
@@ -135,20 +196,26 @@ class DrafterForward:
             logger.info("drafter.compile=%s compiles on CUDA only: the forward runs eagerly on %s", mode, device)
             self.enabled = False
         self._compiled: Callable | None = None
+        self._rows = StepRows()
 
     @property
     def cuda_graphs(self) -> bool:
         return self.enabled and self.mode == "reduce-overhead"
 
-    def context_rows(self, num_ctx: int) -> int:
-        """Context rows the forward runs at: a bucket length under CUDA graphs, else ``num_ctx``
-        rounded up to ``row_multiple`` (16 for fp8 in the graph: ``torch._scaled_mm``'s inner
-        dims, so no layer pads inside it)."""
+    def step_rows(self, num_ctx: int, num_queries: int, *, tile: int = 1, block_size: int = 1) -> tuple[int, int]:
+        """(context rows, query rows) a step runs at. Under CUDA graphs the largest so far
+        (`StepRows`); else the context rounded up to ``row_multiple`` when compiled (16 for
+        fp8 in the graph: ``torch._scaled_mm``'s inner dims, so no layer pads inside it), as
+        it is when eager. ``tile``: both counts rounded up to whole attention tiles besides
+        (FlexAttention's 128: its kernel then skips bounds checks, attention.flex_kernel_options),
+        the queries in filler blocks of ``block_size``, where whole blocks make whole tiles."""
         if self.cuda_graphs:
-            return context_bucket(num_ctx)
-        if self.enabled:
-            return -(-num_ctx // self.row_multiple) * self.row_multiple
-        return num_ctx
+            num_ctx, num_queries = self._rows.pad(num_ctx, num_queries)
+        elif self.enabled:
+            num_ctx = _round_up(num_ctx, self.row_multiple)
+        if tile > 1 and tile % block_size == 0:
+            num_ctx, num_queries = _round_up(num_ctx, tile), _round_up(num_queries, tile)
+        return num_ctx, num_queries
 
     def step_begin(self) -> None:
         """Before each training step: a new generation of CUDA graph outputs (the last step's

@@ -28,11 +28,11 @@ import torch.distributed as dist
 
 from dflash_ipc.config.schema import JobConfig, ObjectiveConfig
 from dflash_ipc.drafter.acceptance_proxy import block_acceptance_totals
-from dflash_ipc.drafter.attention import build_layer_masks
+from dflash_ipc.drafter.attention import FLEX_TILE, build_layer_masks
 from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.drafter.inference_format import write_inference_files
 from dflash_ipc.drafter.launched_step import LaunchedStep, StepClock, launch_started
-from dflash_ipc.drafter.compiled_forward import DrafterForward, falls_back, pad_layout, pad_rows
+from dflash_ipc.drafter.compiled_forward import DrafterForward, falls_back, pad_blocks, pad_layout, pad_rows
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.drafter.sharding import full_state, load_full_model, load_full_state, shard_model, total_norm
 from dflash_ipc.drafter.objective import (anchor_generator, build_training_batch, default_chunk_budget,
@@ -231,10 +231,13 @@ class DrafterTrainer:
         batch = build_training_batch(input_ids, loss_mask, cu, anchors, block_size=self.model.config.block_size,
                                      mask_token_id=self.model.config.mask_token_id, gamma=self.cfg.objective.gamma,
                                      weighting=self.cfg.objective.weighting)
-        batch = batch.to(self.device)
-        # drafter.compile may pad the context (CUDA graphs: a few lengths; fp8: 16-row multiples)
-        # with keys that no query sees (compiled_forward.py); otherwise the layout as it is
-        num_ctx = self.drafter_forward.context_rows(batch.layout.num_ctx)
+        # The context may get keys that no query sees and the blocks zero-weight fillers
+        # (compiled_forward.py): whole FlexAttention tiles, and under drafter.compile the job's
+        # longest step so far (CUDA graphs) or 16-row multiples (fp8)
+        num_ctx, num_queries = self.drafter_forward.step_rows(
+            batch.layout.num_ctx, batch.layout.num_queries, tile=FLEX_TILE if self.backend == "flex" else 1,
+            block_size=self.model.config.block_size)
+        batch = pad_blocks(batch, num_queries, self.model.config.mask_token_id).to(self.device)
         mask_started = time.perf_counter()
         config = self.model.config
         mask = build_layer_masks(pad_layout(batch.layout, num_ctx), self.backend, config.layer_types,
