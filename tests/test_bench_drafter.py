@@ -197,6 +197,11 @@ def test_precision_variants_in_order_and_bad_names_refused():
         bd.precision_variants(["fp8"], ["blockwise"])
     with pytest.raises(ConfigError, match=r"precision \(none\) not allowed"):
         bd.precision_variants([])
+    shared = bd.precision_variants(["fp8"], shared_casts=["on", "off"])
+    assert "fp8_shared_casts" not in shared[0] and shared[1]["fp8_shared_casts"] is False
+    assert bd.variant_label(shared[1]) == "fp8 tensorwise, lm_head all, casts per layer"
+    with pytest.raises(ConfigError, match="fp8 shared casts maybe not allowed; allowed: on, off"):
+        bd.precision_variants(["fp8"], shared_casts=["maybe"])
 
 
 def test_bench_config_holds_on_a_gpu_device():

@@ -459,6 +459,121 @@ def test_float8_layers_see_rows_in_multiples_of_16(monkeypatch):
     torch.testing.assert_close(layer.weight.grad, plain.weight.grad)
 
 
+def _shared_and_separate(recipe: str):
+    """(the tiny drafter with shared-input float8 groups, the same drafter layer by layer)."""
+    model = DFlashDraftModel(bd.drafter_model_config("tiny"))
+    separate = copy.deepcopy(model)
+    for m in (model, separate):
+        prec.convert_linears(m, recipe, emulate=True)
+    assert prec.share_input_casts(model, in_graph=False) == 2 * model.config.num_hidden_layers
+    return model, separate
+
+
+def _run_blocks(model, x, ctx):
+    """Every block's forward of the first layer on (x, ctx) under bf16 autocast, one backward."""
+    layer = model.layers[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = layer.self_attn.linears(x, (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
+        outs += layer.self_attn.linears(ctx, (layer.self_attn.k_proj, layer.self_attn.v_proj))
+        outs += layer.mlp.linears(x, (layer.mlp.gate_proj, layer.mlp.up_proj))
+    gen = torch.Generator().manual_seed(7)
+    torch.autograd.backward(outs, [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs])
+    return outs, {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
+
+
+@needs_torchao
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_layers_that_share_an_input_cast_it_once_with_the_numbers_of_separate_layers(monkeypatch, recipe):
+    """One float8 matmul over q|k|v (and k|v, gate|up): rowwise, the outputs and weight gradients
+    are the separate layers' bit for bit (per-row scales do not see the concatenation) and the
+    input gradient differs by the rounding of a sum; tensorwise one scale spans the group, so
+    they are close. The input is cast once per group: 3 input casts where 7 were."""
+    monkeypatch.setenv(prec.EMULATE_ENV, "1")
+    model, separate = _shared_and_separate(recipe)
+    gen = torch.Generator().manual_seed(0)
+    hidden = model.config.hidden_size
+    x, ctx = torch.randn(40, hidden, generator=gen), torch.randn(24, hidden, generator=gen)
+    runs = []
+    for m in (model, separate):
+        xi, ci = x.clone().requires_grad_(True), ctx.clone().requires_grad_(True)
+        outs, grads = _run_blocks(m, xi, ci)
+        runs.append((outs, grads, xi.grad, ci.grad))
+    (outs, grads, dx, dctx), (want_outs, want_grads, want_dx, want_dctx) = runs
+    assert [o.shape for o in outs] == [o.shape for o in want_outs] and grads.keys() == want_grads.keys()
+    if recipe == "rowwise":
+        assert all(torch.equal(o, w) for o, w in zip(outs, want_outs))
+        assert all(torch.equal(grads[n], want_grads[n]) for n in grads)
+        torch.testing.assert_close(dx, want_dx, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(dctx, want_dctx, rtol=2e-2, atol=2e-2)
+    else:
+        for o, w in zip(outs, want_outs):
+            assert ((o.float() - w.float()).norm() / w.float().norm()) < 0.08
+        for n in grads:
+            assert torch.nn.functional.cosine_similarity(grads[n].flatten(), want_grads[n].flatten(), dim=0) > 0.99, n
+    casts = collections.Counter()
+    real = prec.torchao_float8().float8_linear.hp_tensor_to_float8_dynamic
+
+    def counting(t, *a, **kw):
+        casts[tuple(t.shape)] += 1
+        return real(t, *a, **kw)
+    monkeypatch.setattr(prec.torchao_float8().float8_linear, "hp_tensor_to_float8_dynamic", counting)
+    for m, want in ((model, 3), (separate, 7)):
+        casts.clear()
+        with torch.no_grad():
+            _run_blocks_forward_only(m, x, ctx)
+        assert sum(casts[(rows, hidden)] for rows in (24, 32, 40, 48)) == want  # the inputs, padded or not
+
+
+def _run_blocks_forward_only(model, x, ctx):
+    layer = model.layers[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer.self_attn.linears(x, (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
+        layer.self_attn.linears(ctx, (layer.self_attn.k_proj, layer.self_attn.v_proj))
+        layer.mlp.linears(x, (layer.mlp.gate_proj, layer.mlp.up_proj))
+
+
+@needs_torchao
+def test_shared_casts_are_a_setting_and_each_group_compiles_once_for_every_row_count(monkeypatch):
+    """fp8_shared_casts false keeps one layer at a time; the groups' compiled forward (rows
+    dynamic) is one graph per group shape, with eager's values and gradients."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from dflash_ipc.drafter.model import each_linear
+    monkeypatch.setenv(prec.EMULATE_ENV, "1")
+    config = bd.drafter_model_config("tiny")
+    for shared in (True, False):
+        model = DFlashDraftModel(config)
+        prec.apply_precision(_fp8_cfg(fp8_shared_casts=shared).drafter, model, bd.random_head(config, "cpu", None),
+                             "cpu")
+        hooks = {type(m.linears).__name__ for m in model.modules() if hasattr(m, "linears")}
+        assert hooks == ({"SharedInputFloat8"} if shared else {"function"})
+        assert shared or all(m.linears is each_linear for m in model.modules() if hasattr(m, "linears"))
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(prec, "_fused_shared_input", AlwaysCompiled(prec._shared_input_forward, dynamic_args=(0,),
+                                                                     backend=counter))
+    model, separate = _shared_and_separate("tensorwise")
+    eager = copy.deepcopy(model)
+    monkeypatch.setattr(prec, "_compiles", lambda x: True)  # the compiled path (CUDA's) on CPU
+    gen = torch.Generator().manual_seed(1)
+    for rows in (24, 40):
+        prec.next_step()
+        x = torch.randn(rows, config.hidden_size, generator=gen)
+        ctx = torch.randn(rows + 5, config.hidden_size, generator=gen)
+        got, got_grads = _run_blocks(model, x, ctx)
+        monkeypatch.setattr(prec, "_compiles", lambda x: False)
+        want, want_grads = _run_blocks(eager, x, ctx)
+        monkeypatch.setattr(prec, "_compiles", lambda x: True)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+        for n in want_grads:
+            torch.testing.assert_close(got_grads[n], want_grads[n])
+        for m in (model, eager):
+            m.zero_grad(set_to_none=True)
+    assert counter.frame_count == 3  # q|k|v, k|v and gate|up: one graph each for every row count
+    torch._dynamo.reset()
+
+
 # --- the real float8 kernels -------------------------------------------------------------------
 
 

@@ -68,7 +68,10 @@ def precision_options(default: str):
         click.option("--fp8-recipe", "recipes", default="tensorwise", show_default=True, callback=comma_list,
                      metavar="R[,R...]", help="drafter.fp8_recipe of the fp8 runs: tensorwise, rowwise."),
         click.option("--fp8-lm-head", "lm_heads", default="all", show_default=True, callback=comma_list,
-                     metavar="H[,H...]", help="drafter.fp8_lm_head of the fp8 runs: all, grad, none.")])
+                     metavar="H[,H...]", help="drafter.fp8_lm_head of the fp8 runs: all, grad, none."),
+        click.option("--fp8-shared-casts", "shared_casts", default="on", show_default=True, callback=comma_list,
+                     metavar="S[,S...]", help="drafter.fp8_shared_casts of the fp8 runs: on (layers that read one "
+                                              "input cast it once), off (each layer on its own); on,off compares.")])
 
 
 # bench/drafter.py's SHAPES (a test checks they agree; importing it here would load torch).
@@ -101,12 +104,12 @@ BENCH_DRAFTER_SHAPES = ["qwen3-8b", "qwen3-1.7b", "smollm2-135m", "tiny"]
               help="Profile this many more steps (CUDA): kernel time per step by kind (matmul fp8 / "
                    "matmul / attention / fp8 scaling / fused elementwise / other) and the costliest kernels.")
 def bench_drafter(device, steps, warmup, shape, seq_lens, num_seqs, anchors_per_seq, precisions, recipes,
-                  lm_heads, compiles, ragged, profile_steps) -> None:
+                  lm_heads, shared_casts, compiles, ragged, profile_steps) -> None:
     """Step time, MFU and peak memory of a drafter step (default: Qwen3-8B shape, 4 x 2,048 tokens,
     512 anchors each = 32,768 query tokens), for each precision asked (with the speedup against
     the first) at each --seq-len."""
     from dflash_ipc.bench.drafter import compare_precisions, precision_variants
-    variants = precision_variants(precisions, recipes, lm_heads, compiles)
+    variants = precision_variants(precisions, recipes, lm_heads, compiles, shared_casts)
     for seq_len in seq_lens:
         compare_precisions(device=device, steps=steps, shape=shape, variants=variants, warmup=warmup,
                            anchors_per_seq=anchors_per_seq, num_seqs=num_seqs, seq_len=seq_len,
@@ -171,7 +174,7 @@ def _run_sizes_options(fn):
 @precision_options(default="bf16,fp8")
 @_run_sizes_options
 def bench_precision(device, shape, target_dir, data_dir, mask_token_id, recipe_names, definitions, budget_s, work_dir,
-                    json_path, precisions, recipes, lm_heads, **sizes) -> None:
+                    json_path, precisions, recipes, lm_heads, shared_casts, **sizes) -> None:
     """The same drafter trained under several recipes (default: each --precision): loss curves,
     final-loss gap, tau and its spread over held-out prompts, lossless check."""
     from dflash_ipc.bench import recipes as named
@@ -187,7 +190,8 @@ def bench_precision(device, shape, target_dir, data_dir, mask_token_id, recipe_n
     elif definitions:
         raise click.UsageError("--recipe defines recipes for --recipes: name them there")
     run_precision_comparison(device=device, shape=shape, work_dir=work_dir, sizes=RunSizes(**sizes),
-                             variants=precision_variants(precisions, recipes, lm_heads), recipes=chosen,
+                             variants=precision_variants(precisions, recipes, lm_heads,
+                                                                        shared_casts=shared_casts), recipes=chosen,
                              target_dir=target_dir, data_dir=data_dir, mask_token_id=mask_token_id,
                              budget_s=budget_s, json_path=json_path)
 

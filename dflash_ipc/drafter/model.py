@@ -426,6 +426,13 @@ fused_rms_norm_rope = CudaCompiled(rms_norm_rope, dynamic_args=(0, 3, 4))
 fused_swiglu = CudaCompiled(swiglu, dynamic_args=(0, 1))
 
 
+def each_linear(x: Tensor, layers: tuple[nn.Module, ...]) -> list[Tensor]:
+    """The outputs of ``layers``, which read the same input ``x``: one call each. The default
+    of every attention and MLP block; fp8 puts one float8 matmul over the layers' concatenated
+    weights in its place, so ``x`` is cast to float8 once (precision.py, ``SharedInputFloat8``)."""
+    return [layer(x) for layer in layers]
+
+
 class RMSNorm(nn.Module):
     """Qwen3 RMSNorm: normalise in float32, scale by ``weight``; returns the input dtype."""
 
@@ -451,17 +458,20 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.linears: Callable[[Tensor, tuple[nn.Module, ...]], list[Tensor]] = each_linear
 
     def forward(self, x: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, mask: Any) -> Tensor:
         """x ``[Q, H]`` (normed block), ctx ``[T, H]``; cos/sin ``[T+Q, D]`` (ctx rows first)."""
         nq, nt = x.shape[0], ctx.shape[0]
-        q = self.q_proj(x).view(nq, self.num_heads, self.head_dim)  # [Q, Hq, D]
-        q = fused_rms_norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos[nt:], sin[nt:])
+        q, k_block, v_block = self.linears(x, (self.q_proj, self.k_proj, self.v_proj))
         # Project context and block separately: concatenating the narrow K/V outputs
         # moves less memory than concatenating the H-wide inputs.
-        k = torch.cat([self.k_proj(ctx), self.k_proj(x)]).view(nt + nq, self.num_kv_heads, self.head_dim)
+        k_ctx, v_ctx = self.linears(ctx, (self.k_proj, self.v_proj))
+        q = fused_rms_norm_rope(q.view(nq, self.num_heads, self.head_dim), self.q_norm.weight, self.q_norm.eps,
+                                cos[nt:], sin[nt:])  # [Q, Hq, D]
+        k = torch.cat([k_ctx, k_block]).view(nt + nq, self.num_kv_heads, self.head_dim)
         k = fused_rms_norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin)  # [T+Q, Hkv, D]
-        v = torch.cat([self.v_proj(ctx), self.v_proj(x)]).view(nt + nq, self.num_kv_heads, self.head_dim)
+        v = torch.cat([v_ctx, v_block]).view(nt + nq, self.num_kv_heads, self.head_dim)
         q, k = q.to(v.dtype), k.to(v.dtype)  # a no-op unless the caller mixes dtypes
         out = attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask)  # [Hq, Q, D]
         return self.o_proj(out.transpose(0, 1).reshape(nq, self.num_heads * self.head_dim))
@@ -476,9 +486,11 @@ class DFlashMLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
+        self.linears: Callable[[Tensor, tuple[nn.Module, ...]], list[Tensor]] = each_linear
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(fused_swiglu(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.linears(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(fused_swiglu(gate, up))
 
 
 class DFlashDecoderLayer(nn.Module):

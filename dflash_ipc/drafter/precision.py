@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_ipc.config.schema import DrafterConfig
-from dflash_ipc.drafter.model import CudaCompiled, compile_enabled
+from dflash_ipc.drafter.model import CudaCompiled, compile_enabled, each_linear
 from dflash_ipc.drafter.objective import _chunk_loss, _fused_chunk_loss
 from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.errors import ConfigError
@@ -136,14 +136,16 @@ def apply_precision(cfg: DrafterConfig, model: nn.Module, head: FrozenTargetHead
     else:  # traced into the drafter's one graph, where the compiler merges the casts of a shared input
         for module in converted:
             module.forward = _GraphForward(module)
+    num_groups = share_input_casts(model, in_graph=cfg.compile != "off") if cfg.fp8_shared_casts else 0
     fp8_head = None if head_matmuls == "none" else Fp8LMHead.create(
         head.lm_head_weight, rowwise=cfg.fp8_recipe == "rowwise", fp8_logits=head_matmuls == "all",
         emulate=emulate)
     if fp8_head is None and head_matmuls != "none":
         logger.info("precision fp8: LM head %s stays bf16: dims must be multiples of %d",
                     tuple(head.lm_head_weight.shape), MM_MULTIPLE)
-    logger.info("precision fp8 (%s%s): %d linear layers in float8, LM head matmuls in float8: %s", cfg.fp8_recipe,
-                ", emulated" if emulate else "", len(converted), head_matmuls if fp8_head is not None else "none")
+    logger.info("precision fp8 (%s%s): %d linear layers in float8 (%d groups that read one input cast it once), "
+                "LM head matmuls in float8: %s", cfg.fp8_recipe, ", emulated" if emulate else "", len(converted),
+                num_groups, head_matmuls if fp8_head is not None else "none")
     return fp8_head
 
 
@@ -232,8 +234,9 @@ class StaticRowCounts:
         self.static |= self._promoted
         self._promoted.clear()
 
-    def padded(self, layer: nn.Module, rows: int) -> int | None:
-        """The padded count to run ``rows`` at with a static graph, or None (dynamic)."""
+    def padded(self, layer: object, rows: int) -> int | None:
+        """The padded count to run ``rows`` at with a static graph, or None (dynamic).
+        ``layer``: what makes the call (a layer, or a group of layers sharing an input)."""
         if rows < self.min_rows:
             return None
         quantum = static_row_quantum(rows)
@@ -242,7 +245,7 @@ class StaticRowCounts:
             return padded
         if torch._C._current_graph_task_id() != -1:  # in a backward pass: a recompute
             return None
-        key = (id(layer), padded)
+        key = (layer if isinstance(layer, tuple) else id(layer), padded)
         if key not in self._seen:
             self._seen.add(key)
         elif len(self.static) + len(self._promoted) < self.limit:
@@ -296,15 +299,22 @@ class _CompiledForward:
         self.module = module
 
     def __call__(self, x: Tensor) -> Tensor:
-        lead, rows = x.shape[:-1], x.shape[:-1].numel()
-        padded = STATIC_ROWS.padded(self.module, rows) if _compiles(x) else None
-        if padded is None:
-            return _fused_float8_forward(x, self.module)
-        flat = x.reshape(rows, x.shape[-1])
-        if padded != rows:
-            flat = F.pad(flat, (0, 0, 0, padded - rows))
-        out = _static_float8_forward(flat, self.module)
-        return (out[:rows] if padded != rows else out).reshape(*lead, out.shape[-1])
+        return _run_float8(x, self.module, self.module, _fused_float8_forward, _static_float8_forward)
+
+
+def _run_float8(x: Tensor, layers, key: object, dynamic: CudaCompiled, static: CudaCompiled) -> Tensor:
+    """``layers`` (one Float8Linear or a tuple sharing ``x``) on ``x`` through ``static``'s graph
+    for the padded row count where it repeats (`StaticRowCounts`, keyed by ``key``), else
+    through ``dynamic``'s, which pads inside."""
+    lead, rows = x.shape[:-1], x.shape[:-1].numel()
+    padded = STATIC_ROWS.padded(key, rows) if _compiles(x) else None
+    if padded is None:
+        return dynamic(x, layers)
+    flat = x.reshape(rows, x.shape[-1])
+    if padded != rows:
+        flat = F.pad(flat, (0, 0, 0, padded - rows))
+    out = static(flat, layers)
+    return (out[:rows] if padded != rows else out).reshape(*lead, out.shape[-1])
 
 
 class _GraphForward:
@@ -324,6 +334,78 @@ class _GraphForward:
         if x.shape[:-1].numel() % MM_MULTIPLE:
             return _float8_forward(x, self.module)
         return type(self.module).forward(self.module, x)
+
+
+# --- layers that read one input: one float8 matmul -------------------------------------------
+
+
+def _float8_class() -> type:
+    return torchao_float8().float8_linear.Float8Linear
+
+
+def _shared_input_matmul(x: Tensor, layers: tuple[nn.Module, ...]) -> Tensor:
+    """``[rows, sum of out_features]``: ``x`` through every layer of ``layers`` (Float8Linears
+    of one config, no bias) as one float8 matmul over their concatenated weights, so ``x`` is
+    cast once and the gradient w.r.t. ``x`` is one matmul. The parameters stay separate (the
+    concatenation is differentiable: each gets its own gradient). ``x``'s rows are a multiple
+    of 16 (``torch._scaled_mm``)."""
+    first = layers[0]
+    if torch.is_autocast_enabled():  # Float8Linear.forward's own cast, so the numbers are its
+        x = x.to(torch.get_autocast_dtype("cuda"))
+    weight = torch.cat([layer.weight for layer in layers])  # [sum of out, in]
+    matmul = torchao_float8().float8_linear.matmul_with_hp_or_float8_args
+    return matmul.apply(x, weight.t(), first.linear_mm_config, first.config)
+
+
+def _shared_input_forward(x: Tensor, layers: tuple[nn.Module, ...]) -> Tensor:
+    lead, rows = x.shape[:-1], x.shape[:-1].numel()
+    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % MM_MULTIPLE))  # [rows rounded up to 16, in]
+    out = _shared_input_matmul(flat, layers)
+    return out[:rows].reshape(*lead, out.shape[-1])
+
+
+# As the single layers': dynamo shares a graph between groups of the same weight shapes.
+_fused_shared_input = CudaCompiled(_shared_input_forward, dynamic_args=(0,))
+_static_shared_input = CudaCompiled(_shared_input_matmul, dynamic_args=(), dynamic=False)
+
+
+class SharedInputFloat8:
+    """``linears(x, layers)`` of an attention or MLP block (model.py's ``each_linear``) for
+    float8: the layers that read ``x`` (q/k/v of the block, k/v of the context, gate/up) as
+    one float8 matmul, split back into their outputs. What it saves is the casts: each
+    Float8Linear casts its input on its own (an abs-max pass and a cast pass over [rows, H]),
+    three times for the block's q/k/v; here once, and the three input-gradient matmuls and
+    their sums are one matmul. Numbers: rowwise scales are per row of the input and per
+    output row of the weight, so the forward and the weight gradients are those of separate
+    layers (bitwise, tests/test_drafter_precision.py) and the input gradient differs by the
+    rounding of a sum; tensorwise takes one scale for the concatenated weights and for
+    their output gradient (their largest abs-max), close to separate layers, not equal.
+    Layers that did not become Float8Linears (dims not multiples of 16) run one by one.
+    Compiled as the single layers are (``_CompiledForward``) or, under ``drafter.compile``,
+    traced into the drafter's graph (``in_graph``)."""
+
+    def __init__(self, *, in_graph: bool) -> None:
+        self.in_graph = in_graph
+
+    def __call__(self, x: Tensor, layers: tuple[nn.Module, ...]) -> list[Tensor]:
+        float8 = _float8_class()
+        if len(layers) < 2 or not all(type(layer) is float8 and layer.bias is None for layer in layers):
+            return each_linear(x, layers)
+        if self.in_graph:
+            out = (_shared_input_forward(x, layers) if x.shape[:-1].numel() % MM_MULTIPLE
+                   else _shared_input_matmul(x, layers))
+        else:
+            out = _run_float8(x, layers, (id(layers[0]), len(layers)), _fused_shared_input, _static_shared_input)
+        return list(out.split([layer.out_features for layer in layers], dim=-1))
+
+
+def share_input_casts(model: nn.Module, *, in_graph: bool) -> int:
+    """Every block of ``model`` with a ``linears`` hook (model.py) casts a shared input once
+    (`SharedInputFloat8`); returns how many blocks."""
+    blocks = [m for m in model.modules() if getattr(m, "linears", None) is each_linear]
+    for block in blocks:
+        block.linears = SharedInputFloat8(in_graph=in_graph)
+    return len(blocks)
 
 
 # --- the LM head: torch._scaled_mm --------------------------------------------------------------
