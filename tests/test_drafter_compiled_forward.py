@@ -49,6 +49,27 @@ def test_steps_on_flex_are_whole_attention_tiles():
     assert att.flex_kernel_options(32768, 40961) is None and att.flex_kernel_options(48, 768) is None
 
 
+def test_a_flex_step_runs_in_whole_tiles_with_the_dense_steps_loss():
+    """The trainer pads a flex step to whole 128-tiles (context keys no query sees, filler
+    blocks); its loss is the unpadded dense step's (forward only: CPU flex has no backward)."""
+    def trainer(backend):
+        cfg = config_from_dict({"drafter": {"num_workers": 1, "dtype": "float32", "attention": backend},
+                                "objective": {"weighting": "decay", "anchors_per_step": 12,
+                                              "max_anchors_per_seq": 6}})
+        return DrafterTrainer(cfg, model_config(), head(), device="cpu", total_steps=2)
+    chosen = [(s, s.num_anchors) for s in sequences(3, seed=8)]
+    losses = []
+    for backend in ("flex", "dense"):
+        t = trainer(backend)
+        batch, features, mask, _ = t._build(copy.deepcopy(chosen))
+        tiles = backend == "flex"
+        assert (batch.layout.num_queries % 128 == 0 and features.shape[0] % 128 == 0) == tiles
+        assert batch.num_anchors == sum(n for _, n in chosen)
+        with torch.no_grad():
+            losses.append(t.loss_sum(batch, features, mask))
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-5)
+
+
 def _layout_and_mask_case():
     lengths, anchors = [11, 7], [torch.tensor([2, 5, 8]), torch.tensor([0, 4])]
     cu = torch.tensor([0, 11, 18], dtype=torch.int32)
