@@ -2,6 +2,7 @@
 counts and against torch's FlopCounterMode on a real training step."""
 
 import collections
+import logging
 import math
 
 import pytest
@@ -197,9 +198,9 @@ def test_precision_variants_in_order_and_bad_names_refused():
         bd.precision_variants(["fp8"], ["blockwise"])
     with pytest.raises(ConfigError, match=r"precision \(none\) not allowed"):
         bd.precision_variants([])
-    shared = bd.precision_variants(["fp8"], shared_casts=["on", "off"])
-    assert "fp8_shared_casts" not in shared[0] and shared[1]["fp8_shared_casts"] is False
-    assert bd.variant_label(shared[1]) == "fp8 tensorwise, lm_head all, casts per layer"
+    shared = bd.precision_variants(["fp8"], shared_casts=["off", "on"])
+    assert "fp8_shared_casts" not in shared[0] and shared[1]["fp8_shared_casts"] is True
+    assert bd.variant_label(shared[1]) == "fp8 tensorwise, lm_head all, shared casts"
     with pytest.raises(ConfigError, match="fp8 shared casts maybe not allowed; allowed: on, off"):
         bd.precision_variants(["fp8"], shared_casts=["maybe"])
 
@@ -327,10 +328,13 @@ def test_compile_specs_make_variants_of_every_precision():
         bd.precision_variants(["bf16"], compiles=["off@x"])
 
 
-def test_ragged_bench_reports_its_setup_and_compile_counts(capsys):
-    f = bd.run_drafter_bench("cpu", steps=2, shape="tiny", anchors_per_seq=16, num_seqs=2, seq_len=128, warmup=1,
-                             variant={"precision": "bf16", "compile": "reduce-overhead", "lm_head_chunk_gib": 1 / 1024},
-                             ragged=True)
+def test_ragged_bench_reports_its_setup_and_compile_counts(capsys, caplog):
+    with caplog.at_level(logging.INFO, logger="dflash_ipc.bench.drafter"):
+        f = bd.run_drafter_bench("cpu", steps=2, shape="tiny", anchors_per_seq=16, num_seqs=2, seq_len=128, warmup=1,
+                                 variant={"precision": "bf16", "compile": "reduce-overhead",
+                                          "lm_head_chunk_gib": 1 / 1024}, ragged=True)
+    steps = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert "step 0 (warmup)" in steps[0] and "256 context tokens" in steps[0]  # the heaviest step first
     report = capsys.readouterr().out
     assert f["compile_mode"] == "reduce-overhead" and not f["compile_active"]  # CPU: eager, said in the log
     assert f["lm_head_chunk_rows"] == (1 << 20) // (512 * 4)

@@ -473,9 +473,9 @@ def _run_blocks(model, x, ctx):
     """Every block's forward of the first layer on (x, ctx) under bf16 autocast, one backward."""
     layer = model.layers[0]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        outs = layer.self_attn.linears(x, (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
-        outs += layer.self_attn.linears(ctx, (layer.self_attn.k_proj, layer.self_attn.v_proj))
-        outs += layer.mlp.linears(x, (layer.mlp.gate_proj, layer.mlp.up_proj))
+        outs = layer.self_attn.project(x, (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
+        outs += layer.self_attn.project(ctx, (layer.self_attn.k_proj, layer.self_attn.v_proj))
+        outs += layer.mlp.project(x, (layer.mlp.gate_proj, layer.mlp.up_proj))
     gen = torch.Generator().manual_seed(7)
     torch.autograd.backward(outs, [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs])
     return outs, {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
@@ -527,9 +527,9 @@ def test_layers_that_share_an_input_cast_it_once_with_the_numbers_of_separate_la
 def _run_blocks_forward_only(model, x, ctx):
     layer = model.layers[0]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        layer.self_attn.linears(x, (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
-        layer.self_attn.linears(ctx, (layer.self_attn.k_proj, layer.self_attn.v_proj))
-        layer.mlp.linears(x, (layer.mlp.gate_proj, layer.mlp.up_proj))
+        layer.self_attn.project(x, (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
+        layer.self_attn.project(ctx, (layer.self_attn.k_proj, layer.self_attn.v_proj))
+        layer.mlp.project(x, (layer.mlp.gate_proj, layer.mlp.up_proj))
 
 
 @needs_torchao
@@ -545,9 +545,9 @@ def test_shared_casts_are_a_setting_and_each_group_compiles_once_for_every_row_c
         model = DFlashDraftModel(config)
         prec.apply_precision(_fp8_cfg(fp8_shared_casts=shared).drafter, model, bd.random_head(config, "cpu", None),
                              "cpu")
-        hooks = {type(m.linears).__name__ for m in model.modules() if hasattr(m, "linears")}
+        hooks = {type(m.project).__name__ for m in model.modules() if hasattr(m, "project")}
         assert hooks == ({"SharedInputFloat8"} if shared else {"function"})
-        assert shared or all(m.linears is each_linear for m in model.modules() if hasattr(m, "linears"))
+        assert shared or all(m.project is each_linear for m in model.modules() if hasattr(m, "project"))
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     monkeypatch.setattr(prec, "_fused_shared_input", AlwaysCompiled(prec._shared_input_forward, dynamic_args=(0,),

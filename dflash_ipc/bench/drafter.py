@@ -76,6 +76,7 @@ from dflash_ipc.drafter.attention import FLEX_TILE, build_mask, flex_tile_flags
 from dflash_ipc.drafter.model import DFlashConfig
 from dflash_ipc.drafter.objective import TrainingBatch
 from dflash_ipc.drafter.precision import reset_compiled_layers
+from dflash_ipc.drafter.step_shape import pad_layout
 from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.drafter.trainer import DrafterTrainer, Sequence, eligible_anchor_count
 from dflash_ipc.errors import ConfigError
@@ -261,13 +262,20 @@ def random_sequences(config: DFlashConfig, *, step: int, num_seqs: int, seq_len:
 
 
 class _RecordingTrainer(DrafterTrainer):
-    """The real trainer, keeping the batch of its last step so the bench can count it."""
+    """The real trainer, keeping its last step's real batch (no padding rows, no filler blocks:
+    what the FLOP and token counts count) and the layout the step ran (its mask is timed)."""
 
     last_batch: TrainingBatch | None = None
+    last_layout = None
+
+    def _batch(self, chosen):
+        self.last_batch = super()._batch(chosen)
+        return self.last_batch
 
     def _build(self, chosen):
         built = super()._build(chosen)
-        self.last_batch = built[0]
+        if built[0] is not None:
+            self.last_layout = pad_layout(built[0].layout, built[1].shape[0])
         return built
 
 
@@ -328,10 +336,10 @@ def _one_step(trainer: _RecordingTrainer, seqs: list[Sequence], device: torch.de
     result = trainer.step(chosen)
     _sync(device)
     wall_s = time.perf_counter() - started
-    batch, trainer.last_batch = trainer.last_batch, None
+    batch, layout, trainer.last_batch, trainer.last_layout = trainer.last_batch, trainer.last_layout, None, None
     return {"step_s": wall_s, "mask_in_step_s": result["mask_s"], "loss": result["loss"],
             "anchors": result["anchors"], "counts": step_counts(batch),
-            "mask_s": _mask_seconds(batch.layout, trainer.backend, device)}
+            "mask_s": _mask_seconds(layout.to(device), trainer.backend, device)}
 
 
 # --- precision variants -------------------------------------------------------------------------
@@ -354,12 +362,9 @@ def parse_compile_spec(spec: str) -> dict:
     return out
 
 
-SHARED_CASTS = {"on": True, "off": False}  # --fp8-shared-casts: drafter.fp8_shared_casts
-
-
 def precision_variants(precisions: typing.Sequence[str], recipes: typing.Sequence[str] = ("tensorwise",),
                        lm_heads: typing.Sequence[str] = ("all",), compiles: typing.Sequence[str] = ("off",),
-                       shared_casts: typing.Sequence[str] = ("on",)) -> list[dict]:
+                       shared_casts: typing.Sequence[str] = ("off",)) -> list[dict]:
     """The ``drafter`` config fields of each variant to compare, in order: bf16 once per
     ``compiles`` spec (``parse_compile_spec``), fp8 once per (recipe, LM-head choice, shared
     casts on/off, spec). ConfigError for a name not allowed."""
@@ -379,7 +384,7 @@ def precision_variants(precisions: typing.Sequence[str], recipes: typing.Sequenc
             out += [{"precision": "bf16", **spec} for spec in specs]
         else:
             out += [{"precision": precision, "fp8_recipe": r, "fp8_lm_head": h, **spec,
-                     **({} if shared == "on" else {"fp8_shared_casts": False})}
+                     **({"fp8_shared_casts": True} if shared == "on" else {})}
                     for spec in specs for r in recipes for h in lm_heads for shared in shared_casts]
     return out
 
@@ -390,7 +395,7 @@ def variant_label(variant: dict) -> str:
     if variant["precision"] == "bf16":
         return "bf16" + extra
     recipe, lm_head = variant.get("fp8_recipe", "tensorwise"), variant.get("fp8_lm_head", "all")
-    casts = "" if variant.get("fp8_shared_casts", True) else ", casts per layer"
+    casts = ", shared casts" if variant.get("fp8_shared_casts", False) else ""
     return f"{variant['precision']} {recipe}, lm_head {lm_head}{casts}{extra}"
 
 

@@ -69,9 +69,9 @@ def precision_options(default: str):
                      metavar="R[,R...]", help="drafter.fp8_recipe of the fp8 runs: tensorwise, rowwise."),
         click.option("--fp8-lm-head", "lm_heads", default="all", show_default=True, callback=comma_list,
                      metavar="H[,H...]", help="drafter.fp8_lm_head of the fp8 runs: all, grad, none."),
-        click.option("--fp8-shared-casts", "shared_casts", default="on", show_default=True, callback=comma_list,
-                     metavar="S[,S...]", help="drafter.fp8_shared_casts of the fp8 runs: on (layers that read one "
-                                              "input cast it once), off (each layer on its own); on,off compares.")])
+        click.option("--fp8-shared-casts", "shared_casts", default="off", show_default=True, callback=comma_list,
+                     metavar="S[,S...]", help="drafter.fp8_shared_casts of the fp8 runs: off (each layer on its "
+                                              "own), on (layers that read one input cast it once); off,on compares.")])
 
 
 # bench/drafter.py's SHAPES (a test checks they agree; importing it here would load torch).
@@ -189,9 +189,9 @@ def bench_precision(device, shape, target_dir, data_dir, mask_token_id, recipe_n
         chosen = named.resolve(recipe_names, defined, num_layers=sizes["num_layers"])
     elif definitions:
         raise click.UsageError("--recipe defines recipes for --recipes: name them there")
+    variants = precision_variants(precisions, recipes, lm_heads, shared_casts=shared_casts)
     run_precision_comparison(device=device, shape=shape, work_dir=work_dir, sizes=RunSizes(**sizes),
-                             variants=precision_variants(precisions, recipes, lm_heads,
-                                                                        shared_casts=shared_casts), recipes=chosen,
+                             variants=variants, recipes=chosen,
                              target_dir=target_dir, data_dir=data_dir, mask_token_id=mask_token_id,
                              budget_s=budget_s, json_path=json_path)
 

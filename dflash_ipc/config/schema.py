@@ -288,10 +288,11 @@ class DrafterConfig(_Section):
     """fp8 only: the frozen LM head's matmuls in float8: all (logits, dL/dh), grad (dL/dh) or none;
     auto: all with objective.weighting decay, none with dpace (whose per-row CE runs in the
     head's own dtype)."""
-    fp8_shared_casts: bool = True
+    fp8_shared_casts: bool = False
     """fp8 only: the layers that read one input (q/k/v of the block, k/v of the context,
     gate/up) as one float8 matmul over their concatenated weights, so the input is cast to
-    float8 once (drafter/precision.py, SharedInputFloat8); false: each layer on its own."""
+    float8 once (drafter/precision.py, SharedInputFloat8: 0.8 GiB less at the Qwen3-8B shape,
+    no step time saved on an H100); false (default): each layer on its own."""
     fifo_sequences: int = 256
     """A drafter asks for hidden states while fewer sequences than this wait in its queue."""
     prefetch: int = 2
@@ -308,8 +309,9 @@ class DrafterConfig(_Section):
     """The drafter's forward as one torch.compile graph, with this torch.compile mode, on CUDA
     (drafter/compiled_forward.py): off (default: only the element-wise parts, attention and CE
     chunks are compiled), default, max-autotune-no-cudagraphs, or reduce-overhead (CUDA graphs,
-    each step padded to the job's largest so far: one graph once the longest has run). sharding none only; with fp8 the float8 layers are
-    traced into the graph instead of compiled one by one."""
+    each step padded to the job's largest so far: one graph once the longest has run;
+    drafter/step_shape.py). sharding none only; with fp8 the float8 layers are traced into the
+    graph instead of compiled one by one."""
     lm_head_chunk_gib: float = 0.0
     """Memory of one chunk of the chunked LM head + CE (its [rows, vocab] logits and their
     gradient, 4 bytes an entry); rows per chunk follow from it and the vocabulary. 0: 1/20 of

@@ -339,10 +339,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | "BlockMask") -> Te
         )  # [1, Hq, Q, D]
         return out[0]
     if BlockMask is not None and isinstance(mask, BlockMask):
-        # inside the drafter's one graph (drafter.compile) dynamo traces flex_attention itself,
-        # and the compiler sees the lengths as they are
-        if q.is_cuda and not torch.compiler.is_compiling():
-            return _flex_fn()(q[None], k[None], v[None], block_mask=mask, scale=scale, enable_gqa=gqa,
-                              kernel_options=flex_kernel_options(q.shape[-2], k.shape[-2]))[0]
-        return flex_attention(q[None], k[None], v[None], block_mask=mask, scale=scale, enable_gqa=gqa)[0]
+        # inside the drafter's one graph (drafter.compile) dynamo traces flex_attention itself (the
+        # divisibility test is then a guard, which the trainer's whole-tile steps always pass);
+        # CPU runs flex eagerly, where the option means nothing
+        if not q.is_cuda:
+            return flex_attention(q[None], k[None], v[None], block_mask=mask, scale=scale, enable_gqa=gqa)[0]
+        fn = flex_attention if torch.compiler.is_compiling() else _flex_fn()
+        return fn(q[None], k[None], v[None], block_mask=mask, scale=scale, enable_gqa=gqa,
+                  kernel_options=flex_kernel_options(q.shape[-2], k.shape[-2]))[0]
     raise ConfigError(f"attention mask must be a bool Tensor or a BlockMask, got {type(mask).__name__}")

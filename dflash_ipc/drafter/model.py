@@ -426,10 +426,14 @@ fused_rms_norm_rope = CudaCompiled(rms_norm_rope, dynamic_args=(0, 3, 4))
 fused_swiglu = CudaCompiled(swiglu, dynamic_args=(0, 1))
 
 
+Projection = Callable[[Tensor, tuple[nn.Module, ...]], list[Tensor]]
+"""``project(x, layers)``: the outputs of ``layers``, linear layers that read the same ``x``."""
+
+
 def each_linear(x: Tensor, layers: tuple[nn.Module, ...]) -> list[Tensor]:
-    """The outputs of ``layers``, which read the same input ``x``: one call each. The default
-    of every attention and MLP block; fp8 puts one float8 matmul over the layers' concatenated
-    weights in its place, so ``x`` is cast to float8 once (precision.py, ``SharedInputFloat8``)."""
+    """The default ``project`` of every attention and MLP block: one call per layer. With
+    ``drafter.fp8_shared_casts`` one float8 matmul over the layers' concatenated weights takes
+    its place, so ``x`` is cast to float8 once (precision.py, ``SharedInputFloat8``)."""
     return [layer(x) for layer in layers]
 
 
@@ -458,15 +462,15 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
-        self.linears: Callable[[Tensor, tuple[nn.Module, ...]], list[Tensor]] = each_linear
+        self.project: Projection = each_linear
 
     def forward(self, x: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, mask: Any) -> Tensor:
         """x ``[Q, H]`` (normed block), ctx ``[T, H]``; cos/sin ``[T+Q, D]`` (ctx rows first)."""
         nq, nt = x.shape[0], ctx.shape[0]
-        q, k_block, v_block = self.linears(x, (self.q_proj, self.k_proj, self.v_proj))
+        q, k_block, v_block = self.project(x, (self.q_proj, self.k_proj, self.v_proj))
         # Project context and block separately: concatenating the narrow K/V outputs
         # moves less memory than concatenating the H-wide inputs.
-        k_ctx, v_ctx = self.linears(ctx, (self.k_proj, self.v_proj))
+        k_ctx, v_ctx = self.project(ctx, (self.k_proj, self.v_proj))
         q = fused_rms_norm_rope(q.view(nq, self.num_heads, self.head_dim), self.q_norm.weight, self.q_norm.eps,
                                 cos[nt:], sin[nt:])  # [Q, Hq, D]
         k = torch.cat([k_ctx, k_block]).view(nt + nq, self.num_kv_heads, self.head_dim)
@@ -486,10 +490,10 @@ class DFlashMLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
-        self.linears: Callable[[Tensor, tuple[nn.Module, ...]], list[Tensor]] = each_linear
+        self.project: Projection = each_linear
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.linears(x, (self.gate_proj, self.up_proj))
+        gate, up = self.project(x, (self.gate_proj, self.up_proj))
         return self.down_proj(fused_swiglu(gate, up))
 
 

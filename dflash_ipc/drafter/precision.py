@@ -17,7 +17,8 @@ state, norms, attention, checkpoints and the bf16 export stay exactly as in bf16
    (measured on H200: 0.9 against 3.2-3.6 TB/s for a 40,960-row bf16 amax, 0.46 with the
    padding inside the graph), which cost ~40 ms of a 500 ms Qwen3-8B-shaped step. The weight
    stays the same float32 `nn.Parameter` under the same name, so `state_dict`, checkpoints
-   and the export do not change.
+   and the export do not change. With ``drafter.fp8_shared_casts`` the layers that read one
+   input run as one float8 matmul over their concatenated weights (`SharedInputFloat8`).
 2. The frozen LM head's two matmuls in the chunked CE (`objective.weighted_ce_sum`), as
    `drafter.fp8_lm_head` says: `all` = the logits h @ W^T and dL/dh, `grad` = dL/dh only
    (the logits, hence the loss, stay bf16: float8 logits carry ~2 % of their spread as
@@ -143,7 +144,7 @@ def apply_precision(cfg: DrafterConfig, model: nn.Module, head: FrozenTargetHead
     if fp8_head is None and head_matmuls != "none":
         logger.info("precision fp8: LM head %s stays bf16: dims must be multiples of %d",
                     tuple(head.lm_head_weight.shape), MM_MULTIPLE)
-    logger.info("precision fp8 (%s%s): %d linear layers in float8 (%d groups that read one input cast it once), "
+    logger.info("precision fp8 (%s%s): %d linear layers in float8 (in %d blocks, layers that read one input cast it once), "
                 "LM head matmuls in float8: %s", cfg.fp8_recipe, ", emulated" if emulate else "", len(converted),
                 num_groups, head_matmuls if fp8_head is not None else "none")
     return fp8_head
@@ -227,16 +228,16 @@ class StaticRowCounts:
         self.limit, self.min_rows = limit, min_rows
         self.static: set[int] = set()
         self._promoted: set[int] = set()  # static from the next step
-        self._seen: set[tuple[int, int]] = set()  # (id of the layer, padded count)
+        self._seen: set[tuple[object, int]] = set()  # (the caller's key, padded count)
 
     def next_step(self) -> None:
         """Between two steps (the trainer's): the counts promoted in the last one turn static."""
         self.static |= self._promoted
         self._promoted.clear()
 
-    def padded(self, layer: object, rows: int) -> int | None:
+    def padded(self, key: object, rows: int) -> int | None:
         """The padded count to run ``rows`` at with a static graph, or None (dynamic).
-        ``layer``: what makes the call (a layer, or a group of layers sharing an input)."""
+        ``key``: what makes the call, hashable (a layer, or (id of a group's first layer, size))."""
         if rows < self.min_rows:
             return None
         quantum = static_row_quantum(rows)
@@ -245,9 +246,9 @@ class StaticRowCounts:
             return padded
         if torch._C._current_graph_task_id() != -1:  # in a backward pass: a recompute
             return None
-        key = (layer if isinstance(layer, tuple) else id(layer), padded)
-        if key not in self._seen:
-            self._seen.add(key)
+        seen = (id(key) if isinstance(key, nn.Module) else key, padded)  # ids: no reference kept
+        if seen not in self._seen:
+            self._seen.add(seen)
         elif len(self.static) + len(self._promoted) < self.limit:
             self._promoted.add(padded)
         return None
@@ -370,26 +371,29 @@ _static_shared_input = CudaCompiled(_shared_input_matmul, dynamic_args=(), dynam
 
 
 class SharedInputFloat8:
-    """``linears(x, layers)`` of an attention or MLP block (model.py's ``each_linear``) for
-    float8: the layers that read ``x`` (q/k/v of the block, k/v of the context, gate/up) as
-    one float8 matmul, split back into their outputs. What it saves is the casts: each
-    Float8Linear casts its input on its own (an abs-max pass and a cast pass over [rows, H]),
-    three times for the block's q/k/v; here once, and the three input-gradient matmuls and
-    their sums are one matmul. Numbers: rowwise scales are per row of the input and per
-    output row of the weight, so the forward and the weight gradients are those of separate
-    layers (bitwise, tests/test_drafter_precision.py) and the input gradient differs by the
-    rounding of a sum; tensorwise takes one scale for the concatenated weights and for
-    their output gradient (their largest abs-max), close to separate layers, not equal.
-    Layers that did not become Float8Linears (dims not multiples of 16) run one by one.
-    Compiled as the single layers are (``_CompiledForward``) or, under ``drafter.compile``,
-    traced into the drafter's graph (``in_graph``)."""
+    """``project(x, layers)`` of an attention or MLP block (model.py's ``each_linear``) under
+    ``drafter.fp8_shared_casts``: the layers that read ``x`` (q/k/v of the block, k/v of the
+    context, gate/up) as one float8 matmul, split back into their outputs. What it saves is
+    the casts: each Float8Linear casts its input on its own (an abs-max pass and a cast pass
+    over [rows, H]), three times for the block's q/k/v; here once, and the three
+    input-gradient matmuls and their sums are one matmul. Numbers: rowwise scales are per row
+    of the input and per output row of the weight, so the forward and the weight gradients
+    are those of separate layers (bit for bit in torchao's emulation,
+    tests/test_drafter_precision.py; a GPU's float8 GEMM over more output columns may sum in
+    another order) and the input gradient differs by the rounding of a sum; tensorwise takes
+    one scale for the concatenated weights and for their output gradient (their largest
+    abs-max), close to separate layers, not equal. Measured at the Qwen3-8B shape on an H100:
+    0.8 GiB less memory, no step time saved (docs/benchmarks.md), hence off by default. Layers
+    that did not become Float8Linears (dims not multiples of 16) run one by one. Compiled as
+    the single layers are (``_CompiledForward``) or, under ``drafter.compile``, traced into the
+    drafter's graph (``in_graph``)."""
 
     def __init__(self, *, in_graph: bool) -> None:
         self.in_graph = in_graph
+        self.float8_linear = _float8_class()
 
     def __call__(self, x: Tensor, layers: tuple[nn.Module, ...]) -> list[Tensor]:
-        float8 = _float8_class()
-        if len(layers) < 2 or not all(type(layer) is float8 and layer.bias is None for layer in layers):
+        if len(layers) < 2 or not all(type(layer) is self.float8_linear and layer.bias is None for layer in layers):
             return each_linear(x, layers)
         if self.in_graph:
             out = (_shared_input_forward(x, layers) if x.shape[:-1].numel() % MM_MULTIPLE
@@ -400,11 +404,11 @@ class SharedInputFloat8:
 
 
 def share_input_casts(model: nn.Module, *, in_graph: bool) -> int:
-    """Every block of ``model`` with a ``linears`` hook (model.py) casts a shared input once
-    (`SharedInputFloat8`); returns how many blocks."""
-    blocks = [m for m in model.modules() if getattr(m, "linears", None) is each_linear]
+    """Every attention and MLP block of ``model`` (their ``project`` hook, model.py) casts a
+    shared input once (`SharedInputFloat8`); returns how many blocks."""
+    blocks = [m for m in model.modules() if getattr(m, "project", None) is each_linear]
     for block in blocks:
-        block.linears = SharedInputFloat8(in_graph=in_graph)
+        block.project = SharedInputFloat8(in_graph=in_graph)
     return len(blocks)
 
 

@@ -32,11 +32,12 @@ from dflash_ipc.drafter.attention import FLEX_TILE, build_layer_masks
 from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.drafter.inference_format import write_inference_files
 from dflash_ipc.drafter.launched_step import LaunchedStep, StepClock, launch_started
-from dflash_ipc.drafter.compiled_forward import DrafterForward, falls_back, pad_blocks, pad_layout, pad_rows
+from dflash_ipc.drafter.compiled_forward import DrafterForward, falls_back
+from dflash_ipc.drafter.step_shape import pad_blocks, pad_layout, pad_rows
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.drafter.sharding import full_state, load_full_model, load_full_state, shard_model, total_norm
-from dflash_ipc.drafter.objective import (anchor_generator, build_training_batch, default_chunk_budget,
-                                          lm_head_chunk_rows, sample_anchors, weighted_ce_sum)
+from dflash_ipc.drafter.objective import (TrainingBatch, anchor_generator, build_training_batch,
+                                          default_chunk_budget, lm_head_chunk_rows, sample_anchors, weighted_ce_sum)
 from dflash_ipc.drafter.optimizers import build_optimizer
 from dflash_ipc.drafter.precision import apply_precision, next_step
 from dflash_ipc.drafter.schedule import schedule_lambda
@@ -216,9 +217,8 @@ class DrafterTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             return forward_backward()
 
-    def _build(self, chosen):
-        if not any(n for _, n in chosen):
-            return None, None, None, 0.0
+    def _batch(self, chosen) -> TrainingBatch:
+        """The step's blocks as they are (on the host): no padding rows, no filler blocks."""
         anchors, lengths = [], []
         for seq, count in chosen:
             gen = anchor_generator(self.seed, seq.epoch, seq.sample_id)
@@ -228,12 +228,19 @@ class DrafterTrainer:
         cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
         input_ids = torch.cat([s.input_ids for s, _ in chosen])
         loss_mask = torch.cat([s.loss_mask for s, _ in chosen])
-        batch = build_training_batch(input_ids, loss_mask, cu, anchors, block_size=self.model.config.block_size,
-                                     mask_token_id=self.model.config.mask_token_id, gamma=self.cfg.objective.gamma,
-                                     weighting=self.cfg.objective.weighting)
+        return build_training_batch(input_ids, loss_mask, cu, anchors, block_size=self.model.config.block_size,
+                                    mask_token_id=self.model.config.mask_token_id, gamma=self.cfg.objective.gamma,
+                                    weighting=self.cfg.objective.weighting)
+
+    def _build(self, chosen):
+        """(the step's batch on the device, its context features, its masks, the mask's build
+        seconds), padded as the step runs (step_shape.py); all None (0.0) without an anchor."""
+        if not any(n for _, n in chosen):
+            return None, None, None, 0.0
+        batch = self._batch(chosen)
         # The context may get keys that no query sees and the blocks zero-weight fillers
-        # (compiled_forward.py): whole FlexAttention tiles, and under drafter.compile the job's
-        # longest step so far (CUDA graphs) or 16-row multiples (fp8)
+        # (step_shape.py): whole FlexAttention tiles, and under drafter.compile the job's
+        # largest step so far (CUDA graphs) or 16-row multiples (fp8)
         num_ctx, num_queries = self.drafter_forward.step_rows(
             batch.layout.num_ctx, batch.layout.num_queries, tile=FLEX_TILE if self.backend == "flex" else 1,
             block_size=self.model.config.block_size)
