@@ -63,7 +63,13 @@ def dealer(address, identity=None, **curve):
 
 
 def ask(sock, msg, timeout_ms=3000):
-    sock.send_multipart(p.encode(msg) if not isinstance(msg, list) else msg)
+    # A DEALER whose connection never completes its handshake (a peer without the job's key)
+    # has no pipe to queue on, and its send would block for ever: unanswered after timeout_ms.
+    sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+    try:
+        sock.send_multipart(p.encode(msg) if not isinstance(msg, list) else msg)
+    except zmq.Again:
+        return None
     while sock.poll(timeout_ms):
         reply = p.decode(sock.recv_multipart())
         if not isinstance(reply, p.Heartbeat):

@@ -121,8 +121,14 @@ def job(tmp_path):
 
 
 def ask(sock, msg, timeout_ms=3000):
-    """Sends `msg` (a message or raw frames) and returns the next reply that is not a heartbeat."""
-    sock.send_multipart(msg if isinstance(msg, list) else p.encode(msg))
+    """Sends `msg` (a message or raw frames) and returns the next reply that is not a heartbeat
+    (None when none comes in time, or when the send cannot even be queued: a DEALER whose
+    connection never completes its handshake would block on it for ever)."""
+    sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+    try:
+        sock.send_multipart(msg if isinstance(msg, list) else p.encode(msg))
+    except zmq.Again:
+        return None
     deadline = time.monotonic() + timeout_ms / 1000
     while sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
         reply = p.decode(sock.recv_multipart())
