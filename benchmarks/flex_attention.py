@@ -39,18 +39,13 @@ OPTIONS = {
 }
 
 
-def step_layout(num_seqs: int = 4, seq_len: int = 2048, anchors: int = 512, block_size: int = 16, seed: int = 0):
-    """The block layout of one bench step: every position a response position."""
+def step_batch(num_seqs: int = 4, seq_len: int = 2048, anchors: int = 512, block_size: int = 16, seed: int = 0):
+    """The blocks of one bench step: every position a response position."""
     cu = torch.arange(num_seqs + 1, dtype=torch.int32) * seq_len
     mask = torch.ones(num_seqs * seq_len, dtype=torch.bool)
     picks = [sample_anchors(mask[:seq_len], anchors, anchor_generator(seed, 0, s)) for s in range(num_seqs)]
     ids = torch.zeros(num_seqs * seq_len, dtype=torch.long)
-    return build_training_batch(ids, mask, cu, picks, block_size=block_size, mask_token_id=1, gamma=7.0).layout
-
-
-def visible_pairs(layout) -> int:
-    anchors = layout.query_anchor.long()
-    return int((anchors + layout.block_size).sum())
+    return build_training_batch(ids, mask, cu, picks, block_size=block_size, mask_token_id=1, gamma=7.0)
 
 
 def _time(fn, q, k, v, mask, steps: int) -> tuple[float, float]:
@@ -99,7 +94,9 @@ def _variants():
 
 def measure(shape: str, steps: int, names=None) -> None:
     config = bd.drafter_model_config(shape)
-    layout = step_layout().to("cuda")
+    batch = step_batch()
+    pairs = bd.step_counts(batch).visible_pairs
+    layout = batch.layout.to("cuda")
     mask = att.flex_block_mask(layout)
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -107,7 +104,7 @@ def measure(shape: str, steps: int, names=None) -> None:
     kv = [torch.randn(kv_heads, layout.num_ctx + layout.num_queries, dim, device="cuda", dtype=torch.bfloat16,
                       generator=gen) for _ in range(2)]
     q, k, v = (t.requires_grad_(True) for t in (q, *kv))
-    tflop = 4 * visible_pairs(layout) * dim * heads * 3 / 1e12
+    tflop = 4 * pairs * dim * heads * 3 / 1e12
     print(f"== {shape}: {heads}/{kv_heads} heads of {dim}, {layout.num_queries} queries, {layout.num_ctx} context "
           f"keys; {tflop:.2f} TFLOP of visible pairs per forward + backward", flush=True)
     for name, build, options in variants(names):

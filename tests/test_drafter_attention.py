@@ -1,6 +1,5 @@
 """Masks of the drafter: dense == brute force, flex BlockMask == dense, kernels agree."""
 
-import dataclasses
 import warnings
 
 import pytest
@@ -288,18 +287,9 @@ def test_flex_on_whole_tiles_skips_bounds_checks_with_the_same_numbers():
     sees, filler blocks) runs flex with IS_DIVISIBLE; the real queries' values and gradients are
     those of the unpadded layout, and dense agrees."""
     from dflash_ipc.drafter.attention import flex_kernel_options
-    from dflash_ipc.drafter.step_shape import pad_layout
+    from dflash_ipc.drafter.step_shape import pad_layout, pad_query_blocks, round_up
     layout, _, _ = big_layout(seed=4)
-    q_rows = -(-layout.num_queries // 128) * 128
-    ctx_rows = -(-layout.num_ctx // 128) * 128
-    extra = q_rows - layout.num_queries
-    assert extra % layout.block_size == 0
-    blocks = layout.num_queries // layout.block_size
-    filler = torch.arange(blocks, blocks + extra // layout.block_size).repeat_interleave(layout.block_size)
-    zeros = torch.zeros(extra, dtype=torch.int32)
-    padded = dataclasses.replace(pad_layout(layout, ctx_rows), query_seq=torch.cat([layout.query_seq, zeros]),
-                                 query_anchor=torch.cat([layout.query_anchor, zeros]),
-                                 query_block=torch.cat([layout.query_block, filler.int()]))
+    padded = pad_query_blocks(pad_layout(layout, round_up(layout.num_ctx, 128)), round_up(layout.num_queries, 128))
     assert flex_kernel_options(padded.num_queries, padded.num_ctx + padded.num_queries) == {"IS_DIVISIBLE": True}
     gen = torch.Generator(device="cuda").manual_seed(0)
     q0 = torch.randn(8, layout.num_queries, 64, generator=gen, device="cuda", dtype=torch.bfloat16)

@@ -469,13 +469,17 @@ def _shared_and_separate(recipe: str):
     return model, separate
 
 
-def _run_blocks(model, x, ctx):
-    """Every block's forward of the first layer on (x, ctx) under bf16 autocast, one backward."""
-    layer = model.layers[0]
+def _project_all(model, x, ctx):
+    """Every shared-input group of the first layer on (x, ctx) under bf16 autocast."""
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        outs = layer.self_attn.project(x, (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
-        outs += layer.self_attn.project(ctx, (layer.self_attn.k_proj, layer.self_attn.v_proj))
-        outs += layer.mlp.project(x, (layer.mlp.gate_proj, layer.mlp.up_proj))
+        return (attn.project(x, (attn.q_proj, attn.k_proj, attn.v_proj)) + attn.project(ctx, (attn.k_proj, attn.v_proj))
+                + mlp.project(x, (mlp.gate_proj, mlp.up_proj)))
+
+
+def _run_blocks(model, x, ctx):
+    """`_project_all`, then one backward."""
+    layer, outs = model.layers[0], _project_all(model, x, ctx)
     gen = torch.Generator().manual_seed(7)
     torch.autograd.backward(outs, [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs])
     return outs, {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
@@ -520,16 +524,8 @@ def test_layers_that_share_an_input_cast_it_once_with_the_numbers_of_separate_la
     for m, want in ((model, 3), (separate, 7)):
         casts.clear()
         with torch.no_grad():
-            _run_blocks_forward_only(m, x, ctx)
+            _project_all(m, x, ctx)
         assert sum(casts[(rows, hidden)] for rows in (24, 32, 40, 48)) == want  # the inputs, padded or not
-
-
-def _run_blocks_forward_only(model, x, ctx):
-    layer = model.layers[0]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        layer.self_attn.project(x, (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
-        layer.self_attn.project(ctx, (layer.self_attn.k_proj, layer.self_attn.v_proj))
-        layer.mlp.project(x, (layer.mlp.gate_proj, layer.mlp.up_proj))
 
 
 @needs_torchao

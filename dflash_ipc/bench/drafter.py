@@ -451,7 +451,7 @@ def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwe
     for i in range(warmup + steps):
         # The first step is the heaviest (every sequence seq_len long, ragged or not), as a job's
         # start-up probe (drafter/fit.py) runs first: CUDA graphs are recorded at the longest
-        # context before any step is timed (compiled_forward.StepRows).
+        # context before any step is timed (step_shape.StepRows).
         seqs = random_sequences(config, step=i, num_seqs=num_seqs, seq_len=seq_len, max_anchors=anchors_per_seq,
                                 device=dev, gen=gen, cpu_gen=cpu_gen, ragged=ragged and i > 0)
         if i == warmup and dev.type == "cuda":

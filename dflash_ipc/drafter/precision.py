@@ -137,7 +137,7 @@ def apply_precision(cfg: DrafterConfig, model: nn.Module, head: FrozenTargetHead
     else:  # traced into the drafter's one graph, where the compiler merges the casts of a shared input
         for module in converted:
             module.forward = _GraphForward(module)
-    num_groups = share_input_casts(model, in_graph=cfg.compile != "off") if cfg.fp8_shared_casts else 0
+    num_blocks = share_input_casts(model, in_graph=cfg.compile != "off") if cfg.fp8_shared_casts else 0
     fp8_head = None if head_matmuls == "none" else Fp8LMHead.create(
         head.lm_head_weight, rowwise=cfg.fp8_recipe == "rowwise", fp8_logits=head_matmuls == "all",
         emulate=emulate)
@@ -146,7 +146,7 @@ def apply_precision(cfg: DrafterConfig, model: nn.Module, head: FrozenTargetHead
                     tuple(head.lm_head_weight.shape), MM_MULTIPLE)
     logger.info("precision fp8 (%s%s): %d linear layers in float8 (in %d blocks, layers that read one input cast it once), "
                 "LM head matmuls in float8: %s", cfg.fp8_recipe, ", emulated" if emulate else "", len(converted),
-                num_groups, head_matmuls if fp8_head is not None else "none")
+                num_blocks, head_matmuls if fp8_head is not None else "none")
     return fp8_head
 
 
@@ -184,16 +184,22 @@ def compile_linears(modules: list[nn.Module]) -> None:
         module.forward = _CompiledForward(module)
 
 
-def _float8_forward(x: Tensor, module: nn.Module) -> Tensor:
+def _on_rows_of_16(x: Tensor, run, layers) -> Tensor:
+    """``run(flat, layers)`` on ``x``'s rows flattened and zero-padded to a multiple of 16, the
+    padding cut off again."""
     lead, rows = x.shape[:-1], x.shape[:-1].numel()
     flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % MM_MULTIPLE))  # [rows rounded up to 16, in]
-    out = type(module).forward(module, flat)  # the class's: the instance's forward is the wrapper
+    out = run(flat, layers)
     return out[:rows].reshape(*lead, out.shape[-1])
 
 
 def _float8_forward_padded(flat: Tensor, module: nn.Module) -> Tensor:
     """The layer on rows already padded (outside the graph): a graph per row count."""
-    return type(module).forward(module, flat)
+    return type(module).forward(module, flat)  # the class's: the instance's forward is the wrapper
+
+
+def _float8_forward(x: Tensor, module: nn.Module) -> Tensor:
+    return _on_rows_of_16(x, _float8_forward_padded, module)
 
 
 # One compiled function for every layer: dynamo shares a graph between layers of the same
@@ -359,10 +365,7 @@ def _shared_input_matmul(x: Tensor, layers: tuple[nn.Module, ...]) -> Tensor:
 
 
 def _shared_input_forward(x: Tensor, layers: tuple[nn.Module, ...]) -> Tensor:
-    lead, rows = x.shape[:-1], x.shape[:-1].numel()
-    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % MM_MULTIPLE))  # [rows rounded up to 16, in]
-    out = _shared_input_matmul(flat, layers)
-    return out[:rows].reshape(*lead, out.shape[-1])
+    return _on_rows_of_16(x, _shared_input_matmul, layers)
 
 
 # As the single layers': dynamo shares a graph between groups of the same weight shapes.

@@ -17,8 +17,8 @@ no real row's output, loss or gradient:
 
 The padding: context keys of no sequence at position 0 (:func:`pad_layout`; their features
 are zero rows, :func:`pad_rows`), and filler blocks that see only their own keys and carry
-no weight (:func:`pad_blocks`). In bf16 they change no real output and no gradient (tests/
-test_drafter_compiled_forward.py); under fp8 they enter a layer's tensorwise input amax (and
+no weight (:func:`pad_blocks`, its layout :func:`pad_query_blocks`). In bf16 they change no
+real output and no gradient (tests/test_drafter_step_shape.py); under fp8 they enter a layer's tensorwise input amax (and
 rowwise the per-column scales of the weight gradient), so real rows may move by a float8
 rounding step.
 """
@@ -72,32 +72,39 @@ def pad_layout(layout: BlockLayout, num_ctx: int) -> BlockLayout:
         cu_seqlens=layout.cu_seqlens, block_size=layout.block_size)
 
 
-def pad_blocks(batch: TrainingBatch, num_queries: int, mask_token_id: int) -> TrainingBatch:
-    """``batch`` with filler blocks appended up to ``num_queries`` query rows: each sees only
-    its own keys (sequence 0, anchor 0: no context key lies before position 0), has weight 0
-    everywhere (no loss row, not counted by the acceptance proxy) and ``mask_token_id`` as
-    input. ``num_anchors`` stays the real count."""
-    layout, bs = batch.layout, batch.layout.block_size
+def _cat(t: Tensor, tail: Tensor) -> Tensor:
+    return torch.cat([t, tail.to(device=t.device, dtype=t.dtype)])
+
+
+def pad_query_blocks(layout: BlockLayout, num_queries: int) -> BlockLayout:
+    """The layout with filler blocks appended up to ``num_queries`` query rows, each seeing
+    only its own keys: sequence 0, anchor 0 (no context key lies before position 0)."""
+    bs = layout.block_size
     extra = num_queries - layout.num_queries
     if extra < 0 or extra % bs:
-        raise ValueError(f"pad_blocks: {num_queries} query rows must be whole blocks of {bs} and at least "
-                         f"the batch's {layout.num_queries}")
+        raise ValueError(f"pad_query_blocks: {num_queries} query rows must be whole blocks of {bs} and at "
+                         f"least the layout's {layout.num_queries}")
+    if extra == 0:
+        return layout
+    first, zeros = layout.num_queries // bs, torch.zeros(extra, dtype=torch.int32)
+    return dataclasses.replace(
+        layout, query_seq=_cat(layout.query_seq, zeros), query_anchor=_cat(layout.query_anchor, zeros),
+        query_block=_cat(layout.query_block, torch.arange(first, first + extra // bs).repeat_interleave(bs)))
+
+
+def pad_blocks(batch: TrainingBatch, num_queries: int, mask_token_id: int) -> TrainingBatch:
+    """``batch`` with filler blocks appended up to ``num_queries`` query rows (its layout:
+    `pad_query_blocks`): weight 0 everywhere (no loss row, not counted by the acceptance
+    proxy), ``mask_token_id`` as input. ``num_anchors`` stays the real count."""
+    layout = pad_query_blocks(batch.layout, num_queries)
+    extra = num_queries - batch.layout.num_queries
     if extra == 0:
         return batch
-    dev, first = layout.device, layout.num_queries // bs
-
-    def cat(t: Tensor, tail: Tensor) -> Tensor:
-        return torch.cat([t, tail.to(device=dev, dtype=t.dtype)])
-
-    zeros = torch.zeros(extra, dtype=torch.int32)
-    offsets = torch.arange(bs).repeat(extra // bs)  # [extra] 0..bs-1 per block
-    padded = dataclasses.replace(
-        layout, query_seq=cat(layout.query_seq, zeros), query_anchor=cat(layout.query_anchor, zeros),
-        query_block=cat(layout.query_block, torch.arange(first, first + extra // bs).repeat_interleave(bs)))
+    offsets = torch.arange(layout.block_size).repeat(extra // layout.block_size)  # [extra] 0..bs-1 per block
     return dataclasses.replace(
-        batch, layout=padded, block_ids=cat(batch.block_ids, torch.full((extra,), mask_token_id)),
-        block_positions=cat(batch.block_positions, offsets), labels=cat(batch.labels, torch.zeros(extra)),
-        weights=cat(batch.weights, torch.zeros(extra)))
+        batch, layout=layout, block_ids=_cat(batch.block_ids, torch.full((extra,), mask_token_id)),
+        block_positions=_cat(batch.block_positions, offsets), labels=_cat(batch.labels, torch.zeros(extra)),
+        weights=_cat(batch.weights, torch.zeros(extra)))
 
 
 class StepRows:
