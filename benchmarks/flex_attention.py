@@ -9,7 +9,10 @@ anchors each: 32,768 block queries over 8,192 context keys), the step's real blo
 forward and backward of ``flex_attention`` (ms, between CUDA events, after two untimed calls)
 compiled
 
-* ``dynamic``: as the trainer compiles it (`attention.FLEX_COMPILE_OPTIONS`: shapes dynamic);
+* ``dynamic``: compiled as the trainer compiles it (`attention.FLEX_COMPILE_OPTIONS`: shapes
+  dynamic), inductor's default kernel options;
+* ``trainer``: the same with the kernel options the trainer passes (`attention.flex_kernel_options`:
+  ``IS_DIVISIBLE``, and this GPU's tiles of `attention.FLEX_TILES`);
 * ``static``: shapes static (a graph per shape: the kernel may assume 128-divisible lengths);
 * ``autotune``: shapes dynamic, ``mode="max-autotune-no-cudagraphs"`` (inductor times its
   candidate tile configurations for the forward and the backward and keeps the fastest);
@@ -36,6 +39,21 @@ OPTIONS = {
     "divisible": {"IS_DIVISIBLE": True},
     # forward tiles (BLOCK_M x BLOCK_N), warps and stages
     "fwd128x64w8": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
+    # whole tiles with other forward / backward tiles (fwd_* / bwd_* reach one pass only):
+    # inductor's sm90 defaults are 128x128 w4 forward and 64/128/128/64 w8 backward at head_dim 64
+    "div:fwd128x64w4": {"IS_DIVISIBLE": True, "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 4,
+                        "fwd_num_stages": 3},
+    "div:fwd64x64w4": {"IS_DIVISIBLE": True, "fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4,
+                       "fwd_num_stages": 3},
+    "div:bwd64x64w4": {"IS_DIVISIBLE": True, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64,
+                       "bwd_BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 3},
+    "div:bwd32x128w4": {"IS_DIVISIBLE": True, "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128,
+                        "bwd_BLOCK_N2": 32, "bwd_num_warps": 4, "bwd_num_stages": 3},
+    "div:fwd64bwd64": {"IS_DIVISIBLE": True, "fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4,
+                       "fwd_num_stages": 3, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64,
+                       "bwd_BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 3},
+    "div:bwd64x128w4": {"IS_DIVISIBLE": True, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128,
+                        "bwd_BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 3},
 }
 
 
@@ -86,6 +104,7 @@ def _variants():
                             kernel_options=options)[0]
         return call
     yield "dynamic", lambda: make(**att.FLEX_COMPILE_OPTIONS), None
+    yield "trainer", lambda: make(**att.FLEX_COMPILE_OPTIONS), "trainer"  # attention.flex_kernel_options
     yield "static", lambda: make(dynamic=False), None
     yield "autotune", lambda: make(dynamic=True, mode="max-autotune-no-cudagraphs"), None
     for name, options in OPTIONS.items():
@@ -108,6 +127,8 @@ def measure(shape: str, steps: int, names=None) -> None:
     print(f"== {shape}: {heads}/{kv_heads} heads of {dim}, {layout.num_queries} queries, {layout.num_ctx} context "
           f"keys; {tflop:.2f} TFLOP of visible pairs per forward + backward", flush=True)
     for name, build, options in variants(names):
+        if options == "trainer":  # what the trainer passes at this shape on this GPU
+            options = att.flex_kernel_options(q.shape[1], k.shape[1], dim, att.cuda_arch(q.device))
         torch._dynamo.reset()
         try:
             call = build()

@@ -54,6 +54,8 @@ def test_bench_runs_on_tiny_shape_with_sane_figures(capsys):
     assert abs(f["loss_last"] - math.log(512)) < 0.5
     # the steps as the loop runs them on a GPU: launched back to back
     assert f["pipelined_step_s_mean"] > 0 and f["pipelined_mfu"] > 0 and "pipelined" in report
+    low, high = f["pipelined_step_s_range"]  # one step's wall time: a slow one shows against the mean
+    assert 0 < low <= high and "one step" in report
     assert "host_syncs" not in f  # CUDA's sync debug mode only
 
 

@@ -11,6 +11,7 @@ import torch
 from dflash_ipc.config.load import config_from_dict
 from dflash_ipc.drafter import attention as att
 from dflash_ipc.drafter.compiled_forward import DrafterForward
+from dflash_ipc.drafter.step_shape import pad_layout
 from dflash_ipc.drafter.trainer import DrafterTrainer
 from dflash_ipc.errors import ConfigError
 from tests.test_drafter_trainer import head, model_config, sequences
@@ -26,6 +27,13 @@ def test_steps_on_flex_are_whole_attention_tiles():
     assert eager.step_rows(700, 50, tile=128, block_size=10) == (700, 50)  # blocks of 10 make no whole tile
     assert att.flex_kernel_options(32768, 40960) == {"IS_DIVISIBLE": True}
     assert att.flex_kernel_options(32768, 40961) is None and att.flex_kernel_options(48, 768) is None
+    # the tiles measured faster for heads of 64 on an H100/H200 (sm90), and only there
+    tiles = att.FLEX_TILES[((9, 0), 64)]
+    assert att.flex_kernel_options(32768, 40960, 64, (9, 0)) == {"IS_DIVISIBLE": True, **tiles}
+    assert att.flex_kernel_options(32768, 40961, 64, (9, 0)) == tiles
+    assert att.flex_kernel_options(32768, 40960, 128, (9, 0)) == {"IS_DIVISIBLE": True}
+    assert att.flex_kernel_options(32768, 40960, 64, (8, 0)) == {"IS_DIVISIBLE": True}
+    assert att.cuda_arch(torch.device("cpu")) is None
 
 
 def test_a_flex_step_runs_in_whole_tiles_with_the_dense_steps_loss():
@@ -47,6 +55,46 @@ def test_a_flex_step_runs_in_whole_tiles_with_the_dense_steps_loss():
         with torch.no_grad():
             losses.append(t.loss_sum(batch, features, mask))
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-5)
+
+
+def test_under_cuda_graphs_every_step_builds_its_flex_masks_into_the_same_memory():
+    """CUDA graphs take a flex mask's tensors as static inputs (a new address records the
+    graphs again): under reduce-overhead a step's masks are the last step's objects, over the
+    same buffers, holding this step's tiles and tables (forward only: CPU flex has no backward)."""
+    cfg = config_from_dict({"drafter": {"num_workers": 1, "dtype": "float32", "attention": "flex"},
+                            "objective": {"weighting": "decay", "anchors_per_step": 12, "max_anchors_per_seq": 6}})
+    trainer = DrafterTrainer(cfg, model_config(), head(), device="cpu", total_steps=2)
+    eager_masks = trainer.drafter_forward.mask_memory
+    trainer.drafter_forward = DrafterForward(trainer.model, "reduce-overhead", trainer.device, backend="aot_eager",
+                                             force=True)
+    assert eager_masks is None and trainer.drafter_forward.mask_memory is not None
+    seqs = sequences(6, seed=3)
+    built = []
+    for chosen in ([(s, s.num_anchors) for s in seqs[:3]], [(s, s.num_anchors) for s in seqs[3:]]):
+        batch, features, masks, _ = trainer._build(copy.deepcopy(chosen))
+        mask = masks["full_attention"]
+        fresh = att.flex_block_mask(pad_layout(batch.layout, features.shape[0]))  # built on its own
+        built.append((mask, [t.data_ptr() for t in mask.as_tuple() if isinstance(t, torch.Tensor)]))
+        q = torch.arange(mask.seq_lengths[0])[:, None]
+        k = torch.arange(mask.seq_lengths[1])[None, :]
+        assert torch.equal(mask.mask_mod(0, 0, q, k), fresh.mask_mod(0, 0, q, k))  # this step's rule
+        assert torch.equal(mask.kv_indices, fresh.kv_indices) and torch.equal(mask.q_num_blocks, fresh.q_num_blocks)
+    (first, first_ptrs), (second, second_ptrs) = built
+    assert second is first and second_ptrs == first_ptrs
+
+
+def test_mask_memory_gives_a_new_shape_new_buffers():
+    memory = att.MaskMemory()
+    made = []
+
+    def make(t):
+        made.append(t)
+        return object()
+    a = memory.place("k", {"x": torch.zeros(4)}, make)
+    b = memory.place("k", {"x": torch.ones(4)}, make)
+    assert a is b and len(made) == 1 and torch.equal(made[0]["x"], torch.ones(4))
+    c = memory.place("k", {"x": torch.ones(5)}, make)
+    assert c is not a and len(made) == 2
 
 
 def _cfg(**drafter):

@@ -493,15 +493,21 @@ def _pipelined_figures(trainer, config, dev, gen, cpu_gen, steps: int, *, first:
               for i in range(steps + 1)]
     _sync(dev)
     started, previous = time.perf_counter(), None
+    marks = [started]  # when each step's figures were in: its wall time is the gap to the last
     for seqs in inputs[:steps]:
         launched = trainer.launch(trainer.take(collections.deque(seqs)))
         if previous is not None:
             previous.result()
+            marks.append(time.perf_counter())
         previous = launched
     previous.result()
     _sync(dev)
-    mean_s = (time.perf_counter() - started) / steps
-    out = {"pipelined_step_s_mean": mean_s, "pipelined_mfu": flops / mean_s / 1e12 / rate}
+    marks.append(time.perf_counter())
+    mean_s = (marks[-1] - started) / steps
+    gaps = [b - a for a, b in zip(marks, marks[1:])]
+    out = {"pipelined_step_s_mean": mean_s, "pipelined_mfu": flops / mean_s / 1e12 / rate,
+           # the first gap holds two launches and one step, the last only a wait: the middle ones are steps
+           "pipelined_step_s_range": (min(gaps[1:-1] or gaps), max(gaps[1:-1] or gaps))}
     if dev.type == "cuda":
         out["host_syncs"] = host_syncs(lambda: trainer.launch(trainer.take(collections.deque(inputs[-1]))).result())
     return out
@@ -673,6 +679,9 @@ def _pipelined_lines(f: dict) -> list[str]:
     lines = [f"  pipelined     mean {f['pipelined_step_s_mean'] * 1e3:.1f} ms, MFU {f['pipelined_mfu'] * 100:.1f}% over "
              f"{f['steps']} more steps launched back to back (each step's figures read after the next is queued, "
              f"as the drafter loop runs on a GPU)"]
+    if "pipelined_step_s_range" in f:
+        low, high = f["pipelined_step_s_range"]
+        lines[0] += f"; one step {low * 1e3:.1f}..{high * 1e3:.1f} ms"
     if "host_syncs" in f:
         syncs = f["host_syncs"]
         where = ", ".join(f"{k} x{v}" for k, v in sorted(syncs.items(), key=lambda kv: -kv[1])) or "none"

@@ -187,6 +187,15 @@ def _tile_lists(partial: Tensor) -> tuple[Tensor, Tensor]:
     return count.contiguous()[None, None], order.to(torch.int32, memory_format=torch.contiguous_format)[None, None]
 
 
+def _prefix_over_blocks(flags: Tensor) -> Tensor:
+    """``[KT, B+1]`` int32: per kv tile, how many of the blocks before each block (and of all)
+    are flagged in ``flags`` ``[B, KT]``. Scanned along rows of the transpose: a scan over the
+    outer dimension of ``[B, KT]`` ran as a slow kernel on CUDA (0.35 ms per call at the bench
+    step's 2,048 blocks on an H100, two per step)."""
+    counts = flags.mT.contiguous().int().cumsum(-1, dtype=torch.int32)  # [KT, B]
+    return torch.cat([counts.new_zeros(counts.shape[0], 1), counts], dim=1)
+
+
 def flex_tile_flags(layout: BlockLayout, tile: int = FLEX_TILE, window: int | None = None) -> tuple[Tensor, Tensor]:
     """(partial, full) bool ``[QT, KT]``: tiles with some / with all pairs visible.
 
@@ -226,14 +235,13 @@ def flex_tile_flags(layout: BlockLayout, tile: int = FLEX_TILE, window: int | No
     seen_any += _interval_overlap(blk_lo, blk_lo + bs, tile_lo, tile_hi)
     seen_all = _interval_overlap(torch.minimum(all_lo, ctx_hi), ctx_hi, tile_lo, tile_hi)
     seen_all += _interval_overlap(blk_lo, blk_all_hi, tile_lo, tile_hi)
-    zero = torch.zeros(1, kt, dtype=torch.int32, device=dev)
-    any_cum = torch.cat([zero, (seen_any > 0).int().cumsum(0, dtype=torch.int32)])  # [B+1, KT]
-    all_cum = torch.cat([zero, (seen_all == (tile_hi - tile_lo)).int().cumsum(0, dtype=torch.int32)])
+    any_cum = _prefix_over_blocks(seen_any > 0)  # [KT, B+1]
+    all_cum = _prefix_over_blocks(seen_all == (tile_hi - tile_lo))
     rows = torch.arange(qt, device=dev) * tile  # [QT] first query row of each tile
     b_lo = rows // bs  # first block touching the tile
     b_hi = ((rows + tile).clamp_max(q) + bs - 1) // bs  # one past the last block touching it
-    n_any = any_cum[b_hi] - any_cum[b_lo]  # [QT, KT] blocks in the tile that see some key
-    n_all = all_cum[b_hi] - all_cum[b_lo]  # blocks that see every key of the kv tile
+    n_any = (any_cum[:, b_hi] - any_cum[:, b_lo]).mT  # [QT, KT] blocks in the tile that see some key
+    n_all = (all_cum[:, b_hi] - all_cum[:, b_lo]).mT  # blocks that see every key of the kv tile
     full = n_all == (b_hi - b_lo)[:, None]
     full &= ((tile_hi - tile_lo) == tile)[None, :]
     full &= (rows + tile <= q)[:, None]
@@ -241,65 +249,120 @@ def flex_tile_flags(layout: BlockLayout, tile: int = FLEX_TILE, window: int | No
 
 
 def flex_block_mask(layout: BlockLayout, device: torch.device | str | None = None,
-                    window: int | None = None) -> "BlockMask":
+                    window: int | None = None, memory: "MaskMemory | None" = None) -> "BlockMask":
     """FlexAttention BlockMask of the layout, built from tile overlap counts (no compile);
-    ``window``: a sliding_attention layer's, None for full attention."""
+    ``window``: a sliding_attention layer's, None for full attention. ``memory``: its tensors
+    in that :class:`MaskMemory`'s buffers (steps replayed as CUDA graphs)."""
     if BlockMask is None:  # pragma: no cover
         raise ConfigError("attention backend 'flex' needs torch.nn.attention.flex_attention (torch>=2.5)")
     if device is not None:
         layout = layout.to(device)
+    cuda_arch(layout.device)  # known to flex_kernel_options inside the drafter's graph from here on
     partial, full = flex_tile_flags(layout, window=window)
-    kv_num, kv_idx = _tile_lists(partial)
-    full_num, full_idx = _tile_lists(full)
-    key_seq, key_pos, key_block = _key_tables(layout)
-    q_seq, q_anchor, q_block = layout.query_seq.int(), layout.query_anchor.int(), layout.query_block.int()
+    tables: dict[str, Tensor] = {}
+    tables["kv_num_blocks"], tables["kv_indices"] = _tile_lists(partial)
+    tables["full_kv_num_blocks"], tables["full_kv_indices"] = _tile_lists(full)
+    # The query-side lists (the backward's) straight from the transposed flags: what
+    # BlockMask.from_kv_blocks derives from the kv lists, through a dense scatter under
+    # vmap and a sort per list: launches and functorch overhead on the host before every step.
+    tables["q_num_blocks"], tables["q_indices"] = _tile_lists(partial.mT)
+    tables["full_q_num_blocks"], tables["full_q_indices"] = _tile_lists(full.mT)
+    tables["key_seq"], tables["key_pos"], tables["key_block"] = _key_tables(layout)
+    tables["q_seq"], tables["q_anchor"] = layout.query_seq.int(), layout.query_anchor.int()
+    tables["q_block"] = layout.query_block.int()
+    if window is not None:
+        tables["q_pos"], tables["key_abs"] = query_positions(layout), _absolute_key_positions(layout)
+    seq_lengths = (layout.num_queries, layout.num_ctx + layout.num_queries)
+
+    def make(t: dict[str, Tensor]) -> "BlockMask":
+        return _block_mask(t, seq_lengths, window)
+    if memory is None:
+        return make(tables)
+    return memory.place(("flex", seq_lengths, window), tables, make)
+
+
+def _block_mask(t: dict[str, Tensor], seq_lengths: tuple[int, int], window: int | None) -> "BlockMask":
+    """The BlockMask over :func:`flex_block_mask`'s tables: its tile lists and, in its
+    mask_mod, the per-query and per-key tables of the module docstring's rule."""
+    key_seq, key_pos, key_block = t["key_seq"], t["key_pos"], t["key_block"]
+    q_seq, q_anchor, q_block = t["q_seq"], t["q_anchor"], t["q_block"]
 
     def mask_mod(b, h, q_idx, kv_idx):  # noqa: ARG001 - FlexAttention's signature
         ctx_ok = (key_seq[kv_idx] == q_seq[q_idx]) & (key_pos[kv_idx] < q_anchor[q_idx])
         return ctx_ok | (key_block[kv_idx] == q_block[q_idx])
 
     if window is not None:
-        q_pos, key_abs, full_mod = query_positions(layout), _absolute_key_positions(layout), mask_mod
+        q_pos, key_abs, full_mod = t["q_pos"], t["key_abs"], mask_mod
 
         def mask_mod(b, h, q_idx, kv_idx):  # noqa: ARG001, F811 - causal and windowed on top of the rule
             distance = q_pos[q_idx] - key_abs[kv_idx]
             return full_mod(b, h, q_idx, kv_idx) & (distance >= 0) & (distance < window)
 
-    # The query-side lists (the backward's) straight from the transposed flags: what
-    # BlockMask.from_kv_blocks derives from the kv lists, through a dense scatter under
-    # vmap and a sort per list: launches and functorch overhead on the host before every step.
-    q_num, q_idx = _tile_lists(partial.mT)
-    full_q_num, full_q_idx = _tile_lists(full.mT)
-    return BlockMask(
-        seq_lengths=(layout.num_queries, layout.num_ctx + layout.num_queries),
-        kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num, full_kv_indices=full_idx,
-        q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=full_q_num, full_q_indices=full_q_idx,
-        BLOCK_SIZE=(FLEX_TILE, FLEX_TILE), mask_mod=mask_mod,
-    )
+    lists = {name: t[name] for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                                        "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")}
+    return BlockMask(seq_lengths=seq_lengths, **lists, BLOCK_SIZE=(FLEX_TILE, FLEX_TILE), mask_mod=mask_mod)
 
 
-def build_mask(layout: BlockLayout, backend: str, window: int | None = None) -> Tensor | "BlockMask":
+class MaskMemory:
+    """The same memory, and the same mask objects, for every step's masks: what steps replayed
+    as CUDA graphs need (``drafter.compile: reduce-overhead``).
+
+    torch.compile's CUDA graphs (cudagraph trees) take the tensors of a FlexAttention mask,
+    and the tables its mask_mod reads, as static inputs: a graph replays only while they sit
+    at the addresses it was recorded with, and a new address records the forward and
+    backward graphs again. Built fresh each step, the masks land wherever the allocator puts
+    them; with steps launched back to back (two steps' masks alive at once) the addresses
+    alternate and steps re-recorded their graphs (measured on an H100, 135M-class drafter,
+    ragged lengths: 12 graphs recorded for one shape, pipelined steps of 16.5 to 53.6 ms).
+    Here a mask's tensors are copied into buffers of their own, and the mask object over
+    those buffers is returned again, while its shapes hold (they do under step_shape.StepRows;
+    a new shape gets new buffers, as it gets a new graph). The copies are queued on the
+    device behind the last step that read the buffers.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[object, tuple[tuple, dict[str, Tensor], object]] = {}
+
+    def place(self, key: object, tensors: dict[str, Tensor], make) -> object:
+        """``make(buffers)``'s object of ``key`` (built once per shape), its buffers now
+        holding ``tensors``."""
+        signature = tuple((name, tuple(t.shape), t.dtype, t.device) for name, t in tensors.items())
+        held = self._held.get(key)
+        if held is None or held[0] != signature:
+            buffers = {name: t.clone() for name, t in tensors.items()}
+            held = self._held[key] = (signature, buffers, make(buffers))
+        else:
+            for name, t in tensors.items():
+                held[1][name].copy_(t)
+        return held[2]
+
+
+def build_mask(layout: BlockLayout, backend: str, window: int | None = None,
+               memory: MaskMemory | None = None) -> Tensor | "BlockMask":
     """The mask object for :func:`attention`: ``"dense"`` -> bool Tensor, ``"flex"`` -> BlockMask;
-    ``window``: a sliding_attention layer's, None for full attention."""
+    ``window``: a sliding_attention layer's, None for full attention; ``memory``: a flex mask
+    built into that :class:`MaskMemory` (a dense mask is a plain input, which CUDA graphs copy
+    in themselves)."""
     if backend == "dense":
         return dense_mask(layout, window)
     if backend == "flex":
-        return flex_block_mask(layout, window=window)
+        return flex_block_mask(layout, window=window, memory=memory)
     raise ConfigError(f"attention backend {backend!r} is not one of {BACKENDS}")
 
 
 def build_layer_masks(layout: BlockLayout, backend: str, layer_types: list[str],
-                      sliding_window: int | None) -> dict[str, Tensor | "BlockMask"]:
+                      sliding_window: int | None, memory: MaskMemory | None = None) -> dict[str, Tensor | "BlockMask"]:
     """One mask per layer type the drafter has (``DFlashDraftModel.forward`` takes the dict):
-    ``full_attention`` without a window, ``sliding_attention`` with ``sliding_window``."""
+    ``full_attention`` without a window, ``sliding_attention`` with ``sliding_window``;
+    ``memory``: built into that :class:`MaskMemory` (CUDA graphs)."""
     masks = {}
     for kind in dict.fromkeys(layer_types):
         if kind == "full_attention":
-            masks[kind] = build_mask(layout, backend)
+            masks[kind] = build_mask(layout, backend, memory=memory)
         elif kind == "sliding_attention":
             if sliding_window is None:
                 raise ConfigError("a sliding_attention layer needs a sliding_window (model.sliding_window)")
-            masks[kind] = build_mask(layout, backend, sliding_window)
+            masks[kind] = build_mask(layout, backend, sliding_window, memory=memory)
         else:
             raise ConfigError(f"layer type {kind!r} is not one of full_attention, sliding_attention")
     return masks
@@ -314,16 +377,43 @@ def _flex_fn():
     return _compiled_flex
 
 
-def flex_kernel_options(num_queries: int, num_keys: int) -> dict | None:
+# Kernel tiles that beat inductor's defaults, by (GPU compute capability, head dim): one
+# forward and backward of the bench step's attention (benchmarks/flex_attention.py, H100, one
+# run): at the 135M-class drafter's heads of 64, 1.83 ms with the defaults (128x128 forward,
+# 64/128/128/64 backward), 1.53 ms with 64x64 tiles and 4 warps in both; at heads of 128 the
+# defaults were the fastest of those tried.
+FLEX_TILES = {
+    ((9, 0), 64): {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3,
+                   "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+                   "bwd_num_warps": 4, "bwd_num_stages": 3},
+}
+_cuda_arch: dict[int, tuple[int, int]] = {}  # device index -> compute capability, read on the host
+
+
+def cuda_arch(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of a CUDA device, looked up on the host and kept: inside a
+    traced graph only what the host already looked up is known (None otherwise)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _cuda_arch and not torch.compiler.is_compiling():
+        _cuda_arch[index] = torch.cuda.get_device_capability(index)
+    return _cuda_arch.get(index)
+
+
+def flex_kernel_options(num_queries: int, num_keys: int, head_dim: int | None = None,
+                        arch: tuple[int, int] | None = None) -> dict | None:
     """``kernel_options`` of a FlexAttention call compiled with dynamic shapes: ``IS_DIVISIBLE``
     where both lengths are whole tiles. The kernel then loads without bounds checks, as it does
     when compiled for static shapes; the compiler cannot know it from dynamic sizes and sets it
     False. Measured on an H100 (benchmarks/flex_attention.py, one forward and backward of the
     bench step): 10.8 -> 8.5 ms at the Qwen3-8B drafter's heads, 3.0 -> 1.9 ms at the 135M-class
-    one's. The trainer pads the step to whole tiles for it (`DrafterForward.step_rows`)."""
+    one's. The trainer pads the step to whole tiles for it (`DrafterForward.step_rows`). Plus
+    the tiles of ``FLEX_TILES`` for this GPU (``arch``) and ``head_dim``."""
+    tiles = FLEX_TILES.get((arch, head_dim), {})
     if num_queries % FLEX_TILE or num_keys % FLEX_TILE:
-        return None
-    return {"IS_DIVISIBLE": True}
+        return dict(tiles) or None
+    return {"IS_DIVISIBLE": True, **tiles}
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | "BlockMask") -> Tensor:
@@ -345,6 +435,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | "BlockMask") -> Te
         if not q.is_cuda:
             return flex_attention(q[None], k[None], v[None], block_mask=mask, scale=scale, enable_gqa=gqa)[0]
         fn = flex_attention if torch.compiler.is_compiling() else _flex_fn()
-        return fn(q[None], k[None], v[None], block_mask=mask, scale=scale, enable_gqa=gqa,
-                  kernel_options=flex_kernel_options(q.shape[-2], k.shape[-2]))[0]
+        options = flex_kernel_options(q.shape[-2], k.shape[-2], q.shape[-1], cuda_arch(q.device))
+        return fn(q[None], k[None], v[None], block_mask=mask, scale=scale, enable_gqa=gqa, kernel_options=options)[0]
     raise ConfigError(f"attention mask must be a bool Tensor or a BlockMask, got {type(mask).__name__}")

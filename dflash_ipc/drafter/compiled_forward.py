@@ -46,6 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash_ipc.config.schema import Compile
+from dflash_ipc.drafter.attention import MaskMemory
 from dflash_ipc.drafter.step_shape import StepRows, round_up
 
 logger = logging.getLogger(__name__)
@@ -99,10 +100,17 @@ class DrafterForward:
             self.enabled = False
         self._compiled: Callable | None = None
         self._rows = StepRows()
+        self._masks = MaskMemory()
 
     @property
     def cuda_graphs(self) -> bool:
         return self.enabled and self.mode == "reduce-overhead"
+
+    @property
+    def mask_memory(self) -> MaskMemory | None:
+        """Where a step's masks are built under CUDA graphs: the same addresses every step
+        (attention.MaskMemory), so no step records its graphs again; None otherwise."""
+        return self._masks if self.cuda_graphs else None
 
     def step_rows(self, num_ctx: int, num_queries: int, *, tile: int, block_size: int) -> tuple[int, int]:
         """(context rows, query rows) a step runs at. Under CUDA graphs the largest so far

@@ -248,7 +248,7 @@ class DrafterTrainer:
         mask_started = time.perf_counter()
         config = self.model.config
         mask = build_layer_masks(pad_layout(batch.layout, num_ctx), self.backend, config.layer_types,
-                                 config.sliding_window)
+                                 config.sliding_window, memory=self.drafter_forward.mask_memory)
         mask_s = time.perf_counter() - mask_started
         features = pad_rows(torch.cat([s.features for s, _ in chosen]), num_ctx)  # [T (padded), F]
         return batch, features, mask, mask_s
