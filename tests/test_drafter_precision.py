@@ -178,9 +178,39 @@ def test_quantized_probs_are_the_weighted_softmax():
         assert float(loss) == pytest.approx(float(_chunk_loss_and_grad_eager(logits.clone(), labels, weights)[0]))
         top = want >= want.amax(-1, keepdim=True) / 4
         assert ((got - want).abs() <= 2**-2 * want)[top].all()
-        # the scale puts each row's (the tensor's) maximum in float8's top binade
-        biggest = (q.float().abs().amax(-1) if rowwise else q.float().abs().amax()) / torch.finfo(dtype).max
-        assert (biggest > 0.49).all() and (biggest <= 1).all()
+        fmax = torch.finfo(dtype).max
+        if rowwise:  # the scale puts each row's maximum in float8's top binade
+            biggest = q.float().abs().amax(-1) / fmax
+            assert (biggest > 0.49).all() and (biggest <= 1).all()
+        else:  # one scale from the bound of every entry, the largest weight: no tensor-wide reduction first
+            assert float(inv) == pytest.approx(float(weights.amax()) / fmax)
+            assert float(q.float().abs().amax()) <= fmax
+
+
+def test_tensorwise_probs_near_underflow_keep_the_gradient():
+    """Flat softmaxes (a fresh drafter over a big vocabulary: every entry ~1/V) and small
+    weights: the bound's scale leaves them far below the format's top, where a tensor-wide
+    amax would have put them, and dL/dh stays as close to exact as with peaked ones."""
+    gen = torch.Generator().manual_seed(5)
+    vocab, hidden, rows = 4096, 64, 24
+    weight = torch.randn(vocab, hidden, generator=gen) / hidden ** 0.5
+    h = torch.randn(rows, hidden, generator=gen) * 0.05  # near-uniform logits
+    labels = torch.randint(0, vocab, (rows,), generator=gen)
+    weights = torch.rand(rows, generator=gen) * 0.3 + 0.01
+    head = prec.Fp8LMHead(weight, rowwise=False, fp8_logits=False, emulate=True)
+    _, dh = head.loss_and_input_grad(h, labels, weights, with_grad=True)
+    probs = torch.softmax(h @ weight.t(), -1) * weights[:, None]
+    assert float(probs.amax()) < 0.01 * float(weights.amax())  # far below the bound
+    # the float8 part alone (the exact one-hot part would hide its error): (w * softmax) @ W,
+    # as close as with the tensor's own amax as the scale (float8's relative rounding, which a
+    # flat softmax's cancelling sum amplifies, is the same at either scale: no entry underflows)
+    soft = dh + weights[:, None] * weight[labels]
+    q, inv = prec.quantize(probs, prec.E5M2, rowwise=False)
+    amax_scaled = prec.scaled_matmul(q, head.wt_q.t(), inv, head.wt_inv.t(), torch.float32, fast_accum=False,
+                                     emulate=True)
+    want = probs @ weight
+    assert _rel(soft, want) <= 1.1 * _rel(amax_scaled, want)
+    assert _rel(soft, want) < 0.2
 
 
 @pytest.mark.parametrize("fn,dynamic,extra", [
@@ -606,3 +636,33 @@ def test_fp8_under_dpace_keeps_the_lm_head_in_its_own_dtype(monkeypatch):
     head = bd.random_head(config, "cpu", torch.Generator().manual_seed(0))
     assert bd.DrafterTrainer(_fp8_cfg(weighting="dpace"), config, head, device="cpu", total_steps=2).fp8_head is None
     assert bd.DrafterTrainer(_fp8_cfg(weighting="decay"), config, head, device="cpu", total_steps=2).fp8_head is not None
+
+
+def test_fp8_layers_off_needs_a_float8_head_and_no_shared_casts():
+    base = ["drafter.precision=fp8", "drafter.dtype=bfloat16", "drafter.fp8_layers=false"]
+    assert load_config(None, base + ["objective.weighting=decay"]).drafter.fp8_layers is False
+    with pytest.raises(ConfigError, match="drafter.fp8_layers.*nothing in float8"):
+        load_config(None, base + ["drafter.fp8_lm_head=none"])
+    with pytest.raises(ConfigError, match="drafter.fp8_layers.*dpace"):  # auto is none under D-PACE
+        load_config(None, base + ["objective.weighting=dpace"])
+    with pytest.raises(ConfigError, match="drafter.fp8_shared_casts.*fp8_layers true"):
+        load_config(None, base + ["objective.weighting=decay", "drafter.fp8_shared_casts=true"])
+
+
+@needs_torchao
+def test_fp8_layers_off_keeps_every_layer_bf16_and_the_head_in_float8(monkeypatch):
+    """Small drafters: the layers' float8 casts cost more than they save, the head is most of
+    the FLOPs (docs/benchmarks.md): only the LM head's matmuls in float8."""
+    monkeypatch.setenv(prec.EMULATE_ENV, "1")
+    config = bd.drafter_model_config("tiny")
+    head = bd.random_head(config, "cpu", torch.Generator().manual_seed(0))
+    trainer = bd.DrafterTrainer(_fp8_cfg(fp8_layers=False), config, head, device="cpu", total_steps=2)
+    assert trainer.fp8_head is not None
+    linears = [m for m in trainer.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is torch.nn.Linear for m in linears)  # none became a Float8Linear
+    both = bd.DrafterTrainer(_fp8_cfg(), config, head, device="cpu", total_steps=2)
+    assert any(type(m) is not torch.nn.Linear for m in both.model.modules() if isinstance(m, torch.nn.Linear))
+    variants = bd.precision_variants(["fp8"], layers=["on", "off"], shared_casts=["off", "on"])
+    assert [(v.get("fp8_layers", True), v.get("fp8_shared_casts", False)) for v in variants] == [
+        (True, False), (False, False), (True, True)]  # shared casts need float8 layers
+    assert bd.variant_label(variants[1]) == "fp8 tensorwise, lm_head all, layers bf16"

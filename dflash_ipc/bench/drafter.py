@@ -364,13 +364,16 @@ def parse_compile_spec(spec: str) -> dict:
 
 def precision_variants(precisions: typing.Sequence[str], recipes: typing.Sequence[str] = ("tensorwise",),
                        lm_heads: typing.Sequence[str] = ("all",), compiles: typing.Sequence[str] = ("off",),
-                       shared_casts: typing.Sequence[str] = ("off",)) -> list[dict]:
+                       shared_casts: typing.Sequence[str] = ("off",),
+                       layers: typing.Sequence[str] = ("on",)) -> list[dict]:
     """The ``drafter`` config fields of each variant to compare, in order: bf16 once per
     ``compiles`` spec (``parse_compile_spec``), fp8 once per (recipe, LM-head choice, shared
-    casts on/off, spec). ConfigError for a name not allowed."""
+    casts on/off, layers on/off, spec); shared casts on with layers off (nothing to share) is
+    left out. ConfigError for a name not allowed."""
     for name, given, hint in (("precision", precisions, Precision), ("fp8 recipe", recipes, Fp8Recipe),
                               ("fp8 LM head", lm_heads, Fp8HeadMatmuls),
-                              ("fp8 shared casts", shared_casts, typing.Literal["on", "off"])):
+                              ("fp8 shared casts", shared_casts, typing.Literal["on", "off"]),
+                              ("fp8 layers", layers, typing.Literal["on", "off"])):
         allowed = typing.get_args(hint)
         bad = [g for g in given if g not in allowed]
         if bad or not given:
@@ -384,8 +387,10 @@ def precision_variants(precisions: typing.Sequence[str], recipes: typing.Sequenc
             out += [{"precision": "bf16", **spec} for spec in specs]
         else:
             out += [{"precision": precision, "fp8_recipe": r, "fp8_lm_head": h, **spec,
-                     **({"fp8_shared_casts": True} if shared == "on" else {})}
-                    for spec in specs for r in recipes for h in lm_heads for shared in shared_casts]
+                     **({"fp8_shared_casts": True} if shared == "on" else {}),
+                     **({"fp8_layers": False} if layer == "off" else {})}
+                    for spec in specs for r in recipes for h in lm_heads for shared in shared_casts
+                    for layer in layers if not (shared == "on" and layer == "off")]
     return out
 
 
@@ -396,7 +401,8 @@ def variant_label(variant: dict) -> str:
         return "bf16" + extra
     recipe, lm_head = variant.get("fp8_recipe", "tensorwise"), variant.get("fp8_lm_head", "all")
     casts = ", shared casts" if variant.get("fp8_shared_casts", False) else ""
-    return f"{variant['precision']} {recipe}, lm_head {lm_head}{casts}{extra}"
+    layers = ", layers bf16" if not variant.get("fp8_layers", True) else ""
+    return f"{variant['precision']} {recipe}, lm_head {lm_head}{casts}{layers}{extra}"
 
 
 PAPER_RECIPE = {"objective": {"weighting": "decay"}, "optimizer": {"name": "adamw"}, "schedule": {"name": "cosine"}}

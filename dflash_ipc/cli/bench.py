@@ -71,7 +71,10 @@ def precision_options(default: str):
                      metavar="H[,H...]", help="drafter.fp8_lm_head of the fp8 runs: all, grad, none."),
         click.option("--fp8-shared-casts", "shared_casts", default="off", show_default=True, callback=comma_list,
                      metavar="S[,S...]", help="drafter.fp8_shared_casts of the fp8 runs: off (each layer on its "
-                                              "own), on (layers that read one input cast it once); off,on compares.")])
+                                              "own), on (layers that read one input cast it once); off,on compares."),
+        click.option("--fp8-layers", "layers", default="on", show_default=True, callback=comma_list,
+                     metavar="L[,L...]", help="drafter.fp8_layers of the fp8 runs: on (the linear layers in float8), "
+                                              "off (only the LM head); on,off compares.")])
 
 
 # bench/drafter.py's SHAPES (a test checks they agree; importing it here would load torch).
@@ -104,12 +107,12 @@ BENCH_DRAFTER_SHAPES = ["qwen3-8b", "qwen3-1.7b", "smollm2-135m", "tiny"]
               help="Profile this many more steps (CUDA): kernel time per step by kind (matmul fp8 / "
                    "matmul / attention / fp8 scaling / fused elementwise / other) and the costliest kernels.")
 def bench_drafter(device, steps, warmup, shape, seq_lens, num_seqs, anchors_per_seq, precisions, recipes,
-                  lm_heads, shared_casts, compiles, ragged, profile_steps) -> None:
+                  lm_heads, shared_casts, layers, compiles, ragged, profile_steps) -> None:
     """Step time, MFU and peak memory of a drafter step (default: Qwen3-8B shape, 4 x 2,048 tokens,
     512 anchors each = 32,768 query tokens), for each precision asked (with the speedup against
     the first) at each --seq-len."""
     from dflash_ipc.bench.drafter import compare_precisions, precision_variants
-    variants = precision_variants(precisions, recipes, lm_heads, compiles, shared_casts)
+    variants = precision_variants(precisions, recipes, lm_heads, compiles, shared_casts, layers)
     for seq_len in seq_lens:
         compare_precisions(device=device, steps=steps, shape=shape, variants=variants, warmup=warmup,
                            anchors_per_seq=anchors_per_seq, num_seqs=num_seqs, seq_len=seq_len,
@@ -174,7 +177,7 @@ def _run_sizes_options(fn):
 @precision_options(default="bf16,fp8")
 @_run_sizes_options
 def bench_precision(device, shape, target_dir, data_dir, mask_token_id, recipe_names, definitions, budget_s, work_dir,
-                    json_path, precisions, recipes, lm_heads, shared_casts, **sizes) -> None:
+                    json_path, precisions, recipes, lm_heads, shared_casts, layers, **sizes) -> None:
     """The same drafter trained under several recipes (default: each --precision): loss curves,
     final-loss gap, tau and its spread over held-out prompts, lossless check."""
     from dflash_ipc.bench import recipes as named
@@ -189,7 +192,7 @@ def bench_precision(device, shape, target_dir, data_dir, mask_token_id, recipe_n
         chosen = named.resolve(recipe_names, defined, num_layers=sizes["num_layers"])
     elif definitions:
         raise click.UsageError("--recipe defines recipes for --recipes: name them there")
-    variants = precision_variants(precisions, recipes, lm_heads, shared_casts=shared_casts)
+    variants = precision_variants(precisions, recipes, lm_heads, shared_casts=shared_casts, layers=layers)
     run_precision_comparison(device=device, shape=shape, work_dir=work_dir, sizes=RunSizes(**sizes),
                              variants=variants, recipes=chosen,
                              target_dir=target_dir, data_dir=data_dir, mask_token_id=mask_token_id,

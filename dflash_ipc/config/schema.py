@@ -288,6 +288,11 @@ class DrafterConfig(_Section):
     """fp8 only: the frozen LM head's matmuls in float8: all (logits, dL/dh), grad (dL/dh) or none;
     auto: all with objective.weighting decay, none with dpace (whose per-row CE runs in the
     head's own dtype)."""
+    fp8_layers: bool = True
+    """fp8 only: the drafter's linear layers in float8 (torchao Float8Linear); false keeps them
+    bf16 and puts only the LM head's matmuls (fp8_lm_head) in float8: for small drafters,
+    whose float8 casts cost more than the layers' float8 matmuls save (a 135M-class target's
+    hidden 576: docs/benchmarks.md) while the head is most of the step's FLOPs."""
     fp8_shared_casts: bool = False
     """fp8 only: the layers that read one input (q/k/v of the block, k/v of the context,
     gate/up) as one float8 matmul over their concatenated weights, so the input is cast to
@@ -328,6 +333,10 @@ class DrafterConfig(_Section):
         _require(self.compile == "off" or self.sharding == "none", "drafter.compile",
                  f"{self.compile} needs drafter.sharding=none (not measured under FSDP), got {self.sharding}")
         _require(0 <= self.max_group_wait_s <= 3600, "drafter.max_group_wait_s", "must be in [0, 3600]")
+        _require(self.fp8_layers or not self.fp8_shared_casts, "drafter.fp8_shared_casts",
+                 "casts the inputs of float8 layers: it needs drafter.fp8_layers true")
+        _require(self.fp8_layers or self.fp8_lm_head != "none", "drafter.fp8_layers",
+                 "false with drafter.fp8_lm_head none leaves nothing in float8: use drafter.precision bf16")
         _check_devices("drafter.devices", self.devices, self.num_workers)
         _require(1 <= self.fifo_sequences <= 1 << 20, "drafter.fifo_sequences", "must be in [1, 1048576]")
         _require(1 <= self.prefetch <= 1024, "drafter.prefetch", "must be in [1, 1024]")
@@ -661,6 +670,10 @@ class JobConfig:
                       and self.drafter.fp8_lm_head in ("all", "grad")), "objective.weighting",
                  "dpace computes per-row CE in the LM head's own dtype: with drafter.precision=fp8 set "
                  f"drafter.fp8_lm_head to none or auto (got {self.drafter.fp8_lm_head}), or objective.weighting=decay")
+        _require(not (self.drafter.precision == "fp8" and not self.drafter.fp8_layers
+                      and self.drafter.fp8_lm_head == "auto" and self.objective.weighting == "dpace"),
+                 "drafter.fp8_layers", "false leaves nothing in float8 under objective.weighting=dpace (its "
+                 "fp8_lm_head auto is none): use drafter.precision bf16, or objective.weighting=decay")
         # Muon orthogonalises whole matrices; under FSDP each rank holds a shard of each.
         _require(not (self.optimizer.name == "muon" and self.drafter.sharding == "fsdp"), "optimizer.name",
                  "muon needs whole matrices on every rank: use drafter.sharding: none with it, or optimizer.name: adamw")
