@@ -95,6 +95,9 @@ def test_mask_memory_gives_a_new_shape_new_buffers():
     assert a is b and len(made) == 1 and torch.equal(made[0]["x"], torch.ones(4))
     c = memory.place("k", {"x": torch.ones(5)}, make)
     assert c is not a and len(made) == 2
+    d = memory.place("k", {"x": torch.ones(5)}, make, static=(5, 9))  # what make depends on besides the shapes
+    assert d is not c and len(made) == 3 and memory.place("k", {"x": torch.zeros(5)}, make, static=(5, 9)) is d
+    assert len(memory._held) == 1  # one key, the latest shape: old buffers are not kept
 
 
 def _cfg(**drafter):
@@ -231,6 +234,30 @@ def test_compiled_step_on_gpu_is_the_eager_step_with_flex(mode):
     assert compiled["compile_active"] and compiled["compile_failure"] is None
     assert compiled["loss_last"] == pytest.approx(eager["loss_last"], rel=2e-2)
     assert compiled["compiles_warmup"]["frames"] >= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_steps_launched_back_to_back_replay_the_graphs_they_recorded(monkeypatch):
+    """Ragged steps, synchronised and then launched back to back (bench drafter's pipelined
+    steps, as the drafter loop runs them): the forward and the backward are recorded once
+    each. With each step's flex masks at fresh addresses, the pipelined steps recorded them
+    again (attention.MaskMemory)."""
+    from torch._inductor import cudagraph_trees
+
+    from dflash_ipc.bench import drafter as bd
+    recorded = []
+    record = cudagraph_trees.CUDAGraphTreeManager.record_function  # torch's internal: counted, then run
+
+    def counting(self, *args, **kwargs):
+        recorded.append(1)
+        return record(self, *args, **kwargs)
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", counting)
+    f = bd.run_drafter_bench("cuda:0", variant={"precision": "bf16", "compile": "reduce-overhead"}, steps=4,
+                             shape="tiny", anchors_per_seq=16, num_seqs=2, seq_len=512, warmup=2, ragged=True)
+    torch._dynamo.reset()
+    assert f["compile_active"] and f["compile_failure"] is None and "pipelined_step_s_mean" in f
+    assert len(recorded) == 2
 
 
 @pytest.mark.gpu

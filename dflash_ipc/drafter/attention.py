@@ -278,7 +278,7 @@ def flex_block_mask(layout: BlockLayout, device: torch.device | str | None = Non
         return _block_mask(t, seq_lengths, window)
     if memory is None:
         return make(tables)
-    return memory.place(("flex", seq_lengths, window), tables, make)
+    return memory.place(("flex", window), tables, make, static=seq_lengths)
 
 
 def _block_mask(t: dict[str, Tensor], seq_lengths: tuple[int, int], window: int | None) -> "BlockMask":
@@ -323,10 +323,11 @@ class MaskMemory:
     def __init__(self) -> None:
         self._held: dict[object, tuple[tuple, dict[str, Tensor], object]] = {}
 
-    def place(self, key: object, tensors: dict[str, Tensor], make) -> object:
-        """``make(buffers)``'s object of ``key`` (built once per shape), its buffers now
-        holding ``tensors``."""
-        signature = tuple((name, tuple(t.shape), t.dtype, t.device) for name, t in tensors.items())
+    def place(self, key: object, tensors: dict[str, Tensor], make, static: object = None) -> object:
+        """``make(buffers)``'s object of ``key``, its buffers now holding ``tensors``. Built
+        again (new buffers, the old ones dropped) when the tensors' shapes or ``static``, what
+        else ``make`` depends on, change."""
+        signature = (static, tuple((name, tuple(t.shape), t.dtype, t.device) for name, t in tensors.items()))
         held = self._held.get(key)
         if held is None or held[0] != signature:
             buffers = {name: t.clone() for name, t in tensors.items()}
