@@ -80,7 +80,7 @@ def test_under_cuda_graphs_every_step_builds_its_flex_masks_into_the_same_memory
         assert torch.equal(mask.mask_mod(0, 0, q, k), fresh.mask_mod(0, 0, q, k))  # this step's rule
         assert torch.equal(mask.kv_indices, fresh.kv_indices) and torch.equal(mask.q_num_blocks, fresh.q_num_blocks)
     (first, first_ptrs), (second, second_ptrs) = built
-    assert second is first and second_ptrs == first_ptrs
+    assert second is first and second_ptrs == first_ptrs  # the object, and so every buffer it holds
 
 
 def test_mask_memory_gives_a_new_shape_new_buffers():

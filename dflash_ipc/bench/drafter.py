@@ -368,8 +368,9 @@ def precision_variants(precisions: typing.Sequence[str], recipes: typing.Sequenc
                        layers: typing.Sequence[str] = ("on",)) -> list[dict]:
     """The ``drafter`` config fields of each variant to compare, in order: bf16 once per
     ``compiles`` spec (``parse_compile_spec``), fp8 once per (recipe, LM-head choice, shared
-    casts on/off, layers on/off, spec); shared casts on with layers off (nothing to share) is
-    left out. ConfigError for a name not allowed."""
+    casts on/off, layers on/off, spec); layers off with shared casts on (nothing to share) or
+    with the head's matmuls none (nothing in float8) is left out. ConfigError for a name not
+    allowed."""
     for name, given, hint in (("precision", precisions, Precision), ("fp8 recipe", recipes, Fp8Recipe),
                               ("fp8 LM head", lm_heads, Fp8HeadMatmuls),
                               ("fp8 shared casts", shared_casts, typing.Literal["on", "off"]),
@@ -390,7 +391,7 @@ def precision_variants(precisions: typing.Sequence[str], recipes: typing.Sequenc
                      **({"fp8_shared_casts": True} if shared == "on" else {}),
                      **({"fp8_layers": False} if layer == "off" else {})}
                     for spec in specs for r in recipes for h in lm_heads for shared in shared_casts
-                    for layer in layers if not (shared == "on" and layer == "off")]
+                    for layer in layers if layer == "on" or (shared == "off" and h != "none")]
     return out
 
 

@@ -333,9 +333,9 @@ class DrafterConfig(_Section):
         _require(self.compile == "off" or self.sharding == "none", "drafter.compile",
                  f"{self.compile} needs drafter.sharding=none (not measured under FSDP), got {self.sharding}")
         _require(0 <= self.max_group_wait_s <= 3600, "drafter.max_group_wait_s", "must be in [0, 3600]")
-        _require(self.fp8_layers or not self.fp8_shared_casts, "drafter.fp8_shared_casts",
+        _require(self.precision != "fp8" or self.fp8_layers or not self.fp8_shared_casts, "drafter.fp8_shared_casts",
                  "casts the inputs of float8 layers: it needs drafter.fp8_layers true")
-        _require(self.fp8_layers or self.fp8_lm_head != "none", "drafter.fp8_layers",
+        _require(self.precision != "fp8" or self.fp8_layers or self.fp8_lm_head != "none", "drafter.fp8_layers",
                  "false with drafter.fp8_lm_head none leaves nothing in float8: use drafter.precision bf16")
         _check_devices("drafter.devices", self.devices, self.num_workers)
         _require(1 <= self.fifo_sequences <= 1 << 20, "drafter.fifo_sequences", "must be in [1, 1048576]")

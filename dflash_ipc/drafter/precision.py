@@ -59,7 +59,7 @@ from torch import Tensor, nn
 
 from dflash_ipc.config.schema import DrafterConfig
 from dflash_ipc.drafter.model import CudaCompiled, compile_enabled, each_linear
-from dflash_ipc.drafter.objective import _fused_chunk_loss
+from dflash_ipc.drafter.objective import _acc_dtype, _fused_chunk_loss
 from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.errors import ConfigError
 
@@ -444,8 +444,9 @@ def loss_and_quantized_probs(logits: Tensor, labels: Tensor, weights: Tensor, dt
     """(the chunk's loss, ``w * softmax(logits)`` ``[C, V]`` in float8, its inverse scale).
 
     The one-hot is left out (module docstring). Each scale is known before the probabilities
-    are, so compiled, the loss, the softmax, its scale and the cast are one kernel over the
-    logits, each row on its own (the log-sum-exp shared by the loss and the softmax): rowwise,
+    are, so the loss, the softmax, its scale and the cast need nothing but each row's own
+    reductions (the log-sum-exp shared by the loss and the softmax), which inductor can fuse
+    into one kernel over the logits (not yet measured on a GPU: docs/benchmarks.md): rowwise,
     a row's maximum of ``w * softmax`` is ``w * exp(max(x) - lse)``, from the row's own
     reductions; tensorwise, the scale maps the bound ``max(w)`` (a softmax entry is at most
     1) to the format's largest value instead of the tensor's maximum, which would need every
@@ -456,7 +457,7 @@ def loss_and_quantized_probs(logits: Tensor, labels: Tensor, weights: Tensor, dt
     ``w * softmax`` below ~3e-10 round to zero, together at most ~4e-5 of a row of W over a
     vocabulary of 150K.
     """
-    x = logits.float()  # [C, V]
+    x = logits.to(_acc_dtype(logits.dtype))  # [C, V] float32 (float64 for a float64 head)
     lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [C, 1]
     loss = ((lse[:, 0] - x.gather(1, labels[:, None])[:, 0]) * weights).sum()
     if rowwise:
