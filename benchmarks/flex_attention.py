@@ -33,27 +33,32 @@ from dflash_ipc.bench import drafter as bd
 from dflash_ipc.drafter import attention as att
 from dflash_ipc.drafter.objective import anchor_generator, build_training_batch, sample_anchors
 
+def _fwd(m: int, n: int, warps: int = 4, stages: int = 3) -> dict:
+    """Forward tiles (BLOCK_M x BLOCK_N), warps and stages, for the forward pass only."""
+    return {"fwd_BLOCK_M": m, "fwd_BLOCK_N": n, "fwd_num_warps": warps, "fwd_num_stages": stages}
+
+
+def _bwd(m1: int, n1: int, warps: int = 4, stages: int = 3) -> dict:
+    """Backward tiles (BLOCK_M1 x BLOCK_N1 for dK/dV, the transpose for dQ), for the backward only."""
+    return {"bwd_BLOCK_M1": m1, "bwd_BLOCK_N1": n1, "bwd_BLOCK_M2": n1, "bwd_BLOCK_N2": m1,
+            "bwd_num_warps": warps, "bwd_num_stages": stages}
+
+
+DIVISIBLE = {"IS_DIVISIBLE": True}
 OPTIONS = {
     # the static kernel's loads without bounds checks, shapes still dynamic: true where the query
     # and key counts are multiples of 128 (the bench's are: 32,768 and 40,960)
-    "divisible": {"IS_DIVISIBLE": True},
-    # forward tiles (BLOCK_M x BLOCK_N), warps and stages
+    "divisible": DIVISIBLE,
+    # forward tiles for both passes
     "fwd128x64w8": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
-    # whole tiles with other forward / backward tiles (fwd_* / bwd_* reach one pass only):
-    # inductor's sm90 defaults are 128x128 w4 forward and 64/128/128/64 w8 backward at head_dim 64
-    "div:fwd128x64w4": {"IS_DIVISIBLE": True, "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 4,
-                        "fwd_num_stages": 3},
-    "div:fwd64x64w4": {"IS_DIVISIBLE": True, "fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4,
-                       "fwd_num_stages": 3},
-    "div:bwd64x64w4": {"IS_DIVISIBLE": True, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64,
-                       "bwd_BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 3},
-    "div:bwd32x128w4": {"IS_DIVISIBLE": True, "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128,
-                        "bwd_BLOCK_N2": 32, "bwd_num_warps": 4, "bwd_num_stages": 3},
-    "div:fwd64bwd64": {"IS_DIVISIBLE": True, "fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4,
-                       "fwd_num_stages": 3, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64,
-                       "bwd_BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 3},
-    "div:bwd64x128w4": {"IS_DIVISIBLE": True, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128,
-                        "bwd_BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 3},
+    # whole tiles with other forward / backward tiles: inductor's sm90 defaults are 128x128 w4
+    # forward and 64/128/128/64 w8 backward at head_dim 64
+    "div:fwd128x64w4": {**DIVISIBLE, **_fwd(128, 64)},
+    "div:fwd64x64w4": {**DIVISIBLE, **_fwd(64, 64)},
+    "div:bwd64x64w4": {**DIVISIBLE, **_bwd(64, 64)},
+    "div:bwd32x128w4": {**DIVISIBLE, **_bwd(32, 128)},
+    "div:bwd64x128w4": {**DIVISIBLE, **_bwd(64, 128)},
+    "div:fwd64bwd64": {**DIVISIBLE, **_fwd(64, 64), **_bwd(64, 64)},  # attention.FLEX_TILES at heads of 64, sm90
 }
 
 
