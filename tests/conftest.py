@@ -25,3 +25,13 @@ def cpu_run(tmp_path_factory, tiny_cache):
     """A finished small CPU job with a saved evaluation (tests/cpu_run.py); read it, never change it."""
     from cpu_run import run_cpu_job
     return run_cpu_job(tmp_path_factory.mktemp("cpu-run"), tiny_cache)
+
+
+@pytest.fixture(scope="session")
+def four_layer_target(tmp_path_factory):
+    """A float32 random target of the bench's ``tiny`` shape (Qwen3) with 4 layers, for the
+    compiled decode tests (saved once; the tests load it, never change it)."""
+    from dflash_ipc.bench.assets import build_random_target
+    path = str(tmp_path_factory.mktemp("four-layers") / "target")
+    build_random_target(path, shape="tiny", dtype="float32", num_layers=4, seed=5)
+    return path

@@ -7,13 +7,11 @@ projections gives the eager tokens with no recompile per layer and no graph brea
 on for CUDA targets by default; here it is applied by hand (CPU keeps the model as loaded)."""
 
 import numpy as np
-import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dflash_ipc.bench.assets import build_random_target
 from dflash_ipc.decode import compiled, fused_projections
 from dflash_ipc.decode.engine import DecodeEngine, EngineSettings
 from dflash_ipc.decode.fused_projections import FUSE_ENV, FusedMember, fuse_projections
@@ -77,14 +75,7 @@ def test_the_setting(monkeypatch):
     assert fused_projections.enabled("cuda:0")  # unset: on for CUDA (no Triton needed)
 
 
-@pytest.fixture(scope="module")
-def four_layers(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("fused") / "target")
-    build_random_target(path, shape="tiny", dtype="float32", num_layers=4, seed=5)
-    return path
-
-
-def test_compiled_fused_layers_give_the_eager_tokens_once_compiled(four_layers, monkeypatch):
+def test_compiled_fused_layers_give_the_eager_tokens_once_compiled(four_layer_target, monkeypatch):
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     monkeypatch.setattr(compiled, "BACKEND", counter)
@@ -96,8 +87,8 @@ def test_compiled_fused_layers_give_the_eager_tokens_once_compiled(four_layers, 
         engine = DecodeEngine(target, settings=EngineSettings(max_rows=2, check_every=3, compile=compile))
         return {g.request.key: g.tokens for g in engine.run(RequestList(batch)).generations}
 
-    plain = BatchedTarget(four_layers, device="cpu", dtype="float32", compile_scope="layer")
-    fused = BatchedTarget(four_layers, device="cpu", dtype="float32", compile_scope="layer")
+    plain = BatchedTarget(four_layer_target, device="cpu", dtype="float32", compile_scope="layer")
+    fused = BatchedTarget(four_layer_target, device="cpu", dtype="float32", compile_scope="layer")
     assert fuse_projections(fused.model) == 8
     torch._dynamo.utils.counters.clear()
     want = run(plain, "off")

@@ -23,7 +23,9 @@ else ``$DFLASH_DECODE_COMPILE_SCOPE``, else layer):
              The layer's cache is a :class:`LayerKV` of that layer's K/V storage, whose
              ``update`` ignores the layer index, so no guard names a layer and no layer compiles
              again (tests/test_decode_compiled.py: as many graphs for 4 layers as for 2). The
-             module's forward hooks (target.py LayerCapture) run around it, eagerly.
+             module's forward hooks (target.py LayerCapture) run around it, eagerly. A layer
+             that decode/fused_layer.py fuses runs its steps of a few rows through
+             :func:`fused_layer_step` instead (one more compiled function, shared the same way).
     forward  extend's whole body (positions, masks, the cache write plan, the model forward
              with every layer unrolled, the captured layers): one graph, fused across layers,
              compiled in time that grows with the depth (measured on an H200, Qwen3-1.7B shape,
@@ -50,6 +52,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from dflash_ipc.decode import fused_layer
+from dflash_ipc.decode.matvec import HALF_DTYPES
 from dflash_ipc.decode.row_cache import RaggedCache
 from dflash_ipc.errors import ConfigError
 
@@ -125,19 +129,26 @@ class CompiledForward:
 
 class CompiledLayers:
     """``extend`` run eagerly, each decoder layer's forward in it through one
-    :class:`CompiledForward` of :func:`layer_step`. Outside a call of this (a prefill, an eager
-    extend) the layers run their own forward."""
+    :class:`CompiledForward` of :func:`layer_step`, or, for a layer that decode/fused_layer.py
+    fuses and a call of a few rows, of :func:`fused_layer_step`. Outside a call of this (a
+    prefill, an eager extend) the layers run their own forward."""
 
     def __init__(self, extend: Callable, layers, device: torch.device) -> None:
         self.extend = extend
         self.step = CompiledForward(layer_step, device)
+        self.fused_step = CompiledForward(fused_layer_step, device)
         self.active = False
+        fuse = fused_layer.enabled(device)
+        self.num_fused = 0
         for position, layer in enumerate(layers):
-            layer.forward = LayerForward(layer, cache_index(layer, position), self)
+            fused = fuse and fused_layer.fusable(layer)
+            layer.forward = LayerForward(layer, cache_index(layer, position), self, fused)
+            self.num_fused += fused
 
     @property
     def failed(self) -> bool:
-        return self.step.failed
+        """Whether a compile failed (that function then runs eagerly, or the layer's own step)."""
+        return self.step.failed or self.fused_step.failed
 
     def __call__(self, *args):
         self.active = True
@@ -155,27 +166,39 @@ def cache_index(layer, position: int) -> int:
 
 
 class LayerForward:
-    """Decoder layer ``index``'s forward: through ``owner.step`` while ``owner`` is active, else
-    the class's. An instance attribute, so the module's hooks (target.py LayerCapture) still run
-    around it, eagerly."""
+    """Decoder layer ``index``'s forward: through ``owner.step`` (or, fused and a few rows,
+    ``owner.fused_step``) while ``owner`` is active, else the class's. An instance attribute, so
+    the module's hooks (target.py LayerCapture) still run around it, eagerly."""
 
-    def __init__(self, layer, index: int, owner: CompiledLayers) -> None:
+    def __init__(self, layer, index: int, owner: CompiledLayers, fused: bool = False) -> None:
         self.layer, self.index, self.owner = layer, index, owner
+        self.rows_limit = min(layer.self_attn.q_proj.group.rows_limit, fused_layer.max_rows()) if fused else 0
+        """The most rows a call runs :func:`fused_layer_step` for (0: the layer is not fused)."""
+
+    def _step(self, args, kwargs) -> CompiledForward:
+        """The fused step for a call of at most ``rows_limit`` rows in a half dtype (or off CUDA),
+        with the hidden states first (as models pass them); else the layer's own."""
+        x = args[0] if len(args) == 1 else None if args else kwargs.get("hidden_states")
+        if (self.rows_limit and x is not None and x.numel() <= self.rows_limit * x.shape[-1]
+                and kwargs.get("position_embeddings") is not None and (x.dtype in HALF_DTYPES or not x.is_cuda)
+                and not self.owner.fused_step.failed):  # a failed fused compile: the compiled unfused step
+            return self.owner.fused_step
+        return self.owner.step
 
     def __call__(self, *args, **kwargs):
         layer = self.layer
         found = [(k, v) for k, v in kwargs.items() if isinstance(v, RaggedCache)] if self.owner.active else []
-        if not found or self.owner.failed or found[0][1].kv.keys[self.index] is None:
+        step = self._step(args, kwargs) if found else self.owner.step
+        if not found or step.failed or found[0][1].kv.keys[self.index] is None:
             return type(layer).forward(layer, *args, **kwargs)  # not ours, compiling failed, or storage not allocated yet
         name, cache = found[0]
         _, rows, pos, length = cache._plan  # plan_extend's: a compiled extend plans nothing else
         kv = cache.kv
         others = {k: v for k, v in kwargs.items() if k != name}
         try:
-            return self.owner.step(layer, kv.keys[self.index], kv.values[self.index], rows, pos, length, name, args,
-                                   others)
+            return step(layer, kv.keys[self.index], kv.values[self.index], rows, pos, length, name, args, others)
         except Exception:
-            if not self.owner.failed:
+            if not step.failed:
                 raise
             # The compile failed and layer_step's eager run did too (a layer needing more of the
             # Cache API than LayerKV's update): the class's forward over the RaggedCache. Its
@@ -191,6 +214,13 @@ def layer_step(layer, keys: Tensor, values: Tensor, rows: Tensor, pos: Tensor, l
     return type(layer).forward(layer, *args, **{cache_kw: LayerKV(keys, values, rows, pos, length)}, **kwargs)
 
 
+def fused_layer_step(layer, keys: Tensor, values: Tensor, rows: Tensor, pos: Tensor, length: int, cache_kw: str,
+                     args: tuple, kwargs: dict):
+    """:func:`layer_step` through decode/fused_layer.py's ``fused_forward`` (the hidden states are
+    ``args[0]`` or a keyword)."""
+    return fused_layer.fused_forward(layer, LayerKV(keys, values, rows, pos, length), *args, **kwargs)
+
+
 class LayerKV:
     """One layer of a RaggedCache under ``plan_extend``, as HF attention calls it
     (``update(k, v, layer_idx)``): RowStorage.write then .view on this layer's storage
@@ -204,5 +234,9 @@ class LayerKV:
         index = (self.rows[:, None], self.pos)
         self.keys.index_put_(index, key_states.transpose(1, 2))
         self.values.index_put_(index, value_states.transpose(1, 2))
+        return self.view()
+
+    def view(self) -> tuple[Tensor, Tensor]:
+        """K, V ``[R, heads, length, D]`` of the step's rows (what ``update`` returns)."""
         n, length = self.rows.shape[0], self.length
         return self.keys[:n, :length].transpose(1, 2), self.values[:n, :length].transpose(1, 2)

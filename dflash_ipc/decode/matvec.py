@@ -13,6 +13,9 @@ give each program ``BLOCK_N`` whole rows of the weight and stream their contiguo
     2..MAX_ROWS  the rows padded to 16 and multiplied on the tensor cores (``tl.dot``, fp32
                  accumulation), each weight tile read once for all of them: ``_rows_kernel``.
 
+Both take a prologue and an epilogue (flags, see the kernels) that decode/fused_layer.py uses to
+run a decoder layer's norms, residual adds and silu * up inside its products.
+
 :func:`route_matvec` swaps a model's ``nn.Linear`` modules for :class:`MatVecLinear`, which
 sends a bf16/fp16 CUDA input of at most ``MAX_ROWS`` rows through the custom op
 ``dflash::matvec_linear`` (:func:`takes` says which inputs); the op is opaque to
@@ -70,67 +73,182 @@ def enabled(device) -> bool:
 
 
 if triton is not None:
+    # The kernels' optional prologue and epilogue: what a decoder layer does around its products
+    # (decode/fused_layer.py), so that a decode step runs them in the product's launch rather
+    # than in kernels of their own. Each rounds to the activations' dtype where the eager layer
+    # does (a bf16 tensor between two ops), so only the sums' order differs from the eager path:
+    #   ADD       the input is x + add (the attention's output plus the residual stream), and
+    #             the first program also stores that sum to h (the residual of the next product)
+    #   NORM      the input is RMS-normalised, then times the norm's weight g (Llama's RMSNorm:
+    #             fp32 mean of squares, x * rsqrt(mean + eps) cast, then g * it)
+    #   GLU       the weight is gate rows [0, N) over up rows [N, 2N): y = silu(gate) * up
+    #   RESIDUAL  y = product + res (the residual stream after the layer's last product)
+
     @triton.jit
-    def _matvec_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-        """y[n] = sum_k x[k] w[n, k] (+ b[n]) for this program's BLOCK_N rows n of w [N, K]."""
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _one_row_rstd(x_ptr, add_ptr, h_ptr, K, eps, store_h, ADD: tl.constexpr, BLOCK_K: tl.constexpr):
+        """rsqrt(mean(x^2) + eps) of the row x (+ add, stored to h by the program that has
+        ``store_h``), in fp32."""
+        offs_k = tl.arange(0, BLOCK_K)
+        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = k0 + offs_k < K
+            x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            if ADD:
+                x = (x + tl.load(add_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
+                tl.store(h_ptr + k0 + offs_k, x, mask=k_ok & store_h)
+                x = x.to(tl.float32)
+            squares += x * x
+        return tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
+
+    @triton.jit
+    def _rows_rstd(x_ptr, add_ptr, h_ptr, M, K, stride_xm, eps, store_h, ADD: tl.constexpr, BLOCK_K: tl.constexpr):
+        """:func:`_one_row_rstd` of each of the M <= 16 rows (``[16]``, padding rows 1/sqrt(eps));
+        add and h are ``[M, K]`` contiguous."""
+        offs_m = tl.arange(0, 16)
+        m_ok = offs_m < M
+        offs_k = tl.arange(0, BLOCK_K)
+        squares = tl.zeros((16, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ok = m_ok[:, None] & (k0 + offs_k < K)[None, :]
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k0 + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
+            if ADD:
+                at = offs_m[:, None] * K + k0 + offs_k[None, :]
+                x = (x + tl.load(add_ptr + at, mask=ok, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
+                tl.store(h_ptr + at, x, mask=ok & store_h)
+                x = x.to(tl.float32)
+            squares += x * x
+        return tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps)
+
+    @triton.jit
+    def _input_tile(x, add_ptrs, g_ptrs, rstd, ok, dtype: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr):
+        """The product's input tile from the loaded x (fp32): + add, normalised, times g, each
+        step rounded to the activations' ``dtype`` as the eager layer's tensors are."""
+        if ADD:
+            x = (x + tl.load(add_ptrs, mask=ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        if NORM:
+            x = (x * rstd).to(dtype).to(tl.float32)
+            x = (tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32) * x).to(dtype).to(tl.float32)
+        return x
+
+    @triton.jit
+    def _output(y, up, b_ptrs, res_ptrs, out_ok, dtype: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
+                RESIDUAL: tl.constexpr):
+        """The product's sums y (and the up half's, under GLU) as the layer's output, fp32;
+        ``b_ptrs`` and ``res_ptrs`` shaped as y is."""
+        if HAS_BIAS:
+            y += tl.load(b_ptrs, mask=out_ok, other=0.0).to(tl.float32)
+        if GLU:  # silu(gate) * up as torch computes silu: x / (1 + exp(-x)) in fp32, rounded
+            gate = y.to(dtype).to(tl.float32)
+            y = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+        if RESIDUAL:
+            y = y.to(dtype).to(tl.float32) + tl.load(res_ptrs, mask=out_ok, other=0.0).to(tl.float32)
+        return y
+
+    @triton.jit
+    def _matvec_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, add_ptr, g_ptr, h_ptr, res_ptr, eps, up_off,
+                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                       ADD: tl.constexpr = False, NORM: tl.constexpr = False, GLU: tl.constexpr = False,
+                       RESIDUAL: tl.constexpr = False, RSTD_BLOCK: tl.constexpr = 16):
+        """y[n] = sum_k x[k] w[n, k] (+ b[n]) for this program's BLOCK_N rows n of w [N, K] (with
+        GLU, of w [2N, K], the up rows ``up_off`` = N * K elements on); the flags above."""
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
+        dtype = y_ptr.dtype.element_ty
+        rstd = 1.0
+        if NORM:
+            rstd = _one_row_rstd(x_ptr, add_ptr, h_ptr, K, eps, pid == 0, ADD, RSTD_BLOCK)
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # per-lane partial sums: one reduction, at the end
+        acc_up = acc
+        if GLU:
+            acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
+            k_ok = k0 + offs_k < K
             if EVEN_K:
                 w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+                if GLU:
+                    w_up = tl.load(w_ptrs + up_off, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
                 x = tl.load(x_ptr + k0 + offs_k)
             else:
-                k_ok = k0 + offs_k < K
                 w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+                if GLU:
+                    w_up = tl.load(w_ptrs + up_off, mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                                   eviction_policy="evict_first")
                 x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            x = _input_tile(x.to(tl.float32), add_ptr + k0 + offs_k, g_ptr + k0 + offs_k, rstd, k_ok, dtype, ADD,
+                            NORM)
+            acc += w.to(tl.float32) * x[None, :]
+            if GLU:
+                acc_up += w_up.to(tl.float32) * x[None, :]
             w_ptrs += BLOCK_K
-        y = tl.sum(acc, axis=1)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+        y = _output(tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), b_ptr + offs_n, res_ptr + offs_n, n_ok, dtype,
+                    HAS_BIAS, GLU, RESIDUAL)
+        tl.store(y_ptr + offs_n, y.to(dtype), mask=n_ok)
 
     @triton.jit
     def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_ym,
+                     add_ptr, g_ptr, h_ptr, res_ptr, eps, up_off,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr):
+                     EVEN_K: tl.constexpr, ADD: tl.constexpr = False, NORM: tl.constexpr = False,
+                     GLU: tl.constexpr = False, RESIDUAL: tl.constexpr = False, RSTD_BLOCK: tl.constexpr = 16):
         """y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for M <= DOT_ROWS rows m and this program's
         BLOCK_N rows n of w [N, K], over its split of K (program_id 1; ``k_per_split`` keys, a
         multiple of BLOCK_K): each tile of w read once, on the tensor cores for all rows. With
         SPLIT > 1 each split leaves its fp32 sums in ``part`` and counts itself in ``count[n
         block]``; the split that counts last sums them, writes y and sets the count back to 0
-        (so one launch, and no memset before the next one, in a CUDA graph or not)."""
+        (so one launch, and no memset before the next one, in a CUDA graph or not). The prologue
+        and epilogue flags above (GLU with one split only); add, h and res are contiguous."""
         pid_n, split = tl.program_id(0), tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         offs_m = tl.arange(0, 16)  # DOT_ROWS
         m_ok = offs_m < M
+        dtype = y_ptr.dtype.element_ty
+        rstd = tl.full((16,), 1.0, tl.float32)
+        if NORM:
+            rstd = _rows_rstd(x_ptr, add_ptr, h_ptr, M, K, stride_xm, eps, (pid_n == 0) & (split == 0), ADD,
+                              RSTD_BLOCK)
         k_lo = split * k_per_split
         offs_k = k_lo + tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        at_k = offs_m[:, None] * K + offs_k[None, :]  # add's tile (and h's), contiguous rows of K
         acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+        acc_up = acc
+        if GLU:
+            acc_up = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
         for k0 in range(k_lo, tl.minimum(K, k_lo + k_per_split), BLOCK_K):
+            k_ok = offs_k < K  # offs_k: this step's keys
             if EVEN_K:
                 w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-                x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+                if GLU:
+                    w_up = tl.load(w_ptrs + up_off, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
             else:
-                k_ok = k0 - k_lo + offs_k < K
                 w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-                x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                if GLU:
+                    w_up = tl.load(w_ptrs + up_off, mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                                   eviction_policy="evict_first")
+            x_ok = m_ok[:, None] & k_ok[None, :]
+            x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+            if ADD or NORM:
+                x = _input_tile(x.to(tl.float32), add_ptr + at_k, g_ptr + offs_k[None, :], rstd[:, None], x_ok,
+                                dtype, ADD, NORM).to(dtype)
             acc = tl.dot(w, tl.trans(x), acc)  # [BLOCK_N, 16]: fp32 accumulation
+            if GLU:
+                acc_up = tl.dot(w_up, tl.trans(x), acc_up)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+            at_k += BLOCK_K
+            offs_k += BLOCK_K
         y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+        res_ptrs = res_ptr + offs_m[None, :] * N + offs_n[:, None]
+        b_ptrs = b_ptr + offs_n[:, None] + 0 * offs_m[None, :]
         out_ok = n_ok[:, None] & m_ok[None, :]
         if SPLIT == 1:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+            y = _output(acc, acc_up, b_ptrs, res_ptrs, out_ok, dtype, HAS_BIAS, GLU, RESIDUAL)
+            tl.store(y_ptrs, y.to(dtype), mask=out_ok)
         else:
             tile = tl.arange(0, BLOCK_N)[:, None] * 16 + offs_m[None, :]
             part = part_ptr + (pid_n * SPLIT).to(tl.int64) * (BLOCK_N * 16) + tile
@@ -143,9 +261,8 @@ if triton is not None:
                 total = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
                 for other in range(0, SPLIT):
                     total += tl.load(part + other * (BLOCK_N * 16), cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_ok)
+                y = _output(total, total, b_ptrs, res_ptrs, out_ok, dtype, HAS_BIAS, False, RESIDUAL)
+                tl.store(y_ptrs, y.to(dtype), mask=out_ok)
                 tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
@@ -162,22 +279,58 @@ def launch_config(n: int, k: int) -> dict:
     return dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4)
 
 
-def triton_matvec(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: dict | None = None) -> Tensor:
+def triton_matvec(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: dict | None = None, *,
+                  add: Tensor | None = None, norm: Tensor | None = None, eps: float = 0.0, h: Tensor | None = None,
+                  residual: Tensor | None = None, glu: bool = False) -> Tensor:
     """``F.linear(x, weight, bias)`` by the Triton kernel for x of one row (``[..., K]`` with
-    every leading size 1), weight ``[N, K]``, bias ``[N]``; fp32 sums, x's dtype out."""
+    every leading size 1), weight ``[N, K]``, bias ``[N]``; fp32 sums, x's dtype out. The
+    kernels' prologue and epilogue (see the kernels): ``add`` (x's shape; with ``norm``, and
+    ``h`` that receives x + add), ``norm`` (the RMS norm's weight ``[K]``, its ``eps``), ``glu``
+    (weight ``[2N, K]``, gate over up: N outputs), ``residual`` (the output's shape)."""
     k = x.shape[-1]
     if x.numel() != k or weight.shape[1] != k:
         raise ValueError(f"triton_matvec: x {tuple(x.shape)} against weight {tuple(weight.shape)} "
                          f"(one row of the weight's K)")
     x1 = x.reshape(k).contiguous()
     weight = weight if weight.is_contiguous() else weight.contiguous()
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if glu else weight.shape[0]
     y = torch.empty(n, dtype=x.dtype, device=x.device)
-    cfg = dict(config or launch_config(n, k))
+    cfg = dict(config or launch_config(weight.shape[0], k))
+    if glu:  # each program reads its BLOCK_N rows of gate and as many of up: the same bytes as unfused
+        cfg["BLOCK_N"] = max(1, cfg["BLOCK_N"] // 2)
+    fusion = _fusion_args(x1, n, add, norm, eps, h, residual, glu, ONE_ROW_RSTD_BLOCK, bias)
     b = bias if bias is not None else weight  # a pointer the kernel does not read without HAS_BIAS
-    _matvec_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](x1, weight, b, y, n, k, HAS_BIAS=bias is not None,
-                                                      EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg)
+    _matvec_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](x1, weight, b, y, n, k, *fusion["tensors"], eps, n * k,
+                                                      HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0,
+                                                      **fusion["flags"], **cfg)
     return y.reshape(*x.shape[:-1], n)
+
+
+ONE_ROW_RSTD_BLOCK = 4096
+"""Keys per load of the one-row NORM prologue's sum of squares: a hidden size of up to 4,096 in
+one load (every program sums the whole row before its product starts: latency, not bandwidth)."""
+ROWS_RSTD_BLOCK = 512
+"""The same for 2..16 rows (a [16, 512] fp32 tile: 64 values per thread at 4 warps)."""
+
+
+def _fusion_args(x: Tensor, n: int, add, norm, eps, h, residual, glu: bool, rstd_block: int, bias=None) -> dict:
+    """The kernels' prologue/epilogue tensors (add, g, h, res: x where a flag is off, a pointer
+    the kernel does not read) and flags, checked against x's ``[M, K]`` or ``[K]`` and N outputs."""
+    rows, k = (1, x.shape[0]) if x.dim() == 1 else x.shape
+    if add is not None and (norm is None or h is None):
+        raise ValueError("matvec kernels: add needs norm and h (the sum is the norm's input and the next residual)")
+    if glu and bias is not None:
+        raise ValueError("matvec kernels: glu takes no bias (it would reach the gate half only)")
+    for name, t, numel in (("add", add, rows * k), ("h", h, rows * k), ("norm", norm, k),
+                           ("residual", residual, rows * n)):
+        if t is not None and (t.numel() != numel or not t.is_contiguous() or t.dtype != x.dtype
+                              or t.device != x.device):
+            raise ValueError(f"matvec kernels: {name} {tuple(t.shape)} {t.dtype} must be contiguous, of {numel} "
+                             f"elements, {x.dtype} on {x.device}")
+    tensors = [t if t is not None else x for t in (add, norm, h, residual)]
+    flags = dict(ADD=add is not None, NORM=norm is not None, GLU=glu, RESIDUAL=residual is not None,
+                 RSTD_BLOCK=min(rstd_block, triton.next_power_of_2(k)) if norm is not None else 16)
+    return {"tensors": tensors, "flags": flags}
 
 
 ROWS_BLOCK_N = 64
@@ -246,9 +399,12 @@ class SplitBuffers:
 SPLIT_BUFFERS = SplitBuffers()
 
 
-def triton_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: dict | None = None) -> Tensor:
+def triton_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: dict | None = None, *,
+                add: Tensor | None = None, norm: Tensor | None = None, eps: float = 0.0, h: Tensor | None = None,
+                residual: Tensor | None = None, glu: bool = False) -> Tensor:
     """``F.linear(x, weight, bias)`` by the few-row kernel for x of ``M <= MAX_ROWS`` rows
-    (``[..., K]``), weight ``[N, K]``, bias ``[N]``; fp32 sums, x's dtype out."""
+    (``[..., K]``), weight ``[N, K]``, bias ``[N]``; fp32 sums, x's dtype out. The prologue and
+    epilogue arguments are :func:`triton_matvec`'s, for every row (GLU runs K unsplit)."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     if not 1 <= m <= MAX_ROWS or weight.shape[1] != k:
@@ -257,10 +413,12 @@ def triton_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: d
     x2 = x.reshape(m, k)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     weight = weight if weight.is_contiguous() else weight.contiguous()
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if glu else weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     sms = num_sms(x.device.index or 0) if x.is_cuda else 132
-    cfg = dict(config or rows_config(n, k, sms))
+    cfg = dict(config or rows_config(weight.shape[0], k, sms))
+    if glu:  # BLOCK_N rows of gate and as many of up per program, whole K (one split: see the kernel)
+        cfg["BLOCK_N"], cfg["SPLIT"] = max(16, cfg["BLOCK_N"] // 2), 1
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
     blocks = triton.cdiv(n, block_n)
     split = max(1, min(cfg.pop("SPLIT", 1), triton.cdiv(k, block_k)))
@@ -268,10 +426,11 @@ def triton_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: d
     split = triton.cdiv(k, k_per_split)  # none left empty
     part, count = (SPLIT_BUFFERS.get(x.device, blocks * split * block_n * DOT_ROWS, blocks) if split > 1
                    else (y, y))  # pointers the kernel does not touch with one split
+    fusion = _fusion_args(x2, n, add, norm, eps, h, residual, glu, ROWS_RSTD_BLOCK, bias)
     b = bias if bias is not None else weight  # a pointer the kernel does not read without HAS_BIAS
     _rows_kernel[(blocks, split)](x2, weight, b, y, part, count, m, n, k, k_per_split, x2.stride(0), y.stride(0),
-                                  HAS_BIAS=bias is not None, SPLIT=split,
-                                  EVEN_K=k % block_k == 0, **cfg)
+                                  *fusion["tensors"], eps, n * k, HAS_BIAS=bias is not None, SPLIT=split,
+                                  EVEN_K=k % block_k == 0, **fusion["flags"], **cfg)
     return y.reshape(*x.shape[:-1], n)
 
 

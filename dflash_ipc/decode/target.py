@@ -32,7 +32,7 @@ from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.config.dtypes import resolve_dtype
 from dflash_ipc.errors import ConfigError
 from dflash_ipc.decode.compiled import compile_scope as _compile_scope, compiled_extend
-from dflash_ipc.decode import decode_attention, fused_projections, matvec
+from dflash_ipc.decode import decode_attention, fused_layer, fused_projections, matvec
 from dflash_ipc.decode.ragged_attention import layer_masks, register_attention
 from dflash_ipc.decode.row_cache import MASK_ALIGN, RaggedCache, round_up
 from dflash_ipc.hf.text_stack import find_text_stack, has_recurrent_layers, load_causal_lm, text_config
@@ -167,12 +167,17 @@ class BatchedTarget(TargetModel):
         self.num_kernel_attention = (decode_attention.mark_attention(find_text_stack(self.model).layers)
                                      if decode_attention.enabled(self.device) else 0)
         """Attention modules whose decode and verify calls run decode/decode_attention.py's kernel: on CUDA."""
+        self.num_fused_layers = (sum(map(fused_layer.fusable, find_text_stack(self.model).layers))
+                                 if fused_layer.enabled(self.device) else 0)
+        """Decoder layers that decode/fused_layer.py fuses: their steps of a few rows, where the decode
+        forward is compiled at layer scope (the default on CUDA), run its four ops."""
         if self.num_fused_groups or self.num_matvec_linears or self.num_kernel_attention:
             logger.info("decode: %d q|k|v and gate|up groups as one product each, %d other linears through the "
-                        "few-row Triton kernels, %d attention layers through the few-query kernel (%s=off, %s=off, "
-                        "%s=off: as loaded)", self.num_fused_groups, self.num_matvec_linears,
-                        self.num_kernel_attention, fused_projections.FUSE_ENV, matvec.GEMV_ENV,
-                        decode_attention.ATTENTION_ENV)
+                        "few-row Triton kernels, %d attention layers through the few-query kernel, %d layers' "
+                        "few-row steps as four fused ops (%s=off, %s=off, %s=off, %s=off: as loaded)",
+                        self.num_fused_groups, self.num_matvec_linears, self.num_kernel_attention,
+                        self.num_fused_layers, fused_projections.FUSE_ENV, matvec.GEMV_ENV,
+                        decode_attention.ATTENTION_ENV, fused_layer.FUSE_LAYER_ENV)
 
     def reset(self, num_rows: int, capacity: int) -> None:
         """A new, empty cache of ``num_rows`` rows of at least ``capacity`` positions."""
