@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from dflash_ipc.bench.assets import build_random_target
-from dflash_ipc.decode.bound import H200_HBM_BYTES_PER_S, weight_bytes
+from dflash_ipc.decode.bound import hbm_tbps as device_hbm_tbps, weight_bytes
 from dflash_ipc.drafter.model import DFlashConfig, DFlashDraftModel
 from dflash_ipc.eval.decoding import PlainDecoder, SpeculativeDecoder
 from dflash_ipc.eval.drafter_context import DrafterContext
@@ -242,11 +242,12 @@ def summary(rows: Sequence[Row], bound_ms: float = math.nan) -> dict:
 def run_eval_bench(*, device: str = "cuda:0", shape: str = "qwen3-1.7b", batch_sizes: Sequence[int] = (1, 16, 64, 256),
                    prompts_per_batch: int = 2, max_new_tokens: int = 128, prompt_len: tuple[int, int] = (64, 256),
                    legacy_prompts: int = 2, dtype: str = "auto", work_dir: str | None = None, seed: int = 0,
-                   hbm_tbps: float = H200_HBM_BYTES_PER_S / 1e12, compile: str = "auto",
+                   hbm_tbps: float | None = None, compile: str = "auto",
                    emit: Callable[[str], None] = print) -> dict:
     """Build (or reuse, in ``work_dir``) the assets, measure every row, ``emit`` the table; the figures."""
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    hbm_tbps = device_hbm_tbps(dev, hbm_tbps)
     owned = work_dir is None
     work_dir = work_dir or tempfile.mkdtemp(prefix="dflash-bench-eval-")
     try:

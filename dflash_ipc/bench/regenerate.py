@@ -43,7 +43,7 @@ import time
 
 import numpy as np
 
-from dflash_ipc.decode.bound import H200_HBM_BYTES_PER_S, bound, weight_bytes
+from dflash_ipc.decode.bound import hbm_tbps as device_hbm_tbps, bound, weight_bytes
 from dflash_ipc.regenerate.generator import BatchStats, Generator, GeneratorSettings, default_max_batch_size
 from dflash_ipc.regenerate.hf import make_scheduler
 
@@ -156,7 +156,8 @@ def run_regenerate_bench(*, shape: str = "qwen3-1.7b", target: str | None = None
                          num_prompts: int = 512, num_single: int = 4, min_prompt: int = 64, max_prompt: int = 256,
                          min_new_tokens: int | None = None, max_new_tokens: int = 256, token_budget: int | None = None,
                          max_batch_size: int | None = None, phases=DEFAULT_PHASES, dtype: str = "bfloat16",
-                         check_every: int = 16, refill_rows: int | None = None, hbm_tbps: float = H200_HBM_BYTES_PER_S / 1e12, seed: int = 0) -> dict:
+                         check_every: int = 16, refill_rows: int | None = None, hbm_tbps: float | None = None,
+                         seed: int = 0) -> dict:
     """Build (or take) the target, run the phases, return every figure (see the module docstring)."""
     from transformers import AutoTokenizer
 
@@ -172,6 +173,7 @@ def run_regenerate_bench(*, shape: str = "qwen3-1.7b", target: str | None = None
     cpu = device.startswith("cpu")
     max_batch_size = max_batch_size or default_max_batch_size("engine", cpu=cpu)  # generate's phases too
     min_new_tokens = min_new_tokens or max(1, max_new_tokens // 8)
+    hbm_tbps = device_hbm_tbps(device, hbm_tbps)
     hbm = hbm_tbps * 1e12
     with tempfile.TemporaryDirectory(prefix="bench-regenerate-") as tmp:
         if target is None:

@@ -249,8 +249,9 @@ def bench_pipeline(config, overrides, seconds, warmup_s, json_path, run_dir) -> 
 @click.option("--refill-rows", type=click.IntRange(min=1), default=None,
               help="engine-continuous, engine-compiled: free rows a refill waits for (default: an eighth of the "
                    "rows).")
-@click.option("--hbm-tbps", default=4.8, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="Memory bandwidth of the bound, TB/s (H200: 4.8).")
+@click.option("--hbm-tbps", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="Memory bandwidth of the bound, TB/s (default: the GPU's, decode/bound.py HBM_TBPS: H200 4.8, "
+                   "H100 SXM 3.35; else 4.8).")
 @click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="bfloat16", show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures as JSON.")
 def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt, max_prompt, min_new_tokens,
@@ -290,8 +291,9 @@ def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt,
               show_default=True)
 @click.option("--work-dir", default=None, type=click.Path(file_okay=False),
               help="Keep the random target here (reused next time); default: a temporary directory.")
-@click.option("--hbm-tbps", default=4.8, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="Memory bandwidth of the bound, TB/s (H200: 4.8).")
+@click.option("--hbm-tbps", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="Memory bandwidth of the bound, TB/s (default: the GPU's, decode/bound.py HBM_TBPS: H200 4.8, "
+                   "H100 SXM 3.35; else 4.8).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures.")
 def bench_eval(device, shape, batch_sizes, prompts_per_batch, max_new_tokens, prompt_len, legacy_prompts,
                compile_decode, dtype, work_dir, hbm_tbps, json_path) -> None:

@@ -16,7 +16,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 H200_HBM_BYTES_PER_S = 4.8e12
-"""H200 HBM3e, NVIDIA's figure (the bench's default; --hbm-tbps sets another)."""
+"""H200 HBM3e, NVIDIA's figure (the bound where the GPU is not one of HBM_TBPS; --hbm-tbps sets another)."""
+HBM_TBPS = (("GH200", None), ("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100", 3.35))
+"""NVIDIA's memory bandwidth figures (TB/s) by a part of the device name, first match (an
+"NVIDIA H100 80GB HBM3" is the SXM part); None: a name whose parts differ in bandwidth (a GH200
+of HBM3 or HBM3e), taken as an unknown GPU."""
+
+
+def hbm_tbps(device, given: float | None = None) -> float:
+    """``given``, else the bandwidth of CUDA ``device`` (HBM_TBPS), else the H200's (an unknown
+    GPU: pass its figure, --hbm-tbps)."""
+    if given is not None:
+        return given
+    import torch
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(dev)
+        for part, tbps in HBM_TBPS:
+            if part in name:
+                if tbps is None:
+                    break
+                return tbps
+    return H200_HBM_BYTES_PER_S / 1e12
 
 
 def weight_bytes(model) -> int:
