@@ -1,4 +1,4 @@
-"""A decoder layer's few-row step as four launches that carry the layer's small ops.
+"""A decoder layer's few-row step as four fused ops that carry the layer's small ops.
 
 At batch 1 a compiled decode layer (decode/compiled.py) runs its products through
 decode/matvec.py's kernels and, between them, Inductor's fused element-wise kernels: the input
