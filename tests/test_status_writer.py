@@ -105,6 +105,7 @@ def test_a_real_terminal_is_recognised_with_its_width():
     """A pseudo-terminal 80 columns wide: in place, a 100-character line counted as 2 rows."""
     import fcntl
     import os
+    import select
     import struct
     import termios
     master, slave = os.openpty()
@@ -114,7 +115,11 @@ def test_a_real_terminal_is_recognised_with_its_width():
             writer = StatusWriter(stream)
             writer.show(["x" * 100, "y"])
             writer.show(["z", "w"])
-            written = os.read(master, 4096).decode()
+            written = ""
+            # One read may return only part of what the terminal holds: read until the last
+            # line has come (or 5 s without more).
+            while not written.endswith("w\r\n") and select.select([master], [], [], 5.0)[0]:
+                written += os.read(master, 4096).decode()
         finally:
             os.close(master)
     assert writer.tty and "\x1b[3A\x1b[J" in written and written.endswith("w\r\n")
