@@ -12,6 +12,19 @@ from dflash_ipc.decode.engine import DecodeEngine, EngineSettings
 from dflash_ipc.decode.requests import Request, RequestList
 
 
+def make_requests(n=11, seed=0, max_len=40, max_new=20) -> list[Request]:
+    """``n`` requests of random prompts (3..max_len tokens) and budgets (1..max_new new tokens)."""
+    rng = np.random.default_rng(seed)
+    return [Request(key=(i, 0), prompt_ids=rng.integers(10, 1000, size=int(rng.integers(3, max_len))),
+                    max_new_tokens=int(rng.integers(1, max_new))) for i in range(n)]
+
+
+def greedy_tokens(target, requests, *, compile: str, max_rows: int) -> dict:
+    """Each request's greedy tokens from the decoding core over ``target``, by request key."""
+    engine = DecodeEngine(target, settings=EngineSettings(max_rows=max_rows, check_every=3, compile=compile))
+    return {g.request.key: g.tokens for g in engine.run(RequestList(requests)).generations}
+
+
 def check_switch_setting(monkeypatch, env: str, enabled) -> None:
     """``enabled(device)`` of the switch ``$env``: a value outside auto/off is a ConfigError that
     names it, off is off on CUDA, unset is off on CPU."""
@@ -33,9 +46,7 @@ def decode_verdicts(tmp_path, monkeypatch, env: str, *, rows: int, max_prompt: i
 
     path = str(tmp_path / "target")
     build_random_target(path, shape="tiny", dtype="bfloat16", num_layers=2, seed=5)
-    rng = np.random.default_rng(0)
-    batch = [Request(key=(i, 0), prompt_ids=rng.integers(10, 1000, size=int(rng.integers(3, max_prompt))),
-                     max_new_tokens=int(rng.integers(1, max_new))) for i in range(num_requests)]
+    batch = make_requests(num_requests, max_len=max_prompt, max_new=max_new)
     runs = {}
     for setting in ("off", "auto"):
         monkeypatch.setenv(env, setting)

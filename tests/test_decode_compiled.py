@@ -20,9 +20,10 @@ from dflash_ipc.bench.assets import build_random_target
 from dflash_ipc.decode import compiled
 from dflash_ipc.decode.compiled import SCOPE_ENV, SCOPES, compile_enabled, compile_scope
 from dflash_ipc.decode.engine import DecodeEngine, EngineSettings
-from dflash_ipc.decode.requests import Request, RequestList
+from dflash_ipc.decode.requests import RequestList
 from dflash_ipc.decode.target import BatchedTarget
 from dflash_ipc.errors import ConfigError
+from decode_switch_helpers import make_requests
 
 torch.set_num_threads(1)
 
@@ -57,12 +58,6 @@ def counter(monkeypatch):
     monkeypatch.setattr(compiled, "BACKEND", count)
     yield count
     torch._dynamo.reset()
-
-
-def make_requests(n=11, seed=0):
-    rng = np.random.default_rng(seed)
-    return [Request(key=(i, 0), prompt_ids=rng.integers(10, 1000, size=int(rng.integers(3, 40))),
-                    max_new_tokens=int(rng.integers(1, 20))) for i in range(n)]
 
 
 def tokens(run):

@@ -13,6 +13,7 @@ from dflash_ipc.decode.sampler import TokenChoice
 from dflash_ipc.errors import ConfigError
 from dflash_ipc.decode.requests import Request, RequestList
 from dflash_ipc.decode.target import BatchedTarget
+from decode_switch_helpers import make_requests
 
 torch.set_num_threads(1)
 
@@ -25,12 +26,6 @@ def target_dir(tiny_cache):
 @pytest.fixture(scope="module")
 def target(target_dir):
     return BatchedTarget(target_dir, device="cpu", dtype="float32")
-
-
-def make_requests(n=11, seed=0, max_len=40, max_new=20):
-    rng = np.random.default_rng(seed)
-    return [Request(key=(i, 0), prompt_ids=rng.integers(10, 1000, size=int(rng.integers(3, max_len))),
-                    max_new_tokens=int(rng.integers(1, max_new))) for i in range(n)]
 
 
 @torch.inference_mode()

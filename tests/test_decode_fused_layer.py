@@ -8,7 +8,6 @@ fused step gives the eager tokens, runs the fused step for a few rows and the la
 more, and compiles no more graphs per layer. On CUDA (marked gpu): the kernels' prologue and
 epilogue against the torch ops, and a bf16 target's decode fused against unfused."""
 
-import numpy as np
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -16,13 +15,11 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from dflash_ipc.decode import compiled, fused_layer, matvec
-from dflash_ipc.decode.engine import DecodeEngine, EngineSettings
 from dflash_ipc.decode.fused_layer import FUSE_LAYER_ENV, fusable
 from dflash_ipc.decode.fused_projections import fuse_projections
-from dflash_ipc.decode.requests import Request, RequestList
 from dflash_ipc.decode.target import BatchedTarget
 from dflash_ipc.errors import ConfigError
-from decode_switch_helpers import decode_verdicts
+from decode_switch_helpers import decode_verdicts, greedy_tokens, make_requests
 
 torch.set_num_threads(1)
 SMALL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -153,13 +150,10 @@ def test_the_compiled_decode_runs_the_fused_step_for_few_rows_and_gives_the_eage
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     monkeypatch.setattr(compiled, "BACKEND", counter)
-    rng = np.random.default_rng(0)
-    batch = [Request(key=(i, 0), prompt_ids=rng.integers(10, 1000, size=int(rng.integers(3, 30))),
-                     max_new_tokens=int(rng.integers(1, 12))) for i in range(7)]
+    batch = make_requests(7, max_len=30, max_new=12)
 
     def run(target, compile, max_rows):
-        engine = DecodeEngine(target, settings=EngineSettings(max_rows=max_rows, check_every=3, compile=compile))
-        return {g.request.key: g.tokens for g in engine.run(RequestList(batch)).generations}
+        return greedy_tokens(target, batch, compile=compile, max_rows=max_rows)
 
     plain = BatchedTarget(four_layer_target, device="cpu", dtype="float32", compile_scope="layer")
     fused = BatchedTarget(four_layer_target, device="cpu", dtype="float32", compile_scope="layer")

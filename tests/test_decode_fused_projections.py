@@ -6,18 +6,15 @@ on its own input is still right, and the compiled decode layer (``aot_eager``) w
 projections gives the eager tokens with no recompile per layer and no graph break. Fusion is
 on for CUDA targets by default; here it is applied by hand (CPU keeps the model as loaded)."""
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash_ipc.decode import compiled, fused_projections
-from dflash_ipc.decode.engine import DecodeEngine, EngineSettings
 from dflash_ipc.decode.fused_projections import FUSE_ENV, FusedMember, fuse_projections
-from dflash_ipc.decode.requests import Request, RequestList
 from dflash_ipc.decode.target import BatchedTarget
-from decode_switch_helpers import check_switch_setting
+from decode_switch_helpers import check_switch_setting, greedy_tokens, make_requests
 
 torch.set_num_threads(1)
 
@@ -79,13 +76,10 @@ def test_compiled_fused_layers_give_the_eager_tokens_once_compiled(four_layer_ta
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     monkeypatch.setattr(compiled, "BACKEND", counter)
-    rng = np.random.default_rng(0)
-    batch = [Request(key=(i, 0), prompt_ids=rng.integers(10, 1000, size=int(rng.integers(3, 30))),
-                     max_new_tokens=int(rng.integers(1, 12))) for i in range(5)]
+    batch = make_requests(5, max_len=30, max_new=12)
 
     def run(target, compile):
-        engine = DecodeEngine(target, settings=EngineSettings(max_rows=2, check_every=3, compile=compile))
-        return {g.request.key: g.tokens for g in engine.run(RequestList(batch)).generations}
+        return greedy_tokens(target, batch, compile=compile, max_rows=2)
 
     plain = BatchedTarget(four_layer_target, device="cpu", dtype="float32", compile_scope="layer")
     fused = BatchedTarget(four_layer_target, device="cpu", dtype="float32", compile_scope="layer")

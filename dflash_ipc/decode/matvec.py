@@ -298,7 +298,7 @@ def triton_matvec(x: Tensor, weight: Tensor, bias: Tensor | None = None, config:
     cfg = dict(config or launch_config(weight.shape[0], k))
     if glu:  # each program reads its BLOCK_N rows of gate and as many of up: the same bytes as unfused
         cfg["BLOCK_N"] = max(1, cfg["BLOCK_N"] // 2)
-    fusion = _fusion_args(x1, n, add, norm, eps, h, residual, glu, ONE_ROW_RSTD_BLOCK, bias)
+    fusion = _fusion_args(x1, n, add, norm, h, residual, glu, ONE_ROW_RSTD_BLOCK, bias)
     b = bias if bias is not None else weight  # a pointer the kernel does not read without HAS_BIAS
     _matvec_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](x1, weight, b, y, n, k, *fusion["tensors"], eps, n * k,
                                                       HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0,
@@ -313,7 +313,7 @@ ROWS_RSTD_BLOCK = 512
 """The same for 2..16 rows (a [16, 512] fp32 tile: 64 values per thread at 4 warps)."""
 
 
-def _fusion_args(x: Tensor, n: int, add, norm, eps, h, residual, glu: bool, rstd_block: int, bias=None) -> dict:
+def _fusion_args(x: Tensor, n: int, add, norm, h, residual, glu: bool, rstd_block: int, bias=None) -> dict:
     """The kernels' prologue/epilogue tensors (add, g, h, res: x where a flag is off, a pointer
     the kernel does not read) and flags, checked against x's ``[M, K]`` or ``[K]`` and N outputs."""
     rows, k = (1, x.shape[0]) if x.dim() == 1 else x.shape
@@ -426,7 +426,7 @@ def triton_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: d
     split = triton.cdiv(k, k_per_split)  # none left empty
     part, count = (SPLIT_BUFFERS.get(x.device, blocks * split * block_n * DOT_ROWS, blocks) if split > 1
                    else (y, y))  # pointers the kernel does not touch with one split
-    fusion = _fusion_args(x2, n, add, norm, eps, h, residual, glu, ROWS_RSTD_BLOCK, bias)
+    fusion = _fusion_args(x2, n, add, norm, h, residual, glu, ROWS_RSTD_BLOCK, bias)
     b = bias if bias is not None else weight  # a pointer the kernel does not read without HAS_BIAS
     _rows_kernel[(blocks, split)](x2, weight, b, y, part, count, m, n, k, k_per_split, x2.stride(0), y.stride(0),
                                   *fusion["tensors"], eps, n * k, HAS_BIAS=bias is not None, SPLIT=split,

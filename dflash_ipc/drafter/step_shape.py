@@ -18,9 +18,9 @@ no real row's output, loss or gradient:
 The padding: context keys of no sequence at position 0 (:func:`pad_layout`; their features
 are zero rows, :func:`pad_rows`), and filler blocks that see only their own keys and carry
 no weight (:func:`pad_blocks`, its layout :func:`pad_query_blocks`). In bf16 they change no
-real output and no gradient (tests/test_drafter_step_shape.py); under fp8 they enter a layer's tensorwise input amax (and
-rowwise the per-column scales of the weight gradient), so real rows may move by a float8
-rounding step.
+real output and no gradient (tests/test_drafter_step_shape.py); under fp8 they enter a layer's
+tensorwise input amax (and rowwise the per-column scales of the weight gradient), so real rows
+may move by a float8 rounding step.
 """
 
 from __future__ import annotations
