@@ -78,11 +78,13 @@ if triton is not None:
     # than in kernels of their own. Each rounds to the activations' dtype where the eager layer
     # does (a bf16 tensor between two ops), so only the sums' order differs from the eager path:
     #   ADD       the input is x + add (the attention's output plus the residual stream), and
-    #             the first program also stores that sum to h (the residual of the next product)
+    #             that sum is stored to h (the residual of the next product)
     #   NORM      the input is RMS-normalised, then times the norm's weight g (Llama's RMSNorm:
     #             fp32 mean of squares, x * rsqrt(mean + eps) cast, then g * it)
     #   GLU       the weight is gate rows [0, N) over up rows [N, 2N): y = silu(gate) * up
     #   RESIDUAL  y = product + res (the residual stream after the layer's last product)
+    # The one-row kernel runs ADD and NORM in each program (its row is one load); for more rows
+    # they run before the product, once per row (_rows_norm_kernel).
 
     @triton.jit
     def _one_row_rstd(x_ptr, add_ptr, h_ptr, K, eps, store_h, ADD: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -101,23 +103,30 @@ if triton is not None:
         return tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
 
     @triton.jit
-    def _rows_rstd(x_ptr, add_ptr, h_ptr, M, K, stride_xm, eps, store_h, ADD: tl.constexpr, BLOCK_K: tl.constexpr):
-        """:func:`_one_row_rstd` of each of the M <= 16 rows (``[16]``, padding rows 1/sqrt(eps));
-        add and h are ``[M, K]`` contiguous."""
-        offs_m = tl.arange(0, 16)
-        m_ok = offs_m < M
+    def _rows_norm_kernel(x_ptr, add_ptr, g_ptr, h_ptr, out_ptr, K, stride_xm, eps, ADD: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+        """The few-row kernel's ADD and NORM prologue, once for row ``program_id(0)`` rather than
+        in every program of the product: x (+ add, stored to h) RMS-normalised and times g into
+        out, each step rounded as :func:`_input_tile` rounds it; add, h and out are ``[M, K]``
+        contiguous."""
+        m = tl.program_id(0)
         offs_k = tl.arange(0, BLOCK_K)
-        squares = tl.zeros((16, BLOCK_K), dtype=tl.float32)
+        dtype = out_ptr.dtype.element_ty
+        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            ok = m_ok[:, None] & (k0 + offs_k < K)[None, :]
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k0 + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
+            ok = k0 + offs_k < K
+            x = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=ok, other=0.0).to(tl.float32)
             if ADD:
-                at = offs_m[:, None] * K + k0 + offs_k[None, :]
-                x = (x + tl.load(add_ptr + at, mask=ok, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
-                tl.store(h_ptr + at, x, mask=ok & store_h)
+                x = (x + tl.load(add_ptr + m * K + k0 + offs_k, mask=ok, other=0.0).to(tl.float32)).to(dtype)
+                tl.store(h_ptr + m * K + k0 + offs_k, x, mask=ok)
                 x = x.to(tl.float32)
             squares += x * x
-        return tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps)
+        rstd = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        for k0 in range(0, K, BLOCK_K):  # again (from L1/L2): a row of up to BLOCK_K keys is one pass each
+            ok = k0 + offs_k < K
+            x = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=ok, other=0.0).to(tl.float32)
+            x = _input_tile(x, add_ptr + m * K + k0 + offs_k, g_ptr + k0 + offs_k, rstd, ok, dtype, ADD, True)
+            tl.store(out_ptr + m * K + k0 + offs_k, x.to(dtype), mask=ok)
 
     @triton.jit
     def _input_tile(x, add_ptrs, g_ptrs, rstd, ok, dtype: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr):
@@ -189,32 +198,27 @@ if triton is not None:
 
     @triton.jit
     def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_ym,
-                     add_ptr, g_ptr, h_ptr, res_ptr, eps, up_off,
-                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, ADD: tl.constexpr = False, NORM: tl.constexpr = False,
-                     GLU: tl.constexpr = False, RESIDUAL: tl.constexpr = False, RSTD_BLOCK: tl.constexpr = 16):
+                     res_ptr, up_off, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GLU: tl.constexpr = False,
+                     RESIDUAL: tl.constexpr = False):
         """y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for M <= DOT_ROWS rows m and this program's
         BLOCK_N rows n of w [N, K], over its split of K (program_id 1; ``k_per_split`` keys, a
         multiple of BLOCK_K): each tile of w read once, on the tensor cores for all rows. With
         SPLIT > 1 each split leaves its fp32 sums in ``part`` and counts itself in ``count[n
         block]``; the split that counts last sums them, writes y and sets the count back to 0
-        (so one launch, and no memset before the next one, in a CUDA graph or not). The prologue
-        and epilogue flags above (GLU with one split only); add, h and res are contiguous."""
+        (so one launch, and no memset before the next one, in a CUDA graph or not). The epilogue
+        flags above (GLU with one split only; res contiguous); the prologue's norm runs before, in
+        :func:`_rows_norm_kernel`."""
         pid_n, split = tl.program_id(0), tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         offs_m = tl.arange(0, 16)  # DOT_ROWS
         m_ok = offs_m < M
         dtype = y_ptr.dtype.element_ty
-        rstd = tl.full((16,), 1.0, tl.float32)
-        if NORM:
-            rstd = _rows_rstd(x_ptr, add_ptr, h_ptr, M, K, stride_xm, eps, (pid_n == 0) & (split == 0), ADD,
-                              RSTD_BLOCK)
         k_lo = split * k_per_split
         offs_k = k_lo + tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-        at_k = offs_m[:, None] * K + offs_k[None, :]  # add's tile (and h's), contiguous rows of K
         acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
         acc_up = acc
         if GLU:
@@ -230,17 +234,12 @@ if triton is not None:
                 if GLU:
                     w_up = tl.load(w_ptrs + up_off, mask=n_ok[:, None] & k_ok[None, :], other=0.0,
                                    eviction_policy="evict_first")
-            x_ok = m_ok[:, None] & k_ok[None, :]
-            x = tl.load(x_ptrs, mask=x_ok, other=0.0)
-            if ADD or NORM:
-                x = _input_tile(x.to(tl.float32), add_ptr + at_k, g_ptr + offs_k[None, :], rstd[:, None], x_ok,
-                                dtype, ADD, NORM).to(dtype)
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(w, tl.trans(x), acc)  # [BLOCK_N, 16]: fp32 accumulation
             if GLU:
                 acc_up = tl.dot(w_up, tl.trans(x), acc_up)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-            at_k += BLOCK_K
             offs_k += BLOCK_K
         y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
         res_ptrs = res_ptr + offs_m[None, :] * N + offs_n[:, None]
@@ -309,8 +308,8 @@ def triton_matvec(x: Tensor, weight: Tensor, bias: Tensor | None = None, config:
 ONE_ROW_RSTD_BLOCK = 4096
 """Keys per load of the one-row NORM prologue's sum of squares: a hidden size of up to 4,096 in
 one load (every program sums the whole row before its product starts: latency, not bandwidth)."""
-ROWS_RSTD_BLOCK = 512
-"""The same for 2..16 rows (a [16, 512] fp32 tile: 64 values per thread at 4 warps)."""
+ROWS_NORM_BLOCK = 4096
+"""Keys per load of the few-row kernel's norm (:func:`_rows_norm_kernel`, a program per row)."""
 
 
 def _fusion_args(x: Tensor, n: int, add, norm, h, residual, glu: bool, rstd_block: int, bias=None) -> dict:
@@ -404,7 +403,10 @@ def triton_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: d
                 residual: Tensor | None = None, glu: bool = False) -> Tensor:
     """``F.linear(x, weight, bias)`` by the few-row kernel for x of ``M <= MAX_ROWS`` rows
     (``[..., K]``), weight ``[N, K]``, bias ``[N]``; fp32 sums, x's dtype out. The prologue and
-    epilogue arguments are :func:`triton_matvec`'s, for every row (GLU runs K unsplit)."""
+    epilogue arguments are :func:`triton_matvec`'s, for every row (GLU runs K unsplit). The
+    prologue (add, norm) runs first in a launch of its own, a program per row: inside the
+    product every program would norm all rows for itself, which took 12 us more than the product
+    at the Qwen3-1.7B gate|up shape on an H100 (docs/benchmarks.md)."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     if not 1 <= m <= MAX_ROWS or weight.shape[1] != k:
@@ -426,11 +428,17 @@ def triton_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: d
     split = triton.cdiv(k, k_per_split)  # none left empty
     part, count = (SPLIT_BUFFERS.get(x.device, blocks * split * block_n * DOT_ROWS, blocks) if split > 1
                    else (y, y))  # pointers the kernel does not touch with one split
-    fusion = _fusion_args(x2, n, add, norm, h, residual, glu, ROWS_RSTD_BLOCK, bias)
+    fusion = _fusion_args(x2, n, add, norm, h, residual, glu, ROWS_NORM_BLOCK, bias)
+    if norm is not None:
+        normed = torch.empty(m, k, dtype=x.dtype, device=x.device)
+        add_, g, h_ = fusion["tensors"][:3]
+        _rows_norm_kernel[(m,)](x2, add_, g, h_, normed, k, x2.stride(0), eps, ADD=add is not None,
+                                BLOCK_K=fusion["flags"]["RSTD_BLOCK"], num_warps=4)
+        x2 = normed
     b = bias if bias is not None else weight  # a pointer the kernel does not read without HAS_BIAS
     _rows_kernel[(blocks, split)](x2, weight, b, y, part, count, m, n, k, k_per_split, x2.stride(0), y.stride(0),
-                                  *fusion["tensors"], eps, n * k, HAS_BIAS=bias is not None, SPLIT=split,
-                                  EVEN_K=k % block_k == 0, **fusion["flags"], **cfg)
+                                  fusion["tensors"][3], n * k, HAS_BIAS=bias is not None, SPLIT=split,
+                                  EVEN_K=k % block_k == 0, GLU=glu, RESIDUAL=residual is not None, **cfg)
     return y.reshape(*x.shape[:-1], n)
 
 
