@@ -655,6 +655,22 @@ def test_fp8_layers_off_needs_a_float8_head_and_no_shared_casts():
 
 
 @needs_torchao
+def test_fp8_for_a_drafter_below_the_measured_crossover_warns(monkeypatch, caplog):
+    monkeypatch.setenv(prec.EMULATE_ENV, "1")
+    config = bd.drafter_model_config("tiny")  # hidden 64
+    head = bd.random_head(config, "cpu", torch.Generator().manual_seed(0))
+    with caplog.at_level("WARNING", logger=prec.__name__):
+        prec.apply_precision(_fp8_cfg().drafter, DFlashDraftModel(config), head, "cpu")
+    assert any("hidden size is 64" in r.getMessage() and "bench drafter --precision bf16,fp8" in r.getMessage()
+               for r in caplog.records if r.levelname == "WARNING")
+    caplog.clear()
+    monkeypatch.setattr(prec, "FP8_FASTER_FROM_HIDDEN", 64)
+    with caplog.at_level("WARNING", logger=prec.__name__):
+        prec.apply_precision(_fp8_cfg().drafter, DFlashDraftModel(config), head, "cpu")
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+@needs_torchao
 def test_fp8_layers_off_keeps_every_layer_bf16_and_the_head_in_float8(monkeypatch):
     """Small drafters: the layers' float8 casts cost more than they save, the head is most of
     the FLOPs (docs/benchmarks.md): only the LM head's matmuls in float8."""
