@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from transformers import Cache
 
+from dflash_ipc.decode import kv_write
 from dflash_ipc.errors import DataError
 
 MASK_ALIGN = 16
@@ -56,6 +57,9 @@ class RowStorage:
             shape = (self.storage_rows, self.capacity + 1)
             self.keys[layer] = k.new_zeros(*shape, *k.shape[2:])
             self.values[layer] = v.new_zeros(*shape, *v.shape[2:])
+        if kv_write.takes(self.keys[layer], self.values[layer], rows, pos, k, v):  # CUDA: one launch for both
+            kv_write.write(self.keys[layer], self.values[layer], rows, pos, k, v)
+            return
         index = (rows[:, None], pos)
         self.keys[layer].index_put_(index, k)
         self.values[layer].index_put_(index, v)
