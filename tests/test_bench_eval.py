@@ -55,6 +55,27 @@ def test_every_row_runs_on_cpu(work_dir):
     assert os.path.isfile(os.path.join(work_dir, "target-tiny", "config.json"))  # kept for the next run
 
 
+def test_repeated_runs_report_the_median_and_their_spread(work_dir):
+    lines = []
+    f = run_eval_bench(device="cpu", shape="tiny", batch_sizes=(1,), max_new_tokens=6, prompt_len=(8, 12),
+                       legacy_prompts=0, work_dir=work_dir, repeats=3, emit=lines.append)
+    assert f["repeats"] == 3
+    for r in f["rows"]:
+        assert len(r["ms_runs"]) == 3 and r["ms_per_forward"] == pytest.approx(sorted(r["ms_runs"])[1])
+    one = f["summary"]["batch1"]
+    assert one["plain_ms_runs"] and one["spec_ms_runs"]
+    assert any(line.startswith("  batch 1, the median of 3 timed runs each: plain ") for line in lines[0].splitlines())
+
+
+def test_the_median_run_is_the_lower_middle_one_and_a_failed_run_is_the_rows():
+    from dflash_ipc.bench.eval import Row, _median_run
+    runs = [Row(impl="batched", mode="plain", batch_size=1, wall_s=w, num_forwards=10) for w in (0.4, 0.1, 0.3, 0.2)]
+    median = _median_run(runs)
+    assert median.wall_s == 0.2 and median.ms_runs == pytest.approx([40.0, 10.0, 30.0, 20.0])
+    runs[2].error = "out of GPU memory"
+    assert _median_run(runs).error == "out of GPU memory"
+
+
 def test_bench_command_writes_strict_json(work_dir, tmp_path):
     out = str(tmp_path / "bench.json")
     result = CliRunner().invoke(main, ["bench", "eval", "--device", "cpu", "--shape", "tiny", "--batch-sizes", "2",

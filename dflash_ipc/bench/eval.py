@@ -43,7 +43,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -80,6 +80,9 @@ class Row:
     num_forwards: int = 0
     """Target forwards (prefills, plain steps, verify passes)."""
     error: str | None = None
+    ms_runs: list[float] = field(default_factory=list)
+    """ms per forward of each timed run of a batched row (``repeats``); the row's figures are
+    the median run's."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -119,6 +122,18 @@ def _measure(row: Row, device: torch.device, fn: Callable[[], tuple]) -> Row:
         logger.info("bench eval: %s %s batch %d, %d prompts: %d tokens in %.2f s, %.1f tok/s", row.impl, row.mode,
                     row.batch_size, row.num_prompts, row.num_tokens, row.wall_s, row.tokens_per_s)
     return row
+
+
+def _median_run(runs: list[Row]) -> Row:
+    """The run of median ms per forward (the lower of the middle two for an even count), with
+    every run's ms per forward; the first failed run, if one failed."""
+    failed = next((r for r in runs if r.error), None)
+    if failed is not None:
+        return failed
+    ranked = sorted(runs, key=lambda r: r.ms_per_forward)
+    chosen = copy.copy(ranked[(len(ranked) - 1) // 2])
+    chosen.ms_runs = [r.ms_per_forward for r in runs]
+    return chosen
 
 
 def _time(row: Row, device: torch.device, fn: Callable[[], tuple]) -> Row:
@@ -170,9 +185,10 @@ def legacy_rows(target_dir: str, model: DFlashDraftModel, prompts: Sequence[np.n
 
 def batched_rows(target: BatchedTarget, model: DFlashDraftModel, prompts: Sequence[np.ndarray], *,
                  batch_sizes: Sequence[int], prompts_per_batch: int, max_new_tokens: int,
-                 compile: str = "auto") -> list[Row]:
+                 compile: str = "auto", repeats: int = 1) -> list[Row]:
     """Both batched decoders at each batch size; stops growing the batch after running out of memory.
-    ``compile``: torch.compile of the target's decode forward (decode/compiled.py COMPILE)."""
+    ``compile``: torch.compile of the target's decode forward (decode/compiled.py COMPILE);
+    ``repeats``: timed runs per row, one after another (the median run is the row's)."""
     drafter = DrafterContext(model, target.head)
 
     def decoders(batch_size: int):
@@ -202,8 +218,8 @@ def batched_rows(target: BatchedTarget, model: DFlashDraftModel, prompts: Sequen
                 decoder.run(requests(n))  # warm-up: the same shapes, so every CUDA graph is captured
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
-            rows.append(_measure(Row(impl="batched", mode=mode, batch_size=batch_size, num_prompts=n),
-                                 target.device, run))
+            rows.append(_median_run([_measure(Row(impl="batched", mode=mode, batch_size=batch_size, num_prompts=n),
+                                              target.device, run) for _ in range(repeats)]))
             if mode == "plain":
                 decoder.engine.release()  # its cache stayed for the timed run; the next decoder builds its own
         if any(r.error for r in rows[-2:]):
@@ -224,7 +240,8 @@ def summary(rows: Sequence[Row], bound_ms: float = math.nan) -> dict:
         out["batch1"] = {"plain_ms_per_step": plain1.ms_per_forward, "bound_ms_per_step": bound_ms,
                          "plain_of_bound": bound_ms / plain1.ms_per_forward,
                          "spec_ms_per_cycle": spec1.ms_per_forward if spec1 else math.nan,
-                         "cycle_in_plain_steps": spec1.ms_per_forward / plain1.ms_per_forward if spec1 else math.nan}
+                         "cycle_in_plain_steps": spec1.ms_per_forward / plain1.ms_per_forward if spec1 else math.nan,
+                         "plain_ms_runs": plain1.ms_runs, "spec_ms_runs": spec1.ms_runs if spec1 else []}
     for mode in ("speculative", "plain"):
         legacy = next((r for r in rows if r.impl == "legacy" and r.mode == mode and not r.error), None)
         batched = [r for r in rows if r.impl == "batched" and r.mode == mode and not r.error]
@@ -242,7 +259,7 @@ def summary(rows: Sequence[Row], bound_ms: float = math.nan) -> dict:
 def run_eval_bench(*, device: str = "cuda:0", shape: str = "qwen3-1.7b", batch_sizes: Sequence[int] = (1, 16, 64, 256),
                    prompts_per_batch: int = 2, max_new_tokens: int = 128, prompt_len: tuple[int, int] = (64, 256),
                    legacy_prompts: int = 2, dtype: str = "auto", work_dir: str | None = None, seed: int = 0,
-                   hbm_tbps: float | None = None, compile: str = "auto",
+                   hbm_tbps: float | None = None, compile: str = "auto", repeats: int = 1,
                    emit: Callable[[str], None] = print) -> dict:
     """Build (or reuse, in ``work_dir``) the assets, measure every row, ``emit`` the table; the figures."""
     dev = torch.device(device)
@@ -263,7 +280,7 @@ def run_eval_bench(*, device: str = "cuda:0", shape: str = "qwen3-1.7b", batch_s
                            dtype=dtype) if legacy_prompts else []
         target = BatchedTarget(target_dir, layer_ids=model.config.target_layer_ids, device=dev, dtype=dtype)
         rows += batched_rows(target, model, prompts, batch_sizes=batch_sizes, prompts_per_batch=prompts_per_batch,
-                             max_new_tokens=max_new_tokens, compile=compile)
+                             max_new_tokens=max_new_tokens, compile=compile, repeats=repeats)
         weights = weight_bytes(target.model)
     finally:
         if owned:
@@ -272,7 +289,7 @@ def run_eval_bench(*, device: str = "cuda:0", shape: str = "qwen3-1.7b", batch_s
                "num_target_layers": target.num_layers, "hidden_size": target.hidden_size,
                "vocab_size": target.head.vocab_size, "drafter_layers": model.config.num_hidden_layers,
                "block_size": model.config.block_size, "max_new_tokens": max_new_tokens, "prompt_len": list(prompt_len),
-               "compile": compile, "fused_groups": target.num_fused_groups, "matvec_linears": target.num_matvec_linears,
+               "compile": compile, "repeats": repeats, "fused_groups": target.num_fused_groups, "matvec_linears": target.num_matvec_linears,
                "kernel_attention_layers": target.num_kernel_attention,
                "build_s": build_s, "total_s": time.perf_counter() - started, "goal": GOAL,
                "hbm_tbps": hbm_tbps, "weight_gib": weights / 2**30,
@@ -312,6 +329,12 @@ def format_table(f: dict) -> str:
                      f"{100 * one['plain_of_bound']:.0f}% of the bound; speculative cycle (draft + verify) "
                      f"{one['spec_ms_per_cycle']:.2f} ms = {one['cycle_in_plain_steps']:.2f} plain steps "
                      f"(speedup = tau / {one['cycle_in_plain_steps']:.2f})")
+        plain_runs, spec_runs = one.get("plain_ms_runs") or [], one.get("spec_ms_runs") or []
+        if len(plain_runs) > 1 and len(spec_runs) > 1:
+            lines.append(f"  batch 1, the median of {len(plain_runs)} timed runs each: plain {min(plain_runs):.2f}-"
+                         f"{max(plain_runs):.2f} ms, cycle {min(spec_runs):.2f}-{max(spec_runs):.2f} ms, so the "
+                         f"cycle is {min(spec_runs) / max(plain_runs):.2f}-{max(spec_runs) / min(plain_runs):.2f} "
+                         "plain steps at the extremes")
     for mode, s in f["summary"].items():
         if mode == "batch1":
             continue

@@ -294,9 +294,12 @@ def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt,
 @click.option("--hbm-tbps", default=None, type=click.FloatRange(min=0, min_open=True),
               help="Memory bandwidth of the bound, TB/s (default: the GPU's, decode/bound.py HBM_TBPS: H200 4.8, "
                    "H100 SXM 3.35; else 4.8).")
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Timed runs of each batched row, one after another: the row reports the median run, and at "
+                   "batch 1 the summary the spread of plain steps and cycles.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures.")
 def bench_eval(device, shape, batch_sizes, prompts_per_batch, max_new_tokens, prompt_len, legacy_prompts,
-               compile_decode, dtype, work_dir, hbm_tbps, json_path) -> None:
+               compile_decode, dtype, work_dir, hbm_tbps, repeats, json_path) -> None:
     """Tokens/s of batched speculative and plain decoding against the unbatched decoder."""
     from dflash_ipc.bench.eval import run_eval_bench
     from dflash_ipc.run.logs import setup_logging
@@ -305,6 +308,6 @@ def bench_eval(device, shape, batch_sizes, prompts_per_batch, max_new_tokens, pr
                              prompts_per_batch=prompts_per_batch, max_new_tokens=max_new_tokens,
                              prompt_len=tuple(int_list(prompt_len, "--prompt-len", size=2)),
                              legacy_prompts=legacy_prompts, dtype=dtype, work_dir=work_dir, hbm_tbps=hbm_tbps,
-                             compile=compile_decode, emit=click.echo)
+                             compile=compile_decode, repeats=repeats, emit=click.echo)
     if json_path:
         write_json_atomic(json_path, figures)
