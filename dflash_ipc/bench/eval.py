@@ -130,7 +130,7 @@ def _median_run(runs: list[Row]) -> Row:
     failed = next((r for r in runs if r.error), None)
     if failed is not None:
         return failed
-    ranked = sorted(runs, key=lambda r: r.ms_per_forward)
+    ranked = sorted(runs, key=lambda r: r.wall_s / max(r.num_forwards, 1))  # ms per forward (or wall: none)
     chosen = copy.copy(ranked[(len(ranked) - 1) // 2])
     chosen.ms_runs = [r.ms_per_forward for r in runs]
     return chosen
@@ -218,8 +218,11 @@ def batched_rows(target: BatchedTarget, model: DFlashDraftModel, prompts: Sequen
                 decoder.run(requests(n))  # warm-up: the same shapes, so every CUDA graph is captured
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
-            rows.append(_median_run([_measure(Row(impl="batched", mode=mode, batch_size=batch_size, num_prompts=n),
-                                              target.device, run) for _ in range(repeats)]))
+            runs: list[Row] = []
+            while len(runs) < repeats and not (runs and runs[-1].error):  # no more runs after one fails
+                runs.append(_measure(Row(impl="batched", mode=mode, batch_size=batch_size, num_prompts=n),
+                                     target.device, run))
+            rows.append(_median_run(runs))
             if mode == "plain":
                 decoder.engine.release()  # its cache stayed for the timed run; the next decoder builds its own
         if any(r.error for r in rows[-2:]):

@@ -223,7 +223,8 @@ def fused_layer_step(layer, keys: Tensor, values: Tensor, rows: Tensor, pos: Ten
 
 class LayerKV:
     """One layer of a RaggedCache under ``plan_extend``, as HF attention calls it
-    (``update(k, v, layer_idx)``): RowStorage.write then .view on this layer's storage
+    (``update(k, v, layer_idx)``): ``index_put_`` as RowStorage.write does outside CUDA (in the
+    compiled step the compiler fuses it into its own kernels) then .view on this layer's storage
     ``[rows, capacity + 1, heads, D]``; the index is not read."""
 
     def __init__(self, keys: Tensor, values: Tensor, rows: Tensor, pos: Tensor, length: int) -> None:

@@ -5,7 +5,9 @@ decode/matvec.py's kernels and, between them, Inductor's fused element-wise kern
 norm, q/k norms and rotary, the two cache writes, the residual add and the second norm, silu *
 up, the last residual add. Each is a launch of its own that reads a few kilobytes
 (docs/benchmarks.md, "Batch 1": eight per layer at the Qwen3-1.7B shape, 0.31 ms of a 1.9-ms
-step, plus the time between launches). Here they run inside other launches:
+step, plus the time between launches). Here they run inside other launches (for 2..16 rows the
+input norm and the add and norm before gate|up run in one short launch each, just before their
+product: decode/matvec.py ``_rows_norm_kernel``):
 
     q|k|v    = norm_linear(x)                     the input norm in the product's prologue
     query    = qk_rope_write(q|k|v)               q/k norms, rotary, k and v into the cache (qk_rope.py)

@@ -13,8 +13,9 @@ give each program ``BLOCK_N`` whole rows of the weight and stream their contiguo
     2..MAX_ROWS  the rows padded to 16 and multiplied on the tensor cores (``tl.dot``, fp32
                  accumulation), each weight tile read once for all of them: ``_rows_kernel``.
 
-Both take a prologue and an epilogue (flags, see the kernels) that decode/fused_layer.py uses to
-run a decoder layer's norms, residual adds and silu * up inside its products.
+The one-row kernel takes a prologue and an epilogue (flags, see the kernels), the few-row kernel
+the epilogue with its prologue launched just before it (``_rows_norm_kernel``): decode/fused_layer.py
+uses them to run a decoder layer's norms, residual adds and silu * up with its products.
 
 :func:`route_matvec` swaps a model's ``nn.Linear`` modules for :class:`MatVecLinear`, which
 sends a bf16/fp16 CUDA input of at most ``MAX_ROWS`` rows through the custom op
@@ -326,10 +327,19 @@ def _fusion_args(x: Tensor, n: int, add, norm, h, residual, glu: bool, rstd_bloc
                               or t.device != x.device):
             raise ValueError(f"matvec kernels: {name} {tuple(t.shape)} {t.dtype} must be contiguous, of {numel} "
                              f"elements, {x.dtype} on {x.device}")
+    if h is not None and any(_overlap(h, t) for t in (x, add) if t is not None):
+        raise ValueError("matvec kernels: h shares memory with x or add (the kernels read both after writing h)")
     tensors = [t if t is not None else x for t in (add, norm, h, residual)]
     flags = dict(ADD=add is not None, NORM=norm is not None, GLU=glu, RESIDUAL=residual is not None,
                  RSTD_BLOCK=min(rstd_block, triton.next_power_of_2(k)) if norm is not None else 16)
     return {"tensors": tensors, "flags": flags}
+
+
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors' element ranges in memory overlap (same device)."""
+    lo_a, lo_b = a.data_ptr(), b.data_ptr()
+    return (a.device == b.device and lo_a < lo_b + b.numel() * b.element_size()
+            and lo_b < lo_a + a.numel() * a.element_size())
 
 
 ROWS_BLOCK_N = 64
@@ -433,7 +443,7 @@ def triton_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: d
         normed = torch.empty(m, k, dtype=x.dtype, device=x.device)
         add_, g, h_ = fusion["tensors"][:3]
         _rows_norm_kernel[(m,)](x2, add_, g, h_, normed, k, x2.stride(0), eps, ADD=add is not None,
-                                BLOCK_K=fusion["flags"]["RSTD_BLOCK"], num_warps=4)
+                                BLOCK_K=fusion["flags"]["RSTD_BLOCK"], num_warps=4)  # keys per load, as named there
         x2 = normed
     b = bias if bias is not None else weight  # a pointer the kernel does not read without HAS_BIAS
     _rows_kernel[(blocks, split)](x2, weight, b, y, part, count, m, n, k, k_per_split, x2.stride(0), y.stride(0),

@@ -2,7 +2,8 @@
 
 Each layer keeps ``K, V`` ``[rows, capacity + 1, heads, head_dim]``; position ``t`` of a
 row's sequence lives at index ``t``, and the last index is a scratch slot where writes of
-padding tokens go (so a padded batch writes with one fixed-shape ``index_put_``). A row's
+padding tokens go (so a padded batch writes with one fixed-shape ``index_put_``, or on CUDA one
+launch of kv_write.py for k and v). A row's
 valid length is not stored here: the decoders keep it, every forward masks keys at or past
 it, and a shorter length is how rejected drafts are forgotten (no data moves; the next
 writes overwrite them). Storage starts zeroed and every later write is a real K/V, so

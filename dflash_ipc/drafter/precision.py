@@ -70,11 +70,14 @@ EMULATE_ENV = "DFLASH_FP8_EMULATE"
 MIN_TORCHAO = (0, 18)  # the release tested here (its rowwise transpose fix is not in 0.17)
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0) and newer
 FP8_FASTER_FROM_HIDDEN = 2048
-"""The smallest drafter hidden size where an fp8 step has measured faster than a bf16 one
-(docs/benchmarks.md, "fp8 drafter step": the Qwen3-1.7B shape, hidden 2,048, 1.06x synchronised
-and 1.28x pipelined with ragged lengths on an H100; 1.36x at hidden 4,096). At the 135M class,
-hidden 576, fp8 measured slower, with the layers in float8 and with the LM head alone; sizes in
-between are not measured. Below it :func:`apply_precision` warns."""
+"""The smallest drafter hidden size where an fp8 step has measured faster than a bf16 one in
+``bench drafter``'s step of 2,048 anchors (docs/benchmarks.md, "fp8 drafter step": the
+Qwen3-1.7B shape, hidden 2,048, 1.16x synchronised at fixed lengths, 1.06x synchronised and
+1.28x pipelined with ragged ones, on H100s; 1.36x at hidden 4,096). At the 135M class, hidden
+576, the float8 layers made the step slower and the float8 head alone no faster pipelined
+(26.1 against 20.6 ms); smaller steps (``bench precision``'s 1,024 anchors at hidden 2,048) have
+been reported slower in fp8; sizes between 576 and 2,048 are not measured. Below it
+:func:`apply_precision` warns."""
 INSTALL_HINT = "pip install 'dflash-ipc[fp8]'"
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 AMAX_EPS = 1e-12  # as torchao: an all-zero tensor gets a finite scale
@@ -142,10 +145,10 @@ def apply_precision(cfg: DrafterConfig, model: nn.Module, head: FrozenTargetHead
     require_fp8(device)
     hidden = model.config.hidden_size
     if hidden < FP8_FASTER_FROM_HIDDEN:
-        logger.warning("precision fp8: the drafter's hidden size is %d; fp8 has measured slower than bf16 at "
-                       "576 and faster from %d (docs/benchmarks.md, \"fp8 drafter step\"): compare both with "
-                       "`dflash-ipc bench drafter --precision bf16,fp8` before training in fp8", hidden,
-                       FP8_FASTER_FROM_HIDDEN)
+        logger.warning("precision fp8: the drafter's hidden size is %d; fp8 has measured no faster than bf16 "
+                       "at 576 and faster from %d in bench drafter's step (docs/benchmarks.md, \"fp8 drafter "
+                       "step\"): compare both with `dflash-ipc bench drafter --precision bf16,fp8` at your "
+                       "shape before training in fp8", hidden, FP8_FASTER_FROM_HIDDEN)
     emulate = emulate_enabled()
     converted = convert_linears(model, cfg.fp8_recipe, emulate=emulate) if cfg.fp8_layers else []
     if cfg.compile == "off":
