@@ -85,7 +85,9 @@ def triton_qk_rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, q_norm: Tensor |
     out = torch.empty(b, num_heads, q, d, dtype=qkv.dtype, device=qkv.device)
     norm = q_norm is not None
     _qk_rope_write_kernel[(b * q, num_heads + 2 * num_kv_heads)](
-        qkv, cos, sin, q_norm if norm else cos, k_norm if norm else cos, out, keys, values, rows,
+        qkv, cos, sin, q_norm if norm else cos, k_norm if norm else cos,
+        out if num_heads else qkv,  # no query heads (k and v alone): a pointer of the dtype, never stored to
+        keys, values, rows,
         pos.contiguous(), q, num_heads, num_kv_heads, eps, qkv.stride(0), keys.stride(0), keys.stride(1),
         keys.stride(2), D=d, QK_NORM=norm, num_warps=1)
     return out
@@ -115,7 +117,8 @@ def qk_rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, q_norm: Tensor | None, 
                   keys: Tensor, values: Tensor, rows: Tensor, pos: Tensor, num_heads: int, num_kv_heads: int) -> Tensor:
     """qkv ``[B, q, (Hq + 2 Hkv) D]`` (q, k, v heads in order), cos/sin ``[B, q, D]``, per-head
     norm weights (None: no q/k norm), the layer's cache storage ``[rows, capacity + 1, Hkv, D]``
-    written at ``keys[rows[b], pos[b, t]]`` -> the rotated query ``[B, Hq, q, D]``."""
+    written at ``keys[rows[b], pos[b, t]]`` -> the rotated query ``[B, Hq, q, D]``. With
+    ``num_heads`` 0 the product is k|v alone (context rows, which need no query)."""
     b, q = qkv.shape[:2]
     d = qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
     if _kernel_takes(qkv, keys, d):

@@ -51,6 +51,20 @@ class RowStorage:
         """Index that padding tokens write to; never below any row's length."""
         return self.capacity
 
+    def storage(self, layer: int, heads: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device) -> tuple[Tensor, Tensor]:
+        """Layer ``layer``'s (K, V) ``[storage_rows, capacity + 1, heads, head_dim]``, allocated
+        (zeroed) on the first call or write; for kernels that write into it themselves."""
+        if self.keys[layer] is None:
+            shape = (self.storage_rows, self.capacity + 1, heads, head_dim)
+            self.keys[layer] = torch.zeros(shape, dtype=dtype, device=device)
+            self.values[layer] = torch.zeros(shape, dtype=dtype, device=device)
+        keys, values = self.keys[layer], self.values[layer]
+        if keys.shape[2:] != (heads, head_dim) or keys.dtype != dtype or keys.device != torch.device(device):
+            raise DataError(f"{type(self).__name__}: layer {layer} holds {tuple(keys.shape[2:])} {keys.dtype} on "
+                            f"{keys.device}, asked for ({heads}, {head_dim}) {dtype} on {device}")
+        return keys, values
+
     def write(self, layer: int, rows: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
         """k/v ``[R, q, heads, D]`` of storage rows ``rows`` ``[R]`` at indices ``pos`` ``[R, q]``
         (long, same device)."""

@@ -335,12 +335,21 @@ class RotaryEmbedding:
 
     def __call__(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """positions ``[N]`` -> (cos, sin) float32 ``[N, head_dim]``."""
-        inv = self._per_device.get(positions.device)
+        return rotary_table(positions, self.inv_freq(positions.device), self.attention_scaling)
+
+    def inv_freq(self, device: torch.device) -> Tensor:
+        """The float32 inverse frequencies ``[head_dim / 2]`` on ``device`` (copied there once)."""
+        inv = self._per_device.get(device)
         if inv is None:
-            inv = self._per_device[positions.device] = self._inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * inv[None, :]  # [N, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [N, D]
-        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+            inv = self._per_device[device] = self._inv_freq.to(device)
+        return inv
+
+
+def rotary_table(positions: Tensor, inv_freq: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
+    """(cos, sin) float32 ``[N, D]`` of positions ``[N]`` ("rotate_half" layout)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [N, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [N, D]
+    return emb.cos() * scaling, emb.sin() * scaling
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

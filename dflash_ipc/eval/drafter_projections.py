@@ -92,8 +92,12 @@ class FusedProjections(ModuleProjections):
         return q, kv[..., :self.kv_rows], kv[..., self.kv_rows:]
 
     def kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        kv = matvec.decode_linear(x, self.w_kv, rows_limit=self.rows_limit)
+        kv = self.kv_product(x)
         return kv[..., :self.kv_rows], kv[..., self.kv_rows:]
+
+    def kv_product(self, x: Tensor) -> Tensor:
+        """k|v ``[N, 2 Hkv*D]`` of rows ``x``: one product, k's columns first."""
+        return matvec.decode_linear(x, self.w_kv, rows_limit=self.rows_limit)
 
     def o(self, x: Tensor) -> Tensor:
         return matvec.decode_linear(x, self.attn.o_proj.weight, rows_limit=self.rows_limit)
