@@ -106,6 +106,22 @@ def test_recipes_by_name_combination_and_definition():
     assert bp.steps_for_budget(10.0, [0.5, 0.2, 0.25, 0.3, 9.0]) == 33  # the median step, 0.3 s
 
 
+def test_the_cli_precision_variants_are_valid_job_configs():
+    """`bench precision --precision bf16,fp8 [--fp8-shared-casts on]` (the CLI's variants, their
+    drafter.compile "off" spelled as an override) build job configs: YAML reads off as a boolean."""
+    from dflash_ipc.bench.drafter import precision_variants, variant_label
+
+    model_config = bp.DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=5, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=8, vocab_size=64, mask_token_id=63,
+                                   target_layer_ids=[0], num_target_layers=2)
+    variants = precision_variants(["bf16", "fp8"], shared_casts=["off", "on"], compiles=["off", "reduce-overhead"])
+    configs = [bp.recipe_config(r, torch.device("cpu"), TINY, model_config)
+               for r in recipes.precision_recipes(variants, variant_label)]
+    assert [(c.drafter.precision, c.drafter.compile, c.drafter.fp8_shared_casts) for c in configs] == [
+        ("bf16", "off", False), ("bf16", "reduce-overhead", False), ("fp8", "off", False), ("fp8", "off", True),
+        ("fp8", "reduce-overhead", False), ("fp8", "reduce-overhead", True)]
+
+
 def test_assets_are_reused_while_they_match(tiny_run):
     work, f = tiny_run
     weights = os.path.join(f["target"], "model.safetensors")

@@ -31,6 +31,19 @@ def test_overrides_parse_types():
     assert cfg.model.target_layer_ids == [1, 2] and cfg.run.seed == 7
 
 
+def test_a_setting_named_off_survives_yaml_booleans(tmp_path):
+    """YAML 1.1 reads off/on as booleans: a string setting that allows "off" takes it back, in an
+    override and in a file; a boolean where no such setting is allowed is still refused."""
+    assert load_config(None, ["drafter.compile=off"]).drafter.compile == "off"
+    path = tmp_path / "c.yaml"
+    path.write_text("drafter:\n  compile: off\n")
+    assert load_config(str(path)).drafter.compile == "off"
+    with pytest.raises(ConfigError, match="drafter.compile: True not allowed; allowed: off, default"):
+        load_config(None, ["drafter.compile=on"])
+    with pytest.raises(ConfigError, match="drafter.attention: False not allowed"):
+        load_config(None, ["drafter.attention=off"])
+
+
 @pytest.mark.parametrize("override, needle", [
     ("drafter.lrr=1", "unknown key drafter.lrr"),
     ("nosection.x=1", "unknown key nosection"),

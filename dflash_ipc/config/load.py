@@ -76,6 +76,10 @@ def _parse_yaml(text: str, where: str) -> Any:
         raise ConfigError(f"{where}: not valid YAML: {str(exc).split(';')[0][:120]}") from None
 
 
+YAML_SWITCH = {False: "off", True: "on"}
+"""The setting a YAML boolean spells where a field's allowed values are strings that include it."""
+
+
 def _convert(value: Any, hint: Any, key: str) -> Any:
     """Checks `value` against a type hint, converting the few lossless cases (int -> float)."""
     origin = typing.get_origin(hint)
@@ -95,6 +99,8 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
         raise ConfigError(f"{key}: expected {names}, got {type(value).__name__} {_short(value)}")
     if origin is Literal:
         allowed = typing.get_args(hint)
+        if isinstance(value, bool) and YAML_SWITCH[value] in allowed:
+            return YAML_SWITCH[value]  # YAML 1.1 reads off/on (and no/yes) as booleans: drafter.compile=off
         if value not in allowed:
             raise ConfigError(f"{key}: {_short(value)} not allowed; allowed: {', '.join(map(str, allowed))}")
         return value
