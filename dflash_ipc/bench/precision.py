@@ -28,7 +28,7 @@ plain greedy decoding (lossless).
 
 Reported per recipe: the mean loss of each tenth of the run (the loss each recipe minimises:
 D-PACE's is a differently weighted sum, so compare curves within a weighting), steps, the
-mean step time, tau (committed tokens per target forward over all prompts), the per-prompt
+median step time and the steps that compiled (their count and seconds), tau (committed tokens per target forward over all prompts), the per-prompt
 tau's mean, standard deviation, min and max, its gain over the first recipe, and the
 lossless verdict.
 
@@ -399,6 +399,22 @@ def _lossless(e: dict | None) -> str:
     return f"ok{'~' + str(len(e['near_ties'])) if e['near_ties'] else ''}/{e['lossless_checked']}"
 
 
+WARM_STEPS = 5
+"""Steps left out of the step time: the first ones compile the step's functions."""
+SLOW_STEP = 3.0
+"""A step this many times the median or more is counted apart (it compiled: fp8's float8 layers
+compile a static graph for each row count seen twice, up to 8, drafter/precision.py)."""
+
+
+def step_times(step_s: list[float]) -> tuple[float, list[float]]:
+    """(median step, the steps of at least SLOW_STEP x it) over the steps after the first WARM_STEPS.
+    The mean would be mostly compile time in a short run: one compile of a float8 layer's row
+    count took 4 s against 80-ms steps (Qwen3-1.7B shape, H100, docs/benchmarks.md)."""
+    steady = step_s[min(WARM_STEPS, len(step_s) - 1):]
+    typical = statistics.median(steady)
+    return typical, [s for s in steady if s >= SLOW_STEP * typical]
+
+
 def format_report(f: dict) -> str:
     labels = list(f["runs"])
     s = f["sizes"]
@@ -414,24 +430,26 @@ def format_report(f: dict) -> str:
         lines.append(f"    {label:<30} " + " ".join(f"{v:6.3f}" for v in window_means(f["runs"][label]["losses"])))
     base_tau = f["tau"].get(labels[0], float("nan"))
     final_base = window_means(f["runs"][labels[0]]["losses"])[-1]
-    lines.append(f"  {'':<32} {'steps':>6} {'final':>7} {'gap':>8} {'step ms':>8} {'peak GiB':>9} {'tau':>6} {'gain':>7} "
-                 f"{'mean':>6} {'std':>6} {'min':>5} {'max':>5} {'lossless':>9}")
+    lines.append(f"  {'':<32} {'steps':>6} {'final':>7} {'gap':>8} {'step ms':>8} {'slow':>13} {'peak GiB':>9} "
+                 f"{'tau':>6} {'gain':>7} {'mean':>6} {'std':>6} {'min':>5} {'max':>5} {'lossless':>9}")
     for label in labels + ["untrained"]:
         run, e = f["runs"].get(label), (f.get("eval") or {}).get(label)
         spread = tau_spread(e["prompt_taus"] if e else [])
         tau = f["tau"].get(label, float("nan"))
         if run is not None:
-            steady = run["step_s"][min(5, len(run["step_s"]) - 1):]  # after the compiling first steps
+            typical, slow = step_times(run["step_s"])
             peak = f"{run['peak_memory_gib']:.1f}" if run["peak_memory_gib"] is not None else "n/a"
             final = window_means(run["losses"])[-1]
             head = (f"{len(run['losses']):6d} {final:7.3f} {100 * (final / final_base - 1):+7.2f}% "
-                    f"{statistics.fmean(steady) * 1e3:8.1f} {peak:>9}")
+                    f"{typical * 1e3:8.1f} {f'{len(slow)} ({sum(slow):.1f} s)':>13} {peak:>9}")
         else:
-            head = f"{'':6} {'':7} {'':8} {'':8} {'':9}"
+            head = f"{'':6} {'':7} {'':8} {'':8} {'':13} {'':9}"
         lines.append(f"  {label:<32} {head} {tau:6.3f} {100 * (tau / base_tau - 1):+6.1f}% {spread['mean']:6.3f} "
                      f"{spread['std']:6.3f} {spread['min']:5.2f} {spread['max']:5.2f} {_lossless(e):>9}")
-    lines.append(f"  gap: final loss (last tenth) against {labels[0]}'s; tau: committed tokens per target forward "
-                 f"over all prompts, gain against {labels[0]}'s, mean/std/min/max over the prompts")
+    lines.append(f"  gap: final loss (last tenth) against {labels[0]}'s; step ms: the median step after the first "
+                 f"{WARM_STEPS}; slow: those of them over {SLOW_STEP}x it (compiles: a new row count) and their seconds; "
+                 f"tau: committed tokens per target forward over all prompts, gain against {labels[0]}'s, "
+                 f"mean/std/min/max over the prompts")
     dpace = [label for label in labels if "objective.weighting=dpace" in f["runs"][label].get("overrides", [])]
     if dpace:
         lines.append(f"  {', '.join(dpace)}: D-PACE's loss is sum w CE over the labelled slots, another scale than "
