@@ -2,11 +2,11 @@
 
 A row cache (row_cache.py) keeps per layer ``K, V`` ``[rows, capacity + 1, heads, D]`` and a
 forward writes its tokens' k and v at ``(row, position)`` pairs. ``index_put_`` does that in a
-kernel per tensor that works out every element's address from broadcast index tensors: the
-drafter's block and its context append write 10 times per speculative cycle at batch 1 (5
-layers each), and the profile of a cycle at the Qwen3-1.7B shape counted 21 ``index_put_``
-launches and 0.1 ms of their kernel time in it (``python3 -m benchmarks.profile_speculative
-qwen3-1.7b``). Here a program per token copies that token's ``heads x D`` keys
+kernel per tensor that works out every element's address from broadcast index tensors: an
+unfused drafter's block and its context append write 10 times per speculative cycle at batch 1
+(5 layers each; the fused drafter writes through decode/qk_rope.py instead), and the profile of
+such a cycle at the Qwen3-1.7B shape counted 21 ``index_put_`` launches and 0.1 ms of their
+kernel time in it (``python3 -m benchmarks.profile_speculative qwen3-1.7b``). Here a program per token copies that token's ``heads x D`` keys
 (program_id 1 = 0) or values (1) to its row and position: one launch per write, the same
 values (a copy).
 
