@@ -56,11 +56,14 @@ def test_fused_blocks_and_appends_equal_the_unfused_ones(monkeypatch, target_dir
     results = {}
     for setting in ("off", "on"):
         context = _context(monkeypatch, model, legacy.head, setting)
-        calls = []
+        calls, writes = [], []
         fused_layer = context._fused_layer
         monkeypatch.setattr(context, "_fused_layer", lambda *a, **k: calls.append(1) or fused_layer(*a, **k))
         context.reset(num_rows=1, capacity=64)
+        write = context.kv.write  # the unfused path's cache writes (the fused one writes in qk_rope_write)
+        monkeypatch.setattr(context.kv, "write", lambda *a, **k: writes.append(a[0]) or write(*a, **k))
         _fill(context, feats, [20, 8, 16, 1])  # the 20-row prefill is past the fused rows: unfused either way
+        appended = len(writes)
         anchors, starts = torch.tensor([123]), torch.tensor([45])
         logits = context.draft_logits(anchors, starts, max_start=45)
         hidden = context.draft_hidden(anchors, starts, max_start=45)
@@ -68,6 +71,8 @@ def test_fused_blocks_and_appends_equal_the_unfused_ones(monkeypatch, target_dir
         results[setting] = (logits, hidden, caches)
         assert context.fused == (setting == "on")
         assert len(calls) == (2 * len(model.layers) if setting == "on" else 0)  # two blocks (logits, hidden)
+        assert appended == (1 if setting == "on" else 4) * len(model.layers)  # fused: the 20-row prefill only
+        assert len(writes) == appended + (0 if setting == "on" else 2 * len(model.layers))
     (l_off, h_off, c_off), (l_on, h_on, c_on) = results["off"], results["on"]
     assert l_on.shape == (1, 7, legacy.head.lm_head_weight.shape[0])
     assert torch.equal(l_on, l_off) and torch.equal(h_on, h_off)
@@ -85,17 +90,23 @@ def test_blocks_of_more_rows_than_the_fused_limit_run_unfused(monkeypatch, targe
     assert context.draft_logits(torch.tensor([3]), torch.tensor([10]), max_start=10).shape[1] == 7
 
 
-def test_the_switch_and_the_dtype_rule(monkeypatch):
+def test_the_switch_and_what_auto_asks_for(monkeypatch, target_dir):
     monkeypatch.setenv(FUSE_DRAFTER_ENV, "sometimes")
     with pytest.raises(ConfigError, match="DFLASH_DECODE_FUSE_DRAFTER.*allowed"):
-        drafter_context.fused_drafter_enabled("cpu", torch.bfloat16)
+        drafter_context.fused_drafter_enabled("cpu", torch.bfloat16, 64)
     monkeypatch.setenv(FUSE_DRAFTER_ENV, "auto")
-    assert not drafter_context.fused_drafter_enabled("cpu", torch.bfloat16)  # auto: CUDA only
+    assert not drafter_context.fused_drafter_enabled("cpu", torch.bfloat16, 64)  # auto: CUDA only
     monkeypatch.setenv(FUSE_DRAFTER_ENV, "on")
-    assert drafter_context.fused_drafter_enabled("cpu", torch.float32)
-    if torch.cuda.is_available():
+    assert drafter_context.fused_drafter_enabled("cpu", torch.float32, 48)
+    if torch.cuda.is_available():  # auto: what the kernels take, half dtypes and a head dim of a power of 2
         monkeypatch.setenv(FUSE_DRAFTER_ENV, "auto")
-        assert not drafter_context.fused_drafter_enabled("cuda:0", torch.float32)  # the kernels take half dtypes
+        assert drafter_context.fused_drafter_enabled("cuda:0", torch.bfloat16, 64)
+        assert not drafter_context.fused_drafter_enabled("cuda:0", torch.float32, 64)
+        assert not drafter_context.fused_drafter_enabled("cuda:0", torch.bfloat16, 48)
+    model = random_drafter(target_dir, seed=7, num_layers=2).to(torch.bfloat16)
+    assert drafter_context.drafter_fusable(model)
+    model.layers[1].post_attention_layernorm.float()  # a norm the fused ops would not keep in bf16
+    assert not drafter_context.drafter_fusable(model)
 
 
 def test_k_and_v_alone_through_the_rotary_op():
@@ -170,3 +181,30 @@ def test_bf16_fused_drafts_match_and_decoding_stays_lossless(monkeypatch, target
     assert decoder.drafter.fused
     for gen in decoder.run(RequestList(requests)).generations:
         assert compare(gen, plain[gen.request.key], dtype=torch.bfloat16).verdict in ("identical", "near_tie")
+    assert decoder.graphs.enabled and decoder.graphs.num_captures >= 1  # the fused cycle was captured
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_rotary_kernel_writes_k_and_v_alone_and_nothing_outside_the_storage():
+    """The kernel (bf16, CUDA) with no query heads writes exactly the k and v of a call with them;
+    rows and positions outside the storage are not written."""
+    from dflash_ipc.decode import qk_rope
+
+    torch.manual_seed(0)
+    dev, dt, hq, hkv, d, q = "cuda:0", torch.bfloat16, 16, 8, 128, 16
+    qkv = torch.randn(2, q, (hq + 2 * hkv) * d, device=dev, dtype=dt)
+    angles = torch.rand(2, q, d, device=dev) * 6.3
+    cos, sin = angles.cos().to(dt), angles.sin().to(dt)
+    qw, kw = (1 + 0.2 * torch.randn(d, device=dev)).to(dt), (1 + 0.2 * torch.randn(d, device=dev)).to(dt)
+    rows, pos = torch.tensor([1, 0], device=dev), torch.arange(q, device=dev)[None].repeat(2, 1) + 3
+    full, alone = ([torch.zeros(3, 33, hkv, d, device=dev, dtype=dt) for _ in range(2)] for _ in range(2))
+    qk_rope.triton_qk_rope_write(qkv, cos, sin, qw, kw, 1e-6, *full, rows, pos, hq, hkv)
+    qk_rope.triton_qk_rope_write(qkv[..., hq * d:].contiguous(), cos, sin, kw, kw, 1e-6, *alone, rows, pos, 0, hkv)
+    assert all(torch.equal(a, b) for a, b in zip(full, alone)) and full[0][1, 3].abs().sum() > 0
+    before = [t.clone() for t in full]
+    outside = torch.tensor([[40] * q, [-1] * q], device=dev)  # past capacity + 1 (33), negative
+    qk_rope.triton_qk_rope_write(qkv, cos, sin, qw, kw, 1e-6, *full, rows, outside, hq, hkv)
+    qk_rope.triton_qk_rope_write(qkv, cos, sin, qw, kw, 1e-6, *full, torch.tensor([3, 7], device=dev), pos, hq, hkv)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(full, before))

@@ -28,7 +28,8 @@ plain greedy decoding (lossless).
 
 Reported per recipe: the mean loss of each tenth of the run (the loss each recipe minimises:
 D-PACE's is a differently weighted sum, so compare curves within a weighting), steps, the
-median step time and the steps that compiled (their count and seconds), tau (committed tokens per target forward over all prompts), the per-prompt
+median step time after the first 5 steps and those of them that compiled (their count and
+seconds), tau (committed tokens per target forward over all prompts), the per-prompt
 tau's mean, standard deviation, min and max, its gain over the first recipe, and the
 lossless verdict.
 

@@ -102,7 +102,8 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
         if isinstance(value, bool) and YAML_SWITCH[value] in allowed:
             return YAML_SWITCH[value]  # YAML 1.1 reads off/on (and no/yes) as booleans: drafter.compile=off
         if value not in allowed:
-            raise ConfigError(f"{key}: {_short(value)} not allowed; allowed: {', '.join(map(str, allowed))}")
+            spelled = " (YAML reads on/off/yes/no as booleans)" if isinstance(value, bool) else ""
+            raise ConfigError(f"{key}: {_short(value)}{spelled} not allowed; allowed: {', '.join(map(str, allowed))}")
         return value
     if origin is list:
         (inner,) = typing.get_args(hint)

@@ -58,14 +58,20 @@ MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
 SILU = ("SiLU", "SiLUActivation")
 
 
+def setting(env: str) -> str:
+    """The value of switch ``$env`` (SETTINGS; unset: auto), ConfigError for another."""
+    value = os.environ.get(env) or "auto"
+    if value not in SETTINGS:
+        raise ConfigError(f"${env}={value!r}; allowed: {list(SETTINGS)}")
+    return value
+
+
 def enabled(device) -> bool:
     """Whether decode layers on ``device`` run fused ($DFLASH_DECODE_FUSE_LAYER; see the module)."""
-    setting = os.environ.get(FUSE_LAYER_ENV) or "auto"
-    if setting not in SETTINGS:
-        raise ConfigError(f"${FUSE_LAYER_ENV}={setting!r}; allowed: {list(SETTINGS)}")
-    if setting == "auto":
+    value = setting(FUSE_LAYER_ENV)
+    if value == "auto":
         return matvec.enabled(device)
-    return setting == "on"
+    return value == "on"
 
 
 def max_rows() -> int:

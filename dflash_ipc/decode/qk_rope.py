@@ -36,10 +36,11 @@ if triton is not None:
 
     @triton.jit
     def _qk_rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, rows_ptr, pos_ptr,
-                              Q, HQ, HK, eps, stride_tok, stride_row, stride_pos, stride_head,
+                              Q, HQ, HK, R, P, eps, stride_tok, stride_row, stride_pos, stride_head,
                               D: tl.constexpr, QK_NORM: tl.constexpr):
         """Token ``program_id(0)`` (= b * Q + t) and head ``program_id(1)`` of q (< HQ), k (< HQ +
-        HK) or v: normed (QK_NORM, q and k) and rotated (q and k), stored to q or the cache."""
+        HK) or v: normed (QK_NORM, q and k) and rotated (q and k), stored to q or the cache (R
+        rows of P positions: a row or position outside is not written)."""
         tok, head = tl.program_id(0), tl.program_id(1)
         b, t = tok // Q, tok % Q
         dtype = q_ptr.dtype.element_ty
@@ -62,12 +63,15 @@ if triton is not None:
         s = tl.load(sin_ptr + tok.to(tl.int64) * D + d).to(tl.float32)
         rotated = (_rounded(x * c, dtype) + _rounded(x_rot * s, dtype)).to(dtype)
         out = tl.where(is_v, raw, rotated)
-        row = tl.load(rows_ptr + b)
-        at = row * stride_row + tl.load(pos_ptr + tok).to(tl.int64) * stride_pos
+        row = tl.load(rows_ptr + b).to(tl.int64)
+        pos = tl.load(pos_ptr + tok).to(tl.int64)
+        inside = (row >= 0) & (row < R) & (pos >= 0) & (pos < P)
+        at = row * stride_row + pos * stride_pos
         q_at = ((b * HQ + tl.minimum(head, HQ - 1)).to(tl.int64) * Q + t) * D
         tl.store(q_ptr + q_at + d, out, mask=(d < D) & (head < HQ))
-        tl.store(k_ptr + at + tl.minimum(tl.maximum(head - HQ, 0), HK - 1) * stride_head + d, out, mask=(d < D) & is_k)
-        tl.store(v_ptr + at + tl.maximum(head - HQ - HK, 0) * stride_head + d, out, mask=(d < D) & is_v)
+        tl.store(k_ptr + at + tl.minimum(tl.maximum(head - HQ, 0), HK - 1) * stride_head + d, out,
+                 mask=(d < D) & is_k & inside)
+        tl.store(v_ptr + at + tl.maximum(head - HQ - HK, 0) * stride_head + d, out, mask=(d < D) & is_v & inside)
 
 
 def triton_qk_rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, q_norm: Tensor | None, k_norm: Tensor | None,
@@ -88,7 +92,8 @@ def triton_qk_rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, q_norm: Tensor |
         qkv, cos, sin, q_norm if norm else cos, k_norm if norm else cos,
         out if num_heads else qkv,  # no query heads (k and v alone): a pointer of the dtype, never stored to
         keys, values, rows,
-        pos.contiguous(), q, num_heads, num_kv_heads, eps, qkv.stride(0), keys.stride(0), keys.stride(1),
+        pos.contiguous(), q, num_heads, num_kv_heads, keys.shape[0], keys.shape[1], eps, qkv.stride(0),
+        keys.stride(0), keys.stride(1),
         keys.stride(2), D=d, QK_NORM=norm, num_warps=1)
     return out
 
@@ -118,7 +123,9 @@ def qk_rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, q_norm: Tensor | None, 
     """qkv ``[B, q, (Hq + 2 Hkv) D]`` (q, k, v heads in order), cos/sin ``[B, q, D]``, per-head
     norm weights (None: no q/k norm), the layer's cache storage ``[rows, capacity + 1, Hkv, D]``
     written at ``keys[rows[b], pos[b, t]]`` -> the rotated query ``[B, Hq, q, D]``. With
-    ``num_heads`` 0 the product is k|v alone (context rows, which need no query)."""
+    ``num_heads`` 0 the product is k|v alone (context rows, which need no query). Indices must
+    lie in the storage: the kernel writes nothing outside it (the torch code raises, or counts a
+    negative index from the end)."""
     b, q = qkv.shape[:2]
     d = qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
     if _kernel_takes(qkv, keys, d):

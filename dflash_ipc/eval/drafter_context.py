@@ -21,7 +21,8 @@ they are, so any drafter checkpoint works. On CUDA (``$DFLASH_DECODE_GEMV`` not 
 layer's products run fused through decode/matvec.py's few-row kernels (drafter_projections.py)
 and so does the head.
 
-A block of at most 16 rows (batch 1) runs each layer as the target's fused decoder layer does
+A block of at most 16 rows (a block of 16 at batch 1; ``$DFLASH_DECODE_FUSE_LAYER_ROWS`` lowers
+the limit for the drafter too) runs each layer as the target's fused decoder layer does
 (decode/fused_layer.py's ops): the input norm just before the q|k|v product, q/k norms, rotary
 and the block's K/V into the cache in one launch (decode/qk_rope.py), the residual add and the
 second norm just before gate|up, silu * up after it, the residual in the down product's
@@ -37,8 +38,6 @@ layers run fused, ``$DFLASH_DECODE_FUSE_LAYER``), ``on`` (any device and dtype: 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -46,7 +45,6 @@ from torch import Tensor
 from dflash_ipc.drafter.model import CudaCompiled, DFlashAttention, DFlashDraftModel, fused_rms_norm_rope, rotary_table
 from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.decode import decode_attention, fused_layer, matvec
-from dflash_ipc.errors import ConfigError
 from dflash_ipc.eval import drafter_projections
 from dflash_ipc.eval.drafter_projections import FusedProjections, ModuleProjections, layer_projections
 from dflash_ipc.decode.ragged_attention import band_mask, gqa_attention
@@ -56,24 +54,28 @@ from dflash_ipc.decode.row_cache import MASK_ALIGN, RowKV, round_up
 FUSE_DRAFTER_ENV = "DFLASH_DECODE_FUSE_DRAFTER"
 
 
-def fused_drafter_enabled(device, dtype: torch.dtype) -> bool:
-    """Whether a drafter of ``dtype`` on ``device`` runs its blocks through the fused ops
-    ($DFLASH_DECODE_FUSE_DRAFTER; see the module). ``auto`` asks for a half dtype too: the ops
-    run their kernels for bf16/fp16 only, and their torch code is slower than the compiled
-    element-wise functions of the unfused path."""
-    setting = os.environ.get(FUSE_DRAFTER_ENV) or "auto"
-    if setting not in fused_layer.SETTINGS:
-        raise ConfigError(f"${FUSE_DRAFTER_ENV}={setting!r}; allowed: {list(fused_layer.SETTINGS)}")
-    if setting == "auto":
-        return fused_layer.enabled(device) and dtype in matvec.HALF_DTYPES
-    return setting == "on"
+def fused_drafter_enabled(device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether a drafter of ``dtype`` and ``head_dim`` on ``device`` runs its blocks through the
+    fused ops ($DFLASH_DECODE_FUSE_DRAFTER; see the module). ``auto`` asks for what the kernels
+    take too, a half dtype and a head dim that is a power of 2: elsewhere the ops run their
+    torch code, slower than the compiled element-wise functions of the unfused path."""
+    value = fused_layer.setting(FUSE_DRAFTER_ENV)
+    if value == "auto":
+        return fused_layer.enabled(device) and dtype in matvec.HALF_DTYPES and head_dim & (head_dim - 1) == 0
+    return value == "on"
 
 
-def fusable(model: DFlashDraftModel) -> bool:
+def drafter_fusable(model: DFlashDraftModel) -> bool:
     """Whether every layer of ``model`` can run fused: projections that concatenate
-    (drafter_projections.fusable) and q and k norms of one eps (the rotary kernel takes one)."""
-    return all(drafter_projections.fusable(layer) and layer.self_attn.q_norm.eps == layer.self_attn.k_norm.eps
-               for layer in model.layers)
+    (drafter_projections.fusable), q and k norms of one eps (the rotary kernel takes one), every
+    norm weight of the projections' dtype (the fused ops keep the activations' dtype)."""
+    for layer in model.layers:
+        attn = layer.self_attn
+        norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
+        if not (drafter_projections.fusable(layer) and attn.q_norm.eps == attn.k_norm.eps
+                and all(n.weight.dtype == attn.q_proj.weight.dtype for n in norms)):
+            return False
+    return True
 
 
 def _rotary_rounded(positions: Tensor, inv_freq: Tensor, scaling: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -111,7 +113,8 @@ class DrafterContext:
         self.kernel_linears = matvec.enabled(model.fc.weight.device)
         """fc and the head through decode/matvec.py's kernels, each layer's products fused through
         them (on CUDA, where the rows fit), else the modules themselves."""
-        self.fused = fused_drafter_enabled(model.fc.weight.device, self.dtype) and fusable(model)
+        self.fused = (fused_drafter_enabled(model.fc.weight.device, self.dtype, model.config.head_dim)
+                      and drafter_fusable(model))
         """Blocks and context appends of at most ``fused_rows`` rows through the fused ops (module
         docstring)."""
         self.projections: list[ModuleProjections] = layer_projections(model.layers,
