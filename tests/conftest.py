@@ -21,6 +21,21 @@ def tiny_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def target_dir(tiny_cache):
+    """The tiny target's directory in ``tiny_cache`` (float32 Qwen3, saved through save_pretrained)."""
+    return os.path.join(tiny_cache, "tiny-target")
+
+
+@pytest.fixture(scope="module")
+def legacy(target_dir):
+    """The unbatched decoder's target over the tiny target (float32, CPU), capturing eval_helpers'
+    LAYER_IDS: one per test module."""
+    from eval_helpers import LAYER_IDS
+    from dflash_ipc.eval.unbatched import TargetLM
+    return TargetLM(target_dir, layer_ids=LAYER_IDS, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def cpu_run(tmp_path_factory, tiny_cache):
     """A finished small CPU job with a saved evaluation (tests/cpu_run.py); read it, never change it."""
     from cpu_run import run_cpu_job

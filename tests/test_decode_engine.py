@@ -2,8 +2,6 @@
 for token whatever the rows, refills and checks; continuous batching saves steps; sampling is
 per request, not per batch; CUDA graphs replay the eager step exactly (GPU)."""
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -16,11 +14,6 @@ from dflash_ipc.decode.target import BatchedTarget
 from decode_switch_helpers import make_requests
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def target_dir(tiny_cache):
-    return os.path.join(tiny_cache, "tiny-target")
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,6 @@
 (the ops' torch code, float32) the values and cache contents of the unfused path bit for bit; on
 CUDA in bf16 (the kernels) the same drafts up to rounding, and lossless speculative decoding."""
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -14,20 +12,9 @@ from dflash_ipc.decode.target import BatchedTarget
 from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.eval import drafter_context
 from dflash_ipc.eval.drafter_context import FUSE_DRAFTER_ENV, DrafterContext
-from dflash_ipc.eval.unbatched import TargetLM
 from eval_helpers import LAYER_IDS, random_drafter
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def target_dir(tiny_cache):
-    return os.path.join(tiny_cache, "tiny-target")
-
-
-@pytest.fixture(scope="module")
-def legacy(target_dir):
-    return TargetLM(target_dir, layer_ids=LAYER_IDS, device="cpu", dtype="float32")
 
 
 def _context(monkeypatch, model, head, setting: str) -> DrafterContext:

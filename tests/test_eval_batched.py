@@ -3,7 +3,6 @@ drafter against its training forward, and batched output equal to unbatched outp
 
 import collections
 import math
-import os
 
 import numpy as np
 import pytest
@@ -26,18 +25,8 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def target_dir(tiny_cache):
-    return os.path.join(tiny_cache, "tiny-target")
-
-
-@pytest.fixture(scope="module")
 def target(target_dir):
     return BatchedTarget(target_dir, layer_ids=LAYER_IDS, device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def legacy(target_dir):
-    return TargetLM(target_dir, layer_ids=LAYER_IDS, device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")

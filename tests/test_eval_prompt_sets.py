@@ -2,7 +2,6 @@
 conversations conditioned on the model's own replies, and `dflash-ipc eval` over such files."""
 
 import json
-import os
 
 import pytest
 import torch
@@ -40,11 +39,6 @@ def write_jsonl(path, rows) -> str:
         for row in rows:
             f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
     return str(path)
-
-
-@pytest.fixture(scope="module")
-def target_dir(tiny_cache):
-    return os.path.join(tiny_cache, "tiny-target")
 
 
 def test_every_row_form(tmp_path):

@@ -3,7 +3,6 @@ oracle tau, training layout) and the evaluate / untrained_vs_trained entry point
 trip, held-out prompts, a drafter that learned)."""
 
 import math
-import os
 
 import pytest
 import torch
@@ -38,11 +37,6 @@ from eval_helpers import (
 torch.set_num_threads(1)
 
 MAX_NEW = 24
-
-
-@pytest.fixture(scope="module")
-def target_dir(tiny_cache):
-    return os.path.join(tiny_cache, "tiny-target")
 
 
 @pytest.fixture(scope="module")

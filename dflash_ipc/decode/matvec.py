@@ -113,16 +113,7 @@ if triton is not None:
         m = tl.program_id(0)
         offs_k = tl.arange(0, BLOCK_K)
         dtype = out_ptr.dtype.element_ty
-        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ok = k0 + offs_k < K
-            x = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=ok, other=0.0).to(tl.float32)
-            if ADD:
-                x = (x + tl.load(add_ptr + m * K + k0 + offs_k, mask=ok, other=0.0).to(tl.float32)).to(dtype)
-                tl.store(h_ptr + m * K + k0 + offs_k, x, mask=ok)
-                x = x.to(tl.float32)
-            squares += x * x
-        rstd = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        rstd = _one_row_rstd(x_ptr + m * stride_xm, add_ptr + m * K, h_ptr + m * K, K, eps, True, ADD, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):  # again (from L1/L2): a row of up to BLOCK_K keys is one pass each
             ok = k0 + offs_k < K
             x = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=ok, other=0.0).to(tl.float32)

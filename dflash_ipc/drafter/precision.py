@@ -75,9 +75,9 @@ FP8_FASTER_FROM_HIDDEN = 2048
 Qwen3-1.7B shape, hidden 2,048, 1.16x synchronised at fixed lengths, 1.06x synchronised and
 1.28x pipelined with ragged ones, on H100s; 1.36x at hidden 4,096). At the 135M class, hidden
 576, the float8 layers made the step slower and the float8 head alone no faster pipelined
-(26.1 against 20.6 ms); smaller steps (``bench precision``'s 1,024 anchors at hidden 2,048) have
-been reported slower in fp8; sizes between 576 and 2,048 are not measured. Below it
-:func:`apply_precision` warns."""
+(26.1 against 20.6 ms); ``bench precision``'s steps of 1,024 anchors at hidden 2,048, real lengths:
+fp8's median step 1.09x bf16's, its first steps of each new row count seconds longer (compiles);
+sizes between 576 and 2,048 are not measured. Below it :func:`apply_precision` warns."""
 INSTALL_HINT = "pip install 'dflash-ipc[fp8]'"
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 AMAX_EPS = 1e-12  # as torchao: an all-zero tensor gets a finite scale
