@@ -1,18 +1,19 @@
-"""The batch-1 speculative cycle with a drafter switch on and off, against the plain step, in one process.
+"""The batch-1 speculative cycle and plain step with a decode switch at each of its values, in one process.
 
     python3 -m benchmarks.cycle_switch qwen3-1.7b                        # DFLASH_DECODE_FUSE_DRAFTER
     python3 -m benchmarks.cycle_switch qwen3-8b --env DFLASH_DECODE_KV_WRITE --rounds 7
+    python3 -m benchmarks.cycle_switch qwen3-1.7b --env DFLASH_DECODE_PDL_PREFETCH --values 512,0
 
 `bench eval`'s batch-1 rows (bench/eval.py) with what differs between processes held still: one
 random-weight target of a bench shape (built once into $WORK/profile-spec-SHAPE, default /tmp), its
 random drafter, 2 prompts of 64..256 random tokens and 128 new tokens each, greedy, CUDA graphs and
-the compiled decode forward. A speculative decoder is built per setting of the switch (``auto``, then
-``off``), the environment set while it is built, warmed up and run, so a switch read by the
-drafter's context or at a graph's capture applies to it alone; the plain decoder is shared. Each
-round runs the plain decoder and then each setting's speculative one twice, the second run timed
-(the first captures the graphs again: the decoders take turns over the target's cache); printed: ms per target forward
-(a plain step; a cycle, draft + verify, prefills included as bench eval counts them) of every run,
-each one's median over the rounds with its range, and the cycle in plain steps. Between processes
+the compiled decode forward. A plain and a speculative decoder are built per value of the switch
+(``--values``, default ``auto`` then ``off``), the environment set while each is built, warmed up
+and run, so a switch read by the drafter's context or at a graph's capture applies to it alone.
+Each round runs every decoder twice, the second run timed (the first captures the graphs again: the
+decoders take turns over the target's cache); printed: ms per target forward (a plain step; a
+cycle, draft + verify, prefills included as bench eval counts them) of every run, each one's
+median over the rounds with its range, and each value's cycle in its own plain steps. Between processes
 the same bench moves by more than the differences it is after (docs/benchmarks.md), within one it
 does not. DEV=cpu runs it eagerly on the CPU in float32 (a smoke test, e.g. with the ``tiny`` shape).
 """
@@ -46,7 +47,8 @@ def ms_per_forward(decoder, requests, device: torch.device) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shape", choices=sorted(SHAPES))
-    parser.add_argument("--env", default=FUSE_DRAFTER_ENV, help="the switch (auto, then off)")
+    parser.add_argument("--env", default=FUSE_DRAFTER_ENV, help="the switch")
+    parser.add_argument("--values", default="auto,off", help="its values, comma-separated")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=128)
     args = parser.parse_args()
@@ -62,30 +64,30 @@ def main() -> None:
     graphs = "on" if cuda else "off"
     requests = [Request(key=(i, 0), prompt_ids=p, max_new_tokens=args.new_tokens)
                 for i, p in enumerate(random_prompts(2, (64, 256), 0))]
-    plain = PlainDecoder(target, batch_size=1, keep_cache=True, graphs=graphs, compile="auto")
-    decoders = {}
-    for setting in ("auto", "off"):
-        os.environ[args.env] = setting
-        decoders[setting] = SpeculativeDecoder(target, DrafterContext(model, target.head), batch_size=1, graphs=graphs,
-                                               compile="auto")
-        decoders[setting].run(RequestList(requests))  # warm-up: compiles and captures every shape of the timed runs
-    plain.run(RequestList(requests))
-    times: dict[str, list[float]] = {"plain": [], **{f"cycle {s}": [] for s in decoders}}
+    values = args.values.split(",")
+    decoders = {}  # (kind, value) -> decoder
+    for value in values:
+        os.environ[args.env] = value
+        decoders["plain", value] = PlainDecoder(target, batch_size=1, keep_cache=True, graphs=graphs, compile="auto")
+        decoders["cycle", value] = SpeculativeDecoder(target, DrafterContext(model, target.head), batch_size=1,
+                                                      graphs=graphs, compile="auto")
+        for kind in ("plain", "cycle"):  # warm-up: compiles and captures every shape of the timed runs
+            decoders[kind, value].run(RequestList(requests))
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in decoders}
     for _ in range(args.rounds):
-        for name, decoder in (("plain", plain), *((f"cycle {s}", d) for s, d in decoders.items())):
-            os.environ[args.env] = name.removeprefix("cycle ") if decoder is not plain else "auto"
+        for (kind, value), decoder in decoders.items():
+            os.environ[args.env] = value
             # The decoders share the target, whose cache each run takes over: a decoder's graphs,
             # captured over the cache of its own last run, are captured again in this untimed run.
             decoder.run(RequestList(requests))
-            times[name].append(ms_per_forward(decoder, requests, device))
-    plain_ms = statistics.median(times["plain"])
-    print(f"== {args.shape}, batch 1, {args.env} auto/off, {args.rounds} rounds of 2 prompts x {args.new_tokens} "
-          f"new tokens ({torch.cuda.get_device_name(device) if cuda else device})")
-    for name, values in times.items():
-        ms = statistics.median(values)
-        steps = f", {ms / plain_ms:.3f} plain steps" if name != "plain" else ""
-        print(f"  {name:12s} median {ms:.3f} ms per forward (range {min(values):.3f}-{max(values):.3f}){steps}; "
-              f"runs: " + " ".join(f"{v:.3f}" for v in values), flush=True)
+            times[kind, value].append(ms_per_forward(decoder, requests, device))
+    print(f"== {args.shape}, batch 1, {args.env} {'/'.join(values)}, {args.rounds} rounds of 2 prompts x "
+          f"{args.new_tokens} new tokens ({torch.cuda.get_device_name(device) if cuda else device})")
+    for (kind, value), runs in times.items():
+        ms = statistics.median(runs)
+        steps = f", {ms / statistics.median(times['plain', value]):.3f} plain steps" if kind == "cycle" else ""
+        print(f"  {kind} {value:8s} median {ms:.3f} ms per forward (range {min(runs):.3f}-{max(runs):.3f}){steps}; "
+              f"runs: " + " ".join(f"{v:.3f}" for v in runs), flush=True)
 
 
 if __name__ == "__main__":

@@ -29,10 +29,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dflash_ipc.decode import pdl
 from dflash_ipc.decode.matvec import HALF_DTYPES, available, cuda_switch, num_sms, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from dflash_ipc.decode.pdl import wait_for_inputs
 
 ATTENTION_ENV = "DFLASH_DECODE_ATTENTION"
 MARK = "dflash_decode_attention"
@@ -144,7 +147,7 @@ if triton is not None:
                           HKV: tl.constexpr, REP: tl.constexpr, NQ: tl.constexpr, D: tl.constexpr,
                           DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT: tl.constexpr,
-                          SKIP_HIDDEN: tl.constexpr):
+                          SKIP_HIDDEN: tl.constexpr, PDL: tl.constexpr = False):
         """Rows ``r`` = (query head ``h * REP + r // NQ``, query ``r % NQ``) of one (row b, K/V
         head h) against keys of split ``program_id(1)``; the finished output, or (SPLIT) the
         unnormalised sums and their softmax max and mass for the combine."""
@@ -158,6 +161,7 @@ if triton is not None:
         qi = rows % NQ
         d = tl.arange(0, BLOCK_D)
         dv = tl.arange(0, BLOCK_DV)
+        wait_for_inputs(PDL)  # pdl.py
         q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + qi[:, None] * sq_q + d[None, :],
                     mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -193,7 +197,7 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(part_ptr, stat_ptr, out_ptr, n_split, so_b, so_q, so_h,
                         HKV: tl.constexpr, REP: tl.constexpr, NQ: tl.constexpr, DV: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr = False):
         """The splits' partial softmaxes of one (row, K/V head), rescaled to their common max and summed."""
         pid = tl.program_id(0)
         b = (pid // HKV).to(tl.int64)
@@ -201,6 +205,7 @@ if triton is not None:
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < REP * NQ
         dv = tl.arange(0, BLOCK_DV)
+        wait_for_inputs(PDL)  # pdl.py
         m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         for s in range(0, n_split):
             base = (pid * n_split + s).to(tl.int64) * BLOCK_M
@@ -260,11 +265,12 @@ def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale
         out.stride(0), out.stride(1), out.stride(2), span, blocks,
         float(scale if scale is not None else dim ** -0.5),
         HKV=hkv, REP=rep, NQ=nq, D=dim, DV=dim_v, BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_D=block_d,
-        BLOCK_DV=block_dv, SPLIT=splits > 1, SKIP_HIDDEN=skip, num_warps=warps, num_stages=stages)
+        BLOCK_DV=block_dv, SPLIT=splits > 1, SKIP_HIDDEN=skip, num_warps=warps, num_stages=stages,
+        **pdl.launch_args(q.device))
     if splits > 1:
         _combine_kernel[(programs,)](part, stat, out, splits, out.stride(0), out.stride(1), out.stride(2),
                                      HKV=hkv, REP=rep, NQ=nq, DV=dim_v, BLOCK_M=block_m, BLOCK_DV=block_dv,
-                                     num_warps=4)
+                                     num_warps=4, **pdl.launch_args(q.device))
     return out
 
 

@@ -24,6 +24,7 @@ import contextlib
 import torch
 from torch import Tensor
 
+from dflash_ipc.decode import pdl
 from dflash_ipc.decode.matvec import available, cuda_switch, triton
 
 KV_WRITE_ENV = "DFLASH_DECODE_KV_WRITE"
@@ -32,15 +33,18 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 if triton is not None:
     import triton.language as tl
 
+    from dflash_ipc.decode.pdl import wait_for_inputs
+
     @triton.jit
     def _write_kernel(k_ptr, v_ptr, keys_ptr, values_ptr, rows_ptr, pos_ptr, Q, R, P, sk_r, sk_t, sk_h, sv_r, sv_t,
                       sv_h, s_row, s_pos, s_head, H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
+                      BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
         """Token ``program_id(0)`` (= r * Q + t) of k (``program_id(1)`` 0) or v (1) ``[R', Q, H, D]``
         (strides in elements, D contiguous) to storage row ``rows[r]`` of R, position ``pos[r, t]``
         of P (negative: from the end)."""
         tok, which = tl.program_id(0), tl.program_id(1)
         r, t = tok // Q, tok % Q
+        wait_for_inputs(PDL)  # pdl.py
         row = tl.load(rows_ptr + r).to(tl.int64)
         at = tl.load(pos_ptr + tok).to(tl.int64)
         row = tl.where(row < 0, row + R, row)
@@ -87,4 +91,4 @@ def write(keys: Tensor, values: Tensor, rows: Tensor, pos: Tensor, k: Tensor, v:
                                   k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                                   keys.stride(0), keys.stride(1), keys.stride(2), H=heads, D=dim,
                                   BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(dim),
-                                  num_warps=4)
+                                  num_warps=4, **pdl.launch_args(keys.device))

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflash_ipc.decode import pdl
 from dflash_ipc.errors import ConfigError
 
 try:
@@ -74,6 +75,8 @@ def enabled(device) -> bool:
 
 
 if triton is not None:
+    from dflash_ipc.decode.pdl import wait_for_inputs
+
     # The kernels' optional prologue and epilogue: what a decoder layer does around its products
     # (decode/fused_layer.py), so that a decode step runs them in the product's launch rather
     # than in kernels of their own. Each rounds to the activations' dtype where the eager layer
@@ -105,7 +108,7 @@ if triton is not None:
 
     @triton.jit
     def _rows_norm_kernel(x_ptr, add_ptr, g_ptr, h_ptr, out_ptr, K, stride_xm, eps, ADD: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
         """The few-row kernel's ADD and NORM prologue, once for row ``program_id(0)`` rather than
         in every program of the product: x (+ add, stored to h) RMS-normalised and times g into
         out, each step rounded as :func:`_input_tile` rounds it; add, h and out are ``[M, K]``
@@ -113,6 +116,7 @@ if triton is not None:
         m = tl.program_id(0)
         offs_k = tl.arange(0, BLOCK_K)
         dtype = out_ptr.dtype.element_ty
+        wait_for_inputs(PDL)
         rstd = _one_row_rstd(x_ptr + m * stride_xm, add_ptr + m * K, h_ptr + m * K, K, eps, True, ADD, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):  # again (from L1/L2): a row of up to BLOCK_K keys is one pass each
             ok = k0 + offs_k < K
@@ -149,14 +153,15 @@ if triton is not None:
     def _matvec_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, add_ptr, g_ptr, h_ptr, res_ptr, eps, up_off,
                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                        ADD: tl.constexpr = False, NORM: tl.constexpr = False, GLU: tl.constexpr = False,
-                       RESIDUAL: tl.constexpr = False, RSTD_BLOCK: tl.constexpr = 16):
+                       RESIDUAL: tl.constexpr = False, RSTD_BLOCK: tl.constexpr = 16, PDL: tl.constexpr = False):
         """y[n] = sum_k x[k] w[n, k] (+ b[n]) for this program's BLOCK_N rows n of w [N, K] (with
-        GLU, of w [2N, K], the up rows ``up_off`` = N * K elements on); the flags above."""
+        GLU, of w [2N, K], the up rows ``up_off`` = N * K elements on); the flags above; PDL: pdl.py."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
         dtype = y_ptr.dtype.element_ty
+        wait_for_inputs(PDL)
         rstd = 1.0
         if NORM:
             rstd = _one_row_rstd(x_ptr, add_ptr, h_ptr, K, eps, pid == 0, ADD, RSTD_BLOCK)
@@ -192,7 +197,7 @@ if triton is not None:
     def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_ym,
                      res_ptr, up_off, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GLU: tl.constexpr = False,
-                     RESIDUAL: tl.constexpr = False):
+                     RESIDUAL: tl.constexpr = False, PDL: tl.constexpr = False):
         """y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for M <= DOT_ROWS rows m and this program's
         BLOCK_N rows n of w [N, K], over its split of K (program_id 1; ``k_per_split`` keys, a
         multiple of BLOCK_K): each tile of w read once, on the tensor cores for all rows. With
@@ -200,7 +205,7 @@ if triton is not None:
         block]``; the split that counts last sums them, writes y and sets the count back to 0
         (so one launch, and no memset before the next one, in a CUDA graph or not). The epilogue
         flags above (GLU with one split only; res contiguous); the prologue's norm runs before, in
-        :func:`_rows_norm_kernel`."""
+        :func:`_rows_norm_kernel`. PDL: pdl.py."""
         pid_n, split = tl.program_id(0), tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -208,6 +213,7 @@ if triton is not None:
         m_ok = offs_m < M
         dtype = y_ptr.dtype.element_ty
         k_lo = split * k_per_split
+        wait_for_inputs(PDL)
         offs_k = k_lo + tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
@@ -293,7 +299,8 @@ def triton_matvec(x: Tensor, weight: Tensor, bias: Tensor | None = None, config:
     b = bias if bias is not None else weight  # a pointer the kernel does not read without HAS_BIAS
     _matvec_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](x1, weight, b, y, n, k, *fusion["tensors"], eps, n * k,
                                                       HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0,
-                                                      **fusion["flags"], **cfg)
+                                                      **fusion["flags"], **cfg,
+                                                      **pdl.launch_args(x.device))
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -434,12 +441,14 @@ def triton_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: d
         normed = torch.empty(m, k, dtype=x.dtype, device=x.device)
         add_, g, h_ = fusion["tensors"][:3]
         _rows_norm_kernel[(m,)](x2, add_, g, h_, normed, k, x2.stride(0), eps, ADD=add is not None,
-                                BLOCK_K=fusion["flags"]["RSTD_BLOCK"], num_warps=4)  # keys per load, as named there
+                                BLOCK_K=fusion["flags"]["RSTD_BLOCK"], num_warps=4,  # keys per load, as named there
+                                **pdl.launch_args(x.device))
         x2 = normed
     b = bias if bias is not None else weight  # a pointer the kernel does not read without HAS_BIAS
     _rows_kernel[(blocks, split)](x2, weight, b, y, part, count, m, n, k, k_per_split, x2.stride(0), y.stride(0),
                                   fusion["tensors"][3], n * k, HAS_BIAS=bias is not None, SPLIT=split,
-                                  EVEN_K=k % block_k == 0, GLU=glu, RESIDUAL=residual is not None, **cfg)
+                                  EVEN_K=k % block_k == 0, GLU=glu, RESIDUAL=residual is not None, **cfg,
+                                  **pdl.launch_args(x.device))
     return y.reshape(*x.shape[:-1], n)
 
 

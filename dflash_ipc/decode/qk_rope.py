@@ -20,9 +20,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dflash_ipc.decode import matvec
+from dflash_ipc.decode import matvec, pdl
 
 triton, tl = matvec.triton, (matvec.tl if matvec.triton is not None else None)
+if triton is not None:
+    from dflash_ipc.decode.pdl import wait_for_inputs
 
 
 if triton is not None:
@@ -37,7 +39,7 @@ if triton is not None:
     @triton.jit
     def _qk_rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, rows_ptr, pos_ptr,
                               Q, HQ, HK, R, P, eps, stride_tok, stride_row, stride_pos, stride_head,
-                              D: tl.constexpr, QK_NORM: tl.constexpr):
+                              D: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr = False):
         """Token ``program_id(0)`` (= b * Q + t) and head ``program_id(1)`` of q (< HQ), k (< HQ +
         HK) or v: normed (QK_NORM, q and k) and rotated (q and k), stored to q or the cache (R
         rows of P positions: a row or position outside is not written)."""
@@ -47,6 +49,7 @@ if triton is not None:
         d = tl.arange(0, D)
         rot = (d + D // 2) % D  # rotate_half(x)[i] = -x[i + D/2] for i < D/2, x[i - D/2] after
         src = qkv_ptr + tok.to(tl.int64) * stride_tok + head * D
+        wait_for_inputs(PDL)  # pdl.py
         x = tl.load(src + d).to(tl.float32)
         raw = x.to(dtype)  # a v head's, stored as it is
         x_rot = tl.load(src + rot).to(tl.float32)
@@ -94,7 +97,7 @@ def triton_qk_rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, q_norm: Tensor |
         keys, values, rows,
         pos.contiguous(), q, num_heads, num_kv_heads, keys.shape[0], keys.shape[1], eps, qkv.stride(0),
         keys.stride(0), keys.stride(1),
-        keys.stride(2), D=d, QK_NORM=norm, num_warps=1)
+        keys.stride(2), D=d, QK_NORM=norm, num_warps=1, **pdl.launch_args(qkv.device))
     return out
 
 

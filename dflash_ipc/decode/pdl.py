@@ -1,0 +1,76 @@
+"""Programmatic dependent launch of the decode kernels: each one launched while the one before finishes.
+
+At batch 1 a decode step is some 200 kernels of a few microseconds and a speculative cycle some
+350, replayed from a CUDA graph; between two of them the GPU still idles, since the next kernel's
+programs are scheduled only once the last one has completed and its writes are flushed. The
+profile of a Qwen3-1.7B-shaped cycle on an H100 had 2.71 ms of kernels in 3.08 ms of wall time
+(docs/benchmarks.md, "Launches that overlap"). On Hopper and later GPUs a kernel launched with
+programmatic stream serialization (PDL) may start while the kernel before it in the stream still
+runs: its programs go as far as ``griddepcontrol.wait``, which holds them until that kernel has
+completed and its memory is visible, and it is launched once every program of the kernel before
+has executed ``griddepcontrol.launch_dependents`` (or exited). CUDA graphs keep these edges.
+
+Every decode kernel (matvec.py, decode_attention.py, qk_rope.py, kv_write.py) takes the constexpr
+``PDL`` and calls :func:`wait_for_inputs` before it reads or writes any memory that another kernel
+writes or reads (before it: index arithmetic alone), and releases the kernel after it at once:
+that one's launch and its programs' start then overlap this one's work. The launch passes
+``launch_pdl`` with the same value (:func:`launch_args`): a kernel launched that way without its
+wait would race with the one before it.
+
+``$DFLASH_DECODE_PDL``: ``auto`` (the default: CUDA devices of compute capability 9.0 or more)
+or ``off``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from dflash_ipc.errors import ConfigError
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU builds of torch ship without Triton; nothing here is used there
+    triton = None
+
+PDL_ENV = "DFLASH_DECODE_PDL"
+SETTINGS = ("auto", "off")
+MIN_CAPABILITY = (9, 0)
+"""``griddepcontrol`` exists from sm_90 (Hopper) on."""
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= MIN_CAPABILITY
+
+
+def enabled(device) -> bool:
+    """Whether the decode kernels on ``device`` launch with PDL ($DFLASH_DECODE_PDL; see the module)."""
+    value = os.environ.get(PDL_ENV) or "auto"
+    if value not in SETTINGS:
+        raise ConfigError(f"${PDL_ENV}={value!r}; allowed: {list(SETTINGS)}")
+    device = torch.device(device)
+    return (value == "auto" and device.type == "cuda" and triton is not None
+            and _capable(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+def launch_args(device) -> dict:
+    """The launch's ``PDL`` constexpr and Triton's ``launch_pdl`` option: one value for both."""
+    on = enabled(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
+if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def wait_for_inputs(PDL: tl.constexpr):
+        """Under PDL: wait until the kernel before has completed and its writes are visible, then let
+        the kernel after be launched (its programs wait in turn). A kernel calls it before it touches
+        memory another kernel writes or reads."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
