@@ -2,6 +2,7 @@
 
     python3 -m benchmarks.profile_speculative qwen3-1.7b            # 2 prompts of 128 new tokens
     python3 -m benchmarks.profile_speculative qwen3-1.7b 4 256      # prompts, new tokens
+    TOP=40 python3 -m benchmarks.profile_speculative qwen3-1.7b     # the 40 costliest kernels (16)
 
 The random-weight target and drafter of `bench eval` (bench/eval.py: built once in
 $WORK/profile-spec-SHAPE, default /tmp), the greedy SpeculativeDecoder at batch 1 with its cycle
@@ -69,7 +70,7 @@ def main() -> None:
     if not cuda:
         return
     kernels = profile_kernels(run, 1)
-    print(format_profile(summarize(kernels, steps=max(1, cycles), top=16), label="per cycle, prefills included",
+    print(format_profile(summarize(kernels, steps=max(1, cycles), top=int(os.environ.get("TOP", "16"))), label="per cycle, prefills included",
                          wall_ms=ms))
 
 

@@ -287,8 +287,12 @@ def test_kernel_kinds_and_the_summary_per_step():
     assert summary["total_ms"] == pytest.approx((len(names) + 3) / 2)
     assert summary["top"][0] == (next(iter(names)), "matmul", 2.0, 1.0)  # 4 ms in 2 launches over 2 steps
     text = format_profile(summary, label="bf16", wall_ms=6.0)
-    assert text.startswith(f"kernel time per step (bf16, 2 profiled steps): {summary['total_ms']:.1f} ms, "
-                           "step wall time 6.0 ms")
+    # a step of a few ms (a decode cycle) is printed to the microsecond, a longer one to 0.1 ms
+    assert text.startswith(f"kernel time per step (bf16, 2 profiled steps): {summary['total_ms']:.3f} ms, "
+                           "step wall time 6.000 ms")
+    long_step = summarize([(n, 20_000.0) for n in names], steps=1)
+    assert format_profile(long_step, label="bf16", wall_ms=300.0).startswith(
+        "kernel time per step (bf16, 1 profiled steps): 280.0 ms, step wall time 300.0 ms")
     with pytest.raises(ValueError, match="steps=0"):
         summarize([], steps=0)
     with pytest.raises(ConfigError, match="needs a count >= 0 and a CUDA --device"):

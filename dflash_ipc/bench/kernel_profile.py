@@ -84,12 +84,14 @@ def profile_kernels(run_step: typing.Callable[[], None], steps: int) -> list[tup
 
 
 def format_profile(summary: dict, *, label: str, wall_ms: float | None = None) -> str:
-    wall = f", step wall time {wall_ms:.1f} ms" if wall_ms is not None else ""
-    lines = [f"kernel time per step ({label}, {summary['steps']} profiled steps): {summary['total_ms']:.1f} ms{wall}"]
+    # A step of a few ms (a decode cycle) is made of kernels of microseconds: three decimals there.
+    digits = 3 if summary["total_ms"] < 10 else 1
+    wall = f", step wall time {wall_ms:.{digits}f} ms" if wall_ms is not None else ""
+    lines = [f"kernel time per step ({label}, {summary['steps']} profiled steps): {summary['total_ms']:.{digits}f} ms{wall}"]
     total = summary["total_ms"] or 1.0
     for kind, ms in summary["ms_per_step"].items():
-        lines.append(f"  {kind:<18} {ms:8.1f} ms  {100 * ms / total:5.1f}%")
+        lines.append(f"  {kind:<18} {ms:8.{digits}f} ms  {100 * ms / total:5.1f}%")
     lines.append("  costliest kernels (ms per step, launches per step):")
     for name, kind, ms, calls in summary["top"]:
-        lines.append(f"    {ms:8.1f} ms {calls:5.0f}x  {kind:<18} {name[:100]}")
+        lines.append(f"    {ms:8.{digits}f} ms {calls:5.0f}x  {kind:<18} {name[:100]}")
     return "\n".join(lines)
