@@ -2,7 +2,7 @@
 
     python3 -m benchmarks.cycle_switch qwen3-1.7b                        # DFLASH_DECODE_FUSE_DRAFTER
     python3 -m benchmarks.cycle_switch qwen3-8b --env DFLASH_DECODE_KV_WRITE --rounds 7
-    python3 -m benchmarks.cycle_switch qwen3-1.7b --env DFLASH_DECODE_PDL_PREFETCH --values 512,0
+    python3 -m benchmarks.cycle_switch qwen3-1.7b --env DFLASH_DECODE_PDL --values auto,off
 
 `bench eval`'s batch-1 rows (bench/eval.py) with what differs between processes held still: one
 random-weight target of a bench shape (built once into $WORK/profile-spec-SHAPE, default /tmp), its
@@ -65,6 +65,8 @@ def main() -> None:
     requests = [Request(key=(i, 0), prompt_ids=p, max_new_tokens=args.new_tokens)
                 for i, p in enumerate(random_prompts(2, (64, 256), 0))]
     values = args.values.split(",")
+    if len(set(values)) != len(values) or not all(values):
+        parser.error(f"--values {args.values!r}: distinct, non-empty values, comma-separated")
     decoders = {}  # (kind, value) -> decoder
     for value in values:
         os.environ[args.env] = value

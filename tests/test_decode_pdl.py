@@ -1,16 +1,19 @@
 """decode/pdl.py: the decode kernels launched with programmatic dependent launch.
 
 On CPU: the switch ($DFLASH_DECODE_PDL) and what a launch passes, for a GPU with and without
-griddepcontrol. On CUDA (marked gpu): a chain of dependent launches of every
-decode kernel, each reading what the one before wrote, eagerly and replayed from a CUDA graph,
-with PDL and without: the same values bit for bit (a kernel that ran before its wait would read
-its input half written)."""
+griddepcontrol; a capture that fails under PDL is tried once more without it; where Triton is
+installed, every decode kernel compiled for sm_90 waits before its first memory access (its PTX).
+On CUDA (marked gpu): every decode kernel launched back to back, each reading what the one before
+wrote, eagerly and replayed from a CUDA graph with a new input each replay, with PDL and without:
+the same values bit for bit (a kernel that ran before its wait would read its input half written)."""
+
+import re
 
 import pytest
 import torch
 
 from dflash_ipc.decode import pdl
-from dflash_ipc.decode.pdl import PDL_ENV
+from dflash_ipc.decode.pdl import PDL_ENV, triton
 from decode_switch_helpers import check_switch_setting
 
 cuda = pytest.mark.skipif(not (torch.cuda.is_available() and pdl.triton is not None), reason="needs CUDA and Triton")
@@ -22,7 +25,7 @@ def test_the_setting(monkeypatch):
 
 @pytest.mark.parametrize("capable", [True, False])
 def test_auto_launches_with_pdl_on_gpus_that_have_it_and_the_kernel_waits_exactly_then(monkeypatch, capable):
-    monkeypatch.setattr(pdl, "triton", pdl.triton or object())  # CPU builds of torch have no Triton
+    monkeypatch.setattr(pdl, "_HAS_GDC", True)  # CPU builds of torch have no Triton
     monkeypatch.setattr(pdl, "_capable", lambda index: capable)
     monkeypatch.delenv(PDL_ENV, raising=False)
     # the kernel's wait (PDL) and the launch attribute (launch_pdl) never differ: one without the other races
@@ -33,72 +36,186 @@ def test_auto_launches_with_pdl_on_gpus_that_have_it_and_the_kernel_waits_exactl
     assert pdl.launch_args("cpu") == {"PDL": False, "launch_pdl": False}
 
 
-def _chain(x: torch.Tensor, weights, norm: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Every decode kernel in turn, each on the output of the one before: the few-row product
-    (split K, and whole K with the norm's launch before it and silu * up after), the one-row
-    product with its prologue, q/k rotary and the cache write, the attention and its combine, a
-    k/v write."""
-    from dflash_ipc.decode import kv_write, matvec, qk_rope
-    from dflash_ipc.decode.decode_attention import triton_decode_attention
+class _Graph:
+    def pool(self):
+        return "pool"
 
-    for w_split, w_glu in weights:
-        h = torch.empty_like(x)
-        x = matvec.triton_rows(x, w_split)  # 1,024 x 1,024: K split 8 ways
-        x = matvec.triton_rows(x, w_glu, glu=True, norm=norm, eps=1e-6, add=x.flip(0), h=h)
-        x = x + h
-    one = matvec.triton_matvec(x[:1], weights[0][0], residual=x[1:2].contiguous())  # [1, 1024]
-    x = x * one.float().sigmoid().to(x.dtype)
-    b, q = 1, x.shape[0]
-    heads, kv_heads, dim = 4, 2, 128  # q|k|v of 8 heads of 128 = 1,024
-    cos, sin = (torch.linspace(-1, 1, q * dim, device=x.device, dtype=x.dtype).view(1, q, dim) for _ in range(2))
-    rows = torch.zeros(1, dtype=torch.long, device=x.device)
-    pos = torch.arange(q, device=x.device).view(1, q)
-    query = qk_rope.triton_qk_rope_write(x.view(b, q, -1), cos, sin, None, None, 1e-6, keys, values, rows, pos,
-                                         heads, kv_heads)  # [1, 4, q, 128]
-    mask = torch.ones(b, 1, q, keys.shape[1], dtype=torch.bool, device=x.device).tril(diagonal=0)
-    attended = triton_decode_attention(query, keys[:1].transpose(1, 2), values[:1].transpose(1, 2), mask,
-                                       splits=4)  # [1, q, 4, 128]
-    kv_write.write(keys, values, rows + 1, pos, attended[:, :, :2], attended[:, :, 2:])
-    return torch.cat([attended.flatten(), keys[1, :q].flatten(), x.flatten()])
+    def replay(self):
+        pass
+
+
+def _graphs_failing(when, attempts):
+    """A StepGraphs whose captures record whether PDL was on and fail while ``when(pdl_on)``."""
+    from dflash_ipc.decode.graphs import StepGraphs
+
+    class Graphs(StepGraphs):
+        def _record(self, shape, saved):
+            on = pdl.enabled("cuda:0")
+            attempts.append(on)
+            self.state[0].add_(1)  # what a warm-up does to the state; put back after a failure
+            if when(on):
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return _Graph()
+    return Graphs
+
+
+@pytest.mark.parametrize("capable", [True, False])
+def test_a_capture_that_fails_under_pdl_is_tried_once_more_without_it(monkeypatch, capable):
+    monkeypatch.setattr(pdl, "_HAS_GDC", True)
+    monkeypatch.setattr(pdl, "_capable", lambda index: capable)
+    monkeypatch.setattr(pdl, "_turned_off", False)  # the process-wide switch, put back after the test
+    monkeypatch.delenv(PDL_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    steps = []
+    attempts = []
+    state = torch.zeros(3)
+    graphs = _graphs_failing(lambda on: on, attempts)(lambda *shape: steps.append(shape), [state], enabled=True)
+    graphs.run((1, 128))
+    if capable:  # failed with PDL, captured without it: PDL stays off in this process
+        assert attempts == [True, False] and graphs.enabled and graphs.num_captures == 1 and steps == []
+        assert not pdl.enabled("cuda:0") and pdl.launch_args("cuda:0") == {"PDL": False, "launch_pdl": False}
+    else:  # PDL was never on: nothing to retry
+        assert attempts == [False] and graphs.enabled and graphs.num_captures == 1
+    assert torch.equal(state, torch.full((3,), 1.0))  # the failed attempt's change put back, the capture's kept
+
+    attempts.clear()
+    broken = _graphs_failing(lambda on: True, attempts)(lambda *shape: steps.append(shape), [state], enabled=True)
+    broken.run((2, 128))  # fails without PDL too: graphs off, the step eager
+    assert attempts == [False] and not broken.enabled and steps == [(2, 128)]
+    assert torch.equal(state, torch.full((3,), 1.0))
+
+
+class _Chain:
+    """Every decode kernel, back to back, each on what the one before wrote: the few-row product with K
+    split 8 ways, the norm launch and the GLU product after it, the one-row product with its add and
+    norm prologue, q/k rotary and the cache write, the attention and its combine, a K/V write. Their
+    constant inputs (weights, tables, masks, indices) are made beforehand, so no torch kernel runs
+    between two of them and each may start while the one before still runs."""
+
+    def __init__(self, dev, dt):
+        torch.manual_seed(0)
+        self.weights = [(torch.randn(1024, 1024, device=dev, dtype=dt) / 32,
+                         torch.randn(2048, 1024, device=dev, dtype=dt) / 32) for _ in range(4)]
+        self.norm = torch.rand(1024, device=dev, dtype=dt) + 0.5
+        self.add = torch.randn(16, 1024, device=dev, dtype=dt)
+        self.q = 16
+        self.cos, self.sin = (torch.linspace(-1, 1, 16 * 128, device=dev, dtype=dt).view(1, 16, 128) for _ in range(2))
+        self.rows = torch.zeros(1, dtype=torch.long, device=dev)
+        self.next_rows = self.rows + 1
+        self.pos = torch.arange(16, device=dev).view(1, 16)
+        self.mask = torch.ones(1, 1, 16, 512, dtype=torch.bool, device=dev).tril(diagonal=0)
+        self.caches = [torch.zeros(2, 512, 2, 128, device=dev, dtype=dt) for _ in range(2)]  # 512 keys: 4 splits
+        self.h = [torch.empty(16, 1024, device=dev, dtype=dt) for _ in self.weights]
+        self.h_one = torch.empty(1, 1024, device=dev, dtype=dt)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from dflash_ipc.decode import kv_write, matvec, qk_rope
+        from dflash_ipc.decode.decode_attention import triton_decode_attention
+
+        keys, values = self.caches
+        for (w_split, w_glu), h in zip(self.weights, self.h):
+            x = matvec.triton_rows(x, w_split)  # 1,024 x 1,024: K split (8 ways on 132 SMs)
+            x = matvec.triton_rows(x, w_glu, glu=True, norm=self.norm, eps=1e-6, add=self.add, h=h)
+        one = matvec.triton_matvec(x[:1], self.weights[0][0], norm=self.norm, eps=1e-6, add=self.add[:1],
+                                   h=self.h_one)
+        query = qk_rope.triton_qk_rope_write(x.view(1, self.q, -1), self.cos, self.sin, None, None, 1e-6, keys,
+                                             values, self.rows, self.pos, 4, 2)  # q|k|v: 4 + 2 + 2 heads of 128
+        attended = triton_decode_attention(query, keys[:1].transpose(1, 2), values[:1].transpose(1, 2), self.mask,
+                                           splits=4)  # [1, q, 4, 128]
+        kv_write.write(keys, values, self.next_rows, self.pos, attended[:, :, :2], attended[:, :, 2:])
+        return torch.cat([attended.flatten(), keys[1, :self.q].flatten(), values[1, :self.q].flatten(),
+                          one.flatten(), self.h_one.flatten(), x.flatten(), torch.cat(self.h).flatten()])
+
+    def reset(self):
+        for c in self.caches:
+            c.zero_()
 
 
 @pytest.mark.gpu
 @cuda
 def test_a_chain_of_dependent_launches_gives_the_same_values_with_pdl_and_without(monkeypatch):
-    torch.manual_seed(0)
     dev, dt = torch.device("cuda:0"), torch.bfloat16
-    if not pdl._capable(0):
-        pytest.skip("PDL needs a GPU of compute capability 9.0 or more")
-    weights = [(torch.randn(1024, 1024, device=dev, dtype=dt) / 32, torch.randn(2048, 1024, device=dev, dtype=dt) / 32)
-               for _ in range(6)]
-    norm = torch.rand(1024, device=dev, dtype=dt) + 0.5
-    x0 = torch.randn(16, 1024, device=dev, dtype=dt)
+    if not pdl.enabled(dev):
+        pytest.skip("PDL needs an NVIDIA GPU of compute capability 9.0 or more")
+    chain = _Chain(dev, dt)
+    inputs = [torch.randn(16, 1024, device=dev, dtype=dt, generator=torch.Generator(dev).manual_seed(i))
+              for i in range(3)]
     results = {}
     for setting in ("off", "auto"):
         monkeypatch.setenv(PDL_ENV, setting)
         assert pdl.launch_args(dev)["launch_pdl"] == (setting == "auto")
-        caches = [torch.zeros(2, 512, 2, 128, device=dev, dtype=dt) for _ in range(2)]  # 512 keys: 4 splits
-        eager = _chain(x0, weights, norm, *caches).clone()
-        static_x = x0.clone()
+        eager = []
+        for x in inputs:
+            chain.reset()
+            eager.append(chain(x.clone()))
+        static_x = inputs[0].clone()
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            _chain(static_x, weights, norm, *caches)  # compiled and warmed up outside the capture
+            chain(static_x)  # compiled and warmed up outside the capture
             with torch.cuda.graph(graph, stream=stream):
-                out = _chain(static_x, weights, norm, *caches)
+                out = chain(static_x)
         torch.cuda.current_stream().wait_stream(stream)
         replays = []
-        for _ in range(3):
-            for c in caches:
-                c.zero_()
+        for x in inputs:  # a new input each replay: a kernel that read before its wait would see the last one's
+            chain.reset()
+            static_x.copy_(x)
             graph.replay()
             replays.append(out.clone())
         torch.cuda.synchronize()
         results[setting] = (eager, replays)
-    eager_off, replays_off = results["off"]
-    eager_on, replays_on = results["auto"]
-    assert torch.isfinite(eager_off.float()).all() and eager_off.float().abs().sum() > 0
-    assert torch.equal(eager_on, eager_off)
-    for r_on, r_off in zip(replays_on, replays_off):
-        assert torch.equal(r_on, r_off) and torch.equal(r_off, eager_off)
+    for i in range(len(inputs)):
+        off = results["off"][0][i]
+        assert torch.isfinite(off.float()).all() and off.float().abs().sum() > 0
+        assert torch.equal(results["auto"][0][i], off)  # eager, PDL on
+        assert torch.equal(results["auto"][1][i], off) and torch.equal(results["off"][1][i], off)  # replayed
+    assert not torch.equal(results["off"][0][0], results["off"][0][1])
+
+
+_PTX_MEMORY = re.compile(r"^(?:@!?%p\d+\s+)?(?:ld|st|atom|red|cp\.async|prefetch)\.[^;]*\bglobal\b")
+"""A PTX line that loads, stores or reduces global memory (predicated or not)."""
+
+
+@pytest.mark.skipif(pdl.triton is None or not pdl._HAS_GDC, reason="needs Triton with griddepcontrol")
+def test_every_decode_kernel_waits_before_its_first_memory_access_under_pdl():
+    """Each kernel compiled for sm_90 (no GPU needed) with PDL: launch_pdl in its metadata, and in its
+    PTX griddepcontrol.wait before any load, store or atomic; without PDL no griddepcontrol at all."""
+    from triton.backends.compiler import GPUTarget
+
+    from dflash_ipc.decode import decode_attention, kv_write, matvec, qk_rope
+
+    half = "*bf16"
+    kernels = [
+        (matvec._rows_kernel, dict(HAS_BIAS=False, SPLIT=4, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, GLU=False,
+                                   RESIDUAL=True), {"part_ptr": "*fp32", "count_ptr": "*i32"}, 4),
+        (matvec._rows_kernel, dict(HAS_BIAS=False, SPLIT=1, BLOCK_N=32, BLOCK_K=128, EVEN_K=True, GLU=True,
+                                   RESIDUAL=False), {"part_ptr": "*fp32", "count_ptr": "*i32"}, 4),
+        (matvec._matvec_kernel, dict(HAS_BIAS=False, BLOCK_N=4, BLOCK_K=512, EVEN_K=True, ADD=True, NORM=True,
+                                     GLU=True, RESIDUAL=False, RSTD_BLOCK=2048), {}, 4),
+        (matvec._rows_norm_kernel, dict(ADD=True, BLOCK_K=2048), {}, 4),
+        (decode_attention._attention_kernel, dict(HKV=8, REP=2, NQ=16, D=128, DV=128, BLOCK_M=32, BLOCK_T=64,
+                                                  BLOCK_D=128, BLOCK_DV=128, SPLIT=True, SKIP_HIDDEN=False),
+         {"mask_ptr": "*u8", "part_ptr": "*fp32", "stat_ptr": "*fp32"}, 4),
+        (decode_attention._combine_kernel, dict(HKV=8, REP=2, NQ=16, DV=128, BLOCK_M=32, BLOCK_DV=128),
+         {"part_ptr": "*fp32", "stat_ptr": "*fp32"}, 4),
+        (qk_rope._qk_rope_write_kernel, dict(D=128, QK_NORM=True), {"rows_ptr": "*i64", "pos_ptr": "*i64"}, 1),
+        (kv_write._write_kernel, dict(H=8, D=128, BLOCK_H=8, BLOCK_D=128), {"rows_ptr": "*i64", "pos_ptr": "*i64"}, 4),
+    ]
+    for fn, consts, types, warps in kernels:
+        for on in (True, False):
+            c = dict(consts, PDL=on)
+            sig = {n: "constexpr" if n in c else types.get(n, half if n.endswith("_ptr") else
+                                                              "fp32" if n in ("eps", "scale") else "i32")
+                   for n in fn.arg_names}
+            compiled = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=c),
+                                      target=GPUTarget("cuda", 90, 128), options=dict(num_warps=warps, launch_pdl=on))
+            lines = compiled.asm["ptx"].splitlines()
+            waits = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+            memory = [i for i, line in enumerate(lines) if _PTX_MEMORY.search(line.strip())]
+            assert compiled.metadata.launch_pdl == on, fn.__name__
+            if on:
+                assert len(waits) == 1 and memory and waits[0] < memory[0], (fn.__name__, lines[memory[0]])
+            else:
+                assert not waits and not any("griddepcontrol" in line for line in lines), fn.__name__

@@ -85,7 +85,7 @@ def profile_kernels(run_step: typing.Callable[[], None], steps: int) -> list[tup
 
 def format_profile(summary: dict, *, label: str, wall_ms: float | None = None) -> str:
     # A step of a few ms (a decode cycle) is made of kernels of microseconds: three decimals there.
-    digits = 3 if summary["total_ms"] < 10 else 1
+    digits = 3 if max(summary["total_ms"], wall_ms or 0.0) < 10 else 1
     wall = f", step wall time {wall_ms:.{digits}f} ms" if wall_ms is not None else ""
     lines = [f"kernel time per step ({label}, {summary['steps']} profiled steps): {summary['total_ms']:.{digits}f} ms{wall}"]
     total = summary["total_ms"] or 1.0

@@ -11,7 +11,9 @@ Capture: one eager warm-up on a side stream first (cuBLAS handles, kernel select
 PyTorch recipe), with the row state saved and restored around it, since the warm-up is a
 real step (its K/V writes are the ones the replay repeats, at the same positions). A capture
 that fails (an op that syncs with the host, an unsupported kernel) logs one warning and
-turns graphs off for the rest of the run: the eager step is the same computation.
+turns graphs off for the rest of the run: the eager step is the same computation. Where the
+decode kernels launched with PDL (pdl.py), PDL is turned off for the process and the capture
+tried once more first.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from torch import Tensor
+
+from dflash_ipc.decode import pdl
 
 log = logging.getLogger(__name__)
 
@@ -50,30 +54,42 @@ class StepGraphs:
 
     def _capture(self, shape: tuple) -> torch.cuda.CUDAGraph | None:
         saved = [t.clone() for t in self.state]
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.step(*shape)
-            torch.cuda.current_stream().wait_stream(side)
-            for t, v in zip(self.state, saved):
-                t.copy_(v)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self.step(*shape)
-        except Exception as e:  # noqa: BLE001 - any capture failure: the eager step is the same math
-            torch.cuda.synchronize()
-            for t, v in zip(self.state, saved):
-                t.copy_(v)
-            log.warning("decode: capturing the step %s as a CUDA graph failed (%s: %s); stepping eagerly",
-                        shape, type(e).__name__, str(e)[:300])
-            self.enabled = False
-            self.graphs.clear()
-            return None
+        for attempt in range(2):
+            try:
+                graph = self._record(shape, saved)
+                break
+            except Exception as e:  # noqa: BLE001 - any capture failure: the eager step is the same math
+                torch.cuda.synchronize()
+                for t, v in zip(self.state, saved):
+                    t.copy_(v)
+                if attempt == 0 and pdl.turn_off(torch.device("cuda", torch.cuda.current_device())):
+                    log.warning("decode: capturing the step %s as a CUDA graph with overlapped launches failed "
+                                "(%s: %s); capturing again with plain launches (decode/pdl.py off in this process)",
+                                shape, type(e).__name__, str(e)[:300])
+                    continue
+                log.warning("decode: capturing the step %s as a CUDA graph failed (%s: %s); stepping eagerly",
+                            shape, type(e).__name__, str(e)[:300])
+                self.enabled = False
+                self.graphs.clear()
+                return None
         if self._pool is None:
             self._pool = graph.pool()
         self.graphs[shape] = graph
         self.num_captures += 1
+        return graph
+
+    def _record(self, shape: tuple, saved: list[Tensor]) -> torch.cuda.CUDAGraph:
+        """One eager warm-up of the step on a side stream, the state put back, then its capture."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.step(*shape)
+        torch.cuda.current_stream().wait_stream(side)
+        for t, v in zip(self.state, saved):
+            t.copy_(v)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self.step(*shape)
         return graph
 
     def clear(self) -> None:

@@ -1,7 +1,7 @@
 """Programmatic dependent launch of the decode kernels: each one launched while the one before finishes.
 
 At batch 1 a decode step is some 200 kernels of a few microseconds and a speculative cycle some
-350, replayed from a CUDA graph; between two of them the GPU still idles, since the next kernel's
+400, replayed from a CUDA graph; between two of them the GPU still idles, since the next kernel's
 programs are scheduled only once the last one has completed and its writes are flushed. The
 profile of a Qwen3-1.7B-shaped cycle on an H100 had 2.71 ms of kernels in 3.08 ms of wall time
 (docs/benchmarks.md, "Launches that overlap"). On Hopper and later GPUs a kernel launched with
@@ -17,8 +17,8 @@ that one's launch and its programs' start then overlap this one's work. The laun
 ``launch_pdl`` with the same value (:func:`launch_args`): a kernel launched that way without its
 wait would race with the one before it.
 
-``$DFLASH_DECODE_PDL``: ``auto`` (the default: CUDA devices of compute capability 9.0 or more)
-or ``off``.
+``$DFLASH_DECODE_PDL``: ``auto`` (the default: NVIDIA GPUs of compute capability 9.0 or more,
+with a Triton that has ``griddepcontrol``) or ``off``.
 """
 
 from __future__ import annotations
@@ -44,17 +44,33 @@ MIN_CAPABILITY = (9, 0)
 
 @functools.cache
 def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= MIN_CAPABILITY
+    # ROCm reports its own capabilities (an MI300 is 9.4): griddepcontrol is NVIDIA's PTX
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= MIN_CAPABILITY
+
+
+_turned_off = False
 
 
 def enabled(device) -> bool:
-    """Whether the decode kernels on ``device`` launch with PDL ($DFLASH_DECODE_PDL; see the module)."""
+    """Whether the decode kernels on ``device`` launch with PDL ($DFLASH_DECODE_PDL; see the module;
+    never after :func:`turn_off`)."""
     value = os.environ.get(PDL_ENV) or "auto"
     if value not in SETTINGS:
         raise ConfigError(f"${PDL_ENV}={value!r}; allowed: {list(SETTINGS)}")
     device = torch.device(device)
-    return (value == "auto" and device.type == "cuda" and triton is not None
+    return (value == "auto" and not _turned_off and device.type == "cuda" and _HAS_GDC
             and _capable(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+def turn_off(device) -> bool:
+    """Launch without PDL from now on, in this process; whether launches on ``device`` used it until
+    now. A CUDA graph capture that fails calls it and, if so, captures once more (graphs.py): a
+    capture with overlapped launches is a newer path of the driver than one without, and the eager
+    step it would otherwise fall back to is several times slower at batch 1."""
+    global _turned_off
+    was = enabled(device)
+    _turned_off = True
+    return was
 
 
 def launch_args(device) -> dict:
@@ -63,8 +79,14 @@ def launch_args(device) -> dict:
     return {"PDL": on, "launch_pdl": on}
 
 
+_HAS_GDC = False
+"""Whether this Triton has griddepcontrol (3.4 and later)."""
 if triton is not None:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+        _HAS_GDC = True
+    except ImportError:  # an older Triton: PDL stays off, and the kernels compile without the branch below
+        gdc_wait = gdc_launch_dependents = None
 
     @triton.jit
     def wait_for_inputs(PDL: tl.constexpr):
