@@ -68,10 +68,7 @@ class RowStorage:
     def write(self, layer: int, rows: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
         """k/v ``[R, q, heads, D]`` of storage rows ``rows`` ``[R]`` at indices ``pos`` ``[R, q]``
         (long, same device)."""
-        if self.keys[layer] is None:
-            shape = (self.storage_rows, self.capacity + 1)
-            self.keys[layer] = k.new_zeros(*shape, *k.shape[2:])
-            self.values[layer] = v.new_zeros(*shape, *v.shape[2:])
+        self.storage(layer, k.shape[2], k.shape[3], k.dtype, k.device)
         if kv_write.takes(self.keys[layer], self.values[layer], rows, pos, k, v):  # CUDA: one launch for both
             kv_write.write(self.keys[layer], self.values[layer], rows, pos, k, v)
             return
