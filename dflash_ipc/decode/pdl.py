@@ -24,8 +24,11 @@ with a Triton that has ``griddepcontrol``) or ``off``.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
+
+from dflash_ipc.errors import ConfigError
 
 
 try:
@@ -35,6 +38,7 @@ except ImportError:  # CPU builds of torch ship without Triton; nothing here is 
     triton = None
 
 PDL_ENV = "DFLASH_DECODE_PDL"
+SETTINGS = ("auto", "off")
 MIN_CAPABILITY = (9, 0)
 """``griddepcontrol`` exists from sm_90 (Hopper) on."""
 
@@ -51,10 +55,11 @@ _turned_off = False
 def enabled(device) -> bool:
     """Whether the decode kernels on ``device`` launch with PDL ($DFLASH_DECODE_PDL; see the module;
     never after :func:`turn_off`)."""
-    from dflash_ipc.decode.matvec import cuda_switch  # matvec imports this module
-
+    value = os.environ.get(PDL_ENV) or "auto"  # matvec.cuda_switch's rule (matvec imports this module)
+    if value not in SETTINGS:
+        raise ConfigError(f"${PDL_ENV}={value!r}; allowed: {list(SETTINGS)}")
     device = torch.device(device)
-    return (cuda_switch(PDL_ENV, device) and not _turned_off and _HAS_GDC
+    return (value == "auto" and not _turned_off and device.type == "cuda" and _HAS_GDC
             and _capable(device.index if device.index is not None else torch.cuda.current_device()))
 
 
