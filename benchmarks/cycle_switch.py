@@ -3,6 +3,8 @@
     python3 -m benchmarks.cycle_switch qwen3-1.7b                        # DFLASH_DECODE_FUSE_DRAFTER
     python3 -m benchmarks.cycle_switch qwen3-8b --env DFLASH_DECODE_KV_WRITE --rounds 7
     python3 -m benchmarks.cycle_switch qwen3-1.7b --env DFLASH_DECODE_PDL --values auto,off
+    python3 -m benchmarks.cycle_switch qwen3-1.7b --env DFLASH_DECODE_TOP2,DFLASH_DECODE_FUSED_ACCEPT \
+        --values auto/auto,auto/off,off/off                            # several switches: a/b per value
 
 `bench eval`'s batch-1 rows (bench/eval.py) with what differs between processes held still: one
 random-weight target of a bench shape (built once into $WORK/profile-spec-SHAPE, default /tmp), its
@@ -10,6 +12,7 @@ random drafter, 2 prompts of 64..256 random tokens and 128 new tokens each, gree
 the compiled decode forward. A plain and a speculative decoder are built per value of the switch
 (``--values``, default ``auto`` then ``off``), the environment set while each is built, warmed up
 and run, so a switch read by the drafter's context or at a graph's capture applies to it alone.
+Several switches (``--env A,B``) take a value each, ``a/b``, or one value for all.
 Each round runs every decoder twice, the second run timed (the first captures the graphs again: the
 decoders take turns over the target's cache); printed: ms per target forward (a plain step; a
 cycle, draft + verify, prefills included as bench eval counts them) of every run, each one's
@@ -47,7 +50,7 @@ def ms_per_forward(decoder, requests, device: torch.device) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shape", choices=sorted(SHAPES))
-    parser.add_argument("--env", default=FUSE_DRAFTER_ENV, help="the switch")
+    parser.add_argument("--env", default=FUSE_DRAFTER_ENV, help="the switch (several: comma-separated)")
     parser.add_argument("--values", default="auto,off", help="its values, comma-separated")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -64,12 +67,20 @@ def main() -> None:
     graphs = "on" if cuda else "off"
     requests = [Request(key=(i, 0), prompt_ids=p, max_new_tokens=args.new_tokens)
                 for i, p in enumerate(random_prompts(2, (64, 256), 0))]
-    values = args.values.split(",")
-    if len(set(values)) != len(values) or not all(values):
-        parser.error(f"--values {args.values!r}: distinct, non-empty values, comma-separated")
+    envs, values = args.env.split(","), args.values.split(",")
+    if len(set(values)) != len(values) or not all(values) or any(
+            len(v.split("/")) not in (1, len(envs)) or not all(v.split("/")) for v in values):
+        parser.error(f"--values {args.values!r}: distinct, non-empty values, comma-separated; with several "
+                     f"switches (--env {args.env}) one value each, joined by '/', or one for all")
+
+    def switch(value: str) -> None:
+        parts = value.split("/")
+        for env, part in zip(envs, parts * len(envs) if len(parts) == 1 else parts):
+            os.environ[env] = part
+
     decoders = {}  # (kind, value) -> decoder
     for value in values:
-        os.environ[args.env] = value
+        switch(value)
         decoders["plain", value] = PlainDecoder(target, batch_size=1, keep_cache=True, graphs=graphs, compile="auto")
         decoders["cycle", value] = SpeculativeDecoder(target, DrafterContext(model, target.head), batch_size=1,
                                                       graphs=graphs, compile="auto")
@@ -78,12 +89,12 @@ def main() -> None:
     times: dict[tuple[str, str], list[float]] = {key: [] for key in decoders}
     for _ in range(args.rounds):
         for (kind, value), decoder in decoders.items():
-            os.environ[args.env] = value
+            switch(value)
             # The decoders share the target, whose cache each run takes over: a decoder's graphs,
             # captured over the cache of its own last run, are captured again in this untimed run.
             decoder.run(RequestList(requests))
             times[kind, value].append(ms_per_forward(decoder, requests, device))
-    print(f"== {args.shape}, batch 1, {args.env} {'/'.join(values)}, {args.rounds} rounds of 2 prompts x "
+    print(f"== {args.shape}, batch 1, {args.env} = {' then '.join(values)}, {args.rounds} rounds of 2 prompts x "
           f"{args.new_tokens} new tokens ({torch.cuda.get_device_name(device) if cuda else device})")
     for (kind, value), runs in times.items():
         ms = statistics.median(runs)

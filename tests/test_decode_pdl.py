@@ -86,6 +86,29 @@ def test_a_capture_that_fails_under_pdl_is_tried_once_more_without_it(monkeypatc
     assert torch.equal(state, torch.full((3,), 1.0))
 
 
+def test_the_log_names_the_error_that_broke_the_capture(monkeypatch, caplog):
+    """A call that fails inside a capture invalidates it; capture end then fails with "a previous
+    error": the warning names the first (its context)."""
+    from dflash_ipc.decode.graphs import StepGraphs
+
+    monkeypatch.setattr(pdl, "_turned_off", True)  # no retry
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    class Graphs(StepGraphs):
+        def _record(self, shape, saved):
+            try:
+                raise RuntimeError("Triton Error [CUDA]: operation not permitted when stream is capturing")
+            finally:  # as torch.cuda.graph's exit, ending the capture
+                raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    graphs = Graphs(lambda *shape: None, [], enabled=True)
+    with caplog.at_level("WARNING", logger="dflash_ipc.decode.graphs"):
+        graphs.run((3, 128))
+    assert not graphs.enabled and "not permitted when stream is capturing" in caplog.text
+    assert "previous error" not in caplog.text
+
+
 class _Chain:
     """Every decode kernel, back to back, each on what the one before wrote: the few-row product with K
     split 8 ways, the norm launch and the GLU product after it, the one-row product with its add and

@@ -29,6 +29,14 @@ from dflash_ipc.decode import pdl
 log = logging.getLogger(__name__)
 
 
+def _first_error(e: BaseException) -> BaseException:
+    """The error that broke a capture: the one raised at capture end ("operation failed due to a
+    previous error during capture") keeps it as its context."""
+    while e.__context__ is not None and "previous error during capture" in str(e):
+        e = e.__context__
+    return e
+
+
 class StepGraphs:
     """``run(shape)`` = ``step(*shape)``, through a graph per shape when ``enabled``."""
 
@@ -59,6 +67,7 @@ class StepGraphs:
                 graph = self._record(shape, saved)
                 break
             except Exception as e:  # noqa: BLE001 - any capture failure: the eager step is the same math
+                e = _first_error(e)
                 torch.cuda.synchronize()
                 for t, v in zip(self.state, saved):
                     t.copy_(v)
