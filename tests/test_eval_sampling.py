@@ -59,9 +59,9 @@ def test_sampling_options_are_checked():
 
 
 def test_greedy_accept_counts_the_matching_prefix():
-    target = torch.nn.functional.one_hot(torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8]]), 10).float()
-    accepted, tokens = greedy_accept(torch.tensor([[5, 6, 9], [4, 6, 7]]), target)
-    assert accepted.tolist() == [2, 0] and tokens.tolist() == [[5, 6, 7, 8]] * 2
+    target_next = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8]])
+    assert greedy_accept(torch.tensor([[5, 6, 9], [4, 6, 7]]), target_next).tolist() == [2, 0]
+    assert greedy_accept(torch.tensor([[5, 6, 7]]), target_next[:1]).tolist() == [3]
 
 
 def test_rejection_sampling_of_one_block_gives_the_target_distribution():

@@ -59,6 +59,7 @@ from dflash_ipc.decode.compiled import COMPILE, compile_enabled
 from dflash_ipc.decode.graphs import StepGraphs
 from dflash_ipc.decode.requests import Generation, Request, RequestSource
 from dflash_ipc.decode.sampler import TokenChoice, choose, top2_margin
+from dflash_ipc.decode.top2 import greedy_top2
 from dflash_ipc.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -378,13 +379,12 @@ class DecodeEngine:
         host = np.array([[r.prompt_ids.size, r.max_new_tokens, self.choice.row_key(r.key)] for r in requests])
         meta = torch.from_numpy(host).to(dev)
         idx = torch.as_tensor(rows, device=dev)
-        tokens = choose(logits, self.choice, meta[:, 2], torch.zeros_like(meta[:, 0]))
+        tokens, margin, top = self._choose(logits, meta[:, 2], torch.zeros_like(meta[:, 0]))
         self.last[idx], self.length[idx], self.n_out[idx] = tokens, meta[:, 0], 1
         self.budget[idx], self.keys[idx] = meta[:, 1], meta[:, 2]
         self.out[idx, 0] = tokens
         self.done[idx] = self._is_stop(tokens) | (meta[:, 1] <= 1)
         if self.settings.keep_margins:
-            margin, top = top2_margin(logits)
             self.margins[idx, 0], self.tops[idx, 0] = margin, top
         for row, request in zip(rows, requests):
             self.slots[row] = Generation(request=request)
@@ -396,6 +396,14 @@ class DecodeEngine:
         self.stats.prompt_slots += width * len(unique)
         self.stats.new_slots += len(requests)
         self.stats.prefills += 1
+
+    def _choose(self, logits: Tensor, keys: Tensor, index: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The next token of each row of logits ``[R, V]`` and, with ``keep_margins``, its margin and
+        top logit (greedy: the three in one pass, decode/top2.py)."""
+        if self.settings.keep_margins and self.choice.greedy:
+            return greedy_top2(logits)
+        tokens = choose(logits, self.choice, keys, index)
+        return (tokens, *top2_margin(logits)) if self.settings.keep_margins else (tokens, None, None)
 
     def _is_stop(self, tokens: Tensor) -> Tensor:
         return (tokens[:, None] == self.stops[None]).any(-1)
@@ -437,13 +445,12 @@ class DecodeEngine:
         last, length, n_out, done = self.last[:rows], self.length[:rows], self.n_out[:rows], self.done[:rows]
         logits, _ = self.target.extend(last[:, None], length, span - 1, features=False, compiled=self.use_compile)
         logits = logits[:, -1]  # [B, V]
-        tokens = choose(logits, self.choice, self.keys[:rows], n_out)
+        tokens, margin, top = self._choose(logits, self.keys[:rows], n_out)
         active = ~done
         tokens = torch.where(active, tokens, last)
         col = torch.where(active, n_out, self.out.shape[1] - 1)[:, None]  # idle rows: the scratch column
         self.out[:rows].scatter_(1, col, tokens[:, None])
         if self.settings.keep_margins:
-            margin, top = top2_margin(logits)
             self.margins[:rows].scatter_(1, col, margin[:, None])
             self.tops[:rows].scatter_(1, col, top[:, None])
         step = active.long()

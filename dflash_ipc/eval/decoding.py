@@ -44,7 +44,7 @@ from dflash_ipc.eval.sampling import (
     sample,
     speculative_accept,
 )
-from dflash_ipc.decode.sampler import top2_margin
+from dflash_ipc.decode.top2 import greedy_top2
 from dflash_ipc.decode.target import BatchedTarget
 
 def next_inputs(starts: Tensor, accepted: Tensor, tokens: Tensor, limit: int) -> tuple[Tensor, Tensor]:
@@ -210,7 +210,7 @@ class BatchedDecoder:
     def _choose(self, logits: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """logits ``[..., V]`` -> (token, margin, top-1 logit) ``[...]``; margins only when greedy."""
         if self.sampling.greedy:
-            return (logits.argmax(-1), *top2_margin(logits))
+            return greedy_top2(logits)
         return sample(probabilities(logits, self.sampling), self.generator), None, None
 
     def _host(self, tokens: Tensor, margins: Tensor | None, tops: Tensor | None):
@@ -502,7 +502,7 @@ class SpeculativeDecoder(BatchedDecoder):
         """Draft, verify, extend the drafter's context, accept: all on the device."""
         draft_logits = self.drafter.draft_logits(anchors, starts, max_start)  # [B, bs-1, V]
         if self.sampling.greedy:
-            draft_probs, drafted = None, draft_logits.argmax(-1)
+            draft_probs, drafted = None, greedy_top2(draft_logits)[0]
         else:
             draft_probs = probabilities(draft_logits, self.sampling)
             drafted = sample(draft_probs, self.generator)  # [B, bs-1]
@@ -511,7 +511,8 @@ class SpeculativeDecoder(BatchedDecoder):
         positions = starts[:, None] + torch.arange(self.block_size, device=self.device)
         self.drafter.append(torch.arange(len(self.slots), device=self.device), feats, positions, positions)
         if self.sampling.greedy:
-            return (*greedy_accept(drafted, logits), *top2_margin(logits))
+            tokens, margins, tops = greedy_top2(logits)
+            return greedy_accept(drafted, tokens), tokens, margins, tops
         accepted, tokens = speculative_accept(drafted, draft_probs, probabilities(logits, self.sampling),
                                               self.generator)
         return accepted, tokens, None, None

@@ -70,12 +70,11 @@ def sample(weights: Tensor, generator: torch.Generator | None) -> Tensor:
     return (weights / race).argmax(-1)
 
 
-def greedy_accept(drafted: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]:
-    """drafted ``[B, d]``, target logits ``[B, d+1, V]`` -> (accepted ``[B]``, tokens ``[B, d+1]``):
-    the target's argmax tokens, of which the first accepted+1 are committed."""
-    target_next = target_logits.argmax(-1)
+def greedy_accept(drafted: Tensor, target_next: Tensor) -> Tensor:
+    """drafted ``[B, d]``, the target's greedy tokens ``[B, d+1]`` -> accepted ``[B]``: how many
+    drafts lead the target's tokens (of which the first accepted+1 are committed)."""
     same = (drafted == target_next[:, :-1]).int()
-    return same.cumprod(1).sum(1), target_next
+    return same.cumprod(1).sum(1)
 
 
 def speculative_accept(drafted: Tensor, draft_probs: Tensor, target_probs: Tensor,
