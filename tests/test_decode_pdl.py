@@ -207,7 +207,7 @@ def test_every_decode_kernel_waits_before_its_first_memory_access_under_pdl():
     PTX griddepcontrol.wait before any load, store or atomic; without PDL no griddepcontrol at all."""
     from triton.backends.compiler import GPUTarget
 
-    from dflash_ipc.decode import decode_attention, kv_write, matvec, qk_rope
+    from dflash_ipc.decode import accept, decode_attention, kv_write, matvec, qk_rope, top2
 
     half = "*bf16"
     kernels = [
@@ -225,6 +225,12 @@ def test_every_decode_kernel_waits_before_its_first_memory_access_under_pdl():
          {"part_ptr": "*fp32", "stat_ptr": "*fp32"}, 4),
         (qk_rope._qk_rope_write_kernel, dict(D=128, QK_NORM=True), {"rows_ptr": "*i64", "pos_ptr": "*i64"}, 1),
         (kv_write._write_kernel, dict(H=8, D=128, BLOCK_H=8, BLOCK_D=128), {"rows_ptr": "*i64", "pos_ptr": "*i64"}, 4),
+        (top2._chunk_kernel, dict(BLOCK=top2.BLOCK), {"part_ptr": "*fp32"}, 8),
+        (top2._row_kernel, dict(BLOCK_C=64), {"part_ptr": "*fp32", "token_ptr": "*i64", "margin_ptr": "*fp32",
+                                              "top_ptr": "*fp32"}, 1),
+        (accept._accept_kernel, dict(BS=16, BLOCK=16), {n: "*i64" for n in ("drafted_ptr", "tokens_ptr", "starts_ptr",
+                                                                            "anchors_ptr", "next_starts_ptr")}
+         | {n: "*fp32" for n in ("margins_ptr", "tops_ptr", "packed_ptr")}, 1),
     ]
     for fn, consts, types, warps in kernels:
         for on in (True, False):

@@ -17,7 +17,7 @@ from dflash_ipc.errors import ConfigError
 from dflash_ipc.eval.decoding import SpeculativeDecoder
 from dflash_ipc.eval.drafter_context import DrafterContext
 from dflash_ipc.decode.requests import Request, RequestList
-from dflash_ipc.eval.sampling import Sampling, greedy_accept, probabilities, sample, speculative_accept
+from dflash_ipc.eval.sampling import Sampling, probabilities, sample, speculative_accept
 
 torch.set_num_threads(1)
 
@@ -56,12 +56,6 @@ def test_sampling_options_are_checked():
         Sampling(temperature=-1)
     with pytest.raises(ConfigError, match="top_p=0"):
         Sampling(temperature=1, top_p=0)
-
-
-def test_greedy_accept_counts_the_matching_prefix():
-    target_next = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8]])
-    assert greedy_accept(torch.tensor([[5, 6, 9], [4, 6, 7]]), target_next).tolist() == [2, 0]
-    assert greedy_accept(torch.tensor([[5, 6, 7]]), target_next[:1]).tolist() == [3]
 
 
 def test_rejection_sampling_of_one_block_gives_the_target_distribution():

@@ -37,30 +37,17 @@ from dflash_ipc.errors import ConfigError
 from dflash_ipc.eval.acceptance import AcceptanceStats, commit_block
 from dflash_ipc.eval.drafter_context import DrafterContext
 from dflash_ipc.decode.requests import Generation, Request, RequestSource
-from dflash_ipc.eval.sampling import (
-    Sampling,
-    greedy_accept,
-    probabilities,
-    sample,
-    speculative_accept,
-)
+from dflash_ipc.eval.sampling import Sampling, probabilities, sample, speculative_accept
+from dflash_ipc.decode.accept import greedy_accept_packed
 from dflash_ipc.decode.top2 import greedy_top2
 from dflash_ipc.decode.target import BatchedTarget
-
-def next_inputs(starts: Tensor, accepted: Tensor, tokens: Tensor, limit: int) -> tuple[Tensor, Tensor]:
-    """The inputs of a row's next cycle after it commits ``tokens[:accepted+1]`` uncut (no stop
-    token, budget left): its last committed token and its cache length ``accepted + 1`` on, at
-    most ``limit``. A running row never reaches the limit (the cache holds its prompt, budget and
-    a block); an idle row, whose inputs nobody reads, stays inside the cache by it."""
-    return tokens.gather(1, accepted[:, None].long())[:, 0], (starts + accepted + 1).clamp_max(limit)
-
 
 @dataclass(slots=True)
 class LaunchedCycle:
     """A queued greedy cycle: its results on their way to the host, the rows they count for."""
 
     host: Tensor
-    """``[B, 1 + bs (+ 2 bs)]`` float32, filled once ``event`` has passed (CPU: at once)."""
+    """``[B, 1 + 3 bs]`` float32 (decode/accept.py), filled once ``event`` has passed (CPU: at once)."""
     event: torch.cuda.Event | None
     rows: set[int]
     """Rows busy at the launch and still running the request they ran then."""
@@ -420,9 +407,8 @@ class SpeculativeDecoder(BatchedDecoder):
 
     def _step(self) -> None:
         if not self.sampling.greedy:
-            anchors, starts, max_start = self._inputs()
-            results = self._cycle(anchors, starts, max_start)
-            self._commit_cycle(self._split(torch.cat(self._packed(*results), dim=1).cpu().numpy()),
+            accepted, tokens = self._cycle(*self._inputs())
+            self._commit_cycle(self._split(torch.cat([accepted[:, None].float(), tokens.float()], dim=1).cpu().numpy()),
                                range(len(self.slots)))
             return
         cycle = self._ahead or self._launch(*self._inputs())
@@ -476,19 +462,19 @@ class SpeculativeDecoder(BatchedDecoder):
         left on the device; ``max_start`` bounds the starts either way) and its results' copy to
         the host."""
         if self.graphs.enabled:
-            results = self._replay(anchors, starts, max_start)
+            packed = self._replay(anchors, starts, max_start)
             following = None
         else:
             if anchors is None:  # the last cycle's outputs (its static inputs, if it ran as a graph that failed)
                 anchors, starts = after.following or (self._static["anchors"].clone(), self._static["starts"].clone())
-            results = self._cycle(anchors, starts, max_start)
-            following = next_inputs(starts, results[0], results[1], self._start_limit()) if self.run_ahead else None
+            packed, *following = greedy_accept_packed(*self._cycle(anchors, starts, max_start), starts,
+                                                      self._start_limit())
+            following = tuple(following) if self.run_ahead else None
         rows = {r for r, g in enumerate(self.slots) if g is not None}
         if after is not None:
             rows &= after.rows
-        packed = torch.cat(self._packed(*results), dim=1)
-        if self.device.type != "cuda":
-            return LaunchedCycle(packed, None, rows, following, self._epoch)
+        if self.device.type != "cuda":  # a copy: a graph's static row is rewritten by the cycle ahead
+            return LaunchedCycle(packed.clone(), None, rows, following, self._epoch)
         if not self._pinned or self._pinned[0].shape != packed.shape:
             self._pinned = [torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True) for _ in range(2)]
         self._pinned.reverse()  # the other buffer than the last launch's, which may still be read
@@ -499,7 +485,9 @@ class SpeculativeDecoder(BatchedDecoder):
         return LaunchedCycle(host, event, rows, following, self._epoch)
 
     def _cycle(self, anchors: Tensor, starts: Tensor, max_start: int):
-        """Draft, verify, extend the drafter's context, accept: all on the device."""
+        """Draft, verify, extend the drafter's context, all on the device: greedy, the drafts
+        ``[B, bs-1]`` and the target's tokens, margins and top logits ``[B, bs]`` (accepted by
+        decode/accept.py); sampling, the accepted drafts ``[B]`` and the tokens ``[B, bs]``."""
         draft_logits = self.drafter.draft_logits(anchors, starts, max_start)  # [B, bs-1, V]
         if self.sampling.greedy:
             draft_probs, drafted = None, greedy_top2(draft_logits)[0]
@@ -511,11 +499,8 @@ class SpeculativeDecoder(BatchedDecoder):
         positions = starts[:, None] + torch.arange(self.block_size, device=self.device)
         self.drafter.append(torch.arange(len(self.slots), device=self.device), feats, positions, positions)
         if self.sampling.greedy:
-            tokens, margins, tops = greedy_top2(logits)
-            return greedy_accept(drafted, tokens), tokens, margins, tops
-        accepted, tokens = speculative_accept(drafted, draft_probs, probabilities(logits, self.sampling),
-                                              self.generator)
-        return accepted, tokens, None, None
+            return (drafted, *greedy_top2(logits))
+        return speculative_accept(drafted, draft_probs, probabilities(logits, self.sampling), self.generator)
 
     def _replay(self, anchors: Tensor, starts: Tensor, max_start: int):
         """The greedy cycle through its graph: inputs into the static buffers (None: the ones the
@@ -538,29 +523,22 @@ class SpeculativeDecoder(BatchedDecoder):
         forwards = self.target.num_forwards
         self.graphs.run((rows, span))
         self.target.num_forwards = forwards + 1  # one verify forward, however many the capture ran
-        s = self._static
-        return s["accepted"], s["tokens"], s["margins"], s["tops"]
+        return self._static["packed"]
 
     def _graphed_cycle(self, rows: int, span: int) -> None:
         """The body a graph captures: the greedy cycle over the static inputs (a key span of
-        ``span``), its results copied into static outputs (allocated at the first capture)."""
-        s = self._static
-        results = self._cycle(s["anchors"], s["starts"], span - self.block_size)
-        for name, value in zip(("accepted", "tokens", "margins", "tops"), results):
-            if name not in s:
-                s[name] = torch.empty_like(value)
-            s[name].copy_(value)
-        anchors, starts = next_inputs(s["starts"], s["accepted"], s["tokens"], self._start_limit())
-        s["anchors"].copy_(anchors)  # the next cycle's inputs, read by a cycle ahead (else overwritten)
-        s["starts"].copy_(starts)
-
-    def _packed(self, accepted: Tensor, tokens: Tensor, margins: Tensor | None, tops: Tensor | None) -> list[Tensor]:
-        """A cycle's results as float32 columns, to travel to the host in one copy (token ids
-        are exact in float32 below 2**24)."""
-        return [accepted[:, None].float(), tokens.float()] + ([margins, tops] if margins is not None else [])
+        ``span``), its host row into a static output (allocated at the first capture's eager
+        warm-up) and the next cycle's inputs into the static inputs, which a cycle ahead reads
+        (else the host's overwrite them)."""
+        s, bs = self._static, self.block_size
+        verdict = self._cycle(s["anchors"], s["starts"], span - bs)
+        if "packed" not in s:
+            s["packed"] = torch.empty(rows, 1 + 3 * bs, dtype=torch.float32, device=self.device)
+        greedy_accept_packed(*verdict, s["starts"], self._start_limit(), out=(s["packed"], s["anchors"], s["starts"]))
 
     def _split(self, host: np.ndarray):
-        """The host copy of :meth:`_packed` -> (accepted [B], tokens [B, bs], margins, tops)."""
+        """A cycle's host row (greedy: decode/accept.py's ``packed``; sampling: accepted and
+        tokens, token ids as float32) -> (accepted [B], tokens [B, bs], margins, tops)."""
         bs = self.block_size
         nan = np.full((host.shape[0], bs), np.nan, dtype=np.float32)
         kept = host.shape[1] > 1 + bs

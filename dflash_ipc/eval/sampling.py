@@ -1,7 +1,8 @@
 """Token choice and the acceptance rules of speculative decoding, batched over rows.
 
 Greedy (temperature 0): the target's argmax after each verified token; drafts are accepted
-while they equal it (the committed tokens are then exactly ``target_next[:m+1]``).
+while they equal it (the committed tokens are then exactly ``target_next[:m+1]``;
+decode/accept.py counts them).
 
 Sampling (temperature > 0, optional top-p): both models' logits become distributions
 through the same temperature and nucleus (p: target, q: drafter). Standard speculative
@@ -68,13 +69,6 @@ def sample(weights: Tensor, generator: torch.Generator | None) -> Tensor:
     """One index per row of non-negative ``weights`` ``[..., V]`` (need not sum to 1)."""
     race = torch.empty_like(weights, dtype=torch.float32).exponential_(generator=generator)
     return (weights / race).argmax(-1)
-
-
-def greedy_accept(drafted: Tensor, target_next: Tensor) -> Tensor:
-    """drafted ``[B, d]``, the target's greedy tokens ``[B, d+1]`` -> accepted ``[B]``: how many
-    drafts lead the target's tokens (of which the first accepted+1 are committed)."""
-    same = (drafted == target_next[:, :-1]).int()
-    return same.cumprod(1).sum(1)
 
 
 def speculative_accept(drafted: Tensor, draft_probs: Tensor, target_probs: Tensor,
