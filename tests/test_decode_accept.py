@@ -4,8 +4,8 @@ On CPU: torch's path counts the drafts that lead the target's tokens, lays out t
 takes the next anchor at the accepted position and the next start capped at the limit, writes
 into given buffers (the starts in place), and refuses shapes that do not fit; the switch. On CUDA
 (marked gpu): the kernel against torch's path exactly, on blocks made to accept every count from
-none to all, eagerly and in a CUDA graph whose replays see new limits (no compile inside a
-capture)."""
+none to all, eagerly and in CUDA graphs captured for new limits (values that Triton would otherwise specialise
+on: none may compile inside a capture)."""
 
 import pytest
 import torch
@@ -84,7 +84,7 @@ def test_the_kernel_runs_in_a_cuda_graph_with_its_starts_in_place(monkeypatch):
     drafted, tokens, margins, tops, starts = cycle_results(16, 16, "cuda:0")
     out = (torch.empty(16, 49, device="cuda:0"), torch.empty(16, dtype=torch.long, device="cuda:0"), starts)
     greedy_accept_packed(drafted, tokens, margins, tops, starts.clone(), 1000)  # compiled outside the captures
-    for limit in (1000, 333, 17):  # a new value, and divisibility, per capture: none may compile inside it
+    for limit in (1000, 333, 1024, 1, 17):  # new values and divisibility (by 16, == 1): none may compile in a capture
         begin = starts.clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -88,3 +88,49 @@ def test_the_kernels_run_in_a_cuda_graph_and_off_is_torch(monkeypatch):
         assert torch.equal(g.nan_to_num(), w.nan_to_num())
     monkeypatch.setenv(TOP2_ENV, "off")
     assert not top2.enabled("cuda:0")
+    for g, w in zip(greedy_top2(fresh), torch_greedy_top2(fresh)):  # off: torch's ops
+        assert torch.equal(g.nan_to_num(), w.nan_to_num())
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("pdl_setting", ["auto", "off"])
+def test_a_float32_head_then_the_kernels_capture_as_the_decoders_do(monkeypatch, pdl_setting):
+    """cuBLAS's float32 product of 45 rows (a drafted block of 3 rows), then the kernels: warmed up on
+    a side stream, then captured in thread-local mode, as decode/graphs.py does."""
+    from dflash_ipc.decode import pdl
+
+    monkeypatch.delenv(TOP2_ENV, raising=False)
+    monkeypatch.setenv(pdl.PDL_ENV, pdl_setting)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(45, 64, generator=gen).to("cuda:0")
+    head = torch.randn(1000, 64, generator=gen).to("cuda:0")
+
+    def step():
+        return greedy_top2(torch.nn.functional.linear(hidden, head))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = step()
+    hidden.copy_(torch.randn(45, 64, generator=gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    for g, w in zip(out, torch_greedy_top2(torch.nn.functional.linear(hidden, head))):
+        assert torch.equal(g.nan_to_num(), w.nan_to_num())
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_nan_logit_ranks_as_infinity(monkeypatch):
+    monkeypatch.delenv(TOP2_ENV, raising=False)
+    x = tied_logits(4, 9000, torch.float32, "cuda:0")
+    x[2, 7000] = float("nan")
+    tokens, margins, tops = greedy_top2(x)
+    assert tokens[2].item() == 7000 == x.argmax(-1)[2].item()  # torch's token: no +inf before the NaN
+    assert tops[2].item() == float("inf") and margins[2].item() == float("inf")
+    assert torch.equal(tokens[3:], x[3:].argmax(-1))

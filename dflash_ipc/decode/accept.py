@@ -5,7 +5,9 @@ and top logits) and the drafts ``[B, bs-1]`` are on the device. The cycle then n
 how many drafts lead the target's tokens (``accepted``), one float32 row for the host to read
 (accepted, tokens, margins, tops: eval/decoding.py ``LaunchedCycle``) and the next cycle's
 inputs, which a cycle queued ahead reads on the device (the token at ``accepted``, the cache
-length ``accepted + 1`` on, at most ``limit``). In torch that is some fifteen launches of a few
+length ``accepted + 1`` on, at most ``limit``: a running row never reaches it, since its cache
+holds its prompt, its budget and a block; an idle row, whose inputs nobody reads, stays inside
+the cache by it). In torch that is some fifteen launches of a few
 microseconds (a compare, a cast, a cumulative product, a sum, a gather, the casts and the
 concatenation of the host row, the copies into a CUDA graph's static buffers), each a gap in a
 batch-1 cycle of ~3 ms. Here one program per row does all of it, with the same integer logic,
@@ -24,9 +26,6 @@ from dflash_ipc.decode import pdl
 from dflash_ipc.decode.matvec import available, cuda_switch, triton
 
 FUSED_ACCEPT_ENV = "DFLASH_DECODE_FUSED_ACCEPT"
-MAX_TOKEN = 1 << 24
-"""Token ids below this are exact in the float32 host row."""
-
 if triton is not None:
     import triton.language as tl
 
@@ -104,9 +103,11 @@ def greedy_accept_packed(drafted: Tensor, tokens: Tensor, margins: Tensor, tops:
         out = (torch.empty(b, 1 + 3 * bs, dtype=torch.float32, device=tokens.device),
                torch.empty_like(starts), torch.empty_like(starts))
     packed, anchors, next_starts = out
-    if not (packed.is_contiguous() and packed.shape == (b, 1 + 3 * bs) and anchors.shape == next_starts.shape == (b,)):
-        raise ValueError(f"greedy_accept_packed: out {[tuple(t.shape) for t in out]}; want contiguous "
-                         f"[{b}, {1 + 3 * bs}], [{b}], [{b}]")
+    if not (packed.shape == (b, 1 + 3 * bs) and packed.dtype == torch.float32 and anchors.shape == next_starts.shape
+            == (b,) and anchors.dtype == next_starts.dtype == torch.int64
+            and all(t.is_contiguous() and t.device == tokens.device for t in out)):
+        raise ValueError(f"greedy_accept_packed: out {[(tuple(t.shape), t.dtype, t.device) for t in out]}; want "
+                         f"contiguous [{b}, {1 + 3 * bs}] float32, [{b}] and [{b}] int64 on {tokens.device}")
     inputs = [t.contiguous() for t in (drafted, tokens, margins, tops, starts)]
     with torch.cuda.device(tokens.device):  # Triton launches on the current device
         _accept_kernel[(b,)](*inputs, packed, anchors, next_starts, limit, BS=bs,

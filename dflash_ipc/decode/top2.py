@@ -5,14 +5,15 @@ top-1 minus top-2 logit; eval/lossless.py's near-tie rule reads it). torch compu
 argmax and a ``topk(2)``: over a 151,936-entry vocabulary the radix top-k alone is eight
 launches, and the argmax of a few rows is one program per row reading its whole row. In the
 profile of a Qwen3-1.7B-shaped speculative cycle at batch 1 (one H100) the draft's argmax, the
-verify's argmax and its top-2 took 0.08 ms of kernel time in some 15 launches
+verify's argmax and its top-2 took 0.08 ms of kernel time in some fifteen launches
 (docs/benchmarks.md, "The greedy choice in one pass"). Here the same three figures come from two
 launches: programs over (row, chunk of ``BLOCK`` entries) each leave their chunk's largest value,
 its first index and the chunk's second value; a program per row combines the chunks. The
 values are the logits' own, so the results equal torch's: the token is the first index of the
 row's largest logit (``torch.argmax``'s rule), top-2 counts a repeated maximum twice (as
-``topk`` does), both as float32. A NaN logit ranks as +inf (torch ranks it above +inf: the two
-differ only in a row holding both).
+``topk`` does), both as float32. A NaN logit (a broken forward) ranks as +inf here, where torch
+ranks it above +inf: in a row holding one, the token is torch's (the first NaN) unless a +inf
+comes before it, and the top logit reads +inf where torch's reads NaN (the margin +inf or NaN).
 
 :func:`greedy_top2` runs the kernels for CUDA bf16/fp16/fp32 logits whose last dimension is
 contiguous, torch's ops elsewhere. ``$DFLASH_DECODE_TOP2``: ``auto`` (the default: on CUDA where
