@@ -207,7 +207,7 @@ def test_every_decode_kernel_waits_before_its_first_memory_access_under_pdl():
     PTX griddepcontrol.wait before any load, store or atomic; without PDL no griddepcontrol at all."""
     from triton.backends.compiler import GPUTarget
 
-    from dflash_ipc.decode import accept, decode_attention, kv_write, matvec, qk_rope, top2
+    from dflash_ipc.decode import accept, band_mask, decode_attention, kv_write, matvec, qk_rope, top2
 
     half = "*bf16"
     kernels = [
@@ -231,6 +231,8 @@ def test_every_decode_kernel_waits_before_its_first_memory_access_under_pdl():
         (accept._accept_kernel, dict(BS=16, BLOCK=16), {n: "*i64" for n in ("drafted_ptr", "tokens_ptr", "starts_ptr",
                                                                             "anchors_ptr", "next_starts_ptr")}
          | {n: "*fp32" for n in ("margins_ptr", "tops_ptr", "packed_ptr")}, 1),
+        (band_mask._band_kernel, dict(HAS_LO=True, HAS_WINDOW=True, BLOCK=band_mask.BLOCK),
+         {"lo_ptr": "*i64", "hi_ptr": "*i64", "out_ptr": "*u8"}, 4),
     ]
     for fn, consts, types, warps in kernels:
         for on in (True, False):

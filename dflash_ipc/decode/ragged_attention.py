@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflash_ipc.decode import band_mask as band_mask_kernel
 from dflash_ipc.decode import decode_attention
 from dflash_ipc.errors import ConfigError
 
@@ -32,21 +33,30 @@ ATTN_IMPLEMENTATION = "ragged_packed_gqa"  # no "flash" in the name: transformer
 MASKED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def band_mask(lo: Tensor, hi: Tensor, length: int) -> Tensor:
-    """``[B, 1, q, length]`` bool: key t visible to query (b, i) iff ``lo[b, i] <= t < hi[b, i]``."""
+def band_mask(lo: Tensor | None, hi: Tensor, length: int, window: int | None = None) -> Tensor:
+    """``[B, 1, q, length]`` bool: key t visible to query (b, i) iff ``lo[b, i] <= t < hi[b, i]``
+    (``lo`` None: 0) and, with a ``window``, ``t >= hi[b, i] - window``. On CUDA one launch
+    (band_mask.py)."""
+    if band_mask_kernel.takes(lo, hi):
+        return band_mask_kernel.triton_band_mask(lo, hi, length, window)
+    if lo is None:
+        lo = torch.zeros_like(hi)
+    if window is not None:
+        lo = torch.maximum(lo, hi - window)
     t = torch.arange(length, device=hi.device)
     return ((t >= lo[..., None]) & (t < hi[..., None]))[:, None]
 
 
-def layer_masks(layer_types: list[str], sliding_window: int | None, lo: Tensor, hi: Tensor,
+def layer_masks(layer_types: list[str], sliding_window: int | None, lo: Tensor | None, hi: Tensor,
                 length: int) -> dict[str, Tensor]:
-    """The mask of every layer type a model has, as transformers takes a prepared mapping."""
+    """The mask of every layer type a model has, as transformers takes a prepared mapping
+    (``lo`` None: every row from key 0)."""
     masks = {}
     for kind in dict.fromkeys(layer_types):
         if kind == "full_attention":
             masks[kind] = band_mask(lo, hi, length)
         elif kind == "sliding_attention" and sliding_window:
-            masks[kind] = band_mask(torch.maximum(lo, hi - sliding_window), hi, length)
+            masks[kind] = band_mask(lo, hi, length, window=sliding_window)
         else:
             raise ConfigError(f"target layer type {kind!r} (sliding_window={sliding_window}) is not supported by "
                               f"batched evaluation; supported: {list(MASKED_LAYER_TYPES)} (sliding with a window)")

@@ -241,6 +241,6 @@ class BatchedTarget(TargetModel):
 
     def _extend(self, tokens: Tensor, lengths: Tensor, span: int, features: bool) -> tuple[Tensor, Tensor | None]:
         positions = lengths[:, None] + torch.arange(tokens.shape[1], device=self.device)  # [B, q]
-        masks = layer_masks(self.layer_types, self.sliding_window, torch.zeros_like(positions), positions + 1, span)
+        masks = layer_masks(self.layer_types, self.sliding_window, None, positions + 1, span)
         self.cache.plan_extend(positions, span)
         return self._forward(tokens, positions, masks, keep=0, features=features)

@@ -223,10 +223,10 @@ class DrafterContext:
     def _layer_masks(self, positions: Tensor, span: int) -> dict[str, Tensor]:
         """``[B, 1, bs, span]`` band mask of each layer type; positions ``[B, bs]``."""
         b, bs = positions.shape
-        masks = {"full_attention": band_mask(torch.zeros_like(positions), positions[:, -1:].expand(b, bs) + 1, span)}
+        masks = {"full_attention": band_mask(None, positions[:, -1:].expand(b, bs) + 1, span)}
         window = self.model.config.sliding_window
-        if window is not None:
-            masks["sliding_attention"] = band_mask((positions - window + 1).clamp_min(0), positions + 1, span)
+        if window is not None:  # keys from position - window + 1 (at least 0) on
+            masks["sliding_attention"] = band_mask(None, positions + 1, span, window=window)
         return masks
 
     @torch.inference_mode()
