@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from transformers import Cache
 
-from dflash_ipc.decode import kv_write
+from dflash_ipc.decode import aranges, kv_write
 from dflash_ipc.errors import DataError
 
 MASK_ALIGN = 16
@@ -133,7 +133,7 @@ class RaggedCache(Cache):
     def plan_extend(self, pos: Tensor, length: int) -> None:
         """Next forward: all rows, token j of row i at ``pos[i, j]``; attention sees the first
         ``length`` cache positions of every row (the caller's mask hides what is not valid)."""
-        rows = torch.arange(self.kv.num_rows, device=pos.device)
+        rows = aranges.arange(self.kv.num_rows, pos.device)
         self._plan = ("extend", rows, pos, length)
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):

@@ -32,7 +32,7 @@ from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.config.dtypes import resolve_dtype
 from dflash_ipc.errors import ConfigError
 from dflash_ipc.decode.compiled import compile_scope as _compile_scope, compiled_extend
-from dflash_ipc.decode import decode_attention, fused_layer, fused_projections, matvec
+from dflash_ipc.decode import aranges, decode_attention, fused_layer, fused_projections, matvec
 from dflash_ipc.decode.ragged_attention import layer_masks, register_attention
 from dflash_ipc.decode.row_cache import MASK_ALIGN, RaggedCache, round_up
 from dflash_ipc.hf.text_stack import find_text_stack, has_recurrent_layers, load_causal_lm, text_config
@@ -240,7 +240,7 @@ class BatchedTarget(TargetModel):
         return self._extend(tokens, lengths, span, features)
 
     def _extend(self, tokens: Tensor, lengths: Tensor, span: int, features: bool) -> tuple[Tensor, Tensor | None]:
-        positions = lengths[:, None] + torch.arange(tokens.shape[1], device=self.device)  # [B, q]
+        positions = lengths[:, None] + aranges.arange(tokens.shape[1], self.device)  # [B, q]
         masks = layer_masks(self.layer_types, self.sliding_window, None, positions + 1, span)
         self.cache.plan_extend(positions, span)
         return self._forward(tokens, positions, masks, keep=0, features=features)

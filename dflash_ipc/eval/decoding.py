@@ -38,6 +38,7 @@ from dflash_ipc.eval.acceptance import AcceptanceStats, commit_block
 from dflash_ipc.eval.drafter_context import DrafterContext
 from dflash_ipc.decode.requests import Generation, Request, RequestSource
 from dflash_ipc.eval.sampling import Sampling, probabilities, sample, speculative_accept
+from dflash_ipc.decode import aranges
 from dflash_ipc.decode.accept import greedy_accept_packed
 from dflash_ipc.decode.top2 import greedy_top2
 from dflash_ipc.decode.target import BatchedTarget
@@ -496,8 +497,8 @@ class SpeculativeDecoder(BatchedDecoder):
             drafted = sample(draft_probs, self.generator)  # [B, bs-1]
         block = torch.cat([anchors[:, None], drafted], dim=1)  # [B, bs] at positions s..s+bs-1
         logits, feats = self.target.extend(block, starts, max_start, compiled=self.use_compile)
-        positions = starts[:, None] + torch.arange(self.block_size, device=self.device)
-        self.drafter.append(torch.arange(len(self.slots), device=self.device), feats, positions, positions)
+        positions = starts[:, None] + aranges.arange(self.block_size, self.device)
+        self.drafter.append(aranges.arange(len(self.slots), self.device), feats, positions, positions)
         if self.sampling.greedy:
             return (drafted, *greedy_top2(logits))
         return speculative_accept(drafted, draft_probs, probabilities(logits, self.sampling), self.generator)

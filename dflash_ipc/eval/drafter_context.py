@@ -44,7 +44,7 @@ from torch import Tensor
 
 from dflash_ipc.drafter.model import CudaCompiled, DFlashAttention, DFlashDraftModel, fused_rms_norm_rope, rotary_table
 from dflash_ipc.hf.target_head import FrozenTargetHead
-from dflash_ipc.decode import decode_attention, fused_layer, matvec
+from dflash_ipc.decode import aranges, decode_attention, fused_layer, matvec
 from dflash_ipc.eval import drafter_projections
 from dflash_ipc.eval.drafter_projections import FusedProjections, ModuleProjections, layer_projections
 from dflash_ipc.decode.ragged_attention import band_mask, gqa_attention
@@ -170,10 +170,10 @@ class DrafterContext:
         b, n = anchors.shape[0], anchors.shape[0] * bs
         block_ids = torch.full((b, bs), self.mask_token_id, dtype=torch.long, device=anchors.device)
         block_ids[:, 0] = anchors
-        positions = starts[:, None] + torch.arange(bs, device=anchors.device)  # [B, bs]
+        positions = starts[:, None] + aranges.arange(bs, anchors.device)  # [B, bs]
         span = round_up(max_start + bs, MASK_ALIGN)
         masks = self._layer_masks(positions, span)
-        rows = torch.arange(b, device=anchors.device)
+        rows = aranges.arange(b, anchors.device)
         h = self.head.embed(block_ids).reshape(n, -1).to(self.dtype)  # [N, H]
         fused = self._fuses(h)
         if fused:
