@@ -24,7 +24,9 @@ def test_a_compile_trace_gets_its_own_arange():
     def offsets(x):
         return x[:, None] + aranges.arange(4, x.device)
 
+    aranges._kept.pop((4, "cpu", None), None)
     assert offsets(torch.tensor([10, 20])).tolist() == [[10, 11, 12, 13], [20, 21, 22, 23]]
+    assert (4, "cpu", None) not in aranges._kept  # the trace made its own
 
 
 @pytest.mark.gpu

@@ -19,7 +19,8 @@ cuda = pytest.mark.skipif(not (torch.cuda.is_available() and top2.available()), 
 
 def tied_logits(rows: int, vocab: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Random logits, most rows made to tie at their maximum: row r repeats it at positions that
-    fall in one chunk, in two chunks, last of all; one row is all -inf, one has one finite value."""
+    fall in one chunk, in two chunks, last of all; with more than one row, one is all -inf and one
+    has one finite value."""
     gen = torch.Generator().manual_seed(rows * 7 + vocab)
     x = torch.randn(rows, vocab, generator=gen).to(dtype)
     for r in range(rows):
@@ -32,8 +33,8 @@ def tied_logits(rows: int, vocab: int, dtype: torch.dtype, device) -> torch.Tens
             x[r, 2 * BLOCK - 1 if vocab > 2 * BLOCK else 7] = peak
         elif kind == 3:  # the maximum last, the second just before
             x[r, vocab - 1], x[r, vocab - 2] = peak, peak - 0.5
-    x[0] = float("-inf")
-    if rows > 1:
+    if rows > 1:  # a single row keeps its values: the plain batch-1 step's case
+        x[0] = float("-inf")
         x[1] = float("-inf")
         x[1, vocab // 2] = 3.0
     return x.to(device)

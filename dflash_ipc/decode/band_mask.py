@@ -61,7 +61,7 @@ def enabled(device) -> bool:
 def takes(lo: Tensor | None, hi: Tensor) -> bool:
     """Whether :func:`triton_band_mask` builds this mask (CUDA ``[B, q]`` indices, not traced)."""
     return (hi.is_cuda and hi.dim() == 2 and hi.dtype in INDEX_DTYPES and hi.numel() > 0
-            and (lo is None or (lo.shape == hi.shape and lo.dtype in INDEX_DTYPES))
+            and (lo is None or (lo.shape == hi.shape and lo.dtype in INDEX_DTYPES and lo.device == hi.device))
             and not torch.compiler.is_compiling() and enabled(hi.device))
 
 

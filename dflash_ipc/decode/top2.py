@@ -4,7 +4,7 @@ Greedy decoding keeps, beside each token, how close the choice was (sampler.py `
 top-1 minus top-2 logit; eval/lossless.py's near-tie rule reads it). torch computes that as an
 argmax and a ``topk(2)``: over a 151,936-entry vocabulary the radix top-k alone is eight
 launches, and the argmax of a few rows is one program per row reading its whole row; a greedy
-cycle runs them for the draft and the verify. Here the same three figures come from two launches
+cycle ran both for the verify and the argmax for the draft. Here the same three figures come from two launches
 (with the cycle's end and the masks, 0.31 ms off a Qwen3-1.7B-shaped cycle of 3.14 ms at batch 1
 on an H100: docs/benchmarks.md, "The greedy choice, the cycle's end and the masks in a launch
 each"): programs over (row, chunk of ``BLOCK`` entries) each leave their chunk's largest value,
