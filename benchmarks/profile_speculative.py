@@ -70,7 +70,8 @@ def main() -> None:
     if not cuda:
         return
     kernels = profile_kernels(run, 1)
-    print(format_profile(summarize(kernels, steps=max(1, cycles), top=int(os.environ.get("TOP", "16"))), label="per cycle, prefills included",
+    top = int(os.environ.get("TOP", "16"))
+    print(format_profile(summarize(kernels, steps=max(1, cycles), top=top), label="per cycle, prefills included",
                          wall_ms=ms))
 
 

@@ -76,5 +76,6 @@ def triton_band_mask(lo: Tensor | None, hi: Tensor, length: int, window: int | N
     with torch.cuda.device(hi.device):  # Triton launches on the current device
         _band_kernel[(b * q, triton.cdiv(length, BLOCK))](
             lo if lo is not None else hi, hi, out.view(torch.uint8), q, length, window or 0, *lo_strides, *hi.stride(),
-            HAS_LO=lo is not None, HAS_WINDOW=window is not None, BLOCK=BLOCK, num_warps=4, **pdl.launch_args(hi.device))
+            HAS_LO=lo is not None, HAS_WINDOW=window is not None, BLOCK=BLOCK, num_warps=4,
+            **pdl.launch_args(hi.device))
     return out

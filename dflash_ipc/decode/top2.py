@@ -27,6 +27,7 @@ from torch import Tensor
 
 from dflash_ipc.decode import pdl
 from dflash_ipc.decode.matvec import available, cuda_switch, triton
+from dflash_ipc.decode.sampler import top2_margin
 
 TOP2_ENV = "DFLASH_DECODE_TOP2"
 BLOCK = 4096
@@ -83,8 +84,7 @@ def enabled(device) -> bool:
 
 def torch_greedy_top2(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """What the kernels compute, by torch's ops: (argmax, top-1 minus top-2, top-1) of ``[..., V]``."""
-    top = logits.topk(2, dim=-1).values.float()
-    return logits.argmax(-1), top[..., 0] - top[..., 1], top[..., 0]
+    return (logits.argmax(-1), *top2_margin(logits))
 
 
 def greedy_top2(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
