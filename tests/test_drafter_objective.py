@@ -287,8 +287,9 @@ def test_fused_ce_inductor_equals_full_logits_on_gpu(monkeypatch):
     head = FrozenTargetHead(head.lm_head_weight.cuda())
     h, labels, weights = h.cuda(), labels.cuda(), weights.cuda()
     want_loss, want_grad = _reference(head, h, labels, weights)
-    for flag in ("1", "0"):
+    for flag, kernel in (("1", "off"), ("0", "off"), ("1", "auto")):  # inductor, eager, drafter/ce_kernel.py
         monkeypatch.setenv("DFLASH_COMPILE", flag)
+        monkeypatch.setenv("DFLASH_CE_KERNEL", kernel)
         for chunk in (1024, 700):
             hh = h.clone().requires_grad_(True)
             with torch.autocast("cuda", dtype=torch.bfloat16):  # as the trainer calls it
@@ -396,8 +397,8 @@ def test_dpace_config_keys_are_checked():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_dpace_compiled_on_gpu_equals_the_eager_pass(monkeypatch):
-    """D-PACE's per-row CE and gradient kernels through inductor (bf16 logits, as the trainer runs
-    them under autocast) against the same pass eager, and against float32 on the CPU."""
+    """D-PACE's per-row CE and gradient kernels through inductor and drafter/ce_kernel.py (bf16 logits,
+    as the trainer runs them under autocast) against the same pass eager, and against float32 on the CPU."""
     head, h, labels, _ = _ce_inputs(torch.bfloat16, rows=64 * 16, vocab=5000, hidden=64)
     weights = torch.ones(64, 16)
     weights[:, 0] = 0
@@ -407,8 +408,9 @@ def test_dpace_compiled_on_gpu_equals_the_eager_pass(monkeypatch):
     want = weighted_ce_sum(cpu_h, FrozenTargetHead(head.lm_head_weight.float()), labels, weights, dpace=(0.5, 16))
     want.backward()
     gpu_head = FrozenTargetHead(head.lm_head_weight.cuda())
-    for flag in ("1", "0"):
+    for flag, kernel in (("1", "off"), ("0", "off"), ("1", "auto")):  # inductor, eager, drafter/ce_kernel.py
         monkeypatch.setenv("DFLASH_COMPILE", flag)
+        monkeypatch.setenv("DFLASH_CE_KERNEL", kernel)
         hh = h.cuda().clone().requires_grad_(True)
         got = weighted_ce_sum(hh, gpu_head, labels.cuda(), weights.cuda(), chunk_size=300, dpace=(0.5, 16))
         got.backward()

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflash_ipc.drafter import ce_kernel
 from dflash_ipc.drafter.attention import BlockLayout
 from dflash_ipc.drafter.host_copy import to_device
 from dflash_ipc.drafter.model import CudaCompiled, compile_enabled
@@ -267,15 +268,42 @@ _fused_chunk_loss_and_grad = CudaCompiled(_chunk_loss_and_grad, dynamic_args=(0,
 
 
 def _loss_and_grad(logits: Tensor, labels: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    """(chunk loss, ``dL/dlogits``): by ce_kernel.py's kernel where it takes the logits (the
+    gradient then overwrites them), else compiled on CUDA, else eager."""
+    if ce_kernel.takes(logits):
+        ce = ce_kernel.ce_rows(logits, labels, weights, grad=True)
+        return (ce * weights).sum(), logits
     if logits.is_cuda and compile_enabled():
         return _fused_chunk_loss_and_grad.compiled(logits, labels, weights)
     return _chunk_loss_and_grad_eager(logits, labels, weights)
 
 
+def _loss(logits: Tensor, labels: Tensor, weights: Tensor) -> Tensor:
+    """The chunk's loss alone (no gradient wanted)."""
+    if ce_kernel.takes(logits):
+        return (ce_kernel.ce_rows(logits, labels, grad=False) * weights).sum()
+    return _fused_chunk_loss(logits, labels, weights)
+
+
+def _rows(logits: Tensor, labels: Tensor) -> Tensor:
+    """The chunk's per-row CE alone (D-PACE, no gradient wanted)."""
+    if ce_kernel.takes(logits):
+        return ce_kernel.ce_rows(logits, labels, grad=False)
+    return _fused_chunk_rows(logits, labels)
+
+
+def _rows_and_grad(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """(per-row CE, unweighted ``dCE/dlogits``), D-PACE's pass: as :func:`_loss_and_grad`."""
+    if ce_kernel.takes(logits):
+        return ce_kernel.ce_rows(logits, labels, grad=True), logits
+    return _fused_chunk_rows_and_grad(logits, labels)
+
+
 LOGIT_BYTES = 4
-"""Bytes per (row, vocab entry) that one CE chunk holds at once on CUDA: its bf16 logits and
-their bf16 gradient (the compiled kernel makes no float32 copy; the eager path, on CPU or
-with DFLASH_COMPILE=0, holds float32 temporaries too, about twice that)."""
+"""Bytes per (row, vocab entry) that one CE chunk holds at most on CUDA: its bf16 logits and a
+bf16 gradient beside them (inductor's functions, DFLASH_CE_KERNEL=off; ce_kernel.py writes the
+gradient over the logits, half that; the eager path, on CPU or with DFLASH_COMPILE=0 as well,
+holds float32 temporaries too, about twice that)."""
 DEFAULT_CHUNK_ROWS = 8192  # the CE's chunk when its caller gives no memory budget
 CHUNK_MEMORY_SHARE = 20  # the trainer's default budget: 1/20 of the device (about 7 GiB of an H200)
 
@@ -316,7 +344,7 @@ class _ChunkedWeightedCE(torch.autograd.Function):
 
     Per chunk of rows: logits (in W's dtype), log-sum-exp and loss in float32, and
     ``dL/dh = (w * (softmax - onehot)) @ W``, then the chunk's logits are freed. On CUDA
-    the softmax part is one compiled kernel pair over the bf16 logits; nothing
+    the softmax part is one kernel over the bf16 logits (ce_kernel.py); nothing
     vocabulary-sized lives in backward, and the LM-head matmul runs twice instead of
     three times (checkpointing would recompute the logits). Only rows with a nonzero
     weight are computed. ``W`` is frozen: it gets no gradient.
@@ -347,7 +375,7 @@ class _ChunkedWeightedCE(torch.autograd.Function):
                 continue
             logits = F.linear(h, weight)  # [C, V]
             if grad is None:
-                total += _fused_chunk_loss(logits, y, w)
+                total += _loss(logits, y, w)
                 continue
             loss, dlogits = _loss_and_grad(logits, y, w)
             del logits
@@ -377,9 +405,9 @@ def _dpace_loss_and_grad(hidden: Tensor, weight: Tensor, labels: Tensor, weights
         logits = F.linear(hidden.index_select(0, idx).to(weight.dtype), weight)  # [C, V]
         y = labels.index_select(0, idx)
         if grad is None:
-            ce.index_copy_(0, idx, _fused_chunk_rows(logits, y))
+            ce.index_copy_(0, idx, _rows(logits, y))
             continue
-        row_ce, dlogits = _fused_chunk_rows_and_grad(logits, y)
+        row_ce, dlogits = _rows_and_grad(logits, y)
         del logits
         ce.index_copy_(0, idx, row_ce)
         grad.index_copy_(0, idx, (dlogits @ weight).to(hidden.dtype))
