@@ -69,6 +69,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_ipc.bench.host_profile import format_host_profile, profile_host
 from dflash_ipc.bench.kernel_profile import format_profile, profile_kernels, summarize
 from dflash_ipc.config.schema import Compile, Fp8HeadMatmuls, Fp8Recipe, JobConfig, Precision
 from dflash_ipc.config.load import config_from_dict
@@ -423,14 +424,17 @@ def bench_job_config(device: torch.device, *, drafter: dict | None = None, **sec
 
 def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwen3-8b", anchors_per_seq: int = 512,
                       num_seqs: int = 4, seq_len: int = 2048, warmup: int = 3,
-                      variant: dict | None = None, profile_steps: int = 0, ragged: bool = False) -> dict:
+                      variant: dict | None = None, profile_steps: int = 0, ragged: bool = False,
+                      host_profile_steps: int = 0) -> dict:
     """Time ``steps`` real drafter training steps after ``warmup`` untimed ones; print and return figures.
 
     Every step trains on ``num_seqs`` fresh random sequences of ``seq_len`` tokens with
     ``anchors_per_seq`` anchors each (``num_seqs * anchors_per_seq * block_size`` queries).
     ``variant``: ``drafter`` config fields of the precision (default bf16; precision_variants).
     ``profile_steps``: that many more steps under the torch profiler, then the kernel time per
-    step by kind (bench/kernel_profile.py; CUDA only). ``ragged``: sequence lengths vary
+    step by kind (bench/kernel_profile.py; CUDA only). ``host_profile_steps``: that many more
+    under cProfile and a garbage-collector clock, the host's time per step by function
+    (bench/host_profile.py; any device). ``ragged``: sequence lengths vary
     (``random_sequences``). Each step's torch.compile work is counted (``compile_counts``): a
     timed step that compiled is named in the report, and the mean without such steps given.
     """
@@ -451,7 +455,7 @@ def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwe
                            objective={"max_anchors_per_seq": anchors_per_seq,
                                       "anchors_per_step": num_seqs * anchors_per_seq})
     trainer = _RecordingTrainer(cfg, config, random_head(config, dev, gen), device=str(dev),
-                                total_steps=warmup + 2 * steps + 1 + profile_steps)
+                                total_steps=warmup + 2 * steps + 1 + profile_steps + host_profile_steps)
     logger.info("bench drafter: %s on %s, %s, %s attention, %d warmup + %d steps", shape, dev,
                 variant_label(variant), trainer.backend, warmup, steps)
     warm, timed = [], []
@@ -487,6 +491,12 @@ def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwe
                                              ragged=ragged)
         print(format_profile(figures["kernel_profile"], label=variant_label(variant),
                              wall_ms=figures["step_s_mean"] * 1e3), flush=True)
+    if host_profile_steps:
+        first = warmup + 2 * steps + 1 + profile_steps
+        figures["host_profile"] = _host_profile(trainer, config, dev, gen, cpu_gen, host_profile_steps, first=first,
+                                                num_seqs=num_seqs, seq_len=seq_len, anchors_per_seq=anchors_per_seq,
+                                                ragged=ragged)
+        print(format_host_profile(figures["host_profile"], label=variant_label(variant)), flush=True)
     return figures
 
 
@@ -551,6 +561,22 @@ def _profile(trainer, config, dev, gen, cpu_gen, steps: int, *, first: int, num_
         trainer.step(trainer.take(collections.deque(inputs.pop(0))))
 
     return summarize(profile_kernels(run_step, steps), steps=steps)
+
+
+def _host_profile(trainer, config, dev, gen, cpu_gen, steps: int, *, first: int, num_seqs: int, seq_len: int,
+                  anchors_per_seq: int, ragged: bool) -> dict:
+    """The host's time per step by function over ``steps`` more synchronised steps (their inputs
+    made beforehand)."""
+    inputs = [random_sequences(config, step=first + i, num_seqs=num_seqs, seq_len=seq_len,
+                               max_anchors=anchors_per_seq, device=dev, gen=gen, cpu_gen=cpu_gen, ragged=ragged)
+              for i in range(steps)]
+
+    def run_step() -> None:
+        trainer.step(trainer.take(collections.deque(inputs.pop(0))))
+        _sync(dev)
+
+    _sync(dev)
+    return profile_host(run_step, steps)
 
 
 def compare_precisions(device: str = "cuda:0", steps: int = 10, shape: str = "qwen3-8b",

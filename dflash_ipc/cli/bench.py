@@ -106,8 +106,11 @@ BENCH_DRAFTER_SHAPES = ["qwen3-8b", "qwen3-1.7b", "smollm2-135m", "tiny"]
 @click.option("--profile", "profile_steps", default=0, show_default=True,
               help="Profile this many more steps (CUDA): kernel time per step by kind (matmul fp8 / "
                    "matmul / attention / fp8 scaling / fused elementwise / other) and the costliest kernels.")
+@click.option("--host-profile", "host_profile_steps", default=0, show_default=True,
+              help="Run this many more steps under cProfile: the host's time per step by function (self and "
+                   "cumulative ms) and the garbage collector's passes and ms, where wall time exceeds kernel time.")
 def bench_drafter(device, steps, warmup, shape, seq_lens, num_seqs, anchors_per_seq, precisions, recipes,
-                  lm_heads, shared_casts, layers, compiles, ragged, profile_steps) -> None:
+                  lm_heads, shared_casts, layers, compiles, ragged, profile_steps, host_profile_steps) -> None:
     """Step time, MFU and peak memory of a drafter step (default: Qwen3-8B shape, 4 x 2,048 tokens,
     512 anchors each = 32,768 query tokens), for each precision asked (with the speedup against
     the first) at each --seq-len."""
@@ -116,7 +119,7 @@ def bench_drafter(device, steps, warmup, shape, seq_lens, num_seqs, anchors_per_
     for seq_len in seq_lens:
         compare_precisions(device=device, steps=steps, shape=shape, variants=variants, warmup=warmup,
                            anchors_per_seq=anchors_per_seq, num_seqs=num_seqs, seq_len=seq_len,
-                           profile_steps=profile_steps, ragged=ragged)
+                           profile_steps=profile_steps, ragged=ragged, host_profile_steps=host_profile_steps)
 
 
 @bench.command("target")
