@@ -17,7 +17,8 @@ On an H100 a chunk took 0.82x inductor's time at that shape (15,360 rows) and 0.
 
 The results are the torch functions' (objective.py ``_chunk_rows_and_grad``) up to float32
 rounding: the sum is taken in another order. A label outside ``[0, V)`` gives a NaN CE, where
-torch's gather fails; the chunked CE's labels are token ids of the target's vocabulary.
+torch's gather fails; the chunked CE's labels are token ids of the target's vocabulary. A NaN
+logit makes its row's CE and gradient NaN, as torch's; a +inf one gives NaN where torch gives +inf.
 
 :func:`takes` says where it runs: CUDA logits in bf16, fp16 or fp32 with contiguous rows, and
 Triton present. ``$DFLASH_CE_KERNEL``: ``auto`` (the default) or ``off`` (the compiled torch
@@ -53,8 +54,10 @@ exponentials an entry, no barrier inside the loop); without it each step of the 
 across the program (one exponential an entry, two barriers a step). Which one the memory
 system rewards differs by GPU: the first call for a vocabulary times them all (:func:`tile_for`)."""
 TUNE_ROWS = 2048  # rows of the scratch copy a tile is timed on (200 MB at a 49,152-entry vocabulary)
+FLOOR = -3.4028234663852886e38  # float32's lowest finite value: where a row's running maximum starts
 
 if triton is not None:
+    _FLOOR = tl.constexpr(FLOOR)  # a jitted function reads only constexpr globals
 
     @triton.jit
     def _ce_rows_kernel(x_ptr, labels_ptr, scale_ptr, ce_ptr, V, stride_row,
@@ -65,28 +68,29 @@ if triton is not None:
         base = x_ptr + row * stride_row
         label = tl.load(labels_ptr + row)
         offs = tl.arange(0, BLOCK)
-        # a maximum still -inf (a row all -inf so far) makes exp(-inf - -inf) NaN: its terms are 0
+        # The running maximum starts at FLOOR, not -inf: then it is finite, x - top is never
+        # -inf - -inf, and a NaN logit reaches the sum as exp(NaN) wherever it sits (GPU maxima
+        # drop a NaN operand, so a maximum cannot be trusted to carry it). A row all -inf sums
+        # to 0: lse -inf, as torch's.
         if LANES:
-            tops = tl.full((BLOCK,), float("-inf"), tl.float32)
+            tops = tl.full((BLOCK,), _FLOOR, tl.float32)
             sums = tl.zeros((BLOCK,), tl.float32)
             for start in range(0, V, BLOCK):
                 x = tl.load(base + start + offs, mask=start + offs < V, other=float("-inf"),
                             eviction_policy="evict_last").to(tl.float32)
                 new_tops = tl.maximum(tops, x)
-                live = new_tops != float("-inf")
-                sums = tl.where(live, sums * tl.exp(tops - new_tops) + tl.exp(x - new_tops), 0.0)
+                sums = sums * tl.exp(tops - new_tops) + tl.exp(x - new_tops)
                 tops = new_tops
             top = tl.max(tops, axis=0)
-            total = tl.sum(tl.where(tops != float("-inf"), sums * tl.exp(tops - top), 0.0), axis=0)
+            total = tl.sum(sums * tl.exp(tops - top), axis=0)
         else:
-            top = tl.full((), float("-inf"), tl.float32)
+            top = tl.full((), _FLOOR, tl.float32)
             total = tl.zeros((), tl.float32)
             for start in range(0, V, BLOCK):
                 x = tl.load(base + start + offs, mask=start + offs < V, other=float("-inf"),
                             eviction_policy="evict_last").to(tl.float32)
                 new_top = tl.maximum(top, tl.max(x, axis=0))
-                live = new_top != float("-inf")
-                total = tl.where(live, total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), axis=0), 0.0)
+                total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), axis=0)
                 top = new_top
         lse = top + tl.log(total)
         valid = (label >= 0) & (label < V)
@@ -113,8 +117,9 @@ def enabled() -> bool:
 
 def takes(logits: Tensor) -> bool:
     """Whether :func:`ce_rows` runs the kernel for ``logits`` (module docstring)."""
+    # not while torch.compile traces: the launch is not a traceable op
     return (triton is not None and logits.is_cuda and logits.dtype in DTYPES and logits.dim() == 2
-            and logits.stride(1) == 1 and logits.shape[1] > 0 and enabled())
+            and logits.stride(1) == 1 and logits.shape[1] > 0 and not torch.compiler.is_compiling() and enabled())
 
 
 def _launch(logits: Tensor, labels: Tensor, scale: Tensor | None, ce: Tensor, grad: bool, tile) -> None:
@@ -131,29 +136,32 @@ _tiles: dict[tuple, tuple[int, bool, int]] = {}
 
 def tile_for(logits: Tensor, labels: Tensor, scale: Tensor | None, *, grad: bool) -> tuple[int, bool, int]:
     """The fastest of TILES for rows like ``logits``'s, timed once per (vocabulary, dtype, device,
-    grad, scaled) on a scratch copy of at most TUNE_ROWS of its rows (the timing syncs the host once);
-    TILES[0], untimed, inside a CUDA graph's capture."""
+    grad, scaled) on a scratch copy of TUNE_ROWS rows (``logits``'s, repeated where it has fewer,
+    so a small first chunk is not timed on launch overhead alone; the timing syncs the host once);
+    TILES[0], untimed, inside a CUDA graph's capture. The tile sets the order of each row's sum,
+    so the loss's last bits can differ between processes that picked different tiles."""
     key = (logits.shape[1], logits.dtype, logits.device, grad, scale is not None)
     if key in _tiles:
         return _tiles[key]
     if torch.cuda.is_current_stream_capturing():
         return TILES[0]
-    rows = min(TUNE_ROWS, logits.shape[0])
-    scratch, ce = logits[:rows].clone(), torch.empty(rows, dtype=torch.float32, device=logits.device)
-    sample = (scratch, labels[:rows], None if scale is None else scale[:rows], ce, grad)
-    times = {}
-    for tile in TILES:
-        _launch(*sample, tile)  # compiles it
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(3):
-            _launch(*sample, tile)
-        end.record()
-        end.synchronize()
-        times[tile] = start.elapsed_time(end) / 3
+    with torch.cuda.device(logits.device):  # the events on the stream the kernels run on
+        pick = torch.arange(TUNE_ROWS, device=logits.device) % logits.shape[0]
+        scratch, ce = logits[pick], torch.empty(TUNE_ROWS, dtype=torch.float32, device=logits.device)
+        sample = (scratch, labels[pick], None if scale is None else scale[pick], ce, grad)
+        times = {}
+        for tile in TILES:
+            _launch(*sample, tile)  # compiles it
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(3):
+                _launch(*sample, tile)
+            end.record()
+            end.synchronize()
+            times[tile] = start.elapsed_time(end) / 3
     best = _tiles[key] = min(times, key=times.get)
     logger.info("CE kernel, vocabulary %d %s%s: tile %s, ms per %d rows: %s", logits.shape[1], logits.dtype,
-                " with its gradient" if grad else "", best, rows,
+                " with its gradient" if grad else "", best, TUNE_ROWS,
                 ", ".join(f"{tile} {ms:.3f}" for tile, ms in times.items()))
     return best
 
@@ -168,6 +176,9 @@ def ce_rows(logits: Tensor, labels: Tensor, scale: Tensor | None = None, *, grad
     if labels.shape != (rows,) or (scale is not None and scale.shape != (rows,)):
         raise ValueError(f"ce_rows: logits {tuple(logits.shape)}, labels {tuple(labels.shape)} and scale "
                          f"{None if scale is None else tuple(scale.shape)} disagree on the rows")
+    if labels.device != logits.device or (scale is not None and scale.device != logits.device):
+        raise ValueError(f"ce_rows: logits on {logits.device}, labels on {labels.device}"
+                         f"{'' if scale is None else f', scale on {scale.device}'}: the kernel reads them on one device")
     ce = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows == 0:
         return ce

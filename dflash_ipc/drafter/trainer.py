@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from dflash_ipc.config.schema import JobConfig, ObjectiveConfig
 from dflash_ipc.drafter.acceptance_proxy import block_acceptance_totals
+from dflash_ipc.drafter import ce_kernel
 from dflash_ipc.drafter.attention import FLEX_TILE, build_layer_masks
 from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.drafter.inference_format import write_inference_files
@@ -95,6 +96,7 @@ class DrafterTrainer:
                  device: str, total_steps: int, group=None) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
+        ce_kernel.enabled()  # a bad $DFLASH_CE_KERNEL fails here, not at the first GPU step's CE
         self.seed = seed = cfg.run.seed
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
