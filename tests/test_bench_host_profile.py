@@ -1,6 +1,7 @@
 """bench/host_profile.py: the host's time per step by function, and the garbage collector's share."""
 
 import gc
+import sys
 
 import pytest
 
@@ -33,8 +34,22 @@ def test_the_costliest_function_and_the_collectors_passes_are_counted():
 
 def test_bench_drafter_prints_the_host_profile_on_cpu(capsys):
     f = bd.run_drafter_bench("cpu", steps=1, shape="tiny", anchors_per_seq=16, num_seqs=2, seq_len=128, warmup=1,
-                             host_profile_steps=2)
+                             host_profile_steps=2, gc_freeze=True)
     profile = f["host_profile"]
     assert profile["steps"] == 2 and profile["wall_ms"] > 0 and profile["functions"]
     out = capsys.readouterr().out
     assert "host time per step (bf16, 2 steps under cProfile)" in out
+    # --gc-freeze: the heap frozen after the warm-up step, unfrozen before the bench returns
+    assert f["gc_frozen"]["objects"] > 10_000 and f["gc_frozen"]["collect_ms"] > 0
+    assert "heap frozen after the warm-up steps" in out and gc.get_freeze_count() == 0
+
+
+def test_a_step_that_raises_leaves_no_hook_behind():
+    def step():
+        raise RuntimeError("a failed step")
+
+    with pytest.raises(RuntimeError, match="a failed step"):
+        profile_host(step, steps=2)
+    assert sys.getprofile() is None
+    assert all(cb.__name__ != "clock" for cb in gc.callbacks)
+    profile_host(lambda: None, steps=1)  # a profiler may start again

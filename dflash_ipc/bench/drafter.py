@@ -65,6 +65,7 @@ import os
 import statistics
 import time
 import typing
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -425,7 +426,7 @@ def bench_job_config(device: torch.device, *, drafter: dict | None = None, **sec
 def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwen3-8b", anchors_per_seq: int = 512,
                       num_seqs: int = 4, seq_len: int = 2048, warmup: int = 3,
                       variant: dict | None = None, profile_steps: int = 0, ragged: bool = False,
-                      host_profile_steps: int = 0) -> dict:
+                      host_profile_steps: int = 0, gc_freeze: bool = False) -> dict:
     """Time ``steps`` real drafter training steps after ``warmup`` untimed ones; print and return figures.
 
     Every step trains on ``num_seqs`` fresh random sequences of ``seq_len`` tokens with
@@ -434,7 +435,9 @@ def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwe
     ``profile_steps``: that many more steps under the torch profiler, then the kernel time per
     step by kind (bench/kernel_profile.py; CUDA only). ``host_profile_steps``: that many more
     under cProfile and a garbage-collector clock, the host's time per step by function
-    (bench/host_profile.py; any device). ``ragged``: sequence lengths vary
+    (bench/host_profile.py; any device). ``gc_freeze``: after the warm-up steps one full collection,
+    then ``gc.freeze()``, so the collector's later passes skip every object the compile left (the
+    heap is unfrozen before returning). ``ragged``: sequence lengths vary
     (``random_sequences``). Each step's torch.compile work is counted (``compile_counts``): a
     timed step that compiled is named in the report, and the mean without such steps given.
     """
@@ -465,6 +468,8 @@ def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwe
         # context before any step is timed (step_shape.StepRows).
         seqs = random_sequences(config, step=i, num_seqs=num_seqs, seq_len=seq_len, max_anchors=anchors_per_seq,
                                 device=dev, gen=gen, cpu_gen=cpu_gen, ragged=ragged and i > 0)
+        if i == warmup and gc_freeze:
+            frozen = freeze_heap()
         if i == warmup and dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         before = compile_counts()
@@ -480,7 +485,8 @@ def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwe
                        num_seqs=num_seqs, seq_len=seq_len, anchors_per_seq=anchors_per_seq)
     figures.update(precision=variant_label(variant), variant=dict(variant), fp8_matmul_tflops=fp8_rate,
                    ragged=ragged, compile_mode=cfg.drafter.compile, compile_active=trainer.drafter_forward.enabled,
-                   compile_failure=trainer.drafter_forward.failure, lm_head_chunk_rows=trainer.ce_chunk_rows)
+                   compile_failure=trainer.drafter_forward.failure, lm_head_chunk_rows=trainer.ce_chunk_rows,
+                   gc_frozen=frozen if gc_freeze else None)
     figures.update(_pipelined_figures(trainer, config, dev, gen, cpu_gen, steps, first=warmup + steps,
                                       flops=figures["flops_per_step"], rate=rate, num_seqs=num_seqs,
                                       seq_len=seq_len, anchors_per_seq=anchors_per_seq, ragged=ragged))
@@ -497,7 +503,20 @@ def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwe
                                                 num_seqs=num_seqs, seq_len=seq_len, anchors_per_seq=anchors_per_seq,
                                                 ragged=ragged)
         print(format_host_profile(figures["host_profile"], label=variant_label(variant)), flush=True)
+    if gc_freeze:
+        gc.unfreeze()
     return figures
+
+
+def freeze_heap() -> dict:
+    """One full collection, then every object left moved where the collector no longer looks
+    (``gc.freeze``): how many, and the collection's ms (a freshly compiled process holds some
+    hundreds of thousands of objects, which every full pass walks)."""
+    started = time.perf_counter()
+    gc.collect()
+    collect_ms = (time.perf_counter() - started) * 1e3
+    gc.freeze()
+    return {"objects": gc.get_freeze_count(), "collect_ms": collect_ms}
 
 
 def _pipelined_figures(trainer, config, dev, gen, cpu_gen, steps: int, *, first: int, flops: float, rate: float,
@@ -530,10 +549,15 @@ def _pipelined_figures(trainer, config, dev, gen, cpu_gen, steps: int, *, first:
     return out
 
 
+# The text of each warning CUDA's sync debug mode raises (c10's warn_or_error_on_sync). Its
+# first use in a process also warns once that the mode "is a prototype feature and does not
+# yet detect all synchronizing operations", from set_sync_debug_mode's own line: not a sync.
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
 def host_syncs(run) -> dict[str, int]:
     """Where ``run()`` makes the host wait for the GPU, as "file:line" -> count, from CUDA's
     sync debug mode (the final read of the figures is one)."""
-    import warnings
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -541,9 +565,14 @@ def host_syncs(run) -> dict[str, int]:
             run()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    return sync_sites(caught)
+
+
+def sync_sites(caught: typing.Iterable[warnings.WarningMessage]) -> dict[str, int]:
+    """The synchronising calls among recorded warnings, as "file:line" -> count."""
     found: dict[str, int] = {}
     for w in caught:
-        if "synchroniz" in str(w.message):
+        if str(w.message).startswith(SYNC_WARNING):
             where = f"{os.path.relpath(w.filename)}:{w.lineno}"
             found[where] = found.get(where, 0) + 1
     return found
@@ -592,6 +621,7 @@ def compare_precisions(device: str = "cuda:0", steps: int = 10, shape: str = "qw
             # the graphs guard on this model: the next model would recompile them, counting
             # against dynamo's recompile limit, and CUDA graphs keep their memory pool
             torch._dynamo.reset()
+        gc.unfreeze()  # where a variant failed after freezing: the next one starts as a fresh process would
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -703,7 +733,9 @@ def _setup_lines(f: dict) -> list[str]:
     return [f"  setup         drafter.compile={mode}{state}; LM head + CE in chunks of <= {f['lm_head_chunk_rows']:,} rows",
             f"  torch.compile warmup {warm['frames']} frames / {warm['graphs']} graphs compiled, timed steps "
             f"{timed['frames']} frames / {timed['graphs']} graphs; graph breaks {warm['graph_breaks'] + timed['graph_breaks']}, "
-            f"cudagraph skips {warm['cudagraph_skips'] + timed['cudagraph_skips']}{without}"]
+            f"cudagraph skips {warm['cudagraph_skips'] + timed['cudagraph_skips']}{without}"] + (
+        [f"  collector     heap frozen after the warm-up steps: {f['gc_frozen']['objects']:,} objects "
+         f"(their full collection took {f['gc_frozen']['collect_ms']:.0f} ms)"] if f.get("gc_frozen") else [])
 
 
 def _pipelined_lines(f: dict) -> list[str]:

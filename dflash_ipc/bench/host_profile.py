@@ -44,8 +44,8 @@ def profile_host(run_step: typing.Callable[[], None], steps: int, *, top: int = 
         profiler.enable()
         for _ in range(steps):
             run_step()
+    finally:  # a step that raised leaves neither hook behind
         profiler.disable()
-    finally:
         gc.callbacks.remove(clock)
     wall_s = time.perf_counter() - started
     stats = pstats.Stats(profiler).stats  # {(file, line, name): (prim calls, calls, self s, cum s, callers)}

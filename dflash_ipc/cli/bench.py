@@ -109,8 +109,12 @@ BENCH_DRAFTER_SHAPES = ["qwen3-8b", "qwen3-1.7b", "smollm2-135m", "tiny"]
 @click.option("--host-profile", "host_profile_steps", default=0, show_default=True,
               help="Run this many more steps under cProfile: the host's time per step by function (self and "
                    "cumulative ms) and the garbage collector's passes and ms, where wall time exceeds kernel time.")
+@click.option("--gc-freeze", is_flag=True,
+              help="After the warm-up steps, collect once and freeze the heap (gc.freeze): the garbage collector's "
+                   "later passes skip what the compile left. Measures what its passes cost the step.")
 def bench_drafter(device, steps, warmup, shape, seq_lens, num_seqs, anchors_per_seq, precisions, recipes,
-                  lm_heads, shared_casts, layers, compiles, ragged, profile_steps, host_profile_steps) -> None:
+                  lm_heads, shared_casts, layers, compiles, ragged, profile_steps, host_profile_steps,
+                  gc_freeze) -> None:
     """Step time, MFU and peak memory of a drafter step (default: Qwen3-8B shape, 4 x 2,048 tokens,
     512 anchors each = 32,768 query tokens), for each precision asked (with the speedup against
     the first) at each --seq-len."""
@@ -119,7 +123,8 @@ def bench_drafter(device, steps, warmup, shape, seq_lens, num_seqs, anchors_per_
     for seq_len in seq_lens:
         compare_precisions(device=device, steps=steps, shape=shape, variants=variants, warmup=warmup,
                            anchors_per_seq=anchors_per_seq, num_seqs=num_seqs, seq_len=seq_len,
-                           profile_steps=profile_steps, ragged=ragged, host_profile_steps=host_profile_steps)
+                           profile_steps=profile_steps, ragged=ragged, host_profile_steps=host_profile_steps,
+                           gc_freeze=gc_freeze)
 
 
 @bench.command("target")
