@@ -65,12 +65,12 @@ import os
 import statistics
 import time
 import typing
-import warnings
 from dataclasses import dataclass
 
 import torch
 
 from dflash_ipc.bench.host_profile import format_host_profile, profile_host
+from dflash_ipc.bench.host_syncs import host_syncs
 from dflash_ipc.bench.kernel_profile import format_profile, profile_kernels, summarize
 from dflash_ipc.config.schema import Compile, Fp8HeadMatmuls, Fp8Recipe, JobConfig, Precision
 from dflash_ipc.config.load import config_from_dict
@@ -547,35 +547,6 @@ def _pipelined_figures(trainer, config, dev, gen, cpu_gen, steps: int, *, first:
     if dev.type == "cuda":
         out["host_syncs"] = host_syncs(lambda: trainer.launch(trainer.take(collections.deque(inputs[-1]))).result())
     return out
-
-
-# The text of each warning CUDA's sync debug mode raises (c10's warn_or_error_on_sync). Its
-# first use in a process also warns once that the mode "is a prototype feature and does not
-# yet detect all synchronizing operations", from set_sync_debug_mode's own line: not a sync.
-SYNC_WARNING = "called a synchronizing CUDA operation"
-
-
-def host_syncs(run) -> dict[str, int]:
-    """Where ``run()`` makes the host wait for the GPU, as "file:line" -> count, from CUDA's
-    sync debug mode (the final read of the figures is one)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sync_sites(caught)
-
-
-def sync_sites(caught: typing.Iterable[warnings.WarningMessage]) -> dict[str, int]:
-    """The synchronising calls among recorded warnings, as "file:line" -> count."""
-    found: dict[str, int] = {}
-    for w in caught:
-        if str(w.message).startswith(SYNC_WARNING):
-            where = f"{os.path.relpath(w.filename)}:{w.lineno}"
-            found[where] = found.get(where, 0) + 1
-    return found
 
 
 def _profile(trainer, config, dev, gen, cpu_gen, steps: int, *, first: int, num_seqs: int, seq_len: int,
