@@ -6,9 +6,9 @@ Two sources name the waits, and neither sees them all:
 
 * CUDA's sync debug mode (``torch.cuda.set_sync_debug_mode("warn")``) warns at every copy to
   pageable host memory, ``.item()``, ``nonzero``, a stream's ``synchronize()`` and the like, as
-  "called a synchronizing CUDA operation" (c10's ``warn_or_error_on_sync``). Its first use in a process also warns once that
-  the mode "is a prototype feature and does not yet detect all synchronizing operations", from
-  ``set_sync_debug_mode``'s own line: that notice is no wait.
+  "called a synchronizing CUDA operation" (c10's ``warn_or_error_on_sync``). Its first use in a
+  process also warns once that the mode "is a prototype feature and does not yet detect all
+  synchronizing operations", from ``set_sync_debug_mode``'s own line: that notice is no wait.
 * The mode does not see ``torch.cuda.synchronize()`` (c10's ``device_synchronize`` does not
   report) nor an event's ``synchronize()`` (``cudaEventSynchronize``, unreported); libraries
   call them from Python (CUDA graph trees' warm-up and recording call the first), so

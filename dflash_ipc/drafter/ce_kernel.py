@@ -177,8 +177,9 @@ def ce_rows(logits: Tensor, labels: Tensor, scale: Tensor | None = None, *, grad
         raise ValueError(f"ce_rows: logits {tuple(logits.shape)}, labels {tuple(labels.shape)} and scale "
                          f"{None if scale is None else tuple(scale.shape)} disagree on the rows")
     if labels.device != logits.device or (scale is not None and scale.device != logits.device):
-        raise ValueError(f"ce_rows: logits on {logits.device}, labels on {labels.device}"
-                         f"{'' if scale is None else f', scale on {scale.device}'}: the kernel reads them on one device")
+        scale_on = "" if scale is None else f", scale on {scale.device}"
+        raise ValueError(f"ce_rows: logits on {logits.device}, labels on {labels.device}{scale_on}: "
+                         "the kernel reads them on one device")
     ce = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows == 0:
         return ce
