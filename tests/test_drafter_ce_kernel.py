@@ -75,25 +75,36 @@ def check_against_torch(run, logits, labels, weights, grad_atol):
 
 
 def check_nan_rows(run, vocab: int, dtype: torch.dtype, device: str = "cpu"):
-    """A NaN logit makes its row's CE and gradient NaN, as torch's, wherever it sits: among -inf
-    entries at the start of a row (a GPU maximum drops a NaN operand), at its end, alone in a row
-    of finite logits; the rows beside it keep finite values."""
-    logits = torch.randn(4, vocab).to(dtype)
-    logits[0] = float("-inf")
+    """Rows whose CE and gradient are NaN where torch's are, and finite where torch's are: a NaN
+    among the -inf entries that open a row, more of them than the widest tile reads at once, then
+    finite logits (a GPU maximum drops a NaN operand: a kernel that trusted the maximum to carry
+    it gave this row a finite CE); a NaN at the end of a row and one among finite logits; a row
+    all -inf (torch: NaN); a finite row."""
+    logits = torch.randn(5, vocab).to(dtype)
+    logits[0, :8192 + 5] = float("-inf")
     logits[0, 5] = float("nan")
     logits[1, vocab - 1] = float("nan")
     logits[2, 5] = float("nan")
-    logits, labels = logits.to(device), torch.tensor([0, 1, 2, 3], device=device)
+    logits[3] = float("-inf")
+    labels = torch.tensor([vocab - 1, 1, 2, 0, 3])
+    want_ce, want_grad = _chunk_rows_and_grad(logits.float(), labels)
+    assert want_ce[:4].isnan().all() and want_ce[4].isfinite()  # what the kernel must match
+    logits, labels = logits.to(device), labels.to(device)
     x = logits.clone()
     ce = run(x, labels, None, True)
-    assert ce[:3].isnan().all() and x[:3].isnan().all(), ce
-    assert ce[3].isfinite() and x[3].isfinite().all()
+    assert torch.equal(ce.isnan().cpu(), want_ce.isnan()), ce
+    assert torch.equal(x.isnan().all(1).cpu(), want_grad.isnan().all(1)) and x[4].isfinite().all()
     assert torch.equal(run(logits.clone(), labels, None, False).isnan(), ce.isnan())
 
 
 INTERPRETED = textwrap.dedent("""
+    import numpy as np
     import torch
+    from triton.runtime import interpreter
     from dflash_ipc.drafter import ce_kernel
+    # A GPU's float maximum (maxnum) drops a NaN operand; the interpreter's propagates it, under
+    # which a kernel that trusted the maximum to carry a NaN would pass: run the GPU's rule.
+    interpreter.InterpreterBuilder.create_maxnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmax)
     from test_drafter_ce_kernel import check_against_torch, check_nan_rows, hard_rows
 
     for lanes in (False, True):

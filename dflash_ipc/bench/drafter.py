@@ -461,51 +461,54 @@ def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwe
                                 total_steps=warmup + 2 * steps + 1 + profile_steps + host_profile_steps)
     logger.info("bench drafter: %s on %s, %s, %s attention, %d warmup + %d steps", shape, dev,
                 variant_label(variant), trainer.backend, warmup, steps)
-    warm, timed = [], []
-    for i in range(warmup + steps):
-        # The first step is the heaviest (every sequence seq_len long, ragged or not), as a job's
-        # start-up probe (drafter/fit.py) runs first: CUDA graphs are recorded at the longest
-        # context before any step is timed (step_shape.StepRows).
-        seqs = random_sequences(config, step=i, num_seqs=num_seqs, seq_len=seq_len, max_anchors=anchors_per_seq,
-                                device=dev, gen=gen, cpu_gen=cpu_gen, ragged=ragged and i > 0)
-        if i == warmup and gc_freeze:
-            frozen = freeze_heap()
-        if i == warmup and dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-        before = compile_counts()
-        record = _one_step(trainer, seqs, dev)
-        record["compiled"] = _counts_since(before)
-        del seqs
-        (warm if i < warmup else timed).append(record)
-        logger.info("step %d%s: %.1f ms, %d context tokens, loss %.3f%s", i, " (warmup)" if i < warmup else "",
-                    record["step_s"] * 1e3, record["counts"].num_ctx, record["loss"],
-                    f", compiled {record['compiled']['frames']} frame(s)" if record["compiled"]["frames"] else "")
-    peak = torch.cuda.max_memory_allocated(dev) / GIB if dev.type == "cuda" else None
-    figures = _figures(trainer, config, shape, dev, rate, warm, timed, peak,
-                       num_seqs=num_seqs, seq_len=seq_len, anchors_per_seq=anchors_per_seq)
-    figures.update(precision=variant_label(variant), variant=dict(variant), fp8_matmul_tflops=fp8_rate,
-                   ragged=ragged, compile_mode=cfg.drafter.compile, compile_active=trainer.drafter_forward.enabled,
-                   compile_failure=trainer.drafter_forward.failure, lm_head_chunk_rows=trainer.ce_chunk_rows,
-                   gc_frozen=frozen if gc_freeze else None)
-    figures.update(_pipelined_figures(trainer, config, dev, gen, cpu_gen, steps, first=warmup + steps,
-                                      flops=figures["flops_per_step"], rate=rate, num_seqs=num_seqs,
-                                      seq_len=seq_len, anchors_per_seq=anchors_per_seq, ragged=ragged))
-    print(format_report(figures), flush=True)
-    if profile_steps:
-        figures["kernel_profile"] = _profile(trainer, config, dev, gen, cpu_gen, profile_steps, first=warmup + 2 * steps + 1,
-                                             num_seqs=num_seqs, seq_len=seq_len, anchors_per_seq=anchors_per_seq,
-                                             ragged=ragged)
-        print(format_profile(figures["kernel_profile"], label=variant_label(variant),
-                             wall_ms=figures["step_s_mean"] * 1e3), flush=True)
-    if host_profile_steps:
-        first = warmup + 2 * steps + 1 + profile_steps
-        figures["host_profile"] = _host_profile(trainer, config, dev, gen, cpu_gen, host_profile_steps, first=first,
-                                                num_seqs=num_seqs, seq_len=seq_len, anchors_per_seq=anchors_per_seq,
-                                                ragged=ragged)
-        print(format_host_profile(figures["host_profile"], label=variant_label(variant)), flush=True)
-    if gc_freeze:
-        gc.unfreeze()
-    return figures
+    frozen = None  # freeze_heap's figures, once the heap is frozen
+    try:
+        warm, timed = [], []
+        for i in range(warmup + steps):
+            # The first step is the heaviest (every sequence seq_len long, ragged or not), as a job's
+            # start-up probe (drafter/fit.py) runs first: CUDA graphs are recorded at the longest
+            # context before any step is timed (step_shape.StepRows).
+            seqs = random_sequences(config, step=i, num_seqs=num_seqs, seq_len=seq_len, max_anchors=anchors_per_seq,
+                                    device=dev, gen=gen, cpu_gen=cpu_gen, ragged=ragged and i > 0)
+            if i == warmup and gc_freeze:
+                frozen = freeze_heap()
+            if i == warmup and dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            before = compile_counts()
+            record = _one_step(trainer, seqs, dev)
+            record["compiled"] = _counts_since(before)
+            del seqs
+            (warm if i < warmup else timed).append(record)
+            logger.info("step %d%s: %.1f ms, %d context tokens, loss %.3f%s", i, " (warmup)" if i < warmup else "",
+                        record["step_s"] * 1e3, record["counts"].num_ctx, record["loss"],
+                        f", compiled {record['compiled']['frames']} frame(s)" if record["compiled"]["frames"] else "")
+        peak = torch.cuda.max_memory_allocated(dev) / GIB if dev.type == "cuda" else None
+        figures = _figures(trainer, config, shape, dev, rate, warm, timed, peak,
+                           num_seqs=num_seqs, seq_len=seq_len, anchors_per_seq=anchors_per_seq)
+        figures.update(precision=variant_label(variant), variant=dict(variant), fp8_matmul_tflops=fp8_rate,
+                       ragged=ragged, compile_mode=cfg.drafter.compile, compile_active=trainer.drafter_forward.enabled,
+                       compile_failure=trainer.drafter_forward.failure, lm_head_chunk_rows=trainer.ce_chunk_rows,
+                       gc_frozen=frozen)
+        figures.update(_pipelined_figures(trainer, config, dev, gen, cpu_gen, steps, first=warmup + steps,
+                                          flops=figures["flops_per_step"], rate=rate, num_seqs=num_seqs,
+                                          seq_len=seq_len, anchors_per_seq=anchors_per_seq, ragged=ragged))
+        print(format_report(figures), flush=True)
+        if profile_steps:
+            figures["kernel_profile"] = _profile(trainer, config, dev, gen, cpu_gen, profile_steps,
+                                                 first=warmup + 2 * steps + 1, num_seqs=num_seqs, seq_len=seq_len,
+                                                 anchors_per_seq=anchors_per_seq, ragged=ragged)
+            print(format_profile(figures["kernel_profile"], label=variant_label(variant),
+                                 wall_ms=figures["step_s_mean"] * 1e3), flush=True)
+        if host_profile_steps:
+            first = warmup + 2 * steps + 1 + profile_steps
+            figures["host_profile"] = _host_profile(trainer, config, dev, gen, cpu_gen, host_profile_steps, first=first,
+                                                    num_seqs=num_seqs, seq_len=seq_len, anchors_per_seq=anchors_per_seq,
+                                                    ragged=ragged)
+            print(format_host_profile(figures["host_profile"], label=variant_label(variant)), flush=True)
+        return figures
+    finally:
+        if frozen is not None:  # the caller's process is not left frozen, whatever happened
+            gc.unfreeze()
 
 
 def freeze_heap() -> dict:
@@ -592,7 +595,6 @@ def compare_precisions(device: str = "cuda:0", steps: int = 10, shape: str = "qw
             # the graphs guard on this model: the next model would recompile them, counting
             # against dynamo's recompile limit, and CUDA graphs keep their memory pool
             torch._dynamo.reset()
-        gc.unfreeze()  # where a variant failed after freezing: the next one starts as a fresh process would
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -137,7 +137,7 @@ _tiles: dict[tuple, tuple[int, bool, int]] = {}
 def tile_for(logits: Tensor, labels: Tensor, scale: Tensor | None, *, grad: bool) -> tuple[int, bool, int]:
     """The fastest of TILES for rows like ``logits``'s, timed once per (vocabulary, dtype, device,
     grad, scaled) on a scratch copy of TUNE_ROWS rows (``logits``'s, repeated where it has fewer,
-    so a small first chunk is not timed on launch overhead alone; the timing syncs the host once);
+    so a small first chunk is not timed on launch overhead alone; the host waits once per tile);
     TILES[0], untimed, inside a CUDA graph's capture. The tile sets the order of each row's sum,
     so the loss's last bits can differ between processes that picked different tiles."""
     key = (logits.shape[1], logits.dtype, logits.device, grad, scale is not None)
