@@ -102,8 +102,8 @@ INTERPRETED = textwrap.dedent("""
     import torch
     from triton.runtime import interpreter
     from dflash_ipc.drafter import ce_kernel
-    # A GPU's float maximum (maxnum) drops a NaN operand; the interpreter's propagates it, under
-    # which a kernel that trusted the maximum to carry a NaN would pass: run the GPU's rule.
+    # A GPU's float maximum (maxnum) drops a NaN operand; Triton 3.6's interpreter propagates it,
+    # under which a kernel that trusted the maximum to carry a NaN would pass: run the GPU's rule.
     assert hasattr(interpreter.InterpreterBuilder, "create_maxnumf")  # the rule this test replaces
     interpreter.InterpreterBuilder.create_maxnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmax)
     from test_drafter_ce_kernel import check_against_torch, check_nan_rows, hard_rows
