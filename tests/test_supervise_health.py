@@ -14,6 +14,7 @@ import yaml
 import zmq
 
 from dflash_ipc.run.files import RunFiles
+from dflash_ipc.run.process_start import start_ticks
 from dflash_ipc.wire import protocol as p
 from dflash_ipc.wire.status import JobStatus
 from dflash_ipc.supervise.health import (format_health, gpu_memory_by_pid,
@@ -93,8 +94,10 @@ def children():
 
 
 def make_run(run_dir, children, *, address="tcp://127.0.0.1:1", supervisor=None,
-             startup_timeout_s=30.0, age_s=0.0) -> str:
-    """Writes config.yaml and processes.json (backdated by `age_s`) as the supervisor would."""
+             startup_timeout_s=30.0, age_s=0.0, ticks_shift: int | None = 0) -> str:
+    """Writes config.yaml and processes.json (backdated by `age_s`) as the supervisor would:
+    each process's start in clock ticks, plus `ticks_shift` (another process's start: the pid
+    was reused); None: without them (as where /proc is not)."""
     run_dir = str(run_dir)
     cfg = {"run": {"run_dir": run_dir},
            "dispatch": {"address": address, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": HB_TIMEOUT_S},
@@ -104,6 +107,14 @@ def make_run(run_dir, children, *, address="tcp://127.0.0.1:1", supervisor=None,
     record = {"supervisor": supervisor or os.getpid(), "run_dir": run_dir,
               "processes": [{"role": role, "pid": proc.pid, "log": f"{run_dir}/{role}.log"}
                             for role, proc in children.items()]}
+    if ticks_shift is not None:
+        def recorded(pid):  # a process already gone: any count (no /proc entry to match)
+            ticks = start_ticks(pid)
+            return 12345 if ticks is None else ticks + ticks_shift
+
+        record["supervisor_start_ticks"] = recorded(record["supervisor"])
+        for entry in record["processes"]:
+            entry["start_ticks"] = recorded(entry["pid"])
     path = os.path.join(run_dir, "processes.json")
     with open(path, "w") as f:
         json.dump(record, f)
@@ -255,12 +266,36 @@ def test_killed_worker_is_degraded_as_zombie_then_gone(tmp_path, children, dispa
     assert "drafter/0" in format_health(report)
 
 
-def test_reused_pid_is_not_ours(tmp_path, children, dispatcher):
-    run_dir = make_run(tmp_path, children, address=dispatcher.address, age_s=100)
+@pytest.mark.parametrize("ticks_shift", [1, None], ids=["another-start-in-ticks", "younger-than-the-file"])
+def test_reused_pid_is_not_ours(tmp_path, children, dispatcher, ticks_shift):
+    # recorded starts in clock ticks that differ; without them, processes created after the file
+    run_dir = make_run(tmp_path, children, address=dispatcher.address, age_s=100, ticks_shift=ticks_shift)
     report = health_report(run_dir, **QUICK)
     assert rows(report)["target/0"].state == "gone (pid reused)"
     assert rows(report)["target/0"].rss_bytes is None
     assert report.exit_code == 2  # the dispatcher's pid is "reused" too
+
+
+def test_a_process_whose_start_in_ticks_matches_is_ours_whatever_the_wall_clock_did(tmp_path, children, dispatcher):
+    """The file's time and psutil's create_time follow the wall clock, which a VM's time sync
+    can step: a file 100 s "older" than its processes; their recorded starts in clock ticks
+    since boot still match."""
+    run_dir = make_run(tmp_path, children, address=dispatcher.address, age_s=100)
+    report = health_report(run_dir, **QUICK)
+    assert all(row.state != "gone (pid reused)" for row in report.processes), format_health(report)
+    assert report.exit_code == 0, format_health(report)
+
+
+def test_start_ticks_of_another_type_are_named(tmp_path, children):
+    run_dir = make_run(tmp_path, children)
+    path = os.path.join(run_dir, "processes.json")
+    with open(path) as f:
+        record = json.load(f)
+    record["processes"][0]["start_ticks"] = "early"
+    with open(path, "w") as f:
+        json.dump(record, f)
+    report = health_report(run_dir, **QUICK)
+    assert report.level == "down" and "processes[0].start_ticks" in report.reasons[0]
 
 
 def test_stale_heartbeat_uses_the_run_config(tmp_path, children, dispatcher):

@@ -69,7 +69,9 @@ def test_wait_until_is_bounded():
     with pytest.raises(TransportError, match="not done after 0.2 s"):
         wait_until(lambda: False, watch=alive, timeout_s=0.2, what="nothing")
     assert time.monotonic() - start < 2.0
-    ident = {**producer_identity(), "create_time": 1.0}
+    ident = {**producer_identity(), "create_time": 1.0}  # a reused pid: another start
+    if ident["start_ticks"] is not None:
+        ident["start_ticks"] += 1
     with pytest.raises(ProducerGoneError, match="pool-b"):
         wait_until(lambda: False, watch=ProducerWatch(ident, "pool-b"), timeout_s=5, what="x")
 

@@ -174,10 +174,15 @@ def test_reader_of_closed_pool_and_bad_descriptors():
         open_reader({k: v for k, v in desc.items() if k != "layout"}, "cpu")
     with pytest.raises(TransportError, match="never leave their node"):
         open_reader({**desc, "producer": {**desc["producer"], "host": "elsewhere"}}, "cpu")
-    # A pid that was reused by another process reads as a dead producer.
-    reused = {**desc["producer"], "create_time": desc["producer"]["create_time"] - 1000.0}
+    # A pid that was reused by another process reads as a dead producer: another start in
+    # clock ticks since boot where /proc has them, else another start time.
+    producer = desc["producer"]
+    reused = ({**producer, "start_ticks": producer["start_ticks"] + 1} if producer["start_ticks"] is not None
+              else {**producer, "create_time": producer["create_time"] - 1000.0})
     with pytest.raises(ProducerGoneError, match=f"pid {os.getpid()}"):
         open_reader({**desc, "producer": reused}, "cpu")
+    with pytest.raises(TransportError, match="start_ticks, a count or null"):
+        open_reader({**desc, "producer": {**producer, "start_ticks": "soon"}}, "cpu")
     # A descriptor claiming more bytes than the segment holds: refused, the segment not grown.
     path = os.path.join("/dev/shm", desc["segment"])
     size = os.path.getsize(path)
@@ -384,6 +389,20 @@ def test_killed_producer_gives_producer_gone_quickly():
 def test_identity_names_this_host():
     ident = producer_identity()
     assert ident["pid"] == os.getpid() and ident["host"] == socket.gethostname()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc (Linux)")
+def test_a_producer_is_recognised_after_the_wall_clock_moved():
+    """The boot time psutil adds to a start follows the wall clock: where that is stepped or
+    drifts, a consumer reading later computes another create_time for the same producer. Its
+    start in clock ticks since boot does not move: still the same, live process."""
+    ident = producer_identity()
+    assert isinstance(ident["start_ticks"], int)
+    moved = {**ident, "create_time": ident["create_time"] + 3.0}  # three seconds of drift
+    watch = ProducerWatch(moved, "pool-drift")
+    assert watch.alive()
+    watch.check("after the drift")
+    watch.close()
 
 
 def test_transport_bench_runs_on_shm():

@@ -52,8 +52,10 @@ Expected: the job and drafters until the job is finished; a target while batches
 pending (after that, targets legitimately idle while drafters drain). The state file is
 best effort: if the run directory is read-only, progress is simply never judged.
 
-A pid from processes.json whose process was created after the file was written is not ours
-(the pid was reused): reported as "gone (pid reused)".
+A pid from processes.json whose process is not the one the supervisor started is not ours (the
+pid was reused): reported as "gone (pid reused)". The file records each process's start in clock
+ticks since boot (run/process_start.py), which a reused pid's process cannot share; where it has
+none (no /proc), a process created after the file was written is the reused one.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ from dflash_ipc.errors import DataError, DFlashError
 from dflash_ipc.run.json_files import read_json_object, write_json_atomic
 from dflash_ipc.run.liveness import beacon_problem, read_beacon
 from dflash_ipc.run.files import RunFiles
+from dflash_ipc.run.process_start import start_ticks
 from dflash_ipc.supervise.job_phase import (FINISHED, STARTING, answered_before, finished_status, lock_holder,
                                            starting_or_finished)
 from dflash_ipc.supervise.roles import Role
@@ -170,7 +173,8 @@ def health_report(run_dir: str, *, node_rank: int = 0, stale_after_s: float | No
                   "stall_after_s": stall_after_s if stall_after_s is not None else 2 * hb_timeout,
                   "startup_timeout_s": cfg.supervise.startup_timeout_s,
                   "run_age_s": max(0.0, time.time() - written_at)}
-    roles = [("supervisor", record["supervisor"])] + [(e["role"], e["pid"]) for e in record["processes"]]
+    roles = [("supervisor", record["supervisor"], record.get("supervisor_start_ticks"))] + [
+        (e["role"], e["pid"], e.get("start_ticks")) for e in record["processes"]]
     rows, status, status_error = _sample(roles, written_at, run_dir, node_rank, timeout_s, cpu_window_s)
     report = HealthReport(run_dir=run_dir, node_rank=node_rank, level=HEALTHY, processes=rows,
                           thresholds=thresholds)
@@ -228,6 +232,11 @@ def read_processes(run_dir: str, node_rank: int = 0) -> tuple[dict, float]:
     for i, entry in enumerate(entries):
         if not (isinstance(entry, dict) and isinstance(entry.get("role"), str) and isinstance(entry.get("pid"), int)):
             raise DataError(f"{path}: processes[{i}] must have a string 'role' and an integer 'pid', got {entry!r:.80}")
+    ticks = [("supervisor_start_ticks", record.get("supervisor_start_ticks"))] + [
+        (f"processes[{i}].start_ticks", entry.get("start_ticks")) for i, entry in enumerate(entries)]
+    for field, value in ticks:
+        if value is not None and (type(value) is not int or value < 0):
+            raise DataError(f"{path}: field {field!r} must be a count of clock ticks or null, got {value!r:.40}")
     return record, written_at
 
 
@@ -239,13 +248,14 @@ def _load_run_config(run_dir: str, node_rank: int):
 # --- sampling ---------------------------------------------------------------------------------
 
 
-def _sample(roles: list[tuple[str, int]], written_at: float, run_dir: str, node_rank: int,
+def _sample(roles: list[tuple[str, int, int | None]], written_at: float, run_dir: str, node_rank: int,
             timeout_s: float, cpu_window_s: float) -> tuple[list[ProcessHealth], JobStatus | None, str | None]:
-    """psutil rows for every process and the dispatcher's status, in one CPU% window."""
-    rows = [ProcessHealth(role=role, pid=pid) for role, pid in roles]
+    """psutil rows for every process (role, pid, start in clock ticks or None) and the
+    dispatcher's status, in one CPU% window."""
+    rows = [ProcessHealth(role=role, pid=pid) for role, pid, _ in roles]
     procs: list[psutil.Process | None] = []
-    for row in rows:
-        proc = _open_process(row.pid, written_at)
+    for row, (_, _, ticks) in zip(rows, roles):
+        proc = _open_process(row.pid, written_at, ticks)
         if isinstance(proc, str):
             row.state, proc = proc, None
         else:
@@ -265,10 +275,16 @@ def _sample(roles: list[tuple[str, int]], written_at: float, run_dir: str, node_
     return rows, status, status_error
 
 
-def _open_process(pid: int, written_at: float) -> psutil.Process | str:
-    """The process, or GONE / REUSED (created after processes.json was written: not ours)."""
+def _open_process(pid: int, written_at: float, ticks: int | None = None) -> psutil.Process | str:
+    """The process, or GONE / REUSED (not the process the supervisor started: another start in
+    clock ticks than ``ticks``; without them, created after processes.json was written)."""
     try:
         proc = psutil.Process(pid)
+        if ticks is not None:
+            found = start_ticks(pid)
+            if found is None:  # gone between the two reads
+                return GONE
+            return proc if found == ticks else REUSED
         if proc.create_time() > written_at + REUSE_SLACK_S:
             return REUSED
         return proc

@@ -32,6 +32,7 @@ from dflash_ipc.config.load import dump_config
 from dflash_ipc.run.checkpoints import CheckpointStore
 from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.run.json_files import write_json_atomic
+from dflash_ipc.run.process_start import start_ticks
 from dflash_ipc.wire.link import DispatcherLink
 from dflash_ipc.run.liveness import read_beacon
 from dflash_ipc.run.logs import tail_lines
@@ -166,8 +167,12 @@ class Supervisor:
         return self.cfg.drafter.device_of(role.rank)
 
     def _write_processes(self) -> None:
-        record = {"supervisor": os.getpid(), "run_dir": self.cfg.run.run_dir, "node_rank": self.cfg.run.node_rank,
-                  "processes": [{"role": str(c.role), "pid": c.pid, "log": c.log_path, "restarts": len(c.restarts)}
+        # start_ticks: each process's start in clock ticks since boot (run/process_start.py), by
+        # which health tells it from a later process that reused its pid, whatever the wall clock did
+        record = {"supervisor": os.getpid(), "supervisor_start_ticks": start_ticks(os.getpid()),
+                  "run_dir": self.cfg.run.run_dir, "node_rank": self.cfg.run.node_rank,
+                  "processes": [{"role": str(c.role), "pid": c.pid, "start_ticks": start_ticks(c.pid),
+                                 "log": c.log_path, "restarts": len(c.restarts)}
                                 for c in self.children.values()]}
         write_json_atomic(self.files.processes, record)
 

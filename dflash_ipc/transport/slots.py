@@ -49,6 +49,7 @@ import torch
 from dflash_ipc.config import schema as config
 from dflash_ipc.config.dtypes import TORCH_DTYPES as DTYPES
 from dflash_ipc.errors import ConfigError, ProducerGoneError, TransportError
+from dflash_ipc.run.process_start import start_ticks
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +63,9 @@ DESCRIPTOR_VERSION = 2
 # Produced message itself is the ordering and no interprocess event exists.
 PUBLISH_SYNC_MODES = config.PUBLISH_SYNC_MODES
 BACKENDS = ("shm", "cuda_ipc")
-# Start times read from /proc are rounded to clock ticks (10 ms); anything closer is the
-# same process, anything further apart is a reused pid.
+# Where a pool's producer has no start in clock ticks (no /proc): psutil's start times are
+# rounded to clock ticks (10 ms); anything closer is the same process, anything further apart a
+# reused pid (these times follow the wall clock: run/process_start.py).
 _START_TIME_TOLERANCE_S = 0.05
 DEFAULT_READ_TIMEOUT_S = 60.0
 
@@ -248,16 +250,19 @@ class SlotReader(ABC):
 
 
 def producer_identity() -> dict[str, Any]:
-    """Who owns a pool: pid, process start time (defeats pid reuse) and host."""
+    """Who owns a pool: pid, process start (defeats pid reuse: in clock ticks since boot where
+    /proc has it, run/process_start.py, else None; and as a wall-clock time) and host."""
     proc = psutil.Process(os.getpid())
-    return {"pid": proc.pid, "create_time": proc.create_time(), "host": socket.gethostname()}
+    return {"pid": proc.pid, "start_ticks": start_ticks(proc.pid), "create_time": proc.create_time(),
+            "host": socket.gethostname()}
 
 
 class ProducerWatch:
     """Answers "is the producer of this pool still alive?" in about a microsecond.
 
-    The descriptor's start time is checked once against the live process (a reused pid
-    has another start time). After that a pidfd (Linux >= 5.3) refers to exactly that
+    The descriptor's start is checked once against the live process (a reused pid has another
+    start): its clock ticks since boot where both sides read them from /proc (exact, and
+    blind to the wall clock's steps), else psutil's start times within a tolerance. After that a pidfd (Linux >= 5.3) refers to exactly that
     process and polls readable once it has exited, zombie or reaped. Where pidfds are
     unavailable, psutil re-reads /proc on every check (~40 us).
     """
@@ -268,10 +273,13 @@ class ProducerWatch:
             self.pid = int(identity["pid"])
             self.create_time = float(identity["create_time"])
             host = str(identity["host"])
-        except (KeyError, TypeError, ValueError) as exc:
+            self.start_ticks = identity.get("start_ticks")
+            if self.start_ticks is not None and (type(self.start_ticks) is not int or self.start_ticks < 0):
+                raise ValueError("start_ticks")
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise TransportError(
                 f"slot pool {pool_id}: descriptor 'producer' must hold pid, create_time and "
-                f"host, got {identity!r}"
+                f"host (and start_ticks, a count or null), got {identity!r}"
             ) from exc
         if host != socket.gethostname():
             raise TransportError(
@@ -301,6 +309,8 @@ class ProducerWatch:
             return None  # not Linux, old kernel, sandbox, or already gone
 
     def _same_process(self) -> bool:
+        if self.start_ticks is not None:
+            return start_ticks(self.pid) == self.start_ticks  # None once gone
         try:
             found = psutil.Process(self.pid).create_time()
         except psutil.Error:
