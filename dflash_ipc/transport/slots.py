@@ -262,9 +262,10 @@ class ProducerWatch:
 
     The descriptor's start is checked once against the live process (a reused pid has another
     start): its clock ticks since boot where both sides read them from /proc (exact, and
-    blind to the wall clock's steps), else psutil's start times within a tolerance. After that a pidfd (Linux >= 5.3) refers to exactly that
-    process and polls readable once it has exited, zombie or reaped. Where pidfds are
-    unavailable, psutil re-reads /proc on every check (~40 us).
+    blind to the wall clock's steps), else psutil's start times within a tolerance. After
+    that a pidfd (Linux >= 5.3) refers to exactly that process and polls readable once it
+    has exited, zombie or reaped. Where pidfds are unavailable, psutil re-reads /proc on
+    every check (~40 us).
     """
 
     def __init__(self, identity: dict[str, Any], pool_id: str) -> None:
