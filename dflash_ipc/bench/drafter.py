@@ -552,32 +552,31 @@ def _pipelined_figures(trainer, config, dev, gen, cpu_gen, steps: int, *, first:
     return out
 
 
-def _profile(trainer, config, dev, gen, cpu_gen, steps: int, *, first: int, num_seqs: int, seq_len: int,
-             anchors_per_seq: int, ragged: bool = False) -> dict:
-    """Kernel time per step by kind over ``steps`` more steps (their inputs made beforehand, so
-    only the steps' own kernels are profiled)."""
+def _step_runner(trainer, config, dev, gen, cpu_gen, steps: int, *, first: int, num_seqs: int, seq_len: int,
+                 anchors_per_seq: int, ragged: bool, sync: bool = False) -> typing.Callable[[], None]:
+    """One more step per call, ``steps`` calls, their inputs made now (so a profile of the calls
+    sees the steps alone); ``sync``: each call waits for its step's device work."""
     inputs = [random_sequences(config, step=first + i, num_seqs=num_seqs, seq_len=seq_len,
                                max_anchors=anchors_per_seq, device=dev, gen=gen, cpu_gen=cpu_gen, ragged=ragged)
               for i in range(steps)]
 
     def run_step() -> None:
         trainer.step(trainer.take(collections.deque(inputs.pop(0))))
+        if sync:
+            _sync(dev)
 
+    return run_step
+
+
+def _profile(trainer, config, dev, gen, cpu_gen, steps: int, **sizes) -> dict:
+    """Kernel time per step by kind over ``steps`` more steps."""
+    run_step = _step_runner(trainer, config, dev, gen, cpu_gen, steps, **sizes)
     return summarize(profile_kernels(run_step, steps), steps=steps)
 
 
-def _host_profile(trainer, config, dev, gen, cpu_gen, steps: int, *, first: int, num_seqs: int, seq_len: int,
-                  anchors_per_seq: int, ragged: bool) -> dict:
-    """The host's time per step by function over ``steps`` more synchronised steps (their inputs
-    made beforehand)."""
-    inputs = [random_sequences(config, step=first + i, num_seqs=num_seqs, seq_len=seq_len,
-                               max_anchors=anchors_per_seq, device=dev, gen=gen, cpu_gen=cpu_gen, ragged=ragged)
-              for i in range(steps)]
-
-    def run_step() -> None:
-        trainer.step(trainer.take(collections.deque(inputs.pop(0))))
-        _sync(dev)
-
+def _host_profile(trainer, config, dev, gen, cpu_gen, steps: int, **sizes) -> dict:
+    """The host's time per step by function over ``steps`` more synchronised steps."""
+    run_step = _step_runner(trainer, config, dev, gen, cpu_gen, steps, sync=True, **sizes)
     _sync(dev)
     return profile_host(run_step, steps)
 

@@ -11,9 +11,10 @@ completed and its memory is visible, and it is launched once every program of th
 has executed ``griddepcontrol.launch_dependents`` (or exited). CUDA graphs keep these edges.
 
 Every decode kernel (matvec.py, decode_attention.py, qk_rope.py, kv_write.py, top2.py, accept.py,
-band_mask.py) takes the constexpr ``PDL`` and calls :func:`wait_for_inputs` before it reads or writes any memory that another kernel
-writes or reads (before it: index arithmetic alone), and releases the kernel after it at once:
-that one's launch and its programs' start then overlap this one's work. The launch passes
+band_mask.py) takes the constexpr ``PDL`` and calls :func:`wait_for_inputs` before it reads or
+writes any memory that another kernel writes or reads (before it: index arithmetic alone), and
+releases the kernel after it at once: that one's launch and its programs' start then overlap
+this one's work. The launch passes
 ``launch_pdl`` with the same value (:func:`launch_args`): a kernel launched that way without its
 wait would race with the one before it.
 
