@@ -432,6 +432,18 @@ def test_a_supervisor_holding_the_run_directory_before_processes_json_is_startin
         assert (report.level, report.exit_code) == ("starting", 0)
         assert report.reasons == [f"supervisor (pid {os.getpid()}) holds the run directory and has not started "
                                   "its processes yet"]
+        path = os.path.join(tmp_path, ".lock")
+        with open(path) as f:
+            assert f.read() == f"{os.getpid()} {start_ticks(os.getpid())}\n"  # its start, in ticks since boot
+        old = time.time() - 100  # the wall clock stepped: the lock looks older than its writer
+        os.utime(path, (old, old))
+        assert health_report(str(tmp_path), **QUICK).level == "starting"  # the recorded start decides
+        with open(path, "w") as f:
+            f.write(f"{os.getpid()} {start_ticks(os.getpid()) + 1}\n")  # another process's start: a reused pid
+        assert health_report(str(tmp_path), **QUICK).level == "down"
+        with open(path, "w") as f:
+            f.write(f"{os.getpid()}\n")  # written without /proc: the mtime rule (fresh file: holds)
+        assert health_report(str(tmp_path), **QUICK).level == "starting"
     finally:
         lock.release()
     ghost = subprocess.Popen([sys.executable, "-c", "pass"])

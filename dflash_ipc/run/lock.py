@@ -8,6 +8,10 @@ directory, is refused instead of sweeping the live job's shared memory and takin
 socket. The kernel releases a flock with the last descriptor of its open file, so a job that is
 SIGKILLed whole leaves no stale lock. Node K of a multi-node job locks its own file (a shared
 run directory holds one per node).
+
+The file holds the supervisor's pid and its start in clock ticks since boot
+(run/process_start.py), so that `health` can tell that process from a later one with the
+same pid without the wall clock (job_phase.lock_holder).
 """
 
 from __future__ import annotations
@@ -17,6 +21,13 @@ import os
 
 from dflash_ipc.errors import ConfigError
 from dflash_ipc.run.files import node_file
+from dflash_ipc.run.process_start import start_ticks
+
+
+def lock_text(pid: int) -> str:
+    """What the lock file holds: ``"<pid> <start ticks>\\n"``, or ``"<pid>\\n"`` where /proc is absent."""
+    ticks = start_ticks(pid)
+    return f"{pid}\n" if ticks is None else f"{pid} {ticks}\n"
 
 
 class RunLock:
@@ -31,7 +42,7 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+            holder = (os.pread(fd, 32, 0).decode("ascii", "replace").split() or ["?"])[0]
             os.close(fd)
             raise ConfigError(
                 f"run.run_dir: {os.path.dirname(self.path)} is in use by another job on this node ({self.path} "
@@ -41,7 +52,7 @@ class RunLock:
             os.close(fd)
             raise
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+        os.pwrite(fd, lock_text(os.getpid()).encode("ascii"), 0)
         self.fd = fd
 
     def abandon(self, *, remove_dir: bool) -> None:

@@ -14,6 +14,7 @@ import psutil
 
 from dflash_ipc.errors import DataError
 from dflash_ipc.run.files import node_file
+from dflash_ipc.run.process_start import start_ticks
 from dflash_ipc.run.regular_file import regular_file
 from dflash_ipc.wire.status import JobStatus, read_status_file
 
@@ -23,22 +24,28 @@ PID_SLACK_S = 1.0  # create_time has clock-tick resolution; the lock is written 
 
 
 def lock_holder(run_dir: str, node_rank: int = 0) -> int | None:
-    """The pid written in the run directory's lock when that process still runs and is not
-    younger than the lock (a reused pid is not a supervisor of this run); else None.
+    """The pid written in the run directory's lock when that very process still runs (a reused
+    pid is not a supervisor of this run); else None. The lock names its writer's start in clock
+    ticks since boot (run/lock.py), compared exactly; a lock without them (no /proc where it was
+    written) falls back to "not younger than the lock's mtime", which reads the wall clock.
     Read without taking the lock: a probe must never make a starting supervisor's own
     (non-blocking) acquire fail."""
     path = node_file(run_dir, LOCK_FILE, node_rank)
     try:
         regular_file(path, "the run lock", error=OSError)  # a FIFO there would block open(): health hangs
         with open(path, "rb") as f:
-            text = f.read(32).decode("ascii", "replace").strip()
+            fields = f.read(64).decode("ascii", "replace").split()
         written_at = os.stat(path).st_mtime
-        pid = int(text)
+        pid = int(fields[0])
+        recorded = int(fields[1]) if len(fields) > 1 else None
         proc = psutil.Process(pid)
-        if proc.create_time() > written_at + PID_SLACK_S or proc.status() == psutil.STATUS_ZOMBIE:
+        if proc.status() == psutil.STATUS_ZOMBIE:
             return None
-        return pid
-    except (OSError, ValueError, psutil.Error):
+        ticks = start_ticks(pid) if recorded is not None else None
+        if ticks is not None:
+            return pid if ticks == recorded else None
+        return None if proc.create_time() > written_at + PID_SLACK_S else pid
+    except (OSError, ValueError, IndexError, psutil.Error):
         return None
 
 
