@@ -69,6 +69,15 @@ class WorkerDeadError(DFlashError):
     """
 
 
+class BatchKeepsGettingLost(DFlashError):
+    """The drafters reported one batch lost (its hidden states could not be copied from its
+    target) `dispatch.max_batch_losses` times: something systematic, not a dead target.
+
+    Recovery: none inside the dispatcher, which exits with this error (the ledger saved); the
+    supervisor's restart policy applies. The drafters' logs say why each copy failed.
+    """
+
+
 class DispatcherRestarted(WorkerDeadError):
     """The dispatcher this worker registered with was replaced by a new process.
 

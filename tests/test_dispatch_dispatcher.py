@@ -14,7 +14,7 @@ from dflash_ipc.wire import protocol as p
 from dflash_ipc.dispatch.buckets import BucketSpec, plan_epoch
 from dflash_ipc.dispatch.dispatcher import Dispatcher
 from dflash_ipc.dispatch.ledger import BatchState
-from dflash_ipc.errors import ProtocolError, UnregisteredSender
+from dflash_ipc.errors import BatchKeepsGettingLost, ConfigError, ProtocolError, UnregisteredSender
 
 SPEEDS = [1.0, 1.0, 1.0, 1.0, 5.0]  # seconds per 1000 tokens; target 4 is slow
 POOL = {"backend": "test"}
@@ -207,6 +207,37 @@ def test_a_copy_lost_with_its_target_goes_back_to_pending():
     d.handle(b"t1", p.Register(role="target", rank=1, pid=20, pool=POOL, num_slots=4))
     served = [m.batch_id for _, m in d.handle(b"t1", p.Ready(credits=4))]
     assert assign.batch_id in served
+
+
+def test_a_batch_lost_again_and_again_stops_the_dispatcher_with_its_reason():
+    """A copy that fails whatever target produced it (drafters that take live targets for dead
+    ones) is reported at the limit, not requeued for ever; losses of other batches count apart."""
+    d = Dispatcher(_plan(), policy="pull", num_targets=1, num_drafters=1, clock=Clock(), max_batch_losses=3)
+    d.handle(b"t0", p.Register(role="target", rank=0, pid=10, pool=POOL, num_slots=4))
+    d.handle(b"d0", p.Register(role="drafter", rank=0, pid=30))
+    first = None
+    for loss in range(1, 4):
+        leased = [m for _, m in d.handle(b"t0", p.Ready(credits=1))]
+        if first is None:
+            first = leased[0].batch_id
+        assert [b.batch_id for b in leased] == [first]  # the lost batch is served first again
+        produce(d, b"t0", leased[0])
+        (_, assign), = d.handle(b"d0", p.WantHidden(credits=1))
+        lost = p.Lost(batch_id=first, attempt=assign.attempt, reason="producer pid 10 is gone")
+        if loss < 3:
+            d.handle(b"d0", lost)
+            assert d.ledger.entry(first).state is BatchState.PENDING and d.losses[first] == loss
+            continue
+        with pytest.raises(BatchKeepsGettingLost, match=rf"batch {first} was lost 3 times \(dispatch.max_batch_losses=3\), "
+                           r"the last by drafter/0: producer pid 10 is gone"):
+            d.handle(b"d0", lost)
+    assert d.ledger.entry(first).state is BatchState.PENDING  # as a restarted dispatcher finds it
+
+
+def test_dispatch_max_batch_losses_is_checked():
+    from dflash_ipc.config.schema import DispatchConfig
+    with pytest.raises(ConfigError, match=r"dispatch.max_batch_losses.*\[1, 1000000\]"):
+        DispatchConfig(max_batch_losses=0).check()
 
 
 def test_a_stray_registration_for_a_live_seat_is_refused():

@@ -550,6 +550,10 @@ class DispatchConfig(_Section):
     """Who may connect on tcp://: curve (ZMQ CURVE with the job's keys in <run_dir>/keys),
     none, or auto: curve unless the address is loopback. ipc:// relies on the run
     directory's permissions (0700)."""
+    max_batch_losses: int = 20
+    """A batch the drafters report lost this many times (its target's hidden states could not
+    be copied: a dead target loses each of its batches once) stops the dispatcher with an
+    error naming it and the last reason, instead of requeueing it for ever."""
 
     def check(self) -> None:
         if self.address:
@@ -558,6 +562,7 @@ class DispatchConfig(_Section):
         _require(0 < self.heartbeat_interval_s <= 600, "dispatch.heartbeat_interval_s", "must be in (0, 600]")
         _require(2 * self.heartbeat_interval_s < self.heartbeat_timeout_s <= 86400,
                  "dispatch.heartbeat_timeout_s", "must exceed 2 x heartbeat_interval_s and be <= 86400")
+        _require(1 <= self.max_batch_losses <= 1_000_000, "dispatch.max_batch_losses", "must be in [1, 1000000]")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -33,7 +33,7 @@ from dflash_ipc.dispatch.buckets import PlannedBatch
 from dflash_ipc.dispatch.ledger import BatchState, Ledger, TrainedCopy
 from dflash_ipc.dispatch.policy import make_policy
 from dflash_ipc.dispatch.seats import RATE_WINDOW_S, DrafterSeat, Seat, TargetSeat
-from dflash_ipc.errors import ProtocolError, UnregisteredSender
+from dflash_ipc.errors import BatchKeepsGettingLost, ProtocolError, UnregisteredSender
 from dflash_ipc.obs.token_rate import TokenRate
 from dflash_ipc.wire.security import secret_matches
 
@@ -52,9 +52,10 @@ class Dispatcher:
     def __init__(self, epochs: list[list[PlannedBatch]], *, policy: str = "pull", num_targets: int, num_drafters: int,
                  num_nodes: int = 1, heartbeat_timeout_s: float = 30.0, drafter_timeout_s: float | None = None,
                  ledger: Ledger | None = None, clock=time.monotonic, drafter_generation: int = 0,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None, max_batch_losses: int = 20) -> None:
         """`secret`: what every seat's Register must carry; None only where no peer can reach
-        the logic (tests and benches stepping it in one process)."""
+        the logic (tests and benches stepping it in one process). `max_batch_losses`: a batch
+        reported lost this many times raises BatchKeepsGettingLost (dispatch.max_batch_losses)."""
         self.secret = secret
         self.trusted_observers: dict[bytes, None] = {}  # observers whose Register had the secret, oldest first
         self.ledger = ledger or Ledger()
@@ -94,6 +95,10 @@ class Dispatcher:
         # Targets dropped while their process may still run (hung, or replaced): pid -> why.
         # The supervisor reads it from the status and kills those processes.
         self.dropped_targets: collections.OrderedDict[int, str] = collections.OrderedDict()
+        # Lost reports per batch (this process's): a copy that fails again and again is a fault
+        # to report, not work to requeue without end.
+        self.max_batch_losses = max_batch_losses
+        self.losses: collections.Counter[int] = collections.Counter()
 
     # --- entry points -----------------------------------------------------------------
 
@@ -308,8 +313,16 @@ class Dispatcher:
             return self._serve_targets()
         if isinstance(msg, p.Lost):
             self.ledger.lost(msg.batch_id, seat.rank, msg.attempt)
-            log.warning("drafter/%d lost batch %d (attempt %d): %s; back to pending", seat.rank, msg.batch_id,
-                        msg.attempt, msg.reason)
+            self.losses[msg.batch_id] += 1
+            times = self.losses[msg.batch_id]
+            if times >= self.max_batch_losses:
+                raise BatchKeepsGettingLost(
+                    f"batch {msg.batch_id} was lost {times} times (dispatch.max_batch_losses={self.max_batch_losses}), "
+                    f"the last by drafter/{seat.rank}: {msg.reason}; a dead target loses a batch once, so the drafters "
+                    "cannot copy what live targets produce: see the drafters' logs")
+            log.warning("drafter/%d lost batch %d (attempt %d; lost %d times, the dispatcher stops at %d): %s; "
+                        "back to pending", seat.rank, msg.batch_id, msg.attempt, times, self.max_batch_losses,
+                        msg.reason)
             return self._serve_targets()
         if isinstance(msg, p.Committed):
             return self._committed(seat, msg)

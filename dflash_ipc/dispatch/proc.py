@@ -289,7 +289,8 @@ def run_dispatcher(cfg: JobConfig) -> None:
                             num_drafters=cfg.total_drafters, num_nodes=cfg.run.num_nodes,
                             drafter_generation=generation, heartbeat_timeout_s=cfg.dispatch.heartbeat_timeout_s,
                             drafter_timeout_s=cfg.supervise.drafter_step_timeout_s, ledger=ledger,
-                            secret=ensure_job_secret(cfg.files.job_secret))
+                            secret=ensure_job_secret(cfg.files.job_secret),
+                            max_batch_losses=cfg.dispatch.max_batch_losses)
     # Until it serves, a SIGTERM exits as in any stage (cli: SystemExit); from then on it ends
     # the loop between two messages, never inside one (the ledger stays whole).
     proc = DispatcherProc(cfg, dispatcher, address=cfg.dispatcher_address)
