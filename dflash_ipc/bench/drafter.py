@@ -82,6 +82,7 @@ from dflash_ipc.drafter.step_shape import pad_layout
 from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.drafter.trainer import DrafterTrainer, Sequence, eligible_anchor_count
 from dflash_ipc.errors import ConfigError
+from dflash_ipc.run.compile_workers import compile_in_process
 
 logger = logging.getLogger(__name__)
 
@@ -442,6 +443,7 @@ def run_drafter_bench(device: str = "cuda:0", steps: int = 10, shape: str = "qwe
     timed step that compiled is named in the report, and the mean without such steps given.
     """
     _check_sizes(steps, warmup, anchors_per_seq, num_seqs, seq_len)
+    compile_in_process()  # as the drafter worker does (run/compile_workers.py)
     variant = variant or {"precision": "bf16"}
     dev = _resolve_device(device)
     if profile_steps < 0 or (profile_steps and dev.type != "cuda"):

@@ -76,6 +76,7 @@ from dflash_ipc.eval.prompt_sets import held_out_set
 from dflash_ipc.eval.speculative import EvalOptions, run_set
 from dflash_ipc.decode.target import BatchedTarget
 from dflash_ipc.hf.target_config import load_target_config
+from dflash_ipc.run.compile_workers import compile_in_process
 from dflash_ipc.run.json_files import write_json_atomic
 from dflash_ipc.target.capture import FeatureCapture
 
@@ -325,6 +326,7 @@ def run_precision_comparison(device: str = "cuda:0", shape: str = "qwen3-1.7b", 
     neither): a real target and a prepared dataset with held-out prompts instead of the
     random-weight ``shape`` and its synthetic data. ``json_path``: the figures so far after every
     recipe (``"partial": true``; a later failure keeps the runs already trained), all at the end."""
+    compile_in_process()  # as the drafter worker does (run/compile_workers.py)
     real = target_dir is not None or data_dir is not None
     if real and (target_dir is None or data_dir is None):
         raise ConfigError("bench precision: give --target and --data together (a real target and its prepared data)")

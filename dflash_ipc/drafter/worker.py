@@ -23,6 +23,7 @@ from dflash_ipc.wire import protocol as p
 from dflash_ipc.config.schema import JobConfig
 from dflash_ipc.data.dataset import TokenDataset
 from dflash_ipc.run.checkpoints import CheckpointStore
+from dflash_ipc.run.compile_workers import compile_in_process
 from dflash_ipc.drafter.group import close_group, init_group
 from dflash_ipc.drafter.loop import DrafterLoop
 from dflash_ipc.drafter.faults import SlowSteps
@@ -91,6 +92,7 @@ def run_drafter(cfg: JobConfig, rank: int, *,
         # Fail at start, naming the pair, rather than at the first slot this drafter opens.
         check_peer_access([cfg.target.device_of(r) for r in cfg.local_ranks("target")], [device])
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, cfg.drafter.num_workers)))
+    compile_in_process()  # no compile-worker pool starving this process's host work (run/compile_workers.py)
     slow_steps = SlowSteps.from_env()  # a fault test's injection, or None (checked before anything starts)
     beacon = Beacon(cfg.files.beacon(f"drafter/{rank}"))
     link = DispatcherLink.for_job(cfg, f"drafter/{rank}")
