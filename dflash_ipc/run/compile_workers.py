@@ -6,10 +6,12 @@ starts them again at the next compile. While they start they take every core, an
 process's host work, the small CPU tensor ops that build each step's batch and the copy into
 pinned memory, runs on intra-op threads that then wait for cores: in a fresh process on one
 H200 (16 cores) the 135M-class drafter step under ``drafter.compile: reduce-overhead`` took
-~100-125 ms instead of 18.6 (``copy_`` 63 ms and ``build_training_batch`` 24.5 ms of host time
-per step, docs/benchmarks.md). The pool buys little here: its workers are not ready before
-the first compile has finished in the main process anyway (inductor compiles there until the
-pool answers), and a later compile, rare in a drafter, restarts it.
+~100-125 ms, against 18.6 ms pipelined after another variant had compiled in the same process
+(``copy_`` 63 ms and ``build_training_batch`` 24.5 ms of host time per step;
+docs/benchmarks.md, "The CE chunk in one kernel"; benchmarks/compile_pool.py shows the effect
+on CPU ops). The pool buys a drafter little: inductor compiles in the main process until the
+pool answers, so a first compile gains from it only once its workers are up, and later
+compiles are rare.
 
 :func:`compile_in_process` sets inductor's ``compile_threads`` to 1 unless
 ``TORCHINDUCTOR_COMPILE_THREADS`` says otherwise (the user's choice is kept).
