@@ -13,6 +13,12 @@ reused in between.
 
 from __future__ import annotations
 
+import psutil
+
+RECORD_SLACK_S = 1.0
+"""Where a record has no start in ticks: psutil's start times have clock-tick resolution, and a
+record of a process is written just after it started."""
+
 
 def start_ticks(pid: int) -> int | None:
     """``pid``'s start in clock ticks since boot; None when it has no /proc entry (gone, or no
@@ -29,3 +35,15 @@ def parse_start_ticks(stat: bytes) -> int:
     and parentheses itself: the fields are counted from after its last ')'."""
     after_command = stat[stat.rindex(b")") + 1:].split()
     return int(after_command[19])  # after_command[0] is field 3 (the state)
+
+
+def is_recorded_process(proc: psutil.Process, ticks: int | None, written_at: float) -> bool:
+    """Whether ``proc`` is the process a record written at ``written_at`` (wall clock) names, not
+    a later one that reused its pid: its start in ticks equals the record's ``ticks`` where the
+    record has them and /proc answers; else it was created no later than the record was written
+    (within RECORD_SLACK_S), a rule that reads the wall clock. psutil errors propagate (gone)."""
+    if ticks is not None:
+        found = start_ticks(proc.pid)
+        if found is not None:
+            return found == ticks
+    return proc.create_time() <= written_at + RECORD_SLACK_S

@@ -74,7 +74,7 @@ from dflash_ipc.errors import DataError, DFlashError
 from dflash_ipc.run.json_files import read_json_object, write_json_atomic
 from dflash_ipc.run.liveness import beacon_problem, read_beacon
 from dflash_ipc.run.files import RunFiles
-from dflash_ipc.run.process_start import start_ticks
+from dflash_ipc.run.process_start import is_recorded_process
 from dflash_ipc.supervise.job_phase import (FINISHED, STARTING, answered_before, finished_status, lock_holder,
                                            starting_or_finished)
 from dflash_ipc.supervise.roles import Role
@@ -89,7 +89,6 @@ GONE = "gone"
 REUSED = "gone (pid reused)"
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_CPU_WINDOW_S = 0.2
-REUSE_SLACK_S = 1.0  # create_time has clock-tick resolution and the supervisor writes the file just after spawning
 
 
 @dataclass(kw_only=True, slots=True)
@@ -280,14 +279,7 @@ def _open_process(pid: int, written_at: float, ticks: int | None = None) -> psut
     clock ticks than ``ticks``; without them, created after processes.json was written)."""
     try:
         proc = psutil.Process(pid)
-        if ticks is not None:
-            found = start_ticks(pid)
-            if found is None:  # gone between the two reads
-                return GONE
-            return proc if found == ticks else REUSED
-        if proc.create_time() > written_at + REUSE_SLACK_S:
-            return REUSED
-        return proc
+        return proc if is_recorded_process(proc, ticks, written_at) else REUSED
     except psutil.NoSuchProcess:
         return GONE
     except psutil.Error as exc:  # AccessDenied: another user's process cannot be ours

@@ -14,13 +14,12 @@ import psutil
 
 from dflash_ipc.errors import DataError
 from dflash_ipc.run.files import node_file
-from dflash_ipc.run.process_start import start_ticks
+from dflash_ipc.run.process_start import RECORD_SLACK_S, is_recorded_process
 from dflash_ipc.run.regular_file import regular_file
 from dflash_ipc.wire.status import JobStatus, read_status_file
 
 STARTING, FINISHED = "starting", "finished"  # health's levels read instead of down
 LOCK_FILE = ".lock"  # run/lock.py's RunLock(run_dir, node_rank)
-PID_SLACK_S = 1.0  # create_time has clock-tick resolution; the lock is written just after the start
 
 
 def lock_holder(run_dir: str, node_rank: int = 0) -> int | None:
@@ -39,12 +38,9 @@ def lock_holder(run_dir: str, node_rank: int = 0) -> int | None:
         pid = int(fields[0])
         recorded = int(fields[1]) if len(fields) > 1 else None
         proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
+        if proc.status() == psutil.STATUS_ZOMBIE or not is_recorded_process(proc, recorded, written_at):
             return None
-        ticks = start_ticks(pid) if recorded is not None else None
-        if ticks is not None:
-            return pid if ticks == recorded else None
-        return None if proc.create_time() > written_at + PID_SLACK_S else pid
+        return pid
     except (OSError, ValueError, IndexError, psutil.Error):
         return None
 
@@ -54,7 +50,7 @@ def finished_status(path: str, since: float) -> JobStatus | None:
     was written at or after `since` (the processes.json of this run, not an earlier one's);
     None when it is absent, older, torn or of another shape (health then says down)."""
     try:
-        if os.stat(path).st_mtime + PID_SLACK_S < since:
+        if os.stat(path).st_mtime + RECORD_SLACK_S < since:
             return None
         status = read_status_file(path)
     except (OSError, DataError):
