@@ -6,12 +6,15 @@ in fp32 over ragged band masks (left padding, a sliding window, rows of other le
 heads of 1, 2, 4 and 8 queries per K/V head, one query and a verify block, one program per row,
 a span split over several, hidden blocks skipped where the rows fill the GPU, head dims of
 64-256, non-contiguous cache views; fp16, a value head dim of its own, a mask wider than the
-keys, a query that sees no key; the op's schema; the drafter context's block attention both
+keys, a query that sees no key; a split span combined by its last split and by a launch of its
+own (also in Triton's interpreter, on CPU); the op's schema; the drafter context's block attention both
 ways; a bf16 target's decode with the kernel against the same target without it, compiled
 and captured (eval/lossless.py's near-tie rule: the kernel sums in another order than cuDNN);
 and bf16 speculative decoding with every decode kernel against plain decoding."""
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -93,6 +96,7 @@ def test_a_mask_of_another_shape_is_refused_by_the_kernel_entry():
 
 def test_the_setting(monkeypatch):
     check_switch_setting(monkeypatch, ATTENTION_ENV, decode_attention.enabled)
+    check_switch_setting(monkeypatch, decode_attention.COMBINE_ENV, decode_attention.combine_in_kernel)
 
 
 def _case(b, hq, hkv, nq, d, span, seed, dtype=torch.bfloat16, dev="cuda:0"):
@@ -126,6 +130,9 @@ def test_the_kernel_matches_attention_in_fp32(b, hq, hkv, nq, d, span, splits):
     got = decode_attention.triton_decode_attention(q, k, v, mask, splits=splits)
     assert got.shape == (b, nq, hq, d) and got.dtype == torch.bfloat16
     assert torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2), float((got.float() - want).abs().max())
+    # The splits combined by a launch of their own: the same sums, in the same order
+    launched = decode_attention.triton_decode_attention(q, k, v, mask, splits=splits, combine_last=False)
+    assert torch.equal(launched, got)
     scale = 0.3
     want = gqa_attention(q.float(), k.float(), v.float(), mask, scale).transpose(1, 2)
     got = torch.ops.dflash.decode_attention(q, k, v, mask, scale)
@@ -220,3 +227,38 @@ def test_speculative_decoding_with_the_kernels_is_lossless_against_plain_decodin
         assert decoder.graphs.enabled
         verdicts = [compare(spec[k], plain[k], dtype=torch.bfloat16).verdict for k in plain]
         assert all(v in ("identical", "near_tie") for v in verdicts), (batch_size, verdicts)
+
+
+INTERPRETED = """
+import torch
+from dflash_ipc.decode import decode_attention
+from dflash_ipc.decode.ragged_attention import band_mask, gqa_attention
+
+g = torch.Generator().manual_seed(0)
+for b, hq, hkv, nq, d, span, splits in ((1, 16, 8, 1, 128, 384, 3), (2, 8, 4, 16, 64, 300, 4), (1, 4, 2, 2, 64, 129, 2),
+                                        (1, 4, 1, 1, 64, 600, 9)):  # 9 splits: the sums' loads in 3 rounds of 4
+    # fp16: the interpreter runs on numpy, which has no bf16
+    q = torch.randn(b, nq, hq, d, generator=g).half().transpose(1, 2)
+    k, v = (torch.randn(b, span, hkv, d, generator=g).half().transpose(1, 2) for _ in range(2))
+    pos = torch.randint(1, span - nq + 1, (b, 1), generator=g) + torch.arange(nq)
+    mask = band_mask(pos // 3, pos + 1, span)
+    want = gqa_attention(q.float(), k.float(), v.float(), mask).transpose(1, 2)
+    last, launched, again = (decode_attention.triton_decode_attention(q, k, v, mask, splits=splits, combine_last=c)
+                             for c in (True, False, True))
+    assert (last.float() - want).abs().max() < 2e-3, (b, float((last.float() - want).abs().max()))
+    assert torch.equal(last, launched) and torch.equal(last, again)
+counts = decode_attention.SPLIT_BUFFERS.get(torch.device("cpu"), 0, 16)[1]
+print("ok", int(counts.abs().sum()))
+"""
+
+
+@pytest.mark.skipif(decode_attention.triton is None, reason="needs Triton (its interpreter)")
+def test_the_last_split_combines_as_the_combine_launch_does_in_tritons_interpreter():
+    """Split spans combined by the split that counts last: SDPA's values, the combine launch's
+    exactly, and every count back at 0 for the next launch (the interpreter runs the programs
+    one after another, so the last program is the last split)."""
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]))
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["ok", "0"]

@@ -13,7 +13,8 @@ an online softmax in fp32. Where the rows alone fill the GPU (a batch of replies
 lengths), a block that the mask hides from every query of the program is not read, so a row
 reads its own keys and no further. Where programs are few (batch 1), a row's span is split
 across programs of a few blocks each (flash-decoding: each block is a round trip to memory)
-and the partial softmaxes are combined by a second kernel.
+and the partial softmaxes are combined by the split that finishes last (a count per row and
+head; ``$DFLASH_DECODE_ATTENTION_COMBINE=off``: by a second kernel, one more launch per layer).
 
 The result is written as ``[B, q, Hq, D]``, the layout transformers' attention interface
 returns, so no transpose copy follows. The op ``dflash::decode_attention`` is opaque to
@@ -30,7 +31,7 @@ import torch
 from torch import Tensor
 
 from dflash_ipc.decode import pdl
-from dflash_ipc.decode.matvec import HALF_DTYPES, available, cuda_switch, num_sms, triton
+from dflash_ipc.decode.matvec import HALF_DTYPES, SPLIT_BUFFERS, available, cuda_switch, num_sms, triton
 
 if triton is not None:
     import triton.language as tl
@@ -38,6 +39,7 @@ if triton is not None:
     from dflash_ipc.decode.pdl import wait_for_inputs
 
 ATTENTION_ENV = "DFLASH_DECODE_ATTENTION"
+COMBINE_ENV = "DFLASH_DECODE_ATTENTION_COMBINE"
 MARK = "dflash_decode_attention"
 """Attribute set on an attention module whose masked few-query calls take this kernel."""
 MAX_ROWS = 128
@@ -52,6 +54,12 @@ BLOCK_T = 64
 SHARED_BYTES = 160 * 1024
 """Shared memory the pipelined K/V tiles and the query tile may take (an H100/H200 SM has 228 KiB;
 a margin for the layout conversions Triton adds)."""
+
+
+def combine_in_kernel(device) -> bool:
+    """Whether a split span's last program combines the splits (``$DFLASH_DECODE_ATTENTION_COMBINE``
+    auto, the default) or a second launch does (off)."""
+    return cuda_switch(COMBINE_ENV, device)
 
 
 def enabled(device) -> bool:
@@ -141,16 +149,20 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr,
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr, count_ptr,
                           sq_b, sq_h, sq_q, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sm_b, sm_q, sm_t,
                           so_b, so_q, so_h, T, blocks_per_split, scale,
                           HKV: tl.constexpr, REP: tl.constexpr, NQ: tl.constexpr, D: tl.constexpr,
                           DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT: tl.constexpr,
-                          SKIP_HIDDEN: tl.constexpr, PDL: tl.constexpr = False):
+                          SKIP_HIDDEN: tl.constexpr, COMBINE_LAST: tl.constexpr = False, SPLIT_P2: tl.constexpr = 1,
+                          PDL: tl.constexpr = False):
         """Rows ``r`` = (query head ``h * REP + r // NQ``, query ``r % NQ``) of one (row b, K/V
         head h) against keys of split ``program_id(1)``; the finished output, or (SPLIT) the
-        unnormalised sums and their softmax max and mass for the combine."""
+        unnormalised sums and their softmax max and mass for the combine. COMBINE_LAST: each split
+        counts itself in ``count[pid]`` once its sums are stored, and the split that counts last
+        combines them all and sets the count back to 0 (matvec.py's ``_rows_kernel`` does the
+        same with its K splits): one launch, and no memset before the next one."""
         pid = tl.program_id(0)
         split = tl.program_id(1)
         b = (pid // HKV).to(tl.int64)
@@ -189,40 +201,67 @@ if triton is not None:
             tl.store(part_ptr + (base + rows[:, None]) * BLOCK_DV + dv[None, :], acc)
             tl.store(stat_ptr + (base + rows) * 2, m_i)
             tl.store(stat_ptr + (base + rows) * 2 + 1, l_i)
+            if COMBINE_LAST:
+                # Every thread's store done before the count: a barrier, then a release at GPU scope
+                # (the acquire half orders the last split's loads after the others' stores).
+                tl.debug_barrier()
+                done = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+                if done == n_split - 1:  # the last split of this (row, K/V head): the others' sums are stored
+                    _combine_splits(part_ptr, stat_ptr, out_ptr, pid, n_split, so_b, so_q, so_h, HKV, REP, NQ, DV,
+                                    BLOCK_M, BLOCK_DV, SPLIT_P2, ".cg")
+                    tl.atomic_xchg(count_ptr + pid, 0)
         else:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(out_ptr + b * so_b + qi[:, None] * so_q + head[:, None] * so_h + dv[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
 
     @triton.jit
-    def _combine_kernel(part_ptr, stat_ptr, out_ptr, n_split, so_b, so_q, so_h,
-                        HKV: tl.constexpr, REP: tl.constexpr, NQ: tl.constexpr, DV: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr = False):
-        """The splits' partial softmaxes of one (row, K/V head), rescaled to their common max and summed."""
-        pid = tl.program_id(0)
+    def _combine_splits(part_ptr, stat_ptr, out_ptr, pid, n_split, so_b, so_q, so_h, HKV: tl.constexpr,
+                        REP: tl.constexpr, NQ: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_DV: tl.constexpr, SPLIT_P2: tl.constexpr, CACHE: tl.constexpr):
+        """The ``n_split`` (<= SPLIT_P2) partial softmaxes of (row, K/V head) ``pid``, rescaled to
+        their common max and summed into the output. Latency is the cost here: every split's max
+        and mass come in one load, and the sums' loads four at a time, none waiting on the
+        one before (loads with cache modifier ``CACHE``: ".cg" reads past this SM's L1, where
+        another SM's stores are)."""
         b = (pid // HKV).to(tl.int64)
         h = pid % HKV
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < REP * NQ
         dv = tl.arange(0, BLOCK_DV)
-        wait_for_inputs(PDL)  # pdl.py
-        m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-        for s in range(0, n_split):
-            base = (pid * n_split + s).to(tl.int64) * BLOCK_M
-            m = tl.maximum(m, tl.load(stat_ptr + (base + rows) * 2))
+        splits = tl.arange(0, SPLIT_P2)
+        split_ok = splits < n_split
+        stats = stat_ptr + ((pid * n_split + splits).to(tl.int64)[:, None] * BLOCK_M + rows[None, :]) * 2
+        m_s = tl.load(stats, mask=split_ok[:, None], other=float("-inf"), cache_modifier=CACHE)  # [S, M]
+        l_s = tl.load(stats + 1, mask=split_ok[:, None], other=0.0, cache_modifier=CACHE)
+        m = tl.max(m_s, 0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp(m_s - m_safe[None, :])  # 0 for the splits past n_split
+        l_sum = tl.sum(w * l_s, 0)
         acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
-        l_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for s in range(0, n_split):
-            base = (pid * n_split + s).to(tl.int64) * BLOCK_M
-            w = tl.exp(tl.load(stat_ptr + (base + rows) * 2) - m_safe)
-            l_sum += w * tl.load(stat_ptr + (base + rows) * 2 + 1)
-            acc += w[:, None] * tl.load(part_ptr + (base + rows[:, None]) * BLOCK_DV + dv[None, :])
+        tile = rows[:, None] * BLOCK_DV + dv[None, :]
+        for s0 in range(0, n_split, 4):
+            for j in tl.static_range(4):
+                s = s0 + j
+                w_s = tl.sum(tl.where(splits[:, None] == s, w, 0.0), 0)  # [M]: row s of w
+                part = tl.load(part_ptr + (pid * n_split + s).to(tl.int64) * (BLOCK_M * BLOCK_DV) + tile,
+                               mask=(tile >= 0) & (s < n_split), other=0.0, cache_modifier=CACHE)
+                acc += w_s[:, None] * part
         out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
         head = h * REP + rows // NQ
         qi = rows % NQ
         tl.store(out_ptr + b * so_b + qi[:, None] * so_q + head[:, None] * so_h + dv[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+
+    @triton.jit
+    def _combine_kernel(part_ptr, stat_ptr, out_ptr, n_split, so_b, so_q, so_h,
+                        HKV: tl.constexpr, REP: tl.constexpr, NQ: tl.constexpr, DV: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT_P2: tl.constexpr,
+                        PDL: tl.constexpr = False):
+        """:func:`_combine_splits` in a launch of its own, a program per (row, K/V head)."""
+        wait_for_inputs(PDL)  # pdl.py
+        _combine_splits(part_ptr, stat_ptr, out_ptr, tl.program_id(0), n_split, so_b, so_q, so_h, HKV, REP, NQ, DV,
+                        BLOCK_M, BLOCK_DV, SPLIT_P2, "")
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -230,11 +269,13 @@ def _pow2(n: int, least: int = 16) -> int:
 
 
 def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None, *,
-                            splits: int | None = None, block_t: int = BLOCK_T) -> Tensor:
+                            splits: int | None = None, block_t: int = BLOCK_T, combine_last: bool | None = None) -> Tensor:
     """q ``[B, Hq, q, D]``, k ``[B, Hkv, T, D]``, v ``[B, Hkv, T, Dv]`` (any strides, the last
     dimension contiguous), mask ``[B, 1, q, >=T]`` bool -> ``[B, q, Hq, Dv]``: query head h uses
     K/V head ``h // rep`` (``gqa_attention``'s order); a query that sees no key gets zeros.
-    ``splits``: programs per (row, K/V head) along the keys (None: :func:`split_plan`'s)."""
+    ``splits``: programs per (row, K/V head) along the keys (None: :func:`split_plan`'s);
+    ``combine_last``: split spans combined by their last program, not a second launch (None:
+    :func:`combine_in_kernel`)."""
     if not fits(q, k, v, mask):
         raise ValueError(f"decode_attention: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, "
                          f"v {tuple(v.shape)} {v.dtype}, mask {tuple(mask.shape)} {mask.dtype} (see fits)")
@@ -254,23 +295,26 @@ def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale
     splits, blocks = split_plan(programs, span, sms, block_t, splits)
     out = torch.empty(bsz, nq, hq, dim_v, dtype=q.dtype, device=q.device)
     seen = mask.view(torch.uint8)
+    combine_last = splits > 1 and (combine_in_kernel(q.device) if combine_last is None else combine_last)
     if splits > 1:
         part = torch.empty(programs * splits * block_m * block_dv, dtype=torch.float32, device=q.device)
         stat = torch.empty(programs * splits * block_m * 2, dtype=torch.float32, device=q.device)
     else:
         part = stat = out  # pointers the kernel does not touch without SPLIT
+    count = SPLIT_BUFFERS.get(q.device, 0, programs)[1] if combine_last else out  # untouched without
     _attention_kernel[(programs, splits)](
-        q, k, v, seen, out, part, stat, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        q, k, v, seen, out, part, stat, count, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), seen.stride(0), seen.stride(2), seen.stride(3),
         out.stride(0), out.stride(1), out.stride(2), span, blocks,
         float(scale if scale is not None else dim ** -0.5),
         HKV=hkv, REP=rep, NQ=nq, D=dim, DV=dim_v, BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_D=block_d,
-        BLOCK_DV=block_dv, SPLIT=splits > 1, SKIP_HIDDEN=skip, num_warps=warps, num_stages=stages,
-        **pdl.launch_args(q.device))
-    if splits > 1:
+        BLOCK_DV=block_dv, SPLIT=splits > 1, SKIP_HIDDEN=skip, COMBINE_LAST=combine_last,
+        SPLIT_P2=_pow2(splits, least=2), num_warps=warps,
+        num_stages=stages, **pdl.launch_args(q.device))
+    if splits > 1 and not combine_last:
         _combine_kernel[(programs,)](part, stat, out, splits, out.stride(0), out.stride(1), out.stride(2),
                                      HKV=hkv, REP=rep, NQ=nq, DV=dim_v, BLOCK_M=block_m, BLOCK_DV=block_dv,
-                                     num_warps=4, **pdl.launch_args(q.device))
+                                     SPLIT_P2=_pow2(splits, least=2), num_warps=4, **pdl.launch_args(q.device))
     return out
 
 
