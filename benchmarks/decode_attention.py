@@ -11,8 +11,9 @@ Each path runs over as many distinct caches as fill 256 MiB (so the 50-MB L2 hol
 between calls), captured as one CUDA graph and replayed; microseconds per call, the K/V bytes the
 rows' own lengths hold over that time, and the largest difference from an fp32 reference.
 ``sdpa`` is ragged_attention.py's ``gqa_attention`` with the transpose copy that
-``hf_attention`` adds; ``kernel`` is the op with its default splits (combined by the last split), ``kernel+combine
-launch`` the same with a combine launch of its own, ``kernel/S`` with S splits (``--splits``,
+``hf_attention`` adds; ``kernel`` is the op with its default splits and combine (decode_attention.py
+``combine_in_kernel``), ``kernel+last combines`` the same with the splits combined by the last
+one, ``kernel+combine launch`` by a launch of its own, ``kernel/S`` with S splits (``--splits``,
 default 1: none).
 """
 
@@ -52,11 +53,12 @@ def paths(splits: list[int]):
     def sdpa(q, k, v, mask):
         return gqa_attention(q, k, v, mask).transpose(1, 2).contiguous()
 
-    def kernel(n, combine_last=True):
+    def kernel(n, combine_last=None):
         return lambda q, k, v, mask: decode_attention.triton_decode_attention(q, k, v, mask, splits=n,
                                                                               combine_last=combine_last)
 
-    return ({"sdpa": sdpa, "kernel": kernel(None), "kernel+combine launch": kernel(None, False)}
+    return ({"sdpa": sdpa, "kernel": kernel(None), "kernel+last combines": kernel(None, True),
+             "kernel+combine launch": kernel(None, False)}
             | {f"kernel/{n}": kernel(n) for n in splits})
 
 

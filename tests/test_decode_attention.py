@@ -96,7 +96,17 @@ def test_a_mask_of_another_shape_is_refused_by_the_kernel_entry():
 
 def test_the_setting(monkeypatch):
     check_switch_setting(monkeypatch, ATTENTION_ENV, decode_attention.enabled)
-    check_switch_setting(monkeypatch, decode_attention.COMBINE_ENV, decode_attention.combine_in_kernel)
+    combine_block = lambda device: decode_attention.combine_in_kernel(device, queries=16)  # noqa: E731
+    check_switch_setting(monkeypatch, decode_attention.COMBINE_ENV, combine_block)
+
+
+def test_a_block_of_queries_is_combined_by_its_last_split_and_one_query_by_a_launch(monkeypatch):
+    monkeypatch.delenv(decode_attention.COMBINE_ENV, raising=False)
+    assert decode_attention.combine_in_kernel("cuda:0", queries=16)  # a verify pass, a drafted block
+    assert decode_attention.combine_in_kernel("cuda:0", queries=2)
+    assert not decode_attention.combine_in_kernel("cuda:0", queries=1)  # a decode step
+    monkeypatch.setenv(decode_attention.COMBINE_ENV, "off")
+    assert not decode_attention.combine_in_kernel("cuda:0", queries=16)
 
 
 def _case(b, hq, hkv, nq, d, span, seed, dtype=torch.bfloat16, dev="cuda:0"):

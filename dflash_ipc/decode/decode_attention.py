@@ -13,8 +13,10 @@ an online softmax in fp32. Where the rows alone fill the GPU (a batch of replies
 lengths), a block that the mask hides from every query of the program is not read, so a row
 reads its own keys and no further. Where programs are few (batch 1), a row's span is split
 across programs of a few blocks each (flash-decoding: each block is a round trip to memory)
-and the partial softmaxes are combined by the split that finishes last (a count per row and
-head; ``$DFLASH_DECODE_ATTENTION_COMBINE=off``: by a second kernel, one more launch per layer).
+and the partial softmaxes are combined by a second kernel (one query) or, for a block of
+queries, by the split that finishes last (a count per row and head: no second launch;
+``$DFLASH_DECODE_ATTENTION_COMBINE=off``: by the second kernel there too; see
+:func:`combine_in_kernel`).
 
 The result is written as ``[B, q, Hq, D]``, the layout transformers' attention interface
 returns, so no transpose copy follows. The op ``dflash::decode_attention`` is opaque to
@@ -56,10 +58,15 @@ SHARED_BYTES = 160 * 1024
 a margin for the layout conversions Triton adds)."""
 
 
-def combine_in_kernel(device) -> bool:
-    """Whether a split span's last program combines the splits (``$DFLASH_DECODE_ATTENTION_COMBINE``
-    auto, the default) or a second launch does (off)."""
-    return cuda_switch(COMBINE_ENV, device)
+def combine_in_kernel(device, queries: int) -> bool:
+    """Whether the split span of a call with ``queries`` queries per row is combined by its last
+    split (``$DFLASH_DECODE_ATTENTION_COMBINE`` auto, the default: for a block of queries, a
+    verify pass or a drafted block) or by a second launch (one query, a decode step; or every
+    call with ``off``). On one H200 at the Qwen3-1.7B shape the last split's combine kept a
+    speculative cycle's time or took 1.7 % off it, and added 0.07-0.08 ms to a decode step of
+    28 layers, where the second launch starts early under PDL (docs/benchmarks.md, "Split spans
+    combined")."""
+    return queries > 1 and cuda_switch(COMBINE_ENV, device)
 
 
 def enabled(device) -> bool:
@@ -295,7 +302,7 @@ def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale
     splits, blocks = split_plan(programs, span, sms, block_t, splits)
     out = torch.empty(bsz, nq, hq, dim_v, dtype=q.dtype, device=q.device)
     seen = mask.view(torch.uint8)
-    combine_last = splits > 1 and (combine_in_kernel(q.device) if combine_last is None else combine_last)
+    combine_last = splits > 1 and (combine_in_kernel(q.device, nq) if combine_last is None else combine_last)
     if splits > 1:
         part = torch.empty(programs * splits * block_m * block_dv, dtype=torch.float32, device=q.device)
         stat = torch.empty(programs * splits * block_m * 2, dtype=torch.float32, device=q.device)
