@@ -316,8 +316,8 @@ def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale
         float(scale if scale is not None else dim ** -0.5),
         HKV=hkv, REP=rep, NQ=nq, D=dim, DV=dim_v, BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_D=block_d,
         BLOCK_DV=block_dv, SPLIT=splits > 1, SKIP_HIDDEN=skip, COMBINE_LAST=combine_last,
-        SPLIT_P2=_pow2(splits, least=2), num_warps=warps,
-        num_stages=stages, **pdl.launch_args(q.device))
+        SPLIT_P2=_pow2(splits, least=2) if combine_last else 1,  # unused without: no variant per split count
+        num_warps=warps, num_stages=stages, **pdl.launch_args(q.device))
     if splits > 1 and not combine_last:
         _combine_kernel[(programs,)](part, stat, out, splits, out.stride(0), out.stride(1), out.stride(2),
                                      HKV=hkv, REP=rep, NQ=nq, DV=dim_v, BLOCK_M=block_m, BLOCK_DV=block_dv,
