@@ -140,9 +140,10 @@ def test_the_kernel_matches_attention_in_fp32(b, hq, hkv, nq, d, span, splits):
     got = decode_attention.triton_decode_attention(q, k, v, mask, splits=splits)
     assert got.shape == (b, nq, hq, d) and got.dtype == torch.bfloat16
     assert torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2), float((got.float() - want).abs().max())
-    # The splits combined by a launch of their own: the same sums, in the same order
+    # The splits combined by their last split and by a launch of their own: the same sums, in the same order
+    last = decode_attention.triton_decode_attention(q, k, v, mask, splits=splits, combine_last=True)
     launched = decode_attention.triton_decode_attention(q, k, v, mask, splits=splits, combine_last=False)
-    assert torch.equal(launched, got)
+    assert torch.equal(last, got) and torch.equal(launched, got)
     scale = 0.3
     want = gqa_attention(q.float(), k.float(), v.float(), mask, scale).transpose(1, 2)
     got = torch.ops.dflash.decode_attention(q, k, v, mask, scale)
@@ -246,7 +247,7 @@ from dflash_ipc.decode.ragged_attention import band_mask, gqa_attention
 
 g = torch.Generator().manual_seed(0)
 for b, hq, hkv, nq, d, span, splits in ((1, 16, 8, 1, 128, 384, 3), (2, 8, 4, 16, 64, 300, 4), (1, 4, 2, 2, 64, 129, 2),
-                                        (1, 4, 1, 1, 64, 600, 9)):  # 9 splits: the sums' loads in 3 rounds of 4
+                                        (1, 4, 1, 1, 64, 576, 9)):  # 9 blocks in 9 splits: the sums in 3 rounds of 4
     # fp16: the interpreter runs on numpy, which has no bf16
     q = torch.randn(b, nq, hq, d, generator=g).half().transpose(1, 2)
     k, v = (torch.randn(b, span, hkv, d, generator=g).half().transpose(1, 2) for _ in range(2))

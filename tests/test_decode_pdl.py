@@ -112,7 +112,8 @@ def test_the_log_names_the_error_that_broke_the_capture(monkeypatch, caplog):
 class _Chain:
     """Every decode kernel, back to back, each on what the one before wrote: the few-row product with K
     split 8 ways, the norm launch and the GLU product after it, the one-row product with its add and
-    norm prologue, q/k rotary and the cache write, the attention and its combine, a K/V write. Their
+    norm prologue, q/k rotary and the cache write, the attention with its splits combined by the last
+    one (a block of queries) and again with a combine launch, a K/V write. Their
     constant inputs (weights, tables, masks, indices) are made beforehand, so no torch kernel runs
     between two of them and each may start while the one before still runs."""
 
@@ -146,8 +147,11 @@ class _Chain:
                                              values, self.rows, self.pos, 4, 2)  # q|k|v: 4 + 2 + 2 heads of 128
         attended = triton_decode_attention(query, keys[:1].transpose(1, 2), values[:1].transpose(1, 2), self.mask,
                                            splits=4)  # [1, q, 4, 128]
+        launched = triton_decode_attention(query, keys[:1].transpose(1, 2), values[:1].transpose(1, 2), self.mask,
+                                           splits=4, combine_last=False)
         kv_write.write(keys, values, self.next_rows, self.pos, attended[:, :, :2], attended[:, :, 2:])
-        return torch.cat([attended.flatten(), keys[1, :self.q].flatten(), values[1, :self.q].flatten(),
+        return torch.cat([attended.flatten(), launched.flatten(), keys[1, :self.q].flatten(),
+                          values[1, :self.q].flatten(),
                           one.flatten(), self.h_one.flatten(), x.flatten(), torch.cat(self.h).flatten()])
 
     def reset(self):
@@ -220,9 +224,9 @@ def test_every_decode_kernel_waits_before_its_first_memory_access_under_pdl():
         (matvec._rows_norm_kernel, dict(ADD=True, BLOCK_K=2048), {}, 4),
         (decode_attention._attention_kernel, dict(HKV=8, REP=2, NQ=16, D=128, DV=128, BLOCK_M=32, BLOCK_T=64,
                                                   BLOCK_D=128, BLOCK_DV=128, SPLIT=True, SKIP_HIDDEN=False,
-                                                  COMBINE_LAST=False, SPLIT_P2=4),
+                                                  COMBINE_LAST=False, SPLIT_P2=1),
          {"mask_ptr": "*u8", "part_ptr": "*fp32", "stat_ptr": "*fp32"}, 4),
-        (decode_attention._attention_kernel, dict(HKV=8, REP=2, NQ=1, D=128, DV=128, BLOCK_M=16, BLOCK_T=64,
+        (decode_attention._attention_kernel, dict(HKV=8, REP=2, NQ=16, D=128, DV=128, BLOCK_M=32, BLOCK_T=64,
                                                   BLOCK_D=128, BLOCK_DV=128, SPLIT=True, SKIP_HIDDEN=False,
                                                   COMBINE_LAST=True, SPLIT_P2=16),
          {"mask_ptr": "*u8", "part_ptr": "*fp32", "stat_ptr": "*fp32", "count_ptr": "*i32"}, 4),

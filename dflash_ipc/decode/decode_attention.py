@@ -64,8 +64,7 @@ def combine_in_kernel(device, queries: int) -> bool:
     verify pass or a drafted block) or by a second launch (one query, a decode step; or every
     call with ``off``). On one H200 at the Qwen3-1.7B shape the last split's combine kept a
     speculative cycle's time or took 1.7 % off it, and added 0.07-0.08 ms to a decode step of
-    28 layers, where the second launch starts early under PDL (docs/benchmarks.md, "Split spans
-    combined")."""
+    28 layers (docs/benchmarks.md, "Split spans combined")."""
     return queries > 1 and cuda_switch(COMBINE_ENV, device)
 
 
@@ -228,9 +227,10 @@ if triton is not None:
                         BLOCK_DV: tl.constexpr, SPLIT_P2: tl.constexpr, CACHE: tl.constexpr):
         """The ``n_split`` (<= SPLIT_P2) partial softmaxes of (row, K/V head) ``pid``, rescaled to
         their common max and summed into the output. Latency is the cost here: every split's max
-        and mass come in one load, and the sums' loads four at a time, none waiting on the
-        one before (loads with cache modifier ``CACHE``: ".cg" reads past this SM's L1, where
-        another SM's stores are)."""
+        and mass come in one load, and the sums' loads four at a time, issued together (loads
+        with cache modifier ``CACHE``: ".cg" reads past this SM's L1, where another SM's stores
+        are). Measured up to 16 splits; more (few K/V heads at batch 1 over long spans) hold
+        ``[SPLIT_P2, BLOCK_M]`` tiles and take a masked reduction per split."""
         b = (pid // HKV).to(tl.int64)
         h = pid % HKV
         rows = tl.arange(0, BLOCK_M)
@@ -276,7 +276,8 @@ def _pow2(n: int, least: int = 16) -> int:
 
 
 def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None, *,
-                            splits: int | None = None, block_t: int = BLOCK_T, combine_last: bool | None = None) -> Tensor:
+                            splits: int | None = None, block_t: int = BLOCK_T,
+                            combine_last: bool | None = None) -> Tensor:
     """q ``[B, Hq, q, D]``, k ``[B, Hkv, T, D]``, v ``[B, Hkv, T, Dv]`` (any strides, the last
     dimension contiguous), mask ``[B, 1, q, >=T]`` bool -> ``[B, q, Hq, Dv]``: query head h uses
     K/V head ``h // rep`` (``gqa_attention``'s order); a query that sees no key gets zeros.

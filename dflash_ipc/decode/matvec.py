@@ -373,7 +373,8 @@ class SplitBuffers:
     (split only below ROWS_SPLIT_BELOW blocks), so only other configs (a sweep's) grow them.
     Counts made during a CUDA graph capture are zeroed only when that graph replays, so every
     later call zeroes them again before its launch (recorded into its own graph if captured)
-    until one runs outside a capture."""
+    until one runs outside a capture. decode_attention.py's kernel takes its counts from here
+    too (a count per row and K/V head, reset by the split that combines), on the same stream."""
 
     def __init__(self) -> None:
         self._by_device: dict[torch.device, tuple[Tensor, Tensor]] = {}
