@@ -7,8 +7,8 @@ heads of 1, 2, 4 and 8 queries per K/V head, one query and a verify block, one p
 a span split over several, hidden blocks skipped where the rows fill the GPU, head dims of
 64-256, non-contiguous cache views; fp16, a value head dim of its own, a mask wider than the
 keys, a query that sees no key; a split span combined by its last split and by a launch of its
-own (also in Triton's interpreter, on CPU); the op's schema; the drafter context's block attention both
-ways; a bf16 target's decode with the kernel against the same target without it, compiled
+own (also in Triton's interpreter, on CPU); the op's schema; the drafter context's block
+attention both ways; a bf16 target's decode with the kernel against the same target without it, compiled
 and captured (eval/lossless.py's near-tie rule: the kernel sums in another order than cuDNN);
 and bf16 speculative decoding with every decode kernel against plain decoding."""
 
