@@ -5,11 +5,10 @@ processes, each importing torch and Triton), shuts them down 60 s after a compil
 starts them again at the next compile. While they start they take every core, and a training
 process's host work, the small CPU tensor ops that build each step's batch and the copy into
 pinned memory, runs on intra-op threads that then wait for cores: in a fresh process on one
-H200 (16 cores) the 135M-class drafter step under ``drafter.compile: reduce-overhead`` took
-~100-125 ms, against 18.6 ms pipelined after another variant had compiled in the same process
-(``copy_`` 63 ms and ``build_training_batch`` 24.5 ms of host time per step;
-docs/benchmarks.md, "The CE chunk in one kernel"; benchmarks/compile_pool.py shows the effect
-on CPU ops). The pool buys a drafter little: inductor compiles in the main process until the
+H200 (16 cores) the 135M-class drafter step under ``drafter.compile: reduce-overhead`` takes
+111.7 ms pipelined with the pool (``copy_`` 63 ms of host time per step) and 18.3-18.9 ms
+compiled in the process (docs/benchmarks.md, "The CE chunk in one kernel";
+benchmarks/compile_pool.py shows the effect on CPU ops). The pool buys a drafter little: inductor compiles in the main process until the
 pool answers, so a first compile gains from it only once its workers are up, and later
 compiles are rare.
 
