@@ -159,21 +159,22 @@ def test_the_compiled_decode_runs_the_fused_step_for_few_rows_and_gives_the_eage
     fused = BatchedTarget(four_layer_target, device="cpu", dtype="float32", compile_scope="layer")
     assert fuse_projections(fused.model) == 8
     want = run(plain, "off", 2)
-    calls = {"fused": 0, "own": 0}
+    calls = {"fused": 0, "own": 0, "prefill": 0}
     assert run(fused, "on", 2) == want  # builds the compiled layers
     layers = fused._compiled_extend
     assert layers.num_fused == 4 and not layers.failed and not layers.fused_step.failed
-    for name, step in (("fused", layers.fused_step), ("own", layers.step)):
+    for name, step in (("fused", layers.fused_step), ("own", layers.step), ("prefill", layers.prefill_step)):
         def counting(*args, _step=step.compiled, _name=name):
             calls[_name] += 1
             return _step(*args)
         step.compiled = counting
     torch._dynamo.utils.counters.clear()
     assert run(fused, "on", 2) == want
-    assert calls["fused"] > 0 and calls["own"] == 0  # every step of 1 or 2 rows fused
+    # every step of 1 or 2 rows fused; prefills (any rows) the layer's own forward, compiled
+    assert calls["fused"] > 0 and calls["own"] == 0 and calls["prefill"] > 0
     assert run(fused, "on", 3) == want
     assert calls["own"] > 0  # 3 rows: more than the fused step takes
-    assert counter.frame_count <= 4  # fused and own, a rows bucket and one row each, for all 4 layers
+    assert counter.frame_count <= 6  # fused and own steps, prefills: a rows bucket and one row each, all 4 layers
     assert not torch._dynamo.utils.counters["graph_break"]
     torch._dynamo.reset()
 

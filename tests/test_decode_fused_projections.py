@@ -88,6 +88,6 @@ def test_compiled_fused_layers_give_the_eager_tokens_once_compiled(four_layer_ta
     want = run(plain, "off")
     assert run(fused, "off") == want
     assert run(fused, "on") == want and not fused._compiled_extend.failed
-    assert counter.frame_count == 2  # a rows bucket of 2 and one of 1 row, for all 4 layers
+    assert counter.frame_count == 4  # steps and prefills, each a rows bucket of 2 and one of 1 row, for all 4 layers
     assert not torch._dynamo.utils.counters["graph_break"]
     torch._dynamo.reset()

@@ -11,9 +11,11 @@ weight's read bandwidth and fused with the norm that feeds it.
 The decoders run this under ``compile`` "on", or "auto" (their default) where the step is a CUDA
 graph: on a GPU. Measured on an H200 (docs/benchmarks.md, "Batched regenerate"), layer scope
 compiles in ~10 s and makes the Qwen3-1.7B-shaped step 1.66x faster at batch 1, 1.2x at 256 rows.
-Only :meth:`BatchedTarget.extend` is compiled (the step of the decoding core and the verify
-pass of speculative decoding both go through it); the prefill stays eager (its shapes change
-with every refill). What is compiled is the scope (SCOPES; the target's ``compile_scope``,
+:meth:`BatchedTarget.extend` is compiled (the step of the decoding core and the verify pass of
+speculative decoding both go through it), and under the layer scope the prefill runs the same
+compiled layer (its K/V written as plan_fresh's; one graph for every prompt width, one more for
+a single row): eagerly, a deep target's prefill is bound by the host's dispatch of every op of
+every layer. What is compiled is the scope (SCOPES; the target's ``compile_scope``,
 else ``$DFLASH_DECODE_COMPILE_SCOPE``, else layer):
 
     layer    one decoder layer's forward (:func:`layer_step`), which every layer runs: the
@@ -29,7 +31,7 @@ else ``$DFLASH_DECODE_COMPILE_SCOPE``, else layer):
     forward  extend's whole body (positions, masks, the cache write plan, the model forward
              with every layer unrolled, the captured layers): one graph, fused across layers,
              compiled in time that grows with the depth (measured on an H200, Qwen3-1.7B shape,
-             28 layers: 275 s for batch 1).
+             28 layers: 275 s for batch 1). The prefill stays eager under it.
 
 Shapes are dynamic (``dynamic=True``, no duck sizing), so one compile serves every rows
 bucket, key span and cache size; torch specialises sizes of 1, so batch 1 (and the one-token
@@ -121,8 +123,8 @@ class CompiledForward:
         except Exception as e:  # noqa: BLE001 - any compiler failure: the eager forward is the same math
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise  # the capture is broken either way; StepGraphs turns graphs off and we retry then
-            log.warning("decode: torch.compile of the target's decode forward failed (%s: %s); running it eagerly",
-                        type(e).__name__, str(e)[:300])
+            log.warning("decode: torch.compile of the target's decode forward (%s) failed (%s: %s); running it "
+                        "eagerly", getattr(self.fn, "__name__", "extend"), type(e).__name__, str(e)[:300])
             self.failed = True
             return self.fn(*args)
 
@@ -137,6 +139,7 @@ class CompiledLayers:
         self.extend = extend
         self.step = CompiledForward(layer_step, device)
         self.fused_step = CompiledForward(fused_layer_step, device)
+        self.prefill_step = CompiledForward(prefill_layer_step, device)
         self.active = False
         fuse = fused_layer.enabled(device)
         self.num_fused = 0
@@ -148,12 +151,16 @@ class CompiledLayers:
     @property
     def failed(self) -> bool:
         """Whether a compile failed (that function then runs eagerly, or the layer's own step)."""
-        return self.step.failed or self.fused_step.failed
+        return self.step.failed or self.fused_step.failed or self.prefill_step.failed
 
     def __call__(self, *args):
+        return self.run(self.extend, *args)
+
+    def run(self, forward: Callable, *args):
+        """``forward(*args)`` with the layers compiled: extend, or a prefill (target.py)."""
         self.active = True
         try:
-            return self.extend(*args)
+            return forward(*args)
         finally:
             self.active = False
 
@@ -188,11 +195,12 @@ class LayerForward:
     def __call__(self, *args, **kwargs):
         layer = self.layer
         found = [(k, v) for k, v in kwargs.items() if isinstance(v, RaggedCache)] if self.owner.active else []
-        step = self._step(args, kwargs) if found else self.owner.step
+        fresh = bool(found) and found[0][1]._plan is not None and found[0][1]._plan[0] == "fresh"
+        step = self.owner.prefill_step if fresh else self._step(args, kwargs) if found else self.owner.step
         if not found or step.failed or found[0][1].kv.keys[self.index] is None:
             return type(layer).forward(layer, *args, **kwargs)  # not ours, compiling failed, or storage not allocated yet
         name, cache = found[0]
-        _, rows, pos, length = cache._plan  # plan_extend's: a compiled extend plans nothing else
+        _, rows, pos, length = cache._plan  # plan_extend's, or plan_fresh's (length 0: a prefill)
         kv = cache.kv
         others = {k: v for k, v in kwargs.items() if k != name}
         try:
@@ -214,6 +222,13 @@ def layer_step(layer, keys: Tensor, values: Tensor, rows: Tensor, pos: Tensor, l
     return type(layer).forward(layer, *args, **{cache_kw: LayerKV(keys, values, rows, pos, length)}, **kwargs)
 
 
+def prefill_layer_step(layer, keys: Tensor, values: Tensor, rows: Tensor, pos: Tensor, length: int, cache_kw: str,
+                       args: tuple, kwargs: dict):
+    """:func:`layer_step` for a prefill (``length`` 0, LayerKV): a function of its own, so that its
+    graphs, dynamo's recompile limit and a failed compile are apart from the steps'."""
+    return type(layer).forward(layer, *args, **{cache_kw: LayerKV(keys, values, rows, pos, length)}, **kwargs)
+
+
 def fused_layer_step(layer, keys: Tensor, values: Tensor, rows: Tensor, pos: Tensor, length: int, cache_kw: str,
                      args: tuple, kwargs: dict):
     """:func:`layer_step` through decode/fused_layer.py's ``fused_forward`` (the hidden states are
@@ -225,7 +240,10 @@ class LayerKV:
     """One layer of a RaggedCache under ``plan_extend``, as HF attention calls it
     (``update(k, v, layer_idx)``): ``index_put_`` as RowStorage.write does outside CUDA (in the
     compiled step the compiler fuses it into its own kernels) then .view on this layer's storage
-    ``[rows, capacity + 1, heads, D]``; the index is not read."""
+    ``[rows, capacity + 1, heads, D]``; the index is not read. ``length`` 0 is ``plan_fresh``'s
+    (a prefill: ``rows`` are the new rows, attention sees the forward's own K/V): the same
+    writes, and ``update`` returns the states it was given, as RaggedCache.update does. torch
+    specialises a 0, so a prefill gets graphs of its own."""
 
     def __init__(self, keys: Tensor, values: Tensor, rows: Tensor, pos: Tensor, length: int) -> None:
         self.keys, self.values, self.rows, self.pos, self.length = keys, values, rows, pos, length
@@ -235,6 +253,8 @@ class LayerKV:
         index = (self.rows[:, None], self.pos)
         self.keys.index_put_(index, key_states.transpose(1, 2))
         self.values.index_put_(index, value_states.transpose(1, 2))
+        if self.length == 0:
+            return key_states, value_states
         return self.view()
 
     def view(self) -> tuple[Tensor, Tensor]:

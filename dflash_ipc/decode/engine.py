@@ -366,7 +366,8 @@ class DecodeEngine:
         first: dict[bytes, int] = {}  # prompt ids -> the index of its first request here
         source = [first.setdefault(r.prompt_ids.tobytes(), i) for i, r in enumerate(requests)]
         unique = sorted(first.values())
-        out = self.target.prefill([rows[i] for i in unique], [requests[i].prompt_ids for i in unique], features=False)
+        out = self.target.prefill([rows[i] for i in unique], [requests[i].prompt_ids for i in unique], features=False,
+                                  compiled=self.use_compile)
         logits = out.logits  # [U, V]
         if len(unique) < len(requests):  # the other rows of a shared prompt: its K/V and its logits
             dups = [i for i, s in enumerate(source) if s != i]

@@ -18,6 +18,7 @@ derives nothing from the cache.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ from dflash_ipc.config.dtypes import resolve_dtype
 from dflash_ipc.errors import ConfigError
 from dflash_ipc.decode.compiled import compile_scope as _compile_scope, compiled_extend
 from dflash_ipc.decode import aranges, decode_attention, fused_layer, fused_projections, matvec
+from dflash_ipc.decode.prefill_sdpa import prefill_backends
 from dflash_ipc.decode.ragged_attention import layer_masks, register_attention
 from dflash_ipc.decode.row_cache import MASK_ALIGN, RaggedCache, round_up
 from dflash_ipc.hf.text_stack import find_text_stack, has_recurrent_layers, load_causal_lm, text_config
@@ -201,8 +203,12 @@ class BatchedTarget(TargetModel):
         return logits, self.capture.take(features)
 
     @torch.inference_mode()
-    def prefill(self, rows: Sequence[int], prompts: Sequence[np.ndarray], *, features: bool = True) -> Prefilled:
-        """Start ``prompts`` (token ids) in cache ``rows``; see the module docstring."""
+    def prefill(self, rows: Sequence[int], prompts: Sequence[np.ndarray], *, features: bool = True,
+                compiled: bool = False) -> Prefilled:
+        """Start ``prompts`` (token ids) in cache ``rows``; see the module docstring. ``compiled``:
+        under the layer scope, each decoder layer through its compiled forward (decode/compiled.py;
+        eagerly, every op of every layer is dispatched from Python, and a prefill's time is that
+        host's); under the forward scope, eagerly."""
         dev, lengths = self.device, torch.tensor([len(p) for p in prompts], device=self.device)
         width = int(max(len(p) for p in prompts))
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -217,7 +223,11 @@ class BatchedTarget(TargetModel):
         masks = layer_masks(self.layer_types, self.sliding_window, lo, j + 1, width)
         self.cache.plan_fresh(torch.as_tensor(list(rows), device=dev), write_pos)
         self.num_forwards += 1
-        logits, feats = self._forward(ids.to(dev), positions, masks, keep=1, features=features)
+        forward = self._forward
+        if compiled and self.compile_scope == "layer":
+            forward = functools.partial(self._compiled().run, self._forward)
+        with prefill_backends(dev):  # no per-shape cuDNN plan for each new prompt width (prefill_sdpa.py)
+            logits, feats = forward(ids.to(dev), positions, masks, 1, features)
         return Prefilled(logits=logits[:, -1], features=feats, write_pos=write_pos, positions=positions)
 
     @torch.inference_mode()
@@ -233,11 +243,15 @@ class BatchedTarget(TargetModel):
                               f"{self.capacity}")
         self.num_forwards += 1
         if compiled:
-            if self._compiled_extend is None:
-                layers = find_text_stack(self.model).layers
-                self._compiled_extend = compiled_extend(self._extend, layers, self.compile_scope, self.device)
-            return self._compiled_extend(tokens, lengths, span, features)
+            return self._compiled()(tokens, lengths, span, features)
         return self._extend(tokens, lengths, span, features)
+
+    def _compiled(self):
+        """The compiled extend (decode/compiled.py), built at its first use."""
+        if self._compiled_extend is None:
+            layers = find_text_stack(self.model).layers
+            self._compiled_extend = compiled_extend(self._extend, layers, self.compile_scope, self.device)
+        return self._compiled_extend
 
     def _extend(self, tokens: Tensor, lengths: Tensor, span: int, features: bool) -> tuple[Tensor, Tensor | None]:
         positions = lengths[:, None] + aranges.arange(tokens.shape[1], self.device)  # [B, q]

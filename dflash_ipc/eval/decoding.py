@@ -93,6 +93,8 @@ class BatchedDecoder:
     """Cache positions past prompt + budget that a step may write."""
     uses_features = False
     """Whether forwards return the captured layers (the drafter's context)."""
+    use_compile = False
+    """Whether forwards, prefills among them, run the target's compiled layers (decode/compiled.py)."""
 
     def __init__(self, target: BatchedTarget, *, batch_size: int, sampling: Sampling = Sampling(),
                  prefill_tokens: int = PREFILL_TOKENS, progress=None) -> None:
@@ -180,7 +182,8 @@ class BatchedDecoder:
 
     def _prefill(self, rows: list[int], requests: list[Request]) -> None:
         self._grow(max(self._need(r) for r in requests))
-        out = self.target.prefill(rows, [r.prompt_ids for r in requests], features=self.uses_features)
+        out = self.target.prefill(rows, [r.prompt_ids for r in requests], features=self.uses_features,
+                                  compiled=self.use_compile)
         self._prefilled(torch.as_tensor(rows, device=self.device), out)
         tokens, margins, tops = self._host(*self._choose(out.logits))
         for i, (row, request) in enumerate(zip(rows, requests)):
