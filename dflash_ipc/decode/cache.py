@@ -10,8 +10,9 @@ addresses of that prefix, so nothing here may ever reallocate: ``compact`` moves
 to the front in place instead of ``index_select`` into new tensors, and there is no
 ``grow`` (the engine builds a bigger cache between runs, and drops its graphs with the old one).
 
-Storage is allocated per layer on the first write (a prefill, always eager), with the K/V
-dtype and head shape the model produces, and zeroed: masked keys are always finite.
+Storage is allocated per layer on the first write (a cache's first prefill, which runs eagerly
+even where later ones run the compiled layers), with the K/V dtype and head shape the model
+produces, and zeroed: masked keys are always finite.
 """
 
 from __future__ import annotations

@@ -12,16 +12,18 @@ The decoders run this under ``compile`` "on", or "auto" (their default) where th
 graph: on a GPU. Measured on an H200 (docs/benchmarks.md, "Batched regenerate"), layer scope
 compiles in ~10 s and makes the Qwen3-1.7B-shaped step 1.66x faster at batch 1, 1.2x at 256 rows.
 :meth:`BatchedTarget.extend` is compiled (the step of the decoding core and the verify pass of
-speculative decoding both go through it), and under the layer scope the prefill runs the same
-compiled layer (its K/V written as plan_fresh's; one graph for every prompt width, one more for
-a single row): eagerly, a deep target's prefill is bound by the host's dispatch of every op of
-every layer. What is compiled is the scope (SCOPES; the target's ``compile_scope``,
+speculative decoding both go through it), and under the layer scope a prefill runs the same
+layer through :func:`prefill_layer_step` (its K/V written as plan_fresh's; graphs of its own:
+one for rows 2+ and one for a single row, each again for a one-token prompt and, on CUDA, for
+prompts short enough for decode_attention.py's kernel; every other width shares them): eagerly,
+a deep target's prefill is bound by the host's dispatch of every op of every layer. What is
+compiled is the scope (SCOPES; the target's ``compile_scope``,
 else ``$DFLASH_DECODE_COMPILE_SCOPE``, else layer):
 
     layer    one decoder layer's forward (:func:`layer_step`), which every layer runs: the
              compile costs one layer's, whatever the depth. Each layer's ``forward`` is a
-             :class:`LayerForward` that calls it only while a compiled extend runs (else the
-             class's forward); the embedding, rotary, masks, final norm and head run eagerly.
+             :class:`LayerForward` that calls it only while a compiled extend or prefill runs
+             (else the class's forward); the embedding, rotary, masks, final norm and head run eagerly.
              The layer's cache is a :class:`LayerKV` of that layer's K/V storage, whose
              ``update`` ignores the layer index, so no guard names a layer and no layer compiles
              again (tests/test_decode_compiled.py: as many graphs for 4 layers as for 2). The
@@ -132,8 +134,9 @@ class CompiledForward:
 class CompiledLayers:
     """``extend`` run eagerly, each decoder layer's forward in it through one
     :class:`CompiledForward` of :func:`layer_step`, or, for a layer that decode/fused_layer.py
-    fuses and a call of a few rows, of :func:`fused_layer_step`. Outside a call of this (a
-    prefill, an eager extend) the layers run their own forward."""
+    fuses and a call of a few rows, of :func:`fused_layer_step`; a prefill (:meth:`run`) through
+    one of :func:`prefill_layer_step`. Outside a call of this (an eager prefill or extend) the
+    layers run their own forward."""
 
     def __init__(self, extend: Callable, layers, device: torch.device) -> None:
         self.extend = extend
@@ -174,7 +177,8 @@ def cache_index(layer, position: int) -> int:
 
 class LayerForward:
     """Decoder layer ``index``'s forward: through ``owner.step`` (or, fused and a few rows,
-    ``owner.fused_step``) while ``owner`` is active, else the class's. An instance attribute, so
+    ``owner.fused_step``; under plan_fresh, ``owner.prefill_step``) while ``owner`` is active,
+    else the class's. An instance attribute, so
     the module's hooks (target.py LayerCapture) still run around it, eagerly."""
 
     def __init__(self, layer, index: int, owner: CompiledLayers, fused: bool = False) -> None:
@@ -249,7 +253,8 @@ class LayerKV:
         self.keys, self.values, self.rows, self.pos, self.length = keys, values, rows, pos, length
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
-        """key/value_states ``[R, heads, q, D]`` written at ``pos`` ``[R, q]`` -> K, V ``[R, heads, length, D]``."""
+        """key/value_states ``[R, heads, q, D]`` written at ``pos`` ``[R, q]`` -> K, V ``[R, heads, length, D]``
+        (length 0: the given states)."""
         index = (self.rows[:, None], self.pos)
         self.keys.index_put_(index, key_states.transpose(1, 2))
         self.values.index_put_(index, value_states.transpose(1, 2))

@@ -11,7 +11,8 @@ repeated widths both ways (docs/benchmarks.md, "The prefill's attention kernel")
 ``$DFLASH_DECODE_PREFILL_SDPA`` (matvec.SETTINGS): ``auto``, the default, keeps cuDNN out of
 a CUDA prefill (flash, memory-efficient and math remain: flash takes no mask, so the band
 masks run memory-efficient); ``off`` leaves the choice to torch. Decode steps and verify passes
-take decode_attention.py's kernel, so this touches the prefill only.
+take decode_attention.py's kernel, and so does a prefill short enough for it (at most 128 query
+rows per K/V head, in a half dtype), so this touches the longer prefills only.
 """
 
 from __future__ import annotations

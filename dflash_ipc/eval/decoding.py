@@ -94,7 +94,7 @@ class BatchedDecoder:
     uses_features = False
     """Whether forwards return the captured layers (the drafter's context)."""
     use_compile = False
-    """Whether forwards, prefills among them, run the target's compiled layers (decode/compiled.py)."""
+    """Whether forwards run the target's compiled forward (decode/compiled.py; prefills too, under its layer scope)."""
 
     def __init__(self, target: BatchedTarget, *, batch_size: int, sampling: Sampling = Sampling(),
                  prefill_tokens: int = PREFILL_TOKENS, progress=None) -> None:
