@@ -49,6 +49,17 @@ def check_layer_ids(layer_ids: Sequence[int], num_layers: int, source: str) -> l
     return ids
 
 
+def model_layer_types(text_config, num_layers: int) -> list[str]:
+    """Each layer's attention type as transformers runs it: the config's ``layer_types``; without
+    them a ``sliding_window`` (not switched off by ``use_sliding_window``) slides in every layer, as
+    Mistral, Mixtral and Phi-3 apply it; else full attention."""
+    types = getattr(text_config, "layer_types", None)
+    if types:
+        return list(types)
+    slides = getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True) is not False
+    return ["sliding_attention" if slides else "full_attention"] * num_layers
+
+
 @dataclass(slots=True)
 class Prefilled:
     """One prefill forward: R new rows, left-padded to P tokens."""
@@ -152,8 +163,8 @@ class BatchedTarget(TargetModel):
             # cannot be (it would have to be recomputed from the kept prefix).
             raise ConfigError(f"target {target_dir}: batched evaluation needs attention K/V in every layer; this "
                               f"target has linear-attention (recurrent) layers, which it does not support yet")
-        self.layer_types = list(getattr(self.text_config, "layer_types", None) or ["full_attention"] * self.num_layers)
         self.sliding_window = getattr(self.text_config, "sliding_window", None)
+        self.layer_types = model_layer_types(self.text_config, self.num_layers)
         self.cache: RaggedCache | None = None
         self.compile_scope = _compile_scope(compile_scope)
         """What a compiled extend compiles (decode/compiled.py SCOPES): one decoder layer, or the whole forward."""
