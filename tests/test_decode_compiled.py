@@ -227,6 +227,23 @@ def test_a_compiled_prefill_writes_and_returns_what_the_eager_one_does(layered_d
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
+def test_the_prefill_compile_switch(layered_dirs, counter, monkeypatch):
+    """$DFLASH_DECODE_COMPILE_PREFILL=off keeps a compiled target's prefills eager; a typo is an error."""
+    target = BatchedTarget(layered_dirs[2], device="cpu", dtype="float32", compile_scope="layer")
+    target.reset(2, 64)
+    target.prefill([0, 1], [np.arange(10, 15), np.arange(20, 29)])  # allocates the storage
+    monkeypatch.setenv(compiled.PREFILL_ENV, "off")
+    target.prefill([0], [np.arange(30, 41)], compiled=True)
+    assert counter.frame_count == 0
+    monkeypatch.setenv(compiled.PREFILL_ENV, "sometimes")
+    with pytest.raises(ConfigError, match="DFLASH_DECODE_COMPILE_PREFILL='sometimes'; allowed"):
+        target.prefill([0], [np.arange(30, 41)], compiled=True)
+    monkeypatch.setenv(compiled.PREFILL_ENV, "auto")
+    target.prefill([0], [np.arange(30, 41)], compiled=True)
+    assert counter.frame_count == 1
+    assert not compiled.prefill_compiled("forward")
+
+
 def test_settings():
     assert not compile_enabled("auto", "cpu", graphs=False)
     assert compile_enabled("auto", "cuda:0", graphs=True) and not compile_enabled("auto", "cuda:0", graphs=False)

@@ -72,6 +72,16 @@ SCOPES = ("layer", "forward")
 """layer: one decoder layer's forward compiled, every layer runs it; forward: extend's whole body."""
 SCOPE_ENV = "DFLASH_DECODE_COMPILE_SCOPE"
 """Environment variable that picks the scope (SCOPES) where the target's constructor is not told."""
+PREFILL_ENV = "DFLASH_DECODE_COMPILE_PREFILL"
+"""``auto`` (unset): a prefill runs the compiled layers where the steps do (layer scope); ``off``: eagerly."""
+
+
+def prefill_compiled(scope: str) -> bool:
+    """Whether a prefill of a target compiled at ``scope`` runs its compiled layers ($DFLASH_DECODE_COMPILE_PREFILL)."""
+    setting = os.environ.get(PREFILL_ENV) or "auto"
+    if setting not in ("auto", "off"):
+        raise ConfigError(f"${PREFILL_ENV}={setting!r}; allowed: ['auto', 'off']")
+    return setting == "auto" and scope == "layer"
 
 
 def compile_enabled(setting: str, device, graphs: bool) -> bool:

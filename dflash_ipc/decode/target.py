@@ -32,7 +32,7 @@ from dflash_ipc.data.stops import stop_token_ids
 from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.config.dtypes import resolve_dtype
 from dflash_ipc.errors import ConfigError
-from dflash_ipc.decode.compiled import compile_scope as _compile_scope, compiled_extend
+from dflash_ipc.decode.compiled import compile_scope as _compile_scope, compiled_extend, prefill_compiled
 from dflash_ipc.decode import aranges, decode_attention, fused_layer, fused_projections, matvec
 from dflash_ipc.decode.prefill_sdpa import prefill_backends
 from dflash_ipc.decode.ragged_attention import layer_masks, register_attention
@@ -219,7 +219,7 @@ class BatchedTarget(TargetModel):
         """Start ``prompts`` (token ids) in cache ``rows``; see the module docstring. ``compiled``:
         under the layer scope, each decoder layer through its compiled forward (decode/compiled.py;
         eagerly, every op of every layer is dispatched from Python, and a prefill's time is that
-        host's); under the forward scope, eagerly."""
+        host's); under the forward scope, or with $DFLASH_DECODE_COMPILE_PREFILL=off, eagerly."""
         dev, lengths = self.device, torch.tensor([len(p) for p in prompts], device=self.device)
         width = int(max(len(p) for p in prompts))
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -235,7 +235,7 @@ class BatchedTarget(TargetModel):
         self.cache.plan_fresh(torch.as_tensor(list(rows), device=dev), write_pos)
         self.num_forwards += 1
         forward = self._forward
-        if compiled and self.compile_scope == "layer":
+        if compiled and prefill_compiled(self.compile_scope):
             forward = functools.partial(self._compiled().run, self._forward)
         with prefill_backends(dev):  # no per-shape cuDNN plan for each new prompt width (prefill_sdpa.py)
             logits, feats = forward(ids.to(dev), positions, masks, 1, features)
