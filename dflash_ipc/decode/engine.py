@@ -14,7 +14,7 @@ The loop (host side), one round:
     admit    free rows take the next waiting requests (continuous batching): one left-padded
              prefill per chunk of prompts, the first token chosen on the device. While other
              rows are busy, a refill waits for ``refill_rows`` free rows (or every waiting
-             request): each refill is an eager prefill forward between decode steps, so a
+             request): each refill is a prefill forward (not captured) between decode steps, so a
              refill of one prompt per finished reply would cost a forward per reply. Requests
              of one prompt in a refill (regenerate's --samples-per-prompt) share its prefill:
              the prompt is computed once and its K/V copied into the other rows, each of
