@@ -93,6 +93,24 @@ def test_sliding_window_layers_equal_transformers(tmp_path):
     torch.testing.assert_close(logits[0], want[7:], atol=1e-5, rtol=1e-5)
 
 
+def assert_prefill_and_extend_equal_transformers(target: BatchedTarget, target_dir: str) -> None:
+    """Two rows prefilled (9 and 4 tokens) then extended (3 each) give the logits of transformers'
+    own eager forward over the whole sequence."""
+    from dflash_ipc.hf.text_stack import load_causal_lm
+
+    plain = load_causal_lm(target_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = [5, 9, 3, 22, 7, 1, 40, 11, 2, 30, 17, 8]
+    target.reset(num_rows=2, capacity=32)
+    first = target.prefill([0, 1], [np.array(ids[:9]), np.array(ids[:4])]).logits
+    logits, _ = target.extend(torch.tensor([ids[9:], ids[4:7]]), torch.tensor([9, 4]), 9)
+    with torch.inference_mode():
+        want = plain(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(first[0], want[8], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(first[1], want[3], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[0], want[9:12], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[1], want[4:7], atol=1e-5, rtol=1e-5)
+
+
 def test_attention_sinks_equal_transformers(tmp_path):
     """gpt-oss: learned attention sinks and alternating sliding/full layers, through the explicit
     attention path, reproduce transformers' own forward in prefill and extend."""
@@ -101,22 +119,10 @@ def test_attention_sinks_equal_transformers(tmp_path):
     arch = ARCHITECTURES["gpt_oss"]
     if missing_reason(arch):
         pytest.skip(missing_reason(arch))
-    from dflash_ipc.hf.text_stack import load_causal_lm
-
     target_dir = build_tiny_target_of(arch, str(tmp_path))
     target = BatchedTarget(target_dir, layer_ids=[1], dtype="float32")
     assert {"sliding_attention", "full_attention"} <= set(target.layer_types)
-    eager = load_causal_lm(target_dir, dtype=torch.float32, attn_implementation="eager").eval()  # sinks, by the book
-    ids = [5, 9, 3, 22, 7, 1, 40, 11, 2, 30, 17, 8]
-    target.reset(num_rows=2, capacity=32)
-    first = target.prefill([0, 1], [np.array(ids[:9]), np.array(ids[:4])]).logits
-    logits, _ = target.extend(torch.tensor([ids[9:], ids[4:7]]), torch.tensor([9, 4]), 9)
-    with torch.inference_mode():
-        want = eager(input_ids=torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(first[0], want[8], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(first[1], want[3], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(logits[0], want[9:12], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(logits[1], want[4:7], atol=1e-5, rtol=1e-5)
+    assert_prefill_and_extend_equal_transformers(target, target_dir)  # eager attention: sinks, by the book
 
 
 def test_a_window_in_every_layer_equals_transformers(tmp_path):
@@ -129,22 +135,10 @@ def test_a_window_in_every_layer_equals_transformers(tmp_path):
     arch = ARCHITECTURES["mistral"]
     if missing_reason(arch):
         pytest.skip(missing_reason(arch))
-    from dflash_ipc.hf.text_stack import load_causal_lm
-
     target_dir = build_tiny_target_of(dataclasses.replace(arch, text={"sliding_window": 3}), str(tmp_path))
     target = BatchedTarget(target_dir, dtype="float32")
     assert set(target.layer_types) == {"sliding_attention"} and target.sliding_window == 3
-    plain = load_causal_lm(target_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    ids = [5, 9, 3, 22, 7, 1, 40, 11, 2, 30, 17, 8]
-    target.reset(num_rows=2, capacity=32)
-    first = target.prefill([0, 1], [np.array(ids[:9]), np.array(ids[:4])]).logits
-    logits, _ = target.extend(torch.tensor([ids[9:], ids[4:7]]), torch.tensor([9, 4]), 9)
-    with torch.inference_mode():
-        want = plain(input_ids=torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(first[0], want[8], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(first[1], want[3], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(logits[0], want[9:12], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(logits[1], want[4:7], atol=1e-5, rtol=1e-5)
+    assert_prefill_and_extend_equal_transformers(target, target_dir)
 
 
 def test_recurrent_target_truncate_re_runs_the_kept_prefix(tmp_path, caplog):
