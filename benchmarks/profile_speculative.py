@@ -11,12 +11,17 @@ row), with its cycles committed one at a time and then run one ahead of the host
 (eval/decoding.py): per mode an untimed warm-up run and a timed run (wall ms per cycle), then a
 run of the second under the torch profiler, whose kernel time per cycle is printed by kind with the costliest kernels
 (bench/kernel_profile.py; prefill kernels counted in). Wall minus kernel time is the GPU
-waiting on the host: the cycle's read of the accepted tokens and the Python around it.
+waiting on the host: the cycle's read of the accepted tokens and the Python around it. Before
+the profile, one more run of the first mode with its stages synchronised and timed (STAGES: the
+admission, and within it the target's prefill and the drafter's context; the cycles): how much
+of the wall per cycle each prompt's start costs (on CUDA a captured cycle appends the drafter's
+context inside its graph, so every append counted there is an admission's).
 DEV=cpu runs it eagerly on the CPU (no profile), e.g. with the `tiny` shape.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -28,8 +33,43 @@ from dflash_ipc.bench.eval import bench_drafter, random_prompts
 from dflash_ipc.bench.kernel_profile import format_profile, profile_kernels, summarize
 from dflash_ipc.decode.requests import Request, RequestList
 from dflash_ipc.decode.target import BatchedTarget
-from dflash_ipc.eval.decoding import SpeculativeDecoder
+from dflash_ipc.eval.decoding import BatchedDecoder, SpeculativeDecoder
 from dflash_ipc.eval.drafter_context import DrafterContext
+
+STAGES = ((BatchedDecoder, "_admit"), (BatchedTarget, "prefill"), (DrafterContext, "append"),
+          (SpeculativeDecoder, "_step"))
+"""(class, method) timed synchronised in the staged run; prefill and append run within _admit."""
+
+
+def timed_stages(run, sync) -> dict[str, float]:
+    """Seconds spent in each of STAGES during ``run()``, every call synchronised before and after."""
+    spent: dict[str, float] = {}
+
+    def timed(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            sync()
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sync()
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    originals = [(cls, name, cls.__dict__[name]) for cls, name in STAGES]
+    for cls, name, fn in originals:
+        setattr(cls, name, timed(f"{cls.__name__}.{name}", fn))
+    try:
+        sync()
+        t0 = time.perf_counter()
+        run()
+        sync()
+        spent["wall"] = time.perf_counter() - t0
+    finally:
+        for cls, name, fn in originals:
+            setattr(cls, name, fn)
+    return spent
 
 
 def main() -> None:
@@ -67,6 +107,12 @@ def main() -> None:
               f"attention layers {target.num_kernel_attention}: "
               f"{result.num_generated} tokens in {wall:.3f} s, {cycles} cycles ({decoder.num_ahead} queued ahead "
               f"over both runs), {ms:.2f} ms wall per cycle (prefills included)", flush=True)
+        if not run_ahead:  # a staged run breaks the run-ahead anyway: measured where it is off
+            spent = timed_stages(run, sync)
+            print(f"   synchronised stages, ms per cycle ({cycles} cycles, {num_prompts} prompts): "
+                  + ", ".join(f"{k} {1e3 * v / max(1, cycles):.3f}" for k, v in spent.items())
+                  + "; ms per prompt: " + ", ".join(f"{k} {1e3 * v / num_prompts:.1f}" for k, v in spent.items()
+                                                   if k != "wall" and "_step" not in k), flush=True)
     if not cuda:
         return
     kernels = profile_kernels(run, 1)
