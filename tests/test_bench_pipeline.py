@@ -125,11 +125,17 @@ SMALL = ["target.num_workers=1", "drafter.num_workers=1",
          "objective.max_anchors_per_seq=32", "checkpoint.every_steps=1000", "dispatch.status_interval_s=2"]
 
 
+# Each phase's measured window: a drafter step takes ~0.1 s here (the bench's own figure), so
+# 1 s still holds several steps and target batches.
+BENCH_SECONDS = 1.0
+
+
 @pytest.mark.slow
 def test_bench_pipeline_on_cpu(tmp_path, tiny_cache):
     """The whole command, 1 target + 1 drafter on CPU: three phases, JSON, table, exit 0."""
     out = tmp_path / "bench.json"
-    argv = [sys.executable, "-m", "dflash_ipc.cli", "bench", "pipeline", "--seconds", "2", "--warmup-s", "0.5",
+    argv = [sys.executable, "-m", "dflash_ipc.cli", "bench", "pipeline", "--seconds", f"{BENCH_SECONDS:g}",
+            "--warmup-s", "0.5",
             "--json", str(out), "--run-dir", str(tmp_path / "e2e"), "-o", f"run.run_dir={tmp_path / 'job'}"]
     for o in SMALL:
         argv += ["-o", o]
@@ -147,7 +153,7 @@ def test_bench_pipeline_on_cpu(tmp_path, tiny_cache):
     assert f["drafter"]["steps"] >= 1 and f["drafter"]["tokens"] > 0 and f["drafter"]["warmup_steps"] >= 3
     e2e = f["e2e"]
     assert e2e["targets"] == 1 and e2e["drafters"] == 1 and e2e["steps"] >= 1
-    assert e2e["window_s"] == pytest.approx(2.0) or e2e["finished_early"]
+    assert e2e["window_s"] == pytest.approx(BENCH_SECONDS) or e2e["finished_early"]
     assert e2e["tok_rate"] == f["tok_rate"] == pytest.approx(e2e["tokens"] / e2e["window_s"])
     # the end-to-end job ran in its own run directory, not the config's
     assert os.path.isdir(tmp_path / "e2e" / "metrics") and not os.path.exists(tmp_path / "job")

@@ -13,10 +13,14 @@ import signal
 
 import pytest
 
+from supervised_job import CHEAP_STEPS
 from test_faults import Job, produced_early
 from test_target_tensor_parallel import needs_accelerate
 
-TP_JOB = ["target.num_workers=1", "target.gpus_per_worker=2", "drafter.num_workers=1"]
+# 2 epochs (of 18 batches) and cheaper steps: the new worker still serves all but the first
+# batches of the job, across an epoch boundary; a step's learning is no part of the claim.
+TP_JOB = ["target.num_workers=1", "target.gpus_per_worker=2", "drafter.num_workers=1", "data.num_epochs=2",
+          *CHEAP_STEPS]
 
 
 @needs_accelerate
