@@ -264,8 +264,8 @@ def _fp8_cfg(weighting: str = "decay", **drafter):
                              "objective": {"max_anchors_per_seq": 16, "anchors_per_step": 32, "weighting": weighting}})
 
 
-@needs_torchao
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", [pytest.param("tensorwise", marks=needs_torchao),
+                                    pytest.param("rowwise", marks=needs_torchao), "delayed"])
 def test_conversion_keeps_parameters_checkpoint_and_export(monkeypatch, tmp_path, recipe):
     from safetensors import safe_open
 
@@ -282,7 +282,8 @@ def test_conversion_keeps_parameters_checkpoint_and_export(monkeypatch, tmp_path
     assert isinstance(fp8_head, prec.Fp8LMHead) and fp8_head.rowwise == (recipe == "rowwise")
     linears = [n for n, m in plain.named_modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 7 * config.num_hidden_layers + 1
-    assert all(type(model.get_submodule(n)).__name__ == "Float8Linear" for n in linears)
+    layer_class = "DelayedFloat8Linear" if recipe == "delayed" else "Float8Linear"  # ours, or torchao's
+    assert all(type(model.get_submodule(n)).__name__ == layer_class for n in linears)
     after = dict(model.named_parameters())
     assert after.keys() == params.keys() and all(after[n] is p for n, p in params.items())  # the same objects
     assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}

@@ -39,6 +39,8 @@ def kernel_kind(name: str) -> str:
     inductor give their kernels: "matmul" is a GEMM without a float8 type tag in its name)."""
     if name.startswith("triton_tem") or _ATTENTION.search(name):  # inductor's templates: flex attention
         return "attention"
+    if name.startswith("_float8_cast"):  # the delayed recipe's own cast (drafter/float8_cast.py)
+        return "fp8 scaling"
     if name.startswith("triton_"):
         return "fp8 scaling" if _SCALING.search(name) else "fused elementwise"
     if _GEMM.search(name):

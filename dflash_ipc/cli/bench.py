@@ -66,7 +66,7 @@ def precision_options(default: str):
         click.option("--precision", "precisions", default=default, show_default=True, callback=comma_list,
                      metavar="P[,P...]", help="drafter.precision of each run: bf16, fp8 (e.g. bf16,fp8)."),
         click.option("--fp8-recipe", "recipes", default="tensorwise", show_default=True, callback=comma_list,
-                     metavar="R[,R...]", help="drafter.fp8_recipe of the fp8 runs: tensorwise, rowwise."),
+                     metavar="R[,R...]", help="drafter.fp8_recipe of the fp8 runs: tensorwise, rowwise, delayed."),
         click.option("--fp8-lm-head", "lm_heads", default="all", show_default=True, callback=comma_list,
                      metavar="H[,H...]", help="drafter.fp8_lm_head of the fp8 runs: all, grad, none."),
         click.option("--fp8-shared-casts", "shared_casts", default="off", show_default=True, callback=comma_list,

@@ -27,7 +27,7 @@ DType = Literal["bfloat16", "float16", "float32"]
 DTYPE_NAMES: tuple[str, ...] = typing.get_args(DType)
 Attention = Literal["auto", "flex", "dense"]
 Precision = Literal["bf16", "fp8"]
-Fp8Recipe = Literal["tensorwise", "rowwise"]
+Fp8Recipe = Literal["tensorwise", "rowwise", "delayed"]
 Fp8HeadMatmuls = Literal["auto", "all", "grad", "none"]
 AttnImplementation = Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -283,7 +283,10 @@ class DrafterConfig(_Section):
     precision: Precision = "bf16"
     """Training matmuls: bf16, or fp8 (linear layers and LM head in float8: drafter/precision.py)."""
     fp8_recipe: Fp8Recipe = "tensorwise"
-    """fp8 only: one scale per tensor (tensorwise, fastest) or one per row (rowwise)."""
+    """fp8 only: one scale per tensor (tensorwise), one per row (rowwise), both torchao's, or
+    delayed: tensorwise's formats with each layer's input and gradient scale from their
+    abs-max over the last 16 steps, cast in one pass (drafter/float8_delayed.py; needs
+    drafter.compile off and sharding none; no torchao)."""
     fp8_lm_head: Fp8HeadMatmuls = "auto"
     """fp8 only: the frozen LM head's matmuls in float8: all (logits, dL/dh), grad (dL/dh) or none;
     auto: all with objective.weighting decay, none with dpace (whose per-row CE runs in the
@@ -337,6 +340,14 @@ class DrafterConfig(_Section):
                  "casts the inputs of float8 layers: it needs drafter.fp8_layers true")
         _require(self.precision != "fp8" or self.fp8_layers or self.fp8_lm_head != "none", "drafter.fp8_layers",
                  "false with drafter.fp8_lm_head none leaves nothing in float8: use drafter.precision bf16")
+        delayed = self.precision == "fp8" and self.fp8_recipe == "delayed"
+        _require(not delayed or self.compile == "off", "drafter.fp8_recipe",
+                 f"delayed runs its float8 layers outside torch.compile: it needs drafter.compile off, got {self.compile}")
+        _require(not delayed or self.sharding == "none", "drafter.fp8_recipe",
+                 f"delayed keeps each layer's float8 weight for the step: it needs drafter.sharding none "
+                 f"(not measured under FSDP), got {self.sharding}")
+        _require(not delayed or not self.fp8_shared_casts, "drafter.fp8_shared_casts",
+                 "concatenates torchao's float8 layers: it needs drafter.fp8_recipe tensorwise or rowwise, got delayed")
         _check_devices("drafter.devices", self.devices, self.num_workers)
         _require(1 <= self.fifo_sequences <= 1 << 20, "drafter.fifo_sequences", "must be in [1, 1048576]")
         _require(1 <= self.prefetch <= 1024, "drafter.prefetch", "must be in [1, 1024]")

@@ -33,7 +33,10 @@ state, norms, attention, checkpoints and the bf16 export stay exactly as in bf16
 
 Scaling follows the recipe in both parts: `tensorwise` is one scale per tensor, e4m3 in the
 forward and e5m2 for gradients (torchao's tensorwise recipe); `rowwise` is one power-of-two
-scale per row, e4m3 throughout (torchao's rowwise recipe). A scale maps the absolute
+scale per row, e4m3 throughout (torchao's rowwise recipe); `delayed` is tensorwise's formats
+with the layers' input and gradient scales taken from their abs-max over the last steps,
+through layers of our own that cast in one pass and keep float8 copies for the backward
+(float8_delayed.py: no torchao, no torch.compile; the LM head as tensorwise). A scale maps the absolute
 maximum of its tensor (row) to the format's largest finite value, but for the LM head's
 tensorwise probabilities, whose scale maps their bound, the largest loss weight
 (`loss_and_quantized_probs`). `drafter.fp8_layers: false` keeps the layers bf16 and the head
@@ -58,6 +61,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_ipc.config.schema import DrafterConfig
+from dflash_ipc.drafter import float8_delayed
 from dflash_ipc.drafter.model import CudaCompiled, compile_enabled, each_linear
 from dflash_ipc.drafter.objective import _acc_dtype, _fused_chunk_loss
 from dflash_ipc.hf.target_head import FrozenTargetHead
@@ -109,9 +113,9 @@ def torchao_float8():
     return float8
 
 
-def require_fp8(device: torch.device | str) -> None:
+def require_fp8(device: torch.device | str, *, torchao: bool = True) -> None:
     """ConfigError unless float8 training can run on `device`: a GPU with float8 tensor
-    cores and torchao (emulation needs only torchao)."""
+    cores and, where ``torchao`` (its recipes' layers), torchao (emulation needs only that)."""
     device = torch.device(device)
     if not emulate_enabled():
         if device.type != "cuda":
@@ -123,7 +127,8 @@ def require_fp8(device: torch.device | str) -> None:
             raise ConfigError(f"drafter.precision: fp8 needs compute capability >= 8.9 (Ada, Hopper or "
                               f"newer); {device} is {torch.cuda.get_device_name(device)} ({major}.{minor}) "
                               f"without float8 tensor cores; set drafter.precision=bf16")
-    torchao_float8()
+    if torchao:
+        torchao_float8()
 
 
 def lm_head_matmuls(setting: str, weighting: str) -> str:
@@ -142,7 +147,7 @@ def apply_precision(cfg: DrafterConfig, model: nn.Module, head: FrozenTargetHead
     if cfg.precision == "bf16":
         return None
     head_matmuls = lm_head_matmuls(cfg.fp8_lm_head, weighting)
-    require_fp8(device)
+    require_fp8(device, torchao=cfg.fp8_recipe != "delayed")
     hidden = model.config.hidden_size
     if hidden < FP8_FASTER_FROM_HIDDEN:
         logger.warning("precision fp8: the drafter's hidden size is %d; fp8 has measured no faster than bf16 "
@@ -150,12 +155,17 @@ def apply_precision(cfg: DrafterConfig, model: nn.Module, head: FrozenTargetHead
                        "step\"): compare both with `dflash-ipc bench drafter --precision bf16,fp8` at your "
                        "shape before training in fp8", hidden, FP8_FASTER_FROM_HIDDEN)
     emulate = emulate_enabled()
-    converted = convert_linears(model, cfg.fp8_recipe, emulate=emulate) if cfg.fp8_layers else []
-    if cfg.compile == "off":
-        compile_linears(converted)  # compiled on CUDA (unless compiling is off), eager elsewhere; rows padded
-    else:  # traced into the drafter's one graph, where the compiler merges the casts of a shared input
-        for module in converted:
-            module.forward = _GraphForward(module)
+    if cfg.fp8_recipe == "delayed":  # our layers, eager (float8_delayed.py); the schema keeps compile off
+        converted, left = float8_delayed.convert_linears(model, emulate=emulate) if cfg.fp8_layers else ([], [])
+        for name in left:
+            logger.info("precision fp8: %s stays bf16: dims must be multiples of %d", name, MM_MULTIPLE)
+    else:
+        converted = convert_linears(model, cfg.fp8_recipe, emulate=emulate) if cfg.fp8_layers else []
+        if cfg.compile == "off":
+            compile_linears(converted)  # compiled on CUDA (unless compiling is off), eager elsewhere; rows padded
+        else:  # traced into the drafter's one graph, where the compiler merges the casts of a shared input
+            for module in converted:
+                module.forward = _GraphForward(module)
     num_blocks = share_input_casts(model, in_graph=cfg.compile != "off") if cfg.fp8_shared_casts else 0
     fp8_head = None if head_matmuls == "none" else Fp8LMHead.create(
         head.lm_head_weight, rowwise=cfg.fp8_recipe == "rowwise", fp8_logits=head_matmuls == "all",
@@ -297,8 +307,10 @@ STATIC_ROWS = StaticRowCounts()
 
 
 def next_step() -> None:
-    """The trainer's call before each step: row counts promoted in the last one turn static."""
+    """The trainer's call before each step: row counts promoted in the last one turn static, and
+    the delayed recipe's abs-max histories take the last step's (float8_delayed.py)."""
     STATIC_ROWS.next_step()
+    float8_delayed.next_step()
 
 
 def reset_compiled_layers() -> None:

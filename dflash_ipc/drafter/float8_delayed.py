@@ -1,0 +1,217 @@
+"""The drafter's linear layers in float8 with delayed scaling (``drafter.fp8_recipe: delayed``).
+
+torchao's tensorwise recipe scales every tensor by its own abs-max, so each cast is two
+passes (reduce, then cast), and its backward casts the saved bf16 input and the float32
+weight again, transposed. At the Qwen3-8B shape that scaling took 65 ms of a 369-ms fp8
+step's kernels on an H200 (docs/benchmarks.md, "fp8 drafter step"), half what the float8
+GEMMs took. Here, as in Transformer Engine's default recipe:
+
+- an input's and an output gradient's scale come from the abs-max of the same layer's
+  tensors over the last ``AMAX_HISTORY`` steps (``fmax / max(history)``), so one pass casts
+  the tensor in both layouts its matmuls need and folds its abs-max into the history
+  (float8_cast.py): ~4 bytes an element against ~8;
+- the forward saves the float8 input, transposed, for the weight gradient (1 byte an element
+  where a bf16 input is 2), and the backward reuses the forward's float8 weight;
+- the weight is cast once a step, with its own abs-max of that step (exact, as tensorwise),
+  shared by the forward, a gradient-checkpointing recompute and the backward.
+
+Formats and GEMMs are torchao's tensorwise ones: e4m3 inputs and weights, e5m2 gradients,
+fast accumulation in the forward GEMM only, bf16 outputs, float32 weight gradients. What
+differs is the numbers: a tensor whose abs-max grew past its history saturates at the
+format's largest value where a just-in-time scale would not (``bench precision`` measures
+the loss against bf16). Until a layer has one step of history its casts scale by the
+tensor's own abs-max (the first step runs as tensorwise does).
+
+The histories of a model live in one :class:`AmaxHistory` (one tensor per kind), rolled by
+:func:`next_step` between steps (the trainer calls it before each step, after the last one's
+optimizer step is queued): within a step every scale is fixed, so a gradient-checkpointing
+recompute casts exactly as the forward did. A layer called twice in a step (k/v read the
+context and the block) keeps the larger abs-max. Each rank keeps its own histories (no
+all-reduce: a rank's scales only have to fit its own tensors). The layers run eagerly, outside
+torch.compile (``drafter.compile: off``), and the weights stay the same float32 parameters
+under the same names, so checkpoints and exports do not change.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflash_ipc.drafter.float8_cast import cast_to_float8
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+AMAX_HISTORY = 16
+"""Steps of abs-max a scale covers. Longer: fewer saturated steps after a spike, coarser
+rounding for the small values of the steps after it (the scale stays down while the spike
+is in the history)."""
+AMAX_EPS = 1e-12  # an all-zero tensor still gets a finite scale (torchao's floor)
+MM_MULTIPLE = 16  # torch._scaled_mm: every dim a multiple of 16
+INPUT, GRAD = 0, 1  # the two kinds of tensor a layer scales with history
+FORMATS = (E4M3, E5M2)  # the float8 format of each kind
+
+_HISTORIES: "weakref.WeakSet[AmaxHistory]" = weakref.WeakSet()
+
+
+class AmaxHistory:
+    """Abs-max histories and scales of ``num_layers`` layers, each for its inputs and its
+    output gradients, on one device (made at the first cast)."""
+
+    def __init__(self, num_layers: int, length: int = AMAX_HISTORY) -> None:
+        self.num_layers, self.length = num_layers, length
+        self.history: Tensor | None = None  # [L, 2, length] float32: newest first
+        self.pending: Tensor | None = None  # [L, 2] this step's abs-max so far
+        self.scales: Tensor | None = None  # [L, 2] float32: fmax of the kind's format / max(history)
+        self.ready = [[False, False] for _ in range(num_layers)]  # a step of history behind the scale
+        self._used = [[False, False] for _ in range(num_layers)]  # cast this step
+        self._weights: dict[int, tuple] = {}  # layer -> (weight key, w_q, w_qt, w_inv): this step's casts
+        _HISTORIES.add(self)
+
+    def _ensure(self, device: torch.device) -> None:
+        if self.history is None or self.history.device != device:
+            self.history = torch.zeros(self.num_layers, 2, self.length, device=device)
+            self.pending = torch.zeros(self.num_layers, 2, device=device)
+            self.scales = torch.ones(self.num_layers, 2, device=device)
+            self.ready = [[False, False] for _ in range(self.num_layers)]
+
+    def cast(self, layer: int, kind: int, x: Tensor, *, transpose: bool) -> tuple[Tensor, Tensor | None, Tensor]:
+        """(x in the kind's float8 format, its transpose or None, the inverse scale) for layer
+        ``layer``'s tensor of ``kind`` (INPUT or GRAD); its abs-max joins this step's."""
+        self._ensure(x.device)
+        dtype = FORMATS[kind]
+        if self.ready[layer][kind]:
+            scale = self.scales[layer, kind]
+        else:  # no history yet: the tensor's own abs-max (one more pass, this step only)
+            scale = _scale(x.detach().abs().amax(), dtype)
+        q, qt = cast_to_float8(x, scale, self.pending[layer, kind: kind + 1], dtype, transpose=transpose)
+        self._used[layer][kind] = True
+        return q, qt, scale.reciprocal()
+
+    def weight(self, layer: int, weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(weight ``[M, K]`` in e4m3, its transpose ``[K, M]``, the inverse scale), cast at the
+        layer's first call of the step with the weight's own abs-max."""
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        cached = self._weights.get(layer)
+        if cached is None or cached[0] != key:
+            w = weight.detach()
+            scale = _scale(w.abs().amax(), E4M3)
+            sink = torch.zeros(1, device=w.device)  # a weight's abs-max has no history
+            w_q, w_qt = cast_to_float8(w, scale, sink, E4M3, transpose=True)
+            cached = self._weights[layer] = (key, w_q, w_qt, scale.reciprocal())
+        return cached[1:]
+
+    def roll(self) -> None:
+        """Between steps: this step's abs-maxes enter the histories, the scales follow, the
+        weights' casts are dropped (the optimizer has changed them)."""
+        self._weights.clear()
+        if self.history is None or not any(any(used) for used in self._used):
+            return
+        with torch.no_grad():
+            self.history[:, :, 1:] = self.history[:, :, :-1].clone()
+            self.history[:, :, 0] = self.pending
+            self.pending.zero_()
+            amax = self.history.amax(dim=-1).clamp_min(AMAX_EPS)  # [L, 2]
+            fmax = torch.tensor([torch.finfo(d).max for d in FORMATS], device=amax.device)
+            self.scales.copy_(fmax / amax)
+        for layer, used in enumerate(self._used):
+            for kind in (INPUT, GRAD):
+                self.ready[layer][kind] |= used[kind]
+                used[kind] = False
+
+
+def _scale(amax: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.finfo(dtype).max / amax.float().clamp_min(AMAX_EPS)
+
+
+def next_step() -> None:
+    """Roll every model's histories (precision.next_step, between two steps)."""
+    for history in list(_HISTORIES):
+        history.roll()
+
+
+def _scaled_mm(a: Tensor, b: Tensor, a_inv: Tensor, b_inv: Tensor, out_dtype: torch.dtype, *,
+               fast_accum: bool, emulate: bool) -> Tensor:
+    from dflash_ipc.drafter.precision import scaled_matmul  # the LM head's, one definition
+    return scaled_matmul(a, b, a_inv, b_inv, out_dtype, fast_accum=fast_accum, emulate=emulate)
+
+
+class _DelayedMatmul(torch.autograd.Function):
+    """``x @ weight.t()`` through float8 GEMMs; x ``[N, K]`` with N a multiple of 16."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, layer: "DelayedFloat8Linear", wants_wgrad: bool) -> Tensor:
+        history, index, emulate = layer.history, layer.history_index, layer.emulate
+        with torch.autocast(x.device.type, enabled=False):  # the emulated matmuls stay float32
+            x_q, x_qt, x_inv = history.cast(index, INPUT, x, transpose=wants_wgrad)
+            w_q, w_qt, w_inv = history.weight(index, weight)
+            out = _scaled_mm(x_q, w_q.t(), x_inv, w_inv, x.dtype, fast_accum=True, emulate=emulate)
+        ctx.save_for_backward(x_qt, x_inv, w_qt, w_inv)
+        ctx.layer, ctx.weight_dtype = layer, weight.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x_qt, x_inv, w_qt, w_inv = ctx.saved_tensors
+        layer = ctx.layer
+        wants_x, wants_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and x_qt is not None
+        grad_x = grad_w = None
+        with torch.autocast(grad.device.type, enabled=False):
+            g_q, g_qt, g_inv = layer.history.cast(layer.history_index, GRAD, grad.contiguous(), transpose=wants_w)
+            if wants_x:  # [N, M] @ [M, K]: the weight column-major is its transpose row-major
+                grad_x = _scaled_mm(g_q, w_qt.t(), g_inv, w_inv, grad.dtype, fast_accum=False, emulate=layer.emulate)
+            if wants_w:  # [M, N] @ [N, K]: both with N contiguous
+                grad_w = _scaled_mm(g_qt, x_qt.t(), g_inv, x_inv, ctx.weight_dtype, fast_accum=False,
+                                    emulate=layer.emulate)
+        return grad_x, grad_w, None, None
+
+
+class DelayedFloat8Linear(nn.Linear):
+    """An ``nn.Linear`` whose product runs in float8 with delayed scaling (module docstring);
+    the same ``weight`` and ``bias`` parameters as the layer it replaces."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, history: AmaxHistory, index: int, *, emulate: bool) -> "DelayedFloat8Linear":
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = linear.in_features, linear.out_features
+        layer.weight, layer.bias = linear.weight, linear.bias  # the same Parameters, same names
+        layer.history, layer.history_index, layer.emulate = history, index, emulate
+        return layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        if torch.is_autocast_enabled(x.device.type):  # as nn.Linear under autocast: the compute dtype
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        lead, rows = x.shape[:-1], x.shape[:-1].numel()
+        flat = x.reshape(rows, x.shape[-1])
+        if rows % MM_MULTIPLE:  # zero rows change neither an abs-max nor a weight-gradient sum
+            flat = F.pad(flat, (0, 0, 0, -rows % MM_MULTIPLE))
+        wants_wgrad = torch.is_grad_enabled() and self.weight.requires_grad  # else no transposed input is kept
+        out = _DelayedMatmul.apply(flat.contiguous(), self.weight, self, wants_wgrad)
+        out = out[:rows].reshape(*lead, self.out_features)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, float8 delayed scaling"
+
+
+def convert_linears(model: nn.Module, *, emulate: bool = False) -> tuple[list[DelayedFloat8Linear], list[str]]:
+    """Swaps every ``nn.Linear`` of ``model`` with both dims multiples of 16 for a
+    :class:`DelayedFloat8Linear` sharing one :class:`AmaxHistory`; returns (the new layers,
+    the names of the layers left alone)."""
+    names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    fits = [n for n in names if _fits(model.get_submodule(n))]
+    history = AmaxHistory(len(fits))
+    converted = []
+    for index, name in enumerate(fits):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        layer = DelayedFloat8Linear.from_linear(getattr(parent, child), history, index, emulate=emulate)
+        setattr(parent, child, layer)
+        converted.append(layer)
+    return converted, [n for n in names if n not in fits]
+
+
+def _fits(linear: nn.Linear) -> bool:
+    return linear.in_features % MM_MULTIPLE == 0 and linear.out_features % MM_MULTIPLE == 0

@@ -1,0 +1,316 @@
+"""drafter.fp8_recipe delayed (drafter/float8_delayed.py, drafter/float8_cast.py).
+
+On CPU, in emulation (float8-rounded operands, float32 matmuls): the one-pass cast against its
+definition, the abs-max histories (the first step's own abs-max, then the last steps' maximum,
+fixed within a step), the layer's values and gradients against float32 and against torchao's
+tensorwise layer where it is installed, a gradient-checkpointing recompute, a trainer step
+against bf16 (the conversion's parameters, checkpoint and export: tests/test_drafter_precision.py),
+the config's refusals; where Triton is installed, the cast kernel in its interpreter. On a GPU (marked gpu): the kernel bit for bit
+against the torch ops, the real float8 GEMMs against their emulation, training steps against bf16."""
+
+import collections
+import copy
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dflash_ipc.bench import drafter as bd
+from dflash_ipc.config.load import config_from_dict
+from dflash_ipc.drafter import float8_cast, float8_delayed as fd, precision as prec
+from dflash_ipc.drafter.model import DFlashDraftModel
+from dflash_ipc.errors import ConfigError
+
+torch.set_num_threads(1)
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _rel(a, b) -> float:
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+def _bits(t):
+    return t.view(torch.uint8)
+
+
+# --- the one-pass cast ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_cast_scales_saturates_transposes_and_keeps_the_running_amax(dtype):
+    x = torch.randn(40, 32, dtype=torch.bfloat16) * 3
+    x[5, 7] = -8192.0  # past the scale's range: saturates, as a late spike does
+    scale, amax = torch.tensor(10.0), torch.tensor([20000.0])
+    q, qt = float8_cast.cast_to_float8(x, scale, amax, dtype, transpose=True)
+    fmax = torch.finfo(dtype).max
+    assert q.dtype == dtype and q.shape == (40, 32) and qt.shape == (32, 40) and qt.is_contiguous()
+    assert torch.equal(_bits(qt), _bits(q.t().contiguous()))
+    assert torch.equal(_bits(q), _bits((x.float() * 10).clamp(-fmax, fmax).to(dtype)))
+    assert float(q[5, 7].float()) == -fmax
+    assert float(amax) == 20000.0  # a running maximum: the larger one stays
+    amax.zero_()
+    assert float8_cast.cast_to_float8(x, scale, amax, dtype, transpose=False)[1] is None
+    assert float(amax) == 8192.0
+
+
+def test_cast_refuses_what_it_does_not_take():
+    with pytest.raises(ValueError, match="takes 2-D"):
+        float8_cast.cast_to_float8(torch.zeros(2, 3, 4), torch.tensor(1.0), torch.zeros(1), E4M3, transpose=False)
+    with pytest.raises(ValueError, match="takes 2-D"):
+        float8_cast.cast_to_float8(torch.zeros(2, 3), torch.tensor(1.0), torch.zeros(1), torch.bfloat16,
+                                   transpose=False)
+
+
+INTERPRETED = textwrap.dedent("""
+    import torch
+    from dflash_ipc.drafter import float8_cast
+    # Triton 3.6's interpreter rounds some float8 conversions across a binade (7.97 -> 4.0 in e4m3),
+    # so here every scaled value is one the format holds exactly: what this checks is the tiling,
+    # the masks, both layouts, the clamp and the abs-max; the rounding is checked on a GPU.
+    torch.manual_seed(0)
+    for dtype, src, (n, k) in ((torch.float8_e4m3fn, torch.bfloat16, (70, 96)),
+                               (torch.float8_e5m2, torch.float32, (33, 200))):
+        exact = torch.randint(-8, 9, (n, k)).float() / 4  # quarters up to 2: exact in both formats
+        x = (exact / 8).to(src)
+        x[n - 1, k - 1] = 4096.0  # saturates
+        amax = torch.zeros(1)
+        q, qt = float8_cast._cast_kernel_launch(x, torch.tensor(8.0), amax, dtype, True)
+        want, want_t = float8_cast.cast_reference(x, torch.tensor(8.0), torch.zeros(1), dtype, transpose=True)
+        print(torch.equal(q.view(torch.uint8), want.view(torch.uint8)),
+              torch.equal(qt.view(torch.uint8), want_t.view(torch.uint8)), float(amax) == 4096.0)
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter)")
+def test_the_cast_kernel_in_tritons_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True"] * 6
+
+
+# --- the histories ----------------------------------------------------------------------------
+
+
+def test_first_step_scales_by_the_tensors_own_amax_then_by_the_last_steps():
+    history = fd.AmaxHistory(2, length=3)
+    fmax = torch.finfo(E4M3).max
+    amaxes = [2.0, 8.0, 1.0, 0.5, 0.25]
+    for step, a in enumerate(amaxes):
+        fd.next_step()
+        x = torch.full((16, 16), a / 2)
+        x[0, 0] = a
+        _, _, inv = history.cast(0, fd.INPUT, x, transpose=False)
+        seen = amaxes[max(0, step - 3): step] or [a]  # the three steps before this one; step 0: its own
+        assert float(inv) == pytest.approx(max(seen) / fmax)
+        if step:  # from the second step on, fixed within a step (the first scales each cast by its own)
+            assert float(history.cast(0, fd.INPUT, x / 4, transpose=False)[2]) == float(inv)
+    assert history.ready == [[True, False], [False, False]]  # layer 1 never cast: no history to scale by
+    del history
+
+
+def test_a_layer_called_twice_in_a_step_keeps_the_larger_amax():
+    history = fd.AmaxHistory(1)
+    fd.next_step()
+    history.cast(0, fd.GRAD, torch.full((16, 16), 3.0), transpose=False)  # the context rows
+    history.cast(0, fd.GRAD, torch.full((16, 16), 5.0), transpose=True)  # the block rows
+    fd.next_step()
+    inv = history.cast(0, fd.GRAD, torch.ones(16, 16), transpose=False)[2]
+    assert float(inv) == pytest.approx(5.0 / torch.finfo(E5M2).max)
+
+
+def test_the_weight_is_cast_once_a_step_and_again_after_an_update():
+    history = fd.AmaxHistory(1)
+    weight = nn.Parameter(torch.randn(32, 16))
+    fd.next_step()
+    first = history.weight(0, weight)
+    assert history.weight(0, weight)[0] is first[0]  # a recompute, the backward: the same cast
+    with torch.no_grad():
+        weight.mul_(2)  # an optimizer step in place
+    second = history.weight(0, weight)
+    assert second[0] is not first[0] and float(second[2]) == pytest.approx(2 * float(first[2]))
+    assert torch.equal(_bits(second[1]), _bits(second[0].t().contiguous()))
+    fd.next_step()
+    assert history.weight(0, weight)[0] is not second[0]  # a new step casts again
+
+
+# --- the layer ---------------------------------------------------------------------------------
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 48, bias=False))
+
+
+def _grads(model, x):
+    x = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(x)
+    y.float().square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return y, x.grad, grads
+
+
+def test_the_layer_follows_float32_as_closely_as_tensorwise_does():
+    plain = _mlp()
+    model = copy.deepcopy(plain)
+    converted, left = fd.convert_linears(model, emulate=True)
+    assert len(converted) == 2 and left == []
+    others = []
+    if importlib.util.find_spec("torchao") is not None:
+        try:
+            tensorwise = copy.deepcopy(plain)
+            prec.convert_linears(tensorwise, "tensorwise", emulate=True)
+            others.append(tensorwise)
+        except ConfigError:
+            pass
+    for step in range(3):  # the first step on its own abs-max, then on the histories
+        fd.next_step()
+        x = torch.randn(3, 13, 64)  # 39 rows: padded to 48 inside
+        y32 = plain(x.clone().requires_grad_())
+        y, gx, gw = _grads(model, x)
+        xr = x.clone().requires_grad_()
+        plain(xr).square().mean().backward()
+        ref = [xr.grad] + [p.grad.clone() for p in plain.parameters()]
+        plain.zero_grad(set_to_none=True)
+        assert y.dtype == torch.bfloat16 and y.shape == (3, 13, 48)
+        errors = [_rel(y, y32), _rel(gx, ref[0])] + [_rel(g, r) for g, r in zip(gw, ref[1:])]
+        assert max(errors) < 0.2, errors  # e4m3 inputs and weights, e5m2 gradients
+        for other in others:  # torchao's tensorwise on the same numbers: the same error, give or take
+            yo, gxo, gwo = _grads(other, x)
+            theirs = [_rel(yo, y32), _rel(gxo, ref[0])] + [_rel(g, r) for g, r in zip(gwo, ref[1:])]
+            assert all(mine < 1.5 * t + 0.01 for mine, t in zip(errors, theirs)), (errors, theirs)
+        with torch.no_grad():  # an update in place, as an optimizer's: the casts follow it
+            for p in [p for m in (plain, model, *others) for p in m.parameters()]:
+                p.mul_(0.97)
+    assert all(layer.history is converted[0].history for layer in converted)
+
+
+@pytest.mark.parametrize("steps", [1, 2])  # the first step's own abs-max, then the histories
+def test_a_checkpoint_recompute_casts_as_the_forward_did(steps):
+    model = _mlp()
+    fd.convert_linears(model, emulate=True)
+    x = torch.randn(32, 64)
+    for _ in range(steps):
+        fd.next_step()
+        _, gx, gw = _grads(model, x)
+    xr = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = checkpoint(model, xr, use_reentrant=False)
+    y.float().square().mean().backward()
+    assert torch.equal(xr.grad, gx)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), gw))
+
+
+def test_no_grad_forward_keeps_no_transposed_input():
+    model = _mlp()
+    fd.convert_linears(model, emulate=True)
+    fd.next_step()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(torch.randn(16, 64))
+    assert y.shape == (16, 48) and y.grad_fn is None
+
+
+# --- in the trainer ----------------------------------------------------------------------------
+
+
+def _fp8_cfg(**drafter):
+    return config_from_dict({"drafter": {"num_workers": 1, "dtype": "bfloat16", "precision": "fp8", **drafter},
+                             "objective": {"max_anchors_per_seq": 16, "anchors_per_step": 32, "weighting": "decay"}})
+
+
+def test_a_delayed_step_follows_the_bf16_step(monkeypatch):
+    """Two steps each (the second on the histories of the first): loss and gradients near bf16's."""
+    monkeypatch.setenv(prec.EMULATE_ENV, "1")
+    config = bd.drafter_model_config("tiny")
+    results = []
+    for drafter in ({"precision": "bf16"}, {"precision": "fp8", "fp8_recipe": "delayed"}):
+        gen = torch.Generator().manual_seed(0)
+        trainer = bd.DrafterTrainer(_fp8_cfg(**drafter), config, bd.random_head(config, "cpu", gen), device="cpu",
+                                    total_steps=4)
+        runs = []
+        for step in range(2):
+            seqs = bd.random_sequences(config, step=step, num_seqs=2, seq_len=64, max_anchors=16,
+                                       device=torch.device("cpu"), gen=gen, cpu_gen=torch.Generator().manual_seed(1))
+            runs.append(trainer.step(trainer.take(collections.deque(seqs))))
+        results.append(runs)
+    for bf16, fp8 in zip(*results):
+        assert fp8["loss"] == pytest.approx(bf16["loss"], rel=1e-2)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ({"compile": "reduce-overhead"}, "needs drafter.compile off"),
+    ({"sharding": "fsdp", "num_workers": 2, "devices": ["cuda:0", "cuda:1"]}, "needs drafter.sharding none"),
+    ({"fp8_shared_casts": True}, "needs drafter.fp8_recipe tensorwise or rowwise"),
+])
+def test_delayed_refuses_what_it_does_not_run_under(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        _fp8_cfg(fp8_recipe="delayed", **override)
+
+
+def test_delayed_needs_no_torchao(monkeypatch):
+    """Its layers are ours: a GPU without torchao still trains in fp8 delayed."""
+    monkeypatch.setenv(prec.EMULATE_ENV, "1")
+    monkeypatch.setitem(sys.modules, "torchao", None)  # import fails
+    prec.require_fp8("cpu", torchao=False)
+    with pytest.raises(ConfigError, match="torchao"):
+        prec.require_fp8("cpu")
+
+
+# --- on a GPU ----------------------------------------------------------------------------------
+
+
+def _has_fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= prec.MIN_CAPABILITY
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and float8_cast.triton is not None), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("shape, src", [((4096, 1024), torch.bfloat16), ((1000, 208), torch.bfloat16),
+                                        ((48, 4096), torch.float32)])
+def test_the_cast_kernel_is_the_torch_ops_bit_for_bit_on_cuda(dtype, shape, src):
+    x = (torch.randn(*shape, device="cuda") * 5).to(src)
+    x[3, 5] = 1e5
+    scale = torch.tensor(37.5, device="cuda")
+    amax = torch.zeros(1, device="cuda")
+    q, qt = float8_cast.cast_to_float8(x, scale, amax, dtype, transpose=True)
+    want, want_t = float8_cast.cast_reference(x, scale, torch.zeros(1, device="cuda"), dtype, transpose=True)
+    assert torch.equal(_bits(q), _bits(want)) and torch.equal(_bits(qt), _bits(want_t))
+    assert float(amax) == float(x.float().abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_fp8_gpu(), reason="needs a CUDA GPU of compute capability >= 8.9")
+def test_the_float8_gemms_match_their_emulation_on_gpu():
+    results = []
+    for emulate in (False, True):
+        model = _mlp().cuda()
+        fd.convert_linears(model, emulate=emulate)
+        out = []
+        for _ in range(2):
+            fd.next_step()
+            x = torch.randn(4, 100, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+            out.append(_grads(model, x))
+        results.append(out)
+    for (y, gx, gw), (ye, gxe, gwe) in zip(*results):
+        assert _rel(y, ye) < 1e-2 and _rel(gx, gxe) < 1e-2
+        assert all(_rel(g, ge) < 1e-2 for g, ge in zip(gw, gwe))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_fp8_gpu(), reason="needs a CUDA GPU of compute capability >= 8.9")
+def test_delayed_training_steps_on_gpu_follow_bf16():
+    losses = {}
+    for variant in ({"precision": "bf16"}, {"precision": "fp8", "fp8_recipe": "delayed"}):
+        f = bd.run_drafter_bench("cuda:0", steps=4, shape="tiny", anchors_per_seq=16, num_seqs=2, seq_len=128,
+                                 warmup=1, variant=variant)
+        losses[variant["precision"]] = f["loss_last"]
+    assert losses["fp8"] == pytest.approx(losses["bf16"], rel=2e-2)
