@@ -209,6 +209,60 @@ def test_a_checkpoint_recompute_casts_as_the_forward_did(steps):
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), gw))
 
 
+class _ThreeReaders(nn.Module):
+    """q/k/v of one input, as an attention block's ``project``; ``share``: the same tensor to each."""
+
+    def __init__(self, share: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v = nn.Linear(64, 96, bias=False), nn.Linear(64, 32, bias=False), nn.Linear(64, 32)
+        self.share = share
+
+    def forward(self, x):
+        return [layer(x if self.share else x.clone()) for layer in (self.q, self.k, self.v)]
+
+
+def test_layers_that_read_one_tensor_cast_it_once_with_the_numbers_of_separate_casts(monkeypatch):
+    casts = []
+    monkeypatch.setattr(fd, "cast_to_float8", lambda x, *a, **k: casts.append(x.shape) or float8_cast.cast_to_float8(
+        x, *a, **k))
+    results = {}
+    for share in (True, False):
+        model = _ThreeReaders(share)
+        history = fd.convert_linears(model, emulate=True)[0][0].history
+        outs = []
+        for step in range(3):
+            fd.next_step()
+            casts.clear()
+            x = torch.randn(40, 64, generator=torch.Generator().manual_seed(step)) * (1 + step)
+            x.requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                ys = model(x.to(torch.bfloat16))
+            sum(y.float().square().mean() for y in ys).backward()
+            outs.append([*ys, x.grad, *[p.grad.clone() for p in model.parameters()]])
+            model.zero_grad(set_to_none=True)
+            inputs = [c for c in casts if c == (48, 64)]  # 40 rows padded to 48; the rest: weights, gradients
+            assert len(inputs) == (1 if share else 3)
+        results[share] = (outs, history.history.clone())
+    for shared, separate in zip(results[True][0], results[False][0]):
+        assert all(torch.equal(a, b) for a, b in zip(shared, separate))  # every scale and history the same
+    assert torch.equal(results[True][1], results[False][1])
+
+
+def test_a_tensor_changed_in_place_is_cast_again():
+    model = nn.Sequential(nn.Linear(64, 32, bias=False))
+    fd.convert_linears(model, emulate=True)
+    history = model[0].history
+    fd.next_step()
+    x = torch.ones(16, 64)
+    first = history.input_cast(0, x, x, transpose=False)
+    assert history.input_cast(0, x, x, transpose=False)[0] is first[0]
+    assert history.input_cast(0, x, x, transpose=True)[0] is not first[0]  # now with the transpose a backward needs
+    x.mul_(2)
+    again = history.input_cast(0, x, x, transpose=False)
+    assert again[0] is not first[0] and float(again[0].float().max()) == float(first[0].float().max())
+
+
 def test_no_grad_forward_keeps_no_transposed_input():
     model = _mlp()
     fd.convert_linears(model, emulate=True)

@@ -13,7 +13,9 @@ GEMMs took. Here, as in Transformer Engine's default recipe:
 - the forward saves the float8 input, transposed, for the weight gradient (1 byte an element
   where a bf16 input is 2), and the backward reuses the forward's float8 weight;
 - the weight is cast once a step, with its own abs-max of that step (exact, as tensorwise),
-  shared by the forward, a gradient-checkpointing recompute and the backward.
+  shared by the forward, a gradient-checkpointing recompute and the backward;
+- layers that read the very same tensor (q/k/v of the block, k/v of the context, gate/up)
+  share its cast: one pass where torchao's layers make one each.
 
 Formats and GEMMs are torchao's tensorwise ones: e4m3 inputs and weights, e5m2 gradients,
 fast accumulation in the forward GEMM only, bf16 outputs, float32 weight gradients. What
@@ -67,6 +69,7 @@ class AmaxHistory:
         self.ready = [[False, False] for _ in range(num_layers)]  # a step of history behind the scale
         self._used = [[False, False] for _ in range(num_layers)]  # cast this step
         self._weights: dict[int, tuple] = {}  # layer -> (weight key, w_q, w_qt, w_inv): this step's casts
+        self._last_input: tuple | None = None  # (weakref to x, its version, rows, layer, q, qt, inv)
         _HISTORIES.add(self)
 
     def _ensure(self, device: torch.device) -> None:
@@ -80,14 +83,33 @@ class AmaxHistory:
         """(x in the kind's float8 format, its transpose or None, the inverse scale) for layer
         ``layer``'s tensor of ``kind`` (INPUT or GRAD); its abs-max joins this step's."""
         self._ensure(x.device)
-        dtype = FORMATS[kind]
+        dtype, x = FORMATS[kind], x.detach()  # a cast is not differentiated: the matmuls' Function is
         if self.ready[layer][kind]:
             scale = self.scales[layer, kind]
         else:  # no history yet: the tensor's own abs-max (one more pass, this step only)
-            scale = _scale(x.detach().abs().amax(), dtype)
+            scale = _scale(x.abs().amax(), dtype)
         q, qt = cast_to_float8(x, scale, self.pending[layer, kind: kind + 1], dtype, transpose=transpose)
         self._used[layer][kind] = True
         return q, qt, scale.reciprocal()
+
+    def input_cast(self, layer: int, x: Tensor, flat: Tensor, *, transpose: bool) -> tuple[Tensor, Tensor | None, Tensor]:
+        """:meth:`cast` of layer ``layer``'s input ``x`` (``flat``: its rows flattened and padded),
+        or, where ``x`` is the very tensor the last input cast was made of (unchanged since),
+        that cast: the layers that read one input (q/k/v, k/v of the context, gate/up) cast it
+        once. Their histories then see the first layer's abs-max (the same tensor's), so each
+        stays what it would have been; the scale is the first layer's, from the same inputs."""
+        last = self._last_input
+        if (last is not None and last[0]() is x and last[1] == x._version and last[2] == tuple(flat.shape)
+                and (last[5] is not None or not transpose)):
+            source = last[3]
+            if source != layer:
+                torch.maximum(self.pending[layer, INPUT], self.pending[source, INPUT], out=self.pending[layer, INPUT])
+                self._used[layer][INPUT] = True
+            return last[4], last[5], last[6]
+        q, qt, inv = self.cast(layer, INPUT, flat, transpose=transpose)
+        # A weak reference: the cache neither keeps x alive nor trusts an address a new tensor may reuse
+        self._last_input = (weakref.ref(x), x._version, tuple(flat.shape), layer, q, qt, inv)
+        return q, qt, inv
 
     def weight(self, layer: int, weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(weight ``[M, K]`` in e4m3, its transpose ``[K, M]``, the inverse scale), cast at the
@@ -106,6 +128,7 @@ class AmaxHistory:
         """Between steps: this step's abs-maxes enter the histories, the scales follow, the
         weights' casts are dropped (the optimizer has changed them)."""
         self._weights.clear()
+        self._last_input = None
         if self.history is None or not any(any(used) for used in self._used):
             return
         with torch.no_grad():
@@ -141,12 +164,12 @@ class _DelayedMatmul(torch.autograd.Function):
     """``x @ weight.t()`` through float8 GEMMs; x ``[N, K]`` with N a multiple of 16."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, layer: "DelayedFloat8Linear", wants_wgrad: bool) -> Tensor:
-        history, index, emulate = layer.history, layer.history_index, layer.emulate
+    def forward(ctx, x: Tensor, weight: Tensor, x_q: Tensor, x_qt: Tensor | None, x_inv: Tensor,
+                layer: "DelayedFloat8Linear") -> Tensor:
+        """x ``[N, K]``: the input, for autograd (its gradient); x_q / x_qt / x_inv its cast."""
         with torch.autocast(x.device.type, enabled=False):  # the emulated matmuls stay float32
-            x_q, x_qt, x_inv = history.cast(index, INPUT, x, transpose=wants_wgrad)
-            w_q, w_qt, w_inv = history.weight(index, weight)
-            out = _scaled_mm(x_q, w_q.t(), x_inv, w_inv, x.dtype, fast_accum=True, emulate=emulate)
+            w_q, w_qt, w_inv = layer.history.weight(layer.history_index, weight)
+            out = _scaled_mm(x_q, w_q.t(), x_inv, w_inv, x.dtype, fast_accum=True, emulate=layer.emulate)
         ctx.save_for_backward(x_qt, x_inv, w_qt, w_inv)
         ctx.layer, ctx.weight_dtype = layer, weight.dtype
         return out
@@ -164,7 +187,7 @@ class _DelayedMatmul(torch.autograd.Function):
             if wants_w:  # [M, N] @ [N, K]: both with N contiguous
                 grad_w = _scaled_mm(g_qt, x_qt.t(), g_inv, x_inv, ctx.weight_dtype, fast_accum=False,
                                     emulate=layer.emulate)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 class DelayedFloat8Linear(nn.Linear):
@@ -187,8 +210,10 @@ class DelayedFloat8Linear(nn.Linear):
         flat = x.reshape(rows, x.shape[-1])
         if rows % MM_MULTIPLE:  # zero rows change neither an abs-max nor a weight-gradient sum
             flat = F.pad(flat, (0, 0, 0, -rows % MM_MULTIPLE))
+        flat = flat.contiguous()
         wants_wgrad = torch.is_grad_enabled() and self.weight.requires_grad  # else no transposed input is kept
-        out = _DelayedMatmul.apply(flat.contiguous(), self.weight, self, wants_wgrad)
+        x_q, x_qt, x_inv = self.history.input_cast(self.history_index, x, flat, transpose=wants_wgrad)
+        out = _DelayedMatmul.apply(flat, self.weight, x_q, x_qt, x_inv, self)
         out = out[:rows].reshape(*lead, self.out_features)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
