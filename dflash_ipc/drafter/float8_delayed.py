@@ -87,7 +87,7 @@ class AmaxHistory:
         if self.ready[layer][kind]:
             scale = self.scales[layer, kind]
         else:  # no history yet: the tensor's own abs-max (one more pass, this step only)
-            scale = _scale(x.abs().amax(), dtype)
+            scale = _scale(_abs_max(x), dtype)
         q, qt = cast_to_float8(x, scale, self.pending[layer, kind: kind + 1], dtype, transpose=transpose)
         self._used[layer][kind] = True
         return q, qt, scale.reciprocal()
@@ -118,7 +118,7 @@ class AmaxHistory:
         cached = self._weights.get(layer)
         if cached is None or cached[0] != key:
             w = weight.detach()
-            scale = _scale(w.abs().amax(), E4M3)
+            scale = _scale(_abs_max(w), E4M3)
             sink = torch.zeros(1, device=w.device)  # a weight's abs-max has no history
             w_q, w_qt = cast_to_float8(w, scale, sink, E4M3, transpose=True)
             cached = self._weights[layer] = (key, w_q, w_qt, scale.reciprocal())
@@ -142,6 +142,11 @@ class AmaxHistory:
             for kind in (INPUT, GRAD):
                 self.ready[layer][kind] |= used[kind]
                 used[kind] = False
+
+
+def _abs_max(x: Tensor) -> Tensor:
+    """max |x| in one reduction (``x.abs().amax()`` writes and reads |x| first)."""
+    return torch.linalg.vector_norm(x, float("inf"))
 
 
 def _scale(amax: Tensor, dtype: torch.dtype) -> Tensor:
