@@ -91,7 +91,7 @@ def cast_reference(x: Tensor, scale: Tensor, amax: Tensor, dtype: torch.dtype, *
     xf = x.float()
     torch.maximum(amax, xf.abs().amax().reshape(amax.shape), out=amax)
     fmax = torch.finfo(dtype).max
-    q = (xf * scale).clamp(-fmax, fmax).to(dtype)
+    q = (xf * scale).clamp(-fmax, fmax).to(dtype).contiguous()  # row-major whatever x's strides
     return q, (q.t().contiguous() if transpose else None)
 
 

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_ipc.drafter.float8_cast import cast_to_float8
+from dflash_ipc.drafter.float8_matmul import scaled_matmul
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 AMAX_HISTORY = 16
@@ -136,8 +137,8 @@ class AmaxHistory:
             self.history[:, :, 0] = self.pending
             self.pending.zero_()
             amax = self.history.amax(dim=-1).clamp_min(AMAX_EPS)  # [L, 2]
-            fmax = torch.tensor([torch.finfo(d).max for d in FORMATS], device=amax.device)
-            self.scales.copy_(fmax / amax)
+            for kind, dtype in enumerate(FORMATS):  # a Python scalar over a tensor: no host-to-device copy, no wait
+                torch.div(torch.finfo(dtype).max, amax[:, kind], out=self.scales[:, kind])
         for layer, used in enumerate(self._used):
             for kind in (INPUT, GRAD):
                 self.ready[layer][kind] |= used[kind]
@@ -159,12 +160,6 @@ def next_step() -> None:
         history.roll()
 
 
-def _scaled_mm(a: Tensor, b: Tensor, a_inv: Tensor, b_inv: Tensor, out_dtype: torch.dtype, *,
-               fast_accum: bool, emulate: bool) -> Tensor:
-    from dflash_ipc.drafter.precision import scaled_matmul  # the LM head's, one definition
-    return scaled_matmul(a, b, a_inv, b_inv, out_dtype, fast_accum=fast_accum, emulate=emulate)
-
-
 class _DelayedMatmul(torch.autograd.Function):
     """``x @ weight.t()`` through float8 GEMMs; x ``[N, K]`` with N a multiple of 16."""
 
@@ -174,7 +169,7 @@ class _DelayedMatmul(torch.autograd.Function):
         """x ``[N, K]``: the input, for autograd (its gradient); x_q / x_qt / x_inv its cast."""
         with torch.autocast(x.device.type, enabled=False):  # the emulated matmuls stay float32
             w_q, w_qt, w_inv = layer.history.weight(layer.history_index, weight)
-            out = _scaled_mm(x_q, w_q.t(), x_inv, w_inv, x.dtype, fast_accum=True, emulate=layer.emulate)
+            out = scaled_matmul(x_q, w_q.t(), x_inv, w_inv, x.dtype, fast_accum=True, emulate=layer.emulate)
         ctx.save_for_backward(x_qt, x_inv, w_qt, w_inv)
         ctx.layer, ctx.weight_dtype = layer, weight.dtype
         return out
@@ -186,11 +181,12 @@ class _DelayedMatmul(torch.autograd.Function):
         wants_x, wants_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and x_qt is not None
         grad_x = grad_w = None
         with torch.autocast(grad.device.type, enabled=False):
-            g_q, g_qt, g_inv = layer.history.cast(layer.history_index, GRAD, grad.contiguous(), transpose=wants_w)
+            # any strides: the cast reads them (a gradient that arrives transposed is not copied first)
+            g_q, g_qt, g_inv = layer.history.cast(layer.history_index, GRAD, grad, transpose=wants_w)
             if wants_x:  # [N, M] @ [M, K]: the weight column-major is its transpose row-major
-                grad_x = _scaled_mm(g_q, w_qt.t(), g_inv, w_inv, grad.dtype, fast_accum=False, emulate=layer.emulate)
+                grad_x = scaled_matmul(g_q, w_qt.t(), g_inv, w_inv, grad.dtype, fast_accum=False, emulate=layer.emulate)
             if wants_w:  # [M, N] @ [N, K]: both with N contiguous
-                grad_w = _scaled_mm(g_qt, x_qt.t(), g_inv, x_inv, ctx.weight_dtype, fast_accum=False,
+                grad_w = scaled_matmul(g_qt, x_qt.t(), g_inv, x_inv, ctx.weight_dtype, fast_accum=False,
                                     emulate=layer.emulate)
         return grad_x, grad_w, None, None, None, None
 

@@ -62,6 +62,7 @@ from torch import Tensor, nn
 
 from dflash_ipc.config.schema import DrafterConfig
 from dflash_ipc.drafter import float8_delayed
+from dflash_ipc.drafter.float8_matmul import scaled_matmul
 from dflash_ipc.drafter.model import CudaCompiled, compile_enabled, each_linear
 from dflash_ipc.drafter.objective import _acc_dtype, _fused_chunk_loss
 from dflash_ipc.hf.target_head import FrozenTargetHead
@@ -501,15 +502,6 @@ def loss_and_quantized_probs(logits: Tensor, labels: Tensor, weights: Tensor, dt
 
 _fused_quantize = CudaCompiled(quantize, dynamic_args=(0,))
 _fused_loss_and_probs = CudaCompiled(loss_and_quantized_probs, dynamic_args=(0, 1, 2))
-
-
-def scaled_matmul(a: Tensor, b: Tensor, a_inv: Tensor, b_inv: Tensor, out_dtype: torch.dtype, *,
-                  fast_accum: bool, emulate: bool) -> Tensor:
-    """``(a * a_inv) @ (b * b_inv)``: a ``[M, K]`` row-major and b ``[K, N]`` column-major in
-    float8, a_inv ``[M, 1]`` or ``[]``, b_inv ``[1, N]`` or ``[]``."""
-    if emulate:
-        return ((a.float() * a_inv) @ (b.float() * b_inv)).to(out_dtype)
-    return torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
 class Fp8LMHead:
