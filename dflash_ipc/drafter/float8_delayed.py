@@ -215,7 +215,9 @@ class DelayedFloat8Linear(nn.Linear):
         wants_wgrad = torch.is_grad_enabled() and self.weight.requires_grad  # else no transposed input is kept
         x_q, x_qt, x_inv = self.history.input_cast(self.history_index, x, flat, transpose=wants_wgrad)
         out = _DelayedMatmul.apply(flat, self.weight, x_q, x_qt, x_inv, self)
-        out = out[:rows].reshape(*lead, self.out_features)
+        if out.shape[0] != rows:  # only where padded: a slice's backward writes a zeroed copy of the gradient
+            out = out[:rows]
+        out = out.reshape(*lead, self.out_features)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
