@@ -84,6 +84,13 @@ INTERPRETED = textwrap.dedent("""
         want, want_t = float8_cast.cast_reference(x, torch.tensor(8.0), torch.zeros(1), dtype, transpose=True)
         print(torch.equal(q.view(torch.uint8), want.view(torch.uint8)),
               torch.equal(qt.view(torch.uint8), want_t.view(torch.uint8)), float(amax) == 4096.0)
+    # float32 (a weight): the kernel's row-major output, torch's transpose of it (KERNEL_TRANSPOSES)
+    launched, launch = [], float8_cast._cast_kernel_launch
+    float8_cast._cast_kernel_launch = lambda x, *a: launched.append((x.dtype, a[-1])) or launch(x, *a)
+    w = (torch.randint(-8, 9, (32, 48)).float() / 32)
+    q, qt = float8_cast.cast_to_float8(w, torch.tensor(8.0), torch.zeros(1), torch.float8_e4m3fn, transpose=True)
+    print(launched == [(torch.float32, False)] and qt.is_contiguous()
+          and torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8)))
 """)
 
 
@@ -92,7 +99,7 @@ def test_the_cast_kernel_in_tritons_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
     done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["True"] * 6
+    assert done.stdout.split() == ["True"] * 7
 
 
 # --- the histories ----------------------------------------------------------------------------
