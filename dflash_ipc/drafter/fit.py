@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from dflash_ipc.config.device_memory import USABLE, device_capacity, gib
+from dflash_ipc.drafter.precision import discard_step
 from dflash_ipc.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ def forward_backward(trainer, chosen) -> None:
             trainer.loss_sum(batch, features, mask).backward()
     finally:
         trainer.model.zero_grad(set_to_none=True)
+        discard_step()  # fp8 delayed: the probe's made-up inputs set no scale
 
 
 def probe_drafter_step(trainer, dataset, cfg, feature_dtype: torch.dtype) -> None:

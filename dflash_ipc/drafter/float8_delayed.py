@@ -7,7 +7,7 @@ step's kernels on an H200 (docs/benchmarks.md, "fp8 drafter step"), half what th
 GEMMs took. Here, as in Transformer Engine's default recipe:
 
 - an input's and an output gradient's scale come from the abs-max of the same layer's
-  tensors over the last ``AMAX_HISTORY`` steps (``fmax / max(history)``), so one pass casts
+  tensors over the last ``AMAX_HISTORY`` steps (``fmax / (AMAX_MARGIN x max(history))``), so one pass casts
   the tensor in both layouts its matmuls need and folds its abs-max into the history
   (float8_cast.py): ~4 bytes an element against ~8;
 - the forward saves the float8 input, transposed, for the weight gradient (1 byte an element
@@ -31,7 +31,8 @@ recompute casts exactly as the forward did. A layer called twice in a step (k/v 
 context and the block) keeps the larger abs-max. Each rank keeps its own histories (no
 all-reduce: a rank's scales only have to fit its own tensors). The layers run eagerly, outside
 torch.compile (``drafter.compile: off``), and the weights stay the same float32 parameters
-under the same names, so checkpoints and exports do not change.
+under the same names, so checkpoints and exports do not change. The histories are not
+checkpointed: a resumed job's first step scales each tensor by its own abs-max, as a new one's.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from dflash_ipc.drafter.float8_cast import cast_to_float8
 from dflash_ipc.drafter.float8_matmul import scaled_matmul
@@ -50,6 +52,11 @@ AMAX_HISTORY = 16
 """Steps of abs-max a scale covers. Longer: fewer saturated steps after a spike, coarser
 rounding for the small values of the steps after it (the scale stays down while the spike
 is in the history)."""
+AMAX_MARGIN = 2.0
+"""A scale maps ``AMAX_MARGIN x max(history)`` to the format's largest value: a tensor whose
+abs-max doubled since its history (the context of a batch of other sequences: the tiny test
+drafter's k/v inputs went from 3.66 to 7.03 between two steps) still does not saturate. It costs
+one binade at the small end (e4m3 keeps ~16 binades below its largest value)."""
 AMAX_EPS = 1e-12  # an all-zero tensor still gets a finite scale (torchao's floor)
 MM_MULTIPLE = 16  # torch._scaled_mm: every dim a multiple of 16
 INPUT, GRAD = 0, 1  # the two kinds of tensor a layer scales with history
@@ -71,13 +78,24 @@ class AmaxHistory:
         self._used = [[False, False] for _ in range(num_layers)]  # cast this step
         self._weights: dict[int, tuple] = {}  # layer -> (weight key, w_q, w_qt, w_inv): this step's casts
         self._last_input: tuple | None = None  # (weakref to x, its version, rows, layer, q, qt, inv)
-        _HISTORIES.add(self)
+        _register(self)
+
+    def __deepcopy__(self, memo) -> "AmaxHistory":
+        """A copied model's own histories (the same values), registered to roll; no cached casts."""
+        copy = AmaxHistory(self.num_layers, self.length)
+        if self.history is not None:
+            copy.history, copy.pending, copy.scales = (t.clone() for t in (self.history, self.pending, self.scales))
+        copy.ready = [list(r) for r in self.ready]
+        copy._used = [list(u) for u in self._used]
+        memo[id(self)] = copy
+        return copy
 
     def _ensure(self, device: torch.device) -> None:
         if self.history is None or self.history.device != device:
-            self.history = torch.zeros(self.num_layers, 2, self.length, device=device)
-            self.pending = torch.zeros(self.num_layers, 2, device=device)
-            self.scales = torch.ones(self.num_layers, 2, device=device)
+            with torch.inference_mode(False):  # state that outlives an inference-mode call stays updatable
+                self.history = torch.zeros(self.num_layers, 2, self.length, device=device)
+                self.pending = torch.zeros(self.num_layers, 2, device=device)
+                self.scales = torch.ones(self.num_layers, 2, device=device)
             self.ready = [[False, False] for _ in range(self.num_layers)]
 
     def cast(self, layer: int, kind: int, x: Tensor, *, transpose: bool) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -99,6 +117,8 @@ class AmaxHistory:
         that cast: the layers that read one input (q/k/v, k/v of the context, gate/up) cast it
         once. Their histories then see the first layer's abs-max (the same tensor's), so each
         stays what it would have been; the scale is the first layer's, from the same inputs."""
+        if x.is_inference():  # no version counter to trust: cast it, remember nothing
+            return self.cast(layer, INPUT, flat, transpose=transpose)
         last = self._last_input
         if (last is not None and last[0]() is x and last[1] == x._version and last[2] == tuple(flat.shape)
                 and (last[5] is not None or not transpose)):
@@ -114,7 +134,8 @@ class AmaxHistory:
 
     def weight(self, layer: int, weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(weight ``[M, K]`` in e4m3, its transpose ``[K, M]``, the inverse scale), cast at the
-        layer's first call of the step with the weight's own abs-max."""
+        layer's first call of the step with the weight's own abs-max. Dropped at every roll and
+        every optimizer step (a fused optimizer writes the weight without bumping its version)."""
         key = (weight.data_ptr(), weight._version, tuple(weight.shape))
         cached = self._weights.get(layer)
         if cached is None or cached[0] != key:
@@ -122,7 +143,9 @@ class AmaxHistory:
             scale = _scale(_abs_max(w), E4M3)
             sink = torch.zeros(1, device=w.device)  # a weight's abs-max has no history
             w_q, w_qt = cast_to_float8(w, scale, sink, E4M3, transpose=True)
-            cached = self._weights[layer] = (key, w_q, w_qt, scale.reciprocal())
+            cached = (key, w_q, w_qt, scale.reciprocal())
+            if not torch.is_inference_mode_enabled():  # an inference tensor could not be saved for a backward
+                self._weights[layer] = cached
         return cached[1:]
 
     def roll(self) -> None:
@@ -136,13 +159,44 @@ class AmaxHistory:
             self.history[:, :, 1:] = self.history[:, :, :-1].clone()
             self.history[:, :, 0] = self.pending
             self.pending.zero_()
-            amax = self.history.amax(dim=-1).clamp_min(AMAX_EPS)  # [L, 2]
-            for kind, dtype in enumerate(FORMATS):  # a Python scalar over a tensor: no host-to-device copy, no wait
-                torch.div(torch.finfo(dtype).max, amax[:, kind], out=self.scales[:, kind])
+            amax = self.history.amax(dim=-1)  # [L, 2]
+            # Where the history holds no finite abs-max above 0 (all-zero gradients), the scale
+            # stays as it was, as Transformer Engine keeps it: fmax / 0 would saturate everything.
+            usable = torch.isfinite(amax) & (amax > 0)
+            for kind, dtype in enumerate(FORMATS):  # Python scalars over tensors: no host-to-device copy, no wait
+                new = torch.finfo(dtype).max / (AMAX_MARGIN * amax[:, kind].clamp_min(AMAX_EPS))
+                torch.where(usable[:, kind], new, self.scales[:, kind], out=self.scales[:, kind])
         for layer, used in enumerate(self._used):
             for kind in (INPUT, GRAD):
                 self.ready[layer][kind] |= used[kind]
                 used[kind] = False
+
+
+    def discard(self) -> None:
+        """Forget this step's abs-maxes and casts, as if nothing had run since the last roll (a
+        memory probe's forward and backward, drafter/fit.py: its made-up inputs must not set
+        the first step's scales)."""
+        if self.pending is not None:
+            self.pending.zero_()
+        self._used = [[False, False] for _ in range(self.num_layers)]
+        self._weights.clear()
+        self._last_input = None
+
+
+def _register(history: AmaxHistory) -> None:
+    global _HOOKED
+    _HISTORIES.add(history)
+    if not _HOOKED:  # any optimizer's step drops the weights' casts: they no longer match the weights
+        register_optimizer_step_post_hook(_drop_weight_casts)
+        _HOOKED = True
+
+
+def _drop_weight_casts(optimizer, args, kwargs) -> None:
+    for history in list(_HISTORIES):
+        history._weights.clear()
+
+
+_HOOKED = False
 
 
 def _abs_max(x: Tensor) -> Tensor:
@@ -158,6 +212,12 @@ def next_step() -> None:
     """Roll every model's histories (precision.next_step, between two steps)."""
     for history in list(_HISTORIES):
         history.roll()
+
+
+def discard_step() -> None:
+    """Every model's :meth:`AmaxHistory.discard` (precision.discard_step)."""
+    for history in list(_HISTORIES):
+        history.discard()
 
 
 class _DelayedMatmul(torch.autograd.Function):

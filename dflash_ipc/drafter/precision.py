@@ -314,6 +314,12 @@ def next_step() -> None:
     float8_delayed.next_step()
 
 
+def discard_step() -> None:
+    """After a forward and backward that was not a step (the memory probe): the delayed
+    recipe forgets what it saw (float8_delayed.py)."""
+    float8_delayed.discard_step()
+
+
 def reset_compiled_layers() -> None:
     """Forget the float8 layers' graphs and row counts: between models of one process (a bench
     comparing precisions), so one model's graphs neither count against the next one's
