@@ -1,12 +1,14 @@
 """drafter.fp8_recipe delayed (drafter/float8_delayed.py, drafter/float8_cast.py).
 
 On CPU, in emulation (float8-rounded operands, float32 matmuls): the one-pass cast against its
-definition, the abs-max histories (the first step's own abs-max, then the last steps' maximum,
-fixed within a step), the layer's values and gradients against float32 and against torchao's
-tensorwise layer where it is installed, a gradient-checkpointing recompute, a trainer step
-against bf16 (the conversion's parameters, checkpoint and export: tests/test_drafter_precision.py),
-the config's refusals; where Triton is installed, the cast kernel in its interpreter. On a GPU (marked gpu): the kernel bit for bit
-against the torch ops, the real float8 GEMMs against their emulation, training steps against bf16."""
+definition, the abs-max histories (the first step's own abs-max, then the last steps' maximum
+with its margin, fixed within a step; an all-zero step; the memory probe; an optimizer step),
+the layer's values and gradients against float32 and against torchao's tensorwise layer where
+it is installed, shared casts, a gradient-checkpointing recompute, a trainer step's loss and
+gradients against bf16 (the conversion's parameters, checkpoint and export:
+tests/test_drafter_precision.py), the config's refusals; where Triton is installed, the cast
+kernel in its interpreter. On a GPU (marked gpu): the kernel bit for bit against the torch ops,
+the real float8 GEMMs against their emulation, training steps against bf16."""
 
 import collections
 import copy

@@ -19,6 +19,8 @@ values: a multiply, a clamp and a round-to-nearest-even cast per element).
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -73,7 +75,6 @@ def kernel_takes(x: Tensor) -> bool:
 
 
 def _interpreting() -> bool:
-    import os
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -119,5 +120,5 @@ def _cast_kernel_launch(x: Tensor, scale: Tensor, amax: Tensor, dtype: torch.dty
                 _cast_kernel_tuned[grid](*args, FMAX=torch.finfo(dtype).max, TRANSPOSE=transpose)
         else:  # Triton's interpreter (TRITON_INTERPRET=1): tests
             _float8_cast_kernel[grid](*args, FMAX=torch.finfo(dtype).max, TRANSPOSE=transpose,
-                               **_TILES[0].kwargs)
+                                      **_TILES[0].kwargs)
     return q, (qt if transpose else None)

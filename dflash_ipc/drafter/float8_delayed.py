@@ -7,9 +7,9 @@ step's kernels on an H200 (docs/benchmarks.md, "fp8 drafter step"), half what th
 GEMMs took. Here, as in Transformer Engine's default recipe:
 
 - an input's and an output gradient's scale come from the abs-max of the same layer's
-  tensors over the last ``AMAX_HISTORY`` steps (``fmax / (AMAX_MARGIN x max(history))``), so one pass casts
-  the tensor in both layouts its matmuls need and folds its abs-max into the history
-  (float8_cast.py): ~4 bytes an element against ~8;
+  tensors over the last ``AMAX_HISTORY`` steps (``fmax / (AMAX_MARGIN x max(history))``), so
+  one pass casts the tensor in both layouts its matmuls need and folds its abs-max into the
+  history (float8_cast.py): ~4 bytes an element against ~8;
 - the forward saves the float8 input, transposed, for the weight gradient (1 byte an element
   where a bf16 input is 2), and the backward reuses the forward's float8 weight;
 - the weight is cast once a step, with its own abs-max of that step (exact, as tensorwise),
@@ -111,7 +111,8 @@ class AmaxHistory:
         self._used[layer][kind] = True
         return q, qt, scale.reciprocal()
 
-    def input_cast(self, layer: int, x: Tensor, flat: Tensor, *, transpose: bool) -> tuple[Tensor, Tensor | None, Tensor]:
+    def input_cast(self, layer: int, x: Tensor, flat: Tensor, *,
+                   transpose: bool) -> tuple[Tensor, Tensor | None, Tensor]:
         """:meth:`cast` of layer ``layer``'s input ``x`` (``flat``: its rows flattened and padded),
         or, where ``x`` is the very tensor the last input cast was made of (unchanged since),
         that cast: the layers that read one input (q/k/v, k/v of the context, gate/up) cast it
@@ -170,7 +171,6 @@ class AmaxHistory:
             for kind in (INPUT, GRAD):
                 self.ready[layer][kind] |= used[kind]
                 used[kind] = False
-
 
     def discard(self) -> None:
         """Forget this step's abs-maxes and casts, as if nothing had run since the last roll (a
@@ -244,10 +244,11 @@ class _DelayedMatmul(torch.autograd.Function):
             # any strides: the cast reads them (a gradient that arrives transposed is not copied first)
             g_q, g_qt, g_inv = layer.history.cast(layer.history_index, GRAD, grad, transpose=wants_w)
             if wants_x:  # [N, M] @ [M, K]: the weight column-major is its transpose row-major
-                grad_x = scaled_matmul(g_q, w_qt.t(), g_inv, w_inv, grad.dtype, fast_accum=False, emulate=layer.emulate)
+                grad_x = scaled_matmul(g_q, w_qt.t(), g_inv, w_inv, grad.dtype, fast_accum=False,
+                                       emulate=layer.emulate)
             if wants_w:  # [M, N] @ [N, K]: both with N contiguous
                 grad_w = scaled_matmul(g_qt, x_qt.t(), g_inv, x_inv, ctx.weight_dtype, fast_accum=False,
-                                    emulate=layer.emulate)
+                                       emulate=layer.emulate)
         return grad_x, grad_w, None, None, None, None
 
 
@@ -256,7 +257,8 @@ class DelayedFloat8Linear(nn.Linear):
     the same ``weight`` and ``bias`` parameters as the layer it replaces."""
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, history: AmaxHistory, index: int, *, emulate: bool) -> "DelayedFloat8Linear":
+    def from_linear(cls, linear: nn.Linear, history: AmaxHistory, index: int, *,
+                    emulate: bool) -> "DelayedFloat8Linear":
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.in_features, layer.out_features = linear.in_features, linear.out_features
