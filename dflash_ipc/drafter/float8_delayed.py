@@ -45,9 +45,8 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from dflash_ipc.drafter.float8_cast import cast_to_float8
-from dflash_ipc.drafter.float8_matmul import scaled_matmul
+from dflash_ipc.drafter.float8_matmul import AMAX_EPS, E4M3, E5M2, MM_MULTIPLE, float8_scale, scaled_matmul
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 AMAX_HISTORY = 16
 """Steps of abs-max a scale covers. Longer: fewer saturated steps after a spike, coarser
 rounding for the small values of the steps after it (the scale stays down while the spike
@@ -57,8 +56,6 @@ AMAX_MARGIN = 2.0
 abs-max doubled since its history (the context of a batch of other sequences: the tiny test
 drafter's k/v inputs went from 3.66 to 7.03 between two steps) still does not saturate. It costs
 one binade at the small end (e4m3 keeps ~16 binades below its largest value)."""
-AMAX_EPS = 1e-12  # an all-zero tensor still gets a finite scale (torchao's floor)
-MM_MULTIPLE = 16  # torch._scaled_mm: every dim a multiple of 16
 INPUT, GRAD = 0, 1  # the two kinds of tensor a layer scales with history
 FORMATS = (E4M3, E5M2)  # the float8 format of each kind
 
@@ -74,6 +71,7 @@ class AmaxHistory:
         self.history: Tensor | None = None  # [L, 2, length] float32: newest first
         self.pending: Tensor | None = None  # [L, 2] this step's abs-max so far
         self.scales: Tensor | None = None  # [L, 2] float32: fmax of the kind's format / max(history)
+        self._sink: Tensor | None = None  # [1]: where a weight's abs-max goes (it has no history)
         self.ready = [[False, False] for _ in range(num_layers)]  # a step of history behind the scale
         self._used = [[False, False] for _ in range(num_layers)]  # cast this step
         self._weights: dict[int, tuple] = {}  # layer -> (weight key, w_q, w_qt, w_inv): this step's casts
@@ -84,7 +82,8 @@ class AmaxHistory:
         """A copied model's own histories (the same values), registered to roll; no cached casts."""
         copy = AmaxHistory(self.num_layers, self.length)
         if self.history is not None:
-            copy.history, copy.pending, copy.scales = (t.clone() for t in (self.history, self.pending, self.scales))
+            copy.history, copy.pending, copy.scales, copy._sink = (
+                t.clone() for t in (self.history, self.pending, self.scales, self._sink))
         copy.ready = [list(r) for r in self.ready]
         copy._used = [list(u) for u in self._used]
         memo[id(self)] = copy
@@ -96,6 +95,7 @@ class AmaxHistory:
                 self.history = torch.zeros(self.num_layers, 2, self.length, device=device)
                 self.pending = torch.zeros(self.num_layers, 2, device=device)
                 self.scales = torch.ones(self.num_layers, 2, device=device)
+                self._sink = torch.zeros(1, device=device)
             self.ready = [[False, False] for _ in range(self.num_layers)]
 
     def cast(self, layer: int, kind: int, x: Tensor, *, transpose: bool) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -106,7 +106,7 @@ class AmaxHistory:
         if self.ready[layer][kind]:
             scale = self.scales[layer, kind]
         else:  # no history yet: the tensor's own abs-max (one more pass, this step only)
-            scale = _scale(_abs_max(x), dtype)
+            scale = float8_scale(_abs_max(x), dtype)
         q, qt = cast_to_float8(x, scale, self.pending[layer, kind: kind + 1], dtype, transpose=transpose)
         self._used[layer][kind] = True
         return q, qt, scale.reciprocal()
@@ -141,9 +141,9 @@ class AmaxHistory:
         cached = self._weights.get(layer)
         if cached is None or cached[0] != key:
             w = weight.detach()
-            scale = _scale(_abs_max(w), E4M3)
-            sink = torch.zeros(1, device=w.device)  # a weight's abs-max has no history
-            w_q, w_qt = cast_to_float8(w, scale, sink, E4M3, transpose=True)
+            scale = float8_scale(_abs_max(w), E4M3)
+            self._ensure(w.device)
+            w_q, w_qt = cast_to_float8(w, scale, self._sink, E4M3, transpose=True)
             cached = (key, w_q, w_qt, scale.reciprocal())
             if not torch.is_inference_mode_enabled():  # an inference tensor could not be saved for a backward
                 self._weights[layer] = cached
@@ -202,10 +202,6 @@ _HOOKED = False
 def _abs_max(x: Tensor) -> Tensor:
     """max |x| in one reduction (``x.abs().amax()`` writes and reads |x| first)."""
     return torch.linalg.vector_norm(x, float("inf"))
-
-
-def _scale(amax: Tensor, dtype: torch.dtype) -> Tensor:
-    return torch.finfo(dtype).max / amax.float().clamp_min(AMAX_EPS)
 
 
 def next_step() -> None:

@@ -62,7 +62,7 @@ from torch import Tensor, nn
 
 from dflash_ipc.config.schema import DrafterConfig
 from dflash_ipc.drafter import float8_delayed
-from dflash_ipc.drafter.float8_matmul import scaled_matmul
+from dflash_ipc.drafter.float8_matmul import E4M3, E5M2, MM_MULTIPLE, float8_scale, scaled_matmul
 from dflash_ipc.drafter.model import CudaCompiled, compile_enabled, each_linear
 from dflash_ipc.drafter.objective import _acc_dtype, _fused_chunk_loss
 from dflash_ipc.hf.target_head import FrozenTargetHead
@@ -84,9 +84,6 @@ Qwen3-1.7B shape, hidden 2,048, 1.16x synchronised at fixed lengths, 1.06x synch
 fp8's median step 1.09x bf16's, its first steps of each new row count seconds longer (compiles);
 sizes between 576 and 2,048 are not measured. Below it :func:`apply_precision` warns."""
 INSTALL_HINT = "pip install 'dflash-ipc[fp8]'"
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-AMAX_EPS = 1e-12  # as torchao: an all-zero tensor gets a finite scale
-MM_MULTIPLE = 16  # torch._scaled_mm: inner and output dims must be multiples of 16
 
 
 def emulate_enabled() -> bool:
@@ -456,19 +453,12 @@ def share_input_casts(model: nn.Module, *, in_graph: bool) -> int:
 # --- the LM head: torch._scaled_mm --------------------------------------------------------------
 
 
-def _scale(amax: Tensor, dtype: torch.dtype, pow2: bool) -> Tensor:
-    """float32 scale taking ``amax`` to the largest finite value of ``dtype`` (rounded down to
-    a power of two when ``pow2``: scaling is then exact)."""
-    scale = torch.finfo(dtype).max / amax.float().clamp_min(AMAX_EPS)
-    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
-
-
 def quantize(x: Tensor, dtype: torch.dtype, rowwise: bool) -> tuple[Tensor, Tensor]:
     """(``x`` in float8, inverse scale): ``x ~= q * inv``; inv ``[rows, 1]`` rowwise, ``[]``
     tensorwise, float32 (what ``torch._scaled_mm`` takes)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True) if rowwise else xf.abs().amax()
-    scale = _scale(amax, dtype, pow2=rowwise)
+    scale = float8_scale(amax, dtype, pow2=rowwise)
     fmax = torch.finfo(dtype).max
     return (xf * scale).clamp(-fmax, fmax).to(dtype), scale.reciprocal()
 
@@ -500,7 +490,7 @@ def loss_and_quantized_probs(logits: Tensor, labels: Tensor, weights: Tensor, dt
         amax = weights[:, None] * torch.exp(x.amax(dim=-1, keepdim=True) - lse)  # [C, 1]
     else:
         amax = weights.amax()  # [] the bound of every w * softmax entry
-    scale = _scale(amax, dtype, pow2=rowwise)
+    scale = float8_scale(amax, dtype, pow2=rowwise)
     fmax = torch.finfo(dtype).max
     q = (torch.exp(x - lse) * (weights[:, None] * scale)).clamp(-fmax, fmax).to(dtype)
     return loss, q, scale.reciprocal()
