@@ -15,10 +15,20 @@ On CUDA with Triton the pass is one kernel (a program per ``[BLOCK_N, BLOCK_K]``
 transposed tile stored through ``tl.trans``, the abs-max by ``atomic_max``); elsewhere the
 torch ops below, which are also the reference the kernel is tested against (the same
 values: a multiply, a clamp and a round-to-nearest-even cast per element).
+
+The transposed tile: from bf16 the kernel transposes the float8 tile; from float32 (the master
+weights) it transposes the float32 tile and narrows it after, because on an H100 with the
+Triton of torch 2.11 the float8 tile's transpose was wrong from a float32 source (every tile of
+a [48, 4096] probe) and right from bf16. A compiler can get a layout wrong again, so the first
+transposed cast of each (device, source dtype, float8 format) in a process is checked bit for
+bit against torch's transpose of the kernel's own row-major output; where they differ, a
+warning says so and that pair's transposes are torch's copy of the row-major output from then
+on (right, and slower: docs/benchmarks.md, "fp8 with delayed scaling", measures both).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -30,14 +40,15 @@ try:
 except ImportError:  # CPU builds of torch ship without Triton; the torch ops run there
     triton = None
 
+logger = logging.getLogger(__name__)
+
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-KERNEL_TRANSPOSES = (torch.bfloat16,)
-"""Inputs whose transposed copy the kernel writes (activations and gradients). From float32 (the
-master weights) its row-major output was right and its transposed one wrong on an H100 with the
-Triton of torch 2.11: the GPU test's float32 cases failed, and a probe of every tile at [48, 4096]
-found the float32 transposes wrong at each and the bf16 ones right. There the transpose is torch's
-copy of the row-major float8 output: 2 bytes an element of a weight cast once a step."""
+WIDE_TRANSPOSES = (torch.float32,)
+"""Sources whose tile the kernel transposes before narrowing it to float8 (module docstring)."""
+_kernel_transposes_right: dict[tuple, bool] = {}
+"""(device, source dtype, float8 dtype) -> whether the kernel's transposed output matched torch's
+transpose of its row-major one at its first use in this process."""
 
 if triton is not None:
     _TILES = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
@@ -45,25 +56,32 @@ if triton is not None:
 
     @triton.jit
     def _float8_cast_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, N, K, stride_n, stride_k,
-                     FMAX: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     FMAX: tl.constexpr, TRANSPOSE: tl.constexpr, WIDE_TRANSPOSE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Tile (program_id 0, 1) of x ``[N, K]``: ``clamp(x * scale)`` rounded into q ``[N, K]``
-        and, with TRANSPOSE, qt ``[K, N]``; the tile's abs-max into ``amax`` (float32 scalar)."""
+        and, with TRANSPOSE, qt ``[K, N]`` (WIDE_TRANSPOSE: transposed in float32, then rounded);
+        the tile's abs-max into ``amax`` (float32 scalar)."""
         rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
         inside = (rn[:, None] < N) & (rk[None, :] < K)
         x = tl.load(x_ptr + rn[:, None] * stride_n + rk[None, :] * stride_k, mask=inside, other=0.0).to(tl.float32)
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
         scale = tl.load(scale_ptr)
-        q = tl.clamp(x * scale, -FMAX, FMAX).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        y = tl.clamp(x * scale, -FMAX, FMAX)
+        q = y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         tl.store(q_ptr + rn[:, None] * K + rk[None, :], q, mask=inside)
         if TRANSPOSE:
-            tl.store(qt_ptr + rk[:, None] * N + rn[None, :], tl.trans(q), mask=tl.trans(inside))
+            if WIDE_TRANSPOSE:  # the same rounding of the same float32 values, after the transpose
+                qt = tl.trans(y).to(qt_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+            else:
+                qt = tl.trans(q)
+            tl.store(qt_ptr + rk[:, None] * N + rn[None, :], qt, mask=tl.trans(inside))
 
     # The tile is picked by timing them at the first call of each K on a GPU. The amax side
     # effect is a maximum (idempotent) and every output is rewritten whole, so the timing's
     # repeated launches leave the same results. (Triton's CPU interpreter cannot time: it runs
     # the first tile.)
-    _cast_kernel_tuned = triton.autotune(configs=_TILES, key=["K", "TRANSPOSE"])(_float8_cast_kernel)
+    _cast_kernel_tuned = triton.autotune(configs=_TILES, key=["K", "TRANSPOSE", "WIDE_TRANSPOSE"])(_float8_cast_kernel)
 
 
 def kernel_takes(x: Tensor) -> bool:
@@ -87,12 +105,23 @@ def cast_to_float8(x: Tensor, scale: Tensor, amax: Tensor, dtype: torch.dtype, *
     if x.dim() != 2 or x.dtype not in INPUT_DTYPES or dtype not in FLOAT8_DTYPES:
         raise ValueError(f"cast_to_float8: x {tuple(x.shape)} {x.dtype} to {dtype}; "
                          f"takes 2-D {INPUT_DTYPES} to {FLOAT8_DTYPES}")
-    if kernel_takes(x):
-        if transpose and x.dtype not in KERNEL_TRANSPOSES:
-            q, _ = _cast_kernel_launch(x, scale, amax, dtype, False)
-            return q, q.t().contiguous()
-        return _cast_kernel_launch(x, scale, amax, dtype, transpose)
-    return cast_reference(x, scale, amax, dtype, transpose=transpose)
+    if not kernel_takes(x):
+        return cast_reference(x, scale, amax, dtype, transpose=transpose)
+    if not transpose:
+        return _cast_kernel_launch(x, scale, amax, dtype, False)
+    key = (x.device, x.dtype, dtype)
+    if _kernel_transposes_right.get(key) is False:
+        q, _ = _cast_kernel_launch(x, scale, amax, dtype, False)
+        return q, q.t().contiguous()
+    q, qt = _cast_kernel_launch(x, scale, amax, dtype, True)
+    if key not in _kernel_transposes_right:  # its first use in this process: one wait, once
+        _kernel_transposes_right[key] = right = torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+        if not right:
+            logger.warning("float8 cast: the Triton kernel's transposed output from %s to %s on %s differs from "
+                           "its row-major output transposed; torch transposes those from now on (slower)",
+                           x.dtype, dtype, x.device)
+            qt = q.t().contiguous()
+    return q, qt
 
 
 def cast_reference(x: Tensor, scale: Tensor, amax: Tensor, dtype: torch.dtype, *,
@@ -115,10 +144,11 @@ def _cast_kernel_launch(x: Tensor, scale: Tensor, amax: Tensor, dtype: torch.dty
             return triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"])
 
         args = (x, q, qt, scale.float(), amax, n, k, x.stride(0), x.stride(1))
+        wide = transpose and x.dtype in WIDE_TRANSPOSES
         if x.is_cuda:  # Triton launches on the current device
             with torch.cuda.device(x.device):
-                _cast_kernel_tuned[grid](*args, FMAX=torch.finfo(dtype).max, TRANSPOSE=transpose)
+                _cast_kernel_tuned[grid](*args, FMAX=torch.finfo(dtype).max, TRANSPOSE=transpose, WIDE_TRANSPOSE=wide)
         else:  # Triton's interpreter (TRITON_INTERPRET=1): tests
-            _float8_cast_kernel[grid](*args, FMAX=torch.finfo(dtype).max, TRANSPOSE=transpose,
+            _float8_cast_kernel[grid](*args, FMAX=torch.finfo(dtype).max, TRANSPOSE=transpose, WIDE_TRANSPOSE=wide,
                                       **_TILES[0].kwargs)
     return q, (qt if transpose else None)
