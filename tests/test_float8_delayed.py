@@ -86,15 +86,15 @@ INTERPRETED = textwrap.dedent("""
         want, want_t = float8_cast.cast_reference(x, torch.tensor(8.0), torch.zeros(1), dtype, transpose=True)
         print(torch.equal(q.view(torch.uint8), want.view(torch.uint8)),
               torch.equal(qt.view(torch.uint8), want_t.view(torch.uint8)), float(amax) == 4096.0)
-    # float32 (a weight) through cast_to_float8: one launch writes both layouts (transposed before
-    # the rounding), and its first use checks them against each other
+    # float32 (a weight) through cast_to_float8: one launch writes both layouts (the transposed one
+    # from a second load), and its first use checks them against each other
     launched, launch = [], float8_cast._cast_kernel_launch
     float8_cast._cast_kernel_launch = lambda x, *a: launched.append((x.dtype, a[-1])) or launch(x, *a)
     w = (torch.randint(-8, 9, (32, 48)).float() / 32)
     q, qt = float8_cast.cast_to_float8(w, torch.tensor(8.0), torch.zeros(1), torch.float8_e4m3fn, transpose=True)
     print(launched == [(torch.float32, True)] and qt.is_contiguous()
           and torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
-          and float8_cast._kernel_transposes_right == {(w.device, torch.float32, torch.float8_e4m3fn): True})
+          and float8_cast._kernel_transposes_right == {(w.device, torch.float32, torch.float8_e4m3fn, 48): True})
 """)
 
 
@@ -108,8 +108,8 @@ def test_the_cast_kernel_in_tritons_interpreter():
 
 def test_a_kernel_whose_transposes_are_wrong_is_caught_at_first_use(monkeypatch, caplog):
     """A compiler that gets the transposed layout wrong (as one did from float32 on an H100):
-    the first transposed cast of each (device, source, format) is checked, and from a pair that
-    failed it every transpose is torch's."""
+    the first transposed cast of each (device, source, format, K) is checked, and where one
+    failed every transpose of it is torch's."""
     launched = []
 
     def kernel(x, scale, amax, dtype, transpose):  # right row-major output; a transpose that is not one
@@ -128,8 +128,8 @@ def test_a_kernel_whose_transposes_are_wrong_is_caught_at_first_use(monkeypatch,
     assert launched == [True, False]  # checked once; after that the kernel writes the row-major copy only
     assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
     assert "differs from its row-major output transposed" in caplog.records[0].getMessage()
-    assert float8_cast._kernel_transposes_right == {(w.device, torch.float32, E4M3): False}
-    x = torch.randn(32, 48, dtype=torch.bfloat16)  # another pair is checked on its own
+    assert float8_cast._kernel_transposes_right == {(w.device, torch.float32, E4M3, 32): False}
+    x = torch.randn(32, 48, dtype=torch.bfloat16)  # another source (or K) is checked on its own
     float8_cast.cast_to_float8(x, torch.tensor(4.0), torch.zeros(1), E4M3, transpose=True)
     assert launched == [True, False, True] and len(float8_cast._kernel_transposes_right) == 2
 

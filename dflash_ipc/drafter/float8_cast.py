@@ -16,14 +16,17 @@ transposed tile stored through ``tl.trans``, the abs-max by ``atomic_max``); els
 torch ops below, which are also the reference the kernel is tested against (the same
 values: a multiply, a clamp and a round-to-nearest-even cast per element).
 
-The transposed tile: from bf16 the kernel transposes the float8 tile; from float32 (the master
-weights) it transposes the float32 tile and narrows it after, because on an H100 with the
-Triton of torch 2.11 the float8 tile's transpose was wrong from a float32 source (every tile of
-a [48, 4096] probe) and right from bf16. A compiler can get a layout wrong again, so the first
-transposed cast of each (device, source dtype, float8 format) in a process is checked bit for
-bit against torch's transpose of the kernel's own row-major output; where they differ, a
-warning says so and that pair's transposes are torch's copy of the row-major output from then
-on (right, and slower: docs/benchmarks.md, "fp8 with delayed scaling", measures both).
+The transposed tile: from bf16 the kernel transposes the float8 tile (``tl.trans``). From
+float32 (the master weights) that transpose was wrong on an H100 with the Triton of torch 2.11
+(3.6) at every tile and every weight shape, as was transposing the float32 tile before the
+rounding (benchmarks/float8_cast_probe.py), while the row-major output was right; there the
+kernel loads the tile a second time through transposed addresses (from cache: the same bytes)
+and rounds it the same way. A compiler can get a layout wrong again, so the first transposed
+cast of each (device, source dtype, float8 format, K) in a process (K: what the autotuner picks
+a tile by) is checked bit for bit against torch's transpose of the kernel's own row-major
+output; where they differ, a warning says so and those transposes are torch's copy of the
+row-major output from then on (right, and slower: docs/benchmarks.md, "fp8 with delayed
+scaling", measures both).
 """
 
 from __future__ import annotations
@@ -44,10 +47,11 @@ logger = logging.getLogger(__name__)
 
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-WIDE_TRANSPOSES = (torch.float32,)
-"""Sources whose tile the kernel transposes before narrowing it to float8 (module docstring)."""
+RELOAD_TRANSPOSES = (torch.float32,)
+"""Sources whose transposed tile the kernel loads again through transposed addresses rather
+than transposing the float8 tile (module docstring)."""
 _kernel_transposes_right: dict[tuple, bool] = {}
-"""(device, source dtype, float8 dtype) -> whether the kernel's transposed output matched torch's
+"""(device, source dtype, float8 dtype, K) -> whether the kernel's transposed output matched torch's
 transpose of its row-major one at its first use in this process."""
 
 if triton is not None:
@@ -56,10 +60,11 @@ if triton is not None:
 
     @triton.jit
     def _float8_cast_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, N, K, stride_n, stride_k,
-                     FMAX: tl.constexpr, TRANSPOSE: tl.constexpr, WIDE_TRANSPOSE: tl.constexpr,
+                     FMAX: tl.constexpr, TRANSPOSE: tl.constexpr, RELOAD_TRANSPOSE: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Tile (program_id 0, 1) of x ``[N, K]``: ``clamp(x * scale)`` rounded into q ``[N, K]``
-        and, with TRANSPOSE, qt ``[K, N]`` (WIDE_TRANSPOSE: transposed in float32, then rounded);
+        and, with TRANSPOSE, qt ``[K, N]`` (RELOAD_TRANSPOSE: the tile loaded again through
+        transposed addresses, not ``tl.trans``);
         the tile's abs-max into ``amax`` (float32 scalar)."""
         rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -67,12 +72,13 @@ if triton is not None:
         x = tl.load(x_ptr + rn[:, None] * stride_n + rk[None, :] * stride_k, mask=inside, other=0.0).to(tl.float32)
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
         scale = tl.load(scale_ptr)
-        y = tl.clamp(x * scale, -FMAX, FMAX)
-        q = y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        q = tl.clamp(x * scale, -FMAX, FMAX).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         tl.store(q_ptr + rn[:, None] * K + rk[None, :], q, mask=inside)
         if TRANSPOSE:
-            if WIDE_TRANSPOSE:  # the same rounding of the same float32 values, after the transpose
-                qt = tl.trans(y).to(qt_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+            if RELOAD_TRANSPOSE:  # the tile read again, transposed by its addresses (from cache), cast the same way
+                xt = tl.load(x_ptr + rk[:, None] * stride_k + rn[None, :] * stride_n, mask=tl.trans(inside),
+                             other=0.0).to(tl.float32)
+                qt = tl.clamp(xt * scale, -FMAX, FMAX).to(qt_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
             else:
                 qt = tl.trans(q)
             tl.store(qt_ptr + rk[:, None] * N + rn[None, :], qt, mask=tl.trans(inside))
@@ -81,7 +87,7 @@ if triton is not None:
     # effect is a maximum (idempotent) and every output is rewritten whole, so the timing's
     # repeated launches leave the same results. (Triton's CPU interpreter cannot time: it runs
     # the first tile.)
-    _cast_kernel_tuned = triton.autotune(configs=_TILES, key=["K", "TRANSPOSE", "WIDE_TRANSPOSE"])(_float8_cast_kernel)
+    _cast_kernel_tuned = triton.autotune(configs=_TILES, key=["K", "TRANSPOSE", "RELOAD_TRANSPOSE"])(_float8_cast_kernel)
 
 
 def kernel_takes(x: Tensor) -> bool:
@@ -109,7 +115,7 @@ def cast_to_float8(x: Tensor, scale: Tensor, amax: Tensor, dtype: torch.dtype, *
         return cast_reference(x, scale, amax, dtype, transpose=transpose)
     if not transpose:
         return _cast_kernel_launch(x, scale, amax, dtype, False)
-    key = (x.device, x.dtype, dtype)
+    key = (x.device, x.dtype, dtype, x.shape[1])
     if _kernel_transposes_right.get(key) is False:
         q, _ = _cast_kernel_launch(x, scale, amax, dtype, False)
         return q, q.t().contiguous()
@@ -117,9 +123,9 @@ def cast_to_float8(x: Tensor, scale: Tensor, amax: Tensor, dtype: torch.dtype, *
     if key not in _kernel_transposes_right:  # its first use in this process: one wait, once
         _kernel_transposes_right[key] = right = torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
         if not right:
-            logger.warning("float8 cast: the Triton kernel's transposed output from %s to %s on %s differs from "
-                           "its row-major output transposed; torch transposes those from now on (slower)",
-                           x.dtype, dtype, x.device)
+            logger.warning("float8 cast: the Triton kernel's transposed output from %s [*, %d] to %s on %s differs "
+                           "from its row-major output transposed; torch transposes those from now on (slower)",
+                           x.dtype, x.shape[1], dtype, x.device)
             qt = q.t().contiguous()
     return q, qt
 
@@ -144,11 +150,11 @@ def _cast_kernel_launch(x: Tensor, scale: Tensor, amax: Tensor, dtype: torch.dty
             return triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"])
 
         args = (x, q, qt, scale.float(), amax, n, k, x.stride(0), x.stride(1))
-        wide = transpose and x.dtype in WIDE_TRANSPOSES
+        reload = transpose and x.dtype in RELOAD_TRANSPOSES
         if x.is_cuda:  # Triton launches on the current device
             with torch.cuda.device(x.device):
-                _cast_kernel_tuned[grid](*args, FMAX=torch.finfo(dtype).max, TRANSPOSE=transpose, WIDE_TRANSPOSE=wide)
+                _cast_kernel_tuned[grid](*args, FMAX=torch.finfo(dtype).max, TRANSPOSE=transpose, RELOAD_TRANSPOSE=reload)
         else:  # Triton's interpreter (TRITON_INTERPRET=1): tests
-            _float8_cast_kernel[grid](*args, FMAX=torch.finfo(dtype).max, TRANSPOSE=transpose, WIDE_TRANSPOSE=wide,
+            _float8_cast_kernel[grid](*args, FMAX=torch.finfo(dtype).max, TRANSPOSE=transpose, RELOAD_TRANSPOSE=reload,
                                       **_TILES[0].kwargs)
     return q, (qt if transpose else None)
