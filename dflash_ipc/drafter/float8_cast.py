@@ -64,8 +64,7 @@ if triton is not None:
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Tile (program_id 0, 1) of x ``[N, K]``: ``clamp(x * scale)`` rounded into q ``[N, K]``
         and, with TRANSPOSE, qt ``[K, N]`` (RELOAD_TRANSPOSE: the tile loaded again through
-        transposed addresses, not ``tl.trans``);
-        the tile's abs-max into ``amax`` (float32 scalar)."""
+        transposed addresses, not ``tl.trans``); the tile's abs-max into ``amax`` (float32 scalar)."""
         rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
         inside = (rn[:, None] < N) & (rk[None, :] < K)
@@ -87,7 +86,8 @@ if triton is not None:
     # effect is a maximum (idempotent) and every output is rewritten whole, so the timing's
     # repeated launches leave the same results. (Triton's CPU interpreter cannot time: it runs
     # the first tile.)
-    _cast_kernel_tuned = triton.autotune(configs=_TILES, key=["K", "TRANSPOSE", "RELOAD_TRANSPOSE"])(_float8_cast_kernel)
+    _cast_kernel_tuned = triton.autotune(configs=_TILES,
+                                         key=["K", "TRANSPOSE", "RELOAD_TRANSPOSE"])(_float8_cast_kernel)
 
 
 def kernel_takes(x: Tensor) -> bool:
@@ -153,7 +153,8 @@ def _cast_kernel_launch(x: Tensor, scale: Tensor, amax: Tensor, dtype: torch.dty
         reload = transpose and x.dtype in RELOAD_TRANSPOSES
         if x.is_cuda:  # Triton launches on the current device
             with torch.cuda.device(x.device):
-                _cast_kernel_tuned[grid](*args, FMAX=torch.finfo(dtype).max, TRANSPOSE=transpose, RELOAD_TRANSPOSE=reload)
+                _cast_kernel_tuned[grid](*args, FMAX=torch.finfo(dtype).max, TRANSPOSE=transpose,
+                                         RELOAD_TRANSPOSE=reload)
         else:  # Triton's interpreter (TRITON_INTERPRET=1): tests
             _float8_cast_kernel[grid](*args, FMAX=torch.finfo(dtype).max, TRANSPOSE=transpose, RELOAD_TRANSPOSE=reload,
                                       **_TILES[0].kwargs)
