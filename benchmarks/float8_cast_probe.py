@@ -30,7 +30,8 @@ def probe(x: torch.Tensor, config, reload: bool, dtype: torch.dtype) -> tuple[bo
     for _ in range(3):
         q = torch.empty(n, k, dtype=dtype, device=x.device)
         qt = torch.empty(k, n, dtype=dtype, device=x.device)
-        grid = (triton_cdiv(n, config.kwargs["BLOCK_N"]), triton_cdiv(k, config.kwargs["BLOCK_K"]))
+        cdiv = float8_cast.triton.cdiv
+        grid = (cdiv(n, config.kwargs["BLOCK_N"]), cdiv(k, config.kwargs["BLOCK_K"]))
         float8_cast._float8_cast_kernel[grid](x, q, qt, scale, torch.zeros(1, device=x.device), n, k,
                                               x.stride(0), x.stride(1), FMAX=fmax, TRANSPOSE=True,
                                               RELOAD_TRANSPOSE=reload, num_warps=config.num_warps, **config.kwargs)
@@ -39,10 +40,6 @@ def probe(x: torch.Tensor, config, reload: bool, dtype: torch.dtype) -> tuple[bo
         t_ok &= torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
         r_ok &= torch.equal(q.view(torch.uint8), want.view(torch.uint8))
     return t_ok, r_ok
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def main(device: str = "cuda") -> None:

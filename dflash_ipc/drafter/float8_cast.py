@@ -12,7 +12,7 @@ layouts (1 + 1) and folds the tile's abs-max into a running maximum for the next
 scale: :func:`cast_to_float8`.
 
 On CUDA with Triton the pass is one kernel (a program per ``[BLOCK_N, BLOCK_K]`` tile, the
-transposed tile stored through ``tl.trans``, the abs-max by ``atomic_max``); elsewhere the
+transposed tile as the next paragraph says, the abs-max by ``atomic_max``); elsewhere the
 torch ops below, which are also the reference the kernel is tested against (the same
 values: a multiply, a clamp and a round-to-nearest-even cast per element).
 

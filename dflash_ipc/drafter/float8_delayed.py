@@ -71,6 +71,7 @@ class AmaxHistory:
         self.history: Tensor | None = None  # [L, 2, length] float32: newest first
         self.pending: Tensor | None = None  # [L, 2] this step's abs-max so far
         self.scales: Tensor | None = None  # [L, 2] float32: fmax of the kind's format / max(history)
+        self.inverses: Tensor | None = None  # [L, 2] 1 / scales, set at the roll: no launch per cast
         self._sink: Tensor | None = None  # [1]: where a weight's abs-max goes (it has no history)
         self.ready = [[False, False] for _ in range(num_layers)]  # a step of history behind the scale
         self._used = [[False, False] for _ in range(num_layers)]  # cast this step
@@ -82,8 +83,8 @@ class AmaxHistory:
         """A copied model's own histories (the same values), registered to roll; no cached casts."""
         copy = AmaxHistory(self.num_layers, self.length)
         if self.history is not None:
-            copy.history, copy.pending, copy.scales, copy._sink = (
-                t.clone() for t in (self.history, self.pending, self.scales, self._sink))
+            copy.history, copy.pending, copy.scales, copy.inverses, copy._sink = (
+                t.clone() for t in (self.history, self.pending, self.scales, self.inverses, self._sink))
         copy.ready = [list(r) for r in self.ready]
         copy._used = [list(u) for u in self._used]
         memo[id(self)] = copy
@@ -95,6 +96,7 @@ class AmaxHistory:
                 self.history = torch.zeros(self.num_layers, 2, self.length, device=device)
                 self.pending = torch.zeros(self.num_layers, 2, device=device)
                 self.scales = torch.ones(self.num_layers, 2, device=device)
+                self.inverses = torch.ones(self.num_layers, 2, device=device)
                 self._sink = torch.zeros(1, device=device)
             self.ready = [[False, False] for _ in range(self.num_layers)]
 
@@ -104,12 +106,13 @@ class AmaxHistory:
         self._ensure(x.device)
         dtype, x = FORMATS[kind], x.detach()  # a cast is not differentiated: the matmuls' Function is
         if self.ready[layer][kind]:
-            scale = self.scales[layer, kind]
+            scale, inverse = self.scales[layer, kind], self.inverses[layer, kind]
         else:  # no history yet: the tensor's own abs-max (one more pass, this step only)
             scale = float8_scale(_abs_max(x), dtype)
+            inverse = scale.reciprocal()
         q, qt = cast_to_float8(x, scale, self.pending[layer, kind: kind + 1], dtype, transpose=transpose)
         self._used[layer][kind] = True
-        return q, qt, scale.reciprocal()
+        return q, qt, inverse
 
     def input_cast(self, layer: int, x: Tensor, flat: Tensor, *,
                    transpose: bool) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -167,6 +170,7 @@ class AmaxHistory:
             for kind, dtype in enumerate(FORMATS):  # Python scalars over tensors: no host-to-device copy, no wait
                 new = torch.finfo(dtype).max / (AMAX_MARGIN * amax[:, kind].clamp_min(AMAX_EPS))
                 torch.where(usable[:, kind], new, self.scales[:, kind], out=self.scales[:, kind])
+            torch.reciprocal(self.scales, out=self.inverses)
         for layer, used in enumerate(self._used):
             for kind in (INPUT, GRAD):
                 self.ready[layer][kind] |= used[kind]
