@@ -1,5 +1,5 @@
 """A prefill's time at prompt widths it has not seen and at widths it has: eager, per SDPA
-setting, and through the compiled layers.
+setting, through the compiled layers, and those replayed as CUDA graphs.
 
 For a random-weight target of a bench shape (bench/assets.py; built once into
 $WORK/profile-decode-SHAPE, shared with profile_decode.py), BatchedTarget.prefill of ``--rows``
@@ -7,7 +7,9 @@ random prompts of one width, timed synchronised: first at ``--widths`` widths ne
 process, then at the same widths again. The cases (CASES): eager with each setting of
 $DFLASH_DECODE_PREFILL_SDPA (decode/prefill_sdpa.py), then ``compiled=True`` (the layer scope's
 compiled layers, decode/compiled.py; its first call, which compiles, is not timed) with the
-default setting; each case gets widths of its own, so each sees fresh ones. Printed per case:
+default setting, then through decode/prefill_graphs.py (the compiled layers captured per width
+bucket: a fresh width of a new bucket captures, a repeated one replays); each case gets widths
+of its own, so each sees fresh ones. Printed per case:
 median ms of a fresh width and of a repeated one, the host's part of each (the call's return,
 before the GPU finishes), then one more fresh width under the torch profiler: the host ops of
 most self time and the attention kernels that ran.
@@ -31,12 +33,13 @@ import torch
 
 from dflash_ipc.bench.assets import build_random_target
 from dflash_ipc.decode.cache import static_cache
+from dflash_ipc.decode.prefill_graphs import PrefillGraphs
 from dflash_ipc.decode.prefill_sdpa import PREFILL_SDPA_ENV
 from dflash_ipc.decode.target import BatchedTarget
 
-CASES = (("eager", "off"), ("eager", "auto"), ("compiled", "auto"))
+CASES = (("eager", "off"), ("eager", "auto"), ("compiled", "auto"), ("graphed", "auto"))
 """(forward, $DFLASH_DECODE_PREFILL_SDPA): a compiled graph keeps the kernels it was traced with,
-so the compiled case runs the default setting only."""
+so the compiled and graphed cases run the default setting only."""
 ATTENTION_WORDS = ("attention", "fmha", "cudnn", "sdpa", "flash")
 
 
@@ -59,11 +62,17 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = list(range(args.rows))
 
-    def prefill(width: int, compiled: bool = False) -> tuple[float, float]:
+    def body(ids, lengths, rows_):
+        return target.prefill_packed(ids, lengths, rows_, features=False, compiled=True).logits
+
+    graphs = PrefillGraphs(target, body, lambda: True, enabled=cuda)
+
+    def prefill(width: int, forward: str = "eager") -> tuple[float, float]:
         prompts = [rng.integers(10, 1000, size=width) for _ in rows]
         sync()
         t0 = time.perf_counter()
-        target.prefill(rows, prompts, features=False, compiled=compiled)
+        if forward != "graphed" or graphs(rows, prompts) is None:
+            target.prefill(rows, prompts, features=False, compiled=forward != "eager")
         host = time.perf_counter() - t0
         sync()
         return 1e3 * (time.perf_counter() - t0), 1e3 * host
@@ -72,22 +81,22 @@ def main() -> None:
     print(f"== prefill, {args.shape}, {args.rows} row(s), {target.num_layers} layers, {device}")
     for index, (forward, setting) in enumerate(CASES):
         os.environ[PREFILL_SDPA_ENV] = setting
-        compiled = forward == "compiled"
-        if compiled:
+        if forward == "compiled":
             t0 = time.perf_counter()
-            prefill(args.start - 2, compiled=True)
+            prefill(args.start - 2, forward)
             print(f"  compiled: first call (compiles) {time.perf_counter() - t0:.1f} s", flush=True)
         # widths of this case's own: 16 apart, offset by the case's index
         widths = [args.start + 16 * i + index for i in range(args.widths)]
-        fresh = [prefill(w, compiled) for w in widths]
-        again = [prefill(w, compiled) for w in widths]
+        fresh = [prefill(w, forward) for w in widths]
+        again = [prefill(w, forward) for w in widths]
         med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
+        captured = f", {graphs.num_captures} graphs captured" if forward == "graphed" else ""
         print(f"  {forward}, ${PREFILL_SDPA_ENV}={setting}: widths {widths[0]}..{widths[-1]}: fresh width "
               f"{med(fresh, 0):.2f} ms (host {med(fresh, 1):.2f}; each: "
               f"{', '.join(f'{x[0]:.1f}' for x in fresh)}), repeated width {med(again, 0):.2f} ms "
-              f"(host {med(again, 1):.2f})", flush=True)
+              f"(host {med(again, 1):.2f}){captured}", flush=True)
         if cuda:
-            profile_one(functools.partial(prefill, compiled=compiled), widths[-1] + 8)
+            profile_one(functools.partial(prefill, forward=forward), widths[-1] + 8)
     os.environ.pop(PREFILL_SDPA_ENV, None)
 
 

@@ -119,7 +119,8 @@ def test_a_failing_compiler_falls_back_to_eager_once(target, monkeypatch, caplog
         _, run = run_engine(target, "on")
     torch._dynamo.reset()
     assert tokens(run) == tokens(eager)
-    compiled_functions = 2 if target.compile_scope == "layer" else 1  # layer scope: the steps' layer, the prefills'
+    # layer scope: the steps' layer, the prefills', the final norm's and the rotary table's
+    compiled_functions = 4 if target.compile_scope == "layer" else 1
     assert target._compiled_extend.failed and len(calls) == compiled_functions
     warnings = [r for r in caplog.records if "torch.compile of the target's decode forward" in r.message]
     assert len(warnings) == compiled_functions and all("no kernel for this op" in w.message for w in warnings)
@@ -178,8 +179,30 @@ def test_layer_scope_compiles_once_for_every_layer(layered_dirs, num_layers, cou
     run = run_engine(target, "on", rows=2, requests=make_requests(5))[1]
     assert not target._compiled_extend.failed
     assert tokens(run) == tokens(eager)
-    assert counter.frame_count == 3
+    # 3 layer graphs, and the final norm's and the rotary table's: one row, more rows
+    assert counter.frame_count == 3 + 2 * 2
     assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_the_final_norm_and_rotary_table_compile_apart_from_the_layers(layered_dirs, counter, monkeypatch):
+    """Layer scope: the stack's final norm and rotary table run compiled (EdgeForward) while a
+    compiled forward runs, each a graph for one row and one for more, whatever the rows and
+    tokens per row; $DFLASH_DECODE_COMPILE_EDGES=off runs them eagerly; a typo is an error."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    target = BatchedTarget(layered_dirs[2], device="cpu", dtype="float32", compile_scope="layer")
+    eager = run_engine(target, "off", rows=2, requests=make_requests(5))[1]
+    assert [e.name for e in target._compiled().edges] == ["norm", "rotary_emb"]
+    monkeypatch.setenv(compiled.EDGES_ENV, "off")
+    assert tokens(run_engine(target, "on", rows=2, requests=make_requests(5))[1]) == tokens(eager)
+    assert counter.frame_count == 3 and not _debug_get_cache_entry_list(compiled.edge_step.__code__)
+    monkeypatch.setenv(compiled.EDGES_ENV, "auto")
+    assert tokens(run_engine(target, "on", rows=4, requests=make_requests(9, seed=2))[1]) == tokens(
+        run_engine(target, "off", rows=4, requests=make_requests(9, seed=2))[1])
+    assert len(_debug_get_cache_entry_list(compiled.edge_step.__code__)) == 2 * 2  # per module: 1 row, 2+ rows
+    monkeypatch.setenv(compiled.EDGES_ENV, "sometimes")
+    with pytest.raises(ConfigError, match="DFLASH_DECODE_COMPILE_EDGES='sometimes'; allowed"):
+        run_engine(target, "on", rows=2, requests=make_requests(3))
 
 
 def test_layer_scope_features_equal_eager(layered_dirs, counter):
@@ -194,9 +217,9 @@ def test_layer_scope_features_equal_eager(layered_dirs, counter):
     fused = target.extend(block, lengths, 12, features=True, compiled=True)
     assert fused[1].shape == (3, 4, 2 * target.hidden_size)
     torch.testing.assert_close(fused, eager)
-    assert not target._compiled_extend.failed and counter.frame_count == 1
+    assert not target._compiled_extend.failed and counter.frame_count == 3  # the layer, the norm, the rotary table
     target.prefill([1], [np.arange(50, 57)])  # the same layers, eagerly: nothing compiled
-    assert counter.frame_count == 1
+    assert counter.frame_count == 3
 
 
 def test_a_compiled_prefill_writes_and_returns_what_the_eager_one_does(layered_dirs, counter):
@@ -223,7 +246,7 @@ def test_a_compiled_prefill_writes_and_returns_what_the_eager_one_does(layered_d
         torch.testing.assert_close(kv_compiled.keys[layer][:, :capacity], kv_eager.keys[layer][:, :capacity])
         torch.testing.assert_close(kv_compiled.values[layer][:, :capacity], kv_eager.values[layer][:, :capacity])
     assert not compiled_._compiled_extend.failed
-    assert counter.frame_count == 2  # rows 2+ of any width, and one row
+    assert counter.frame_count == 2 + 2  # the layer for rows 2+ of any width and for one row; the norm, the rotary
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
@@ -240,7 +263,7 @@ def test_the_prefill_compile_switch(layered_dirs, counter, monkeypatch):
         target.prefill([0], [np.arange(30, 41)], compiled=True)
     monkeypatch.setenv(compiled.PREFILL_ENV, "auto")
     target.prefill([0], [np.arange(30, 41)], compiled=True)
-    assert counter.frame_count == 1
+    assert counter.frame_count == 3  # the layer, the final norm, the rotary table
     assert not compiled.prefill_compiled("forward")
 
 

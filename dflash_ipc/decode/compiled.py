@@ -23,7 +23,9 @@ else ``$DFLASH_DECODE_COMPILE_SCOPE``, else layer):
     layer    one decoder layer's forward (:func:`layer_step`), which every layer runs: the
              compile costs one layer's, whatever the depth. Each layer's ``forward`` is a
              :class:`LayerForward` that calls it only while a compiled extend or prefill runs
-             (else the class's forward); the embedding, rotary, masks, final norm and head run eagerly.
+             (else the class's forward); the text stack's final norm and rotary table run
+             compiled functions of their own (:class:`EdgeForward`; $DFLASH_DECODE_COMPILE_EDGES=off:
+             eagerly); the embedding, masks and head run eagerly.
              The layer's cache is a :class:`LayerKV` of that layer's K/V storage, whose
              ``update`` ignores the layer index, so no guard names a layer and no layer compiles
              again (tests/test_decode_compiled.py: as many graphs for 4 layers as for 2). The
@@ -100,12 +102,29 @@ def compile_scope(scope: str | None = None) -> str:
     return scope
 
 
-def compiled_extend(extend: Callable, layers, scope: str, device: torch.device):
+def compiled_extend(extend: Callable, layers, scope: str, device: torch.device, edges=()):
     """What a compiled extend calls in place of ``extend`` (BatchedTarget._extend, over the
-    decoder ``layers``): the whole of it compiled, or it eager around compiled layers."""
+    decoder ``layers``): the whole of it compiled, or it eager around compiled layers (and
+    compiled ``edges``, (name, module) pairs: the stack's final norm and rotary table,
+    :class:`EdgeForward`)."""
     if scope == "forward":
         return CompiledForward(extend, device)
-    return CompiledLayers(extend, layers, device)
+    return CompiledLayers(extend, layers, device, edges)
+
+
+EDGES_ENV = "DFLASH_DECODE_COMPILE_EDGES"
+"""``auto`` (unset): under the layer scope the text stack's final norm and rotary table run
+compiled too (:class:`EdgeForward`); ``off``: eagerly, as transformers wrote them."""
+EDGE_NAMES = ("norm", "rotary_emb")
+"""The text stack's modules around its layers that :class:`EdgeForward` compiles, where present."""
+
+
+def edges_compiled() -> bool:
+    """$DFLASH_DECODE_COMPILE_EDGES, read at each call (so that one process can time both)."""
+    setting = os.environ.get(EDGES_ENV) or "auto"
+    if setting not in ("auto", "off"):
+        raise ConfigError(f"${EDGES_ENV}={setting!r}; allowed: ['auto', 'off']")
+    return setting == "auto"
 
 
 class CompiledForward:
@@ -148,7 +167,7 @@ class CompiledLayers:
     one of :func:`prefill_layer_step`. Outside a call of this (an eager prefill or extend) the
     layers run their own forward."""
 
-    def __init__(self, extend: Callable, layers, device: torch.device) -> None:
+    def __init__(self, extend: Callable, layers, device: torch.device, edges=()) -> None:
         self.extend = extend
         self.step = CompiledForward(layer_step, device)
         self.fused_step = CompiledForward(fused_layer_step, device)
@@ -160,11 +179,15 @@ class CompiledLayers:
             fused = fuse and fused_layer.fusable(layer)
             layer.forward = LayerForward(layer, cache_index(layer, position), self, fused)
             self.num_fused += fused
+        self.edges = [EdgeForward(name, module, self, device) for name, module in edges]
+        for edge in self.edges:
+            edge.module.forward = edge
 
     @property
     def failed(self) -> bool:
         """Whether a compile failed (that function then runs eagerly, or the layer's own step)."""
-        return self.step.failed or self.fused_step.failed or self.prefill_step.failed
+        return (self.step.failed or self.fused_step.failed or self.prefill_step.failed
+                or any(edge.step.failed for edge in self.edges))
 
     def __call__(self, *args):
         return self.run(self.extend, *args)
@@ -176,6 +199,52 @@ class CompiledLayers:
             return forward(*args)
         finally:
             self.active = False
+
+
+class EdgeForward:
+    """A text-stack module outside the layers (its final norm, its rotary table: EDGE_NAMES), run
+    by a :class:`CompiledForward` of :func:`edge_step` of its own while ``owner`` is active and
+    $DFLASH_DECODE_COMPILE_EDGES allows, else by the class's forward. Eagerly each is several
+    kernels of a few microseconds (an RMS norm: a cast, a square, a mean, an add, an rsqrt, two
+    multiplies, a cast; the rotary table: a product, a concatenation, a cosine, a sine, their
+    scaling and casts), in every decode step and verify pass; compiled, one or two.
+
+    Both work row by row (a token's norm, a position's angles), so the compiled function gets the
+    rows flattened: the norm ``[N, H]``, the rotary table the positions ``[1, N]`` (the hidden
+    states, read for their dtype and device only, ``[N, H]``), and the results are viewed back.
+    torch specialises a size of 1, so this makes two graphs each (one row, more rows) where the
+    rows and the tokens per row would make four. A call of another form runs the class's forward."""
+
+    def __init__(self, name: str, module, owner: CompiledLayers, device: torch.device) -> None:
+        self.name, self.module, self.owner = name, module, owner
+        self.step = CompiledForward(edge_step, device)
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        x = args[0] if args else None
+        if (not self.owner.active or self.step.failed or kwargs or not isinstance(x, Tensor) or x.dim() < 2
+                or not edges_compiled()):
+            return type(module).forward(module, *args, **kwargs)
+        rows = x.reshape(-1, x.shape[-1])
+        if self.name == "norm" and len(args) == 1:
+            return self.step(module, (rows,), {}).view(x.shape)
+        if self.name == "rotary_emb" and len(args) == 2 and isinstance(args[1], Tensor) and args[1].dim() == 2:
+            positions = args[1]
+            cos, sin = self.step(module, (rows, positions.reshape(1, -1)), {})
+            return cos.view(*positions.shape, -1), sin.view(*positions.shape, -1)
+        return type(module).forward(module, *args, **kwargs)
+
+
+def edge_step(module, args: tuple, kwargs: dict):
+    """``module``'s own forward: what :class:`EdgeForward` compiles (one per module, so their
+    graphs and recompile limits are apart)."""
+    return type(module).forward(module, *args, **kwargs)
+
+
+def stack_edges(decoder) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of a text ``decoder`` (a TextStack's) that EdgeForward compiles: EDGE_NAMES present on it."""
+    return [(name, getattr(decoder, name)) for name in EDGE_NAMES
+            if isinstance(getattr(decoder, name, None), torch.nn.Module)]
 
 
 def cache_index(layer, position: int) -> int:

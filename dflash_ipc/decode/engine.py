@@ -12,9 +12,10 @@ The loop (host side), one round:
              tokens come back (a second copy) and go to the source, which may make new
              requests ready (a multi-turn conversation's next turn)
     admit    free rows take the next waiting requests (continuous batching): one left-padded
-             prefill per chunk of prompts, the first token chosen on the device. While other
-             rows are busy, a refill waits for ``refill_rows`` free rows (or every waiting
-             request): each refill is a prefill forward (not captured) between decode steps, so a
+             prefill per chunk of prompts, the first token chosen on the device (a chunk of few
+             tokens, such as one prompt at batch 1, replays a CUDA graph: prefill_graphs.py).
+             While other rows are busy, a refill waits for ``refill_rows`` free rows (or every
+             waiting request): each refill is a prefill forward between decode steps, so a
              refill of one prompt per finished reply would cost a forward per reply. Requests
              of one prompt in a refill (regenerate's --samples-per-prompt) share its prefill:
              the prompt is computed once and its K/V copied into the other rows, each of
@@ -56,7 +57,9 @@ from torch import Tensor
 
 from dflash_ipc.decode.cache import StaticRowKV, kv_bytes_per_token, static_cache
 from dflash_ipc.decode.compiled import COMPILE, compile_enabled
+from dflash_ipc.decode import prefill_graphs
 from dflash_ipc.decode.graphs import StepGraphs
+from dflash_ipc.decode.prefill_graphs import PrefillGraphs
 from dflash_ipc.decode.requests import Generation, Request, RequestSource
 from dflash_ipc.decode.sampler import TokenChoice, choose, top2_margin
 from dflash_ipc.decode.top2 import greedy_top2
@@ -145,7 +148,7 @@ class EngineStats:
     rebuilds: int = 0
     compactions: int = 0
     captures: int = 0
-    """CUDA graphs captured (each costs an eager warm-up step and the capture)."""
+    """CUDA graphs captured, steps' and prefills' (each costs an eager warm-up run and the capture)."""
     seconds: float = 0.0
 
     def add(self, other: "EngineStats") -> None:
@@ -208,6 +211,7 @@ class DecodeEngine:
         self.kv: StaticRowKV | None = None
         self.cache = None
         self.graphs: StepGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self.total = EngineStats()
         self.kv_bytes_per_token = kv_bytes_per_token(target.text_config, target.dtype)
 
@@ -248,11 +252,12 @@ class DecodeEngine:
 
     def release(self) -> None:
         """Free the cache, the row state and the graphs (the next run builds them anew, sized to it)."""
-        if self.graphs is not None:
-            self.graphs.clear()
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.clear()
         if self.kv is not None and self.target.cache is self.cache:
             self.target.cache = None
-        self.graphs = self.kv = self.cache = None
+        self.graphs = self.prefill_graphs = self.kv = self.cache = None
         for name in ("last", "length", "n_out", "budget", "keys", "done", "out", "margins", "tops"):
             setattr(self, name, None)
         if self.device.type == "cuda":
@@ -298,6 +303,9 @@ class DecodeEngine:
             self.tops = torch.zeros(rows, width, device=dev)
             state += [self.margins, self.tops]
         self.graphs = StepGraphs(self._step, state, enabled=self.use_graphs)
+        self.prefill_graphs = PrefillGraphs(
+            self.target, self._prefill_body, lambda: self.kv.keys[-1] is not None,
+            enabled=self.use_graphs and prefill_graphs.enabled(self.device))
         self.slots: list[Generation | None] = [None] * rows
         self.refill = min(rows, self.settings.refill_rows or max(1, rows // 8))
         self.upper = np.zeros(rows, dtype=np.int64)  # host bound of each row's length
@@ -366,9 +374,12 @@ class DecodeEngine:
         first: dict[bytes, int] = {}  # prompt ids -> the index of its first request here
         source = [first.setdefault(r.prompt_ids.tobytes(), i) for i, r in enumerate(requests)]
         unique = sorted(first.values())
-        out = self.target.prefill([rows[i] for i in unique], [requests[i].prompt_ids for i in unique], features=False,
-                                  compiled=self.use_compile)
-        logits = out.logits  # [U, V]
+        captured = self.prefill_graphs.num_captures
+        unique_rows, prompts = [rows[i] for i in unique], [requests[i].prompt_ids for i in unique]
+        logits = self.prefill_graphs(unique_rows, prompts)  # [U, V]; None: not a captured shape
+        if logits is None:
+            logits = self.target.prefill(unique_rows, prompts, features=False, compiled=self.use_compile).logits
+        self.stats.captures += self.prefill_graphs.num_captures - captured
         if len(unique) < len(requests):  # the other rows of a shared prompt: its K/V and its logits
             dups = [i for i, s in enumerate(source) if s != i]
             self.kv.copy_rows(torch.as_tensor([rows[source[i]] for i in dups], device=dev),
@@ -397,6 +408,10 @@ class DecodeEngine:
         self.stats.prompt_slots += width * len(unique)
         self.stats.new_slots += len(requests)
         self.stats.prefills += 1
+
+    def _prefill_body(self, ids: Tensor, lengths: Tensor, rows: Tensor) -> Tensor:
+        """A prefill from its device inputs (what a prefill graph captures): the logits ``[R, V]``."""
+        return self.target.prefill_packed(ids, lengths, rows, features=False, compiled=self.use_compile).logits
 
     def _choose(self, logits: Tensor, keys: Tensor, index: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """The next token of each row of logits ``[R, V]`` and, with ``keep_margins``, its margin and

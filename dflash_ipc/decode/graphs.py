@@ -40,8 +40,9 @@ def _first_error(e: BaseException) -> BaseException:
 class StepGraphs:
     """``run(shape)`` = ``step(*shape)``, through a graph per shape when ``enabled``."""
 
-    def __init__(self, step: Callable[..., None], state: Sequence[Tensor], *, enabled: bool) -> None:
-        self.step = step
+    def __init__(self, step: Callable[..., None], state: Sequence[Tensor], *, enabled: bool,
+                 name: str = "step") -> None:
+        self.step, self.name = step, name
         self.state = list(state)
         self.enabled = enabled
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
@@ -72,12 +73,12 @@ class StepGraphs:
                 for t, v in zip(self.state, saved):
                     t.copy_(v)
                 if attempt == 0 and pdl.turn_off(torch.device("cuda", torch.cuda.current_device())):
-                    log.warning("decode: capturing the step %s as a CUDA graph with overlapped launches failed "
+                    log.warning("decode: capturing the %s %s as a CUDA graph with overlapped launches failed "
                                 "(%s: %s); capturing again with plain launches (decode/pdl.py off in this process)",
-                                shape, type(e).__name__, str(e)[:300])
+                                self.name, shape, type(e).__name__, str(e)[:300])
                     continue
-                log.warning("decode: capturing the step %s as a CUDA graph failed (%s: %s); stepping eagerly",
-                            shape, type(e).__name__, str(e)[:300])
+                log.warning("decode: capturing the %s %s as a CUDA graph failed (%s: %s); running it eagerly",
+                            self.name, shape, type(e).__name__, str(e)[:300])
                 self.enabled = False
                 self.graphs.clear()
                 return None

@@ -32,7 +32,7 @@ from dflash_ipc.data.stops import stop_token_ids
 from dflash_ipc.hf.target_head import FrozenTargetHead
 from dflash_ipc.config.dtypes import resolve_dtype
 from dflash_ipc.errors import ConfigError
-from dflash_ipc.decode.compiled import compile_scope as _compile_scope, compiled_extend, prefill_compiled
+from dflash_ipc.decode.compiled import compile_scope as _compile_scope, compiled_extend, prefill_compiled, stack_edges
 from dflash_ipc.decode import aranges, decode_attention, fused_layer, fused_projections, matvec
 from dflash_ipc.decode.prefill_sdpa import prefill_backends
 from dflash_ipc.decode.ragged_attention import layer_masks, register_attention
@@ -47,6 +47,26 @@ def check_layer_ids(layer_ids: Sequence[int], num_layers: int, source: str) -> l
     if not all(0 <= i < num_layers for i in ids):
         raise ConfigError(f"drafter target_layer_ids={ids}: allowed ids are 0..{num_layers - 1} for the target {source}")
     return ids
+
+
+def pack_prompts(prompts: Sequence[np.ndarray], width: int, rows: Sequence[int]) -> np.ndarray:
+    """A prefill's inputs in one int64 array (one copy to the device), :func:`unpack_prompts`'s
+    layout: the prompts left-padded with 0 to ``width`` tokens, their lengths, their cache rows.
+    ``rows`` past the prompts (a caller's padding) get length 0: pads only."""
+    r = len(rows)
+    packed = np.zeros(r * (width + 2), dtype=np.int64)
+    ids = packed[: r * width].reshape(r, width)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = p
+        packed[r * width + i] = len(p)
+    packed[r * (width + 1):] = rows
+    return packed
+
+
+def unpack_prompts(packed: Tensor, num_rows: int, width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`pack_prompts`'s array as contiguous views: ids ``[R, width]``, lengths ``[R]``, rows ``[R]``."""
+    n = num_rows * width
+    return packed[:n].view(num_rows, width), packed[n: n + num_rows], packed[n + num_rows:]
 
 
 def model_layer_types(text_config, num_layers: int) -> list[str]:
@@ -220,25 +240,31 @@ class BatchedTarget(TargetModel):
         under the layer scope, each decoder layer through its compiled forward (decode/compiled.py;
         eagerly, every op of every layer is dispatched from Python, and a prefill's time is that
         host's); under the forward scope, or with $DFLASH_DECODE_COMPILE_PREFILL=off, eagerly."""
-        dev, lengths = self.device, torch.tensor([len(p) for p in prompts], device=self.device)
         width = int(max(len(p) for p in prompts))
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.as_tensor(np.asarray(p), dtype=torch.long)
-        j = torch.arange(width, device=dev)[None, :]  # [1, P]
+        packed = torch.from_numpy(pack_prompts(prompts, width, rows)).to(self.device)
+        self.num_forwards += 1
+        return self.prefill_packed(*unpack_prompts(packed, len(rows), width), features=features, compiled=compiled)
+
+    def prefill_packed(self, ids: Tensor, lengths: Tensor, rows: Tensor, *, features: bool = True,
+                       compiled: bool = False) -> Prefilled:
+        """:meth:`prefill`'s forward from its inputs on the device: ``ids`` ``[R, P]`` left-padded,
+        each row's prompt ``lengths`` ``[R]`` (0: a row of pads only, which writes the scratch slot of
+        its cache row) and cache ``rows`` ``[R]``. Nothing in it reads the device from the host, so
+        a CUDA graph can capture it (decode/prefill_graphs.py); ``num_forwards`` is the caller's."""
+        dev, width = self.device, ids.shape[1]
+        j = aranges.arange(width, dev)[None, :]  # [1, P]
         pad = (width - lengths)[:, None]  # [R, 1]
         real = j >= pad
         positions = (j - pad).clamp_min(0)
         write_pos = torch.where(real, j - pad, self.cache.kv.scratch)
         lo = torch.where(real, pad, j)  # a pad sees itself only: no all-masked (NaN) row
         masks = layer_masks(self.layer_types, self.sliding_window, lo, j + 1, width)
-        self.cache.plan_fresh(torch.as_tensor(list(rows), device=dev), write_pos)
-        self.num_forwards += 1
+        self.cache.plan_fresh(rows, write_pos)
         forward = self._forward
         if compiled and prefill_compiled(self.compile_scope):
             forward = functools.partial(self._compiled().run, self._forward)
         with prefill_backends(dev):  # no per-shape cuDNN plan for each new prompt width (prefill_sdpa.py)
-            logits, feats = forward(ids.to(dev), positions, masks, 1, features)
+            logits, feats = forward(ids, positions, masks, 1, features)
         return Prefilled(logits=logits[:, -1], features=feats, write_pos=write_pos, positions=positions)
 
     @torch.inference_mode()
@@ -260,8 +286,9 @@ class BatchedTarget(TargetModel):
     def _compiled(self):
         """The compiled extend (decode/compiled.py), built at its first use."""
         if self._compiled_extend is None:
-            layers = find_text_stack(self.model).layers
-            self._compiled_extend = compiled_extend(self._extend, layers, self.compile_scope, self.device)
+            stack = find_text_stack(self.model)
+            self._compiled_extend = compiled_extend(self._extend, stack.layers, self.compile_scope, self.device,
+                                                    stack_edges(stack.decoder))
         return self._compiled_extend
 
     def _extend(self, tokens: Tensor, lengths: Tensor, span: int, features: bool) -> tuple[Tensor, Tensor | None]:

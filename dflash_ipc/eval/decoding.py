@@ -38,7 +38,8 @@ from dflash_ipc.eval.acceptance import AcceptanceStats, commit_block
 from dflash_ipc.eval.drafter_context import DrafterContext
 from dflash_ipc.decode.requests import Generation, Request, RequestSource
 from dflash_ipc.eval.sampling import Sampling, probabilities, sample, speculative_accept
-from dflash_ipc.decode import aranges
+from dflash_ipc.decode import aranges, prefill_graphs
+from dflash_ipc.decode.prefill_graphs import PrefillGraphs
 from dflash_ipc.decode.accept import greedy_accept_packed
 from dflash_ipc.decode.top2 import greedy_top2
 from dflash_ipc.decode.target import BatchedTarget
@@ -182,15 +183,18 @@ class BatchedDecoder:
 
     def _prefill(self, rows: list[int], requests: list[Request]) -> None:
         self._grow(max(self._need(r) for r in requests))
-        out = self.target.prefill(rows, [r.prompt_ids for r in requests], features=self.uses_features,
-                                  compiled=self.use_compile)
-        self._prefilled(torch.as_tensor(rows, device=self.device), out)
-        tokens, margins, tops = self._host(*self._choose(out.logits))
+        tokens, margins, tops = self._host(*self._choose(self._prefill_logits(rows, [r.prompt_ids for r in requests])))
         for i, (row, request) in enumerate(zip(rows, requests)):
             gen = Generation(request=request, stats=self._new_stats())
             self.slots[row] = gen
             self.length[row] = request.prompt_ids.size  # its first token, at position P, is not cached yet
             self._commit(row, [int(tokens[i])], margins[i: i + 1], tops[i: i + 1], advance=0)
+
+    def _prefill_logits(self, rows: list[int], prompts: list[np.ndarray]) -> Tensor:
+        """The prefill of ``prompts`` into cache ``rows``: each row's last logits ``[R, V]``."""
+        out = self.target.prefill(rows, prompts, features=self.uses_features, compiled=self.use_compile)
+        self._prefilled(torch.as_tensor(rows, device=self.device), out)
+        return out.logits
 
     def _prefilled(self, rows: Tensor, out) -> None:
         """Hook after a prefill (the speculative decoder feeds the drafter)."""
@@ -333,6 +337,9 @@ class SpeculativeDecoder(BatchedDecoder):
         on = graphs_enabled(graphs, self.device)
         self.graphs = StepGraphs(self._graphed_cycle, [], enabled=on and self.sampling.greedy)
         self.use_compile = compile_enabled(compile, self.device, self.graphs.enabled)
+        self.prefill_graphs = PrefillGraphs(target, self._prefill_body, self._caches_allocated,
+                                            enabled=on and prefill_graphs.enabled(self.device))
+        """A prefill and the drafter's context of its prompts, captured together (decode/prefill_graphs.py)."""
         self._static: dict[str, Tensor] = {}
         self._caches = None  # (target cache, drafter cache) of the last run, which the next may reuse
         self.run_ahead = run_ahead
@@ -345,6 +352,7 @@ class SpeculativeDecoder(BatchedDecoder):
 
     def _forget_graphs(self) -> None:
         self.graphs.clear()
+        self.prefill_graphs.clear()
         self._static = {}
         self.graphs.state = []
         self._epoch += 1
@@ -391,8 +399,8 @@ class SpeculativeDecoder(BatchedDecoder):
         if self._capacities() != before:
             self._forget_graphs()  # the caches were reallocated (still the ones _reset may reuse)
 
-    def _capacities(self) -> tuple[int, int] | None:
-        return (self.target.capacity, self.drafter.kv.capacity) if self.graphs.enabled else None
+    def _capacities(self) -> tuple[int, int]:
+        return self.target.capacity, self.drafter.kv.capacity
 
     def _select_rows(self, keep: Tensor) -> None:
         super()._select_rows(keep)
@@ -408,6 +416,21 @@ class SpeculativeDecoder(BatchedDecoder):
 
     def _prefilled(self, rows: Tensor, out) -> None:
         self.drafter.append(rows, out.features, out.write_pos, out.positions)
+
+    def _prefill_logits(self, rows: list[int], prompts: list[np.ndarray]) -> Tensor:
+        logits = self.prefill_graphs(rows, prompts)
+        return super()._prefill_logits(rows, prompts) if logits is None else logits
+
+    def _prefill_body(self, ids: Tensor, lengths: Tensor, rows: Tensor) -> Tensor:
+        """A prefill and its drafter context from the device inputs (what a prefill graph captures)."""
+        out = self.target.prefill_packed(ids, lengths, rows, features=True, compiled=self.use_compile)
+        self._prefilled(rows, out)
+        return out.logits
+
+    def _caches_allocated(self) -> bool:
+        """Whether every layer of the target's and the drafter's caches has its storage (a cache's
+        first prefill allocates it)."""
+        return self.target.cache.kv.keys[-1] is not None and self.drafter.kv.keys[-1] is not None
 
     def _step(self) -> None:
         if not self.sampling.greedy:
