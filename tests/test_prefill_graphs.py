@@ -195,7 +195,7 @@ def test_a_replayed_prefill_equals_the_uncaptured_one(tmp_path):
 
     graphs = PrefillGraphs(target, body, lambda: True, enabled=True)
     kv = target.cache.kv
-    for rows, sizes in (([1], (70,)), ([2], (90,)), ([3, 0], (20, 33)), ([1], (65,))):
+    for rows, sizes in (([1], (70,)), ([2], (90,)), ([3, 0], (20, 33)), ([1], (65,))):  # widths 96, 96, 48, 96
         prompts = [rng.integers(10, 1000, size=n) for n in sizes]
         shape = graphs.shape(len(rows), max(sizes))
         packed = torch.from_numpy(pack_prompts(prompts, shape[1], [*rows, *[rows[0]] * (shape[0] - len(rows))]))
@@ -208,7 +208,7 @@ def test_a_replayed_prefill_equals_the_uncaptured_one(tmp_path):
         for got_t, want_t in zip(got_kv, kv.keys + kv.values):
             assert torch.equal(got_t[:, : kv.capacity], want_t[:, : kv.capacity])
     assert not target._compiled_extend.failed
-    assert graphs.graphs.enabled and graphs.num_captures == 3 and graphs.num_replays == 4
+    assert graphs.graphs.enabled and graphs.num_captures == 2 and graphs.num_replays == 4
 
 
 @pytest.mark.gpu
