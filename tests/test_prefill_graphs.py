@@ -53,7 +53,7 @@ class EagerGraphs:
 @pytest.fixture()
 def eager_graphs(monkeypatch):
     monkeypatch.setattr(prefill_graphs, "StepGraphs", EagerGraphs)
-    monkeypatch.setattr(prefill_graphs, "enabled", lambda device: True)
+    monkeypatch.setattr(engine_module, "prefill_graphs_enabled", lambda device: True)
     monkeypatch.setattr(engine_module, "StepGraphs", EagerGraphs)
 
 
@@ -167,13 +167,19 @@ def test_a_speculative_cache_that_grows_drops_the_prefill_graphs(target_dir, tar
     ones are forgotten."""
     model = random_drafter(target_dir, seed=1, num_layers=1)
     decoder = SpeculativeDecoder(target, DrafterContext(model, target.head), batch_size=1)
-    decoder.prefill_graphs = PrefillGraphs(target, decoder._prefill_body, decoder._caches_allocated, enabled=True)
+    checks = []  # _caches_allocated's answers
+    decoder.prefill_graphs = PrefillGraphs(target, decoder._prefill_body,
+                                           lambda: checks.append(decoder._caches_allocated()) or checks[-1],
+                                           enabled=True)
     cleared = []  # the target's cache capacity at each clear
     decoder.prefill_graphs.clear = lambda: cleared.append(target.capacity)
     requests = make_requests(3, max_len=12, max_new=4)
     requests[-1].prompt_ids = np.arange(10, 110)
     decoder.run(RequestList(requests))
     assert cleared[0] < 100 <= cleared[-1]  # the first cache's, then the grown one's
+    # the first prefill of each cache found it unallocated (and ran once before its capture); the grown
+    # caches keep their storage (RowKV.grow copies it), so the prefill that grew them found it allocated
+    assert checks == [False, True, True]
 
 
 @pytest.mark.gpu
@@ -238,3 +244,23 @@ def test_decodes_with_prefill_graphs_equal_those_without(target_dir, monkeypatch
     verdicts = [compare(runs["auto"][k], runs["off"][k], dtype=torch.float32).verdict for k in runs["off"]]
     assert all(v in ("identical", "near_tie") for v in verdicts), verdicts
     assert verdicts.count("identical") >= len(verdicts) - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decoders_taking_turns_on_one_target_keep_their_graphs_right(target_dir):
+    """A plain decoder that keeps its cache and a speculative one, in turns on one target (what
+    bench eval and benchmarks/cycle_switch.py do): each run's prefills write the cache it runs on,
+    so every run gives the first run's tokens."""
+    requests = make_requests(5, max_len=60, max_new=16)
+    cuda = BatchedTarget(target_dir, layer_ids=LAYER_IDS, device="cuda:0", dtype="float32")
+    model = random_drafter(target_dir, seed=1, num_layers=1).to("cuda:0")
+    plain = PlainDecoder(cuda, batch_size=1, keep_cache=True)
+    speculative = SpeculativeDecoder(cuda, DrafterContext(model, cuda.head), batch_size=1)
+    runs = {"plain": [], "speculative": []}
+    for _ in range(2):
+        for name, decoder in (("speculative", speculative), ("plain", plain)):
+            runs[name].append({g.request.key: g.tokens for g in decoder.run(RequestList(requests)).generations})
+    assert runs["plain"][0] == runs["plain"][1] and runs["speculative"][0] == runs["speculative"][1]
+    assert plain.engine.prefill_graphs.num_captures > 0 and speculative.prefill_graphs.num_captures > 0
+    plain.release()

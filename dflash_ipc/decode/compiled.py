@@ -116,7 +116,8 @@ EDGES_ENV = "DFLASH_DECODE_COMPILE_EDGES"
 """``auto`` (unset): under the layer scope the text stack's final norm and rotary table run
 compiled too (:class:`EdgeForward`); ``off``: eagerly, as transformers wrote them."""
 EDGE_NAMES = ("norm", "rotary_emb")
-"""The text stack's modules around its layers that :class:`EdgeForward` compiles, where present."""
+"""The text stack's modules around its layers that :class:`EdgeForward` compiles, where present
+(``EDGE_STEPS``, below, has a function for each)."""
 
 
 def edges_compiled() -> bool:
@@ -217,7 +218,7 @@ class EdgeForward:
 
     def __init__(self, name: str, module, owner: CompiledLayers, device: torch.device) -> None:
         self.name, self.module, self.owner = name, module, owner
-        self.step = CompiledForward(edge_step, device)
+        self.step = CompiledForward(EDGE_STEPS[name], device)
 
     def __call__(self, *args, **kwargs):
         module = self.module
@@ -225,20 +226,27 @@ class EdgeForward:
         if (not self.owner.active or self.step.failed or kwargs or not isinstance(x, Tensor) or x.dim() < 2
                 or not edges_compiled()):
             return type(module).forward(module, *args, **kwargs)
-        rows = x.reshape(-1, x.shape[-1])
         if self.name == "norm" and len(args) == 1:
-            return self.step(module, (rows,), {}).view(x.shape)
+            return self.step(module, x.reshape(-1, x.shape[-1])).view(x.shape)
         if self.name == "rotary_emb" and len(args) == 2 and isinstance(args[1], Tensor) and args[1].dim() == 2:
             positions = args[1]
-            cos, sin = self.step(module, (rows, positions.reshape(1, -1)), {})
+            cos, sin = self.step(module, x.reshape(-1, x.shape[-1]), positions.reshape(1, -1))
             return cos.view(*positions.shape, -1), sin.view(*positions.shape, -1)
         return type(module).forward(module, *args, **kwargs)
 
 
-def edge_step(module, args: tuple, kwargs: dict):
-    """``module``'s own forward: what :class:`EdgeForward` compiles (one per module, so their
-    graphs and recompile limits are apart)."""
-    return type(module).forward(module, *args, **kwargs)
+# One function per edge: Dynamo keeps its graphs, and its recompile limit, per function's code.
+def norm_step(module, x: Tensor) -> Tensor:
+    """The final norm's own forward over rows ``[N, H]`` (what :class:`EdgeForward` compiles)."""
+    return type(module).forward(module, x)
+
+
+def rotary_step(module, x: Tensor, positions: Tensor):
+    """The rotary table's own forward for positions ``[1, N]`` (what :class:`EdgeForward` compiles)."""
+    return type(module).forward(module, x, positions)
+
+
+EDGE_STEPS = {"norm": norm_step, "rotary_emb": rotary_step}
 
 
 def stack_edges(decoder) -> list[tuple[str, torch.nn.Module]]:

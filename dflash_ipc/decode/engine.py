@@ -57,9 +57,8 @@ from torch import Tensor
 
 from dflash_ipc.decode.cache import StaticRowKV, kv_bytes_per_token, static_cache
 from dflash_ipc.decode.compiled import COMPILE, compile_enabled
-from dflash_ipc.decode import prefill_graphs
 from dflash_ipc.decode.graphs import StepGraphs
-from dflash_ipc.decode.prefill_graphs import PrefillGraphs
+from dflash_ipc.decode.prefill_graphs import PrefillGraphs, enabled as prefill_graphs_enabled
 from dflash_ipc.decode.requests import Generation, Request, RequestSource
 from dflash_ipc.decode.sampler import TokenChoice, choose, top2_margin
 from dflash_ipc.decode.top2 import greedy_top2
@@ -305,7 +304,7 @@ class DecodeEngine:
         self.graphs = StepGraphs(self._step, state, enabled=self.use_graphs)
         self.prefill_graphs = PrefillGraphs(
             self.target, self._prefill_body, lambda: self.kv.keys[-1] is not None,
-            enabled=self.use_graphs and prefill_graphs.enabled(self.device))
+            enabled=self.use_graphs and prefill_graphs_enabled(self.device))
         self.slots: list[Generation | None] = [None] * rows
         self.refill = min(rows, self.settings.refill_rows or max(1, rows // 8))
         self.upper = np.zeros(rows, dtype=np.int64)  # host bound of each row's length

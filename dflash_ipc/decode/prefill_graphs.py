@@ -9,8 +9,9 @@ that is ~0.17 ms of every decode step. Captured, a prefill costs one replay.
 Shapes: the prompts are left-padded to a width bucket (:func:`width_bucket`) and the rows to a
 power of two, as the decode steps' rows are; a padding row has length 0, so all of its tokens
 are pads (they write the scratch slot of the first row's cache row and see themselves only, as
-any prefill's pads do). Pads never change a real token's result: positions, masks and cache
-writes are per token (target.py ``prefill_packed``). Captured are the prefills of at most
+any prefill's pads do). Pads change no real token's positions, keys or attention (those are per
+token: target.py ``prefill_packed``), only the shapes of the products, which may round the last
+bits otherwise (a near-tie between two tokens may then split differently: eval/lossless.py's rule). Captured are the prefills of at most
 ``max_tokens`` padded tokens (GRAPH_TOKENS: the host-bound ones; a larger prefill keeps the
 GPU busy longer than its dispatch takes, and its activations would stay in the graphs' pool),
 at most ``max_graphs`` shapes, the first ones seen; every other prefill runs as before. A
@@ -45,7 +46,8 @@ PREFILL_GRAPHS_ENV = "DFLASH_DECODE_PREFILL_GRAPHS"
 GRAPH_TOKENS = 2048
 """Padded tokens (rows bucket x width bucket) of the largest prefill captured."""
 MAX_GRAPHS = 32
-"""Shapes captured at most per cache (each holds its input and output buffers)."""
+"""Shapes captured at most per cache. Each holds its inputs and its logits ``[rows, V]`` (at most
+GRAPH_TOKENS / 16 = 128 rows; one row at batch 1); their activations share one memory pool."""
 _MIN_WIDTH = 16
 
 
@@ -119,11 +121,13 @@ class PrefillGraphs:
         if not self.ready():  # the storage is allocated here, on this stream, not in the capture's warm-up
             self.body(*unpack_prompts(inputs, num_rows, width))  # (a side stream's); the replay repeats its writes
         self.graphs.run(shape)
-        if not self.graphs.enabled:  # the capture failed: this prefill ran eagerly, and the next ones run as before
-            self._inputs.clear()
         self.target.num_forwards += 1
         self.num_replays += 1
-        return self._outputs[shape][: len(prompts)].clone()
+        logits = self._outputs[shape][: len(prompts)].clone()
+        if not self.graphs.enabled:  # the capture failed: this prefill ran eagerly, and the next ones run as before
+            self._inputs.clear()
+            self._outputs.clear()
+        return logits
 
     def _replayed(self, num_rows: int, width: int) -> None:
         """The body over the shape's static inputs (what a graph captures)."""

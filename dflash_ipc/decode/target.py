@@ -252,7 +252,7 @@ class BatchedTarget(TargetModel):
         its cache row) and cache ``rows`` ``[R]``. Nothing in it reads the device from the host, so
         a CUDA graph can capture it (decode/prefill_graphs.py); ``num_forwards`` is the caller's."""
         dev, width = self.device, ids.shape[1]
-        j = aranges.arange(width, dev)[None, :]  # [1, P]
+        j = torch.arange(width, device=dev)[None, :]  # [1, P]; not kept (aranges.py): widths vary without bound
         pad = (width - lengths)[:, None]  # [R, 1]
         real = j >= pad
         positions = (j - pad).clamp_min(0)

@@ -38,8 +38,8 @@ from dflash_ipc.eval.acceptance import AcceptanceStats, commit_block
 from dflash_ipc.eval.drafter_context import DrafterContext
 from dflash_ipc.decode.requests import Generation, Request, RequestSource
 from dflash_ipc.eval.sampling import Sampling, probabilities, sample, speculative_accept
-from dflash_ipc.decode import aranges, prefill_graphs
-from dflash_ipc.decode.prefill_graphs import PrefillGraphs
+from dflash_ipc.decode import aranges
+from dflash_ipc.decode.prefill_graphs import PrefillGraphs, enabled as prefill_graphs_enabled
 from dflash_ipc.decode.accept import greedy_accept_packed
 from dflash_ipc.decode.top2 import greedy_top2
 from dflash_ipc.decode.target import BatchedTarget
@@ -338,7 +338,7 @@ class SpeculativeDecoder(BatchedDecoder):
         self.graphs = StepGraphs(self._graphed_cycle, [], enabled=on and self.sampling.greedy)
         self.use_compile = compile_enabled(compile, self.device, self.graphs.enabled)
         self.prefill_graphs = PrefillGraphs(target, self._prefill_body, self._caches_allocated,
-                                            enabled=on and prefill_graphs.enabled(self.device))
+                                            enabled=on and prefill_graphs_enabled(self.device))
         """A prefill and the drafter's context of its prompts, captured together (decode/prefill_graphs.py)."""
         self._static: dict[str, Tensor] = {}
         self._caches = None  # (target cache, drafter cache) of the last run, which the next may reuse
