@@ -204,7 +204,7 @@ class CompiledLayers:
 
 class EdgeForward:
     """A text-stack module outside the layers (its final norm, its rotary table: EDGE_NAMES), run
-    by a :class:`CompiledForward` of :func:`edge_step` of its own while ``owner`` is active and
+    by a :class:`CompiledForward` of its function in EDGE_STEPS while ``owner`` is active and
     $DFLASH_DECODE_COMPILE_EDGES allows, else by the class's forward. Eagerly each is several
     kernels of a few microseconds (an RMS norm: a cast, a square, a mean, an add, an rsqrt, two
     multiplies, a cast; the rotary table: a product, a concatenation, a cosine, a sine, their

@@ -11,17 +11,18 @@ power of two, as the decode steps' rows are; a padding row has length 0, so all 
 are pads (they write the scratch slot of the first row's cache row and see themselves only, as
 any prefill's pads do). Pads change no real token's positions, keys or attention (those are per
 token: target.py ``prefill_packed``), only the shapes of the products, which may round the last
-bits otherwise (a near-tie between two tokens may then split differently: eval/lossless.py's rule). Captured are the prefills of at most
-``max_tokens`` padded tokens (GRAPH_TOKENS: the host-bound ones; a larger prefill keeps the
-GPU busy longer than its dispatch takes, and its activations would stay in the graphs' pool),
-at most ``max_graphs`` shapes, the first ones seen; every other prefill runs as before. A
-cache's storage is allocated by its first write: where it is not yet (``ready()``), the
-prefill runs once uncaptured first, on the caller's stream, so that no cache is allocated on
-the capture's side stream (and its writes are repeated by the replay, the same values).
+bits otherwise (a near-tie between two tokens may then split differently: eval/lossless.py's
+rule). Captured are the prefills of at most ``max_tokens`` padded tokens (GRAPH_TOKENS: the
+host-bound ones; a larger prefill keeps the GPU busy longer than its dispatch takes, and its
+activations would stay in the graphs' pool), at most ``max_graphs`` shapes, the first ones seen;
+every other prefill runs as before. A cache's storage is allocated by its first write: where it
+is not yet (``ready()``), the prefill runs once uncaptured first, on the caller's stream, so that
+no cache is allocated on the capture's side stream (and its writes are repeated by the replay,
+the same values).
 
 Each shape's inputs live in one static int64 buffer (target.py ``pack_prompts``: ids, lengths,
-cache rows), filled by one copy before the replay; the logits
-land in the graph's output and are cloned out. What a caller's ``body`` does besides the
+cache rows), filled by one copy before the replay; the logits land in the graph's output and
+are cloned out. What a caller's ``body`` does besides the
 target's forward is captured with it (the speculative decoder's drafter context). The graphs
 hold the cache's addresses: a caller that reallocates a cache clears them (:meth:`clear`).
 ``$DFLASH_DECODE_PREFILL_GRAPHS=off`` runs every prefill uncaptured.
