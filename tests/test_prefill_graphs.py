@@ -106,7 +106,7 @@ def test_shapes_past_the_limits_are_not_captured(target):
     assert PrefillGraphs(target, lambda *a: None, lambda: True, enabled=False).shape(1, 20) is None
 
 
-def engine_tokens(target, requests, *, prefill_graphs_on: bool, max_tokens: int | None = None):
+def engine_tokens(target, requests, *, prefill_graphs_on: bool):
     engine = DecodeEngine(target, settings=EngineSettings(max_rows=4, check_every=3, refill_rows=2, graphs="off"))
     if prefill_graphs_on:
         engine.use_graphs = True  # EagerGraphs for the steps and the prefills
