@@ -3,10 +3,13 @@
 On CPU: the switch ($DFLASH_DECODE_PDL) and what a launch passes, for a GPU with and without
 griddepcontrol; a capture that fails under PDL is tried once more without it; where Triton is
 installed, every decode kernel compiled for sm_90 waits before its first memory access (its PTX).
+The products' weight prefetch ahead of the wait: its switch and size (CPU); on CUDA the same
+values with it and without.
 On CUDA (marked gpu): every decode kernel launched back to back, each reading what the one before
 wrote, eagerly and replayed from a CUDA graph with a new input each replay, with PDL and without:
 the same values bit for bit (a kernel that ran before its wait would read its input half written)."""
 
+import inspect
 import re
 
 import pytest
@@ -21,6 +24,25 @@ cuda = pytest.mark.skipif(not (torch.cuda.is_available() and pdl.triton is not N
 
 def test_the_setting(monkeypatch):
     check_switch_setting(monkeypatch, PDL_ENV, pdl.enabled)
+
+
+def test_weights_are_prefetched_only_under_pdl_and_at_most_prefetch_bytes_a_program(monkeypatch):
+    check_switch_setting(monkeypatch, pdl.PREFETCH_ENV, pdl.prefetch_enabled)
+    pdl_on = {"on": False}
+    monkeypatch.setattr(pdl, "enabled", lambda device: pdl_on["on"])
+    assert pdl.prefetch_lines(64, 512, 2, "cuda:0") == 0  # launches without PDL: nothing to overlap
+    pdl_on["on"] = True
+    assert pdl.prefetch_enabled("cuda:0")
+    # (rows a program, its keys, bytes a key) -> lines a row: a power of two, within both limits
+    assert pdl.prefetch_tokens(512, 256, "cuda:0") == (64, 2)  # K and V rows of 128 bf16: 32 KiB a program
+    assert pdl.prefetch_tokens(16, 192, "cuda:0") == (16, 2) and pdl.prefetch_tokens(1, 64, "cuda:0") == (1, 1)
+    for rows, keys, size, lines in [(64, 512, 2, 4), (32, 2048, 2, 8), (4, 2048, 2, 32), (4, 6144, 2, 64),
+                                    (8, 300, 2, 4), (16, 64, 2, 1), (1024, 2048, 2, 1), (64, 0, 2, 0)]:
+        got = pdl.prefetch_lines(rows, keys, size, "cuda:0")
+        assert got == lines, (rows, keys, got)
+        assert got == 0 or rows * got * pdl.LINE_BYTES <= max(pdl.PREFETCH_BYTES, rows * pdl.LINE_BYTES)
+    monkeypatch.setenv(pdl.PREFETCH_ENV, "off")
+    assert pdl.prefetch_lines(64, 512, 2, "cuda:0") == 0 and pdl.prefetch_tokens(512, 256, "cuda:0") == (0, 1)
 
 
 @pytest.mark.parametrize("capable", [True, False])
@@ -208,7 +230,9 @@ _PTX_MEMORY = re.compile(r"^(?:@!?%p\d+\s+)?(?:ld|st|atom|red|cp\.async|prefetch
 @pytest.mark.skipif(pdl.triton is None or not pdl._HAS_GDC, reason="needs Triton with griddepcontrol")
 def test_every_decode_kernel_waits_before_its_first_memory_access_under_pdl():
     """Each kernel compiled for sm_90 (no GPU needed) with PDL: launch_pdl in its metadata, and in its
-    PTX griddepcontrol.wait before any load, store or atomic; without PDL no griddepcontrol at all."""
+    PTX griddepcontrol.wait before any load, store or atomic; without PDL no griddepcontrol at all.
+    The products with PREFETCH ask L2 for their weight lines before the wait, and do nothing else
+    with memory there."""
     from triton.backends.compiler import GPUTarget
 
     from dflash_ipc.decode import accept, band_mask, decode_attention, kv_write, matvec, qk_rope, top2
@@ -216,9 +240,17 @@ def test_every_decode_kernel_waits_before_its_first_memory_access_under_pdl():
     half = "*bf16"
     kernels = [
         (matvec._rows_kernel, dict(HAS_BIAS=False, SPLIT=4, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, GLU=False,
-                                   RESIDUAL=True), {"part_ptr": "*fp32", "count_ptr": "*i32"}, 4),
+                                   RESIDUAL=True), {"part_ptr": "*fp32", "count_ptr": "*i32", "sq_ptr": "*fp32"}, 4),
         (matvec._rows_kernel, dict(HAS_BIAS=False, SPLIT=1, BLOCK_N=32, BLOCK_K=128, EVEN_K=True, GLU=True,
-                                   RESIDUAL=False), {"part_ptr": "*fp32", "count_ptr": "*i32"}, 4),
+                                   RESIDUAL=False), {"part_ptr": "*fp32", "count_ptr": "*i32", "sq_ptr": "*fp32"}, 4),
+        (matvec._rows_kernel, dict(HAS_BIAS=False, SPLIT=1, BLOCK_N=32, BLOCK_K=128, EVEN_K=True, GLU=True,
+                                   RESIDUAL=False, NORM_SQUARES=True, SQ_P2=32),
+         {"part_ptr": "*fp32", "count_ptr": "*i32", "sq_ptr": "*fp32"}, 4),
+        (matvec._rows_kernel, dict(HAS_BIAS=False, SPLIT=4, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, GLU=False,
+                                   RESIDUAL=True, SQUARES=True, PREFETCH=4),
+         {"part_ptr": "*fp32", "count_ptr": "*i32", "sq_ptr": "*fp32"}, 4),
+        (matvec._matvec_kernel, dict(HAS_BIAS=False, BLOCK_N=4, BLOCK_K=512, EVEN_K=True, ADD=True, NORM=True,
+                                     GLU=True, RESIDUAL=False, RSTD_BLOCK=2048, PREFETCH=32), {}, 8),
         (matvec._matvec_kernel, dict(HAS_BIAS=False, BLOCK_N=4, BLOCK_K=512, EVEN_K=True, ADD=True, NORM=True,
                                      GLU=True, RESIDUAL=False, RSTD_BLOCK=2048), {}, 4),
         (matvec._rows_norm_kernel, dict(ADD=True, BLOCK_K=2048), {}, 4),
@@ -229,6 +261,10 @@ def test_every_decode_kernel_waits_before_its_first_memory_access_under_pdl():
         (decode_attention._attention_kernel, dict(HKV=8, REP=2, NQ=16, D=128, DV=128, BLOCK_M=32, BLOCK_T=64,
                                                   BLOCK_D=128, BLOCK_DV=128, SPLIT=True, SKIP_HIDDEN=False,
                                                   COMBINE_LAST=True, SPLIT_P2=16),
+         {"mask_ptr": "*u8", "part_ptr": "*fp32", "stat_ptr": "*fp32", "count_ptr": "*i32"}, 4),
+        (decode_attention._attention_kernel, dict(HKV=8, REP=2, NQ=16, D=128, DV=128, BLOCK_M=32, BLOCK_T=64,
+                                                  BLOCK_D=128, BLOCK_DV=128, SPLIT=True, SKIP_HIDDEN=False,
+                                                  COMBINE_LAST=True, SPLIT_P2=16, PREFETCH=64, PREFETCH_LINES=2),
          {"mask_ptr": "*u8", "part_ptr": "*fp32", "stat_ptr": "*fp32", "count_ptr": "*i32"}, 4),
         (decode_attention._combine_kernel, dict(HKV=8, REP=2, NQ=16, DV=128, BLOCK_M=32, BLOCK_DV=128, SPLIT_P2=4),
          {"part_ptr": "*fp32", "stat_ptr": "*fp32"}, 4),
@@ -246,6 +282,9 @@ def test_every_decode_kernel_waits_before_its_first_memory_access_under_pdl():
     for fn, consts, types, warps in kernels:
         for on in (True, False):
             c = dict(consts, PDL=on)
+            for name, param in inspect.signature(fn.fn).parameters.items():  # constexprs left at their defaults
+                if param.default is not param.empty:
+                    c.setdefault(name, param.default)
             sig = {n: "constexpr" if n in c else types.get(n, half if n.endswith("_ptr") else
                                                               "fp32" if n in ("eps", "scale") else "i32")
                    for n in fn.arg_names}
@@ -253,9 +292,12 @@ def test_every_decode_kernel_waits_before_its_first_memory_access_under_pdl():
                                       target=GPUTarget("cuda", 90, 128), options=dict(num_warps=warps, launch_pdl=on))
             lines = compiled.asm["ptx"].splitlines()
             waits = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
-            memory = [i for i, line in enumerate(lines) if _PTX_MEMORY.search(line.strip())]
+            prefetches = [i for i, line in enumerate(lines) if line.strip().startswith("prefetch.global.L2 ")]
+            memory = [i for i, line in enumerate(lines) if _PTX_MEMORY.search(line.strip()) and i not in prefetches]
             assert compiled.metadata.launch_pdl == on, fn.__name__
+            assert bool(prefetches) == bool(consts.get("PREFETCH", 0)), (fn.__name__, len(prefetches))
             if on:
                 assert len(waits) == 1 and memory and waits[0] < memory[0], (fn.__name__, lines[memory[0]])
+                assert all(i < waits[0] for i in prefetches), fn.__name__
             else:
                 assert not waits and not any("griddepcontrol" in line for line in lines), fn.__name__

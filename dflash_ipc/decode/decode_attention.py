@@ -38,7 +38,7 @@ from dflash_ipc.decode.matvec import HALF_DTYPES, SPLIT_BUFFERS, available, cuda
 if triton is not None:
     import triton.language as tl
 
-    from dflash_ipc.decode.pdl import wait_for_inputs
+    from dflash_ipc.decode.pdl import prefetch_l2, wait_for_inputs
 
 ATTENTION_ENV = "DFLASH_DECODE_ATTENTION"
 COMBINE_ENV = "DFLASH_DECODE_ATTENTION_COMBINE"
@@ -162,13 +162,15 @@ if triton is not None:
                           DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT: tl.constexpr,
                           SKIP_HIDDEN: tl.constexpr, COMBINE_LAST: tl.constexpr = False, SPLIT_P2: tl.constexpr = 1,
-                          PDL: tl.constexpr = False):
+                          PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, PREFETCH_LINES: tl.constexpr = 1):
         """Rows ``r`` = (query head ``h * REP + r // NQ``, query ``r % NQ``) of one (row b, K/V
         head h) against keys of split ``program_id(1)``; the finished output, or (SPLIT) the
         unnormalised sums and their softmax max and mass for the combine. COMBINE_LAST: each split
         counts itself in ``count[pid]`` once its sums are stored, and the split that counts last
         combines them all and sets the count back to 0 (matvec.py's ``_rows_kernel`` does the
-        same with its K splits): one launch, and no memset before the next one."""
+        same with its K splits): one launch, and no memset before the next one. PREFETCH: the span's
+        first keys whose K and V rows (PREFETCH_LINES lines each) are asked of L2 before the wait
+        (pdl.py), 0: none."""
         pid = tl.program_id(0)
         split = tl.program_id(1)
         b = (pid // HKV).to(tl.int64)
@@ -179,6 +181,11 @@ if triton is not None:
         qi = rows % NQ
         d = tl.arange(0, BLOCK_D)
         dv = tl.arange(0, BLOCK_DV)
+        if PREFETCH > 0:  # 64 elements a line (2-byte K and V), clamped inside the rows and the span
+            ahead = tl.minimum(split * blocks_per_split * BLOCK_T + tl.arange(0, PREFETCH), T - 1).to(tl.int64)
+            line = tl.arange(0, PREFETCH_LINES) * 64
+            prefetch_l2(k_ptr + b * sk_b + h * sk_h + ahead[:, None] * sk_t + tl.minimum(line, D - 1)[None, :])
+            prefetch_l2(v_ptr + b * sv_b + h * sv_h + ahead[:, None] * sv_t + tl.minimum(line, DV - 1)[None, :])
         wait_for_inputs(PDL)  # pdl.py
         q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + qi[:, None] * sq_q + d[None, :],
                     mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
@@ -310,6 +317,10 @@ def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale
     else:
         part = stat = out  # pointers the kernel does not touch without SPLIT
     count = SPLIT_BUFFERS.get(q.device, 0, programs)[1] if combine_last else out  # untouched without
+    # K/V ahead of the wait (pdl.py) where every key block is read: with SKIP_HIDDEN most are not
+    # (a split's keys past the span are clamped to its last: no variant per span)
+    ahead, lines = (0, 1) if skip or span == 0 else pdl.prefetch_tokens(blocks * block_t,
+                                                                        max(dim, dim_v) * k.element_size(), q.device)
     _attention_kernel[(programs, splits)](
         q, k, v, seen, out, part, stat, count, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), seen.stride(0), seen.stride(2), seen.stride(3),
@@ -318,7 +329,7 @@ def triton_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale
         HKV=hkv, REP=rep, NQ=nq, D=dim, DV=dim_v, BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_D=block_d,
         BLOCK_DV=block_dv, SPLIT=splits > 1, SKIP_HIDDEN=skip, COMBINE_LAST=combine_last,
         SPLIT_P2=_pow2(splits, least=2) if combine_last else 1,  # unused without: no variant per split count
-        num_warps=warps, num_stages=stages, **pdl.launch_args(q.device))
+        PREFETCH=ahead, PREFETCH_LINES=lines, num_warps=warps, num_stages=stages, **pdl.launch_args(q.device))
     if splits > 1 and not combine_last:
         _combine_kernel[(programs,)](part, stat, out, splits, out.stride(0), out.stride(1), out.stride(2),
                                      HKV=hkv, REP=rep, NQ=nq, DV=dim_v, BLOCK_M=block_m, BLOCK_DV=block_dv,
