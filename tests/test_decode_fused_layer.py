@@ -63,11 +63,6 @@ def extend_logits(target, compile: bool, calls: dict | None = None):
 def _counting(fn, calls, name):
     def counted(*args):
         calls[name] += 1
-        if len(args) > 9:  # fused_layer_step's: the input's sums of squares, handed from the layer before
-            calls["handed"] = calls.get("handed", 0) + (args[9] is not None)
-            if args[9] is not None:  # those of this very input (on CPU the op's torch code made them)
-                x = args[7][0] if args[7] else args[8]["hidden_states"]
-                assert torch.equal(args[9], fused_layer.block_squares(x))
         return fn(*args)
     return counted
 
@@ -89,14 +84,7 @@ def test_the_fused_layers_give_the_layers_own_logits_bit_for_bit(family, dtype, 
     assert target._compiled_extend.num_fused == 2 and not target._compiled_extend.fused_step.failed
     for g, w in zip(got, want):
         assert torch.equal(g, w)
-    # the 3-token step, one call per layer, after the counters were set; the second layer given the
-    # sums of squares of the first's output (6 rows: the norms' sums handed from layer to layer)
-    assert calls == {"fused": 2, "own": 0, "handed": 1}
-    monkeypatch.setenv(fused_layer.NORM_SQUARES_ENV, "off")
-    calls.update(fused=0, own=0, handed=0)  # the counters stay wrapped around the steps
-    for g, w in zip(extend_logits(target, compile=True, calls=calls), want):
-        assert torch.equal(g, w)
-    assert calls == {"fused": 4, "own": 0, "handed": 0}  # both steps now, neither given sums of squares
+    assert calls == {"fused": 2, "own": 0}  # the 3-token step, one call per layer, after the counters were set
     torch._dynamo.reset()
 
 
@@ -121,11 +109,6 @@ def test_the_ops_check_out():
     torch.library.opcheck(torch.ops.dflash.norm_linear.default, (x, g, 1e-6, w, b, 16))
     torch.library.opcheck(torch.ops.dflash.add_norm_glu.default, (x, a, g, 1e-6, wgu, 16))
     torch.library.opcheck(torch.ops.dflash.linear_add.default, (x[:, :10], wd, a, 16))
-    torch.library.opcheck(torch.ops.dflash.o_add_norm_glu.default, (x[:, :10], a, wd, None, 0, g, 1e-6, wgu, 16))
-    act, h = torch.ops.dflash.o_add_norm_glu(x[:, :10], a, wd, None, 0, g, 1e-6, wgu, 16)
-    assert torch.equal(h, a + torch.nn.functional.linear(x[:, :10], wd))
-    assert torch.equal(act, torch.ops.dflash.add_norm_glu(torch.nn.functional.linear(x[:, :10], wd), a, g, 1e-6,
-                                                          wgu, 16)[0])
     act, h = torch.ops.dflash.add_norm_glu(x, a, g, 1e-6, wgu, 16)
     assert torch.equal(h, a + x) and act.shape == (3, 10)
     qkv, cos, sin = torch.randn(2, 3, 4 * 8), torch.randn(2, 3, 8), torch.randn(2, 3, 8)
@@ -148,36 +131,6 @@ def test_the_setting(monkeypatch):
     monkeypatch.delenv(FUSE_LAYER_ENV)
     assert not fused_layer.enabled("cpu")  # auto: CUDA targets whose products run the kernels
     assert fused_layer.enabled("cuda:0") == matvec.available()
-
-
-def test_the_sums_of_squares_ops_check_out_and_hand_on_what_the_kernel_would():
-    torch.manual_seed(0)
-    x, h = torch.randn(5, 24), torch.randn(5, 130)
-    g, w, wd = torch.randn(130), torch.randn(10, 130), torch.randn(130, 24)
-    squares = fused_layer.block_squares(h)
-    assert squares.shape == (matvec.square_blocks(130), matvec.DOT_ROWS) == (3, 16)
-    assert torch.allclose(squares[:, :5].sum(0), h.pow(2).sum(-1)) and not squares[:, 5:].any()
-    assert torch.allclose(squares[2, :5], h[:, 128:].pow(2).sum(-1))  # the last block: 2 columns
-    torch.library.opcheck(torch.ops.dflash.linear_add_squares.default, (x, wd, h, 16))
-    torch.library.opcheck(torch.ops.dflash.squares_norm_linear.default, (h, squares, g, 1e-6, w, None, 16))
-    out, sq = torch.ops.dflash.linear_add_squares(x, wd, h, 16)
-    assert torch.equal(out, h + torch.nn.functional.linear(x, wd)) and torch.equal(sq, fused_layer.block_squares(out))
-    # off CUDA the norm is the torch ops' (the sums are not read): norm_linear's values exactly
-    assert torch.equal(torch.ops.dflash.squares_norm_linear(h, squares, g, 1e-6, w, None, 16),
-                       torch.ops.dflash.norm_linear(h, g, 1e-6, w, None, 16))
-    with pytest.raises(ValueError, match="at most 16"):
-        fused_layer.block_squares(torch.randn(17, 8))
-
-
-def test_the_norm_squares_setting(monkeypatch):
-    from dflash_ipc.decode.fused_layer import NORM_SQUARES_ENV, norm_squares_enabled
-    monkeypatch.setenv(NORM_SQUARES_ENV, "on")
-    with pytest.raises(ConfigError, match=f"{NORM_SQUARES_ENV}.*auto.*off"):
-        norm_squares_enabled()
-    monkeypatch.setenv(NORM_SQUARES_ENV, "off")
-    assert not norm_squares_enabled()
-    monkeypatch.delenv(NORM_SQUARES_ENV)
-    assert norm_squares_enabled()
 
 
 def test_the_rows_setting(monkeypatch):
@@ -256,48 +209,6 @@ def test_the_kernels_prologue_and_epilogue_match_the_torch_ops(m, n, k):
     y = torch.randn(1, m, n, device=dev, dtype=dt)
     close(torch.ops.dflash.linear_add(y, wd, x, 16), torch_ops(torch.ops.dflash.linear_add, y, wd, x))
     close(torch.ops.dflash.linear_add(x, w, r, 16), torch_ops(torch.ops.dflash.linear_add, x, w, r))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available() and matvec.available()), reason="needs CUDA and Triton")
-@pytest.mark.parametrize("m,n,k", [(16, 2048, 2048), (5, 2048, 6144), (2, 1000, 700), (16, 4096, 1024)])
-def test_gate_up_normed_from_o_projs_sums_of_squares_matches_the_norm_launch(monkeypatch, m, n, k):
-    """o_add_norm_glu for 2..16 rows: h bit for bit as o_proj, then the add and norm's launch give
-    it (the same product and roundings), the activations within bf16 rounding of theirs (the sums
-    of squares add up in another order) and of the torch ops'. n: o_proj's outputs (the hidden
-    size), k: its inputs; the hidden size past MAX_SQUARE_BLOCKS blocks is refused."""
-    from dflash_ipc.decode.fused_layer import NORM_SQUARES_ENV
-    torch.manual_seed(m + n)
-    dev, dt = "cuda:0", torch.bfloat16
-    attn, residual = torch.randn(1, m, k, device=dev, dtype=dt), torch.randn(1, m, n, device=dev, dtype=dt)
-    wo = torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5
-    g = (1 + 0.2 * torch.randn(n, device=dev)).to(dt)
-    wgu = torch.randn(2 * 3000, n, device=dev, dtype=dt) / n ** 0.5
-    results = {}
-    for value in ("auto", "off"):
-        monkeypatch.setenv(NORM_SQUARES_ENV, value)
-        results[value] = torch.ops.dflash.o_add_norm_glu(attn, residual, wo, None, 16, g, 1e-6, wgu, 16)
-    want = torch.ops.dflash.o_add_norm_glu(attn, residual, wo, None, 0, g, 1e-6, wgu, 0)  # the torch ops
-    (act, h), (act_off, h_off) = results["auto"], results["off"]
-    assert torch.equal(h, h_off)
-    for other in (act_off, want[0]):
-        torch.testing.assert_close(act.float(), other.float(), rtol=2 ** -6, atol=2 ** -6 * float(other.abs().max()))
-    squares = torch.empty(matvec.square_blocks(n), matvec.DOT_ROWS, device=dev)
-    y = matvec.triton_rows(attn, wo, residual=residual.contiguous(), squares_out=squares)
-    torch.testing.assert_close(squares, fused_layer.block_squares(y), rtol=1e-5, atol=1e-5)
-    assert torch.equal(y, h)  # o_add_norm_glu's o: this launch
-    # q|k|v normed from the sums (the next layer's input norm) against the norm launch
-    wqkv = torch.randn(3072, n, device=dev, dtype=dt) / n ** 0.5
-    normed = torch.ops.dflash.norm_linear(y, g, 1e-6, wqkv, None, 16).float()
-    torch.testing.assert_close(torch.ops.dflash.squares_norm_linear(y, squares, g, 1e-6, wqkv, None, 16).float(),
-                               normed, rtol=2 ** -6, atol=2 ** -6 * float(normed.abs().max()))
-    wd = torch.randn(n, 3000, device=dev, dtype=dt) / 3000 ** 0.5
-    out, out_squares = torch.ops.dflash.linear_add_squares(act, wd, h, 16)
-    assert torch.equal(out, torch.ops.dflash.linear_add(act, wd, h, 16))
-    torch.testing.assert_close(out_squares, fused_layer.block_squares(out), rtol=1e-5, atol=1e-5)
-    too_many = torch.zeros(matvec.MAX_SQUARE_BLOCKS + 1, matvec.DOT_ROWS, device=dev)
-    with pytest.raises(ValueError, match="squares"):
-        matvec.triton_rows(residual, wgu[:, :n], norm=g, eps=1e-6, squares=too_many)
 
 
 @pytest.mark.gpu

@@ -121,31 +121,6 @@ def test_triton_matches_cublas(n, k, bias):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("m,glu", [(1, False), (1, True), (16, False), (16, True), (7, False)])
-def test_the_weights_prefetched_ahead_of_the_wait_change_no_value(monkeypatch, m, glu):
-    """pdl.py's weight prefetch is a hint to L2: each kernel's outputs bit for bit as without it,
-    at split and unsplit few-row shapes and the one-row kernel, with GLU and without."""
-    from dflash_ipc.decode import pdl
-    dev = "cuda:0"
-    if not pdl.enabled(dev):
-        pytest.skip("the prefetch runs under PDL (compute capability 9.0 and later)")
-    outs = {}
-    for value in ("auto", "off"):
-        monkeypatch.setenv(pdl.PREFETCH_ENV, value)
-        for n, k in [(2048, 2048), (2048, 6144), (6144, 2048), (1000, 700)]:
-            torch.manual_seed(n * k + m)
-            w = torch.randn(2 * n if glu else n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            entry = matvec.triton_matvec if m == 1 else matvec.triton_rows
-            outs[value, n, k] = entry(x, w, glu=glu)
-    monkeypatch.setenv(pdl.PREFETCH_ENV, "auto")
-    assert pdl.prefetch_enabled(dev) == pdl.enabled(dev)  # on wherever launches use PDL
-    for (value, n, k), y in outs.items():
-        assert torch.isfinite(y.float()).all() and torch.equal(y, outs["off", n, k]), (n, k)
-
-
-@pytest.mark.gpu
-@cuda
 @pytest.mark.parametrize("m,n,k,bias", [(16, 4096, 2048, False), (16, 2048, 6144, True), (15, 151936, 2048, False),
                                         (2, 12288, 2048, False), (5, 1000, 700, True), (16, 33, 4096, False)])
 def test_the_few_row_kernel_matches_fp32_and_the_op_sends_each_row_count_to_its_kernel(m, n, k, bias):

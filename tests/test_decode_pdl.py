@@ -3,8 +3,8 @@
 On CPU: the switch ($DFLASH_DECODE_PDL) and what a launch passes, for a GPU with and without
 griddepcontrol; a capture that fails under PDL is tried once more without it; where Triton is
 installed, every decode kernel compiled for sm_90 waits before its first memory access (its PTX).
-The products' weight prefetch ahead of the wait: its switch and size (CPU); on CUDA the same
-values with it and without.
+The attention kernel's K/V prefetch ahead of the wait: its switch and size (CPU; its values with
+it and without: tests/test_decode_attention.py, on CUDA).
 On CUDA (marked gpu): every decode kernel launched back to back, each reading what the one before
 wrote, eagerly and replayed from a CUDA graph with a new input each replay, with PDL and without:
 the same values bit for bit (a kernel that ran before its wait would read its input half written)."""
@@ -26,23 +26,22 @@ def test_the_setting(monkeypatch):
     check_switch_setting(monkeypatch, PDL_ENV, pdl.enabled)
 
 
-def test_weights_are_prefetched_only_under_pdl_and_at_most_prefetch_bytes_a_program(monkeypatch):
+def test_kv_is_prefetched_only_under_pdl_and_at_most_prefetch_bytes_a_program(monkeypatch):
     check_switch_setting(monkeypatch, pdl.PREFETCH_ENV, pdl.prefetch_enabled)
     pdl_on = {"on": False}
     monkeypatch.setattr(pdl, "enabled", lambda device: pdl_on["on"])
-    assert pdl.prefetch_lines(64, 512, 2, "cuda:0") == 0  # launches without PDL: nothing to overlap
+    assert pdl.prefetch_tokens(512, 256, "cuda:0") == (0, 1)  # launches without PDL: nothing to overlap
     pdl_on["on"] = True
     assert pdl.prefetch_enabled("cuda:0")
-    # (rows a program, its keys, bytes a key) -> lines a row: a power of two, within both limits
-    assert pdl.prefetch_tokens(512, 256, "cuda:0") == (64, 2)  # K and V rows of 128 bf16: 32 KiB a program
-    assert pdl.prefetch_tokens(16, 192, "cuda:0") == (16, 2) and pdl.prefetch_tokens(1, 64, "cuda:0") == (1, 1)
-    for rows, keys, size, lines in [(64, 512, 2, 4), (32, 2048, 2, 8), (4, 2048, 2, 32), (4, 6144, 2, 64),
-                                    (8, 300, 2, 4), (16, 64, 2, 1), (1024, 2048, 2, 1), (64, 0, 2, 0)]:
-        got = pdl.prefetch_lines(rows, keys, size, "cuda:0")
-        assert got == lines, (rows, keys, got)
-        assert got == 0 or rows * got * pdl.LINE_BYTES <= max(pdl.PREFETCH_BYTES, rows * pdl.LINE_BYTES)
+    # (keys a program, bytes a K or V row) -> (keys, lines a row): powers of two, within both limits
+    for tokens, row_bytes, want in [(512, 256, (64, 2)), (16, 192, (16, 2)), (1, 64, (1, 1)), (48, 256, (32, 2)),
+                                    (512, 512, (32, 4)), (0, 256, (0, 1))]:
+        got = pdl.prefetch_tokens(tokens, row_bytes, "cuda:0")
+        assert got == want, (tokens, row_bytes, got)
+        assert got[0] == 0 or (2 * got[0] * got[1] * pdl.LINE_BYTES <= pdl.PREFETCH_BYTES
+                               and got[1] * pdl.LINE_BYTES >= row_bytes)
     monkeypatch.setenv(pdl.PREFETCH_ENV, "off")
-    assert pdl.prefetch_lines(64, 512, 2, "cuda:0") == 0 and pdl.prefetch_tokens(512, 256, "cuda:0") == (0, 1)
+    assert pdl.prefetch_tokens(512, 256, "cuda:0") == (0, 1)
 
 
 @pytest.mark.parametrize("capable", [True, False])
@@ -231,8 +230,8 @@ _PTX_MEMORY = re.compile(r"^(?:@!?%p\d+\s+)?(?:ld|st|atom|red|cp\.async|prefetch
 def test_every_decode_kernel_waits_before_its_first_memory_access_under_pdl():
     """Each kernel compiled for sm_90 (no GPU needed) with PDL: launch_pdl in its metadata, and in its
     PTX griddepcontrol.wait before any load, store or atomic; without PDL no griddepcontrol at all.
-    The products with PREFETCH ask L2 for their weight lines before the wait, and do nothing else
-    with memory there."""
+    The attention kernel with PREFETCH asks L2 for its K/V lines before the wait, and does nothing
+    else with memory there."""
     from triton.backends.compiler import GPUTarget
 
     from dflash_ipc.decode import accept, band_mask, decode_attention, kv_write, matvec, qk_rope, top2
@@ -240,17 +239,9 @@ def test_every_decode_kernel_waits_before_its_first_memory_access_under_pdl():
     half = "*bf16"
     kernels = [
         (matvec._rows_kernel, dict(HAS_BIAS=False, SPLIT=4, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, GLU=False,
-                                   RESIDUAL=True), {"part_ptr": "*fp32", "count_ptr": "*i32", "sq_ptr": "*fp32"}, 4),
+                                   RESIDUAL=True), {"part_ptr": "*fp32", "count_ptr": "*i32"}, 4),
         (matvec._rows_kernel, dict(HAS_BIAS=False, SPLIT=1, BLOCK_N=32, BLOCK_K=128, EVEN_K=True, GLU=True,
-                                   RESIDUAL=False), {"part_ptr": "*fp32", "count_ptr": "*i32", "sq_ptr": "*fp32"}, 4),
-        (matvec._rows_kernel, dict(HAS_BIAS=False, SPLIT=1, BLOCK_N=32, BLOCK_K=128, EVEN_K=True, GLU=True,
-                                   RESIDUAL=False, NORM_SQUARES=True, SQ_P2=32),
-         {"part_ptr": "*fp32", "count_ptr": "*i32", "sq_ptr": "*fp32"}, 4),
-        (matvec._rows_kernel, dict(HAS_BIAS=False, SPLIT=4, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, GLU=False,
-                                   RESIDUAL=True, SQUARES=True, PREFETCH=4),
-         {"part_ptr": "*fp32", "count_ptr": "*i32", "sq_ptr": "*fp32"}, 4),
-        (matvec._matvec_kernel, dict(HAS_BIAS=False, BLOCK_N=4, BLOCK_K=512, EVEN_K=True, ADD=True, NORM=True,
-                                     GLU=True, RESIDUAL=False, RSTD_BLOCK=2048, PREFETCH=32), {}, 8),
+                                   RESIDUAL=False), {"part_ptr": "*fp32", "count_ptr": "*i32"}, 4),
         (matvec._matvec_kernel, dict(HAS_BIAS=False, BLOCK_N=4, BLOCK_K=512, EVEN_K=True, ADD=True, NORM=True,
                                      GLU=True, RESIDUAL=False, RSTD_BLOCK=2048), {}, 4),
         (matvec._rows_norm_kernel, dict(ADD=True, BLOCK_K=2048), {}, 4),

@@ -174,9 +174,6 @@ class CompiledLayers:
         self.fused_step = CompiledForward(fused_layer_step, device)
         self.prefill_step = CompiledForward(prefill_layer_step, device)
         self.active = False
-        self._handed: tuple[Tensor | None, Tensor | None] = (None, None)
-        """The last fused layer's output and its sums of squares (fused_layer.py), for the next
-        layer's call if that one is given this very tensor."""
         fuse = fused_layer.enabled(device)
         self.num_fused = 0
         for position, layer in enumerate(layers):
@@ -199,21 +196,10 @@ class CompiledLayers:
     def run(self, forward: Callable, *args):
         """``forward(*args)`` with the layers compiled: extend, or a prefill (target.py)."""
         self.active = True
-        self._handed = (None, None)
         try:
             return forward(*args)
         finally:
             self.active = False
-            self._handed = (None, None)
-
-    def squares_of(self, hidden_states) -> Tensor | None:
-        """The sums of squares of ``hidden_states`` if it is the output the last fused layer
-        handed over (the same tensor object: what the model's layer loop passes on), else None."""
-        out, squares = self._handed
-        return squares if out is not None and hidden_states is out else None
-
-    def hand_over(self, out: Tensor, squares: Tensor | None) -> None:
-        self._handed = (out, squares)
 
 
 class EdgeForward:
@@ -309,14 +295,6 @@ class LayerForward:
         kv = cache.kv
         others = {k: v for k, v in kwargs.items() if k != name}
         try:
-            if step is self.owner.fused_step:  # the norms' sums of squares handed from layer to layer
-                hand = fused_layer.norm_squares_enabled()
-                x = args[0] if args else others.get("hidden_states")
-                squares = self.owner.squares_of(x) if hand else None
-                out, squares = step(layer, kv.keys[self.index], kv.values[self.index], rows, pos, length, name, args,
-                                    others, squares, hand)
-                self.owner.hand_over(out, squares)
-                return out
             return step(layer, kv.keys[self.index], kv.values[self.index], rows, pos, length, name, args, others)
         except Exception:
             if not step.failed:
@@ -343,11 +321,10 @@ def prefill_layer_step(layer, keys: Tensor, values: Tensor, rows: Tensor, pos: T
 
 
 def fused_layer_step(layer, keys: Tensor, values: Tensor, rows: Tensor, pos: Tensor, length: int, cache_kw: str,
-                     args: tuple, kwargs: dict, squares: Tensor | None = None, hand_squares: bool = False):
+                     args: tuple, kwargs: dict):
     """:func:`layer_step` through decode/fused_layer.py's ``fused_forward`` (the hidden states are
-    ``args[0]`` or a keyword): (output, its sums of squares or None), ``squares`` the input's."""
-    return fused_layer.fused_forward(layer, LayerKV(keys, values, rows, pos, length), *args, squares=squares,
-                                     hand_squares=hand_squares, **kwargs)
+    ``args[0]`` or a keyword)."""
+    return fused_layer.fused_forward(layer, LayerKV(keys, values, rows, pos, length), *args, **kwargs)
 
 
 class LayerKV:

@@ -6,21 +6,14 @@ norm, q/k norms and rotary, the two cache writes, the residual add and the secon
 up, the last residual add. Each is a launch of its own that reads a few kilobytes
 (docs/benchmarks.md, "Batch 1": eight per layer at the Qwen3-1.7B shape, 0.31 ms of a 1.9-ms
 step, plus the time between launches). Here they run inside other launches (for 2..16 rows the
-norms as the next paragraph but one says):
+input norm and the add and norm before gate|up run in one short launch each, just before their
+product: decode/matvec.py ``_rows_norm_kernel``):
 
     q|k|v    = norm_linear(x)                     the input norm in the product's prologue
     query    = qk_rope_write(q|k|v)               q/k norms, rotary, k and v into the cache (qk_rope.py)
-    attn     = attention(query, cache)            the target's attention function, as unfused
-    act, h   = o_add_norm_glu(attn, x)            h = x + o_proj(attn), its norm, then silu(gate) * up
+    attn     = o_proj(attention(query, cache))    the target's attention function and o_proj, as unfused
+    act, h   = add_norm_glu(attn, x)              h = x + attn, its norm, then silu(gate) * up
     out      = linear_add(act, down) + h          the residual in the down product's epilogue
-
-For 2..16 rows the norms launch nothing of their own: o_proj adds the residual in its epilogue
-and leaves each row's sums of squares per block of its columns, which gate|up adds up in its
-prologue to norm its input (``o_add_norm_glu``: two launches); the down product leaves the
-layer's output's sums the same way (``linear_add_squares``), and the next layer's q|k|v norms
-from them (``squares_norm_linear``; decode/compiled.py hands them from one layer's call to the
-next). The first layer's input norm keeps its launch. ``$DFLASH_DECODE_NORM_SQUARES=off`` runs
-the norm launches instead.
 
 The ops are custom ops, opaque to torch.compile like ``dflash::matvec_linear``; on CUDA they
 run the kernels for up to ``rows_limit`` rows, elsewhere (and for more rows) the eager layer's
@@ -50,11 +43,6 @@ from dflash_ipc.errors import ConfigError
 
 FUSE_LAYER_ENV = "DFLASH_DECODE_FUSE_LAYER"
 SETTINGS = ("auto", "on", "off")
-NORM_SQUARES_ENV = "DFLASH_DECODE_NORM_SQUARES"
-"""auto (the default) or off: whether the products of 2..16 rows norm their input from the sums
-of squares the product before left (gate|up from o_proj's, q|k|v from the last layer's down),
-or after a norm launch of its own (module docstring); read at each call (a CUDA graph keeps the
-launches of its capture)."""
 ROWS_ENV = "DFLASH_DECODE_FUSE_LAYER_ROWS"
 """The most rows a step runs fused (1..16; default 16, the kernels' own limit): 1 keeps verify
 passes and drafted blocks on the unfused compiled layer."""
@@ -86,14 +74,6 @@ def enabled(device) -> bool:
     return value == "on"
 
 
-def norm_squares_enabled() -> bool:
-    """``$DFLASH_DECODE_NORM_SQUARES`` (SETTINGS less ``on``: auto, the default, or off)."""
-    value = os.environ.get(NORM_SQUARES_ENV) or "auto"
-    if value not in ("auto", "off"):
-        raise ConfigError(f"${NORM_SQUARES_ENV}={value!r}; allowed: ['auto', 'off']")
-    return value == "auto"
-
-
 def max_rows() -> int:
     """``$DFLASH_DECODE_FUSE_LAYER_ROWS``, else matvec.MAX_ROWS (the kernels' limit)."""
     text = os.environ.get(ROWS_ENV) or str(matvec.MAX_ROWS)
@@ -123,8 +103,7 @@ def fusable(layer) -> bool:
     if type(attn).__name__ not in ATTENTIONS or type(mlp).__name__ not in MLPS:
         return False
     if (getattr(attn.config, "_attn_implementation", None) != ragged_attention.ATTN_IMPLEMENTATION
-            or type(getattr(attn, "o_proj", None)) not in (torch.nn.Linear, matvec.MatVecLinear)):
-        # o's weight is read as it is (o_add_norm_glu): no quantized or otherwise overridden linear
+            or not isinstance(getattr(attn, "o_proj", None), torch.nn.Linear)):
         return False
     if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
         norms += [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
@@ -154,25 +133,16 @@ def heads(attn) -> tuple[int, int]:
 
 
 def fused_forward(layer, kv, hidden_states: Tensor, *, attention_mask=None, position_embeddings=None,
-                  squares: Tensor | None = None, hand_squares: bool = False, **kwargs) -> tuple[Tensor, Tensor | None]:
+                  **kwargs) -> Tensor:
     """``layer``'s forward (a :func:`fusable` one; keywords as its model passes them, the cache's
     left out) over ``kv``, decode/compiled.py's LayerKV of its cache storage, through the ops
-    of the module docstring: (its output, the output's sums of squares or None). With
-    ``hand_squares`` (the caller read :func:`norm_squares_enabled`: the env is not read here,
-    where Dynamo traces) and 2..16 rows, ``squares``, the hidden states' own sums of squares (the
-    layer before's second result), let q|k|v norm its input in its prologue, and the down
-    product leaves the output's."""
+    of the module docstring."""
     attn, mlp = layer.self_attn, layer.mlp
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
     qkv, gate_up = attn.q_proj.group, mlp.gate_proj.group
     b, q = hidden_states.shape[:2]
-    handing = hand_squares and 2 <= b * q <= matvec.MAX_ROWS  # sums of squares passed between the products
-    if squares is not None and handing:
-        products = torch.ops.dflash.squares_norm_linear(hidden_states, squares, norm1.weight, norm1.variance_epsilon,
-                                                        qkv.weight, qkv.bias, qkv.rows_limit)
-    else:
-        products = torch.ops.dflash.norm_linear(hidden_states, norm1.weight, norm1.variance_epsilon, qkv.weight,
-                                                qkv.bias, qkv.rows_limit)
+    products = torch.ops.dflash.norm_linear(hidden_states, norm1.weight, norm1.variance_epsilon, qkv.weight, qkv.bias,
+                                            qkv.rows_limit)
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     num_heads, num_kv_heads = heads(attn)
     cos, sin = position_embeddings
@@ -183,13 +153,10 @@ def fused_forward(layer, kv, hidden_states: Tensor, *, attention_mask=None, posi
     keys, values = kv.view()
     out, _ = ragged_attention.hf_attention(attn, query, keys, values, attention_mask, dropout=0.0,
                                            scaling=attn.scaling, **kwargs)
-    o = attn.o_proj
-    act, h = torch.ops.dflash.o_add_norm_glu(out.reshape(b, q, -1), hidden_states, o.weight, o.bias,
-                                             getattr(o, "rows_limit", 0), norm2.weight, norm2.variance_epsilon,
-                                             gate_up.weight, gate_up.rows_limit)
-    if handing:
-        return torch.ops.dflash.linear_add_squares(act, mlp.down_proj.weight, h, gate_up.rows_limit)
-    return torch.ops.dflash.linear_add(act, mlp.down_proj.weight, h, gate_up.rows_limit), None
+    out = attn.o_proj(out.reshape(b, q, -1))
+    act, h = torch.ops.dflash.add_norm_glu(out, hidden_states, norm2.weight, norm2.variance_epsilon, gate_up.weight,
+                                           gate_up.rows_limit)
+    return torch.ops.dflash.linear_add(act, mlp.down_proj.weight, h, gate_up.rows_limit)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -244,35 +211,6 @@ def _add_norm_glu_shape(a, residual, norm_weight, eps, weight, rows_limit):
     return a.new_empty((*a.shape[:-1], weight.shape[0] // 2)), torch.empty_like(residual)
 
 
-@torch.library.custom_op("dflash::o_add_norm_glu", mutates_args=())
-def o_add_norm_glu(attn: Tensor, residual: Tensor, o_weight: Tensor, o_bias: Tensor | None, o_rows_limit: int,
-                   norm_weight: Tensor, eps: float, weight: Tensor, rows_limit: int) -> tuple[Tensor, Tensor]:
-    """h = residual + o_proj(attn); (silu(gate) * up of rms_norm(h) through gate|up ``weight``, h).
-    o_proj is the linear of ``o_weight``, ``o_bias`` as its module runs it: ``dflash::matvec_linear``
-    up to ``o_rows_limit`` rows (a MatVecLinear's), F.linear for a plain ``nn.Linear`` (0). Where
-    the few-row kernel takes 2..16 rows of both products: o_proj with the residual in its epilogue
-    and the rows' sums of squares left per block of columns, then gate|up norming h from them in
-    its prologue (module docstring); else o_proj, then :func:`add_norm_glu`."""
-    rows = attn.numel() // attn.shape[-1] if attn.shape[-1] else 0
-    if (rows >= 2 and norm_squares_enabled() and _kernel_rows(attn, o_weight, min(o_rows_limit, rows_limit))
-            and _kernel_rows(residual, weight, rows_limit) and residual.dtype == norm_weight.dtype == attn.dtype
-            and (o_bias is None or o_bias.dtype == attn.dtype)
-            and matvec.square_blocks(o_weight.shape[0]) <= matvec.MAX_SQUARE_BLOCKS):
-        squares = torch.empty(matvec.square_blocks(o_weight.shape[0]), matvec.DOT_ROWS, dtype=torch.float32,
-                              device=attn.device)
-        h = matvec.triton_rows(attn, o_weight, o_bias, residual=residual.contiguous(), squares_out=squares)
-        act = matvec.triton_rows(h, weight, norm=norm_weight.contiguous(), eps=eps, squares=squares, glu=True)
-        return act, h
-    out = (matvec.decode_linear(attn, o_weight, o_bias, o_rows_limit) if o_rows_limit
-           else F.linear(attn, o_weight, o_bias))
-    return add_norm_glu(out, residual, norm_weight, eps, weight, rows_limit)
-
-
-@o_add_norm_glu.register_fake
-def _o_add_norm_glu_shape(attn, residual, o_weight, o_bias, o_rows_limit, norm_weight, eps, weight, rows_limit):
-    return attn.new_empty((*attn.shape[:-1], weight.shape[0] // 2)), torch.empty_like(residual)
-
-
 @torch.library.custom_op("dflash::linear_add", mutates_args=())
 def linear_add(x: Tensor, weight: Tensor, residual: Tensor, rows_limit: int) -> Tensor:
     """``residual + F.linear(x, weight)``: the kernels' RESIDUAL epilogue where they take x's rows."""
@@ -284,56 +222,3 @@ def linear_add(x: Tensor, weight: Tensor, residual: Tensor, rows_limit: int) -> 
 @linear_add.register_fake
 def _linear_add_shape(x, weight, residual, rows_limit):
     return torch.empty_like(residual)
-
-
-def block_squares(y: Tensor) -> Tensor:
-    """The sums of squares the few-row kernel's SQUARES epilogue leaves for y ``[..., N]`` of at
-    most DOT_ROWS rows: fp32 ``[square_blocks(N), DOT_ROWS]``, [j, m] over row m's columns of
-    block j (ROWS_BLOCK_N of them), rows past y's zero. By torch ops (another order of the sums)."""
-    n = y.shape[-1]
-    rows = y.reshape(-1, n).float()
-    if rows.shape[0] > matvec.DOT_ROWS:
-        raise ValueError(f"block_squares: {rows.shape[0]} rows (at most {matvec.DOT_ROWS})")
-    blocks = matvec.square_blocks(n)
-    padded = F.pad(rows, (0, blocks * matvec.ROWS_BLOCK_N - n, 0, matvec.DOT_ROWS - rows.shape[0]))
-    return padded.pow(2).reshape(matvec.DOT_ROWS, blocks, matvec.ROWS_BLOCK_N).sum(-1).T.contiguous()
-
-
-def _squares_shape(like: Tensor, n: int) -> Tensor:
-    return like.new_empty((matvec.square_blocks(n), matvec.DOT_ROWS), dtype=torch.float32)
-
-
-@torch.library.custom_op("dflash::linear_add_squares", mutates_args=())
-def linear_add_squares(x: Tensor, weight: Tensor, residual: Tensor, rows_limit: int) -> tuple[Tensor, Tensor]:
-    """(``residual + F.linear(x, weight)``, its :func:`block_squares`): the few-row kernel's
-    RESIDUAL and SQUARES epilogue where it takes x's rows, else torch ops."""
-    n = weight.shape[0]
-    if (_kernel_rows(x, weight, rows_limit) and residual.dtype == x.dtype
-            and matvec.square_blocks(n) <= matvec.MAX_SQUARE_BLOCKS):
-        squares = torch.empty(matvec.square_blocks(n), matvec.DOT_ROWS, dtype=torch.float32, device=x.device)
-        return matvec.triton_rows(x, weight, residual=residual.contiguous(), squares_out=squares), squares
-    out = residual + F.linear(x, weight)
-    return out, block_squares(out)
-
-
-@linear_add_squares.register_fake
-def _linear_add_squares_shape(x, weight, residual, rows_limit):
-    return torch.empty_like(residual), _squares_shape(x, weight.shape[0])
-
-
-@torch.library.custom_op("dflash::squares_norm_linear", mutates_args=())
-def squares_norm_linear(x: Tensor, squares: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
-                        bias: Tensor | None, rows_limit: int) -> Tensor:
-    """``F.linear(rms_norm(x), weight, bias)`` with ``squares`` x's :func:`block_squares`: the
-    few-row kernel norms x from them in its prologue (no norm launch) where it takes x's rows;
-    else :func:`norm_linear`, which does not read them."""
-    if (_kernel_rows(x, weight, rows_limit) and norm_weight.dtype == x.dtype and x.numel() > x.shape[-1]
-            and squares.shape == (matvec.square_blocks(x.shape[-1]), matvec.DOT_ROWS)
-            and squares.shape[0] <= matvec.MAX_SQUARE_BLOCKS):
-        return matvec.triton_rows(x, weight, bias, norm=norm_weight.contiguous(), eps=eps, squares=squares)
-    return norm_linear(x, norm_weight, eps, weight, bias, rows_limit)
-
-
-@squares_norm_linear.register_fake
-def _squares_norm_linear_shape(x, squares, norm_weight, eps, weight, bias, rows_limit):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))

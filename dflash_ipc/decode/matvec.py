@@ -75,7 +75,7 @@ def enabled(device) -> bool:
 
 
 if triton is not None:
-    from dflash_ipc.decode.pdl import prefetch_l2, wait_for_inputs
+    from dflash_ipc.decode.pdl import wait_for_inputs
 
     # The kernels' optional prologue and epilogue: what a decoder layer does around its products
     # (decode/fused_layer.py), so that a decode step runs them in the product's launch rather
@@ -150,32 +150,17 @@ if triton is not None:
         return y
 
     @triton.jit
-    def _prefetch_rows(w_ptr, offs_n, N, K, k_lo, LINES: tl.constexpr):
-        """Asks L2 for the first LINES lines of each of this program's weight rows from key k_lo on
-        (pdl.py, "weights ahead of the wait"): 64 keys a line (the kernels take 2-byte weights);
-        rows past N and keys past K ask for the last ones instead."""
-        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-        keys = tl.minimum(k_lo + tl.arange(0, LINES) * 64, K - 1)
-        prefetch_l2(w_ptr + rows[:, None] * K + keys[None, :])
-
-    @triton.jit
     def _matvec_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, add_ptr, g_ptr, h_ptr, res_ptr, eps, up_off,
                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                        ADD: tl.constexpr = False, NORM: tl.constexpr = False, GLU: tl.constexpr = False,
-                       RESIDUAL: tl.constexpr = False, RSTD_BLOCK: tl.constexpr = 16, PDL: tl.constexpr = False,
-                       PREFETCH: tl.constexpr = 0):
+                       RESIDUAL: tl.constexpr = False, RSTD_BLOCK: tl.constexpr = 16, PDL: tl.constexpr = False):
         """y[n] = sum_k x[k] w[n, k] (+ b[n]) for this program's BLOCK_N rows n of w [N, K] (with
-        GLU, of w [2N, K], the up rows ``up_off`` = N * K elements on); the flags above; PDL and
-        PREFETCH (lines per row asked of L2 before the wait, 0: none): pdl.py."""
+        GLU, of w [2N, K], the up rows ``up_off`` = N * K elements on); the flags above; PDL: pdl.py."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
         dtype = y_ptr.dtype.element_ty
-        if PREFETCH > 0:
-            _prefetch_rows(w_ptr, offs_n, N, K, 0, PREFETCH)
-            if GLU:
-                _prefetch_rows(w_ptr + up_off, offs_n, N, K, 0, PREFETCH)
         wait_for_inputs(PDL)
         rstd = 1.0
         if NORM:
@@ -209,19 +194,10 @@ if triton is not None:
         tl.store(y_ptr + offs_n, y.to(dtype), mask=n_ok)
 
     @triton.jit
-    def _store_squares(y, out_ok, sq_ptrs, dtype: tl.constexpr):
-        """Per row m of the output tile y ``[BLOCK_N, 16]`` (fp32, before its rounding to dtype),
-        the sum of squares of its outputs as stored: one fp32 per row, in a fixed order."""
-        stored = tl.where(out_ok, y.to(dtype).to(tl.float32), 0.0)
-        tl.store(sq_ptrs, tl.sum(stored * stored, axis=0))
-
-    @triton.jit
     def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_ym,
-                     res_ptr, up_off, sq_ptr, g_ptr, eps, sq_blocks, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GLU: tl.constexpr = False,
-                     RESIDUAL: tl.constexpr = False, SQUARES: tl.constexpr = False,
-                     NORM_SQUARES: tl.constexpr = False, SQ_P2: tl.constexpr = 16, PDL: tl.constexpr = False,
-                     PREFETCH: tl.constexpr = 0):
+                     res_ptr, up_off, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GLU: tl.constexpr = False,
+                     RESIDUAL: tl.constexpr = False, PDL: tl.constexpr = False):
         """y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for M <= DOT_ROWS rows m and this program's
         BLOCK_N rows n of w [N, K], over its split of K (program_id 1; ``k_per_split`` keys, a
         multiple of BLOCK_K): each tile of w read once, on the tensor cores for all rows. With
@@ -229,13 +205,7 @@ if triton is not None:
         block]``; the split that counts last sums them, writes y and sets the count back to 0
         (so one launch, and no memset before the next one, in a CUDA graph or not). The epilogue
         flags above (GLU with one split only; res contiguous); the prologue's norm runs before, in
-        :func:`_rows_norm_kernel`, or here from sums of squares a product left:
-          SQUARES       each block of n also stores, per row m, the sum of squares of its outputs
-                        (as rounded) to ``sq[pid_n, m]`` (fp32 ``[blocks, 16]``)
-          NORM_SQUARES  x RMS-normalised with the ``sq_blocks`` rows of ``sq`` (SQ_P2 a power of
-                        two at least that) as its sums of squares, then times g (``_input_tile``'s
-                        roundings)
-        PDL and PREFETCH (lines per row asked of L2 before the wait, 0: none): pdl.py."""
+        :func:`_rows_norm_kernel`. PDL: pdl.py."""
         pid_n, split = tl.program_id(0), tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -243,19 +213,10 @@ if triton is not None:
         m_ok = offs_m < M
         dtype = y_ptr.dtype.element_ty
         k_lo = split * k_per_split
-        if PREFETCH > 0:
-            _prefetch_rows(w_ptr, offs_n, N, K, k_lo, PREFETCH)
-            if GLU:
-                _prefetch_rows(w_ptr + up_off, offs_n, N, K, k_lo, PREFETCH)
         wait_for_inputs(PDL)
         offs_k = k_lo + tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-        rstd = tl.zeros((16,), dtype=tl.float32)
-        if NORM_SQUARES:  # each row's sum of squares, from the blocks of the product that wrote x
-            blk = tl.arange(0, SQ_P2)
-            sums = tl.load(sq_ptr + blk[:, None] * 16 + offs_m[None, :], mask=(blk < sq_blocks)[:, None], other=0.0)
-            rstd = tl.math.rsqrt(tl.sum(sums, axis=0) / K + eps)
         acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
         acc_up = acc
         if GLU:
@@ -272,10 +233,6 @@ if triton is not None:
                     w_up = tl.load(w_ptrs + up_off, mask=n_ok[:, None] & k_ok[None, :], other=0.0,
                                    eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if NORM_SQUARES:
-                g = tl.load(g_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                x = (x.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
-                x = (g[None, :] * x).to(dtype)
             acc = tl.dot(w, tl.trans(x), acc)  # [BLOCK_N, 16]: fp32 accumulation
             if GLU:
                 acc_up = tl.dot(w_up, tl.trans(x), acc_up)
@@ -289,8 +246,6 @@ if triton is not None:
         if SPLIT == 1:
             y = _output(acc, acc_up, b_ptrs, res_ptrs, out_ok, dtype, HAS_BIAS, GLU, RESIDUAL)
             tl.store(y_ptrs, y.to(dtype), mask=out_ok)
-            if SQUARES:
-                _store_squares(y, out_ok, sq_ptr + pid_n * 16 + offs_m, dtype)
         else:
             tile = tl.arange(0, BLOCK_N)[:, None] * 16 + offs_m[None, :]
             part = part_ptr + (pid_n * SPLIT).to(tl.int64) * (BLOCK_N * 16) + tile
@@ -305,8 +260,6 @@ if triton is not None:
                     total += tl.load(part + other * (BLOCK_N * 16), cache_modifier=".cg")
                 y = _output(total, total, b_ptrs, res_ptrs, out_ok, dtype, HAS_BIAS, False, RESIDUAL)
                 tl.store(y_ptrs, y.to(dtype), mask=out_ok)
-                if SQUARES:
-                    _store_squares(y, out_ok, sq_ptr + pid_n * 16 + offs_m, dtype)
                 tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
@@ -344,10 +297,9 @@ def triton_matvec(x: Tensor, weight: Tensor, bias: Tensor | None = None, config:
         cfg["BLOCK_N"] = max(1, cfg["BLOCK_N"] // 2)
     fusion = _fusion_args(x1, n, add, norm, h, residual, glu, ONE_ROW_RSTD_BLOCK, bias)
     b = bias if bias is not None else weight  # a pointer the kernel does not read without HAS_BIAS
-    prefetch = pdl.prefetch_lines(cfg["BLOCK_N"] * (2 if glu else 1), k, weight.element_size(), x.device)
     _matvec_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](x1, weight, b, y, n, k, *fusion["tensors"], eps, n * k,
                                                       HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0,
-                                                      **fusion["flags"], **cfg, PREFETCH=prefetch,
+                                                      **fusion["flags"], **cfg,
                                                       **pdl.launch_args(x.device))
     return y.reshape(*x.shape[:-1], n)
 
@@ -457,17 +409,13 @@ SPLIT_BUFFERS = SplitBuffers()
 
 def triton_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: dict | None = None, *,
                 add: Tensor | None = None, norm: Tensor | None = None, eps: float = 0.0, h: Tensor | None = None,
-                residual: Tensor | None = None, glu: bool = False, squares_out: Tensor | None = None,
-                squares: Tensor | None = None) -> Tensor:
+                residual: Tensor | None = None, glu: bool = False) -> Tensor:
     """``F.linear(x, weight, bias)`` by the few-row kernel for x of ``M <= MAX_ROWS`` rows
     (``[..., K]``), weight ``[N, K]``, bias ``[N]``; fp32 sums, x's dtype out. The prologue and
     epilogue arguments are :func:`triton_matvec`'s, for every row (GLU runs K unsplit). The
     prologue (add, norm) runs first in a launch of its own, a program per row: inside the
     product every program would norm all rows for itself, which took 12 us more than the product
-    at the Qwen3-1.7B gate|up shape on an H100 (docs/benchmarks.md). Unless x's sums of squares
-    are at hand: ``squares_out`` (fp32, :func:`square_blocks` (N) x DOT_ROWS elements with
-    ``rows_config``'s blocks; no GLU) receives the output's, per block of the launch's columns and row, and a product
-    given them as ``squares`` (with ``norm``, no ``add``) norms x in its own prologue."""
+    at the Qwen3-1.7B gate|up shape on an H100 (docs/benchmarks.md)."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     if not 1 <= m <= MAX_ROWS or weight.shape[1] != k:
@@ -490,8 +438,7 @@ def triton_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: d
     part, count = (SPLIT_BUFFERS.get(x.device, blocks * split * block_n * DOT_ROWS, blocks) if split > 1
                    else (y, y))  # pointers the kernel does not touch with one split
     fusion = _fusion_args(x2, n, add, norm, h, residual, glu, ROWS_NORM_BLOCK, bias)
-    _check_squares(squares_out, squares, blocks, glu, norm, add)
-    if norm is not None and squares is None:
+    if norm is not None:
         normed = torch.empty(m, k, dtype=x.dtype, device=x.device)
         add_, g, h_ = fusion["tensors"][:3]
         _rows_norm_kernel[(m,)](x2, add_, g, h_, normed, k, x2.stride(0), eps, ADD=add is not None,
@@ -499,40 +446,11 @@ def triton_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: d
                                 **pdl.launch_args(x.device))
         x2 = normed
     b = bias if bias is not None else weight  # a pointer the kernel does not read without HAS_BIAS
-    sq = squares if squares is not None else squares_out if squares_out is not None else y  # y: not read
-    sq_blocks = squares.numel() // DOT_ROWS if squares is not None else 1
-    prefetch = pdl.prefetch_lines(block_n * (2 if glu else 1), min(k_per_split, k), weight.element_size(), x.device)
     _rows_kernel[(blocks, split)](x2, weight, b, y, part, count, m, n, k, k_per_split, x2.stride(0), y.stride(0),
-                                  fusion["tensors"][3], n * k, sq, fusion["tensors"][1], eps, sq_blocks,
-                                  HAS_BIAS=bias is not None, SPLIT=split, EVEN_K=k % block_k == 0, GLU=glu,
-                                  RESIDUAL=residual is not None, SQUARES=squares_out is not None,
-                                  NORM_SQUARES=squares is not None, SQ_P2=triton.next_power_of_2(sq_blocks), **cfg,
-                                  PREFETCH=prefetch, **pdl.launch_args(x.device))
+                                  fusion["tensors"][3], n * k, HAS_BIAS=bias is not None, SPLIT=split,
+                                  EVEN_K=k % block_k == 0, GLU=glu, RESIDUAL=residual is not None, **cfg,
+                                  **pdl.launch_args(x.device))
     return y.reshape(*x.shape[:-1], n)
-
-
-def square_blocks(n: int) -> int:
-    """Blocks of columns whose sums of squares a launch of ``rows_config`` over N outputs leaves
-    in ``squares_out`` (rows of DOT_ROWS fp32)."""
-    return -(-n // ROWS_BLOCK_N)
-
-
-def _check_squares(squares_out: Tensor | None, squares: Tensor | None, blocks: int, glu: bool, norm, add) -> None:
-    if squares_out is not None and (glu or squares_out.dtype != torch.float32 or not squares_out.is_contiguous()
-                                    or squares_out.numel() != blocks * DOT_ROWS):
-        # exactly the launch's blocks: a product given them sums every row of the buffer
-        raise ValueError(f"triton_rows: squares_out {tuple(squares_out.shape)} {squares_out.dtype} (contiguous "
-                         f"fp32 of {blocks} x {DOT_ROWS}, the launch's blocks of columns; not with glu)")
-    if squares is not None and (norm is None or add is not None or squares.dtype != torch.float32
-                                or not squares.is_contiguous() or squares.numel() % DOT_ROWS
-                                or not 1 <= squares.numel() // DOT_ROWS <= MAX_SQUARE_BLOCKS):
-        raise ValueError(f"triton_rows: squares {tuple(squares.shape)} {squares.dtype} (contiguous fp32 "
-                         f"[1..{MAX_SQUARE_BLOCKS}, {DOT_ROWS}], with norm and without add)")
-
-
-MAX_SQUARE_BLOCKS = 256
-"""The most blocks of sums of squares a product's prologue adds up (a hidden size of 16,384 at
-ROWS_BLOCK_N columns a block): each program loads them all."""
 
 
 @functools.cache

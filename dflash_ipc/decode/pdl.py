@@ -21,13 +21,15 @@ wait would race with the one before it.
 ``$DFLASH_DECODE_PDL``: ``auto`` (the default: NVIDIA GPUs of compute capability 9.0 or more,
 with a Triton that has ``griddepcontrol``) or ``off``.
 
-Reads ahead of the wait: a product's programs that start under PDL sit at the wait while the
-kernel before still runs, so they first ask L2 for the first lines of the weight tiles they are
-about to stream (``prefetch.global.L2``: :func:`prefetch_l2`, up to PREFETCH_BYTES a program),
-and the attention kernel's programs for the first K and V rows of their span. The read then
-starts while the kernel before finishes, not after it. A prefetch moves nothing into the
-program, only into L2, where every SM's reads and writes meet: a line that the kernel before
-writes after it was fetched is still read as written (the new K/V rows of a step are such lines).
+K/V ahead of the wait: the attention kernel's programs, started under PDL while the kernel
+before still runs (the q/k rotary and cache write), first ask L2 for the first K and V rows of
+their span (``prefetch.global.L2``: :func:`prefetch_l2`, up to PREFETCH_BYTES a program), then
+wait. The read of the cache then starts while the kernel before finishes, not after it. A
+prefetch moves nothing into the program, only into L2, where every SM's reads and writes meet: a
+line that the kernel before writes after it was fetched is still read as written (the new K/V
+rows of a step are such lines). The products do not prefetch their weights so: on an H100 that
+made the one-row step and the 16-row products slower (docs/benchmarks.md, "K/V read ahead of the
+wait").
 ``$DFLASH_DECODE_PREFETCH``: ``auto`` (the default: wherever launches use PDL) or ``off``.
 """
 
@@ -51,9 +53,9 @@ PDL_ENV = "DFLASH_DECODE_PDL"
 PREFETCH_ENV = "DFLASH_DECODE_PREFETCH"
 SETTINGS = ("auto", "off")
 PREFETCH_BYTES = 32 * 1024
-"""The most weight bytes one program asks L2 for ahead of its wait: about what an SM's share of
-the GPU's bandwidth streams in the ~1 us a kernel's end and the next one's start take (4.8 TB/s
-over 132 SMs is 36 KB/us on an H200); the rest the program reads as before."""
+"""The most K/V bytes one attention program asks L2 for ahead of its wait: about what an SM's
+share of the GPU's bandwidth streams in the ~1 us a kernel's end and the next one's start take
+(4.8 TB/s over 132 SMs is 36 KB/us on an H200); the rest the program reads as before."""
 LINE_BYTES = 128
 """The bytes of one L2 line a prefetch asks for."""
 MIN_CAPABILITY = (9, 0)
@@ -92,27 +94,13 @@ def turn_off(device) -> bool:
 
 
 def prefetch_enabled(device) -> bool:
-    """Whether products on ``device`` prefetch their weights ahead of the wait ($DFLASH_DECODE_PREFETCH:
-    auto, the default, wherever launches use PDL; without PDL a program starts only once the
-    kernel before has completed, so there is nothing to overlap)."""
+    """Whether the attention kernel on ``device`` prefetches K/V ahead of its wait
+    ($DFLASH_DECODE_PREFETCH: auto, the default, wherever launches use PDL; without PDL a program
+    starts only once the kernel before has completed, so there is nothing to overlap)."""
     value = os.environ.get(PREFETCH_ENV) or "auto"
     if value not in SETTINGS:
         raise ConfigError(f"${PREFETCH_ENV}={value!r}; allowed: {list(SETTINGS)}")
     return value == "auto" and enabled(device)
-
-
-def prefetch_lines(block_n: int, keys: int, element_bytes: int, device) -> int:
-    """L2 lines per weight row that a program of ``block_n`` rows asks for ahead of its wait, over
-    its first ``keys`` keys: a power of two (a constexpr of the kernel), at most PREFETCH_BYTES a
-    program, 0 where prefetch is off."""
-    if not prefetch_enabled(device) or keys < 1:
-        return 0
-    needed = -(-keys * element_bytes // LINE_BYTES)
-    cap = max(1, PREFETCH_BYTES // (block_n * LINE_BYTES))
-    lines = 1
-    while lines * 2 <= min(needed, cap):
-        lines *= 2
-    return lines
 
 
 def prefetch_tokens(tokens: int, row_bytes: int, device) -> tuple[int, int]:

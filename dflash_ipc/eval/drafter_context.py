@@ -24,13 +24,11 @@ and so does the head.
 A block of at most 16 rows (a block of 16 at batch 1; ``$DFLASH_DECODE_FUSE_LAYER_ROWS`` lowers
 the limit for the drafter too) runs each layer as the target's fused decoder layer does
 (decode/fused_layer.py's ops): the input norm just before the q|k|v product, q/k norms, rotary
-and the block's K/V into the cache in one launch (decode/qk_rope.py), the residual add in o's
-epilogue and the second norm in gate|up's prologue (from the sums of squares o left), silu * up
-after it, the residual in the down product's epilogue (which leaves the sums of squares the next
-layer's q|k|v norms from, in its prologue); the final norm just before the head's product. A
-context append does k/v norm, rotary and cache write in that launch too. That is 7 launches a
-block layer in place of 14 (the attention's two included; the first layer 8; 9 each with
-``$DFLASH_DECODE_NORM_SQUARES=off``) and 2 an append layer in place of 3. Each op rounds where
+and the block's K/V into the cache in one launch (decode/qk_rope.py), the residual add and the
+second norm just before gate|up, silu * up after it, the residual in the down product's
+epilogue; the final norm just before the head's product. A context append does k/v norm,
+rotary and cache write in that launch too. That is 9 launches a block layer in place of 14 (the
+attention's two included) and 2 an append layer in place of 3. Each op rounds where
 the drafter's eager forward does, so on CPU (the ops' torch code) the values are the unfused
 path's bit for bit; on CUDA the unfused path's compiled functions round less often, so the two
 differ in last bits (drafts only: the verify decides what is kept).
@@ -182,12 +180,10 @@ class DrafterContext:
             cos, sin = (t.view(b, bs, -1) for t in self._rotary(positions.reshape(-1), h.dtype))
         else:
             cos, sin = m.rotary(positions.reshape(-1))
-        squares = None  # the sums of squares of h that the layer before left (fused_layer.py), if any
-        hand = fused and 2 <= n <= matvec.MAX_ROWS and fused_layer.norm_squares_enabled()
         for i, (layer, proj) in enumerate(zip(m.layers, self.projections)):
             mask = masks[layer.layer_type]
             if fused:
-                h, squares = self._fused_layer(i, layer, proj, h, squares, hand, cos, sin, rows, positions, span, mask)
+                h = self._fused_layer(i, layer, proj, h, cos, sin, rows, positions, span, mask)
                 continue
             attn = layer.self_attn
             x = layer.input_layernorm(h)
@@ -201,29 +197,20 @@ class DrafterContext:
             h = h + proj.mlp_forward(layer.post_attention_layernorm(h))
         return h
 
-    def _fused_layer(self, i: int, layer, proj: FusedProjections, h: Tensor, squares: Tensor | None, hand: bool,
-                     cos: Tensor, sin: Tensor, rows: Tensor, positions: Tensor, span: int,
-                     mask: Tensor) -> tuple[Tensor, Tensor | None]:
+    def _fused_layer(self, i: int, layer, proj: FusedProjections, h: Tensor, cos: Tensor, sin: Tensor, rows: Tensor,
+                     positions: Tensor, span: int, mask: Tensor) -> Tensor:
         """One layer of the block ``h`` ``[N, H]`` through the fused ops (module docstring); cos/sin
-        ``[B, bs, D]`` in h's dtype (the eager rotary rounds them so): (its output, the output's
-        sums of squares where ``hand``, else None; ``squares``: h's, if the layer before left them)."""
+        ``[B, bs, D]`` in h's dtype (the eager rotary rounds them so)."""
         attn, norm1, norm2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
         b, bs = positions.shape
-        if squares is not None:
-            qkv = torch.ops.dflash.squares_norm_linear(h, squares, norm1.weight, norm1.eps, proj.w_qkv, None,
-                                                       self.fused_rows)
-        else:
-            qkv = torch.ops.dflash.norm_linear(h, norm1.weight, norm1.eps, proj.w_qkv, None, self.fused_rows)
+        qkv = torch.ops.dflash.norm_linear(h, norm1.weight, norm1.eps, proj.w_qkv, None, self.fused_rows)
         keys, values = self.kv.storage(i, attn.num_kv_heads, attn.head_dim, h.dtype, h.device)
         q4 = torch.ops.dflash.qk_rope_write(qkv.view(b, bs, -1), cos, sin, attn.q_norm.weight, attn.k_norm.weight,
                                             attn.q_norm.eps, keys, values, rows, positions, attn.num_heads,
                                             attn.num_kv_heads)  # [B, Hq, bs, D]
-        out = self._attend(i, q4, span, mask).reshape(h.shape[0], -1)
-        act, h = torch.ops.dflash.o_add_norm_glu(out, h, attn.o_proj.weight, None, proj.rows_limit, norm2.weight,
-                                                 norm2.eps, proj.w_gate_up, self.fused_rows)
-        if hand:
-            return torch.ops.dflash.linear_add_squares(act, proj.mlp.down_proj.weight, h, self.fused_rows)
-        return torch.ops.dflash.linear_add(act, proj.mlp.down_proj.weight, h, self.fused_rows), None
+        out = proj.o(self._attend(i, q4, span, mask).reshape(h.shape[0], -1))
+        act, h = torch.ops.dflash.add_norm_glu(out, h, norm2.weight, norm2.eps, proj.w_gate_up, self.fused_rows)
+        return torch.ops.dflash.linear_add(act, proj.mlp.down_proj.weight, h, self.fused_rows)
 
     def _attend(self, i: int, q4: Tensor, span: int, mask: Tensor) -> Tensor:
         """Layer ``i``'s attention of the block's queries ``[B, Hq, bs, D]`` over the first ``span``
