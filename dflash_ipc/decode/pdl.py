@@ -146,7 +146,7 @@ if triton is not None:
     @triton.jit
     def prefetch_l2(ptrs):
         """Asks L2 for the line at each of ``ptrs`` (a hint: nothing is loaded into the program). A
-        kernel calls it before :func:`wait_for_inputs`, while the kernel before may still run; the
-        pointers must lie inside their tensors (a prefetch past an allocation's end is not asked for)."""
+        kernel calls it before :func:`wait_for_inputs`, while the kernel before may still run, with
+        pointers clamped inside their tensors (no address past an allocation's end)."""
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
                                   is_pure=False, pack=1)
