@@ -3,6 +3,7 @@
     python3 -m benchmarks.profile_speculative qwen3-1.7b            # 2 prompts of 128 new tokens
     python3 -m benchmarks.profile_speculative qwen3-1.7b 4 256      # prompts, new tokens
     TOP=40 python3 -m benchmarks.profile_speculative qwen3-1.7b     # the 40 costliest kernels (16)
+    TIMELINE=1 python3 -m benchmarks.profile_speculative qwen3-1.7b # and one cycle kernel by kernel
 
 The random-weight target and drafter of `bench eval` (bench/eval.py: built once in
 $WORK/profile-spec-SHAPE, default /tmp), the greedy SpeculativeDecoder at batch 1 with its cycle
@@ -16,6 +17,9 @@ the profile, one more run of the first mode with its stages synchronised and tim
 admission, and within it the target's prefill and the drafter's context; the cycles): how much
 of the wall per cycle each prompt's start costs (on CUDA a captured cycle appends the drafter's
 context inside its graph, so every append counted there is an admission's).
+TIMELINE=1 then traces one more run and prints its cycle of median length kernel by kernel, each
+with what it added to the cycle's length (bench/kernel_timeline.py: meaningful with PDL on, where
+kernel times overlap), and those additions by kernel and grid, median and mean over the run's cycles.
 DEV=cpu runs it eagerly on the CPU (no profile), e.g. with the `tiny` shape.
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+import statistics
 import sys
 import time
 
@@ -31,6 +36,7 @@ import torch
 from dflash_ipc.bench.assets import build_random_target
 from dflash_ipc.bench.eval import bench_drafter, random_prompts
 from dflash_ipc.bench.kernel_profile import format_profile, profile_kernels, summarize
+from dflash_ipc.bench.kernel_timeline import format_slice, group_added, slices, trace_kernels
 from dflash_ipc.decode.requests import Request, RequestList
 from dflash_ipc.decode.target import BatchedTarget
 from dflash_ipc.eval.decoding import BatchedDecoder, SpeculativeDecoder
@@ -119,6 +125,40 @@ def main() -> None:
     top = int(os.environ.get("TOP", "16"))
     print(format_profile(summarize(kernels, steps=max(1, cycles), top=top), label="per cycle, prefills included",
                          wall_ms=ms))
+    if os.environ.get("TIMELINE", "0") not in ("", "0"):
+        print_timeline(trace_kernels(run), top)
+
+
+CYCLE_END = "_accept_kernel"
+"""The name of a greedy cycle's last kernel (decode/accept.py)."""
+
+
+def print_timeline(kernels, top: int) -> None:
+    """The cycle of median length in the traced run kernel by kernel (a cycle with a prompt's
+    admission, or one the host kept waiting, is longer than most), then the time each kernel (by
+    name and grid) added to a cycle: the median over the run's cycles, and the mean beside it."""
+    cycles = slices(kernels, CYCLE_END)
+    if len(cycles) < 3:
+        print(f"timeline: {len(cycles)} cycles ended by {CYCLE_END} in the trace", flush=True)
+        return
+    ends = [max(k.end_us for k in c) for c in cycles]
+    spans = [(ends[i] - ends[i - 1], i) for i in range(1, len(cycles))]
+    span, mid = sorted(spans)[len(spans) // 2]
+    print(f"== the cycle of median length ({span:.1f} us; number {mid} of {len(cycles)}), kernel by kernel:\n"
+          + format_slice(cycles[mid], ends[mid - 1]), flush=True)
+    per_cycle: dict[str, list[float]] = {}
+    counts: dict[str, int] = {}
+    for i in range(1, len(cycles)):
+        for key, (us, n) in group_added(cycles[i], ends[i - 1], key=lambda k: f"{k.name[:60]} grid {k.grid}").items():
+            per_cycle.setdefault(key, [0.0] * (len(cycles) - 1))[i - 1] = us
+            counts[key] = counts.get(key, 0) + n
+    per = len(cycles) - 1
+    rows = sorted(((statistics.median(v), sum(v) / per, counts[k] / per, k) for k, v in per_cycle.items()),
+                  reverse=True)
+    print(f"== added time per cycle by kernel and grid over {per} cycles (median, mean us; launches a cycle):",
+          flush=True)
+    for median, mean, n, key in rows[:top]:
+        print(f"  {median:8.2f} {mean:8.2f} us {n:6.2f}x  {key}", flush=True)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from dflash_ipc.decode import decode_attention
+from dflash_ipc.errors import ConfigError
 from dflash_ipc.decode.decode_attention import ATTENTION_ENV, KEYS_PER_SPLIT, fits, split_plan
 from dflash_ipc.decode.ragged_attention import band_mask, gqa_attention
 from dflash_ipc.decode.requests import Request, RequestList
@@ -33,12 +34,24 @@ cuda = pytest.mark.skipif(not (torch.cuda.is_available() and decode_attention.tr
 
 def test_a_span_is_split_only_where_programs_are_few_and_keys_many():
     assert split_plan(programs=4096, span=4096, sms=132, block_t=64) == (1, 64)  # 512 rows x 8 heads fill the GPU
-    assert split_plan(programs=8, span=KEYS_PER_SPLIT, sms=132, block_t=64) == (1, 2)  # one split's worth of keys
-    assert split_plan(programs=8, span=4 * KEYS_PER_SPLIT + 1, sms=132, block_t=64) == (5, 2)  # the last: 1 key
+    blocks = KEYS_PER_SPLIT // 64
+    assert split_plan(programs=8, span=KEYS_PER_SPLIT, sms=132, block_t=64) == (1, blocks)  # one split's worth of keys
+    assert split_plan(programs=8, span=4 * KEYS_PER_SPLIT + 1, sms=132, block_t=64) == (5, blocks)  # the last: 1 key
     # About one program per SM (17 splits of 16 x 8 = 128 blocks), then as few as hold them: 16 of 8 blocks.
     assert split_plan(programs=8, span=8192, sms=132, block_t=64) == (16, 8)
     assert split_plan(programs=8, span=8192, sms=132, block_t=64, splits=3) == (3, 43)  # asked for
     assert split_plan(programs=8, span=130, sms=132, block_t=64, splits=10) == (3, 1)  # none left empty
+
+
+def test_the_keys_per_split_can_be_set_and_a_bad_count_is_named(monkeypatch):
+    monkeypatch.setenv(decode_attention.SPLIT_KEYS_ENV, "128")
+    assert split_plan(programs=8, span=384, sms=132, block_t=64) == (3, 2)  # two blocks of 64 keys a program
+    monkeypatch.delenv(decode_attention.SPLIT_KEYS_ENV)
+    assert split_plan(programs=8, span=384, sms=132, block_t=64) == (6, 1)  # the default: one
+    for bad in ("8", "many", "-64"):
+        monkeypatch.setenv(decode_attention.SPLIT_KEYS_ENV, bad)
+        with pytest.raises(ConfigError, match="DFLASH_DECODE_ATTENTION_SPLIT_KEYS.*at least 16"):
+            split_plan(programs=8, span=384, sms=132, block_t=64)
 
 
 def test_tiles_that_would_overflow_shared_memory_take_fewer_stages_then_fewer_keys():

@@ -29,10 +29,13 @@ inputs with at most ``MAX_ROWS`` query rows per K/V head and no softcapping or s
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
 from dflash_ipc.decode import pdl
+from dflash_ipc.errors import ConfigError
 from dflash_ipc.decode.matvec import HALF_DTYPES, SPLIT_BUFFERS, available, cuda_switch, num_sms, triton
 
 if triton is not None:
@@ -47,10 +50,13 @@ MARK = "dflash_decode_attention"
 MAX_ROWS = 128
 """Query rows per K/V head (``rep * q``) the kernel takes; more (a prefill) goes to SDPA."""
 MAX_HEAD_DIM = 256
-KEYS_PER_SPLIT = 128
-"""Keys a program of a split span takes at the fewest (two blocks; the span's last split may
+KEYS_PER_SPLIT = 64
+"""Keys a program of a split span takes at the fewest (one block; the span's last split may
 hold fewer): a program's blocks run one after the other, each a round trip to memory, so at
-batch 1 short loops over many programs win."""
+batch 1 short loops over many programs win (64 against 128 on an H100, Qwen3-1.7B shape:
+docs/benchmarks.md, "The drafter's context beside the verify"). ``$DFLASH_DECODE_ATTENTION_SPLIT_KEYS``
+sets another count (at least 16)."""
+SPLIT_KEYS_ENV = "DFLASH_DECODE_ATTENTION_SPLIT_KEYS"
 BLOCK_T = 64
 """Keys per block (fewer where the tiles would not fit in shared memory: :func:`tile_plan`)."""
 SHARED_BYTES = 160 * 1024
@@ -107,13 +113,23 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def keys_per_split() -> int:
+    """:data:`KEYS_PER_SPLIT`, or ``$DFLASH_DECODE_ATTENTION_SPLIT_KEYS`` where set."""
+    value = os.environ.get(SPLIT_KEYS_ENV)
+    if not value:
+        return KEYS_PER_SPLIT
+    if not value.isdigit() or int(value) < 16:
+        raise ConfigError(f"${SPLIT_KEYS_ENV}={value!r}: keys per split, an integer of at least 16")
+    return int(value)
+
+
 def split_plan(programs: int, span: int, sms: int, block_t: int, splits: int | None = None) -> tuple[int, int]:
     """(splits, key blocks per split) of a span of ``span`` keys in blocks of ``block_t``, for
     ``programs`` (row, K/V head) pairs: ``splits`` asked for, else about one program per SM in
-    all with ``KEYS_PER_SPLIT`` keys or more each (the last split may hold fewer); then as few
-    splits as hold those blocks, so that none is left empty."""
+    all with :func:`keys_per_split` keys or more each (the last split may hold fewer); then as
+    few splits as hold those blocks, so that none is left empty."""
     if splits is None:
-        splits = max(1, min(_cdiv(span, KEYS_PER_SPLIT), _cdiv(sms, programs)))
+        splits = max(1, min(_cdiv(span, keys_per_split()), _cdiv(sms, programs)))
     blocks = max(1, _cdiv(_cdiv(span, block_t), splits))
     return max(1, _cdiv(_cdiv(span, block_t), blocks)), blocks
 

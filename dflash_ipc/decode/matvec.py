@@ -367,7 +367,12 @@ def rows_config(n: int, k: int, sms: int = 132) -> dict:
 class SplitBuffers:
     """Per device, the few-row kernel's split partial sums (fp32) and per-block counts (int32,
     zero between launches: the last split of a block resets its count). Launches on one stream
-    share them (a decode step's kernels run one after another). A buffer too small for a launch
+    share them (a decode step's kernels run one after another), and so do the streams that never
+    run at once (the current stream, a graph's capture stream, its warm-up's stream); a stream
+    whose kernels run beside them (the drafter's context appended beside a verify pass,
+    eval/overlapped_append.py) has buffers of its own, made by :meth:`own` before any capture
+    (counts made in a capture are zeroed again at every later call until one runs outside a
+    capture, below, which a capture stream's never does). A buffer too small for a launch
     is replaced by a larger one, and the old one is kept: a CUDA graph that recorded a launch
     still writes to it. The first ones (4 MiB, 64 KiB) hold every launch of ``rows_config``'s
     (split only below ROWS_SPLIT_BELOW blocks), so only other configs (a sweep's) grow them.
@@ -377,15 +382,31 @@ class SplitBuffers:
     too (a count per row and K/V head, reset by the split that combines), on the same stream."""
 
     def __init__(self) -> None:
-        self._by_device: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        self._by_stream: dict[tuple[torch.device, int], tuple[Tensor, Tensor]] = {}
         self._kept: list[Tensor] = []
-        self._unzeroed: set[torch.device] = set()
+        self._unzeroed: set[tuple[torch.device, int]] = set()
+        self._own_streams: set[int] = set()
+
+    def own(self, device: torch.device, stream: torch.cuda.Stream) -> None:
+        """Buffers of its own for ``stream`` on ``device`` (whose kernels run beside the others'),
+        made now: outside a capture, so its counts start zeroed."""
+        self._own_streams.add(stream.cuda_stream)
+        with torch.cuda.stream(stream):
+            self.get(device, 0, 0, capturing=False)
+        stream.synchronize()
+
+    def _key(self, device: torch.device) -> tuple[torch.device, int]:
+        if device.type != "cuda" or not self._own_streams:
+            return device, 0
+        stream = torch.cuda.current_stream(device).cuda_stream
+        return device, stream if stream in self._own_streams else 0
 
     def get(self, device: torch.device, part_floats: int, counts: int,
             capturing: bool | None = None) -> tuple[Tensor, Tensor]:
-        """Buffers of at least ``part_floats`` and ``counts`` on ``device`` (``capturing``: a CUDA
-        graph capture is in progress; None: ask CUDA)."""
-        part, count = self._by_device.get(device, (None, None))
+        """Buffers of at least ``part_floats`` and ``counts`` on ``device`` for its current stream
+        (``capturing``: a CUDA graph capture is in progress; None: ask CUDA)."""
+        key = self._key(device)
+        part, count = self._by_stream.get(key, (None, None))
         if capturing is None:
             capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if part is None or part.numel() < part_floats:
@@ -395,12 +416,12 @@ class SplitBuffers:
             self._kept += [count] if count is not None else []
             count = torch.zeros(max(counts, 1 << 14), dtype=torch.int32, device=device)
             if capturing:
-                self._unzeroed.add(device)
-        elif device in self._unzeroed:  # zeroed now, or (captured) when this graph replays
+                self._unzeroed.add(key)
+        elif key in self._unzeroed:  # zeroed now, or (captured) when this graph replays
             count.zero_()
             if not capturing:
-                self._unzeroed.discard(device)
-        self._by_device[device] = (part, count)
+                self._unzeroed.discard(key)
+        self._by_stream[key] = (part, count)
         return part, count
 
 

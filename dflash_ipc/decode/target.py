@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,24 +95,42 @@ class Prefilled:
 
 
 class LayerCapture:
-    """Forward hooks that keep the outputs of some decoder layers (HF ``hidden_states[id + 1]``)."""
+    """Forward hooks that keep the outputs of some decoder layers (HF ``hidden_states[id + 1]``).
+
+    ``on_features``, where set, is called with the concatenated features as soon as the last
+    captured layer has run, while the forward goes on through the layers after it and the head
+    (the speculative decoder starts the drafter's context there: eval/overlapped_append.py);
+    :meth:`take` then returns that same tensor."""
 
     def __init__(self, layers, layer_ids: Sequence[int]) -> None:
         self.layer_ids = list(layer_ids)
         self._captured: dict[int, Tensor] = {}
+        self._features: Tensor | None = None
+        self.on_features: Callable[[Tensor], None] | None = None
         for layer_id in self.layer_ids:
             layers[layer_id].register_forward_hook(self._hook(layer_id))
 
     def _hook(self, layer_id: int):
+        last = layer_id == max(self.layer_ids)  # layers run in order: every other one is kept by now
+
         def keep_output(module, args, output):
             self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+            if last and self.on_features is not None:
+                self._features = self._concatenated()
+                self.on_features(self._features)
         return keep_output
+
+    def _concatenated(self) -> Tensor:
+        return torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
 
     def take(self, keep: bool = True) -> Tensor | None:
         """The captured layers of the last forward, concatenated ``[B, q, F]`` (None if not
         ``keep`` or no layers); forgets them."""
-        feats = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1) if keep and self.layer_ids else None
+        feats = None
+        if keep and self.layer_ids:
+            feats = self._features if self._features is not None else self._concatenated()
         self._captured.clear()
+        self._features = None
         return feats
 
 

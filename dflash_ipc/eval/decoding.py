@@ -35,7 +35,9 @@ from torch import Tensor
 
 from dflash_ipc.errors import ConfigError
 from dflash_ipc.eval.acceptance import AcceptanceStats, commit_block
+from dflash_ipc.eval import overlapped_append
 from dflash_ipc.eval.drafter_context import DrafterContext
+from dflash_ipc.eval.overlapped_append import OverlappedAppend
 from dflash_ipc.decode.requests import Generation, Request, RequestSource
 from dflash_ipc.eval.sampling import Sampling, probabilities, sample, speculative_accept
 from dflash_ipc.decode import aranges
@@ -349,6 +351,11 @@ class SpeculativeDecoder(BatchedDecoder):
         self._ahead: LaunchedCycle | None = None  # a cycle queued before the last one was committed
         self._epoch = 0  # bumped when the graphs and their static buffers are dropped
         self._pinned: list[Tensor] = []  # two host buffers the launched cycles' results land in, in turn
+        scope = target.compile_scope if self.use_compile else None
+        self.overlap = (OverlappedAppend(self.device) if self.sampling.greedy and overlapped_append.enabled(self.device, scope)
+                        else None)
+        """The drafter's context appended on a side stream beside the verify's last layers and head
+        (eval/overlapped_append.py), else after them."""
 
     def _forget_graphs(self) -> None:
         self.graphs.clear()
@@ -522,12 +529,36 @@ class SpeculativeDecoder(BatchedDecoder):
             draft_probs = probabilities(draft_logits, self.sampling)
             drafted = sample(draft_probs, self.generator)  # [B, bs-1]
         block = torch.cat([anchors[:, None], drafted], dim=1)  # [B, bs] at positions s..s+bs-1
-        logits, feats = self.target.extend(block, starts, max_start, compiled=self.use_compile)
         positions = starts[:, None] + aranges.arange(self.block_size, self.device)
-        self.drafter.append(aranges.arange(len(self.slots), self.device), feats, positions, positions)
-        if self.sampling.greedy:
-            return (drafted, *greedy_top2(logits))
-        return speculative_accept(drafted, draft_probs, probabilities(logits, self.sampling), self.generator)
+        rows = aranges.arange(len(self.slots), self.device)
+
+        def append(feats: Tensor) -> None:
+            self.drafter.append(rows, feats, positions, positions)
+        try:
+            if self.overlap is None:
+                logits, feats = self.target.extend(block, starts, max_start, compiled=self.use_compile)
+                append(feats)
+            else:
+                logits, feats = self._verify_beside_append(block, starts, max_start, append)
+            if self.sampling.greedy:
+                return (drafted, *greedy_top2(logits))
+            return speculative_accept(drafted, draft_probs, probabilities(logits, self.sampling), self.generator)
+        finally:
+            if self.overlap is not None:  # the side stream's inputs (feats, positions, rows) live until it is done
+                self.overlap.join()
+
+    def _verify_beside_append(self, block: Tensor, starts: Tensor, max_start: int, append):
+        """The verify forward, the drafter's context appended on the side stream from the moment its
+        features are ready (eval/overlapped_append.py); after the forward if they never were."""
+        capture, overlap = self.target.capture, self.overlap
+        capture.on_features = lambda feats: overlap.fork(lambda: append(feats))
+        try:
+            logits, feats = self.target.extend(block, starts, max_start, compiled=self.use_compile)
+        finally:
+            capture.on_features = None
+        if not overlap.pending:
+            append(feats)
+        return logits, feats
 
     def _replay(self, anchors: Tensor, starts: Tensor, max_start: int):
         """The greedy cycle through its graph: inputs into the static buffers (None: the ones the
