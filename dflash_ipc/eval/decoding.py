@@ -318,7 +318,11 @@ class SpeculativeDecoder(BatchedDecoder):
     more than a block of budget left (so none can end in it but by a stop token); a row that
     stops has its share of the cycle ahead discarded, and the cycle after a stop, an admission
     or dropped graphs starts from the host's inputs. The tokens are those of one cycle at a
-    time (tests/test_eval_batched.py)."""
+    time (tests/test_eval_batched.py).
+
+    On CUDA a greedy cycle appends the drafter's context on a side stream from the moment the
+    target's last captured layer has run, beside the rest of the verify pass
+    (eval/overlapped_append.py; the same tokens, tests/test_overlapped_append.py)."""
 
     uses_features = True
 

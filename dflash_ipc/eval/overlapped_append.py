@@ -20,6 +20,7 @@ around compiled layers; the ``forward`` scope would trace them). ``$DFLASH_DECOD
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -37,15 +38,24 @@ def enabled(device: torch.device, compiled_scope: str | None) -> bool:
     return device.type == "cuda" and compiled_scope != "forward" and cuda_switch(APPEND_STREAM_ENV, device)
 
 
+@functools.cache
+def side_stream(device_index: int) -> torch.cuda.Stream:
+    """The side stream of CUDA device ``device_index``, one per process: the decoders of a process
+    take turns on their target, never running at once, so they share it and its split buffers."""
+    device = torch.device("cuda", device_index)
+    # High priority: its few small launches take the SMs as the verify's programs free them.
+    stream = torch.cuda.Stream(device, priority=-1)
+    matvec.SPLIT_BUFFERS.own(device, stream)  # its split products run beside the verify's
+    return stream
+
+
 class OverlappedAppend:
     """A side stream that work forks onto from the current stream and that the current stream
     joins again (module docstring)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
-        # High priority: its few small launches take the SMs as the verify's programs free them.
-        self.stream = torch.cuda.Stream(device, priority=-1)
-        matvec.SPLIT_BUFFERS.own(device, self.stream)  # its split products run beside the verify's
+        self.device = torch.device(device)
+        self.stream = side_stream(self.device.index if self.device.index is not None else torch.cuda.current_device())
         self.pending = False
         self.forks = 0
         """Forks so far (a captured cycle forks at its warm-up and capture, not at its replays)."""
