@@ -32,7 +32,8 @@ cuda = pytest.mark.skipif(not (torch.cuda.is_available() and decode_attention.tr
                           reason="needs CUDA and Triton")
 
 
-def test_a_span_is_split_only_where_programs_are_few_and_keys_many():
+def test_a_span_is_split_only_where_programs_are_few_and_keys_many(monkeypatch):
+    monkeypatch.delenv(decode_attention.SPLIT_KEYS_ENV, raising=False)
     assert split_plan(programs=4096, span=4096, sms=132, block_t=64) == (1, 64)  # 512 rows x 8 heads fill the GPU
     blocks = KEYS_PER_SPLIT // 64
     assert split_plan(programs=8, span=KEYS_PER_SPLIT, sms=132, block_t=64) == (1, blocks)  # one split's worth of keys

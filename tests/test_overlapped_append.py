@@ -47,6 +47,19 @@ def test_features_are_handed_on_once_the_last_captured_layer_has_run_and_taken_a
     assert capture.take(keep=False) is None
 
 
+def test_features_of_a_forward_that_raised_before_take_are_not_taken_by_the_next():
+    layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+    capture = LayerCapture(layers, [0])
+    x = torch.randn(2, 4)
+    with pytest.raises(RuntimeError, match="after the features"):
+        with capture.handing_on(lambda feats: None):
+            layers[0](x)
+            raise RuntimeError("the forward failed after the features were handed on")
+    assert capture.on_features is None
+    fresh = layers[0](x + 1)  # the next forward (a prefill, say) without a hand-on
+    torch.testing.assert_close(capture.take(), fresh)
+
+
 def test_the_side_stream_is_for_cuda_cycles_whose_hooks_run_eagerly(monkeypatch):
     monkeypatch.delenv(overlapped_append.APPEND_STREAM_ENV, raising=False)
     cuda = torch.device("cuda:0")

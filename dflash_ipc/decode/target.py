@@ -18,6 +18,7 @@ derives nothing from the cache.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -119,6 +120,17 @@ class LayerCapture:
                 self._features = self._concatenated()
                 self.on_features(self._features)
         return keep_output
+
+    @contextlib.contextmanager
+    def handing_on(self, on_features: Callable[[Tensor], None]):
+        """``on_features`` set for the forwards inside; on leaving, unset, and features a forward
+        that raised before :meth:`take` left behind forgotten."""
+        self.on_features = on_features
+        try:
+            yield
+        finally:
+            self.on_features = None
+            self._features = None
 
     def _concatenated(self) -> Tensor:
         return torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)

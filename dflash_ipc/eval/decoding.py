@@ -554,12 +554,9 @@ class SpeculativeDecoder(BatchedDecoder):
     def _verify_beside_append(self, block: Tensor, starts: Tensor, max_start: int, append):
         """The verify forward, the drafter's context appended on the side stream from the moment its
         features are ready (eval/overlapped_append.py); after the forward if they never were."""
-        capture, overlap = self.target.capture, self.overlap
-        capture.on_features = lambda feats: overlap.fork(lambda: append(feats))
-        try:
+        overlap = self.overlap
+        with self.target.capture.handing_on(lambda feats: overlap.fork(lambda: append(feats))):
             logits, feats = self.target.extend(block, starts, max_start, compiled=self.use_compile)
-        finally:
-            capture.on_features = None
         if not overlap.pending:
             append(feats)
         return logits, feats

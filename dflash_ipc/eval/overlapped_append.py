@@ -63,10 +63,10 @@ class OverlappedAppend:
     def fork(self, work: Callable[[], None]) -> None:
         """Run ``work`` on the side stream after what the current stream has queued so far."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.pending = True  # joined even where ``work`` raises after queueing part of itself
+        self.forks += 1
         with torch.cuda.stream(self.stream):
             work()
-        self.pending = True
-        self.forks += 1
 
     def join(self) -> None:
         """The current stream waits for the side stream's work (nothing if none was forked)."""
