@@ -52,10 +52,10 @@ MAX_ROWS = 128
 MAX_HEAD_DIM = 256
 KEYS_PER_SPLIT = 64
 """Keys a program of a split span takes at the fewest (one block of ``BLOCK_T`` keys where
-:func:`tile_plan` keeps 64; the span's last split may hold fewer): a program's blocks run one after the other, each a round trip to memory, so at
-batch 1 short loops over many programs win (64 against 128 on an H100, Qwen3-1.7B shape:
-docs/benchmarks.md, "The drafter's context beside the verify"). ``$DFLASH_DECODE_ATTENTION_SPLIT_KEYS``
-sets another count (at least 16)."""
+:func:`tile_plan` keeps 64; the span's last split may hold fewer): a program's blocks run one
+after the other, each a round trip to memory, so at batch 1 short loops over many programs win
+(64 against 128 on an H100, Qwen3-1.7B shape: docs/benchmarks.md, "The drafter's context beside
+the verify"). ``$DFLASH_DECODE_ATTENTION_SPLIT_KEYS`` sets another count (at least 16)."""
 SPLIT_KEYS_ENV = "DFLASH_DECODE_ATTENTION_SPLIT_KEYS"
 BLOCK_T = 64
 """Keys per block (fewer where the tiles would not fit in shared memory: :func:`tile_plan`)."""

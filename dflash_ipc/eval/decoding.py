@@ -356,8 +356,8 @@ class SpeculativeDecoder(BatchedDecoder):
         self._epoch = 0  # bumped when the graphs and their static buffers are dropped
         self._pinned: list[Tensor] = []  # two host buffers the launched cycles' results land in, in turn
         scope = target.compile_scope if self.use_compile else None
-        self.overlap = (OverlappedAppend(self.device) if self.sampling.greedy and overlapped_append.enabled(self.device, scope)
-                        else None)
+        beside = self.sampling.greedy and overlapped_append.enabled(self.device, scope)
+        self.overlap = OverlappedAppend(self.device) if beside else None
         """The drafter's context appended on a side stream beside the verify's last layers and head
         (eval/overlapped_append.py), else after them."""
 
