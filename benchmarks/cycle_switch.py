@@ -68,14 +68,18 @@ def main() -> None:
     requests = [Request(key=(i, 0), prompt_ids=p, max_new_tokens=args.new_tokens)
                 for i, p in enumerate(random_prompts(2, (64, 256), 0))]
     envs, values = args.env.split(","), args.values.split(",")
+
+    def parts(value: str) -> list[str]:  # one switch takes the value whole (a path, say)
+        return value.split("/") if len(envs) > 1 else [value]
+
     if len(set(values)) != len(values) or not all(values) or any(
-            len(v.split("/")) not in (1, len(envs)) or not all(v.split("/")) for v in values):
+            len(parts(v)) not in (1, len(envs)) or not all(parts(v)) for v in values):
         parser.error(f"--values {args.values!r}: distinct, non-empty values, comma-separated; with several "
                      f"switches (--env {args.env}) one value each, joined by '/', or one for all")
 
     def switch(value: str) -> None:
-        parts = value.split("/")
-        for env, part in zip(envs, parts * len(envs) if len(parts) == 1 else parts):
+        each = parts(value)
+        for env, part in zip(envs, each * len(envs) if len(each) == 1 else each):
             os.environ[env] = part
 
     decoders = {}  # (kind, value) -> decoder

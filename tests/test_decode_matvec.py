@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_ipc.decode import matvec
+from dflash_ipc.decode import matvec, rows_configs
 from dflash_ipc.decode.matvec import GEMV_ENV, MatVecLinear, route_matvec
 from dflash_ipc.errors import ConfigError
 from decode_switch_helpers import check_switch_setting, decode_verdicts
@@ -83,9 +83,10 @@ def test_the_row_limit_setting(monkeypatch):
             matvec.max_rows()
 
 
-def test_the_few_row_configs_are_the_sweeps_winners():
+def test_the_few_row_configs_are_the_sweeps_winners(monkeypatch):
     # benchmarks/matvec.py --rows 16 --sweep on an H200 (132 SMs): every Qwen3-1.7B and -8B weight
-    config = matvec.rows_config
+    monkeypatch.delenv(rows_configs.ROWS_CONFIGS_ENV, raising=False)
+    config = matvec.rows_config  # a GPU without a table of its own: the rule
     assert config(2048, 6144) == dict(BLOCK_N=64, BLOCK_K=128, SPLIT=4, num_warps=4, num_stages=4)  # 1.7B down
     assert config(1024, 4096)["SPLIT"] == 8  # 8B k: 16 blocks
     assert config(4096, 2048) == dict(BLOCK_N=64, BLOCK_K=256, SPLIT=1, num_warps=4, num_stages=4)  # 1.7B q|k|v
@@ -199,7 +200,8 @@ def test_split_buffers_grow_and_keep_what_a_recorded_graph_may_still_use():
     part, count = buffers.get(torch.device("cpu"), 10, 3)
     assert part.numel() == 1 << 20 and count.numel() == 1 << 14 and not count.any()
     # every split launch of rows_config fits the first ones: < 64 blocks x 8 splits x 64 x 16 floats
-    assert matvec.ROWS_SPLIT_BELOW * matvec.MAX_ROWS_SPLIT * matvec.ROWS_BLOCK_N * matvec.DOT_ROWS <= 1 << 20
+    assert (rows_configs.ROWS_SPLIT_BELOW * rows_configs.MAX_ROWS_SPLIT * rows_configs.ROWS_BLOCK_N
+            * matvec.DOT_ROWS <= 1 << 20)
     again = buffers.get(torch.device("cpu"), 100, 3)
     assert again[0] is part and again[1] is count
     bigger, same = buffers.get(torch.device("cpu"), (1 << 20) + 1, 3)

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_ipc.decode import pdl
+from dflash_ipc.decode import pdl, rows_configs
 from dflash_ipc.errors import ConfigError
 
 try:
@@ -340,28 +340,9 @@ def _overlap(a: Tensor, b: Tensor) -> bool:
             and lo_b < lo_a + a.numel() * a.element_size())
 
 
-ROWS_BLOCK_N = 64
-"""Weight rows per program of the few-row kernel: the best of every config of benchmarks/matvec.py's
-sweep at 16 rows on an H200, for each Qwen3-1.7B and -8B weight."""
-ROWS_SPLIT_BELOW = 64
-"""A weight of fewer blocks of ROWS_BLOCK_N rows than this (N < 4,096) has its K split, up to
-about one program per SM: 2,048 x 6,144 (a 1.7B down projection) runs 32 blocks x 4 splits."""
-MAX_ROWS_SPLIT = 8
-
-
-def rows_config(n: int, k: int, sms: int = 132) -> dict:
-    """Block sizes, warps, stages and K splits of the few-row kernel against an N x K weight on
-    a GPU of ``sms`` SMs (the sweep's winners at 16 rows, which fewer rows take too: blocks of
-    128 keys where K is split or N is large, of 256 otherwise)."""
-    if n < 1:
-        raise ValueError(f"rows_config: a weight of {n} rows")
-    blocks = -(-n // ROWS_BLOCK_N)
-    split = 1
-    if blocks < ROWS_SPLIT_BELOW:
-        while split * 2 <= min(MAX_ROWS_SPLIT, sms // blocks):
-            split *= 2
-    block_k = 128 if split > 1 or n >= 12288 else 256
-    return dict(BLOCK_N=ROWS_BLOCK_N, BLOCK_K=block_k, SPLIT=split, num_warps=4, num_stages=4)
+def rows_config(n: int, k: int, sms: int = 132, *, glu: bool = False, device_name: str = "") -> dict:
+    """The few-row kernel's launch config against an N x K weight: decode/rows_configs.py."""
+    return rows_configs.rows_config(n, k, sms, glu=glu, device_name=device_name)
 
 
 class SplitBuffers:
@@ -374,8 +355,9 @@ class SplitBuffers:
     (counts made in a capture are zeroed again at every later call until one runs outside a
     capture, below, which a capture stream's never does). A buffer too small for a launch
     is replaced by a larger one, and the old one is kept: a CUDA graph that recorded a launch
-    still writes to it. The first ones (4 MiB, 64 KiB) hold every launch of ``rows_config``'s
-    (split only below ROWS_SPLIT_BELOW blocks), so only other configs (a sweep's) grow them.
+    still writes to it. The first ones (4 MiB, 64 KiB) hold every launch of the rule's configs
+    (rows_configs.py: split only below ROWS_SPLIT_BELOW blocks); other configs (a table's, a
+    sweep's) may grow them.
     Counts made during a CUDA graph capture are zeroed only when that graph replays, so every
     later call zeroes them again before its launch (recorded into its own graph if captured)
     until one runs outside a capture. decode_attention.py's kernel takes its counts from here
@@ -447,8 +429,7 @@ def triton_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: d
     weight = weight if weight.is_contiguous() else weight.contiguous()
     n = weight.shape[0] // 2 if glu else weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    sms = num_sms(x.device.index or 0) if x.is_cuda else 132
-    cfg = dict(config or rows_config(weight.shape[0], k, sms))
+    cfg = dict(config or rows_config(weight.shape[0], k, glu=glu, **_gpu(x.device)))
     if glu:  # BLOCK_N rows of gate and as many of up per program, whole K (one split: see the kernel)
         cfg["BLOCK_N"], cfg["SPLIT"] = max(16, cfg["BLOCK_N"] // 2), 1
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -478,6 +459,20 @@ def triton_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: d
 def num_sms(index: int) -> int:
     """SMs of CUDA device ``index`` (the kernels here and decode_attention.py size their grids by it)."""
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def gpu_name(index: int) -> str:
+    """CUDA device ``index``'s name (rows_configs.py picks its built-in table by it)."""
+    return torch.cuda.get_device_name(index)
+
+
+def _gpu(device: torch.device) -> dict:
+    """rows_config's ``sms`` and ``device_name`` for ``device`` (a CPU tensor, under Triton's
+    interpreter: the defaults)."""
+    if device.type != "cuda":
+        return {}
+    return dict(sms=num_sms(device.index or 0), device_name=gpu_name(device.index or 0))
 
 
 def max_rows() -> int:

@@ -1,0 +1,172 @@
+"""The few-row kernel's launch configs: a rule, tables swept on a GPU, and a table of your own.
+
+decode/matvec.py's few-row kernel (2..16 rows: a verify pass, a drafted block at batch 1) takes
+block sizes, warps, pipeline stages and K splits per weight (N x K, and whether it is a gate|up
+weight run with silu * up, ``glu``). Which ones stream a weight fastest depends on the GPU and
+on the weight, so a config comes from, in order:
+
+  1. the JSON table that ``$DFLASH_DECODE_ROWS_CONFIGS`` names, where it has the weight
+     (``python3 -m benchmarks.matvec SHAPE --rows 16 --sweep --write PATH`` writes one: the
+     fastest config of the sweep per weight, on the GPU it ran on);
+  2. the built-in table of this GPU's model (TUNED, by a fragment of the device's name), where
+     it has the weight;
+  3. the rule (:func:`rule_config`): the winners of a narrower sweep on an H200, by N.
+
+``$DFLASH_DECODE_ROWS_CONFIGS=rule`` takes the rule alone, no table (to compare against the
+tables in one process, benchmarks/cycle_switch.py); unset or ``auto``: steps 2 and 3. A table
+is data only (JSON: numbers and names), checked field by field when it is first read.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Mapping
+
+from dflash_ipc.errors import ConfigError
+
+ROWS_CONFIGS_ENV = "DFLASH_DECODE_ROWS_CONFIGS"
+TABLE_FORMAT = "dflash-ipc rows configs"
+TABLE_VERSION = 1
+
+ROWS_BLOCK_N = 64
+"""The rule's weight rows per program."""
+ROWS_SPLIT_BELOW = 64
+"""The rule splits K for a weight of fewer blocks of ROWS_BLOCK_N rows than this (N < 4,096), up
+to about one program per SM: 2,048 x 6,144 (a 1.7B down projection) runs 32 blocks x 4 splits."""
+MAX_ROWS_SPLIT = 8
+
+CONFIG_FIELDS: dict[str, tuple[int, ...]] = {
+    # field: allowed values. Block sizes are powers of two (Triton's tiles); BLOCK_N from 16,
+    # tl.dot's smallest operand dimension.
+    "BLOCK_N": (16, 32, 64, 128, 256),
+    "BLOCK_K": (16, 32, 64, 128, 256, 512, 1024),
+    "SPLIT": tuple(range(1, 65)),
+    "num_warps": (1, 2, 4, 8, 16),
+    "num_stages": tuple(range(1, 11)),
+}
+ENTRY_FIELDS = ("n", "k", "glu", "config", "us")
+"""A table entry's fields: the weight (n, k, glu), its config and, optionally, the microseconds
+the sweep measured for it (kept for the reader, not used)."""
+
+Key = tuple[int, int, bool]  # (weight rows N, K, glu)
+
+TUNED: dict[str, dict[Key, dict]] = {}
+"""Built-in tables by a fragment of the CUDA device's name ("H100" matches "NVIDIA H100 80GB
+HBM3"): the sweep's winners on that GPU (docs/benchmarks.md)."""
+
+
+def rule_config(n: int, k: int, sms: int = 132) -> dict:
+    """Block sizes, warps, stages and K splits of the few-row kernel against an N x K weight on
+    a GPU of ``sms`` SMs (the winners of a sweep at 16 rows on an H200 over 40 configs of 4
+    stages: blocks of 128 keys where K is split or N is large, of 256 otherwise)."""
+    if n < 1:
+        raise ValueError(f"rows_config: a weight of {n} rows")
+    blocks = -(-n // ROWS_BLOCK_N)
+    split = 1
+    if blocks < ROWS_SPLIT_BELOW:
+        while split * 2 <= min(MAX_ROWS_SPLIT, sms // blocks):
+            split *= 2
+    block_k = 128 if split > 1 or n >= 12288 else 256
+    return dict(BLOCK_N=ROWS_BLOCK_N, BLOCK_K=block_k, SPLIT=split, num_warps=4, num_stages=4)
+
+
+def rows_config(n: int, k: int, sms: int = 132, *, glu: bool = False, device_name: str = "") -> dict:
+    """The config of the few-row kernel for an N x K weight (``glu``: gate|up rows, run with
+    silu * up) on the GPU named ``device_name`` of ``sms`` SMs: the module docstring's order."""
+    setting = os.environ.get(ROWS_CONFIGS_ENV) or "auto"
+    if setting != "rule":
+        table = {} if setting == "auto" else table_file(setting)
+        for source in (table, builtin_table(device_name)):
+            if (n, k, glu) in source:
+                return dict(source[(n, k, glu)])
+    return rule_config(n, k, sms)
+
+
+def builtin_table(device_name: str) -> Mapping[Key, dict]:
+    """TUNED's table for a device of this name (the first fragment it contains), else none."""
+    return next((table for fragment, table in TUNED.items() if fragment in device_name), {})
+
+
+def table_file(path: str) -> dict[Key, dict]:
+    """The table in the JSON file at ``path``, checked (read again only when the file changes)."""
+    try:
+        mtime = os.stat(path).st_mtime_ns
+    except OSError as e:
+        raise ConfigError(f"${ROWS_CONFIGS_ENV}={path!r}: {e.strerror}; allowed: 'auto', 'rule' or the path "
+                          f"of a table that benchmarks/matvec.py --write wrote") from None
+    return _read_table(path, mtime)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_table(path: str, mtime_ns: int) -> dict[Key, dict]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: line {e.lineno}, column {e.colno}: not JSON ({e.msg})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot be read as a rows configs table ({e})") from None
+    return parse_table(doc, path)
+
+
+def parse_table(doc: object, where: str = "rows configs") -> dict[Key, dict]:
+    """A table's entries by (n, k, glu) from its JSON document, each field checked; errors name
+    ``where`` (the file), the entry and the field."""
+    if not isinstance(doc, dict) or doc.get("format") != TABLE_FORMAT:
+        raise ConfigError(f"{where}: not a rows configs table (want an object with \"format\": \"{TABLE_FORMAT}\")")
+    extra = set(doc) - {"format", "version", "device", "rows", "configs"}
+    if extra:
+        raise ConfigError(f"{where}: unknown field(s) {sorted(extra)}; allowed: format, version, device, rows, "
+                          f"configs")
+    if doc.get("version") != TABLE_VERSION:
+        raise ConfigError(f"{where}: version {doc.get('version')!r}; allowed: {TABLE_VERSION}")
+    if not isinstance(doc.get("configs"), list):
+        raise ConfigError(f"{where}: configs must be a list of entries")
+    table: dict[Key, dict] = {}
+    for i, entry in enumerate(doc["configs"]):
+        at = f"{where}: configs[{i}]"
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{at}: an entry must be an object with fields {list(ENTRY_FIELDS)}")
+        unknown = set(entry) - set(ENTRY_FIELDS)
+        missing = {"n", "k", "glu", "config"} - set(entry)
+        if unknown or missing:
+            raise ConfigError(f"{at}: unknown field(s) {sorted(unknown)}, missing {sorted(missing)}; "
+                              f"allowed: {list(ENTRY_FIELDS)} (us optional)")
+        for name in ("n", "k"):
+            if not _is_int(entry[name]) or entry[name] < 1:
+                raise ConfigError(f"{at}.{name} = {entry[name]!r}; allowed: an integer >= 1")
+        if not isinstance(entry["glu"], bool):
+            raise ConfigError(f"{at}.glu = {entry['glu']!r}; allowed: true or false")
+        if entry["glu"] and entry["n"] % 2:
+            raise ConfigError(f"{at}.n = {entry['n']}: a glu weight has gate and up rows, an even count")
+        key = (entry["n"], entry["k"], entry["glu"])
+        if key in table:
+            raise ConfigError(f"{at}: a second entry for n={key[0]}, k={key[1]}, glu={key[2]}")
+        table[key] = check_config(entry["config"], f"{at}.config")
+    return table
+
+
+def check_config(config: object, where: str) -> dict:
+    """``config`` if it has exactly CONFIG_FIELDS, each at an allowed value."""
+    if not isinstance(config, dict) or set(config) != set(CONFIG_FIELDS):
+        got = sorted(config) if isinstance(config, dict) else type(config).__name__
+        raise ConfigError(f"{where}: fields {got}; want exactly {list(CONFIG_FIELDS)}")
+    for name, allowed in CONFIG_FIELDS.items():
+        if not _is_int(config[name]) or config[name] not in allowed:
+            shown = f"{allowed[0]}..{allowed[-1]}" if name in ("SPLIT", "num_stages") else list(allowed)
+            raise ConfigError(f"{where}.{name} = {config[name]!r}; allowed: {shown}")
+    return dict(config)
+
+
+def table_document(device_name: str, rows: int, winners: Mapping[Key, tuple[dict, float]]) -> dict:
+    """The JSON document of a table: ``winners`` maps (n, k, glu) to (config, microseconds)."""
+    entries = [{"n": n, "k": k, "glu": glu, "config": check_config(cfg, f"n={n}, k={k}, glu={glu}"),
+                "us": round(us, 3)} for (n, k, glu), (cfg, us) in sorted(winners.items())]
+    return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "device": device_name, "rows": rows,
+            "configs": entries}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
