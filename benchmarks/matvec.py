@@ -137,8 +137,13 @@ def precompile(tasks: list[tuple], workers: int) -> None:
 def useful(cfg: dict | None, n: int, glu: bool = False, sms: int = 132) -> bool:
     """Whether the sweep times ``cfg`` against a weight of ``n`` rows: no K split where the
     blocks of rows alone fill the GPU twice over (the head's 2,374 blocks) or under silu * up
-    (``glu``: the kernel runs it unsplit)."""
-    return cfg is None or cfg["SPLIT"] == 1 or (not glu and -(-n // cfg["BLOCK_N"]) < 2 * sms)
+    (``glu``: the kernel runs it unsplit, its gate and up tiles in WIDE_ROWS_GRID's shared memory)."""
+    if cfg is None:
+        return True
+    if glu:  # gate and up rows per program, BLOCK_N // 2 each but at least 16: shared memory for both
+        rows = 2 * max(16, cfg["BLOCK_N"] // 2)
+        return cfg["SPLIT"] == 1 and cfg["num_stages"] * (rows + 16) * cfg["BLOCK_K"] * 2 <= 200 * 1024
+    return cfg["SPLIT"] == 1 or -(-n // cfg["BLOCK_N"]) < 2 * sms
 
 
 def products(shapes: dict, fused: str) -> list[tuple[str, int, int, bool]]:

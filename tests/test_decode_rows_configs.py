@@ -135,7 +135,8 @@ def test_a_missing_or_unparsable_file_is_refused_by_name(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("config,glu", [(DEEP, False), (WIDE, False), (DEEP, True),
+@pytest.mark.parametrize("config,glu", [(DEEP, False), (WIDE, False),
+                                        (dict(BLOCK_N=16, BLOCK_K=256, SPLIT=2, num_warps=4, num_stages=4), True),
                                         (dict(BLOCK_N=32, BLOCK_K=256, SPLIT=1, num_warps=4, num_stages=8), False)])
 def test_the_kernel_at_the_wide_sweeps_corners_matches_fp32_and_takes_a_tables_config(tmp_path, monkeypatch,
                                                                                         config, glu):
@@ -154,3 +155,12 @@ def test_the_kernel_at_the_wide_sweeps_corners_matches_fp32_and_takes_a_tables_c
     assert torch.allclose(got.float(), want, rtol=2 ** -6, atol=2 ** -6 * float(want.abs().max()))
     monkeypatch.setenv(ROWS_CONFIGS_ENV, write_table(tmp_path / "t.json", {(n, k, glu): (config, 1.0)}))
     assert torch.equal(matvec.triton_rows(x, w, glu=glu), got)  # the table's config, the same sums
+
+
+def test_every_built_in_table_is_valid_and_keyed_by_a_whole_device_name():
+    for name, table in rows_configs.TUNED.items():
+        assert name.startswith("NVIDIA ") and table
+        doc = table_document(name, 16, {key: (cfg, 1.0) for key, cfg in table.items()})
+        assert parse_table(json.loads(json.dumps(doc))) == table  # what a table file would hold, checked
+        assert rows_config(*next(iter(table))[:2], glu=next(iter(table))[2], device_name=name) == next(
+            iter(table.values()))

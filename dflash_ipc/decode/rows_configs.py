@@ -52,9 +52,24 @@ the sweep measured for it (kept for the reader, not used)."""
 
 Key = tuple[int, int, bool]  # (weight rows N, K, glu)
 
-TUNED: dict[str, dict[Key, dict]] = {}
-"""Built-in tables by a fragment of the CUDA device's name ("H100" matches "NVIDIA H100 80GB
-HBM3"): the sweep's winners on that GPU (docs/benchmarks.md)."""
+def _config(block_n: int, block_k: int, split: int, warps: int, stages: int) -> dict:
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, num_warps=warps, num_stages=stages)
+
+
+TUNED: dict[str, dict[Key, dict]] = {
+    # python3 -m benchmarks.matvec qwen3-1.7b --rows 16 --sweep --grid wide --fused-only --products
+    # qkv,o,gate_up,down,fc,head --write ... (96 configs a weight; docs/benchmarks.md, "The few-row
+    # kernel's configs swept per GPU"). The Qwen3-1.7B shape's weights; the drafter's fc kept the rule.
+    "NVIDIA H100 80GB HBM3": {
+        (2048, 2048, False): _config(64, 128, 1, 4, 6),   # o, the drafter's context k|v: 5.29 us (rule 5.89)
+        (2048, 6144, False): _config(64, 128, 4, 4, 4),   # down: the rule's, 11.44 us
+        (4096, 2048, False): _config(64, 128, 1, 4, 6),   # q|k|v: 8.93 us (rule 9.17)
+        (12288, 2048, True): _config(64, 128, 1, 4, 3),   # gate|up with silu * up: 21.14 us (rule 21.76)
+        (151936, 2048, False): _config(128, 128, 1, 8, 4),  # the head: 204.1 us (rule 204.8)
+    },
+}
+"""Built-in tables by a fragment of the CUDA device's name (the whole name here: an H100 PCIe or
+NVL, of other bandwidth and SMs, keeps the rule): the sweep's winners on that GPU."""
 
 
 def rule_config(n: int, k: int, sms: int = 132) -> dict:
