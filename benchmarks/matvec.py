@@ -7,7 +7,8 @@
     python3 -m benchmarks.matvec qwen3-1.7b --rows 16 --sweep --grid wide --fused-only --compile-workers 14 \
         --write rows-configs.json                               # a table for $DFLASH_DECODE_ROWS_CONFIGS
 
-For each weight shape of a bench shape's decoder layer (bench/assets.py SHAPES: q, k, v, o, gate,
+For each weight shape of a bench shape's decoder layer (bench/assets.py SHAPES, or your model's
+directory or config.json: q, k, v, o, gate,
 up, down; fused q|k|v and gate|up; the bench drafter's fc; the LM head), each row count against it
 (1: the matrix-vector kernel, launch_config; more: the few-row kernel, the config it picks on this
 GPU, decode/rows_configs.py; a verify pass is 16): as many distinct copies of the
@@ -59,9 +60,31 @@ FUSED = ("qkv", "gate_up", "down")
 """The products decode/fused_layer.py runs with a prologue or an epilogue (o_proj runs plain)."""
 
 
+def shape_fields(shape: str) -> dict:
+    """A bench shape's config fields (bench/assets.py SHAPES), or those of the model whose
+    directory or config.json ``shape`` names (your target: its text config where it nests one)."""
+    if shape in SHAPES:
+        return SHAPES[shape][1]
+    path = os.path.join(shape, "config.json") if os.path.isdir(shape) else shape
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{shape}: neither a bench shape ({', '.join(sorted(SHAPES))}) nor a readable "
+                         f"config.json ({e})") from None
+    config = config.get("text_config", config)
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
+                           "vocab_size") if not isinstance(config.get(k), int)]
+    if missing:
+        raise SystemExit(f"{path}: no integer {', '.join(missing)} (a dense decoder's config is needed)")
+    heads = config["num_attention_heads"]
+    return dict(config, head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+                num_key_value_heads=config.get("num_key_value_heads") or heads)
+
+
 def layer_shapes(shape: str) -> dict[str, tuple[int, int]]:
     """(N, K) of each linear weight of one decoder layer of ``shape``, and of the head."""
-    c = SHAPES[shape][1]
+    c = shape_fields(shape)
     h, inter = c["hidden_size"], c["intermediate_size"]
     q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
     taps = DRAFT_LAYERS.get(shape, 5)  # bench eval's drafter reads as many target layers as it has layers
@@ -157,7 +180,8 @@ def products(shapes: dict, fused: str) -> list[tuple[str, int, int, bool]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("shapes", nargs="+", choices=sorted(SHAPES))
+    parser.add_argument("shapes", nargs="+", help=f"bench shapes ({', '.join(sorted(SHAPES))}) or model "
+                                                  f"directories / config.json files")
     parser.add_argument("--sweep", action="store_true", help="time every config of the grid, keep the best")
     parser.add_argument("--grid", choices=("narrow", "wide"), default="narrow", help="the few-row sweep's grid")
     parser.add_argument("--rows", default="1", help=f"row counts, comma-separated (1..{matvec.MAX_ROWS})")
@@ -176,7 +200,7 @@ def main() -> None:
     fused_mode = "only" if args.fused_only else "also" if args.fused else "no"
     winners: dict[tuple, tuple[dict, float]] = {}
     for shape, rows in itertools.product(args.shapes, row_counts):
-        depth = SHAPES[shape][1]["num_hidden_layers"]
+        depth = shape_fields(shape)["num_hidden_layers"]
         shapes = layer_shapes(shape)
         if args.products:
             shapes = {name: nk for name, nk in shapes.items() if name in args.products.split(",")}

@@ -164,3 +164,23 @@ def test_every_built_in_table_is_valid_and_keyed_by_a_whole_device_name():
         assert parse_table(json.loads(json.dumps(doc))) == table  # what a table file would hold, checked
         assert rows_config(*next(iter(table))[:2], glu=next(iter(table))[2], device_name=name) == next(
             iter(table.values()))
+
+
+def test_the_sweep_reads_a_models_config_and_keeps_splits_and_tiles_where_they_can_pay(tmp_path):
+    from benchmarks import matvec as bench
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {
+        "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "num_hidden_layers": 30, "vocab_size": 49152}}))
+    shapes = bench.layer_shapes(str(tmp_path))
+    assert shapes["qkv"] == (576 + 2 * 192, 576) and shapes["gate_up"] == (3072, 576) and shapes["head"] == (49152, 576)
+    assert bench.layer_shapes("qwen3-1.7b")["fc"] == (2048, 5 * 2048)  # bench eval's drafter reads 5 layers
+    (tmp_path / "bad.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(SystemExit, match="bad.json: no integer intermediate_size"):
+        bench.layer_shapes(str(tmp_path / "bad.json"))
+    split = dict(DEEP, SPLIT=2)
+    assert bench.useful(split, 2048) and not bench.useful(split, 151936)  # the head's blocks fill the GPU
+    assert not bench.useful(split, 12288, glu=True)  # silu * up runs unsplit
+    assert not bench.useful(dict(DEEP, SPLIT=1), 12288, glu=True)  # gate and up tiles overflow shared memory
+    assert all(stages * (n + 16) * k * 2 <= 200 * 1024 for n, k, stages in
+               ((c["BLOCK_N"], c["BLOCK_K"], c["num_stages"]) for c in bench.WIDE_ROWS_GRID))
+    assert bench.products({"o": (8, 8), "down": (8, 16)}, "only") == [("o", 8, 8, False), ("down", 8, 16, True)]
