@@ -72,7 +72,9 @@ def shape_fields(shape: str) -> dict:
     except (OSError, ValueError) as e:
         raise SystemExit(f"{shape}: neither a bench shape ({', '.join(sorted(SHAPES))}) nor a readable "
                          f"config.json ({e})") from None
-    config = config.get("text_config", config)
+    config = config.get("text_config") or config if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        raise SystemExit(f"{path}: not a model config (a JSON object, its text config an object where it nests one)")
     missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
                            "vocab_size") if not isinstance(config.get(k), int)]
     if missing:
@@ -87,7 +89,7 @@ def layer_shapes(shape: str) -> dict[str, tuple[int, int]]:
     c = shape_fields(shape)
     h, inter = c["hidden_size"], c["intermediate_size"]
     q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
-    taps = DRAFT_LAYERS.get(shape, 5)  # bench eval's drafter reads as many target layers as it has layers
+    taps = DRAFT_LAYERS.get(shape, 5)  # bench eval's drafter (5 layers, so 5 target layers read; a model's too)
     return {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "gate": (inter, h), "up": (inter, h),
             "down": (h, inter), "qkv": (q + 2 * kv, h), "gate_up": (2 * inter, h), "fc": (h, taps * h),
             "head": (c["vocab_size"], h)}
@@ -161,11 +163,10 @@ def useful(cfg: dict | None, n: int, glu: bool = False, sms: int = 132) -> bool:
     """Whether the sweep times ``cfg`` against a weight of ``n`` rows: no K split where the
     blocks of rows alone fill the GPU twice over (the head's 2,374 blocks) or under silu * up
     (``glu``: the kernel runs it unsplit, its gate and up tiles in WIDE_ROWS_GRID's shared memory)."""
-    if cfg is None:
+    if cfg is None or "SPLIT" not in cfg:  # the default, or the one-row kernel's grid
         return True
     if glu:  # gate and up rows per program, BLOCK_N // 2 each but at least 16: shared memory for both
-        rows = 2 * max(16, cfg["BLOCK_N"] // 2)
-        return cfg["SPLIT"] == 1 and cfg["num_stages"] * (rows + 16) * cfg["BLOCK_K"] * 2 <= 200 * 1024
+        return cfg["SPLIT"] == 1 and rows_configs.shared_memory_bytes(cfg, glu=True) <= 200 * 1024
     return cfg["SPLIT"] == 1 or -(-n // cfg["BLOCK_N"]) < 2 * sms
 
 
@@ -195,8 +196,8 @@ def main() -> None:
     row_counts = [int(r) for r in args.rows.split(",")]
     if not all(1 <= r <= matvec.MAX_ROWS for r in row_counts):
         parser.error(f"--rows {args.rows}: each count in 1..{matvec.MAX_ROWS}")
-    if args.write and (not args.sweep or row_counts == [1]):
-        parser.error("--write needs --sweep and a row count of 2 or more")
+    if args.write and (not args.sweep or len(row_counts) != 1 or row_counts == [1]):
+        parser.error("--write needs --sweep and one row count of 2 or more (--rows 16: a verify pass)")
     fused_mode = "only" if args.fused_only else "also" if args.fused else "no"
     winners: dict[tuple, tuple[dict, float]] = {}
     for shape, rows in itertools.product(args.shapes, row_counts):
@@ -229,8 +230,11 @@ def main() -> None:
                         best = (us, cfg)
                 seen[key] = (cublas, best[0])
                 glu = fused and name == "gate_up"
-                if rows > 1 and best[1] is not None and (fused or (n, k, glu) not in winners):
-                    winners[(n, k, glu)] = (best[1], best[0])
+                if rows > 1 and (fused or (n, k, glu) not in winners):
+                    # the default resolved to its config: a table holds every weight it swept, whatever
+                    # table or rule the sweeping process had
+                    winners[(n, k, glu)] = (best[1] or matvec.rows_config(n, k, glu=glu, **matvec._gpu(
+                        torch.device("cuda", torch.cuda.current_device()))), best[0])
                     if args.write:  # after each weight: a sweep cut short keeps what it found
                         write_table(args.write, max(row_counts), winners)
                 mb = 2 * n * k / 1e6

@@ -21,6 +21,7 @@ cuda = pytest.mark.skipif(not (torch.cuda.is_available() and matvec.available())
 
 DEEP = dict(BLOCK_N=16, BLOCK_K=512, SPLIT=2, num_warps=4, num_stages=6)
 WIDE = dict(BLOCK_N=128, BLOCK_K=128, SPLIT=8, num_warps=8, num_stages=3)
+GATE_UP = dict(BLOCK_N=64, BLOCK_K=128, SPLIT=1, num_warps=4, num_stages=3)
 
 
 def write_table(path, winners, device="NVIDIA H100 80GB HBM3"):
@@ -34,10 +35,11 @@ def no_setting(monkeypatch):
 
 
 def test_a_table_file_comes_first_for_its_weights_and_the_rule_serves_the_rest(tmp_path, monkeypatch):
-    path = write_table(tmp_path / "t.json", {(2048, 6144, False): (DEEP, 7.5), (12288, 2048, True): (WIDE, 15.0)})
+    path = write_table(tmp_path / "t.json", {(2048, 6144, False): (DEEP, 7.5), (12288, 2048, True): (GATE_UP, 15.0)})
     monkeypatch.setenv(ROWS_CONFIGS_ENV, path)
     assert rows_config(2048, 6144) == DEEP
-    assert rows_config(12288, 2048, glu=True) == WIDE
+    assert rows_config(12288, 2048, glu=True) == GATE_UP
+    assert rows_config(2048, 4096, glu=True)["SPLIT"] == 1  # the rule would split 2,048 rows; silu * up does not
     assert rows_config(12288, 2048) == rule_config(12288, 2048)  # the same weight without silu * up: not in it
     assert rows_config(4096, 2048) == rule_config(4096, 2048)
     rows_config(2048, 6144)["SPLIT"] = 99  # a copy: the cached table is not changed through it
@@ -77,9 +79,9 @@ def test_a_changed_file_is_read_again(tmp_path, monkeypatch):
 
 
 def test_the_writers_document_reads_back_with_the_sweeps_times_kept():
-    doc = table_document("NVIDIA H100", 16, {(2048, 6144, False): (DEEP, 7.5123), (12288, 2048, True): (WIDE, 15.0)})
+    doc = table_document("NVIDIA H100", 16, {(2048, 6144, False): (DEEP, 7.5123), (12288, 2048, True): (GATE_UP, 15.0)})
     assert doc["configs"][0] == {"n": 2048, "k": 6144, "glu": False, "config": DEEP, "us": 7.512}
-    assert parse_table(json.loads(json.dumps(doc))) == {(2048, 6144, False): DEEP, (12288, 2048, True): WIDE}
+    assert parse_table(json.loads(json.dumps(doc))) == {(2048, 6144, False): DEEP, (12288, 2048, True): GATE_UP}
 
 
 def entry(**fields):
@@ -112,6 +114,13 @@ def document(*entries, **fields):
     (document(entry(config={**DEEP, "SPLIT": 0})), r"config\.SPLIT = 0; allowed: 1\.\.64"),
     (document(entry(config={**DEEP, "num_stages": True})), r"config\.num_stages = True; allowed: 1\.\.10"),
     (document(entry(config={"BLOCK_N": 16})), r"config: fields \['BLOCK_N'\]; want exactly"),
+    (document(version=True), "version True; allowed: 1"),
+    (document(device=7), "device 7; allowed: the GPU's name"),
+    (document(rows=17), "rows 17; allowed: the rows swept, 1..16"),
+    (document(entry(us="fast")), r"configs\[0\]\.us = 'fast'; allowed: the microseconds swept"),
+    (document(entry(n=12288, glu=True)), r"config\.SPLIT = 2: silu \* up runs unsplit; allowed: 1"),
+    (document(entry(config=dict(BLOCK_N=256, BLOCK_K=1024, SPLIT=1, num_warps=8, num_stages=10))),
+     r"config: 5570560 bytes of shared memory a program .* allowed: at most 232448"),
 ])
 def test_a_bad_table_is_refused_with_the_file_entry_and_field_named(tmp_path, monkeypatch, doc, message):
     path = tmp_path / "bad.json"
@@ -120,6 +129,41 @@ def test_a_bad_table_is_refused_with_the_file_entry_and_field_named(tmp_path, mo
     with pytest.raises(ConfigError, match=message) as err:
         rows_config(2048, 2048)
     assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"format": "dflash-ipc rows configs", "version": 1, "version": 1, "configs": []}',
+     r"the key\(s\) \['version'\] twice in one object"),
+    ('{"format": "dflash-ipc rows configs", "version": 1, "configs": [{"n": ' + "9" * 5000 + "}]}",
+     "cannot be read as a rows configs table"),
+    ("[" * 100000 + "]" * 100000, "cannot be read as a rows configs table"),
+])
+def test_a_file_json_cannot_hold_as_a_table_is_refused_by_name(tmp_path, monkeypatch, text, message):
+    path = tmp_path / "odd.json"
+    path.write_text(text)
+    monkeypatch.setenv(ROWS_CONFIGS_ENV, str(path))
+    with pytest.raises(ConfigError, match=message):
+        rows_configs.check_setting()
+
+
+def test_an_unchanged_file_is_read_once_and_the_setting_is_checked_where_a_decoder_is_built(tmp_path, monkeypatch):
+    path = write_table(tmp_path / "t.json", {(2048, 2048, False): (DEEP, 3.0)})
+    monkeypatch.setenv(ROWS_CONFIGS_ENV, path)
+    rows_configs._read_table.cache_clear()
+    for _ in range(5):
+        assert rows_config(2048, 2048) == DEEP
+    assert rows_configs._read_table.cache_info().misses == 1
+    rows_configs.check_setting()  # a good table passes; route_matvec calls this before the target decodes
+    monkeypatch.setenv(ROWS_CONFIGS_ENV, str(tmp_path / "gone.json"))
+    with pytest.raises(ConfigError, match="gone.json"):
+        matvec.route_matvec(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    monkeypatch.setenv(ROWS_CONFIGS_ENV, "rule")
+    rows_configs.check_setting()
+
+
+def test_a_mig_slice_keeps_the_rule(monkeypatch):
+    monkeypatch.setattr(rows_configs, "TUNED", {"NVIDIA H100 80GB HBM3": {(2048, 2048, False): DEEP}})
+    assert rows_config(2048, 2048, device_name="NVIDIA H100 80GB HBM3 MIG 1g.10gb") == rule_config(2048, 2048)
 
 
 def test_a_missing_or_unparsable_file_is_refused_by_name(tmp_path, monkeypatch):
@@ -136,7 +180,7 @@ def test_a_missing_or_unparsable_file_is_refused_by_name(tmp_path, monkeypatch):
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("config,glu", [(DEEP, False), (WIDE, False),
-                                        (dict(BLOCK_N=16, BLOCK_K=256, SPLIT=2, num_warps=4, num_stages=4), True),
+                                        (dict(BLOCK_N=16, BLOCK_K=256, SPLIT=1, num_warps=4, num_stages=4), True),
                                         (dict(BLOCK_N=32, BLOCK_K=256, SPLIT=1, num_warps=4, num_stages=8), False)])
 def test_the_kernel_at_the_wide_sweeps_corners_matches_fp32_and_takes_a_tables_config(tmp_path, monkeypatch,
                                                                                         config, glu):
@@ -181,6 +225,5 @@ def test_the_sweep_reads_a_models_config_and_keeps_splits_and_tiles_where_they_c
     assert bench.useful(split, 2048) and not bench.useful(split, 151936)  # the head's blocks fill the GPU
     assert not bench.useful(split, 12288, glu=True)  # silu * up runs unsplit
     assert not bench.useful(dict(DEEP, SPLIT=1), 12288, glu=True)  # gate and up tiles overflow shared memory
-    assert all(stages * (n + 16) * k * 2 <= 200 * 1024 for n, k, stages in
-               ((c["BLOCK_N"], c["BLOCK_K"], c["num_stages"]) for c in bench.WIDE_ROWS_GRID))
+    assert all(bench.useful(c, 2048) for c in bench.GRID)  # the one-row kernel's grid has no splits
     assert bench.products({"o": (8, 8), "down": (8, 16)}, "only") == [("o", 8, 8, False), ("down", 8, 16, True)]

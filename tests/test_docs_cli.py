@@ -101,7 +101,22 @@ def test_command_lines_in_the_docs_use_options_of_their_command(path):
     assert seen > 5
 
 
+def benchmark_options(text: str) -> set[str]:
+    """Options of the benchmarks/ scripts that ``text`` runs (``python3 -m benchmarks.NAME``), as
+    their argparse calls declare them."""
+    options = set()
+    for name in set(re.findall(r"python3? -m benchmarks\.(\w+)", text)):
+        options |= set(re.findall(r'add_argument\(\s*"(--[\w-]+)"', read(os.path.join(ROOT, "benchmarks", f"{name}.py"))))
+    return options
+
+
 @pytest.mark.parametrize("path", [OPERATIONS, README])
 def test_every_option_the_docs_name_exists(path):
-    named_options = set(OPTION.findall(read(path))) - {"-o"}
-    assert named_options - ALL_OPTIONS - OTHER_TOOLS == set()
+    text = read(path)
+    named_options = set(OPTION.findall(text)) - {"-o"}
+    assert named_options - ALL_OPTIONS - OTHER_TOOLS - benchmark_options(text) == set()
+
+
+def test_a_benchmarks_options_are_read_from_its_own_argparse_calls():
+    options = benchmark_options("`python3 -m benchmarks.matvec qwen3-1.7b --sweep`")
+    assert {"--sweep", "--grid", "--write", "--compile-workers"} <= options and "--values" not in options

@@ -540,7 +540,9 @@ def decode_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, rows_li
 
 def route_matvec(*modules: nn.Module) -> int:
     """Replace every plain ``nn.Linear`` under ``modules`` (a decoder, with its LM head) by a
-    :class:`MatVecLinear` over the same parameters; how many were replaced."""
+    :class:`MatVecLinear` over the same parameters; how many were replaced. A table of launch
+    configs that $DFLASH_DECODE_ROWS_CONFIGS names is checked here, before anything decodes."""
+    rows_configs.check_setting()
     count = 0
     for root in modules:
         if type(root) is nn.Linear:

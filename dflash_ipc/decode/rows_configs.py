@@ -14,7 +14,10 @@ on the weight, so a config comes from, in order:
 
 ``$DFLASH_DECODE_ROWS_CONFIGS=rule`` takes the rule alone, no table (to compare against the
 tables in one process, benchmarks/cycle_switch.py); unset or ``auto``: steps 2 and 3. A table
-is data only (JSON: numbers and names), checked field by field when it is first read.
+is data only (JSON: numbers and names), checked field by field (and each config against a
+program's shared memory) when the decoder is built and whenever the file changes. A gate|up
+entry's BLOCK_N counts its gate and up rows together (the kernel takes BLOCK_N // 2 of each, at
+least 16), and its SPLIT is 1.
 """
 
 from __future__ import annotations
@@ -96,34 +99,54 @@ def rows_config(n: int, k: int, sms: int = 132, *, glu: bool = False, device_nam
         for source in (table, builtin_table(device_name)):
             if (n, k, glu) in source:
                 return dict(source[(n, k, glu)])
-    return rule_config(n, k, sms)
+    return dict(rule_config(n, k, sms), **({"SPLIT": 1} if glu else {}))  # silu * up runs unsplit
+
+
+def check_setting() -> None:
+    """Read ``$DFLASH_DECODE_ROWS_CONFIGS`` now (where a decoder is built), so that a missing or
+    malformed table stops the run before it decodes; launches read it again (cached by the file)."""
+    setting = os.environ.get(ROWS_CONFIGS_ENV) or "auto"
+    if setting not in ("auto", "rule"):
+        table_file(setting)
 
 
 def builtin_table(device_name: str) -> Mapping[Key, dict]:
-    """TUNED's table for a device of this name (the first fragment it contains), else none."""
+    """TUNED's table for a device of this name (the first fragment it contains), else none; a
+    MIG slice (its name says so) has a share of the GPU's SMs and bandwidth: none."""
+    if "MIG" in device_name:
+        return {}
     return next((table for fragment, table in TUNED.items() if fragment in device_name), {})
 
 
 def table_file(path: str) -> dict[Key, dict]:
-    """The table in the JSON file at ``path``, checked (read again only when the file changes)."""
+    """The table in the JSON file at ``path``, checked (read again only when the file's time,
+    size or inode changes)."""
     try:
-        mtime = os.stat(path).st_mtime_ns
+        st = os.stat(path)
     except OSError as e:
         raise ConfigError(f"${ROWS_CONFIGS_ENV}={path!r}: {e.strerror}; allowed: 'auto', 'rule' or the path "
                           f"of a table that benchmarks/matvec.py --write wrote") from None
-    return _read_table(path, mtime)
+    return _read_table(path, (st.st_mtime_ns, st.st_size, st.st_ino))
 
 
 @functools.lru_cache(maxsize=8)
-def _read_table(path: str, mtime_ns: int) -> dict[Key, dict]:
+def _read_table(path: str, stamp: tuple[int, int, int]) -> dict[Key, dict]:
     try:
         with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+            doc = json.load(f, object_pairs_hook=_no_repeated_keys)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: line {e.lineno}, column {e.colno}: not JSON ({e.msg})") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: undecodable bytes, a key twice, huge ints
         raise ConfigError(f"{path}: cannot be read as a rows configs table ({e})") from None
     return parse_table(doc, path)
+
+
+def _no_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [k for k, _ in pairs]
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:
+        raise ValueError(f"the key(s) {repeated} twice in one object")
+    return dict(pairs)
 
 
 def parse_table(doc: object, where: str = "rows configs") -> dict[Key, dict]:
@@ -135,8 +158,12 @@ def parse_table(doc: object, where: str = "rows configs") -> dict[Key, dict]:
     if extra:
         raise ConfigError(f"{where}: unknown field(s) {sorted(extra)}; allowed: format, version, device, rows, "
                           f"configs")
-    if doc.get("version") != TABLE_VERSION:
+    if not _is_int(doc.get("version")) or doc["version"] != TABLE_VERSION:
         raise ConfigError(f"{where}: version {doc.get('version')!r}; allowed: {TABLE_VERSION}")
+    if not isinstance(doc.get("device", ""), str):
+        raise ConfigError(f"{where}: device {doc['device']!r}; allowed: the GPU's name, a string")
+    if not _is_int(doc.get("rows", 16)) or not 1 <= doc.get("rows", 16) <= 16:
+        raise ConfigError(f"{where}: rows {doc['rows']!r}; allowed: the rows swept, 1..16")
     if not isinstance(doc.get("configs"), list):
         raise ConfigError(f"{where}: configs must be a list of entries")
     table: dict[Key, dict] = {}
@@ -156,15 +183,30 @@ def parse_table(doc: object, where: str = "rows configs") -> dict[Key, dict]:
             raise ConfigError(f"{at}.glu = {entry['glu']!r}; allowed: true or false")
         if entry["glu"] and entry["n"] % 2:
             raise ConfigError(f"{at}.n = {entry['n']}: a glu weight has gate and up rows, an even count")
+        if "us" in entry and (isinstance(entry["us"], bool) or not isinstance(entry["us"], (int, float))):
+            raise ConfigError(f"{at}.us = {entry['us']!r}; allowed: the microseconds swept, a number")
         key = (entry["n"], entry["k"], entry["glu"])
         if key in table:
             raise ConfigError(f"{at}: a second entry for n={key[0]}, k={key[1]}, glu={key[2]}")
-        table[key] = check_config(entry["config"], f"{at}.config")
+        table[key] = check_config(entry["config"], f"{at}.config", glu=entry["glu"])
     return table
 
 
-def check_config(config: object, where: str) -> dict:
-    """``config`` if it has exactly CONFIG_FIELDS, each at an allowed value."""
+SHARED_MEMORY_BYTES = 227 * 1024
+"""Shared memory a program may take on an H100 or H200 (232,448 bytes)."""
+
+
+def shared_memory_bytes(config: Mapping, glu: bool = False) -> int:
+    """The shared memory a program of the few-row kernel takes under ``config``: its pipeline
+    stages of weight tiles (under ``glu``, gate and up tiles of BLOCK_N // 2 rows each, at least
+    16) and 16-row input tiles, bf16/fp16 (Triton allocates these, as its reports agree)."""
+    rows = 2 * max(16, config["BLOCK_N"] // 2) if glu else config["BLOCK_N"]
+    return config["num_stages"] * (rows + 16) * config["BLOCK_K"] * 2
+
+
+def check_config(config: object, where: str, *, glu: bool = False) -> dict:
+    """``config`` if it has exactly CONFIG_FIELDS, each at an allowed value, and fits a program's
+    shared memory (``glu``: a gate|up weight's, one split only)."""
     if not isinstance(config, dict) or set(config) != set(CONFIG_FIELDS):
         got = sorted(config) if isinstance(config, dict) else type(config).__name__
         raise ConfigError(f"{where}: fields {got}; want exactly {list(CONFIG_FIELDS)}")
@@ -172,12 +214,18 @@ def check_config(config: object, where: str) -> dict:
         if not _is_int(config[name]) or config[name] not in allowed:
             shown = f"{allowed[0]}..{allowed[-1]}" if name in ("SPLIT", "num_stages") else list(allowed)
             raise ConfigError(f"{where}.{name} = {config[name]!r}; allowed: {shown}")
+    if glu and config["SPLIT"] != 1:
+        raise ConfigError(f"{where}.SPLIT = {config['SPLIT']}: silu * up runs unsplit; allowed: 1")
+    if shared_memory_bytes(config, glu) > SHARED_MEMORY_BYTES:
+        raise ConfigError(f"{where}: {shared_memory_bytes(config, glu)} bytes of shared memory a program "
+                          f"(num_stages x (BLOCK_N{' of gate and up' if glu else ''} + 16) x BLOCK_K x 2); "
+                          f"allowed: at most {SHARED_MEMORY_BYTES}")
     return dict(config)
 
 
 def table_document(device_name: str, rows: int, winners: Mapping[Key, tuple[dict, float]]) -> dict:
     """The JSON document of a table: ``winners`` maps (n, k, glu) to (config, microseconds)."""
-    entries = [{"n": n, "k": k, "glu": glu, "config": check_config(cfg, f"n={n}, k={k}, glu={glu}"),
+    entries = [{"n": n, "k": k, "glu": glu, "config": check_config(cfg, f"n={n}, k={k}, glu={glu}", glu=glu),
                 "us": round(us, 3)} for (n, k, glu), (cfg, us) in sorted(winners.items())]
     return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "device": device_name, "rows": rows,
             "configs": entries}
