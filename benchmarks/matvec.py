@@ -233,7 +233,7 @@ def main() -> None:
                 if rows > 1 and (fused or (n, k, glu) not in winners):
                     # the default resolved to its config: a table holds every weight it swept, whatever
                     # table or rule the sweeping process had
-                    winners[(n, k, glu)] = (best[1] or matvec.rows_config(n, k, glu=glu, **matvec._gpu(
+                    winners[(n, k, glu)] = (best[1] or matvec.rows_config(n, k, glu=glu, **matvec.gpu_args(
                         torch.device("cuda", torch.cuda.current_device()))), best[0])
                     if args.write:  # after each weight: a sweep cut short keeps what it found
                         write_table(args.write, max(row_counts), winners)

@@ -429,7 +429,7 @@ def triton_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: d
     weight = weight if weight.is_contiguous() else weight.contiguous()
     n = weight.shape[0] // 2 if glu else weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    cfg = dict(config or rows_config(weight.shape[0], k, glu=glu, **_gpu(x.device)))
+    cfg = dict(config or rows_config(weight.shape[0], k, glu=glu, **gpu_args(x.device)))
     if glu:  # BLOCK_N rows of gate and as many of up per program, whole K (one split: see the kernel)
         cfg["BLOCK_N"], cfg["SPLIT"] = max(16, cfg["BLOCK_N"] // 2), 1
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -467,7 +467,7 @@ def gpu_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def _gpu(device: torch.device) -> dict:
+def gpu_args(device: torch.device) -> dict:
     """rows_config's ``sms`` and ``device_name`` for ``device`` (a CPU tensor, under Triton's
     interpreter: the defaults)."""
     if device.type != "cuda":

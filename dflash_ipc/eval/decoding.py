@@ -37,7 +37,6 @@ from dflash_ipc.errors import ConfigError
 from dflash_ipc.eval.acceptance import AcceptanceStats, commit_block
 from dflash_ipc.eval import overlapped_append
 from dflash_ipc.eval.drafter_context import DrafterContext
-from dflash_ipc.eval.overlapped_append import OverlappedAppend
 from dflash_ipc.decode.requests import Generation, Request, RequestSource
 from dflash_ipc.eval.sampling import Sampling, probabilities, sample, speculative_accept
 from dflash_ipc.decode import aranges
@@ -357,7 +356,7 @@ class SpeculativeDecoder(BatchedDecoder):
         self._pinned: list[Tensor] = []  # two host buffers the launched cycles' results land in, in turn
         scope = target.compile_scope if self.use_compile else None
         beside = self.sampling.greedy and overlapped_append.enabled(self.device, scope)
-        self.overlap = OverlappedAppend(self.device) if beside else None
+        self.overlap = overlapped_append.OverlappedAppend(self.device) if beside else None
         """The drafter's context appended on a side stream beside the verify's last layers and head
         (eval/overlapped_append.py), else after them."""
 
