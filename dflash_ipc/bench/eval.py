@@ -341,11 +341,14 @@ def format_table(f: dict) -> str:
     for mode, s in f["summary"].items():
         if mode == "batch1":
             continue
+        one = "" if math.isnan(s["batch1_tokens_per_s"]) else f"{s['batch1_tokens_per_s']:,.1f} tok/s at batch 1, "
+        best = f"  batched {mode}: {one}{s['best_tokens_per_s']:,.1f} tok/s at batch {s['best_batch_size']}"
+        if math.isnan(s["vs_legacy"]):  # --legacy-prompts 0 (or the legacy row failed): nothing to compare with
+            lines.append(f"{best} (no legacy row to compare with)")
+            continue
         goal = f" (goal >= {f['goal']:g}x: {'met' if s['vs_legacy'] >= f['goal'] else 'not met'})" \
             if mode == "speculative" else ""
-        one = "" if math.isnan(s["batch1_tokens_per_s"]) else f"{s['batch1_tokens_per_s']:,.1f} tok/s at batch 1, "
-        lines.append(f"  batched {mode}: {one}{s['best_tokens_per_s']:,.1f} tok/s at batch {s['best_batch_size']} = "
-                     f"{s['vs_legacy']:.1f}x legacy {mode} ({s['legacy_tokens_per_s']:,.1f} tok/s){goal}")
+        lines.append(f"{best} = {s['vs_legacy']:.1f}x legacy {mode} ({s['legacy_tokens_per_s']:,.1f} tok/s){goal}")
     lines.append(f"  target build {f['build_s']:.1f} s, whole bench {f['total_s']:.1f} s")
     return "\n".join(lines)
 

@@ -8,6 +8,7 @@ import click
 from dflash_ipc.config.schema import DTYPE_NAMES, PUBLISH_SYNC_MODES
 from dflash_ipc.dispatch.policy import POLICIES
 from dflash_ipc.run.json_files import write_json_atomic
+from dflash_ipc.cli.checks import FiniteFloatRange, made_directory, ordered_range, writable_output
 from dflash_ipc.cli.app import (add_options, checked_device, comma_list, config_option, int_list, load_job_config, main,
                                 override_option, resolved)
 
@@ -134,7 +135,7 @@ def bench_drafter(device, steps, warmup, shape, seq_lens, num_seqs, anchors_per_
               help="Target model directory (repeatable: measured one after the other, same data and device).")
 @click.option("--seconds", default=30.0, show_default=True, help="Measured seconds per target.")
 @click.option("--warmup-s", default=10.0, show_default=True, help="Seconds of warmup per target.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output, help="Also write the figures.")
 def bench_target(config, overrides, targets, seconds, warmup_s, json_path) -> None:
     """Target capacity (tok/s of one worker: on target.devices[0], or its first K devices with
     target.gpus_per_worker K) of each --target, e.g. a MoE next to a dense one."""
@@ -180,7 +181,7 @@ def _run_sizes_options(fn):
                    "few steps first); default: --steps each.")
 @click.option("--work-dir", default="/tmp/dflash-precision", show_default=True,
               help="Target, data and exported drafters; the target and data are reused while they match.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
               help="Also write every figure (the per-step losses included) as JSON.")
 @precision_options(default="bf16,fp8")
 @_run_sizes_options
@@ -214,7 +215,7 @@ def bench_precision(device, shape, target_dir, data_dir, mask_token_id, recipe_n
 @click.option("--warmup-s", default=30.0, show_default=True,
               help="Seconds of warmup after the first batch / drafter step of each phase (end to end: after "
                    "the first drafter step), before the measured seconds.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output,
               help="Also write every figure as JSON (input of dflash-ipc plan --from-bench).")
 @click.option("--run-dir", default=None, type=click.Path(file_okay=False),
               help="Fresh run directory of the end-to-end job (default: <run.run_dir>-bench-<time>).")
@@ -236,17 +237,19 @@ def bench_pipeline(config, overrides, seconds, warmup_s, json_path, run_dir) -> 
 @click.option("--target", default=None, type=click.Path(exists=True, file_okay=False),
               help="A model directory instead of --shape.")
 @click.option("--device", default="cuda:0", show_default=True, callback=checked_device)
-@click.option("--prompts", "num_prompts", default=512, show_default=True, help="Prompts of the batched phases.")
-@click.option("--one-at-a-time", "num_single", default=4, show_default=True, help="Prompts generated alone.")
-@click.option("--min-prompt", default=64, show_default=True)
-@click.option("--max-prompt", default=256, show_default=True)
+@click.option("--prompts", "num_prompts", default=512, show_default=True, type=click.IntRange(min=1),
+              help="Prompts of the batched phases.")
+@click.option("--one-at-a-time", "num_single", default=4, show_default=True, type=click.IntRange(min=1),
+              help="Prompts generated alone (the one-at-a-time phase).")
+@click.option("--min-prompt", default=64, show_default=True, type=click.IntRange(min=1), help="Shortest prompt, tokens.")
+@click.option("--max-prompt", default=256, show_default=True, type=click.IntRange(min=1), help="Longest prompt, tokens.")
 @click.option("--min-new-tokens", type=click.IntRange(min=1), default=None,
               help="Shortest reply budget (default: --max-new-tokens / 8); budgets are log-uniform.")
 @click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=1))
-@click.option("--token-budget", type=int, default=None,
+@click.option("--token-budget", type=click.IntRange(min=1), default=None,
               help="generate: per batch (default 131072 GPU, 16384 CPU); engine: cached positions in all "
                    "(default 60% of the free GPU memory, 16384 CPU).")
-@click.option("--max-batch-size", type=int, default=None,
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=None,
               help="Rows (engine) and prompts per batch (generate) of every phase; default 512 on GPU, 64 on CPU.")
 @click.option("--phase", "phases", multiple=True, type=click.Choice(["one-at-a-time", "generate-static",
               "generate-dynamic", "engine-batches", "engine-continuous", "engine-refill-each",
@@ -257,17 +260,20 @@ def bench_pipeline(config, overrides, seconds, warmup_s, json_path, run_dir) -> 
 @click.option("--refill-rows", type=click.IntRange(min=1), default=None,
               help="engine-continuous, engine-compiled: free rows a refill waits for (default: an eighth of the "
                    "rows).")
-@click.option("--hbm-tbps", default=None, type=click.FloatRange(min=0, min_open=True),
+@click.option("--hbm-tbps", default=None, type=FiniteFloatRange(min=0, min_open=True),
               help="Memory bandwidth of the bound, TB/s (default: the GPU's, decode/bound.py HBM_TBPS: H200 4.8, "
                    "H100 SXM 3.35; else 4.8).")
 @click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="bfloat16", show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures as JSON.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output, help="Also write the figures as JSON.")
 def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt, max_prompt, min_new_tokens,
                      max_new_tokens, token_budget, max_batch_size, phases, check_every, refill_rows, hbm_tbps,
                      dtype, json_path) -> None:
     """Generated tokens/s of regenerate's decoders against one prompt at a time and the bandwidth bound."""
     from dflash_ipc.bench.regenerate import DEFAULT_PHASES, format_table, run_regenerate_bench, write_json
     from dflash_ipc.run.logs import setup_logging
+    ordered_range("--min-prompt", min_prompt, "--max-prompt", max_prompt)
+    if min_new_tokens is not None:
+        ordered_range("--min-new-tokens", min_new_tokens, "--max-new-tokens", max_new_tokens)
     setup_logging("bench")
     result = run_regenerate_bench(shape=shape, target=target, device=device, num_prompts=num_prompts,
                                   num_single=num_single, min_prompt=min_prompt, max_prompt=max_prompt,
@@ -297,24 +303,26 @@ def bench_regenerate(shape, target, device, num_prompts, num_single, min_prompt,
               show_default=True, help="torch.compile of the target's decode forward (auto: on CUDA).")
 @click.option("--dtype", type=click.Choice(["auto", *DTYPE_NAMES]), default="auto",
               show_default=True)
-@click.option("--work-dir", default=None, type=click.Path(file_okay=False),
+@click.option("--work-dir", default=None, type=click.Path(file_okay=False), callback=made_directory,
               help="Keep the random target here (reused next time); default: a temporary directory.")
-@click.option("--hbm-tbps", default=None, type=click.FloatRange(min=0, min_open=True),
+@click.option("--hbm-tbps", default=None, type=FiniteFloatRange(min=0, min_open=True),
               help="Memory bandwidth of the bound, TB/s (default: the GPU's, decode/bound.py HBM_TBPS: H200 4.8, "
                    "H100 SXM 3.35; else 4.8).")
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1),
               help="Timed runs of each batched row, one after another: the row reports the median run, and at "
                    "batch 1 the summary the spread of plain steps and cycles.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the figures.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_output, help="Also write the figures.")
 def bench_eval(device, shape, batch_sizes, prompts_per_batch, max_new_tokens, prompt_len, legacy_prompts,
                compile_decode, dtype, work_dir, hbm_tbps, repeats, json_path) -> None:
     """Tokens/s of batched speculative and plain decoding against the unbatched decoder."""
     from dflash_ipc.bench.eval import run_eval_bench
     from dflash_ipc.run.logs import setup_logging
     setup_logging("bench")
+    lengths = int_list(prompt_len, "--prompt-len", size=2)
+    ordered_range("--prompt-len's MIN", lengths[0], "MAX", lengths[1])
     figures = run_eval_bench(device=device, shape=shape, batch_sizes=int_list(batch_sizes, "--batch-sizes"),
                              prompts_per_batch=prompts_per_batch, max_new_tokens=max_new_tokens,
-                             prompt_len=tuple(int_list(prompt_len, "--prompt-len", size=2)),
+                             prompt_len=tuple(lengths),
                              legacy_prompts=legacy_prompts, dtype=dtype, work_dir=work_dir, hbm_tbps=hbm_tbps,
                              compile=compile_decode, repeats=repeats, emit=click.echo)
     if json_path:
