@@ -111,6 +111,10 @@ def regenerate(model_dir, input_path, out_path, split, kind, max_new_tokens, tem
                                 seed=seed, max_turns=max_turns, reasoning=reasoning,
                                 template_kwargs=parse_template_kwargs(template_kwargs),
                                 samples_per_prompt=samples_per_prompt)
+    from dflash_ipc.regenerate.out_paths import check_out_path, local_input_files
+    # An --out that is a device or one of the inputs is answered before the model loads (and
+    # before --overwrite deletes anything); RegenOutput checks again with a Hub input resolved.
+    check_out_path(out_path, local_input_files(input_path, split))
     if not overwrite:  # another option than the output's is answered before the model loads
         from dflash_ipc.regenerate.output import check_resumable
         check_backend_options(kind, model_dir=model_dir, url=url)  # a missing --model or --url first

@@ -52,7 +52,7 @@ _SHARD_EXTS = (".parquet", ".jsonl", ".json")
 _SPLIT_NAMES = ("train", "test", "validation", "valid", "dev", "eval")
 _HF_SHARD = re.compile(r"^(?P<split>[A-Za-z0-9_]+)-\d+-of-\d+")
 _DATA_EXTRA_HINT = "pip install 'dflash-ipc[data]'"
-# The files regenerate writes beside its output (regenerate/output.py, sidecar_paths): a
+# The files regenerate writes beside its output (regenerate/out_paths.py, sidecar_paths): a
 # directory of regenerated files holds them too, and they are not conversations.
 REJECTS_SUFFIX, STATE_SUFFIX = ".rejects.jsonl", ".state.json"
 SIDE_FILE_SUFFIXES = (REJECTS_SUFFIX, STATE_SUFFIX)

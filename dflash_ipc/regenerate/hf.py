@@ -75,11 +75,22 @@ class HFBackend:
 
     def describe(self) -> dict:
         """Settings the replies depend on, for the output's state file."""
-        described = {"backend": "hf", "model_dir": self.settings.model_dir, "dtype": self.settings.dtype,
+        described = {"backend": "hf", "model_dir": self.settings.model_dir, "dtype": self.dtype(),
                      "stop_ids": list(self.settings.stop_ids)}
         if self.settings.temperature > 0:  # the decoders seed sampling differently (greedy is the same argmax)
             described["decoder"] = self.decoder
         return described
+
+    def dtype(self) -> str:
+        """The dtype the model runs in, `--dtype auto` resolved (float32 on CPU, bfloat16 on a
+        GPU): what the replies depend on, so a CPU run resumed on a GPU is refused. In this
+        process: the loaded model's own; device processes load it as resolve_dtype says, and
+        devices of both kinds under auto run both ("bfloat16+float32")."""
+        from dflash_ipc.config.dtypes import DTYPE_OF_TORCH, resolve_dtype
+        model_dtype = getattr(self._local.model, "dtype", None) if self._local is not None else None
+        if model_dtype in DTYPE_OF_TORCH:
+            return DTYPE_OF_TORCH[model_dtype]
+        return "+".join(sorted({DTYPE_OF_TORCH[resolve_dtype(self.settings.dtype, d)] for d in self.devices}))
 
     def prepare(self, request: Request) -> None:
         """Render the request's prompt; RowRejected when it cannot be (template, length)."""

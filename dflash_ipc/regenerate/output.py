@@ -17,18 +17,24 @@ included: their errors may have been transient). A rerun with other settings is 
 since one file would then mix replies of two configurations. Complete means every input row
 is in the output or in the rejects file; the file is then rewritten in index order
 (through a temporary file and a rename, so it is never half sorted).
+
+A write that fails (a full disk, a quota, an I/O error) stops the run with one `OutputFailed`
+line saying how many rows are kept: the rows already written stay, a partly written line is
+cut off again, and nothing more is appended (a later line glued to a torn one would corrupt
+the file); a rerun resumes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import time
 
-from dflash_ipc.data.reader import REJECTS_SUFFIX, STATE_SUFFIX
 from dflash_ipc.errors import DataError
+from dflash_ipc.regenerate.out_paths import check_out_path, sidecar_paths
 from dflash_ipc.run.json_files import read_json_object, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -39,10 +45,8 @@ FSYNC_INTERVAL_S = 5.0
 _INDEX_HEAD = re.compile(rb'^\{"index": (\d{1,18})(?:, "sample": (\d{1,9}))?[,}]')
 
 
-def sidecar_paths(out_path: str) -> tuple[str, str]:
-    """(rejects file, state file) of an output file."""
-    stem = out_path[: -len(".jsonl")] if out_path.endswith(".jsonl") else out_path
-    return f"{stem}{REJECTS_SUFFIX}", f"{stem}{STATE_SUFFIX}"  # suffixes a directory input skips (data/reader.py)
+class OutputFailed(DataError):
+    """Writing the output failed (ENOSPC, EDQUOT, EIO): the run stops; what is written is kept."""
 
 
 def line_key(line: bytes) -> tuple[int, int] | None:
@@ -77,11 +81,26 @@ def _recorded_settings(state_path: str) -> dict:
 def _refuse_other_settings(path: str, settings: dict, keys) -> None:
     """DataError naming each of `keys` whose value in `path`'s state file is not `settings`'."""
     theirs = _recorded_settings(sidecar_paths(path)[1])
-    diff = sorted(k for k in keys if theirs.get(k) != settings.get(k))
+    diff = sorted(k for k in keys
+                  if theirs.get(k) != settings.get(k) and not _legacy_auto_dtype(path, k, theirs, settings))
     if diff:
         shown = {k: (theirs.get(k), settings.get(k)) for k in diff}
         raise DataError(f"{path}: made with other settings (file, now): {shown}; rerun with the same "
                         "options to resume, or pass --overwrite / choose another --out")
+
+
+def _legacy_auto_dtype(path: str, key: str, theirs: dict, settings: dict) -> bool:
+    """True (with a warning) for a state file written before the resolved dtype was recorded:
+    it holds "auto", which says nothing of what was used (float32 on CPU, bfloat16 on a GPU).
+    Refusing would strand every run in progress (no option makes the new record "auto"
+    again, and --overwrite throws its rows away); earlier versions resumed it silently, so it
+    is accepted, said once, and the state file records the resolved dtype from now on."""
+    if key != "dtype" or theirs.get("dtype") != "auto" or settings.get("dtype") in (None, "auto"):
+        return False
+    log.warning("%s: its state file records dtype 'auto' (written by an earlier version), so the dtype of its "
+                "rows is unknown; resuming with %s. If the earlier run used another device kind (CPU: float32, "
+                "GPU: bfloat16), pass --overwrite or choose another --out", path, settings["dtype"])
+    return True
 
 
 def check_resumable(out_path: str, known: dict) -> None:
@@ -97,7 +116,8 @@ class RegenOutput:
     """The output file of one run (see the module docstring). `done` holds the indices
     already written (before this run and during it), every sample of them."""
 
-    def __init__(self, path: str, settings: dict, *, overwrite: bool = False, samples_per_prompt: int = 1):
+    def __init__(self, path: str, settings: dict, *, overwrite: bool = False, samples_per_prompt: int = 1,
+                 inputs=()):
         self.path = os.path.abspath(path)
         self.rejects_path, self.state_path = sidecar_paths(self.path)
         self.settings = settings
@@ -108,6 +128,8 @@ class RegenOutput:
         self.num_written = 0
         self.num_rejected = 0
         self.num_torn = 0
+        self.failed: OutputFailed | None = None
+        check_out_path(self.path, inputs)  # before --overwrite deletes anything
         _check_writable(self.path)
         if overwrite:
             for p in (self.path, self.rejects_path, self.state_path):
@@ -116,9 +138,15 @@ class RegenOutput:
         self._check_settings()
         if os.path.exists(self.path):
             self._resume()
-        self._write_state(complete=False, num_rows=None)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._rejects = open(self.rejects_path, "w", encoding="utf-8")
+        self._fd = -1
+        try:
+            self._write_state(complete=False, num_rows=None)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._rejects = open(self.rejects_path, "w", encoding="utf-8")
+        except OSError as e:
+            if self._fd >= 0:
+                os.close(self._fd)
+            raise self._fail(e) from None
         self._synced = time.monotonic()
 
     def _check_settings(self) -> None:
@@ -165,15 +193,42 @@ class RegenOutput:
 
     def write(self, row: dict) -> None:
         """Append one finished row (its dict starts with "index", then "sample" if it has one) as one line."""
+        if self.failed is not None:
+            raise self.failed
         line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
         view = memoryview(line)
-        while view:
-            view = view[os.write(self._fd, view):]
+        try:
+            while view:
+                view = view[os.write(self._fd, view):]
+        except BaseException as e:  # a full disk, or Ctrl-C / SIGTERM between two partial writes
+            self._cut_partial(len(line) - len(view))
+            if isinstance(e, OSError):
+                raise self._fail(e) from None
+            raise
         self._add(row["index"], row.get("sample", 0))
         self.num_written += 1
         if time.monotonic() - self._synced > FSYNC_INTERVAL_S:
-            os.fsync(self._fd)
+            try:
+                os.fsync(self._fd)
+            except OSError as e:
+                raise self._fail(e) from None
             self._synced = time.monotonic()
+
+    def _cut_partial(self, written: int) -> None:
+        """Take back the first `written` bytes of a line that was not written whole (this
+        process is the file's only writer, so they are its last bytes). Best effort: a line
+        left torn is cut off by the next run."""
+        if written:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, os.fstat(self._fd).st_size - written)
+
+    def _fail(self, e: OSError) -> OutputFailed:
+        """The one error a failed write becomes (of OUT.jsonl or a side file: one cause, a
+        full disk or a quota, one remedy); later writes raise it again."""
+        reason = (e.strerror or str(e)).rstrip(".")
+        reason = reason[:1].lower() + reason[1:]
+        self.failed = OutputFailed(f"{self.path}: {reason} ({len(self.done)} rows kept; rerun to resume)")
+        return self.failed
 
     def reject(self, index: int, where: str, reason: str, detail: str, raw: str = "",
                samples: list[int] | None = None) -> None:
@@ -182,21 +237,41 @@ class RegenOutput:
         record = {"index": index, "where": where, "reason": reason, "detail": detail[:500], "raw": raw[:2000]}
         if self.samples_per_prompt > 1:
             record = {"index": index, "samples": samples} | record
-        self._rejects.write(json.dumps(record, ensure_ascii=False) + "\n")
+        if self.failed is not None:
+            raise self.failed
+        try:
+            self._rejects.write(json.dumps(record, ensure_ascii=False) + "\n")
+        except OSError as e:
+            raise self._fail(e) from None
         self.rejected.update((index, k) for k in samples)
         self.num_rejected += 1
 
     def finish(self, num_rows: int | None) -> bool:
         """Close the files. num_rows: the input's rows when it was read to the end (None if
-        not). Complete (every row written or rejected): sort by index; returns complete."""
-        os.fsync(self._fd)
-        os.close(self._fd)
-        self._rejects.close()
-        complete = num_rows is not None and all(
+        not). Complete (every row written or rejected): sort by index; returns complete.
+        After a failed write: closes what it can, raises nothing (the run's error is that
+        write's) and returns False. A failure here: OutputFailed, once the files are closed."""
+        errors = []
+        for close in (lambda: os.fsync(self._fd), lambda: os.close(self._fd), self._rejects.close):
+            try:
+                close()
+            except OSError as e:
+                errors.append(e)
+        if self.failed is not None:
+            # The state file keeps its last whole version (complete: false): a rerun resumes.
+            with contextlib.suppress(OSError):
+                self._write_state(complete=False, num_rows=num_rows)
+            return False
+        complete = not errors and num_rows is not None and all(
             i in self.done or all((i, k) in self.rejected for k in self.missing_samples(i)) for i in range(num_rows))
-        if complete:
-            sort_by_index(self.path)
-        self._write_state(complete=complete, num_rows=num_rows)
+        try:
+            if errors:
+                raise errors[0]
+            if complete:
+                sort_by_index(self.path)
+            self._write_state(complete=complete, num_rows=num_rows)
+        except OSError as e:
+            raise self._fail(e) from None
         return complete
 
     def _write_state(self, *, complete: bool, num_rows: int | None) -> None:
@@ -231,16 +306,21 @@ def sort_by_index(path: str) -> int:
         spans.sort(key=lambda s: (s[0], s[1]))
         tmp = f"{path}.sorting-{os.getpid()}"
         seen = None
-        with open(tmp, "wb") as out:
-            for key, start, length in spans:
-                if key == seen:
-                    continue
-                seen = key
-                f.seek(start)
-                out.write(f.read(length))
-            out.flush()
-            os.fsync(out.fileno())
-    os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as out:
+                for key, start, length in spans:
+                    if key == seen:
+                        continue
+                    seen = key
+                    f.seek(start)
+                    out.write(f.read(length))
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+        except BaseException:  # a full disk, Ctrl-C: the unsorted file stays whole, no half copy beside it
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
     return len({s[0] for s in spans})
 
 

@@ -14,8 +14,9 @@ the output are skipped; a row that cannot be parsed or rendered is rejected with
 (2) poll the backend for replies, each of which moves its row to the next turn to replace or
 finishes it, (3) write finished rows at once. With several turns per row, a row's next turn
 goes back to the backend as soon as its reply arrives, so batches mix turns and rows.
-Ctrl-C (or any error) closes the output as partial: only the rows in flight are lost, and a
-rerun of the same command resumes.
+Ctrl-C, SIGTERM (stop.py) or any error closes the output as partial: only the rows in flight
+are lost, and a rerun of the same command resumes. A failed write of the output (a full disk:
+output.OutputFailed) stops the run rather than rejecting its row: nothing more is appended.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.hf.hub import resolve_dataset, resolve_model
 from dflash_ipc.regenerate.conversation import Reply, RowState, assistant_message
 from dflash_ipc.regenerate.options import GenerationOptions
-from dflash_ipc.regenerate.output import RegenOutput
+from dflash_ipc.regenerate.output import OutputFailed, RegenOutput
+from dflash_ipc.regenerate.stop import StopOnSigterm
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +151,8 @@ class _Loop:
                 self._submit(state)
                 return
             self.out.write(state.result())
+        except OutputFailed:
+            raise  # the output's problem, not the row's: the run stops (output.py)
         except RowRejected as e:
             self._reject(raw, e.reason, e.detail, [unit[1]])
         except Exception as e:
@@ -188,19 +192,22 @@ def regenerate(input_path: str, out_path: str, backend, options: GenerationOptio
         # Before the output exists: an empty input writes nothing (prepare refuses it alike).
         raise DataError(f"{input_path}: the input is empty (no rows)")
     settings = {"input": os.path.abspath(input_path), "split": split, **options.settings(), **backend.describe()}
-    out = RegenOutput(out_path, settings, overwrite=overwrite, samples_per_prompt=options.samples_per_prompt)
+    out = RegenOutput(out_path, settings, overwrite=overwrite, samples_per_prompt=options.samples_per_prompt,
+                      inputs=source.files)
     if out.num_torn:
         log.warning("%s: the last run was interrupted mid-line; that row is generated again", out_path)
     loop = _Loop(source, itertools.chain([first], rows), out, backend, options, window, ProgressLine(progress))
     complete = False
-    try:
-        loop.run()
-    finally:
-        complete = out.finish(source.num_rows if loop.input_done and not loop.active else None)
-        loop.bar.show(loop.progress(), final=True)
-        if not complete:
-            log.warning("%s: partial, %d rows written (%d this run), %d in flight lost; rerun the same command "
-                        "to resume", out.path, len(out.done), out.num_written, len(loop.active))
+    with StopOnSigterm() as stop:
+        try:
+            loop.run()
+        finally:
+            with stop.closing():
+                complete = out.finish(source.num_rows if loop.input_done and not loop.active else None)
+                loop.bar.show(loop.progress(), final=True)
+                if not complete and out.failed is None:  # a failed write's own error line says it all
+                    log.warning("%s: partial, %d rows written (%d this run), %d in flight lost; rerun the same "
+                                "command to resume", out.path, len(out.done), out.num_written, len(loop.active))
     stats = getattr(backend, "stats", None)
     report = RegenerateReport(
         out_path=out.path, rejects_path=out.rejects_path, complete=complete, num_rows=source.num_rows,
