@@ -200,7 +200,7 @@ def _edit_config(out, **kw):
     (lambda o: (o / "config.json").write_text("[1]"), "config.json: drafter config is not a JSON object"),
     (lambda o: (o / "config.json").write_bytes(b"\xff\xfe\xfd"), "config.json: drafter config is not"),
     (lambda o: (o / "config.json").write_text('{"rms_norm_eps": NaN}'), "NaN is not a JSON number"),
-    (lambda o: _edit_config(o, hidden_size="wide"), "config.json: invalid literal for int"),
+    (lambda o: _edit_config(o, hidden_size="wide"), "config.json: hidden_size must be an integer, got .wide."),
     (lambda o: _edit_config(o, dflash_config={"target_layer_ids": 5}), "config.json"),
     (lambda o: (o / "model.safetensors").write_bytes(b"garbage"), "model.safetensors: unreadable"),
     (lambda o: (o / "model.safetensors").write_bytes((10**15).to_bytes(8, "little") + b"{}"),

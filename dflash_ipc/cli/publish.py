@@ -88,7 +88,12 @@ def eval_cmd(target_dir, drafter, data_dir, prompt_files, num_prompts, max_new_t
     from dflash_ipc.eval.sampling import Sampling
     from dflash_ipc.data.messages import parse_template_kwargs
     from dflash_ipc.eval.speculative import EvalOptions, evaluate_sets
+    from dflash_ipc.decode.sampler import check_seed
     from dflash_ipc.run.logs import setup_logging
+    check_seed(seed, "--seed")
+    if save_to is not None:  # before any model is loaded: not an error after the whole evaluation
+        from dflash_ipc.run.eval_results import check_appendable
+        check_appendable(save_to)
     setup_logging("eval")
     options = EvalOptions(max_new_tokens=max_new_tokens, batch_size=batch_size, plain=not skip_plain,
                           timing_repeats=timing_repeats,

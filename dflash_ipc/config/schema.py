@@ -58,6 +58,8 @@ BUILTIN_TINY_TARGET = "builtin:tiny"
 BUILTIN_SYNTHETIC_DATA = "builtin:synthetic"
 MAX_SEED = 2**32 - 1       # numpy and torch seeds
 MAX_TOKENS = 1 << 22       # token budgets, bucket bounds: far above any real batch (4M tokens)
+MAX_BLOCK_SIZE = 1024      # drafter block: DFlash uses 16; a verify step holds [rows, block, vocab] logits, so a
+                           # block of 100,000 (a typo in a config.json) runs out of memory rather than failing
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -409,7 +411,7 @@ class ModelConfig(_Section):
         else:
             _require(self.sliding_window is None, "model.sliding_window",
                      f"{self.sliding_window!r} given but no layer of model.layer_types is sliding_attention")
-        _require(2 <= self.block_size <= 1024, "model.block_size", "must be in [2, 1024]")
+        _require(2 <= self.block_size <= MAX_BLOCK_SIZE, "model.block_size", f"must be in [2, {MAX_BLOCK_SIZE}]")
         if self.target_layer_ids is not None:
             _require(len(self.target_layer_ids) >= 1 and min(self.target_layer_ids) >= 0,
                      "model.target_layer_ids", "need non-negative layer indices")

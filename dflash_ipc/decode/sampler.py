@@ -31,6 +31,15 @@ from dflash_ipc.errors import ConfigError
 _M32 = 0xFFFFFFFF
 
 
+def check_seed(seed, name: str = "seed") -> int:
+    """``seed`` if it is an integer in [0, 2**63), else ConfigError naming ``name``: the range of
+    regenerate's --seed (regenerate/options.py), and what ``torch.Generator.manual_seed`` takes
+    without an overflow (it reads a signed 64-bit integer)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ConfigError(f"{name}={seed!r}: must be in [0, 2**63)")
+    return seed
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TokenChoice:
     """How the next token is chosen."""

@@ -227,7 +227,8 @@ def load_inference_checkpoint(
     except (ValueError, TypeError, OverflowError) as e:
         if isinstance(e, DataError):
             raise
-        raise DataError(f"{cfg_path}: {str(e)[:300]}") from None
+        message = str(e)  # from_hf_dict's own errors name the file already (source=cfg_path)
+        raise DataError(message[:300] if message.startswith(cfg_path) else f"{cfg_path}: {message[:300]}") from None
     try:
         state = _read_weights(w_path, config, device, dtype)
     except (OSError, SafetensorError, RuntimeError) as e:

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash_ipc.drafter.attention import attention
 from dflash_ipc.drafter.export_dir import ARCHITECTURE
-from dflash_ipc.config.schema import LAYER_TYPES
+from dflash_ipc.config.schema import LAYER_TYPES, MAX_BLOCK_SIZE
 from dflash_ipc.errors import ConfigError
 from dflash_ipc.hf.layer_ids import default_target_layer_ids
 from dflash_ipc.hf.text_stack import text_config
@@ -105,8 +105,13 @@ class DFlashConfig:
                 f"DFlashConfig.num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
-        if self.block_size < 2:
-            raise ConfigError(f"DFlashConfig.block_size={self.block_size} must be >= 2")
+        # A block is decoded in one forward ([rows, block, vocab] logits) at positions past the prompt:
+        # more than MAX_BLOCK_SIZE (training's own limit) or the model's positions is a broken config.
+        block_limit = min(MAX_BLOCK_SIZE, int(self.max_position_embeddings))
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) \
+                or not 2 <= self.block_size <= block_limit:
+            raise ConfigError(f"DFlashConfig.block_size={self.block_size!r} must be an integer in [2, {block_limit}] "
+                              f"(at most {MAX_BLOCK_SIZE} and max_position_embeddings; DFlash uses 16)")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ConfigError(f"DFlashConfig.mask_token_id={self.mask_token_id} not in [0, {self.vocab_size})")
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
@@ -232,6 +237,8 @@ class DFlashConfig:
     def from_hf_dict(cls, d: dict, *, source: str = "config.json") -> "DFlashConfig":
         """Inverse of :meth:`to_hf_dict`; also reads z-lab checkpoints (``source`` names the file)."""
         dflash = d.get("dflash_config") or {}
+        if not isinstance(dflash, dict):
+            raise ConfigError(f"{source}: dflash_config must be a JSON object, got {dflash!r:.60}")
 
         def need(key: str, *, nested: bool = False) -> Any:
             value = dflash.get(key, d.get(key)) if nested else d.get(key)
@@ -240,23 +247,38 @@ class DFlashConfig:
                 raise ConfigError(f"{source}: missing '{where}'")
             return value
 
+        def integer(key: str, value: Any, *, nested: bool = False) -> int:
+            # int() would quietly read "8" as 8, 8.9 as 8 and true as 1: a config.json that says
+            # such things was not written by an exporter, so it is refused, naming the field.
+            if isinstance(value, bool) or not isinstance(value, int):
+                where = f"dflash_config.{key}" if nested and key in dflash else key
+                raise ConfigError(f"{source}: {where} must be an integer, got {value!r:.60}")
+            return value
+
+        def need_int(key: str, *, nested: bool = False) -> int:
+            return integer(key, need(key, nested=nested), nested=nested)
+
+        layer_ids = need("target_layer_ids", nested=True)
+        if not isinstance(layer_ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in layer_ids):
+            raise ConfigError(f"{source}: target_layer_ids must be a list of integers, got {layer_ids!r:.60}")
         theta, scaling = _rope_from_target(d)
         return cls(
-            hidden_size=int(need("hidden_size")),
-            intermediate_size=int(need("intermediate_size")),
-            num_hidden_layers=int(need("num_hidden_layers")),
-            num_attention_heads=int(need("num_attention_heads")),
-            num_key_value_heads=int(d.get("num_key_value_heads") or need("num_attention_heads")),
-            head_dim=int(d.get("head_dim") or int(need("hidden_size")) // int(need("num_attention_heads"))),
+            hidden_size=need_int("hidden_size"),
+            intermediate_size=need_int("intermediate_size"),
+            num_hidden_layers=need_int("num_hidden_layers"),
+            num_attention_heads=need_int("num_attention_heads"),
+            num_key_value_heads=integer("num_key_value_heads", d.get("num_key_value_heads")
+                                        or need("num_attention_heads")),
+            head_dim=integer("head_dim", d.get("head_dim") or need_int("hidden_size") // need_int("num_attention_heads")),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=dict(scaling) if scaling else None,
-            max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
-            vocab_size=int(need("vocab_size")),
-            block_size=int(need("block_size", nested=True)),
-            mask_token_id=int(need("mask_token_id", nested=True)),
-            target_layer_ids=list(need("target_layer_ids", nested=True)),
-            num_target_layers=int(need("num_target_layers", nested=True)),
+            max_position_embeddings=integer("max_position_embeddings", d.get("max_position_embeddings", 40960)),
+            vocab_size=need_int("vocab_size"),
+            block_size=need_int("block_size", nested=True),
+            mask_token_id=need_int("mask_token_id", nested=True),
+            target_layer_ids=layer_ids,
+            num_target_layers=need_int("num_target_layers", nested=True),
             initializer_range=float(d.get("initializer_range", 0.02)),
             **_layer_types_from_hf(d, source),
         )
@@ -286,7 +308,7 @@ def _layer_types_from_hf(d: dict, source: str) -> dict:
     if "sliding_attention" in layer_types and not d.get("use_sliding_window", True):
         raise ConfigError(f"{source}: layer_types has sliding_attention layers but use_sliding_window is false")
     return {"layer_types": layer_types,
-            "sliding_window": int(window) if "sliding_attention" in layer_types and window is not None else None}
+            "sliding_window": window if "sliding_attention" in layer_types else None}  # __post_init__ checks it
 
 
 def rope_inv_freq(config: DFlashConfig) -> tuple[Tensor, float]:

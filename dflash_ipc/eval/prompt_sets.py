@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash_ipc.data.dataset import TokenDataset
-from dflash_ipc.data.messages import RowRejected, parse_conversation
+from dflash_ipc.data.messages import RowRejected, check_special_tokens, parse_conversation
 from dflash_ipc.data.reader import InputSource, decode_row
 from dflash_ipc.errors import ConfigError, DataError
 from dflash_ipc.decode.requests import Generation, Request
@@ -61,6 +61,8 @@ class PromptCase:
     system: str | None = None
     prompt_ids: np.ndarray | None = None
     """Pre-rendered single-turn prompt (a dataset's held-out prompt); no template applied."""
+    where: str = ""
+    """Where it came from, for errors: ``FILE:LINE``, or the dataset and its sample id."""
 
 
 @dataclass(slots=True)
@@ -108,7 +110,7 @@ def read_prompt_file(path: str, *, name: str | None = None, limit: int | None = 
             except ValueError as exc:  # bad JSON or UTF-8, an integer past 4,300 digits
                 raise DataError(f"{where}: not valid JSON ({str(exc)[:200]})") from None
             turns, system = parse_row(row, where)
-            cases.append(PromptCase(sample_id=len(cases), turns=turns, system=system))
+            cases.append(PromptCase(sample_id=len(cases), turns=turns, system=system, where=where))
     if not cases:
         raise DataError(f"prompt file {path}: no prompts")
     return PromptSet(name=name or os.path.splitext(os.path.basename(path))[0], cases=cases, source=path)
@@ -125,7 +127,7 @@ def _read_prompt_dir(path: str, *, name: str | None, limit: int | None) -> Promp
         except RowRejected as exc:
             raise DataError(f"{raw.where}: {exc}") from None
         turns, system = parse_row(row, raw.where)
-        cases.append(PromptCase(sample_id=len(cases), turns=turns, system=system))
+        cases.append(PromptCase(sample_id=len(cases), turns=turns, system=system, where=raw.where))
     if not cases:
         raise DataError(f"prompt set {path}: no prompts")
     return PromptSet(name=name or os.path.basename(os.path.normpath(path)), cases=cases, source=path)
@@ -135,16 +137,23 @@ def parse_row(row, where: str) -> tuple[list[str], str | None]:
     """(user turns, system message) of one prompt row."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-    key = next((k for k in PROMPT_KEYS if k in row), None)
-    if key is None:
+    keys = [k for k in PROMPT_KEYS if k in row]
+    if not keys:
         raise DataError(f"{where}: no prompt field; allowed: {list(PROMPT_KEYS)} (keys: {sorted(row)[:8]})")
+    key = keys[0]
     if key in ("messages", "conversations"):
-        return _parse_messages(row, where)
+        turns, system = _parse_messages(row, where)
+        _check_redundant(row, keys[1:], turns, where)
+        return turns, system
+    if len(keys) > 1:  # which one is the prompt would be a guess: the set would silently change
+        raise DataError(f"{where}: the row has {' and '.join(repr(k) for k in keys)}; a prompt row holds one of them")
     value = row[key]
     if key == "turns":
         if not isinstance(value, list) or not value or not all(_text(t) for t in value):
             raise DataError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
         turns = list(value)
+    elif isinstance(value, str) and not value.strip():
+        raise DataError(f"{where}: '{key}' is empty (or whitespace only); it must hold the prompt")
     elif not _text(value):
         raise DataError(f"{where}: '{key}' must be a non-empty string, got {type(value).__name__}")
     else:
@@ -153,6 +162,19 @@ def parse_row(row, where: str) -> tuple[list[str], str | None]:
     if system is not None and not _text(system):
         raise DataError(f"{where}: 'system' must be a non-empty string")
     return turns, system
+
+
+def _check_redundant(row: dict, keys: Sequence[str], turns: list[str], where: str) -> None:
+    """A chat row may also carry its first user turn as "prompt"/"question"/... (UltraChat's
+    "prompt"), or all its user turns as "turns": the chat is the prompt then. Any other value
+    in those fields is a second, different prompt, and the row is refused."""
+    for key in keys:
+        value = row[key]
+        if key in ("messages", "conversations"):
+            raise DataError(f"{where}: the row has both 'messages' and 'conversations'; a prompt row holds one of them")
+        if value != (turns if key == "turns" else turns[0]):
+            raise DataError(f"{where}: the row's '{key}' is not its chat's first user turn; a prompt row holds one "
+                            f"prompt (drop '{key}' or the chat)")
 
 
 def _parse_messages(row: dict, where: str) -> tuple[list[str], str | None]:
@@ -192,6 +214,20 @@ class ChatRenderer:
             raise DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat_template; prompt "
                             "files cannot be rendered")
         self.tokenizer, self.template_kwargs = tokenizer, dict(template_kwargs or {})
+        # Longest first, as regenerate and prepare check them (data/messages.py).
+        self._specials = sorted(set(getattr(tokenizer, "all_special_tokens", ())), key=len, reverse=True)
+
+    def check_case(self, case: PromptCase) -> None:
+        """DataError when a turn or the system message spells one of the tokenizer's special tokens
+        ("<|im_end|>" in a question would end the turn early: regenerate and prepare reject such
+        rows as special_token_in_content). The model's own replies are decoded without them."""
+        messages = [{"role": "system", "content": case.system}] if case.system else []
+        messages += [{"role": "user", "content": turn} for turn in case.turns]
+        try:
+            check_special_tokens(messages, self._specials)
+        except RowRejected as exc:
+            raise DataError(f"{case.where or f'prompt {case.sample_id}'}: special_token_in_content: "
+                            f"{exc.detail}") from None
 
     def render(self, messages: list[dict], where: str) -> np.ndarray:
         try:
@@ -211,13 +247,22 @@ class Conversations:
     """A request source over a prompt set: turn k+1 of a case is ready once turn k came back.
 
     Request keys are ``(sample_id, turn)``.
+
+    ``max_positions`` (the target's): a turn's budget is cut to what fits in them after its prompt
+    and ``reserve`` positions (a speculative step writes a draft block past its last token), as
+    regenerate does; a turn whose prompt leaves no room is a DataError naming it. Prompts are
+    never cut: a cut prompt would be another prompt. ``capped`` lists the turns whose budget was cut.
     """
 
     def __init__(self, prompt_set: PromptSet, *, max_new_tokens: int, renderer: ChatRenderer | None,
-                 stop_token_ids=frozenset()) -> None:
+                 stop_token_ids=frozenset(), max_positions: int | None = None, reserve: int = 0) -> None:
         if renderer is None and any(c.prompt_ids is None for c in prompt_set.cases):
             raise ConfigError(f"prompt set {prompt_set.name}: rendering its turns needs the target's tokenizer")
+        for case in prompt_set.cases:
+            if case.prompt_ids is None:
+                renderer.check_case(case)  # every turn, before the first is decoded
         self.prompt_set, self.max_new_tokens = prompt_set, max_new_tokens
+        self.max_positions, self.reserve, self.capped = max_positions, reserve, []
         self.renderer, self.stop_token_ids = renderer, stop_token_ids
         self.num_expected = prompt_set.num_turns
         self._cases = {c.sample_id: c for c in prompt_set.cases}
@@ -227,11 +272,26 @@ class Conversations:
 
     def _request(self, case: PromptCase, turn: int) -> Request:
         if case.prompt_ids is not None:
-            return Request(key=(case.sample_id, 0), prompt_ids=case.prompt_ids, max_new_tokens=self.max_new_tokens)
+            return Request(key=(case.sample_id, 0), prompt_ids=case.prompt_ids,
+                           max_new_tokens=self._budget(case, 0, len(case.prompt_ids)))
         history = self._history[case.sample_id]
         history.append({"role": "user", "content": case.turns[turn]})
         ids = self.renderer.render(history, f"{self.prompt_set.source}: prompt {case.sample_id}, turn {turn}")
-        return Request(key=(case.sample_id, turn), prompt_ids=ids, max_new_tokens=self.max_new_tokens)
+        return Request(key=(case.sample_id, turn), prompt_ids=ids, max_new_tokens=self._budget(case, turn, len(ids)))
+
+    def _budget(self, case: PromptCase, turn: int, prompt_len: int) -> int:
+        if not self.max_positions:
+            return self.max_new_tokens
+        room = self.max_positions - prompt_len - self.reserve
+        if room < 1:
+            where = case.where or f"{self.prompt_set.source}: prompt {case.sample_id}"
+            raise DataError(f"{where}: turn {turn}: {prompt_len} prompt tokens leave no room in the target's "
+                            f"{self.max_positions} positions (a speculative step needs {self.reserve} more past the "
+                            f"last token); shorten or drop the prompt")
+        if room < self.max_new_tokens:
+            self.capped.append(f"{case.where or f'prompt {case.sample_id}'} turn {turn} "
+                               f"({prompt_len} prompt tokens: {room} new)")
+        return min(self.max_new_tokens, room)
 
     def next_request(self) -> Request | None:
         return self._ready.popleft() if self._ready else None
@@ -247,9 +307,24 @@ class Conversations:
 
 def held_out_set(dataset: TokenDataset, *, num_prompts: int, sample_ids: Sequence[int] | None = None) -> PromptSet:
     """The dataset's held-out prompts (:func:`held_out_prompts`) as a single-turn prompt set."""
-    cases = [PromptCase(sample_id=i, turns=[""], prompt_ids=ids)
+    cases = [PromptCase(sample_id=i, turns=[""], prompt_ids=ids, where=f"{dataset.path}: sample {i}")
              for i, ids in held_out_prompts(dataset, num_prompts=num_prompts, sample_ids=sample_ids)]
     return PromptSet(name="held-out", cases=cases, source=dataset.path)
+
+
+def check_token_ids(prompt_set: PromptSet, vocab_size: int) -> None:
+    """DataError unless every pre-rendered prompt's token ids are in [0, vocab_size): an id past
+    the target's embedding is an IndexError on CPU and a device-side assert on a GPU (a dataset
+    prepared with another tokenizer, or damaged)."""
+    for case in prompt_set.cases:
+        if case.prompt_ids is None or not len(case.prompt_ids):
+            continue
+        low, high = int(case.prompt_ids.min()), int(case.prompt_ids.max())
+        if high >= vocab_size:
+            raise DataError(f"{case.where}: token id {high} >= the target's vocab {vocab_size} (prepared with "
+                            "another tokenizer?)")
+        if low < 0:
+            raise DataError(f"{case.where}: token id {low} is negative")
 
 
 def held_out_prompts(dataset: TokenDataset, *, num_prompts: int,

@@ -17,11 +17,13 @@ own sample given the prefix. Tokens are drawn by the exponential race
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor
 
+from dflash_ipc.decode.sampler import check_seed
 from dflash_ipc.errors import ConfigError
 
 
@@ -37,10 +39,11 @@ class Sampling:
     """Seed of the sampling generator (one per run, on the model's device)."""
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ConfigError(f"temperature={self.temperature}: must be >= 0 (0 = greedy)")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # inf: logits / inf is all zeros
+            raise ConfigError(f"temperature={self.temperature}: must be a finite number >= 0 (0 = greedy)")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p={self.top_p}: must be in (0, 1]")
+        check_seed(self.seed)  # before a generator is seeded: a larger one overflows there
 
     @property
     def greedy(self) -> bool:

@@ -49,6 +49,7 @@ from dflash_ipc.eval.prompt_sets import (
     ChatRenderer,
     Conversations,
     PromptSet,
+    check_token_ids,
     held_out_prompts,
     held_out_set,
     prompt_set_arg,
@@ -58,6 +59,7 @@ from dflash_ipc.eval.report import EvalReport, PlainFigures, SampleResult
 from dflash_ipc.decode.requests import Request, RequestList
 from dflash_ipc.eval.sampling import Sampling
 from dflash_ipc.data.stops import stop_token_ids
+from dflash_ipc.decode.sampler import check_seed
 from dflash_ipc.decode.target import BatchedTarget, TargetModel, resolve_dtype
 from dflash_ipc.eval.unbatched import DFlashProposer, TargetLM, UnbatchedDecoder
 
@@ -97,6 +99,9 @@ class EvalOptions:
             raise ConfigError(f"timing_repeats={self.timing_repeats} must be >= 1")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if not (math.isfinite(self.near_tie_ulps) and self.near_tie_ulps >= 0):
+            # inf (or nan) would call every difference a near-tie: --check-lossless could never fail
+            raise ConfigError(f"--near-tie-ulps={self.near_tie_ulps}: must be a finite number >= 0")
         if self.check_lossless and not self.sampling.greedy:
             raise ConfigError(f"the lossless check compares greedy outputs; got temperature="
                               f"{self.sampling.temperature} (use --temperature 0)")
@@ -154,7 +159,9 @@ def prompt_sets(target_dir: str, *, data_dir: str | None = None, prompt_files: S
     if data_dir is not None:
         dataset = TokenDataset(data_dir)
         dataset.check_tokenizer(target_dir)
-        sets.append(held_out_set(dataset, num_prompts=num_prompts or DEFAULT_HELD_OUT_PROMPTS, sample_ids=held_out))
+        held = held_out_set(dataset, num_prompts=num_prompts or DEFAULT_HELD_OUT_PROMPTS, sample_ids=held_out)
+        check_token_ids(held, _target_vocab_size(target_dir))  # before the target is loaded
+        sets.append(held)
     for arg in prompt_files:
         name, path = prompt_set_arg(arg)
         path = resolve_dataset(path, what="--prompts")
@@ -168,6 +175,12 @@ def prompt_sets(target_dir: str, *, data_dir: str | None = None, prompt_files: S
     return sets
 
 
+def _target_vocab_size(target_dir: str) -> int:
+    from dflash_ipc.hf.target_config import load_target_config
+    from dflash_ipc.hf.text_stack import text_config
+    return int(text_config(load_target_config(target_dir)).vocab_size)
+
+
 def evaluate_sets(target_dir: str, drafter: str | DFlashDraftModel, *, data_dir: str | None = None,
                   prompt_files: Sequence[str] = (), num_prompts: int | None = None,
                   held_out: Sequence[int] | None = None, device: str = "cpu", dtype: str = "auto",
@@ -176,6 +189,7 @@ def evaluate_sets(target_dir: str, drafter: str | DFlashDraftModel, *, data_dir:
     """One report per (prompt set, drafter): sets in order, and per set the untrained drafter
     (``vs_untrained``, a fresh one from ``seed``) before ``drafter`` (see :func:`load_drafter`)."""
     options = options or EvalOptions()
+    check_seed(seed, "--seed")  # seeds the untrained drafter; checked before anything is loaded
     target_dir = resolve_model(target_dir, what="--target")
     if isinstance(drafter, str):
         drafter = resolve_model(drafter, what="--drafter")
@@ -230,9 +244,18 @@ def speculative_decoder(target: TargetModel, model: DFlashDraftModel, **kw):
 def run_set(target: TargetModel, drafters: Sequence[tuple[str, DFlashDraftModel]], prompt_set: PromptSet, *,
             renderer: ChatRenderer | None, options: EvalOptions) -> list[EvalReport]:
     """Plain decoding once (``options.plain``), then speculative decoding with each drafter."""
+    # Every run of the set (plain and each drafter's) gets the same budgets: those that fit the
+    # target's positions with the largest draft block after them, so the outputs stay comparable.
+    max_positions = getattr(getattr(target, "text_config", None), "max_position_embeddings", None)
+    reserve = max(model.config.block_size for _, model in drafters)
+    first: list[Conversations] = []
+
     def source() -> Conversations:
-        return Conversations(prompt_set, max_new_tokens=options.max_new_tokens, renderer=renderer,
-                             stop_token_ids=target.stop_token_ids)
+        conversations = Conversations(prompt_set, max_new_tokens=options.max_new_tokens, renderer=renderer,
+                                      stop_token_ids=target.stop_token_ids, max_positions=max_positions,
+                                      reserve=reserve)
+        first[:] = first or [conversations]
+        return conversations
 
     def decoder_kw(what: str) -> dict:
         unit = "prompts" if prompt_set.num_turns == len(prompt_set.cases) else "turns"
@@ -246,6 +269,7 @@ def run_set(target: TargetModel, drafters: Sequence[tuple[str, DFlashDraftModel]
     plain_dec = plain_decoder(target, **decoder_kw("plain"), keep_cache=repeats > 1) if options.plain else None
     plain = plain_dec.run(source()) if plain_dec else None
     reports = []
+    _warn_capped(prompt_set, first[0], max_positions, options.max_new_tokens)
     for label, model in drafters:
         spec_dec = speculative_decoder(target, model, **decoder_kw(label))
         run = spec_dec.run(source())
@@ -261,6 +285,16 @@ def run_set(target: TargetModel, drafters: Sequence[tuple[str, DFlashDraftModel]
     if plain_dec is not None and hasattr(plain_dec, "release"):
         plain_dec.release()
     return reports
+
+
+def _warn_capped(prompt_set: PromptSet, conversations: Conversations, max_positions, max_new_tokens: int) -> None:
+    """One warning per set for the first turns whose budget the target's positions cut (those of the
+    set's first source, which renders every case's first turn up front)."""
+    capped = getattr(conversations, "capped", ())  # a stand-in source (tests) has none
+    if capped:
+        logger.warning("[%s] %d turn(s) get fewer than --max-new-tokens %d new tokens: their prompt and a draft "
+                       "block fill the target's %d positions otherwise (plain and speculative alike), e.g. %s",
+                       prompt_set.name, len(capped), max_new_tokens, max_positions, capped[0])
 
 
 def _speedup(plain: DecodeRun, spec: DecodeRun) -> float:
@@ -281,7 +315,7 @@ def _warm_up(target: TargetModel, drafters, request: Request, options: EvalOptio
     """One short untimed run of each decoder at batch 1: the drafter's fused kernels compiled on
     CUDA and lazy initialisation done. What depends on the batch (the caches, CUDA graphs per
     shape) is made by the first real pair, which is why repeated pairs time only the later ones."""
-    budget = min(options.max_new_tokens, 32 if target.device.type == "cuda" else 8)
+    budget = min(request.max_new_tokens, 32 if target.device.type == "cuda" else 8)  # what fits its positions
     short = Request(key=request.key, prompt_ids=request.prompt_ids, max_new_tokens=budget)
     kw = dict(batch_size=1, sampling=options.sampling)
     plain_decoder(target, **kw).run(RequestList([short]))

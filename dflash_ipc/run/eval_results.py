@@ -64,6 +64,21 @@ def save_eval_results(run_dir: str, results: list[dict], *, baseline: list[bool]
     return path
 
 
+def check_appendable(run_dir: str) -> str:
+    """The run's results file, if results can be appended to it; else DataError saying why. `eval
+    --save-to` asks before it loads a model, so that a read-only run directory (or a directory in
+    the file's place) is answered at once, not after the whole evaluation."""
+    path = RunFiles(run_dir).eval_results
+    existed = os.path.lexists(path)
+    try:  # O_NONBLOCK: a FIFO in the file's place is refused (ENXIO) instead of waiting for a reader
+        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o666))
+    except OSError as e:
+        raise DataError(f"--save-to {run_dir}: cannot append to {path} ({e.strerror or e})") from None
+    if not existed:  # leave no empty file behind if the evaluation then fails
+        os.unlink(path)
+    return path
+
+
 def load_eval_results(run_dir: str) -> list[dict]:
     """Every valid line, oldest first ([] when the run has none)."""
     return list(read_json_lines(RunFiles(run_dir).eval_results, keep=valid_result,
