@@ -249,11 +249,13 @@ def test_drafter_trained_on_the_data_beats_untrained_on_held_out_prompts(target_
     its declared held-out prompts (never trained on); output stays plain greedy."""
     data = build_synthetic_dataset(target_dir, str(tmp_path / "d"), num_samples=128, min_len=24, max_len=96,
                                    seed=4, num_held_out=12)
-    model = train_drafter(target_dir, target, data, range(128), steps=80, lr=5e-3, max_anchors=32)
+    # 40 steps: training is most of this test's time, and the drafter generalises well before
+    # 80 (trained tau measured 1.35 at 30 steps, 1.37 at 40, 1.43 at 50, 1.45 at 80).
+    model = train_drafter(target_dir, target, data, range(128), steps=40, lr=5e-3, max_anchors=32)
     untrained, trained = untrained_vs_trained(target_dir, model, data, num_prompts=12, max_new_tokens=32,
                                               check_lossless=True)
     assert untrained.lossless_mismatches == trained.lossless_mismatches == []
     assert [r.sample_id for r in trained.samples] == list(range(128, 140))
-    # Measured: 1.00 -> 1.27 here (the embedded default, trained longer on longer samples and
+    # Measured: 1.00 -> 1.37 here (the embedded default, trained longer on longer samples and
     # evaluated on 48 new tokens, reaches ~2).
     assert untrained.tau < 1.05 and trained.tau > 1.15, (untrained.tau, trained.tau)

@@ -38,9 +38,10 @@ def test_the_beacon_is_written_at_once_and_rewritten_by_its_thread(tmp_path):
             beacon.phase("sleeping")
     finally:
         beacon.close()
-    closed = read_beacon(path)["time"]
+    closed = read_beacon(path)
+    assert closed["phase"] == "exit" and closed["step"] == 8  # the last record says the worker is leaving
     time.sleep(1.5 * BEAT_S)
-    assert read_beacon(path)["time"] == closed  # the thread stopped with close()
+    assert read_beacon(path)["time"] == closed["time"]  # the thread stopped with close()
 
 
 @pytest.mark.parametrize("text", ["", "{", "[1]", json.dumps({"time": 1, "pid": 2, "since": 1, "phase": "nap"}),
@@ -62,6 +63,9 @@ def test_the_verdict_tells_stopped_and_stuck_from_slow():
                                                                 stall_s=30, limits=LIMITS)
     waiting = {**record, "phase": "wait", "since": now - 5000}  # waiting for hidden states has no limit
     assert beacon_problem(waiting, pid=42, now=now, stall_s=30, limits=LIMITS) is None
+    # Closed on the way out (Beacon.close): however old, no hang; the process's exit is seen as any.
+    assert beacon_problem({**record, "phase": "exit", "time": now - 300}, pid=42, now=now, stall_s=30,
+                          limits=LIMITS) is None
     # Not this process's beacon yet (its predecessor's), or none: the start-up timeout judges.
     assert beacon_problem({**record, "time": 0.0}, pid=43, now=now, stall_s=30, limits=LIMITS) is None
     assert beacon_problem(None, pid=42, now=now, stall_s=30, limits=LIMITS) is None

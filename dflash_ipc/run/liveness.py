@@ -11,7 +11,9 @@ began. The node's supervisor reads it:
 * a phase older than its limit (`supervise.drafter_{compile,step,checkpoint}_timeout_s`):
   the main thread is stuck inside it (a collective waiting for ever, a hung kernel).
 
-A slow but alive step keeps the beacon fresh and stays within its phase limit.
+A slow but alive step keeps the beacon fresh and stays within its phase limit. A worker on its
+way out closes the beacon with a last record in phase `exit`: no longer rewritten, and no hang
+(whether the process then exits is the supervisor's to see, as for any child).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import threading
 import time
 
 BEAT_S = 0.5
-PHASES = ("start", "resume", "wait", "compile", "step", "checkpoint", "finish")
+PHASES = ("start", "resume", "wait", "compile", "step", "checkpoint", "finish", "exit")
 
 
 class Beacon:
@@ -61,8 +63,14 @@ class Beacon:
             pass  # a full disk must not kill training; the supervisor then sees a stale beacon
 
     def close(self) -> None:
+        """Stops the thread, then writes the last record, in phase `exit`: the interpreter's
+        teardown that follows can outlast `supervise.drafter_stall_s` while the dispatcher, ending
+        the job, still runs, and a stale beacon would have the supervisor kill a clean exit."""
         self._stop.set()
         self._thread.join(timeout=2 * BEAT_S)
+        if not self._thread.is_alive():  # never two writers of the file
+            self._phase, self._since = "exit", time.time()
+            self._write()
 
 
 def read_beacon(path: str) -> dict | None:
@@ -80,6 +88,8 @@ def beacon_problem(record: dict | None, *, pid: int, now: float, stall_s: float,
     """Why the beacon of process `pid` says it hangs, or None."""
     if record is None or record["pid"] != pid:
         return None  # not written yet by this process: the start-up timeout covers it
+    if record["phase"] == "exit":
+        return None  # closed on the way out (Beacon.close): no longer rewritten, not stopped
     age = now - record["time"]
     if age > stall_s:
         return f"its liveness beacon stopped {age:.1f}s ago (supervise.drafter_stall_s={stall_s:g}): stopped or frozen"

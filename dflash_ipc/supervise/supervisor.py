@@ -219,6 +219,11 @@ class Supervisor:
             try:
                 if self._stop_reason and self._signals <= 1 and self._checkpoint_on_stop:
                     self._checkpoint_drafters()
+                elif self._stop_reason and not self._checkpoint_on_stop:
+                    # No closing checkpoint asked for: the SIGTERM of stop() would have the
+                    # drafters checkpoint all the same, then wait (COMMIT_CONFIRM_S) for a commit
+                    # the dispatcher, stopped with them, never confirms.
+                    self._kill_drafters()
                 self.stop()
             finally:
                 # Last: a tracker's close (wandb uploads) must not delay the drafters' checkpoint.
@@ -281,12 +286,7 @@ class Supervisor:
             log.error("%s (pid %d) hangs: %s; SIGKILL", action.role, child.pid, action.reason)
             child.signal(signal.SIGKILL)
         elif isinstance(action, KillDrafters):
-            drafters = [c for c in self.children.values() if c.role.kind == "drafter"]
-            for child in drafters:
-                child.signal(signal.SIGKILL)
-            for child in drafters:
-                if child.popen is not None:
-                    child.popen.wait()
+            self._kill_drafters()
         elif isinstance(action, KillWorker):
             # Its group is broken: the other processes must not wait in a collective for ever.
             members = [c for c in self.children.values() if c.role.kind == "target" and c.role.rank == action.rank]
@@ -315,6 +315,15 @@ class Supervisor:
             self._start_child(child)
             log.warning("restarted %s: pid %d replaces pid %s", action.role, child.pid, old_pid)
             self._write_processes()
+
+    def _kill_drafters(self) -> None:
+        """SIGKILL every drafter, and reap them."""
+        drafters = [c for c in self.children.values() if c.role.kind == "drafter"]
+        for child in drafters:
+            child.signal(signal.SIGKILL)
+        for child in drafters:
+            if child.popen is not None:
+                child.popen.wait()
 
     def _finished_on_disk(self) -> bool:
         """The dispatcher's final status says every batch is committed (shared run dir)."""
