@@ -1,5 +1,5 @@
-"""regenerate's --out gone wrong: a device, one of the inputs, a full disk, SIGTERM, a dtype
-recorded as "auto". Each is one clear error line (or a clean partial stop), nothing written is
+"""regenerate's --out gone wrong: a device, one of the inputs, a second run on it, a full disk,
+SIGTERM, a dtype recorded as "auto". Each is one clear error line (or a clean partial stop), nothing written is
 lost, and a rerun resumes. In-process with a fake backend (no model), except one subprocess
 for SIGTERM across device processes."""
 
@@ -139,6 +139,54 @@ def test_a_side_file_of_out_equal_to_an_input_is_refused(tmp_path):
     chats(shard_dir, name="a.jsonl")
     with pytest.raises(DataError, match=r"a\.jsonl: is the input .*a\.jsonl"):  # one shard of a directory input
         run_fake(shard_dir, shard_dir / "a.jsonl", overwrite=True)
+
+
+# two runs on one --out
+
+def test_a_second_run_on_the_same_out_is_refused_while_the_first_runs(tmp_path, monkeypatch, capsys):
+    inp = chats(tmp_path)
+    out = tmp_path / "o.jsonl"
+    refusals = []
+
+    def second_run(backend):  # mid-run of the first, once some rows are written
+        if backend.polls != 3:
+            return
+        rows_before = out.read_bytes()
+        # The command line answers before the model loads; the library before it touches the
+        # file, even with --overwrite (which would delete the rows the first run is writing).
+        code, err, made = cli(monkeypatch, capsys, "--input", inp, "--out", out, "--overwrite")
+        assert code == 2 and not made and "Traceback" not in err, err
+        refusals.append(err)
+        with pytest.raises(DataError, match="another regenerate is writing it") as e:
+            run_fake(inp, out, overwrite=True)
+        refusals.append(str(e.value))
+        assert out.read_bytes() == rows_before and rows_before.count(b"\n") == 4
+
+    report = run_fake(inp, out, FakeBackend(on_poll=second_run))
+    assert report.complete and report.num_written == 10 and len(refusals) == 2
+    assert f"{out}: another regenerate is writing it (pid {os.getpid()} holds {tmp_path / 'o.lock'})" in refusals[0]
+    # Released at the end; the empty lock file stays (a directory input skips it).
+    assert run_fake(inp, out).num_skipped == 10
+    assert (tmp_path / "o.lock").exists() and chats_dir_files(tmp_path) == ["in.jsonl", "o.jsonl"]
+    # A run that fails while opening its output lets the lock go too.
+    (tmp_path / "o.state.json").write_text("[]")
+    with pytest.raises(DataError):
+        run_fake(inp, out)
+    from dflash_ipc.regenerate.out_lock import check_unlocked
+    check_unlocked(str(out))
+
+
+def chats_dir_files(directory):
+    """The data files a directory input would read."""
+    from dflash_ipc.data.reader import InputSource
+    return sorted((os.path.basename(f) for f in InputSource(str(directory)).files), key=str)
+
+
+def test_the_lock_file_is_checked_like_the_side_files(tmp_path):
+    inp = chats(tmp_path, name="o.lock")  # an input that happens to be o.jsonl's lock file
+    with pytest.raises(DataError, match=r"o\.lock: is the input"):
+        run_fake(inp, tmp_path / "o.jsonl")
+    assert (tmp_path / "o.lock").read_text().count("\n") == 10
 
 
 # 6: a full disk

@@ -115,6 +115,8 @@ def regenerate(model_dir, input_path, out_path, split, kind, max_new_tokens, tem
     # An --out that is a device or one of the inputs is answered before the model loads (and
     # before --overwrite deletes anything); RegenOutput checks again with a Hub input resolved.
     check_out_path(out_path, local_input_files(input_path, split))
+    from dflash_ipc.regenerate.out_lock import check_unlocked
+    check_unlocked(out_path)  # a run already writing this --out is answered before the model loads
     if not overwrite:  # another option than the output's is answered before the model loads
         from dflash_ipc.regenerate.output import check_resumable
         check_backend_options(kind, model_dir=model_dir, url=url)  # a missing --model or --url first

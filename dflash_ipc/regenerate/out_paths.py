@@ -1,10 +1,11 @@
 """What `--out` may name: checked before the model loads and again before anything is deleted.
 
 regenerate appends to OUT.jsonl, fsyncs it, rewrites it sorted through a rename, and writes
-OUT.rejects.jsonl and OUT.state.json beside it. Each of these needs a regular file (or none
+OUT.rejects.jsonl, OUT.state.json and OUT.lock (regenerate/out_lock.py) beside it. Each of these needs a regular file (or none
 yet): a device such as /dev/null cannot be fsynced or renamed over, and its side files would
 land in /dev. And none of the three may be one of the inputs: `--overwrite` would delete the
-input before reading it, and a resume would append to what it reads.
+input before reading it, a resume would append to what it reads, and the lock would write a pid
+over it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import stat
 
 from dflash_ipc.data.reader import REJECTS_SUFFIX, STATE_SUFFIX
 from dflash_ipc.errors import DataError
+from dflash_ipc.regenerate.out_lock import lock_path
 
 
 def sidecar_paths(out_path: str) -> tuple[str, str]:
@@ -22,10 +24,10 @@ def sidecar_paths(out_path: str) -> tuple[str, str]:
     return f"{stem}{REJECTS_SUFFIX}", f"{stem}{STATE_SUFFIX}"  # suffixes a directory input skips (data/reader.py)
 
 
-def out_files(out_path: str) -> tuple[str, str, str]:
-    """(output, rejects file, state file) of an --out, absolute."""
+def out_files(out_path: str) -> tuple[str, str, str, str]:
+    """(output, rejects file, state file, lock file) of an --out, absolute."""
     path = os.path.abspath(out_path)
-    return (path, *sidecar_paths(path))
+    return (path, *sidecar_paths(path), lock_path(path))
 
 
 def check_out_path(out_path: str, inputs=()) -> None:

@@ -1,6 +1,6 @@
 """The output of a regeneration: resumable, never torn, complete and ordered at the end.
 
-Three files side by side:
+Four files side by side:
   OUT.jsonl          one regenerated row a line, `{"index": i, "messages": [...]}`, the index
                      (the row's position in the input) first; appended as rows finish, in
                      any order; sorted by index when the run is complete. With N samples per
@@ -8,6 +8,8 @@ Three files side by side:
                      `{"index": i, "sample": k, "messages": [...]}`, k = 0..N-1
   OUT.rejects.jsonl  the rows this run could not regenerate (index, place, reason, detail)
   OUT.state.json     the settings the replies depend on, and whether the file is complete
+  OUT.lock           held (flock) by the run writing OUT.jsonl: a second run on it is refused
+                     (regenerate/out_lock.py)
 
 Each row is one `os.write` of a whole line to a file opened for appending, and the file is
 fsynced every few seconds and at the end. A run killed mid-write leaves at most one partial
@@ -34,6 +36,7 @@ import re
 import time
 
 from dflash_ipc.errors import DataError
+from dflash_ipc.regenerate.out_lock import OutLock
 from dflash_ipc.regenerate.out_paths import check_out_path, sidecar_paths
 from dflash_ipc.run.json_files import read_json_object, write_json_atomic
 
@@ -131,22 +134,27 @@ class RegenOutput:
         self.failed: OutputFailed | None = None
         check_out_path(self.path, inputs)  # before --overwrite deletes anything
         _check_writable(self.path)
-        if overwrite:
-            for p in (self.path, self.rejects_path, self.state_path):
-                if os.path.exists(p):
-                    os.remove(p)
-        self._check_settings()
-        if os.path.exists(self.path):
-            self._resume()
+        self._lock = OutLock(self.path)
+        self._lock.acquire()  # before anything is deleted, cut or appended: this run is the only writer
         self._fd = -1
         try:
+            if overwrite:
+                for p in (self.path, self.rejects_path, self.state_path):
+                    if os.path.exists(p):
+                        os.remove(p)
+            self._check_settings()
+            if os.path.exists(self.path):
+                self._resume()
             self._write_state(complete=False, num_rows=None)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             self._rejects = open(self.rejects_path, "w", encoding="utf-8")
-        except OSError as e:
+        except BaseException as e:
             if self._fd >= 0:
                 os.close(self._fd)
-            raise self._fail(e) from None
+            self._lock.release()
+            if isinstance(e, OSError):
+                raise self._fail(e) from None
+            raise
         self._synced = time.monotonic()
 
     def _check_settings(self) -> None:
@@ -250,7 +258,14 @@ class RegenOutput:
         """Close the files. num_rows: the input's rows when it was read to the end (None if
         not). Complete (every row written or rejected): sort by index; returns complete.
         After a failed write: closes what it can, raises nothing (the run's error is that
-        write's) and returns False. A failure here: OutputFailed, once the files are closed."""
+        write's) and returns False. A failure here: OutputFailed, once the files are closed.
+        The output's lock goes last, once the sort and the state file are done."""
+        try:
+            return self._close(num_rows)
+        finally:
+            self._lock.release()
+
+    def _close(self, num_rows: int | None) -> bool:
         errors = []
         for close in (lambda: os.fsync(self._fd), lambda: os.close(self._fd), self._rejects.close):
             try:
