@@ -122,6 +122,19 @@ def test_a_longer_request_later_rebuilds_the_cache(target):
     assert run.stats.rebuilds == 2 and engine.kv.capacity >= 306
 
 
+def test_a_token_budget_below_one_request_runs_it_alone_and_says_so(target, caplog):
+    """kv_tokens (--token-budget) sizes the rows; a budget smaller than one request's cache
+    still answers it, in one row, with one warning for the run, not one per request."""
+    requests = make_requests(n=3, seed=2, max_len=8, max_new=6)
+    engine = DecodeEngine(target, settings=EngineSettings(max_rows=4, kv_tokens=1))
+    with caplog.at_level("WARNING", logger="dflash_ipc.decode.engine"):
+        run = engine.run(RequestList(requests))
+    assert tokens(run) == {r.key: hf_generate(target, r) for r in requests}
+    assert engine.kv.max_rows == 1
+    said = [r.getMessage() for r in caplog.records if "above the token budget of 1" in r.getMessage()]
+    assert len(said) == 1 and "runs alone in one row" in said[0], caplog.text
+
+
 def test_margins_are_the_logits_of_the_chosen_tokens(target):
     request = make_requests(1, seed=9, max_new=12)[0]
     run = DecodeEngine(target, settings=EngineSettings(keep_margins=True)).run(RequestList([request]))

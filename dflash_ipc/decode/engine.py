@@ -213,6 +213,7 @@ class DecodeEngine:
         self.prefill_graphs: PrefillGraphs | None = None
         self.total = EngineStats()
         self.kv_bytes_per_token = kv_bytes_per_token(target.text_config, target.dtype)
+        self._over_budget_said = False
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -320,6 +321,12 @@ class DecodeEngine:
         """Rows of a cache of ``capacity``: max_rows, within kv_tokens, no more than the requests at hand."""
         s = self.settings
         rows = s.max_rows if s.kv_tokens is None else min(s.max_rows, s.kv_tokens // capacity)
+        if rows < 1 and not self._over_budget_said:
+            # One row still runs (a request is never refused for the budget), over it: said once.
+            self._over_budget_said = True
+            log.warning("decode: a request needs a cache of %d positions (prompt + reply budget), above the token "
+                        "budget of %d (--token-budget); it runs alone in one row of %d, over the budget",
+                        capacity, s.kv_tokens, capacity)
         return max(1, min(rows, len(self.waiting)))
 
     def _fits(self) -> bool:
