@@ -90,6 +90,19 @@ def _step_device(monkeypatch, usable: bool, num_batches: int) -> tuple[list, que
     return answers, tasks
 
 
+def test_a_device_process_drops_the_unactionable_import_lines(monkeypatch):
+    # Spawned, it has none of the parent's filters: torchao's lines at the model's load would
+    # print once per device.
+    import logging
+    from dflash_ipc.run import quiet
+    monkeypatch.setattr(logging.getLogger("torchao"), "filters", [])
+    _step_device(monkeypatch, usable=True, num_batches=0)
+    record = logging.LogRecord("torchao", logging.WARNING, __file__, 1, "Failed to load x.so: Could not load this "
+                               "library", None, None)
+    assert not logging.getLogger("torchao").filter(record)
+    assert any(isinstance(f, quiet._DropUnactionable) for f in logging.getLogger("torchao").filters)
+
+
 def test_a_batch_that_breaks_its_device_stops_that_process_and_fails_the_run(monkeypatch):
     # A broken CUDA context fails every later batch in moments: a process that went on would
     # pull, and reject, most of the remaining rows.

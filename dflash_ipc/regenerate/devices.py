@@ -37,7 +37,11 @@ _JOIN_S = 5.0
 def _device_main(settings, device: str, name: str, tasks, results, throttle_s: float, parent: int) -> None:
     """A device process: build the Generator, then run batches until a None task."""
     from dflash_ipc.run.child_env import ParentWatch
+    from dflash_ipc.run.quiet import quiet_unactionable_warnings
 
+    # A spawned process starts without the parent's logging filters: torchao's import lines
+    # (at the model's load) would print once per device.
+    quiet_unactionable_warnings()
     # Ctrl-C reaches the whole process group: the parent decides, and stops us by pid. A
     # parent killed outright leaves us orphaned: the watch then exits this process. `parent`
     # comes from the parent itself: one killed while we start has handed us to another.
