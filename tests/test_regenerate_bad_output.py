@@ -141,6 +141,21 @@ def test_a_side_file_of_out_equal_to_an_input_is_refused(tmp_path):
         run_fake(shard_dir, shard_dir / "a.jsonl", overwrite=True)
 
 
+def test_an_out_in_a_directory_that_takes_no_new_file_is_refused_even_as_root(tmp_path, monkeypatch, capsys):
+    # /sys refuses new files to root too, where a permission check passes: the probe file is
+    # what tells (a read-only mount behaves alike).
+    from dflash_ipc.run.write_probe import check_takes_new_files
+    try:
+        check_takes_new_files("/sys")
+        pytest.skip("/sys takes new files here")
+    except OSError:
+        pass
+    inp = chats(tmp_path)
+    code, err, made = cli(monkeypatch, capsys, "--input", inp, "--out", "/sys/o.jsonl")
+    assert code == 2 and not made and "Traceback" not in err, err
+    assert err.startswith("error: /sys/o.jsonl: cannot write in /sys (") and err.count("\n") == 1, err
+
+
 # two runs on one --out
 
 def test_a_second_run_on_the_same_out_is_refused_while_the_first_runs(tmp_path, monkeypatch, capsys):

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 
 import click
+
+from dflash_ipc.run.write_probe import check_takes_new_files
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -38,10 +39,8 @@ def writable_output(ctx, param, value: str | None) -> str | None:
     parent = os.path.dirname(os.path.abspath(value))
     if not os.path.isdir(parent):
         raise click.BadParameter(f"{value}: its directory {parent} does not exist.", ctx, param)
-    try:  # a file made and removed: permissions alone miss a read-only filesystem (and root passes them)
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=".dflash-write-check-")
-        os.close(fd)
-        os.unlink(probe)
+    try:
+        check_takes_new_files(parent)
     except OSError as exc:
         raise click.BadParameter(f"{value}: its directory {parent} is not writable "
                                  f"({exc.strerror or exc}).", ctx, param) from None

@@ -38,8 +38,8 @@ class OutLock:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
-            raise DataError(f"{self.path}: cannot create the output's lock file ({e.strerror}); "
-                            "choose a writable --out") from None
+            raise DataError(f"{self.out_path}: cannot write in {os.path.dirname(self.path)} ({e.strerror or e}: "
+                            f"the lock file {os.path.basename(self.path)}); choose a writable --out") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

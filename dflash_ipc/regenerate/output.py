@@ -39,6 +39,7 @@ from dflash_ipc.errors import DataError
 from dflash_ipc.regenerate.out_lock import OutLock
 from dflash_ipc.regenerate.out_paths import check_out_path, sidecar_paths
 from dflash_ipc.run.json_files import read_json_object, write_json_atomic
+from dflash_ipc.run.write_probe import check_takes_new_files
 
 log = logging.getLogger(__name__)
 
@@ -347,5 +348,9 @@ def _check_writable(path: str) -> None:
         os.makedirs(parent, exist_ok=True)
     except OSError as e:
         raise DataError(f"{parent}: cannot create the output directory ({e.strerror})") from None
-    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+    try:
+        check_takes_new_files(parent)  # the sort's temporary file and the state file are new files there
+    except OSError as e:
+        raise DataError(f"{path}: cannot write in {parent} ({e.strerror or e}); choose a writable --out") from None
+    if os.path.exists(path) and not os.access(path, os.W_OK):
         raise DataError(f"{path}: cannot write there (permission denied); choose a writable --out")
