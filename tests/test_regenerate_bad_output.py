@@ -156,6 +156,25 @@ def test_an_out_in_a_directory_that_takes_no_new_file_is_refused_even_as_root(tm
     assert err.startswith("error: /sys/o.jsonl: cannot write in /sys (") and err.count("\n") == 1, err
 
 
+def test_an_out_a_directory_input_would_read_is_refused(tmp_path, monkeypatch, capsys):
+    # The first run would go through, and its rerun would read the output as input.
+    shard_dir = tmp_path / "shards"
+    (shard_dir / "train").mkdir(parents=True)
+    chats(shard_dir / "train", name="a.jsonl")
+    for out in (shard_dir / "regen.jsonl", shard_dir / "train" / "more" / "regen.jsonl"):
+        code, err, made = cli(monkeypatch, capsys, "--input", shard_dir, "--out", out)
+        assert code == 2 and not made and "Traceback" not in err, err
+        assert f"{out}: is inside the input directory {shard_dir}, which would read it" in err, err
+    with pytest.raises(DataError, match="is inside the input directory"):
+        run_fake(shard_dir, shard_dir / "regen.jsonl")
+    # What it would not read is fine: a hidden folder, another split than --split's, a non-data name.
+    for out, split in ((shard_dir / ".out" / "regen.jsonl", None), (shard_dir / "regen.txt", None),
+                       (shard_dir / "regen.jsonl", "train")):
+        report = run_fake(shard_dir, out, split=split)
+        assert report.complete and report.num_written == 10
+        assert run_fake(shard_dir, out, split=split).num_skipped == 10  # and its rerun resumes
+
+
 # two runs on one --out
 
 def test_a_second_run_on_the_same_out_is_refused_while_the_first_runs(tmp_path, monkeypatch, capsys):

@@ -114,7 +114,7 @@ def regenerate(model_dir, input_path, out_path, split, kind, max_new_tokens, tem
     from dflash_ipc.regenerate.out_paths import check_out_path, local_input_files
     # An --out that is a device or one of the inputs is answered before the model loads (and
     # before --overwrite deletes anything); RegenOutput checks again with a Hub input resolved.
-    check_out_path(out_path, local_input_files(input_path, split))
+    check_out_path(out_path, local_input_files(input_path, split), input_dir=input_path, split=split)
     from dflash_ipc.regenerate.out_lock import check_unlocked
     check_unlocked(out_path)  # a run already writing this --out is answered before the model loads
     if not overwrite:  # another option than the output's is answered before the model loads

@@ -507,6 +507,23 @@ def split_of(rel_path: str) -> str | None:
     return stem if stem in _SPLIT_NAMES else None
 
 
+def read_as_shard(root: str, path: str, split: str | None) -> bool:
+    """Whether a directory input `root` would read a file at `path` as one of its shards (by
+    the rules of `_shards`; with no --split, a file of any split counts)."""
+    if not os.path.isdir(root) or any(os.path.exists(os.path.join(root, n)) for n in ("dataset_dict.json",
+                                                                                    "state.json")):
+        return False  # a file input, or a save_to_disk directory (its Arrow files, not shards)
+    rel = os.path.relpath(os.path.realpath(path), os.path.realpath(root))
+    parts = rel.split(os.sep)
+    if parts[0] == os.pardir or any(p.startswith(".") for p in parts):
+        return False
+    name = parts[-1]
+    if not name.endswith(_SHARD_EXTS) or name.endswith(SIDE_FILE_SUFFIXES) or name in ("dataset_info.json",
+                                                                                          "state.json"):
+        return False
+    return split is None or split_of(rel) == split
+
+
 def _shards(root: str, split: str | None) -> tuple[list[str], list[str]]:
     """(the shards to read, the side files skipped) of a directory input."""
     found, side = [], []

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import stat
 
-from dflash_ipc.data.reader import REJECTS_SUFFIX, STATE_SUFFIX
+from dflash_ipc.data.reader import REJECTS_SUFFIX, STATE_SUFFIX, read_as_shard
 from dflash_ipc.errors import DataError
 from dflash_ipc.regenerate.out_lock import lock_path
 
@@ -30,9 +30,10 @@ def out_files(out_path: str) -> tuple[str, str, str, str]:
     return (path, *sidecar_paths(path), lock_path(path))
 
 
-def check_out_path(out_path: str, inputs=()) -> None:
+def check_out_path(out_path: str, inputs=(), *, input_dir: str | None = None, split: str | None = None) -> None:
     """DataError naming the path when --out (or a side file of it) exists and is not a regular
-    file, or is the same file as one of `inputs` (symlinks and ./ spellings included)."""
+    file, or is the same file as one of `inputs` (symlinks and ./ spellings included), or is a
+    file that the directory input `input_dir` would read as a shard on the rerun that resumes."""
     paths = out_files(out_path)
     for path in paths:
         try:
@@ -53,6 +54,9 @@ def check_out_path(out_path: str, inputs=()) -> None:
             if _same_file(path, source):
                 raise DataError(f"{path}: is the input {source} (the same file); regenerate would write over what "
                                 "it reads: choose another --out")
+    if input_dir is not None and read_as_shard(input_dir, paths[0], split):
+        raise DataError(f"{paths[0]}: is inside the input directory {input_dir}, which would read it as one of "
+                        "its shards on the rerun that resumes (and on any later run): choose an --out outside it")
 
 
 def local_input_files(input_path: str, split: str | None) -> list[str]:

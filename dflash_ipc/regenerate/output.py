@@ -121,7 +121,7 @@ class RegenOutput:
     already written (before this run and during it), every sample of them."""
 
     def __init__(self, path: str, settings: dict, *, overwrite: bool = False, samples_per_prompt: int = 1,
-                 inputs=()):
+                 inputs=(), input_dir: str | None = None, split: str | None = None):
         self.path = os.path.abspath(path)
         self.rejects_path, self.state_path = sidecar_paths(self.path)
         self.settings = settings
@@ -133,7 +133,7 @@ class RegenOutput:
         self.num_rejected = 0
         self.num_torn = 0
         self.failed: OutputFailed | None = None
-        check_out_path(self.path, inputs)  # before --overwrite deletes anything
+        check_out_path(self.path, inputs, input_dir=input_dir, split=split)  # before --overwrite deletes anything
         _check_writable(self.path)
         self._lock = OutLock(self.path)
         self._lock.acquire()  # before anything is deleted, cut or appended: this run is the only writer

@@ -193,7 +193,7 @@ def regenerate(input_path: str, out_path: str, backend, options: GenerationOptio
         raise DataError(f"{input_path}: the input is empty (no rows)")
     settings = {"input": os.path.abspath(input_path), "split": split, **options.settings(), **backend.describe()}
     out = RegenOutput(out_path, settings, overwrite=overwrite, samples_per_prompt=options.samples_per_prompt,
-                      inputs=source.files)
+                      inputs=source.files, input_dir=input_path, split=split)
     if out.num_torn:
         log.warning("%s: the last run was interrupted mid-line; that row is generated again", out_path)
     loop = _Loop(source, itertools.chain([first], rows), out, backend, options, window, ProgressLine(progress))
