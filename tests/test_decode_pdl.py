@@ -93,8 +93,8 @@ def test_a_capture_that_fails_under_pdl_is_tried_once_more_without_it(monkeypatc
     state = torch.zeros(3)
     graphs = _graphs_failing(lambda on: on, attempts)(lambda *shape: steps.append(shape), [state], enabled=True)
     graphs.run((1, 128))
-    if capable:  # failed with PDL, captured without it: PDL stays off in this process
-        assert attempts == [True, False] and graphs.enabled and graphs.num_captures == 1 and steps == []
+    if capable:  # failed with PDL twice, captured without it: PDL stays off in this process
+        assert attempts == [True, True, False] and graphs.enabled and graphs.num_captures == 1 and steps == []
         assert not pdl.enabled("cuda:0") and pdl.launch_args("cuda:0") == {"PDL": False, "launch_pdl": False}
     else:  # PDL was never on: nothing to retry
         assert attempts == [False] and graphs.enabled and graphs.num_captures == 1
@@ -104,6 +104,22 @@ def test_a_capture_that_fails_under_pdl_is_tried_once_more_without_it(monkeypatc
     broken = _graphs_failing(lambda on: True, attempts)(lambda *shape: steps.append(shape), [state], enabled=True)
     broken.run((2, 128))  # fails without PDL too: graphs off, the step eager
     assert attempts == [False] and not broken.enabled and steps == [(2, 128)]
+    assert torch.equal(state, torch.full((3,), 1.0))
+
+
+def test_a_capture_that_fails_once_under_pdl_keeps_pdl_when_the_second_passes(monkeypatch, caplog):
+    monkeypatch.setattr(pdl, "_HAS_GDC", True)
+    monkeypatch.setattr(pdl, "_capable", lambda index: True)
+    monkeypatch.setattr(pdl, "_turned_off", False)
+    monkeypatch.delenv(PDL_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    attempts, state = [], torch.zeros(3)
+    graphs = _graphs_failing(lambda on: len(attempts) == 1, attempts)(lambda *shape: None, [state], enabled=True)
+    with caplog.at_level("WARNING", logger="dflash_ipc.decode.graphs"):
+        graphs.run((1, 128))
+    assert attempts == [True, True] and graphs.num_captures == 1 and pdl.enabled("cuda:0")
+    assert "capturing it once more" in caplog.text and "plain launches" not in caplog.text
     assert torch.equal(state, torch.full((3,), 1.0))
 
 

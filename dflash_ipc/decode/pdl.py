@@ -84,7 +84,7 @@ def enabled(device) -> bool:
 
 def turn_off(device) -> bool:
     """Launch without PDL from now on, in this process; whether launches on ``device`` used it until
-    now. A CUDA graph capture that fails calls it and, if so, captures once more (graphs.py): a
+    now. A CUDA graph capture that fails twice with PDL calls it and, if so, captures once more (graphs.py): a
     capture with overlapped launches is a newer path of the driver than one without, and the eager
     step it would otherwise fall back to is several times slower at batch 1."""
     global _turned_off
