@@ -223,6 +223,43 @@ def test_the_lock_file_is_checked_like_the_side_files(tmp_path):
     assert (tmp_path / "o.lock").read_text().count("\n") == 10
 
 
+def test_an_input_changed_under_its_path_is_said_on_resume_and_appended_rows_are_not(tmp_path, caplog):
+    inp = chats(tmp_path)
+    out = tmp_path / "o.jsonl"
+    assert run_fake(inp, out).complete
+    state = json.loads((tmp_path / "o.state.json").read_text())
+    assert [m["file"] for m in state["inputs"]] == [str(inp)] and state["inputs"][0]["size"] == os.path.getsize(inp)
+    with open(inp, "a") as f:  # rows appended: the rerun generates them, nothing to say
+        f.write(json.dumps({"messages": [{"role": "user", "content": "question 10"}]}) + "\n")
+    with caplog.at_level("WARNING", logger="dflash_ipc.regenerate.output"):
+        report = run_fake(inp, out)
+    assert report.num_skipped == 10 and report.num_written == 1 and "input changed" not in caplog.text
+    chats(tmp_path, n=11)  # the same path, other first rows ("question 0" -> same text, so change it)
+    rows = (tmp_path / "in.jsonl").read_text().replace("question 0", "another question")
+    (tmp_path / "in.jsonl").write_text(rows)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dflash_ipc.regenerate.output"):
+        report = run_fake(inp, out)
+    assert report.num_skipped == 11  # kept, not refused
+    said = [r.getMessage() for r in caplog.records if "input changed" in r.getMessage()]
+    assert len(said) == 1 and f"{inp}: its first " in said[0] and "bytes differ" in said[0], said
+    assert "--overwrite" in said[0]
+    (tmp_path / "in.jsonl").write_text(rows.split("\n", 1)[1])  # shorter
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dflash_ipc.regenerate.output"):
+        run_fake(inp, out)
+    assert "shorter" in caplog.text
+    # A state file of an earlier version has no marks: nothing to compare, nothing said.
+    state = json.loads((tmp_path / "o.state.json").read_text())
+    del state["inputs"]
+    (tmp_path / "o.state.json").write_text(json.dumps(state))
+    (tmp_path / "in.jsonl").write_text(rows)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dflash_ipc.regenerate.output"):
+        run_fake(inp, out)
+    assert "input changed" not in caplog.text
+
+
 # 6: a full disk
 
 @pytest.mark.parametrize("where", ["write", "torn_write", "fsync", "state"])

@@ -7,7 +7,8 @@ Four files side by side:
                      prompt (`--samples-per-prompt`) each row has N lines,
                      `{"index": i, "sample": k, "messages": [...]}`, k = 0..N-1
   OUT.rejects.jsonl  the rows this run could not regenerate (index, place, reason, detail)
-  OUT.state.json     the settings the replies depend on, and whether the file is complete
+  OUT.state.json     the settings the replies depend on, whether the file is complete, and
+                     the input files' sizes and first bytes (regenerate/input_marks.py)
   OUT.lock           held (flock) by the run writing OUT.jsonl: a second run on it is refused
                      (regenerate/out_lock.py)
 
@@ -36,6 +37,7 @@ import re
 import time
 
 from dflash_ipc.errors import DataError
+from dflash_ipc.regenerate.input_marks import changed_inputs, input_marks
 from dflash_ipc.regenerate.out_lock import OutLock
 from dflash_ipc.regenerate.out_paths import check_out_path, sidecar_paths
 from dflash_ipc.run.json_files import read_json_object, write_json_atomic
@@ -133,6 +135,7 @@ class RegenOutput:
         self.num_rejected = 0
         self.num_torn = 0
         self.failed: OutputFailed | None = None
+        self.input_marks = input_marks(inputs)
         check_out_path(self.path, inputs, input_dir=input_dir, split=split)  # before --overwrite deletes anything
         _check_writable(self.path)
         self._lock = OutLock(self.path)
@@ -165,6 +168,11 @@ class RegenOutput:
                                 "settings its rows were made with are unknown; pass --overwrite or choose another --out")
             return
         _refuse_other_settings(self.path, self.settings, set(_recorded_settings(self.state_path)) | set(self.settings))
+        changes = changed_inputs(read_json_object(self.state_path, "regenerate state").get("inputs"), self.input_marks)
+        if changes:
+            shown = "; ".join(changes[:3]) + (f"; and {len(changes) - 3} more" if len(changes) > 3 else "")
+            log.warning("%s: the input changed since this output was begun (%s): the rows already written answer "
+                        "the earlier content and are kept; pass --overwrite to regenerate every row", self.path, shown)
 
     def _resume(self) -> None:
         """Cut a torn last line off, then read the indices already written."""
@@ -292,7 +300,7 @@ class RegenOutput:
 
     def _write_state(self, *, complete: bool, num_rows: int | None) -> None:
         state = {"format": STATE_FORMAT, "settings": self.settings, "complete": complete, "num_rows": num_rows,
-                 "num_done": len(self.done), "num_rejected": self.num_rejected}
+                 "num_done": len(self.done), "num_rejected": self.num_rejected, "inputs": self.input_marks}
         write_json_atomic(self.state_path, state, sort_keys=True, fsync=True)
 
 
