@@ -154,6 +154,9 @@ def test_an_out_in_a_directory_that_takes_no_new_file_is_refused_even_as_root(tm
     code, err, made = cli(monkeypatch, capsys, "--input", inp, "--out", "/sys/o.jsonl")
     assert code == 2 and not made and "Traceback" not in err, err
     assert err.startswith("error: /sys/o.jsonl: cannot write in /sys (") and err.count("\n") == 1, err
+    assert "lock file" not in err  # the probe's answer, before the lock is tried
+    with pytest.raises(DataError, match=r"^/sys/o\.jsonl: cannot write in /sys \((?!.*lock file)"):
+        RegenOutput("/sys/o.jsonl", {"backend": "fake"})
 
 
 def test_an_out_a_directory_input_would_read_is_refused(tmp_path, monkeypatch, capsys):
@@ -167,6 +170,14 @@ def test_an_out_a_directory_input_would_read_is_refused(tmp_path, monkeypatch, c
         assert f"{out}: is inside the input directory {shard_dir}, which would read it" in err, err
     with pytest.raises(DataError, match="is inside the input directory"):
         run_fake(shard_dir, shard_dir / "regen.jsonl")
+    # A symlink in the directory is read under its own name, wherever it points; one that points
+    # to nothing is refused by name as an input (not a FileNotFoundError from deep in the read).
+    from dflash_ipc.data.reader import read_as_shard
+    os.symlink(tmp_path / "elsewhere.jsonl", shard_dir / "link.jsonl")
+    assert read_as_shard(str(shard_dir), str(shard_dir / "link.jsonl"), None)
+    with pytest.raises(DataError, match=r"link\.jsonl: a symlink to .*elsewhere\.jsonl, which does not exist"):
+        run_fake(shard_dir, tmp_path / "o.jsonl")
+    os.unlink(shard_dir / "link.jsonl")
     # What it would not read is fine: a hidden folder, another split than --split's, a non-data name.
     for out, split in ((shard_dir / ".out" / "regen.jsonl", None), (shard_dir / "regen.txt", None),
                        (shard_dir / "regen.jsonl", "train")):
@@ -199,15 +210,70 @@ def test_a_second_run_on_the_same_out_is_refused_while_the_first_runs(tmp_path, 
     report = run_fake(inp, out, FakeBackend(on_poll=second_run))
     assert report.complete and report.num_written == 10 and len(refusals) == 2
     assert f"{out}: another regenerate is writing it (pid {os.getpid()} holds {tmp_path / 'o.lock'})" in refusals[0]
-    # Released at the end; the empty lock file stays (a directory input skips it).
+    # Released at the end; the lock file stays (a directory input skips it), and so does the
+    # lock the command line took (the CLI run above was refused, then let its own go).
     assert run_fake(inp, out).num_skipped == 10
     assert (tmp_path / "o.lock").exists() and chats_dir_files(tmp_path) == ["in.jsonl", "o.jsonl"]
-    # A run that fails while opening its output lets the lock go too.
+    code, err, made = cli(monkeypatch, capsys, "--input", inp, "--out", out, "--overwrite")
+    assert code == 0 and made, err
+    # A run that fails while opening its output lets the lock go too, and so does one whose
+    # loop could not start.
     (tmp_path / "o.state.json").write_text("[]")
     with pytest.raises(DataError):
         run_fake(inp, out)
-    from dflash_ipc.regenerate.out_lock import check_unlocked
-    check_unlocked(str(out))
+    (tmp_path / "o.state.json").unlink()
+    out.unlink()
+    monkeypatch.setattr(run_mod, "_Loop", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        run_fake(inp, out)
+    from dflash_ipc.regenerate.out_lock import OutLock
+    lock = OutLock(str(out))
+    lock.acquire()
+    assert lock.held
+    lock.release()
+
+
+def test_the_lock_on_a_filesystem_without_flock_is_a_warning_and_a_failed_pid_write_is_no_error(
+        tmp_path, monkeypatch, caplog):
+    import errno
+    import fcntl
+    from dflash_ipc.regenerate import out_lock
+    inp = chats(tmp_path)
+    real_flock = fcntl.flock
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(out_lock.fcntl, "flock", no_locks)
+    with caplog.at_level("WARNING", logger="dflash_ipc.regenerate.out_lock"):
+        assert run_fake(inp, tmp_path / "o.jsonl").complete
+    assert "does not lock files (No locks available)" in caplog.text
+    monkeypatch.setattr(out_lock.fcntl, "flock", real_flock)
+    monkeypatch.setattr(out_lock.os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    lock = out_lock.OutLock(str(tmp_path / "o.jsonl"))
+    lock.acquire()  # held without its pid
+    assert lock.held
+    with pytest.raises(DataError, match=r"pid \? holds"):
+        out_lock.OutLock(str(tmp_path / "o.jsonl")).acquire()
+    lock.release()
+    out_lock.OutLock(str(tmp_path / "o.jsonl")).acquire()
+
+
+def test_overwrite_that_cannot_remove_the_earlier_output_names_it(tmp_path, monkeypatch):
+    inp = chats(tmp_path)
+    out = tmp_path / "o.jsonl"
+    run_fake(inp, out)
+    real_remove = os.remove
+
+    def remove(path):
+        if path.endswith("o.rejects.jsonl"):
+            raise PermissionError(13, "Permission denied")
+        real_remove(path)
+    monkeypatch.setattr(output_mod.os, "remove", remove)
+    with pytest.raises(DataError, match=r"o\.rejects\.jsonl: cannot remove it for --overwrite \(Permission denied\)"):
+        run_fake(inp, out, overwrite=True)
+    monkeypatch.setattr(output_mod.os, "remove", real_remove)
+    out_ = RegenOutput(str(tmp_path / "p.jsonl"), {"backend": "fake"})
+    assert out_.finish(num_rows=None) is False and out_.finish(num_rows=None) is False  # a second call: nothing
 
 
 def chats_dir_files(directory):

@@ -115,19 +115,27 @@ def regenerate(model_dir, input_path, out_path, split, kind, max_new_tokens, tem
     # An --out that is a device or one of the inputs is answered before the model loads (and
     # before --overwrite deletes anything); RegenOutput checks again with a Hub input resolved.
     check_out_path(out_path, local_input_files(input_path, split), input_dir=input_path, split=split)
-    from dflash_ipc.regenerate.out_lock import check_unlocked
-    check_unlocked(out_path)  # a run already writing this --out is answered before the model loads
-    if not overwrite:  # another option than the output's is answered before the model loads
-        from dflash_ipc.regenerate.output import check_resumable
-        check_backend_options(kind, model_dir=model_dir, url=url)  # a missing --model or --url first
-        check_resumable(out_path, {**options.settings(), "backend": kind, "split": split})
-    backend = make_backend(kind, options, model_dir=model_dir, devices=auto_devices(devices), dtype=dtype,
-                           decoder=decoder, cache=cache, token_budget=token_budget, max_batch_size=max_batch_size,
-                           url=url, served_model=served_model, concurrency=concurrency, timeout_s=timeout_s,
-                           retries=retries, api_key=api_key, max_answer_mib=max_answer_mib)
+    from dflash_ipc.regenerate.out_lock import OutLock
+    from dflash_ipc.regenerate.output import check_writable
+    check_writable(out_path)
+    # Held from here, before the model loads: a second run on this --out is refused at once,
+    # and two started together cannot both load a model and then meet (regenerate/out_lock.py).
+    lock = OutLock(out_path)
+    lock.acquire()
     try:
-        report = run_regenerate(input_path, out_path, backend, options, split=split, max_line_bytes=max_line_bytes,
-                                window=window, overwrite=overwrite)
+        if not overwrite:  # another option than the output's is answered before the model loads
+            from dflash_ipc.regenerate.output import check_resumable
+            check_backend_options(kind, model_dir=model_dir, url=url)  # a missing --model or --url first
+            check_resumable(out_path, {**options.settings(), "backend": kind, "split": split})
+        backend = make_backend(kind, options, model_dir=model_dir, devices=auto_devices(devices), dtype=dtype,
+                               decoder=decoder, cache=cache, token_budget=token_budget, max_batch_size=max_batch_size,
+                               url=url, served_model=served_model, concurrency=concurrency, timeout_s=timeout_s,
+                               retries=retries, api_key=api_key, max_answer_mib=max_answer_mib)
+        try:
+            report = run_regenerate(input_path, out_path, backend, options, split=split,
+                                    max_line_bytes=max_line_bytes, window=window, overwrite=overwrite, lock=lock)
+        finally:
+            backend.close()
     finally:
-        backend.close()
+        lock.release()  # the output has let it go already, unless the run failed before it took it
     echo_report(report)

@@ -513,7 +513,11 @@ def read_as_shard(root: str, path: str, split: str | None) -> bool:
     if not os.path.isdir(root) or any(os.path.exists(os.path.join(root, n)) for n in ("dataset_dict.json",
                                                                                     "state.json")):
         return False  # a file input, or a save_to_disk directory (its Arrow files, not shards)
-    rel = os.path.relpath(os.path.realpath(path), os.path.realpath(root))
+    # The directory resolved, the name not: os.walk lists a symlink by its own name, and the
+    # sort's rename replaces the link itself with the output.
+    path = os.path.abspath(path)
+    rel = os.path.relpath(os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path)),
+                          os.path.realpath(root))
     parts = rel.split(os.sep)
     if parts[0] == os.pardir or any(p.startswith(".") for p in parts):
         return False
@@ -533,6 +537,10 @@ def _shards(root: str, split: str | None) -> tuple[list[str], list[str]]:
                  and n not in ("dataset_info.json", "state.json")]
         side += [os.path.join(dirpath, n) for n in names if n.endswith(SIDE_FILE_SUFFIXES)]
         found += [os.path.join(dirpath, n) for n in names if not n.endswith(SIDE_FILE_SUFFIXES)]
+    dangling = [f for f in found if not os.path.exists(f)]  # a symlink to nothing (exists() follows it)
+    if dangling:
+        raise DataError(f"{dangling[0]}: a symlink to {os.readlink(dangling[0])}, which does not exist; fix or "
+                        f"remove it (the input directory {root} would read it as a shard)")
     if not found:
         raise DataError(f"{root}: no *.parquet, *.jsonl or *.json files, and not a save_to_disk directory "
                         "(no state.json / dataset_dict.json)")

@@ -324,9 +324,10 @@ class DecodeEngine:
         if rows < 1 and not self._over_budget_said:
             # One row still runs (a request is never refused for the budget), over it: said once.
             self._over_budget_said = True
-            log.warning("decode: a request needs a cache of %d positions (prompt + reply budget), above the token "
-                        "budget of %d (--token-budget); it runs alone in one row of %d, over the budget",
-                        capacity, s.kv_tokens, capacity)
+            log.warning("decode: the longest waiting request needs %d cached positions (its prompt and reply "
+                        "budget; a cache of %d, rounded up to %d), above the token budget of %d (--token-budget, "
+                        "else what free GPU memory holds); it runs alone in one row, over the budget",
+                        max(map(self._need, self.waiting), default=capacity), capacity, CAPACITY_ALIGN, s.kv_tokens)
         return max(1, min(rows, len(self.waiting)))
 
     def _fits(self) -> bool:

@@ -10,8 +10,8 @@ nothing reads a graph's intermediates after its replay.
 Capture: one eager warm-up on a side stream first (cuBLAS handles, kernel selection; the
 PyTorch recipe), with the row state saved and restored around it, since the warm-up is a
 real step (its K/V writes are the ones the replay repeats, at the same positions). A capture
-that fails (an op that syncs with the host, an unsupported kernel) logs one warning and
-turns graphs off for the rest of the run: the eager step is the same computation. Where the
+that fails (an op that syncs with the host, an unsupported kernel) logs a warning and turns
+graphs off for the rest of the run: the eager step is the same computation. Where the
 decode kernels launched with PDL (pdl.py), the capture is tried once more as it was, then with
 PDL turned off for the process, before graphs are.
 """
@@ -74,9 +74,9 @@ class StepGraphs:
                     t.copy_(v)
                 device = torch.device("cuda", torch.cuda.current_device())
                 if attempt == 0 and pdl.enabled(device):
-                    # Once as it was: an 8B-shaped cycle's first capture failed this way in one
-                    # process of five and then captured (docs/benchmarks.md, "The decoding goals
-                    # in one call"); PDL is kept where a second capture passes.
+                    # Once more as it was: an 8B-shaped cycle's first capture failed so in one
+                    # process of five, and four others captured with PDL (docs/benchmarks.md, "The
+                    # decoding goals in one call"); PDL stays on where a second capture passes.
                     log.warning("decode: capturing the %s %s as a CUDA graph with overlapped launches failed "
                                 "(%s: %s); capturing it once more", self.name, shape, type(e).__name__,
                                 str(e)[:300])

@@ -123,7 +123,9 @@ class RegenOutput:
     already written (before this run and during it), every sample of them."""
 
     def __init__(self, path: str, settings: dict, *, overwrite: bool = False, samples_per_prompt: int = 1,
-                 inputs=(), input_dir: str | None = None, split: str | None = None):
+                 inputs=(), input_dir: str | None = None, split: str | None = None, lock: OutLock | None = None):
+        """`lock`: the output's lock, taken by the caller (the command line takes it before the
+        model loads); this output releases it when closed. None: taken here."""
         self.path = os.path.abspath(path)
         self.rejects_path, self.state_path = sidecar_paths(self.path)
         self.settings = settings
@@ -136,16 +138,17 @@ class RegenOutput:
         self.num_torn = 0
         self.failed: OutputFailed | None = None
         self.input_marks = input_marks(inputs)
-        check_out_path(self.path, inputs, input_dir=input_dir, split=split)  # before --overwrite deletes anything
-        _check_writable(self.path)
-        self._lock = OutLock(self.path)
-        self._lock.acquire()  # before anything is deleted, cut or appended: this run is the only writer
+        self._lock = lock
         self._fd = -1
+        self._closed = False
         try:
+            check_out_path(self.path, inputs, input_dir=input_dir, split=split)  # before --overwrite deletes anything
+            check_writable(self.path)
+            if self._lock is None:
+                self._lock = OutLock(self.path)
+                self._lock.acquire()  # before anything is deleted, cut or appended: this run is the only writer
             if overwrite:
-                for p in (self.path, self.rejects_path, self.state_path):
-                    if os.path.exists(p):
-                        os.remove(p)
+                self._remove_earlier_output()
             self._check_settings()
             if os.path.exists(self.path):
                 self._resume()
@@ -155,11 +158,23 @@ class RegenOutput:
         except BaseException as e:
             if self._fd >= 0:
                 os.close(self._fd)
-            self._lock.release()
+            if self._lock is not None:
+                self._lock.release()
             if isinstance(e, OSError):
                 raise self._fail(e) from None
             raise
         self._synced = time.monotonic()
+
+    def _remove_earlier_output(self) -> None:
+        """--overwrite: the earlier output and its side files go; one that cannot is named (the
+        ones removed before it are gone, and the rerun starts over as this one would have)."""
+        for p in (self.path, self.rejects_path, self.state_path):
+            try:
+                if os.path.exists(p):
+                    os.remove(p)
+            except OSError as e:
+                raise DataError(f"{p}: cannot remove it for --overwrite ({e.strerror or e}); remove it yourself, "
+                                "or choose another --out") from None
 
     def _check_settings(self) -> None:
         if not os.path.exists(self.state_path):
@@ -268,7 +283,11 @@ class RegenOutput:
         not). Complete (every row written or rejected): sort by index; returns complete.
         After a failed write: closes what it can, raises nothing (the run's error is that
         write's) and returns False. A failure here: OutputFailed, once the files are closed.
-        The output's lock goes last, once the sort and the state file are done."""
+        The output's lock goes last, once the sort and the state file are done. A second call
+        returns False and does nothing."""
+        if self._closed:
+            return False
+        self._closed = True
         try:
             return self._close(num_rows)
         finally:
@@ -348,7 +367,9 @@ def sort_by_index(path: str) -> int:
     return len({s[0] for s in spans})
 
 
-def _check_writable(path: str) -> None:
+def check_writable(path: str) -> None:
+    """DataError naming `path` when it is a directory, its directory cannot be made or takes no
+    new file, or the file exists and cannot be written; makes the directory."""
     parent = os.path.dirname(path) or "."
     if os.path.isdir(path):
         raise DataError(f"{path}: is a directory; --out names the output JSONL file")

@@ -179,9 +179,10 @@ class _Loop:
 
 def regenerate(input_path: str, out_path: str, backend, options: GenerationOptions, *, split: str | None = None,
                max_line_bytes: int = MAX_ROW_BYTES, window: int = DEFAULT_WINDOW, overwrite: bool = False,
-               progress: bool = True) -> RegenerateReport:
+               progress: bool = True, lock=None) -> RegenerateReport:
     """Regenerate every conversation of input_path into out_path with `backend` (HFBackend,
-    OpenAIBackend); see the module docstring. The caller closes the backend."""
+    OpenAIBackend); see the module docstring. The caller closes the backend. `lock`: the
+    output's OutLock where the caller took it (regenerate/out_lock.py); released here."""
     if window < 1:
         raise ConfigError(f"--window={window}: must be >= 1")
     input_path = resolve_dataset(input_path, what="--input")
@@ -193,10 +194,14 @@ def regenerate(input_path: str, out_path: str, backend, options: GenerationOptio
         raise DataError(f"{input_path}: the input is empty (no rows)")
     settings = {"input": os.path.abspath(input_path), "split": split, **options.settings(), **backend.describe()}
     out = RegenOutput(out_path, settings, overwrite=overwrite, samples_per_prompt=options.samples_per_prompt,
-                      inputs=source.files, input_dir=input_path, split=split)
+                      inputs=source.files, input_dir=input_path, split=split, lock=lock)
     if out.num_torn:
         log.warning("%s: the last run was interrupted mid-line; that row is generated again", out_path)
-    loop = _Loop(source, itertools.chain([first], rows), out, backend, options, window, ProgressLine(progress))
+    try:
+        loop = _Loop(source, itertools.chain([first], rows), out, backend, options, window, ProgressLine(progress))
+    except BaseException:
+        out.finish(None)  # closed as partial, the lock let go
+        raise
     complete = False
     with StopOnSigterm() as stop:
         try:
