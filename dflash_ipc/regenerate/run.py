@@ -182,7 +182,8 @@ def regenerate(input_path: str, out_path: str, backend, options: GenerationOptio
                progress: bool = True, lock=None) -> RegenerateReport:
     """Regenerate every conversation of input_path into out_path with `backend` (HFBackend,
     OpenAIBackend); see the module docstring. The caller closes the backend. `lock`: the
-    output's OutLock where the caller took it (regenerate/out_lock.py); released here."""
+    output's OutLock where the caller took it (regenerate/out_lock.py): the output releases it
+    when it closes; the caller releases it too, for a run that fails before its output opens."""
     if window < 1:
         raise ConfigError(f"--window={window}: must be >= 1")
     input_path = resolve_dataset(input_path, what="--input")
