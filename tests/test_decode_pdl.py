@@ -123,6 +123,44 @@ def test_a_capture_that_fails_once_under_pdl_keeps_pdl_when_the_second_passes(mo
     assert torch.equal(state, torch.full((3,), 1.0))
 
 
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_the_garbage_collector_is_held_off_during_a_capture(monkeypatch, enabled_before):
+    """A dead graph freed by the collector mid-capture breaks the capture (graphs.collector_held):
+    the collector is off from before the capture begins to after it ends, and as it was after."""
+    import contextlib
+    import gc
+    from dflash_ipc.decode.graphs import StepGraphs
+
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_capture(graph, **kwargs):
+        seen.append(("begin", gc.isenabled()))
+        yield
+        seen.append(("end", gc.isenabled()))
+
+    class FakeStream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: FakeStream())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    was = gc.isenabled()
+    (gc.enable if enabled_before else gc.disable)()
+    try:
+        graphs = StepGraphs(lambda *shape: seen.append(("step", gc.isenabled())), [], enabled=True)
+        graphs.run((1, 128))
+        after = gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
+    # the warm-up step runs with the collector as it was; the captured one without it
+    assert seen == [("step", enabled_before), ("begin", False), ("step", False), ("end", False)]
+    assert after == enabled_before and graphs.num_captures == 1
+
+
 def test_the_log_names_the_error_that_broke_the_capture(monkeypatch, caplog):
     """A call that fails inside a capture invalidates it; capture end then fails with "a previous
     error": the warning names the first (its context)."""
@@ -308,3 +346,35 @@ def test_every_decode_kernel_waits_before_its_first_memory_access_under_pdl():
                 assert all(i < waits[0] for i in prefetches), fn.__name__
             else:
                 assert not waits and not any("griddepcontrol" in line for line in lines), fn.__name__
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_graph_freed_during_a_capture_breaks_it():
+    """Why graphs.collector_held exists: a graph left in a reference cycle (an earlier decoder's
+    graphs hold its bound step method) and freed by a collection inside another capture breaks
+    that capture. The explicit collect stands for the automatic one the collector would run at
+    an arbitrary allocation (collector_held stops only those)."""
+    import gc
+
+    x = torch.zeros(1024, device="cuda")
+
+    class Holder:  # a decoder and its graph, in a cycle
+        def __init__(self):
+            self.me, self.graph = self, torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                x.add_(1)
+
+    was = gc.isenabled()
+    gc.disable()  # nothing collects the cycle before the capture below
+    try:
+        Holder()
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError):
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                x.add_(1)
+                gc.collect()  # frees the dead graph: its executable graph destroyed mid-capture
+                x.add_(1)
+    finally:
+        (gc.enable if was else gc.disable)()
+    torch.cuda.synchronize()

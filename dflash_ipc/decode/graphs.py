@@ -13,11 +13,14 @@ real step (its K/V writes are the ones the replay repeats, at the same positions
 that fails (an op that syncs with the host, an unsupported kernel) logs a warning and turns
 graphs off for the rest of the run: the eager step is the same computation. Where the
 decode kernels launched with PDL (pdl.py), the capture is tried once more as it was, then with
-PDL turned off for the process, before graphs are.
+PDL turned off for the process, before graphs are. Python's garbage collector is held off
+during each capture (`collector_held`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 from collections.abc import Callable, Hashable, Sequence
 
@@ -35,6 +38,28 @@ def _first_error(e: BaseException) -> BaseException:
     while e.__context__ is not None and "previous error during capture" in str(e):
         e = e.__context__
     return e
+
+
+@contextlib.contextmanager
+def collector_held():
+    """Python's cyclic garbage collector held off while a graph is captured.
+
+    A CUDAGraph that dies in a reference cycle (a decoder's graphs hold its bound step method;
+    a bench or an eval makes one decoder after another) is freed whenever the collector next runs,
+    which is at any allocation. Freed during a capture, its destructor destroys its executable
+    graph, which CUDA forbids on a thread that is capturing: torch warns "operation not permitted
+    when stream is capturing (function reset)" and the capture is broken ("operation failed due to
+    a previous error during capture" at the next launch). torch >= 2.9 no longer collects before
+    a capture (``torch.compiler.config.force_cudagraph_gc``), so such graphs can linger until
+    then. With the collector held, they are freed after the capture instead. A setting of the
+    collector made elsewhere (off) is kept."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class StepGraphs:
@@ -76,7 +101,8 @@ class StepGraphs:
                 if attempt == 0 and pdl.enabled(device):
                     # Once more as it was: an 8B-shaped cycle's first capture failed so in one
                     # process of five, and four others captured with PDL (docs/benchmarks.md, "The
-                    # decoding goals in one call"); PDL stays on where a second capture passes.
+                    # decoding goals in one call"; the likely cause, a graph freed mid-capture, is
+                    # what collector_held prevents); PDL stays on where a second capture passes.
                     log.warning("decode: capturing the %s %s as a CUDA graph with overlapped launches failed "
                                 "(%s: %s); capturing it once more", self.name, shape, type(e).__name__,
                                 str(e)[:300])
@@ -107,7 +133,7 @@ class StepGraphs:
         for t, v in zip(self.state, saved):
             t.copy_(v)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with collector_held(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self.step(*shape)
         return graph
 
