@@ -8,7 +8,7 @@ import os
 
 import click
 
-from dflash_ipc.run.write_probe import check_takes_new_files
+from dflash_ipc.run.write_probe import check_takes_new_files, output_file_problem
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -32,20 +32,9 @@ def ordered_range(low_name: str, low: int, high_name: str, high: int) -> None:
 def writable_output(ctx, param, value: str | None) -> str | None:
     """An output file written at the end of a run: its directory must exist and take a new file now,
     so a bad path fails before the run rather than after it."""
-    if value is None:
-        return None
-    if os.path.isdir(value):
-        raise click.BadParameter(f"{value} is a directory; give a file path.", ctx, param)
-    parent = os.path.dirname(os.path.abspath(value))
-    if not os.path.isdir(parent):
-        raise click.BadParameter(f"{value}: its directory {parent} does not exist.", ctx, param)
-    try:
-        check_takes_new_files(parent)
-    except OSError as exc:
-        raise click.BadParameter(f"{value}: its directory {parent} is not writable "
-                                 f"({exc.strerror or exc}).", ctx, param) from None
-    if os.path.exists(value) and not os.access(value, os.W_OK):
-        raise click.BadParameter(f"{value} exists and is not writable.", ctx, param)
+    problem = None if value is None else output_file_problem(value)
+    if problem:
+        raise click.BadParameter(f"{value}: {problem}.", ctx, param)
     return value
 
 
@@ -56,8 +45,8 @@ def made_directory(ctx, param, value: str | None) -> str | None:
         return None
     try:
         os.makedirs(value, exist_ok=True)
+        check_takes_new_files(value)  # not os.access: root passes it on a read-only mount
     except OSError as exc:
-        raise click.BadParameter(f"{value}: cannot be made ({exc.strerror or exc}).", ctx, param) from None
-    if not os.access(value, os.W_OK | os.X_OK):
-        raise click.BadParameter(f"{value} is not writable.", ctx, param)
+        raise click.BadParameter(f"{value}: cannot be made or written ({exc.strerror or exc}).", ctx,
+                                 param) from None
     return value

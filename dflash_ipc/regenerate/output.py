@@ -41,7 +41,7 @@ from dflash_ipc.regenerate.input_marks import changed_inputs, input_marks
 from dflash_ipc.regenerate.out_lock import OutLock
 from dflash_ipc.regenerate.out_paths import check_out_path, sidecar_paths
 from dflash_ipc.run.json_files import read_json_object, write_json_atomic
-from dflash_ipc.run.write_probe import check_takes_new_files
+from dflash_ipc.run.write_probe import output_file_problem
 
 log = logging.getLogger(__name__)
 
@@ -77,16 +77,21 @@ def line_index(line: bytes) -> int | None:
     return None if key is None else key[0]
 
 
-def _recorded_settings(state_path: str) -> dict:
-    theirs = read_json_object(state_path, "regenerate state").get("settings")
+def _recorded_settings(state_path: str, state: dict) -> dict:
+    theirs = state.get("settings")
     if not isinstance(theirs, dict):
         raise DataError(f"{state_path}: field settings must be an object; pass --overwrite to start over")
     return theirs
 
 
-def _refuse_other_settings(path: str, settings: dict, keys) -> None:
-    """DataError naming each of `keys` whose value in `path`'s state file is not `settings`'."""
-    theirs = _recorded_settings(sidecar_paths(path)[1])
+def _read_state(path: str) -> dict:
+    """The state file of output `path`, read (a JSON object, else DataError naming it)."""
+    return read_json_object(sidecar_paths(path)[1], "regenerate state")
+
+
+def _refuse_other_settings(path: str, state: dict, settings: dict, keys) -> None:
+    """DataError naming each of `keys` whose value in `state` (`path`'s state file) is not `settings`'."""
+    theirs = _recorded_settings(sidecar_paths(path)[1], state)
     diff = sorted(k for k in keys
                   if theirs.get(k) != settings.get(k) and not _legacy_auto_dtype(path, k, theirs, settings))
     if diff:
@@ -115,7 +120,7 @@ def check_resumable(out_path: str, known: dict) -> None:
     now. The settings only the backend knows (stop tokens, dtype) are checked when it runs."""
     path = os.path.abspath(out_path)
     if os.path.exists(sidecar_paths(path)[1]):
-        _refuse_other_settings(path, known, known)
+        _refuse_other_settings(path, _read_state(path), known, known)
 
 
 class RegenOutput:
@@ -182,8 +187,10 @@ class RegenOutput:
                 raise DataError(f"{self.path}: exists without its {os.path.basename(self.state_path)}, so the "
                                 "settings its rows were made with are unknown; pass --overwrite or choose another --out")
             return
-        _refuse_other_settings(self.path, self.settings, set(_recorded_settings(self.state_path)) | set(self.settings))
-        changes = changed_inputs(read_json_object(self.state_path, "regenerate state").get("inputs"), self.input_marks)
+        state = _read_state(self.path)  # once: the settings, then the input marks
+        recorded = set(_recorded_settings(self.state_path, state))
+        _refuse_other_settings(self.path, state, self.settings, recorded | set(self.settings))
+        changes = changed_inputs(state.get("inputs"), self.input_marks)
         if changes:
             shown = "; ".join(changes[:3]) + (f"; and {len(changes) - 3} more" if len(changes) > 3 else "")
             log.warning("%s: the input changed since this output was begun (%s): the rows already written answer "
@@ -369,17 +376,14 @@ def sort_by_index(path: str) -> int:
 
 def check_writable(path: str) -> None:
     """DataError naming `path` when it is a directory, its directory cannot be made or takes no
-    new file, or the file exists and cannot be written; makes the directory."""
+    new file (the sort's temporary file and the state file are new files there), or the file
+    exists and cannot be written; makes the directory."""
     parent = os.path.dirname(path) or "."
-    if os.path.isdir(path):
-        raise DataError(f"{path}: is a directory; --out names the output JSONL file")
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError as e:
-        raise DataError(f"{parent}: cannot create the output directory ({e.strerror})") from None
-    try:
-        check_takes_new_files(parent)  # the sort's temporary file and the state file are new files there
-    except OSError as e:
-        raise DataError(f"{path}: cannot write in {parent} ({e.strerror or e}); choose a writable --out") from None
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        raise DataError(f"{path}: cannot write there (permission denied); choose a writable --out")
+    if not os.path.isdir(path):
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as e:
+            raise DataError(f"{parent}: cannot create the output directory ({e.strerror})") from None
+    problem = output_file_problem(path)
+    if problem:
+        raise DataError(f"{path}: {problem}; choose a writable --out (a JSONL file path)")
