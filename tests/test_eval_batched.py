@@ -444,3 +444,43 @@ def test_the_graph_path_runs_ahead_through_stops_and_a_growing_cache(target_dir,
     assert any(g.stopped for g in one_at_a_time.values())
     for key, gen in one_at_a_time.items():
         assert ahead[key].tokens == gen.tokens and ahead[key].stats == gen.stats, key
+
+
+def test_release_frees_the_graphs_and_caches_at_once_and_the_next_run_builds_them_again(target_dir, target):
+    """A released speculative decoder gives up its graphs without the garbage collector (a graph
+    the collector frees inside another capture breaks it), its caches and static buffers too,
+    and runs again as a fresh decoder does; one merely dropped keeps its graphs in a cycle."""
+    import gc
+    import weakref
+
+    model = random_drafter(target_dir, seed=1, num_layers=1)
+    rng = np.random.default_rng(11)
+    requests = [Request(key=(i, 0), prompt_ids=rng.integers(10, 1000, size=n), max_new_tokens=40)
+                for i, n in enumerate((5, 9, 14))]
+
+    def decoder():
+        made = SpeculativeDecoder(target, DrafterContext(model, target.head), batch_size=2)
+        made.graphs = EagerGraphs(made._graphed_cycle)
+        return made
+
+    gc.disable()
+    try:
+        released = decoder()
+        first = by_key(released.run(RequestList(requests)))
+        graphs = [weakref.ref(g) for g in released.graphs.graphs.values()]
+        assert graphs and released.target.cache is not None and released.drafter.kv is not None
+        released.release()
+        assert all(g() is None for g in graphs)  # freed at once, no collection
+        assert released.target.cache is None and released.drafter.kv is None and not released._static
+        again = by_key(released.run(RequestList(requests)))
+        assert {k: g.tokens for k, g in again.items()} == {k: g.tokens for k, g in first.items()}
+
+        dropped = decoder()
+        dropped.run(RequestList(requests))
+        kept = [weakref.ref(g) for g in dropped.graphs.graphs.values()]
+        del dropped
+        assert all(g() is not None for g in kept)  # alive until the collector runs
+    finally:
+        gc.enable()
+    gc.collect()
+    assert all(g() is None for g in kept)

@@ -206,6 +206,7 @@ def batched_rows(target: BatchedTarget, model: DFlashDraftModel, prompts: Sequen
     # warm-up at the first batch size: compiles its shapes, grows the allocator a little
     for _, decoder in decoders(min(batch_sizes)):
         decoder.run(RequestList([Request(key=(0, 0), prompt_ids=prompts[0][:16], max_new_tokens=20)]))
+        decoder.release()  # its graphs freed now, not by the garbage collector during a later capture
     rows: list[Row] = []
     for batch_size in batch_sizes:
         n = max(2, prompts_per_batch * batch_size)
@@ -223,8 +224,7 @@ def batched_rows(target: BatchedTarget, model: DFlashDraftModel, prompts: Sequen
                 runs.append(_measure(Row(impl="batched", mode=mode, batch_size=batch_size, num_prompts=n),
                                      target.device, run))
             rows.append(_median_run(runs))
-            if mode == "plain":
-                decoder.engine.release()  # its cache stayed for the timed run; the next decoder builds its own
+            decoder.release()  # its cache and graphs stayed for the timed runs; the next decoder builds its own
         if any(r.error for r in rows[-2:]):
             break
     return rows

@@ -367,6 +367,25 @@ class SpeculativeDecoder(BatchedDecoder):
         self.graphs.state = []
         self._epoch += 1
 
+    def release(self) -> None:
+        """Free the graphs, their static buffers and this decoder's caches (the target's and the
+        drafter's context, where they are still the ones it built) now; the next run builds them
+        anew. A decoder dropped without it dies in a reference cycle (its graphs hold its bound
+        cycle), and the garbage collector may then free its graphs inside another decoder's
+        capture, which breaks that capture (decode/graphs.py ``collector_held``)."""
+        self._drain()
+        self._forget_graphs()
+        if self._caches is not None:
+            target_cache, drafter_kv = self._caches
+            if self.target.cache is target_cache:
+                self.target.cache = None
+            if self.drafter.kv is drafter_kv:
+                self.drafter.kv = None
+        self._caches = None
+        self._pinned = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def run(self, source: RequestSource) -> DecodeRun:
         self._ahead = None
         try:

@@ -282,9 +282,17 @@ def run_set(target: TargetModel, drafters: Sequence[tuple[str, DFlashDraftModel]
             pairs = [(plain_dec.run(source()), spec_dec.run(source())) for _ in range(repeats - 1)]
             report.speedups = [_speedup(p, s) for p, s in pairs] or [_speedup(plain, run)]
         reports.append(report)
-    if plain_dec is not None and hasattr(plain_dec, "release"):
-        plain_dec.release()
+        _release(spec_dec)
+    if plain_dec is not None:
+        _release(plain_dec)
     return reports
+
+
+def _release(decoder) -> None:
+    """Free a batched decoder's caches and graphs now (the unbatched decoder keeps none between runs)."""
+    release = getattr(decoder, "release", None)
+    if release is not None:
+        release()
 
 
 def _warn_capped(prompt_set: PromptSet, conversations: Conversations, max_positions, max_new_tokens: int) -> None:
@@ -318,9 +326,11 @@ def _warm_up(target: TargetModel, drafters, request: Request, options: EvalOptio
     budget = min(request.max_new_tokens, 32 if target.device.type == "cuda" else 8)  # what fits its positions
     short = Request(key=request.key, prompt_ids=request.prompt_ids, max_new_tokens=budget)
     kw = dict(batch_size=1, sampling=options.sampling)
-    plain_decoder(target, **kw).run(RequestList([short]))
+    plain_decoder(target, **kw).run(RequestList([short]))  # frees its cache at the end of the run
     for _, model in drafters:
-        speculative_decoder(target, model, **kw).run(RequestList([short]))
+        decoder = speculative_decoder(target, model, **kw)
+        decoder.run(RequestList([short]))
+        _release(decoder)
 
 
 def build_report(label: str, prompt_set: PromptSet, run: DecodeRun, plain: DecodeRun | None, options: EvalOptions,
